@@ -1,0 +1,50 @@
+"""The control channel: keys in the job agent's TCPStore that carry directives to, and progress from, workers.
+
+The job agent hosts the c10d rendezvous store; the same store carries these keys under ``disttrain/`` (torch's
+rendezvous uses its own ``torch.rendezvous.*`` prefix). Values are JSON documents of the models below.
+The operator never touches the store: it writes ``status.control`` and the agent copies it here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict
+
+PREFIX = "disttrain/"
+# ControlSignal JSON, written by the agent whenever the operator's directive generation changes.
+SIGNAL_KEY = PREFIX + "signal"
+# TargetPlan JSON: the node count the operator wants the next rendezvous round to complete with.
+TARGET_KEY = PREFIX + "target"
+# ProgressReport JSON, written by the worker with global rank 0 after each logged step.
+PROGRESS_KEY = PREFIX + "progress"
+# CheckpointManifest JSON of the newest commit, written by global rank 0 after each commit.
+CHECKPOINT_KEY = PREFIX + "checkpoint"
+
+
+class ControlSignal(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    generation: int
+    action: Literal["none", "drain", "reform"]
+    reason: str = ""
+
+
+class TargetPlan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    generation: int
+    nodes: int
+
+
+class ProgressReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    step: int
+    samples_consumed: int
+    world_size: int
+    plan: dict[str, float | int]
+    loss: Optional[float] = None
+    samples_per_second: Optional[float] = None
+    restart_count: int = 0
+    run_id: str = ""
+    resumed_from_step: Optional[int] = None
+    time: float
+    """Unix time of the report."""

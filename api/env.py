@@ -1,0 +1,20 @@
+"""Environment variables of the worker contract: the operator (or local runtime) sets them, the trainer reads them.
+
+Defined once here, in the manner of Kubeflow's ``envvar.go``, so the two sides never disagree on a name.
+"""
+
+from typing import Final
+
+# JSON of :class:`disttrain.api.contract.WorkerContract`: training contract, checkpoint policy, timeouts.
+CONTRACT: Final = "DISTTRAIN_CONTRACT"
+JOB_NAME: Final = "DISTTRAIN_JOB_NAME"
+JOB_NAMESPACE: Final = "DISTTRAIN_JOB_NAMESPACE"
+JOB_UID: Final = "DISTTRAIN_JOB_UID"
+# Stable identity of this node (pod name on Kubernetes, "node-3" in local mode); never a rank.
+NODE_NAME: Final = "DISTTRAIN_NODE_NAME"
+# Directory holding this job's checkpoints (shared by all nodes).
+CHECKPOINT_DIR: Final = "DISTTRAIN_CHECKPOINT_DIR"
+# host:port of the job agent's TCPStore (the c10d rendezvous store, also the control channel).
+AGENT_ENDPOINT: Final = "DISTTRAIN_AGENT_ENDPOINT"
+# First Prometheus port of this node; local rank r serves on port + r. 0 disables the exporter.
+METRICS_PORT: Final = "DISTTRAIN_METRICS_PORT"

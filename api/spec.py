@@ -1,0 +1,263 @@
+"""``DistTrainJob.spec``: the single source of truth for the custom resource.
+
+The CRD's OpenAPI schema (with every field's docstring as its description), its defaults and enums are
+rendered from these models by :mod:`disttrain.api.crd`. Field names are camelCase on the wire (aliases) and
+snake_case in Python. Cross-field rules live in :mod:`disttrain.api.rules` so that the CRD's CEL and
+``disttrain validate`` share one definition.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from disttrain.api import constants
+from disttrain.api.exitcodes import DEFAULT_PERMANENT_EXIT_CODES
+
+
+class ContractModel(BaseModel):
+    """Base for every wire model: camelCase names, unknown fields refused (as ``kubectl`` strict decoding does)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_default=True,
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON-ready dict as it appears in a manifest (camelCase, unset optionals omitted)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class BatchPolicy(str, enum.Enum):
+    FIXED = "fixed"
+    SCALED = "scaled"
+
+
+class LRScaling(str, enum.Enum):
+    LINEAR = "linear"
+    SQRT = "sqrt"
+    NONE = "none"
+
+
+class LRSchedule(str, enum.Enum):
+    CONSTANT = "constant"
+    COSINE = "cosine"
+    LINEAR = "linear"
+
+
+class SuccessPolicy(str, enum.Enum):
+    ALL_WORKERS = "AllWorkers"
+    RANK_ZERO = "RankZero"
+
+
+class CleanPodPolicy(str, enum.Enum):
+    ALL = "All"
+    RUNNING = "Running"
+    NONE = "None"
+
+
+class NodesSpec(ContractModel):
+    min: int = Field(1, ge=1, le=10_000)
+    """Fewest nodes (pods) the job may run with. Below this, the job waits for replacements instead of training."""
+    max: int = Field(ge=1, le=10_000)
+    """Most nodes the job may run with; scale requests above it are clamped."""
+    replicas: int = Field(ge=1, le=10_000)
+    """Desired node count; the scale subresource (`kubectl scale`, HPA) writes this field."""
+
+
+class RendezvousSpec(ContractModel):
+    port: int = Field(29400, ge=1, le=65535)
+    """TCP port of the c10d rendezvous store hosted by the job agent."""
+    join_timeout_seconds: int = Field(600, ge=1, le=86_400)
+    """How long a node waits for a rendezvous round to complete before giving up (torchrun join_timeout)."""
+    last_call_timeout_seconds: int = Field(1, ge=0, le=3_600)
+    """Extra wait for more nodes once the minimum has joined (torchrun last_call_timeout). The operator completes
+    rounds early when it knows the target, so this only matters when it does not."""
+    close_timeout_seconds: int = Field(10, ge=1, le=3_600)
+    """Time to wait for a closed rendezvous to be noticed by all nodes (torchrun close_timeout)."""
+    keep_alive_interval_seconds: int = Field(1, ge=1, le=600)
+    """Heartbeat period of each node in the rendezvous (torchrun keep_alive_interval)."""
+    keep_alive_max_attempts: int = Field(3, ge=1, le=100)
+    """Missed heartbeats after which a node is considered dead (torchrun keep_alive_max_attempt)."""
+
+
+class LRSpec(ContractModel):
+    base: float = Field(gt=0, le=1_000)
+    """Learning rate at the reference batch size."""
+    reference_batch_size: Optional[int] = Field(None, ge=1)
+    """Global batch size for which `base` was tuned. Defaults to training.globalBatchSize."""
+    scaling: LRScaling = LRScaling.LINEAR
+    """How the LR follows the global batch: linear (x k), sqrt (x sqrt(k)) or none, with k = batch / reference."""
+    ramp_steps: int = Field(0, ge=0, le=10_000_000)
+    """Optimizer steps over which the LR factor moves linearly to a new value (at start and after every reform)."""
+    schedule: LRSchedule = LRSchedule.CONSTANT
+    """LR schedule over training progress (samples consumed / total samples): constant, cosine or linear decay."""
+    warmup_samples: int = Field(0, ge=0)
+    """Samples of linear warmup from 0 at the start of the schedule."""
+    min_factor: float = Field(0.0, ge=0, le=1)
+    """Floor of the decaying schedules, as a fraction of the base LR."""
+
+
+class TrainingSpec(ContractModel):
+    global_batch_size: int = Field(ge=1, le=100_000_000)
+    """Samples per optimizer step. In fixed mode the exact global batch at every world size; in scaled mode the
+    reference for LR scaling when lr.referenceBatchSize is unset."""
+    micro_batch_size: int = Field(ge=1, le=1_000_000)
+    """Samples per process per forward/backward pass."""
+    batch_policy: BatchPolicy = BatchPolicy.FIXED
+    """fixed: keep the global batch, gradient accumulation absorbs the world size (must divide it).
+    scaled: keep the per-process batch (micro x accumulationSteps), the global batch grows with the world."""
+    accumulation_steps: int = Field(1, ge=1, le=100_000)
+    """Gradient-accumulation steps per optimizer step in scaled mode (fixed mode computes its own)."""
+    lr: LRSpec
+    """Learning rate and how it reacts to the world size."""
+    max_steps: Optional[int] = Field(None, ge=1)
+    """Stop after this many optimizer steps. Exactly one of maxSteps and maxSamples."""
+    max_samples: Optional[int] = Field(None, ge=1)
+    """Stop after this many samples. Exactly one of maxSteps and maxSamples."""
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    """Seed of the data permutation and of model randomness (dropout is keyed by sample and step, never by rank)."""
+
+    @property
+    def reference_batch(self) -> int:
+        """The batch size the base LR refers to."""
+        return self.lr.reference_batch_size or self.global_batch_size
+
+    @property
+    def total_samples(self) -> int:
+        """Length of the run in samples; the LR schedule is evaluated on samples, so it never depends on the world."""
+        if self.max_samples is not None:
+            return self.max_samples
+        assert self.max_steps is not None
+        return self.max_steps * self.global_batch_size
+
+
+class CheckpointSpec(ContractModel):
+    claim_name: Optional[str] = Field(None, min_length=1, max_length=253)
+    """PersistentVolumeClaim (ReadWriteMany for several nodes) mounted at `path`. Exactly one of claimName and
+    volumeName."""
+    volume_name: Optional[str] = Field(None, min_length=1, max_length=63)
+    """Name of a volume declared in the pod template, mounted at `path`. Exactly one of claimName and volumeName."""
+    path: str = Field("/var/lib/disttrain/checkpoints", min_length=1, max_length=4096, pattern=r"^/")
+    """Absolute mount path in the trainer container; checkpoints go to <path>/<namespace>/<job name>."""
+    interval_steps: Optional[int] = Field(100, ge=1)
+    """Save every this many optimizer steps. At least one of intervalSteps and intervalSeconds."""
+    interval_seconds: Optional[int] = Field(None, ge=1)
+    """Save when this many seconds passed since the last save (checked at step boundaries)."""
+    keep: int = Field(3, ge=1, le=1_000)
+    """Complete checkpoints kept; the newest complete one and a save in flight are never deleted."""
+    async_save: bool = Field(False, alias="async")
+    """Write in the background (dcp.async_save); training blocks only for the in-memory staging copy."""
+
+
+class ElasticSpec(ContractModel):
+    scale_debounce_seconds: int = Field(10, ge=0, le=3_600)
+    """A scale request must stand this long before pods are drained or added (absorbs HPA flapping)."""
+    replacement_wait_seconds: int = Field(30, ge=0, le=86_400)
+    """After an unplanned node loss, wait this long for a replacement before reforming with the survivors."""
+    drain_timeout_seconds: int = Field(120, ge=1, le=86_400)
+    """How long a drain (checkpoint at the next step boundary, then exit) may take before pods are deleted."""
+    stuck_pod_timeout_seconds: int = Field(300, ge=1, le=86_400)
+    """A pod Terminating longer than this (e.g. on a dead node) is force-deleted."""
+    pending_timeout_seconds: int = Field(600, ge=1, le=86_400)
+    """A new pod Pending longer than this is given up on; the job continues at the size it has if >= nodes.min."""
+    collective_timeout_seconds: int = Field(60, ge=1, le=86_400)
+    """Timeout of one collective in the trainer's process group; a hung peer is detected after this long."""
+
+
+class ExitCodeClasses(ContractModel):
+    permanent: list[int] = Field(default_factory=lambda: list(DEFAULT_PERMANENT_EXIT_CODES), max_length=64)
+    """Exit codes that fail the job at once (user errors a restart cannot fix)."""
+    retryable: list[int] = Field(default_factory=list, max_length=64)
+    """Exit codes always retried within the restart budget. Codes in neither list are retried too."""
+
+
+class RestartPolicySpec(ContractModel):
+    max_restarts: int = Field(10, ge=0, le=100_000)
+    """Restart budget: failures (not planned reforms) tolerated before the job fails."""
+    backoff_seconds: float = Field(5.0, ge=0, le=3_600)
+    """Delay before the first restart after a failure; doubles with each consecutive failure."""
+    max_backoff_seconds: float = Field(300.0, ge=0, le=86_400)
+    """Cap of the restart delay."""
+    exit_codes: ExitCodeClasses = Field(default_factory=ExitCodeClasses)
+    """Which worker exit codes are permanent and which are retryable."""
+
+
+class RunPolicySpec(ContractModel):
+    suspend: bool = False
+    """Suspended jobs have no pods; status and checkpoints are kept, and resuming continues from the last checkpoint."""
+    ttl_seconds_after_finished: Optional[int] = Field(None, ge=0)
+    """Delete the job this long after it succeeded or failed."""
+    active_deadline_seconds: Optional[int] = Field(None, ge=1)
+    """Fail the job when it has been running (since startTime) longer than this."""
+    clean_pod_policy: CleanPodPolicy = CleanPodPolicy.ALL
+    """Which pods to delete when the job finishes: All, Running (keep finished pods for their logs) or None."""
+    scheduler_name: Optional[str] = Field(None, min_length=1, max_length=253)
+    """Scheduler for the worker pods (e.g. a gang scheduler)."""
+    priority_class_name: Optional[str] = Field(None, min_length=1, max_length=253)
+    """PriorityClass of the worker pods."""
+
+
+class DistTrainJobSpec(ContractModel):
+    template: dict[str, Any] = Field(json_schema_extra={"x-disttrain-pod-template": True})
+    """Pod template of a worker node (PodTemplateSpec): image, resources such as nvidia.com/gpu, volumes,
+    tolerations, nodeSelector. The container named `trainer` (or the only container) runs the training command
+    under torchrun."""
+    nodes: NodesSpec
+    """Elastic node range; one node is one pod."""
+    nproc_per_node: int = Field(1, ge=1, le=1_024)
+    """Training processes per node (usually GPUs per pod); world size = nodes x nprocPerNode."""
+    rendezvous: RendezvousSpec = Field(default_factory=RendezvousSpec)
+    """c10d rendezvous hosted by the job agent."""
+    training: TrainingSpec
+    """The training contract: batch, LR and length. Immutable while the job runs (suspend it first)."""
+    checkpoint: CheckpointSpec
+    """Where and how often checkpoints are committed."""
+    elastic: ElasticSpec = Field(default_factory=ElasticSpec)
+    """Timing of scale, replacement, drain and stuck-pod handling."""
+    restart_policy: RestartPolicySpec = Field(default_factory=RestartPolicySpec)
+    """Restart budget, backoff and exit-code classes."""
+    run_policy: RunPolicySpec = Field(default_factory=RunPolicySpec)
+    """Suspend, deadlines, TTL, pod cleanup and scheduling."""
+    success_policy: SuccessPolicy = SuccessPolicy.ALL_WORKERS
+    """When the job has succeeded: every worker finished (AllWorkers) or the node running rank 0 finished (RankZero)."""
+
+    def trainer_container(self) -> dict[str, Any]:
+        """The container that runs the trainer: the one named `trainer`, else the only one."""
+        containers = self.template.get("spec", {}).get("containers", [])
+        for container in containers:
+            if container.get("name") == constants.TRAINER_CONTAINER:
+                return container
+        if len(containers) == 1:
+            return containers[0]
+        raise ValueError("spec.template.spec.containers needs a container named 'trainer' (or exactly one container)")
+
+
+class ObjectMeta(BaseModel):
+    """The part of metadata disttrain reads; everything else is kept as is."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=constants.MAX_JOB_NAME_LENGTH, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    """DNS-1035 label: it prefixes the names of the job's Services and pods."""
+    namespace: str = "default"
+    uid: Optional[str] = None
+    generation: Optional[int] = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class DistTrainJob(BaseModel):
+    """A whole DistTrainJob object as read from a manifest or the API."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid", alias_generator=to_camel)
+    api_version: str = Field(constants.API_VERSION, pattern=rf"^{constants.GROUP}/{constants.VERSION}$")
+    kind: str = Field(constants.KIND, pattern=rf"^{constants.KIND}$")
+    metadata: ObjectMeta
+    spec: DistTrainJobSpec
+    status: Optional[dict[str, Any]] = None

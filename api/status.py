@@ -1,0 +1,157 @@
+"""``DistTrainJob.status``: what the operator and the job agent report.
+
+The operator owns phase, conditions, replicas, restarts, reforms and the directive it gives the agent
+(``control``); the job agent owns progress (step, samples) and ``lastCheckpoint``. Both patch with merge
+patches on disjoint fields. Keeping the reconcile memory (pending scale, backoff) here makes the operator
+level-triggered: a restarted operator reads back everything it decided.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+from pydantic import Field
+
+from disttrain.api.spec import ContractModel
+
+
+class Phase(str, enum.Enum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    REFORMING = "Reforming"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    SUSPENDED = "Suspended"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (Phase.SUCCEEDED, Phase.FAILED)
+
+
+class Condition(ContractModel):
+    type: str
+    """Condition type, e.g. Created, Running, Reforming, Suspended, Succeeded, Failed."""
+    status: str = Field(pattern=r"^(True|False|Unknown)$")
+    """True, False or Unknown."""
+    reason: str = ""
+    """CamelCase reason of the last transition."""
+    message: str = ""
+    """Human-readable detail of the last transition."""
+    last_transition_time: Optional[str] = None
+    """RFC 3339 time the status last changed."""
+
+
+class RestartCounts(ContractModel):
+    total: int = 0
+    """Failures restarted so far (counted against restartPolicy.maxRestarts)."""
+    by_reason: dict[str, int] = Field(default_factory=dict)
+    """Restarts by reason (NodeLost, PodFailed, Evicted, ...)."""
+
+
+class CheckpointRef(ContractModel):
+    step: int
+    """Optimizer step of the newest complete checkpoint."""
+    samples: int = 0
+    """Samples consumed at that step."""
+    path: str = ""
+    """Directory of the checkpoint."""
+    time: Optional[str] = None
+    """RFC 3339 time it was committed."""
+    world_size: int = 0
+    """World size that wrote it."""
+
+
+class PlanStatus(ContractModel):
+    world_size: int
+    """Processes in the current group."""
+    global_batch: int
+    """Samples per optimizer step."""
+    micro_batch: int
+    """Samples per process per forward/backward pass."""
+    accum_steps: int
+    """Gradient-accumulation steps per optimizer step."""
+    lr_scale: float
+    """Factor applied to lr.base for this world size (target of the ramp)."""
+
+
+class ReformRecord(ContractModel):
+    reason: str
+    """Why the group was reformed: NodeLost, ScaleDown, ScaleUp, AgentRestarted, ..."""
+    from_: int = Field(0, alias="from")
+    """World size before."""
+    to: int = 0
+    """World size after (0 while the reform is in progress)."""
+    start: Optional[str] = None
+    """RFC 3339 time the reform began."""
+    duration_seconds: Optional[float] = None
+    """Seconds from the start to the first completed step at the new size."""
+
+
+class ControlDirective(ContractModel):
+    """What the operator asks of the job agent, which passes it to the workers through its store."""
+
+    generation: int = 0
+    """Increases with every new directive; workers act on each generation once."""
+    action: str = Field("none", pattern=r"^(none|drain|reform)$")
+    """none, drain (checkpoint at the next step boundary, then exit) or reform (exit at once)."""
+    reason: str = ""
+    """Why, e.g. ScaleDown, ScaleUp, NodeLost."""
+    target_nodes: int = 0
+    """Node count the next rendezvous round should complete with."""
+    issued_at: Optional[str] = None
+    """RFC 3339 time the directive was issued."""
+
+
+class PendingScale(ContractModel):
+    replicas: int
+    """Requested node count (after clamping)."""
+    since: str
+    """RFC 3339 time the request was first seen; it acts after elastic.scaleDebounceSeconds."""
+
+
+class DistTrainJobStatus(ContractModel):
+    phase: Phase = Phase.PENDING
+    """Pending, Running, Reforming, Succeeded, Failed or Suspended."""
+    message: str = ""
+    """Human-readable summary of the current phase."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """Latest observations of the job's state, one per type."""
+    replicas: int = 0
+    """Worker pods that exist (scale subresource's status replicas)."""
+    ready_replicas: int = 0
+    """Worker pods running and ready."""
+    selector: str = ""
+    """Label selector of the worker pods (scale subresource, used by an HPA)."""
+    desired_nodes: int = 0
+    """Node count the operator is working towards (spec.nodes.replicas clamped, limited to valid sizes)."""
+    world_size: int = 0
+    """Processes in the current group."""
+    rendezvous_round: int = 0
+    """Completed rendezvous rounds."""
+    restarts: RestartCounts = Field(default_factory=RestartCounts)
+    """Failures restarted, total and by reason."""
+    reforms: int = 0
+    """Times the group was reformed (planned and unplanned)."""
+    last_checkpoint: Optional[CheckpointRef] = None
+    """Newest complete checkpoint."""
+    plan: Optional[PlanStatus] = None
+    """Batch and LR plan for the current world size."""
+    step: int = 0
+    """Last completed optimizer step."""
+    samples_consumed: int = 0
+    """Samples consumed up to that step."""
+    last_reform: Optional[ReformRecord] = None
+    """The most recent reform."""
+    control: ControlDirective = Field(default_factory=ControlDirective)
+    """The operator's current directive to the job agent."""
+    pending_scale: Optional[PendingScale] = None
+    """A scale request waiting out the debounce."""
+    next_restart_time: Optional[str] = None
+    """RFC 3339 time before which no failed node is restarted (backoff)."""
+    start_time: Optional[str] = None
+    """RFC 3339 time the job first ran."""
+    completion_time: Optional[str] = None
+    """RFC 3339 time the job succeeded or failed."""
+    observed_generation: int = 0
+    """metadata.generation the operator last acted on."""

@@ -1,0 +1,1 @@
+"""The in-container side: elastic context, sampler, checkpoints, batch/LR plan application, job agent."""
