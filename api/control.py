@@ -20,6 +20,10 @@ TARGET_KEY = PREFIX + "target"
 PROGRESS_KEY = PREFIX + "progress"
 # CheckpointManifest JSON of the newest commit, written by global rank 0 after each commit.
 CHECKPOINT_KEY = PREFIX + "checkpoint"
+# WorkerFailure JSON, written by a worker just before it exits with a permanent (or other notable) code.
+# torchrun turns every worker failure into its own exit code 1 (or restarts the worker), so the pod's exit
+# code cannot carry the trainer's; this key can.
+FAILURE_KEY = PREFIX + "failure"
 
 
 class ControlSignal(BaseModel):
@@ -33,6 +37,17 @@ class TargetPlan(BaseModel):
     model_config = ConfigDict(extra="forbid")
     generation: int
     nodes: int
+    exclude: list[str] = []
+    """DISTTRAIN_NODE_NAMEs that must not join the next round (scale-down victims waiting to be deleted)."""
+
+
+class WorkerFailure(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    exit_code: int
+    node: str = ""
+    message: str = ""
+    time: float
+    """Unix time of the report."""
 
 
 class ProgressReport(BaseModel):

@@ -101,6 +101,21 @@ class ControlDirective(ContractModel):
     """Node count the next rendezvous round should complete with."""
     issued_at: Optional[str] = None
     """RFC 3339 time the directive was issued."""
+    exclude: list[str] = Field(default_factory=list)
+    """Worker pods that must not join the next rendezvous round (scale-down victims being drained)."""
+
+
+class WorkerFailureStatus(ContractModel):
+    """A worker's own report of a failure (relayed by the job agent), seen even when torchrun hides exit codes."""
+
+    exit_code: int
+    """The trainer process's exit code (85 = permanent user error)."""
+    node: str = ""
+    """DISTTRAIN_NODE_NAME of the reporting node."""
+    message: str = ""
+    """What went wrong, in the trainer's words."""
+    time: Optional[str] = None
+    """RFC 3339 time of the report."""
 
 
 class PendingScale(ContractModel):
@@ -155,3 +170,13 @@ class DistTrainJobStatus(ContractModel):
     """RFC 3339 time the job succeeded or failed."""
     observed_generation: int = 0
     """metadata.generation the operator last acted on."""
+    last_progress_time: Optional[str] = None
+    """RFC 3339 time of the newest trainer progress report relayed by the job agent."""
+    worker_failure: Optional[WorkerFailureStatus] = None
+    """The newest failure a worker reported through the job agent (e.g. a permanent user error)."""
+    tracked_pods: dict[str, str] = Field(default_factory=dict)
+    """Operator memory: worker pods seen alive (name -> uid); one that vanishes from here was lost."""
+    handled_pods: list[str] = Field(default_factory=list)
+    """Operator memory: uids of lost pods already counted, so a restarted operator never counts one twice."""
+    consecutive_failures: int = Field(0, ge=0)
+    """Failures since training last progressed; the restart backoff doubles with each."""

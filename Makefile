@@ -1,0 +1,29 @@
+# Set-up and entry points. `make demo` and `make test` work on a fresh machine: they create .venv and install
+# everything (torch pinned to the local CPU wheel through constraints-dev.txt).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast crd clean
+
+$(STAMP): pyproject.toml constraints-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]' -c constraints-dev.txt
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/disttrain validate examples/jobs/*.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow"
+
+crd: $(STAMP)
+	$(BIN)/disttrain crd > crds/disttrain.dev_disttrainjobs.yaml
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

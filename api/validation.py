@@ -1,0 +1,192 @@
+"""Validate DistTrainJob manifests the way the API server would, plus the plan rules it cannot express.
+
+Order mirrors the API server: strict decoding (unknown fields), types/ranges/enums (pydantic), the pod
+template against the Kubernetes schema, then the CEL rules (:mod:`disttrain.api.rules`, skipped when types
+are wrong, as the server does), then the batch plan for every node count in range. Every problem is
+collected, so one pass fixes the manifest. Each names the field path, what was wrong and what is allowed.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import pathlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+import yaml
+from pydantic import ValidationError
+
+from disttrain.api import constants, crd, rules
+from disttrain.api.plan import valid_node_counts
+from disttrain.api.spec import DistTrainJob
+
+
+class Severity(str, enum.Enum):
+    ERROR = "error"
+    WARNING = "warning"
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str
+    message: str
+    severity: Severity = Severity.ERROR
+
+    def __str__(self) -> str:
+        prefix = "" if self.severity is Severity.ERROR else "warning: "
+        return f"{prefix}{self.path}: {self.message}"
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot run; ``problems`` lists every error found."""
+
+    def __init__(self, source: str, problems: list[Problem]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"{source}: invalid DistTrainJob:\n{lines}")
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def _pydantic_problems(error: ValidationError) -> list[Problem]:
+    problems = []
+    for item in error.errors(include_url=False):
+        loc = tuple(p for p in item["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        path = _format_loc(loc) or "<root>"
+        if item["type"] == "extra_forbidden":
+            message = "unknown field"
+        elif item["type"] == "missing":
+            message = "required field is missing"
+        else:
+            message = f"{item['msg']} (got {item['input']!r})"
+        problems.append(Problem(path, message))
+    return problems
+
+
+def _strict(schema: Any) -> Any:
+    """A copy of a structural schema that also refuses unknown fields (as kubectl's strict decoding does)."""
+    if isinstance(schema, dict):
+        out = {k: _strict(v) for k, v in schema.items()}
+        if "properties" in schema and "additionalProperties" not in schema:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+@functools.cache
+def _template_validator() -> jsonschema.Draft7Validator:
+    return jsonschema.Draft7Validator(_strict(crd.pod_template_schema()))
+
+
+def _template_problems(template: Any) -> list[Problem]:
+    problems = []
+    for err in sorted(_template_validator().iter_errors(template), key=lambda e: list(e.absolute_path)):
+        path = _format_loc(("spec", "template", *err.absolute_path))
+        if err.validator == "additionalProperties":
+            message = f"unknown field: {err.message.split('(')[-1].rstrip(')')}"
+        else:
+            message = err.message
+        problems.append(Problem(path, message))
+    return problems
+
+
+def _reserved_env_problems(job: DistTrainJob) -> list[Problem]:
+    problems = []
+    for c_index, container in enumerate(job.spec.template.get("spec", {}).get("containers", [])):
+        for e_index, env in enumerate(container.get("env") or []):
+            name = env.get("name", "")
+            if name.startswith(constants.RESERVED_ENV_PREFIXES):
+                path = f"spec.template.spec.containers[{c_index}].env[{e_index}].name"
+                problems.append(
+                    Problem(path, f"{name} is reserved: the operator sets DISTTRAIN_* and TORCHELASTIC_* variables")
+                )
+    return problems
+
+
+def _plan_problems(job: DistTrainJob) -> list[Problem]:
+    spec = job.spec
+    counts = range(spec.nodes.min, spec.nodes.max + 1)
+    valid = valid_node_counts(spec)
+    if not valid:
+        return [
+            Problem(
+                "spec.training.globalBatchSize",
+                f"no node count in [{spec.nodes.min}, {spec.nodes.max}] can run globalBatchSize "
+                f"{spec.training.global_batch_size} with microBatchSize {spec.training.micro_batch_size} and "
+                f"nprocPerNode {spec.nproc_per_node} (batchPolicy fixed needs globalBatchSize divisible by "
+                "microBatchSize x nodes x nprocPerNode)",
+            )
+        ]
+    invalid = [n for n in counts if n not in valid]
+    if not invalid:
+        return []
+    return [
+        Problem(
+            "spec.nodes",
+            f"node counts {', '.join(map(str, invalid))} cannot divide globalBatchSize "
+            f"{spec.training.global_batch_size}; the job only runs at {', '.join(map(str, valid))} nodes "
+            "and leaves extra nodes idle",
+            Severity.WARNING,
+        )
+    ]
+
+
+def validate_object(obj: Any) -> list[Problem]:
+    """Every problem of one DistTrainJob object (already parsed from YAML/JSON)."""
+    if not isinstance(obj, dict):
+        return [Problem("<root>", f"expected a mapping (a DistTrainJob object), got {type(obj).__name__}")]
+    if obj.get("kind") != constants.KIND or obj.get("apiVersion") != constants.API_VERSION:
+        found = f"{obj.get('apiVersion')!r}/{obj.get('kind')!r}"
+        return [Problem("apiVersion/kind", f"expected {constants.API_VERSION}/{constants.KIND}, got {found}")]
+    problems: list[Problem] = []
+    template = obj.get("spec", {}).get("template") if isinstance(obj.get("spec"), dict) else None
+    if isinstance(template, dict):
+        problems += _template_problems(template)
+    try:
+        job = DistTrainJob.model_validate(obj)
+    except ValidationError as error:
+        return problems + _pydantic_problems(error)
+    if problems:  # the server skips CEL when the object is invalid; so do we
+        return problems
+    wire = job.model_dump(mode="json", by_alias=True, exclude_none=True)
+    problems += [Problem(v.path, v.message) for v in rules.check_rules(wire)]
+    problems += _reserved_env_problems(job)
+    if not problems:
+        problems += _plan_problems(job)
+    return problems
+
+
+def load_documents(path: pathlib.Path) -> Iterator[tuple[str, Any]]:
+    """(source label, object) for every YAML document of a file; YAML errors are raised as ManifestError."""
+    try:
+        docs = list(yaml.safe_load_all(path.read_text()))
+    except yaml.YAMLError as error:
+        raise ManifestError(str(path), [Problem("<yaml>", str(error).replace("\n", " "))]) from error
+    except OSError as error:
+        raise ManifestError(str(path), [Problem("<file>", error.strerror or str(error))]) from error
+    docs = [d for d in docs if d is not None]
+    for index, doc in enumerate(docs):
+        yield (f"{path}" if len(docs) == 1 else f"{path}#{index}"), doc
+
+
+def load_job(path: pathlib.Path) -> DistTrainJob:
+    """The single valid DistTrainJob in ``path``, or ManifestError listing every problem."""
+    docs = list(load_documents(path))
+    if len(docs) != 1:
+        raise ManifestError(str(path), [Problem("<file>", f"expected exactly one DistTrainJob, found {len(docs)}")])
+    source, obj = docs[0]
+    errors = [p for p in validate_object(obj) if p.severity is Severity.ERROR]
+    if errors:
+        raise ManifestError(source, errors)
+    return DistTrainJob.model_validate(obj)

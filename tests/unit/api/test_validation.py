@@ -1,0 +1,165 @@
+"""`disttrain validate`: malformed manifests are refused with the field named; the examples pass."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from disttrain.api import validation
+from tests.conftest import REPO_ROOT, JobBuilder
+
+
+def container(**extra):
+    return {"name": "trainer", "image": "example/trainer:1", **extra}
+
+
+# (id, builder, field path that must be named, text the message must contain)
+MALFORMED = [
+    ("replicas-not-int", lambda b: b.set("spec.nodes.replicas", "three"), "spec.nodes.replicas", "integer"),
+    ("min-zero", lambda b: b.set("spec.nodes.min", 0), "spec.nodes.min", "greater than or equal to 1"),
+    ("min-greater-than-max", lambda b: b.nodes(5, 4, 4), "spec.nodes.min", "must be <= nodes.max"),
+    ("replicas-above-max", lambda b: b.nodes(1, 4, 6), "spec.nodes.replicas", "within [1, 4], got 6"),
+    ("replicas-below-min", lambda b: b.nodes(3, 4, 2), "spec.nodes.replicas", "within [3, 4], got 2"),
+    ("missing-nodes", lambda b: b.delete("spec.nodes"), "spec.nodes", "required"),
+    ("missing-replicas", lambda b: b.delete("spec.nodes.replicas"), "spec.nodes.replicas", "required"),
+    ("missing-training", lambda b: b.delete("spec.training"), "spec.training", "required"),
+    ("missing-template", lambda b: b.delete("spec.template"), "spec.template", "required"),
+    (
+        "global-batch-not-divisible",
+        lambda b: b.nodes(1, 4, 3).set("spec.training.globalBatchSize", 20),
+        "spec.training.globalBatchSize",
+        "not a multiple of microBatchSize*replicas*nprocPerNode = 2*3*1 = 6",
+    ),
+    (
+        "no-valid-node-count",
+        lambda b: b.nodes(3, 3, 3).set("spec.training.globalBatchSize", 7).set("spec.training.microBatchSize", 7),
+        "spec.training.globalBatchSize",
+        "not a multiple",
+    ),
+    ("unknown-batch-policy", lambda b: b.set("spec.training.batchPolicy", "elastic"), "spec.training.batchPolicy",
+     "'fixed' or 'scaled'"),
+    ("unknown-lr-scaling", lambda b: b.set("spec.training.lr.scaling", "cubic"), "spec.training.lr.scaling",
+     "'linear', 'sqrt' or 'none'"),
+    ("negative-lr", lambda b: b.set("spec.training.lr.base", -0.1), "spec.training.lr.base", "greater than 0"),
+    ("negative-ramp", lambda b: b.set("spec.training.lr.rampSteps", -5), "spec.training.lr.rampSteps",
+     "greater than or equal to 0"),
+    ("max-steps-and-samples", lambda b: b.set("spec.training.maxSamples", 1000), "spec.training",
+     "exactly one of training.maxSteps and training.maxSamples"),
+    ("no-length", lambda b: b.delete("spec.training.maxSteps"), "spec.training", "exactly one"),
+    ("negative-join-timeout", lambda b: b.set("spec.rendezvous.joinTimeoutSeconds", -1),
+     "spec.rendezvous.joinTimeoutSeconds", "greater than or equal to 1"),
+    ("port-out-of-range", lambda b: b.set("spec.rendezvous.port", 70000), "spec.rendezvous.port",
+     "less than or equal to 65535"),
+    ("negative-drain-timeout", lambda b: b.set("spec.elastic.drainTimeoutSeconds", -3),
+     "spec.elastic.drainTimeoutSeconds", "greater than or equal to 1"),
+    ("unknown-clean-pod-policy", lambda b: b.set("spec.runPolicy.cleanPodPolicy", "Some"),
+     "spec.runPolicy.cleanPodPolicy", "'All', 'Running' or 'None'"),
+    ("unknown-success-policy", lambda b: b.set("spec.successPolicy", "AnyWorker"), "spec.successPolicy",
+     "'AllWorkers' or 'RankZero'"),
+    ("unknown-spec-field", lambda b: b.set("spec.foo", 1), "spec.foo", "unknown field"),
+    ("typo-in-lr", lambda b: b.set("spec.training.lr.bogus", 1), "spec.training.lr.bogus", "unknown field"),
+    ("both-claim-and-volume", lambda b: b.set("spec.checkpoint.volumeName", "data"), "spec.checkpoint",
+     "exactly one of checkpoint.claimName and checkpoint.volumeName"),
+    ("no-checkpoint-storage", lambda b: b.delete("spec.checkpoint.claimName"), "spec.checkpoint", "exactly one"),
+    (
+        "checkpoint-volume-not-declared",
+        lambda b: b.delete("spec.checkpoint.claimName").set("spec.checkpoint.volumeName", "ckpt"),
+        "spec.checkpoint.volumeName",
+        "not a volume of template.spec.volumes",
+    ),
+    ("relative-checkpoint-path", lambda b: b.set("spec.checkpoint.path", "ckpt"), "spec.checkpoint.path",
+     "should match pattern"),
+    ("keep-zero", lambda b: b.set("spec.checkpoint.keep", 0), "spec.checkpoint.keep", "greater than or equal to 1"),
+    (
+        "two-containers-none-named-trainer",
+        lambda b: b.set("spec.template.spec.containers", [
+            {"name": "a", "image": "x"}, {"name": "b", "image": "y"}]),
+        "spec.template.spec",
+        "container named 'trainer'",
+    ),
+    ("container-without-name", lambda b: b.set("spec.template.spec.containers", [{"image": "x"}]),
+     "spec.template.spec.containers[0]", "'name' is a required property"),
+    ("template-typo", lambda b: b.set("spec.template.spec.nodeSelectr", {"a": "b"}), "spec.template.spec",
+     "unknown field"),
+    ("template-wrong-type", lambda b: b.set("spec.template.spec.containers", [container(args="--x")]),
+     "spec.template.spec.containers[0].args", "is not of type 'array'"),
+    ("reserved-env", lambda b: b.set("spec.template.spec.containers", [container(
+        env=[{"name": "DISTTRAIN_CONTRACT", "value": "{}"}])]), "spec.template.spec.containers[0].env[0].name",
+     "reserved"),
+    ("backoff-above-max", lambda b: b.set("spec.restartPolicy", {"backoffSeconds": 60, "maxBackoffSeconds": 10}),
+     "spec.restartPolicy.backoffSeconds", "must be <="),
+    ("exit-code-in-both-classes", lambda b: b.set("spec.restartPolicy", {"exitCodes": {
+        "permanent": [85, 3], "retryable": [3]}}), "spec.restartPolicy.exitCodes.retryable", "both permanent"),
+    ("name-too-long", lambda b: b.set("metadata.name", "a" * 50), "metadata.name", "at most 45 characters"),
+    ("name-not-dns", lambda b: b.set("metadata.name", "My_Job"), "metadata.name", "should match pattern"),
+    ("wrong-kind", lambda b: b.set("kind", "PyTorchJob"), "apiVersion/kind", "expected disttrain.dev/v1alpha1"),
+    ("nproc-zero", lambda b: b.set("spec.nprocPerNode", 0), "spec.nprocPerNode", "greater than or equal to 1"),
+    ("negative-ttl", lambda b: b.set("spec.runPolicy.ttlSecondsAfterFinished", -1),
+     "spec.runPolicy.ttlSecondsAfterFinished", "greater than or equal to 0"),
+    ("suspend-not-bool", lambda b: b.set("spec.runPolicy.suspend", "maybe"), "spec.runPolicy.suspend", "boolean"),
+]
+
+
+@pytest.mark.parametrize(("build", "path", "text"), [m[1:] for m in MALFORMED], ids=[m[0] for m in MALFORMED])
+def test_malformed_manifest_is_refused_naming_the_field(build, path, text):
+    problems = validation.validate_object(build(JobBuilder()).build())
+    errors = [p for p in problems if p.severity is validation.Severity.ERROR]
+    assert any(p.path == path and text in p.message for p in errors), "\n".join(map(str, problems))
+
+
+def test_the_base_manifest_of_the_matrix_is_valid():
+    assert validation.validate_object(JobBuilder().build()) == []
+
+
+def test_every_problem_is_reported_in_one_pass():
+    obj = JobBuilder().set("spec.nodes.min", 0).set("spec.training.lr.scaling", "cubic").set("spec.foo", 1).build()
+    paths = {p.path for p in validation.validate_object(obj)}
+    assert {"spec.nodes.min", "spec.training.lr.scaling", "spec.foo"} <= paths
+
+
+def test_node_counts_that_cannot_divide_the_batch_are_a_warning_listing_the_valid_ones():
+    obj = JobBuilder().nodes(1, 5, 4).build()  # 24 / (2*5) is not whole
+    [problem] = validation.validate_object(obj)
+    assert problem.severity is validation.Severity.WARNING
+    assert "node counts 5 cannot divide" in problem.message and "1, 2, 3, 4" in problem.message
+
+
+EXAMPLES = sorted((REPO_ROOT / "examples" / "jobs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_manifest_is_valid(path: pathlib.Path):
+    job = validation.load_job(path)
+    assert job.metadata.name
+
+
+def test_cli_validate_exits_non_zero_and_prints_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    import yaml
+
+    bad.write_text(yaml.safe_dump(JobBuilder().nodes(1, 4, 6).build()))
+    run = subprocess.run(
+        [sys.executable, "-m", "disttrain.operator.cli", "validate", str(bad), *map(str, EXAMPLES)],
+        capture_output=True, text=True, cwd=REPO_ROOT,
+    )
+    assert run.returncode == 1
+    assert f"{bad}: spec.nodes.replicas: nodes.replicas must be within [1, 4], got 6" in run.stderr
+    for example in EXAMPLES:
+        assert f"{example}: valid" in run.stdout
+
+
+def test_cli_validate_reports_yaml_syntax_errors_without_a_traceback(tmp_path):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("spec: [unclosed\n")
+    run = subprocess.run([sys.executable, "-m", "disttrain.operator.cli", "validate", str(bad)],
+                         capture_output=True, text=True, cwd=REPO_ROOT)
+    assert run.returncode == 1 and "<yaml>" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_load_job_raises_with_every_error():
+    with pytest.raises(validation.ManifestError) as caught:
+        validation.load_job(pathlib.Path("/nonexistent/job.yaml"))
+    assert "<file>" in str(caught.value)
