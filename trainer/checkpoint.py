@@ -1,0 +1,317 @@
+"""Checkpoint manager over ``torch.distributed.checkpoint``: when to save, the commit, resume and retention.
+
+Model and optimizer go through ``get_state_dict``/``set_state_dict`` (DCP reshards them on load), the trainer
+state is a Stateful with global keys (never per rank: RANK is not stable across restarts). The on-disk protocol
+is in :mod:`disttrain.trainer.commit`; this module adds the collectives around it:
+
+1. rank 0 picks a fresh temp dir name and broadcasts it; every rank writes its DCP files there;
+2. every rank fsyncs and digests the files it wrote (in parallel), and sends the digests to rank 0;
+3. rank 0 writes COMPLETE.json atomically, renames the dir to ``step-N``, fsyncs the parent, applies retention.
+
+Async saves (``dcp.async_save`` on a separate gloo group) do steps 1 and the DCP write in the background, and
+step 2 in a helper thread; step 3 runs at the first step boundary at which every rank reports its part done
+(agreed by one tiny all-reduce per boundary, so no rank runs ahead of a failed save). A failed save is counted,
+logged and retried synchronously at that boundary; ``max_consecutive_failures`` failures in a row end the
+process with a retryable error rather than training on without a recoverable state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from disttrain.api.manifest import CheckpointManifest, DatasetFingerprint
+from disttrain.api.spec import CheckpointSpec
+from disttrain.trainer import commit
+
+log = logging.getLogger("disttrain.trainer")
+
+FAULT_ENV = "DISTTRAIN_FAULT_INJECT"
+"""Fault injection for tests of the commit protocol: ``kill_before_commit:<step>`` makes global rank 0 SIGKILL
+itself after every rank's files are written and synced, just before COMPLETE.json (the worst moment)."""
+
+
+class ModelOptimState(Stateful):
+    """Model + optimizer through DCP's state-dict helpers, which unwrap DDP and initialise lazy optimizer state."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
+                       optim_state_dict=state_dict["optim"])
+
+
+@dataclasses.dataclass
+class TrainerState(Stateful):
+    """Where training is, in global terms. RNG states are saved once (rank 0's) and restored on every rank:
+    randomness that must be reproducible is keyed by (seed, step, sample), never by rank or by this stream."""
+
+    step: int = 0
+    samples_consumed: int = 0
+    data_cursor: int = 0
+    lr_start_scale: float = -1.0
+    lr_target_scale: float = -1.0
+    lr_change_step: int = 0
+    control_generation: int = -1
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["rng_torch"] = torch.get_rng_state()
+        out["rng_python"] = random.getstate()
+        if torch.cuda.is_available():
+            out["rng_cuda"] = torch.cuda.get_rng_state()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, type(getattr(self, f.name))(state_dict[f.name]))
+        torch.set_rng_state(state_dict["rng_torch"])
+        random.setstate(state_dict["rng_python"])
+        if "rng_cuda" in state_dict and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state_dict["rng_cuda"])
+
+
+class CheckpointFailedError(RuntimeError):
+    """Saves kept failing: training on would pile up unrecoverable work."""
+
+
+@dataclasses.dataclass
+class _Pending:
+    step: int
+    tmp: Path
+    manifest: CheckpointManifest
+    future: Any
+    started: float
+    blocking_s: float
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: Optional[BaseException] = None
+    digests: dict = dataclasses.field(default_factory=dict)
+
+
+def _files_of_rank(directory: Path, rank: int) -> list[str]:
+    prefix = f"__{rank}_"
+    names = [p.name for p in directory.iterdir() if p.name.startswith(prefix) and p.name.endswith(".distcp")]
+    if rank == 0:
+        names.append(commit.METADATA_FILE)
+    return names
+
+
+class CheckpointManager:
+    """Owns the "when" (interval in steps or seconds, the last step, a drain) and the "how" of checkpoints."""
+
+    def __init__(self, root: Path, spec: CheckpointSpec, rank: int, world_size: int,
+                 group: Optional[dist.ProcessGroup], metrics: Any = None,
+                 max_consecutive_failures: int = 2) -> None:
+        self.root = Path(root)
+        self.spec = spec
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        self.metrics = metrics
+        self.max_consecutive_failures = max_consecutive_failures
+        self.consecutive_failures = 0
+        self.last_save_time = time.monotonic()
+        self.last_saved_step: Optional[int] = None
+        self.loaded_step: Optional[int] = None
+        self.pending: Optional[_Pending] = None
+        self.on_commit = None  # callable(manifest) on rank 0 after each commit
+        self._fault = os.environ.get(FAULT_ENV, "")
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    # ---- when ---------------------------------------------------------------------------------------------
+    def should_save(self, step: int, last: bool = False) -> bool:
+        """Interval in steps or seconds (seconds are agreed by rank 0's clock, broadcast by the caller's
+        boundary collective: here only steps and ``last`` are used so every rank decides alike)."""
+        if step == self.last_saved_step:
+            return False
+        if last:
+            return True
+        return bool(self.spec.interval_steps) and step % self.spec.interval_steps == 0
+
+    def seconds_due(self) -> bool:
+        return bool(self.spec.interval_seconds) and time.monotonic() - self.last_save_time >= self.spec.interval_seconds
+
+    # ---- save ---------------------------------------------------------------------------------------------
+    def save(self, step: int, state: dict[str, Any], manifest: CheckpointManifest, force_sync: bool = False) -> None:
+        """Start (async) or do (sync) a save of ``state`` at ``step``. Collective: every rank calls it."""
+        if self.pending is not None:
+            self.wait_pending()
+        t0 = time.monotonic()
+        tmp = self.root / commit.tmp_dir_name(step, self._nonce())
+        self.last_saved_step = step
+        self.last_save_time = time.monotonic()
+        if self.spec.async_save and not force_sync:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+            pending = _Pending(step, tmp, manifest, future, started=t0, blocking_s=time.monotonic() - t0)
+            threading.Thread(target=self._finish_in_background, args=(pending,), daemon=True,
+                             name="disttrain-ckpt-finish").start()
+            self.pending = pending
+            self._observe("blocking", pending.blocking_s)
+            return
+        try:
+            dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
+            digests = commit.digest_files(tmp, _files_of_rank(tmp, self.rank))
+            error = None
+        except Exception as exc:  # noqa: BLE001 - reported collectively below
+            digests, error = {}, exc
+        self._commit_collectively(step, tmp, manifest, digests, error)
+        self._observe("blocking", time.monotonic() - t0)
+
+    def _finish_in_background(self, pending: _Pending) -> None:
+        try:
+            pending.future.result()
+            pending.digests = commit.digest_files(pending.tmp, _files_of_rank(pending.tmp, self.rank))
+        except BaseException as exc:  # noqa: BLE001
+            pending.error = exc
+        finally:
+            pending.done.set()
+
+    def poll(self, all_done: bool) -> None:
+        """Called at a step boundary with the group's agreement that every rank finished its part."""
+        if self.pending is not None and all_done:
+            self._complete_pending()
+
+    def local_pending_state(self) -> tuple[int, int]:
+        """(in flight and not done here, failed here) for the boundary all-reduce."""
+        p = self.pending
+        if p is None:
+            return 0, 0
+        return (0 if p.done.is_set() else 1), (1 if p.done.is_set() and p.error is not None else 0)
+
+    def wait_pending(self) -> None:
+        """Block until the save in flight is committed or has failed (collective)."""
+        if self.pending is not None:
+            self.pending.done.wait()
+            self._barrier()
+            self._complete_pending()
+
+    def _complete_pending(self) -> None:
+        p, self.pending = self.pending, None
+        self._commit_collectively(p.step, p.tmp, p.manifest, p.digests, p.error)
+        self._observe("background", time.monotonic() - p.started)
+
+    def _commit_collectively(self, step: int, tmp: Path, manifest: CheckpointManifest,
+                             digests: dict, error: Optional[BaseException]) -> None:
+        gathered: list[Any] = [None] * self.world_size
+        payload = {"digests": {k: v.model_dump() for k, v in digests.items()}, "error": repr(error) if error else None}
+        dist.all_gather_object(gathered, payload, group=self.group)
+        errors = [g["error"] for g in gathered if g["error"]]
+        if errors:
+            self._failed(step, tmp, "; ".join(sorted(set(errors))))
+            return
+        committed = True
+        if self.rank == 0:
+            try:
+                self._maybe_fault("kill_before_commit", step)
+                files = {}
+                for g in gathered:
+                    files.update({k: commit.FileDigest(**v) for k, v in g["digests"].items()})
+                meta = files[commit.METADATA_FILE].digest.split(":", 1)[1]
+                final_manifest = manifest.model_copy(update={"files": files, "metadata_sha256": meta,
+                                                             "created_at": _now()})
+                commit.write_manifest(tmp, final_manifest)
+                commit.publish(self.root, tmp, step)
+                log.info("checkpoint step-%d committed (%d files, %.1f MB)", step, len(files),
+                         sum(f.size for f in files.values()) / 1e6)
+                protected = [s for s in (self.loaded_step,) if s is not None]
+                deleted = commit.apply_retention(self.root, self.spec.keep, protected=protected)
+                if deleted:
+                    log.info("retention removed %s", ", ".join(deleted))
+                if self.on_commit is not None:
+                    self.on_commit(final_manifest)
+            except Exception as exc:  # noqa: BLE001
+                log.error("checkpoint step-%d could not be committed: %s", step, exc)
+                committed = False
+        flag = [committed]
+        dist.broadcast_object_list(flag, src=0, group=self.group)
+        if not flag[0]:
+            self._failed(step, tmp, "rank 0 could not commit")
+            return
+        self.consecutive_failures = 0
+        if self.metrics is not None:
+            self.metrics.last_complete_step.set(step)
+
+    def _failed(self, step: int, tmp: Path, reason: str) -> None:
+        self.consecutive_failures += 1
+        if self.metrics is not None:
+            self.metrics.checkpoint_failures.inc()
+        log.error("checkpoint save at step %d FAILED (%d in a row): %s", step, self.consecutive_failures, reason)
+        self.last_saved_step = None
+        if self.consecutive_failures >= self.max_consecutive_failures:
+            raise CheckpointFailedError(f"{self.consecutive_failures} checkpoint saves in a row failed; last: {reason}")
+
+    @property
+    def retry_due(self) -> bool:
+        """A failed save is retried (synchronously) at the next boundary."""
+        return 0 < self.consecutive_failures < self.max_consecutive_failures and self.last_saved_step is None
+
+    # ---- load ---------------------------------------------------------------------------------------------
+    def find_latest(self) -> Optional[CheckpointManifest]:
+        """Rank 0 validates (newest first, reasons logged) and broadcasts the choice."""
+        choice: list[Any] = [None]
+        if self.rank == 0:
+            found = commit.find_latest(self.root, log=log.warning)
+            if found is not None:
+                choice[0] = found.manifest.model_dump_json()
+        dist.broadcast_object_list(choice, src=0, group=self.group)
+        return CheckpointManifest.model_validate_json(choice[0]) if choice[0] else None
+
+    def load(self, manifest: CheckpointManifest, state: dict[str, Any]) -> None:
+        path = self.root / commit.step_dir_name(manifest.step)
+        dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+        self.loaded_step = manifest.step
+        self.last_saved_step = manifest.step
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def _nonce(self) -> str:
+        box = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def _observe(self, phase: str, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.save_seconds.labels(phase=phase).observe(seconds)
+
+    def _maybe_fault(self, kind: str, step: int) -> None:
+        if self._fault == f"{kind}:{step}":
+            import signal
+
+            log.warning("fault injection: SIGKILL before COMPLETE.json of step %d", step)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.wait_pending()
+
+
+def empty_fingerprint() -> DatasetFingerprint:
+    return DatasetFingerprint(length=0, seed=0)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat()

@@ -1,0 +1,121 @@
+"""The elastic context: who this process is in the current rendezvous round and what the job asked for.
+
+Reads torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK, TORCHELASTIC_RESTART_COUNT,
+TORCHELASTIC_RUN_ID, ...) and the ``DISTTRAIN_*`` contract variables, and initialises the process group with the
+contract's short collective timeout, so a dead peer fails a collective instead of hanging it for torch's
+default 30 minutes. RANK changes between rounds: nothing persistent may be keyed by it (checkpoint state uses
+global keys; the node name, not the rank, identifies a machine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from disttrain.api import env as env_names
+from disttrain.api.contract import WorkerContract
+
+log = logging.getLogger("disttrain.trainer")
+
+
+class ContractError(ValueError):
+    """The worker contract is missing or invalid: a configuration error a restart cannot fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticContext:
+    rank: int
+    local_rank: int
+    world_size: int
+    group_rank: int
+    restart_count: int
+    run_id: str
+    contract: WorkerContract
+    checkpoint_dir: Path
+    node_name: str
+    agent_endpoint: Optional[str]
+    metrics_port: int
+    job: Optional[str]
+
+    @classmethod
+    def from_env(cls, environ: Optional[dict[str, str]] = None) -> "ElasticContext":
+        e = dict(os.environ if environ is None else environ)
+        raw = e.get(env_names.CONTRACT)
+        if not raw:
+            raise ContractError(f"${env_names.CONTRACT} is not set: run under the disttrain operator, "
+                                "`disttrain local`, or set it to a WorkerContract JSON document")
+        try:
+            contract = WorkerContract.from_env_value(raw)
+        except ValueError as exc:
+            raise ContractError(f"${env_names.CONTRACT} is not a valid WorkerContract: {exc}") from exc
+        name, namespace = e.get(env_names.JOB_NAME), e.get(env_names.JOB_NAMESPACE, "default")
+        ckpt = e.get(env_names.CHECKPOINT_DIR)
+        if not ckpt:
+            ckpt = os.path.join(contract.checkpoint.path, namespace, name or "job")
+        return cls(
+            rank=int(e.get("RANK", "0")),
+            local_rank=int(e.get("LOCAL_RANK", "0")),
+            world_size=int(e.get("WORLD_SIZE", "1")),
+            group_rank=int(e.get("GROUP_RANK", "0")),
+            restart_count=int(e.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            run_id=e.get("TORCHELASTIC_RUN_ID", ""),
+            contract=contract,
+            checkpoint_dir=Path(ckpt),
+            node_name=e.get(env_names.NODE_NAME, os.uname().nodename),
+            agent_endpoint=e.get(env_names.AGENT_ENDPOINT) or None,
+            metrics_port=int(e.get(env_names.METRICS_PORT, "0") or 0),
+            job=f"{namespace}/{name}" if name else None,
+        )
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclasses.dataclass
+class Groups:
+    """The default group (gloo on CPU, nccl on GPU) and a gloo group for checkpoint I/O.
+
+    The checkpoint group is separate even on CPU: an async save runs its own collectives in a background
+    thread, and two threads must not interleave collectives on one group.
+    """
+
+    default: Optional[dist.ProcessGroup]
+    checkpoint: Optional[dist.ProcessGroup]
+    device: torch.device
+
+
+def init_process_group(ctx: ElasticContext) -> Groups:
+    timeout = datetime.timedelta(seconds=ctx.contract.collective_timeout_seconds)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(ctx.local_rank)
+        device = torch.device("cuda", ctx.local_rank)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:
+            # A plain `python train.py` run: a one-process group on a free local port.
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+        dist.init_process_group(backend=backend, timeout=timeout, rank=ctx.rank, world_size=ctx.world_size)
+    checkpoint = dist.new_group(backend="gloo", timeout=timeout)
+    return Groups(default=dist.group.WORLD, checkpoint=checkpoint, device=device)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

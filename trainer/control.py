@@ -1,0 +1,124 @@
+"""The watchdog: SIGTERM and the job agent's control keys turned into step-boundary decisions.
+
+``drain`` (and SIGTERM) only set a flag: the loop checkpoints at the next step boundary and exits with
+``ExitCode.DRAINED``. ``reform`` cannot wait for a boundary (a collective may be stuck on a dead peer), so the
+watchdog thread calls ``os._exit(ExitCode.REFORM)`` itself. Each signal generation is acted on once: the
+generation present when this process started, or the one recorded in the checkpoint, is history and ignored,
+so a worker restarted after a reform does not reform again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from datetime import timedelta
+from typing import Callable, Optional
+
+from disttrain.api import control as keys
+from disttrain.api.exitcodes import ExitCode
+
+log = logging.getLogger("disttrain.trainer")
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"agent endpoint {endpoint!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def read_signal(store) -> Optional[keys.ControlSignal]:
+    """The current signal in the store, or None (``check`` first: ``get`` would block until the key exists)."""
+    if not store.check([keys.SIGNAL_KEY]):
+        return None
+    try:
+        return keys.ControlSignal.model_validate_json(store.get(keys.SIGNAL_KEY))
+    except ValueError:
+        log.warning("ignoring an unparsable value under %s", keys.SIGNAL_KEY)
+        return None
+
+
+class Watchdog:
+    """Follows SIGTERM and the control channel. ``drain_requested`` is read by the loop at step boundaries."""
+
+    def __init__(self, endpoint: Optional[str], poll_seconds: float = 0.2,
+                 exit_fn: Callable[[int], None] = os._exit) -> None:
+        self.endpoint = endpoint
+        self.poll_seconds = poll_seconds
+        self._exit = exit_fn
+        self._drain = threading.Event()
+        self._stop = threading.Event()
+        self.drain_reason = ""
+        self.store = None
+        self.seen_generation = -1
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def drain_requested(self) -> bool:
+        return self._drain.is_set()
+
+    def request_drain(self, reason: str) -> None:
+        if not self._drain.is_set():
+            self.drain_reason = reason
+            log.info("drain requested (%s): checkpoint at the next step boundary, then exit %d",
+                     reason, int(ExitCode.DRAINED))
+        self._drain.set()
+
+    def install_sigterm(self) -> None:
+        """SIGTERM means drain. Only the main thread may install handlers; elsewhere this is a no-op."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda signum, frame: self.request_drain("SIGTERM"))
+
+    def connect(self, timeout_s: float = 30.0) -> None:
+        if not self.endpoint:
+            return
+        import torch.distributed as dist
+
+        host, port = parse_endpoint(self.endpoint)
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                                   wait_for_workers=False)
+        current = read_signal(self.store)
+        self.seen_generation = current.generation if current else -1
+
+    def start(self, recorded_generation: int = -1) -> None:
+        """Start polling; generations up to max(seen at connect, recorded in the checkpoint) are history."""
+        self.seen_generation = max(self.seen_generation, recorded_generation)
+        if self.store is None:
+            return
+        self._thread = threading.Thread(target=self._run, name="disttrain-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def poll_once(self) -> None:
+        current = read_signal(self.store)
+        if current is None or current.generation <= self.seen_generation:
+            return
+        self.seen_generation = current.generation
+        if current.action == "reform":
+            log.warning("reform signal (generation %d, %s): exiting %d now", current.generation,
+                        current.reason, int(ExitCode.REFORM))
+            sys.stderr.flush()
+            self._exit(int(ExitCode.REFORM))
+        elif current.action == "drain":
+            self.request_drain(f"drain signal generation {current.generation}: {current.reason}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            try:
+                self.poll_once()
+            except Exception as exc:  # noqa: BLE001 - a flaky agent must not kill training
+                log.debug("control channel poll failed: %s", exc)
+
+    def publish(self, key: str, value: str) -> None:
+        """Write a progress/checkpoint record for the agent (best effort: the agent may be restarting)."""
+        if self.store is None:
+            return
+        try:
+            self.store.set(key, value)
+        except Exception as exc:  # noqa: BLE001
+            log.debug("could not publish %s: %s", key, exc)
