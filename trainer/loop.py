@@ -235,6 +235,9 @@ class ElasticTrainer:
         self.watchdog.stop()
         self.checkpoints.close()
         if dist.is_initialized():
+            # Everyone leaves together: rank 0 hosts the group's store, and tearing it down under a peer
+            # that is still finishing aborts that peer.
+            dist.barrier()
             dist.destroy_process_group()
 
     # ---- internals ---------------------------------------------------------------------------------------

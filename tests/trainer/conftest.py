@@ -1,0 +1,136 @@
+"""Harness for the multi-process trainer tests: real ``python -m torch.distributed.run``, gloo, CPU, real kills.
+
+Each scenario runs ``workers/toy.py`` (the real loop API on a tiny MLP) with a worker contract in the env, and
+reads back what the processes recorded (steps, consumed indices, LRs) and what they committed on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TOY = REPO / "tests" / "trainer" / "workers" / "toy.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_contract(global_batch: int = 12, micro: int = 1, max_steps: int = 10, interval: int = 2, keep: int = 3,
+                  policy: str = "fixed", accum: int = 1, lr: Optional[dict] = None, async_save: bool = False,
+                  seed: int = 3, timeout: int = 10) -> str:
+    training: dict[str, Any] = {"globalBatchSize": global_batch, "microBatchSize": micro, "batchPolicy": policy,
+                                "accumulationSteps": accum, "lr": lr or {"base": 0.01}, "maxSteps": max_steps,
+                                "seed": seed}
+    return json.dumps({"training": training,
+                       "checkpoint": {"path": "/unused", "intervalSteps": interval, "keep": keep, "async": async_save},
+                       "collective_timeout_seconds": timeout})
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun puts workers in new sessions, so a process group is not enough)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants, as a dying node takes everything with it."""
+    victims = [pid] + descendants(pid)
+    for p in victims:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class Harness:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.out = tmp / "out"
+        self.out.mkdir()
+        self.ckpt = tmp / "ckpt"
+        self.procs: list[subprocess.Popen] = []
+
+    contract = staticmethod(make_contract)
+    kill_tree = staticmethod(kill_tree)
+    free_port = staticmethod(free_port)
+
+    def env(self, contract: str, run: str, ckpt: Optional[Path] = None, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({"DISTTRAIN_CONTRACT": contract, "DISTTRAIN_CHECKPOINT_DIR": str(ckpt or self.ckpt),
+                    "DISTTRAIN_JOB_NAME": "toy", "TOY_OUT": str(self.out), "TOY_RUN": run,
+                    "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        env.pop("DISTTRAIN_AGENT_ENDPOINT", None)
+        env.update(extra)
+        return env
+
+    def start(self, nproc: int, contract: str, run: str, torchrun_args: Optional[list[str]] = None,
+              ckpt: Optional[Path] = None, **extra: str) -> subprocess.Popen:
+        args = torchrun_args if torchrun_args is not None else ["--standalone", "--max-restarts=0"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *args, str(TOY)]
+        with open(self.out / f"{run}.log", "w") as log:
+            p = subprocess.Popen(cmd, env=self.env(contract, run, ckpt, **extra), stdout=log,
+                                 stderr=subprocess.STDOUT, cwd=REPO)
+        self.procs.append(p)
+        return p
+
+    def run(self, nproc: int, contract: str, run: str, timeout: float = 120, **kw: Any) -> tuple[int, str]:
+        p = self.start(nproc, contract, run, **kw)
+        rc = p.wait(timeout=timeout)
+        return rc, self.log(run)
+
+    def log(self, run: str) -> str:
+        return (self.out / f"{run}.log").read_text()
+
+    def records(self, run: str) -> list[dict]:
+        rows = []
+        for path in sorted(self.out.glob(f"{run}-*.jsonl")):
+            rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return rows
+
+    def wait_for_step(self, run: str, step: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(r["step"] >= step for r in self.records(run)):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"{run} never reached step {step}:\n{self.log(run)[-3000:]}")
+
+    def cleanup(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
+                p.wait(timeout=10)
+
+
+@pytest.fixture
+def harness(tmp_path: Path):
+    h = Harness(tmp_path)
+    yield h
+    h.cleanup()
