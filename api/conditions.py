@@ -70,8 +70,13 @@ class Reason(str, enum.Enum):
 
 
 def format_time(unix: float) -> str:
-    """RFC 3339 UTC with second precision, the form Kubernetes uses for timestamps."""
-    return datetime.datetime.fromtimestamp(unix, tz=datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """RFC 3339 UTC with millisecond precision.
+
+    Milliseconds, not Kubernetes' usual seconds, because the reform protocol compares a directive's issue time
+    with the time of the first progress report after it, and a reform can finish within a second.
+    """
+    moment = datetime.datetime.fromtimestamp(round(unix, 3), tz=datetime.timezone.utc)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
 
 
 def parse_time(value: Optional[str]) -> Optional[float]:

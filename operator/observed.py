@@ -1,0 +1,101 @@
+"""What the reconcile core sees and what it decides: small frozen records, no I/O.
+
+The kube adapter fills :class:`Observed` from the API (pods, nodes); the local runtime fills it from its
+process groups. Both apply the same :class:`Actions`. Times are Unix seconds (floats) so tests and the local
+runtime can drive a fake clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class PodView:
+    """One worker or agent pod, reduced to what policy needs."""
+
+    name: str
+    uid: str
+    node_index: int = -1
+    """Value of the node-index label; -1 for the agent."""
+    phase: str = "Pending"
+    """Pending, Running, Succeeded, Failed or Unknown (pod.status.phase)."""
+    ready: bool = False
+    node_name: Optional[str] = None
+    """spec.nodeName: set once scheduled."""
+    created_at: Optional[float] = None
+    deleting_since: Optional[float] = None
+    """metadata.deletionTimestamp: the pod is Terminating."""
+    exit_code: Optional[int] = None
+    """Exit code of the trainer container when it terminated."""
+    reason: str = ""
+    """pod.status.reason, e.g. Evicted."""
+    message: str = ""
+
+    @property
+    def is_terminating(self) -> bool:
+        return self.deleting_since is not None
+
+    @property
+    def is_scheduled(self) -> bool:
+        return bool(self.node_name)
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeView:
+    """A cluster node: Ready status and whether it is being drained."""
+
+    name: str
+    ready: Optional[bool] = True
+    """Ready condition: True, False (NotReady) or None (Unknown: the node controller lost contact)."""
+    unschedulable: bool = False
+    """spec.unschedulable (cordoned)."""
+    draining: bool = False
+    """Cordoned nodes that are being emptied carry a NoExecute or autoscaler to-be-deleted taint."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    """Everything the reconcile core reads besides the job itself."""
+
+    workers: tuple[PodView, ...] = ()
+    agent: Optional[PodView] = None
+    nodes: Optional[Mapping[str, NodeView]] = None
+    """Known nodes by name; None when the caller cannot see nodes (then no pod is judged by its node)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    type: str
+    """Normal or Warning."""
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PodDeletion:
+    name: str
+    force: bool = False
+    """Delete with gracePeriodSeconds=0 (a pod stuck Terminating on a dead node)."""
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Actions:
+    """The decision of one reconcile; the caller applies it in this order: status, deletions, creations, events."""
+
+    create_workers: tuple[int, ...] = ()
+    """Node indices of worker pods to create (build them with ``pods.build_worker_pod``)."""
+    create_agent: bool = False
+    delete_pods: tuple[PodDeletion, ...] = ()
+    status_patch: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """JSON merge patch (RFC 7386) of status.* fields the operator owns; empty when nothing changed."""
+    status: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The full status after the patch (wire form), for metrics and for local runtimes."""
+    events: tuple[Event, ...] = ()
+    requeue_after: Optional[float] = None
+    """Seconds until a timer in the policy expires (debounce, waits, backoff, deadline, TTL); None: no timer."""
+    delete_job: bool = False
+    """TTL after finish expired: delete the DistTrainJob itself."""

@@ -1,0 +1,484 @@
+"""Reconcile policy matrix: every policy of the core, and each anchor failure mode by name.
+
+Anchors (the failures other operators are known for, which must not happen here):
+  kubeflow#1638 deleting one worker restarts every pod / crash-loops
+  kubeflow#1509 a scale-down restarts the survivors
+  kubeflow#1751 a pod stuck Pending leaves the job "Running" forever
+  kubeflow#2072 a dead node leaves a pod Terminating forever and the job "Restarting" forever
+  elastic#115   deleting the pod that hosts the rendezvous store hangs training forever
+  pytorch#111646 survivors of a scale-down hang in collectives until the 30-minute timeout
+  "any worker succeeded" is not success
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from disttrain.api import conditions as cond
+from disttrain.api.spec import DistTrainJob
+from disttrain.operator import reconcile as core
+from disttrain.operator.observed import NodeView, Observed, PodView
+from tests.unit.operator.world import T0, World, job_manifest
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def spec_of(**kw):
+    return DistTrainJob.model_validate(job_manifest(**kw)).spec
+
+
+# ---------------------------------------------------------------------------------------------- small policies
+
+
+@pytest.mark.parametrize("requested, expected", [(0, 1), (1, 1), (3, 3), (9, 4)], ids=["below-min", "min", "inside", "above-max"])
+def test_clamp_limits_requests_to_min_max(requested, expected):
+    assert core.clamp_nodes(spec_of(min=1, max=4, replicas=2), requested) == expected
+
+
+@pytest.mark.parametrize("count, allow_up, expected", [
+    (3, True, 2), (4, True, 4), (1, True, 1), (3, False, 2), (0, False, None), (0, True, 1),
+], ids=["3-invalid-snaps-down", "4-valid", "1-valid", "survivors-3-to-2", "none-below", "zero-snaps-up"])
+def test_snap_to_valid_uses_the_batch_contract(count, allow_up, expected):
+    # globalBatch 16, micro 2: world sizes dividing 8 -> node counts 1, 2, 4 are valid, 3 is not.
+    spec = spec_of(min=1, max=4, replicas=2, training__globalBatchSize=16)
+    assert core.snap_to_valid(spec, count, allow_up=allow_up) == expected
+
+
+@pytest.mark.parametrize("current, requested, pending, now, expected_desired, expected_pending", [
+    (2, 2, None, T0, 2, None),
+    (0, 3, None, T0, 3, None),
+    (2, 3, None, T0, 2, {"replicas": 3, "since": cond.format_time(T0)}),
+    (2, 3, {"replicas": 3, "since": cond.format_time(T0)}, T0 + 5, 2, {"replicas": 3, "since": cond.format_time(T0)}),
+    (2, 3, {"replicas": 3, "since": cond.format_time(T0)}, T0 + 10, 3, None),
+    (2, 4, {"replicas": 3, "since": cond.format_time(T0)}, T0 + 10, 2, {"replicas": 4, "since": cond.format_time(T0 + 10)}),
+    (2, 2, {"replicas": 3, "since": cond.format_time(T0)}, T0 + 10, 2, None),
+], ids=["no-change", "first-size-immediate", "new-request-waits", "still-waiting", "stood-long-enough",
+        "flapping-restarts-the-wait", "request-withdrawn"])
+def test_debounce(current, requested, pending, now, expected_desired, expected_pending):
+    assert core.debounce_scale(current, requested, pending, 10, now) == (expected_desired, expected_pending)
+
+
+NODES = {"ok": NodeView("ok"), "notready": NodeView("notready", ready=False), "unknown": NodeView("unknown", ready=None),
+         "cordoned": NodeView("cordoned", unschedulable=True),
+         "draining": NodeView("draining", unschedulable=True, draining=True)}
+
+
+@pytest.mark.parametrize("pod, expected", [
+    (PodView("p", "u", 0, "Running", True, "ok"), None),
+    (PodView("p", "u", 0, "Pending"), None),
+    (PodView("p", "u", 0, "Succeeded", node_name="ok"), None),
+    (PodView("p", "u", 0, "Failed", node_name="ok", exit_code=1), "PodFailed"),
+    (PodView("p", "u", 0, "Failed", node_name="ok", reason="Evicted"), "Evicted"),
+    (PodView("p", "u", 0, "Running", True, "ok", deleting_since=T0), "PodDeleted"),
+    (PodView("p", "u", 0, "Unknown", node_name="ok"), "NodeUnreachable"),
+    (PodView("p", "u", 0, "Running", True, "notready"), "NodeNotReady"),
+    (PodView("p", "u", 0, "Running", True, "unknown"), "NodeUnreachable"),
+    (PodView("p", "u", 0, "Running", True, "gone"), "NodeDeleted"),
+    (PodView("p", "u", 0, "Running", True, "cordoned"), None),
+    (PodView("p", "u", 0, "Running", True, "draining"), "NodeDraining"),
+], ids=["healthy", "pending", "succeeded", "failed", "evicted", "deleted", "phase-unknown", "node-notready",
+        "node-unreachable", "node-deleted", "cordoned-only-is-fine", "cordoned-and-draining"])
+def test_lost_pod_detection(pod, expected):
+    reason = core.loss_reason(pod, NODES)
+    assert (reason.value if reason else None) == expected
+
+
+def test_pods_are_not_judged_by_nodes_the_operator_cannot_see():
+    assert core.loss_reason(PodView("p", "u", 0, "Running", True, "gone"), None) is None
+
+
+@pytest.mark.parametrize("failures, expected", [(0, 0), (1, 5), (2, 10), (3, 20), (10, 60)],
+                         ids=["none", "first", "doubles", "doubles-again", "capped"])
+def test_backoff_doubles_and_is_capped(failures, expected):
+    assert core.backoff_seconds(spec_of(), failures) == expected
+
+
+@pytest.mark.parametrize("code, permanent, retryable, expected", [
+    (85, [85], [], True), (1, [85], [], False), (85, [85], [85], False), (None, [85], [], False), (3, [3, 85], [], True),
+], ids=["default-permanent", "generic-error-retried", "retryable-wins", "no-code", "user-listed"])
+def test_exit_code_classes(code, permanent, retryable, expected):
+    spec = spec_of(restartPolicy__exitCodes={"permanent": permanent, "retryable": retryable})
+    assert core.is_permanent_exit(spec, code) is expected
+
+
+def test_victims_prefer_pods_that_are_not_running_then_the_highest_index():
+    pods = [PodView("w0", "a", 0, "Running", True), PodView("w1", "b", 1, "Running", True),
+            PodView("w2", "c", 2, "Pending"), PodView("w3", "d", 3, "Running", True)]
+    assert [p.name for p in core.choose_victims(pods, 2)] == ["w2", "w3"]
+
+
+def test_new_pods_take_the_lowest_free_index_even_past_a_terminating_one():
+    pods = [PodView("w0", "a", 0), PodView("w1", "b", 1, deleting_since=T0), PodView("w3", "d", 3)]
+    assert core.free_indices(pods, 2) == [2, 4]
+
+
+def test_merge_patch_removes_keys_with_null():
+    assert core.merge_patch({"a": 1, "b": {"c": 1, "d": 2}}, {"b": {"c": 1}, "e": 3}) == {"a": None, "b": {"d": None}, "e": 3}
+
+
+# ---------------------------------------------------------------------------------------------- creation
+
+
+def test_a_new_job_gets_its_agent_and_replicas_workers():
+    world = World(job_manifest(replicas=3))
+    actions = world.step()
+    assert actions.create_agent
+    assert actions.create_workers == (0, 1, 2)
+    assert world.status["desiredNodes"] == 3
+    assert world.status["phase"] == "Pending"
+    assert world.status["selector"] == "disttrain.dev/job-name=demo,disttrain.dev/role=worker"
+    assert "Created" in world.reasons()
+    assert world.control["targetNodes"] == 3
+
+
+def test_reconcile_is_idempotent_once_applied():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    again = world.step()
+    assert again.status_patch == {}
+    assert again.create_workers == () and not again.create_agent and again.delete_pods == ()
+    assert again.events == ()
+
+
+def test_running_with_progress_sets_phase_running_and_rendezvous_complete():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    assert world.status["phase"] == "Running"
+    assert world.condition("Running")["reason"] == "RendezvousComplete"
+    assert world.condition("Scheduled")["status"] == "True"
+    assert "RendezvousComplete" in world.reasons() and "Scheduled" in world.reasons()
+
+
+def test_condition_transition_time_is_kept_while_the_status_holds():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    first = world.condition("Running")["lastTransitionTime"]
+    world.progress(2, step=9).step(100)
+    assert world.condition("Running")["lastTransitionTime"] == first
+
+
+def test_checkpoint_commit_is_announced_once():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.checkpoint(10).step(1)
+    world.step(1)
+    assert world.reasons().count("CheckpointCommitted") == 1
+    world.checkpoint(20).step(1)
+    assert world.reasons().count("CheckpointCommitted") == 2
+
+
+# ---------------------------------------------------------------------------------------------- anchors
+
+
+def test_anchor_1638_deleting_one_worker_replaces_only_that_worker_and_reforms_once():
+    world = World(job_manifest(replicas=3)).running_world(3)
+    survivors = {n: p.uid for n, p in world.workers.items() if n != "demo-worker-1"}
+    generation = world.control["generation"]
+    world.vanish(1)
+    actions = world.step(1)
+    assert actions.delete_pods == ()
+    assert world.control["action"] == "reform" and world.control["generation"] == generation + 1
+    assert world.status["restarts"] == {"total": 1, "byReason": {"PodDeleted": 1}}
+    # Backoff first, then exactly one replacement; the survivors are never touched.
+    assert actions.create_workers == ()
+    actions = world.step(5)
+    assert actions.create_workers == (1,)
+    for _ in range(3):
+        world.step(1)
+    assert world.status["restarts"]["total"] == 1
+    assert {n: world.workers[n].uid for n in survivors} == survivors
+
+
+def test_anchor_1638_a_failed_worker_is_counted_once_across_repeated_reconciles():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.set_worker(1, phase="Failed", exit_code=1)
+    world.step(1)
+    world.step(0)
+    world.step(0)
+    assert world.status["restarts"]["total"] == 1
+    assert world.status["restarts"]["byReason"] == {"PodFailed": 1}
+
+
+def test_anchor_1509_scale_down_drains_then_deletes_only_the_victims():
+    world = World(job_manifest(replicas=3)).running_world(3)
+    survivors = {n: p.uid for n, p in world.workers.items() if n != "demo-worker-2"}
+    world.spec("nodes.replicas", 2)
+    assert world.step(1).delete_pods == ()  # debounce
+    actions = world.step(10)
+    assert world.control["action"] == "drain" and world.control["reason"] == "ScaledDown"
+    assert world.control["targetNodes"] == 2 and world.control["exclude"] == ["demo-worker-2"]
+    assert actions.delete_pods == ()  # no checkpoint yet
+    world.checkpoint(6).step(1)
+    assert [d.name for d in world.last.delete_pods] == ["demo-worker-2"]
+    world.finish_terminations()
+    world.progress(2, step=7).step(1)
+    assert world.control["action"] == "none" and world.status["phase"] == "Running"
+    assert world.status["restarts"]["total"] == 0
+    assert {n: world.workers[n].uid for n in survivors} == survivors
+    assert world.status["lastReform"]["to"] == 2 and world.status["lastReform"]["reason"] == "ScaledDown"
+    assert "Draining" in world.reasons() and "Reformed" in world.reasons() and "ScaledDown" in world.reasons()
+
+
+def test_scale_down_victims_are_deleted_after_the_drain_timeout_without_a_checkpoint():
+    world = World(job_manifest(replicas=3)).running_world(3)
+    world.spec("nodes.replicas", 2).step(0)
+    world.step(10)
+    assert world.step(119).delete_pods == ()
+    assert [d.name for d in world.step(1).delete_pods] == ["demo-worker-2"]
+    assert "DrainTimeout" in world.reasons()
+
+
+def test_anchor_1751_a_pod_stuck_pending_does_not_leave_the_job_waiting_or_running_forever():
+    world = World(job_manifest(replicas=3, min=2))
+    world.step()
+    world.run_all().set_worker(2, phase="Pending", ready=False, node_name=None)
+    world.step(1)
+    assert world.status["phase"] == "Pending"
+    assert world.condition("Scheduled")["status"] == "False"
+    assert world.control["targetNodes"] == 3
+    assert world.last.requeue_after is not None and world.last.requeue_after <= 600
+    world.step(600)
+    assert world.control["targetNodes"] == 2
+    assert "PendingTimeout" in world.reasons()
+    world.progress(2, step=1).step(1)
+    assert world.status["phase"] == "Running"
+    assert world.condition("Scheduled")["status"] == "False"
+    assert "2 nodes" in world.status["message"]
+
+
+def test_anchor_2072_a_dead_node_loses_its_pod_force_deletes_it_and_reforms_with_survivors():
+    world = World(job_manifest(replicas=3, min=2))
+    world.nodes = {f"node-{i}": NodeView(f"node-{i}") for i in range(3)} | {"node-agent": NodeView("node-agent")}
+    world.running_world(3)
+    world.nodes["node-1"] = NodeView("node-1", ready=False)
+    actions = world.step(1)
+    assert [d.name for d in actions.delete_pods] == ["demo-worker-1"] and not actions.delete_pods[0].force
+    assert world.control["action"] == "reform" and world.control["reason"] == "NodeNotReady"
+    assert world.workers["demo-worker-1"].is_terminating  # the kubelet is dead: it stays Terminating
+    world.step(5)
+    replacement = [n for n in world.workers if n not in ("demo-worker-0", "demo-worker-1", "demo-worker-2")]
+    assert replacement == ["demo-worker-3"], "the replacement must not wait for the stuck pod's name"
+    world.nodes["node-3"] = NodeView("node-3", ready=False)  # the replacement cannot start either
+    world.step(25)
+    assert world.control["targetNodes"] == 2, "after replacementWaitSeconds the survivors re-form"
+    world.progress(2, step=6).step(1)
+    assert world.status["phase"] == "Running"
+    world.step(300)
+    assert any(d.name == "demo-worker-1" and d.force for d in world.last.delete_pods)
+    assert "ForceDeleted" in world.reasons()
+    assert world.status["restarts"]["byReason"]["NodeNotReady"] == 1
+
+
+def test_anchor_elastic_115_losing_the_agent_recreates_it_and_keeps_the_workers():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    uids = {n: p.uid for n, p in world.workers.items()}
+    world.agent = None
+    actions = world.step(1)
+    assert actions.create_agent
+    assert actions.delete_pods == () and actions.create_workers == ()
+    assert world.control["action"] == "reform" and world.control["reason"] == "AgentRestarted"
+    assert world.status["restarts"]["total"] == 0
+    assert {n: p.uid for n, p in world.workers.items()} == uids
+    assert "AgentRestarted" in world.reasons()
+
+
+def test_anchor_111646_survivors_are_told_to_reform_in_the_same_reconcile_that_sees_the_loss():
+    world = World(job_manifest(replicas=3)).running_world(3)
+    world.set_worker(2, phase="Failed", exit_code=1)
+    world.step(0)
+    assert world.control["action"] == "reform"
+    assert world.control["issuedAt"] == cond.format_time(world.now)
+    assert world.status["phase"] == "Reforming"
+
+
+def test_anchor_any_worker_succeeded_is_not_success():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.set_worker(0, phase="Succeeded", exit_code=0).step(1)
+    assert world.status["phase"] != "Succeeded"
+    world.set_worker(1, phase="Succeeded", exit_code=0).step(1)
+    assert world.status["phase"] == "Succeeded"
+    assert "Succeeded" in world.reasons() and world.status["completionTime"]
+
+
+def test_rank_zero_policy_needs_the_training_length_reached():
+    world = World(job_manifest(replicas=2, successPolicy="RankZero")).running_world(2)
+    world.set_worker(0, phase="Succeeded", exit_code=0).step(1)
+    assert world.status["phase"] != "Succeeded"
+    world.progress(2, step=100).step(1)
+    assert world.status["phase"] == "Succeeded"
+
+
+# ---------------------------------------------------------------------------------------------- failures
+
+
+def test_a_permanent_exit_code_fails_the_job_with_the_reason():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.set_worker(1, phase="Failed", exit_code=85).step(1)
+    assert world.status["phase"] == "Failed"
+    failed = world.condition("Failed")
+    assert failed["reason"] == "PermanentExitCode" and "85" in failed["message"]
+    assert {d.name for d in world.last.delete_pods} == {"demo-worker-0", "demo-worker-1", "demo-agent"}
+
+
+def test_a_permanent_failure_reported_through_the_agent_fails_the_job():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.status["workerFailure"] = {"exitCode": 85, "node": "demo-worker-0", "message": "dataset changed",
+                                     "time": cond.format_time(world.now)}
+    world.step(1)
+    assert world.status["phase"] == "Failed"
+    assert "dataset changed" in world.condition("Failed")["message"]
+
+
+def test_the_restart_budget_fails_the_job_when_exhausted():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    for attempt in range(4):
+        world.set_worker(1, phase="Failed", exit_code=1).step(100)
+        world.finish_terminations()
+        world.step(100)
+        world.run_all()
+        if attempt < 3:
+            assert world.status["phase"] != "Failed"
+    assert world.status["phase"] == "Failed"
+    assert world.condition("Failed")["reason"] == "RestartBudgetExhausted"
+
+
+def test_backoff_delays_replacements_and_doubles_with_consecutive_failures():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.set_worker(1, phase="Failed", exit_code=1).step(0)
+    world.finish_terminations()
+    assert world.step(4).create_workers == ()
+    assert world.step(1).create_workers == (1,)
+    world.run_all().set_worker(1, phase="Failed", exit_code=1).step(0)
+    world.finish_terminations()
+    assert world.step(9).create_workers == ()
+    assert world.step(1).create_workers == (1,)
+
+
+def test_evicted_pods_are_counted_by_reason():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.set_worker(0, phase="Failed", reason="Evicted").step(1)
+    assert world.status["restarts"]["byReason"] == {"Evicted": 1}
+
+
+def test_a_pod_on_a_deleted_node_is_force_deleted_at_once():
+    world = World(job_manifest(replicas=2))
+    world.nodes = {"node-0": NodeView("node-0"), "node-1": NodeView("node-1"), "node-agent": NodeView("node-agent")}
+    world.running_world(2)
+    del world.nodes["node-1"]
+    actions = world.step(1)
+    assert [(d.name, d.force) for d in actions.delete_pods] == [("demo-worker-1", True)]
+    assert world.status["restarts"]["byReason"] == {"NodeDeleted": 1}
+
+
+def test_a_drained_node_loses_its_pod_but_a_cordoned_one_does_not():
+    world = World(job_manifest(replicas=2))
+    world.nodes = {"node-0": NodeView("node-0"), "node-1": NodeView("node-1"), "node-agent": NodeView("node-agent")}
+    world.running_world(2)
+    world.nodes["node-1"] = NodeView("node-1", unschedulable=True)
+    assert world.step(1).delete_pods == ()
+    world.nodes["node-1"] = NodeView("node-1", unschedulable=True, draining=True)
+    assert [d.name for d in world.step(1).delete_pods] == ["demo-worker-1"]
+
+
+def test_below_min_the_job_waits_for_nodes_and_says_so():
+    world = World(job_manifest(replicas=2, min=2)).running_world(2)
+    world.set_worker(1, phase="Failed", exit_code=1).step(1)
+    world.finish_terminations().step(5)
+    world.step(60)
+    assert world.control["targetNodes"] == 2  # one survivor is below min: keep waiting for the replacement
+
+
+# ---------------------------------------------------------------------------------------------- scaling
+
+
+def test_scale_up_adds_pods_then_drains_so_the_group_reforms_with_them():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.spec("nodes.replicas", 3).step(0)
+    actions = world.step(10)
+    assert actions.create_workers == (2,)
+    assert world.control["action"] == "none"  # the new pod is not running yet
+    world.run_all().step(1)
+    assert world.control["action"] == "drain" and world.control["reason"] == "ScaledUp"
+    assert world.control["targetNodes"] == 3
+    world.step(1)
+    world.checkpoint(6).progress(3, step=7).step(1)
+    assert world.control["action"] == "none" and world.status["phase"] == "Running"
+    assert world.status["restarts"]["total"] == 0
+    assert "ScaledUp" in world.reasons()
+
+
+def test_scale_requests_above_max_are_clamped():
+    world = World(job_manifest(replicas=4, max=3))
+    world.step()
+    assert world.status["desiredNodes"] == 3
+
+
+# ---------------------------------------------------------------------------------------------- run policy
+
+
+def test_suspend_deletes_all_pods_keeps_status_and_resume_continues_from_the_checkpoint():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.checkpoint(40).step(1)
+    world.set_worker(1, phase="Failed", exit_code=1).step(1)
+    world.finish_terminations().step(10)
+    world.run_all().step(0)
+    world.spec("runPolicy.suspend", True)
+    actions = world.step(1)
+    assert {d.name for d in actions.delete_pods} == {"demo-worker-0", "demo-worker-1", "demo-agent"}
+    assert world.status["phase"] == "Suspended"
+    assert world.status["lastCheckpoint"]["step"] == 40 and world.status["restarts"]["total"] == 1
+    world.finish_terminations().step(1)
+    assert world.last.create_workers == () and not world.last.create_agent
+    assert world.status["restarts"]["total"] == 1, "suspending is not a failure"
+    world.spec("runPolicy.suspend", False)
+    actions = world.step(1)
+    assert actions.create_agent and actions.create_workers == (0, 1)
+    assert world.status["phase"] == "Pending"
+    assert "Resumed" in world.reasons() and "ResumedFromStep" in world.reasons()
+    assert world.condition("Suspended")["status"] == "False"
+
+
+def test_active_deadline_fails_the_job():
+    world = World(job_manifest(replicas=2, runPolicy={"activeDeadlineSeconds": 100})).running_world(2)
+    assert 0 < world.last.requeue_after <= 100
+    world.step(100)
+    assert world.status["phase"] == "Failed" and world.condition("Failed")["reason"] == "DeadlineExceeded"
+
+
+def test_ttl_after_finish_deletes_the_job():
+    world = World(job_manifest(replicas=1, runPolicy={"ttlSecondsAfterFinished": 60})).running_world(1)
+    world.set_worker(0, phase="Succeeded", exit_code=0).step(1)
+    assert world.status["phase"] == "Succeeded"
+    assert not world.last.delete_job and world.last.requeue_after == 60
+    assert not world.step(59).delete_job
+    assert world.step(1).delete_job
+
+
+@pytest.mark.parametrize("policy, deleted", [
+    ("All", {"demo-worker-0", "demo-worker-1", "demo-agent"}),
+    ("Running", {"demo-worker-1", "demo-agent"}),
+    ("None", {"demo-agent"}),
+], ids=["all", "running-only", "none"])
+def test_clean_pod_policy_on_finish(policy, deleted):
+    world = World(job_manifest(replicas=2, runPolicy={"cleanPodPolicy": policy})).running_world(2)
+    world.set_worker(0, phase="Failed", exit_code=85).step(1)
+    assert {d.name for d in world.last.delete_pods} == deleted
+
+
+def test_a_restarted_operator_mid_reform_changes_nothing():
+    world = World(job_manifest(replicas=3)).running_world(3)
+    world.spec("nodes.replicas", 2).step(0)
+    world.step(10)
+    before = dict(world.status)
+    # A fresh operator: nothing but the job (with its status) and the pods. Same decision, no duplicates.
+    again = core.reconcile(DistTrainJob.model_validate(world.manifest), world.observed(), world.now)
+    assert again.status_patch == {} and again.create_workers == () and not again.create_agent
+    assert world.status == before
+
+
+def test_requeue_after_reports_the_nearest_timer():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.spec("nodes.replicas", 3)
+    assert world.step(2).requeue_after == 10
+    assert world.step(3).requeue_after == 7
+
+
+def test_observed_without_nodes_defaults():
+    actions = core.reconcile(DistTrainJob.model_validate(job_manifest()), Observed(), T0)
+    assert actions.create_agent and actions.create_workers == (0, 1)
