@@ -234,8 +234,9 @@ class CheckpointManager:
                 commit.publish(self.root, tmp, step)
                 log.info("checkpoint step-%d committed (%d files, %.1f MB)", step, len(files),
                          sum(f.size for f in files.values()) / 1e6)
-                protected = [s for s in (self.loaded_step,) if s is not None]
-                deleted = commit.apply_retention(self.root, self.spec.keep, protected=protected)
+                # The step just committed is the newest complete one, so retention keeps it whatever `keep` says;
+                # the only save in flight is this one (saves never overlap), so no other temp dir is live.
+                deleted = commit.apply_retention(self.root, self.spec.keep)
                 if deleted:
                     log.info("retention removed %s", ", ".join(deleted))
                 if self.on_commit is not None:
