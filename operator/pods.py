@@ -1,0 +1,282 @@
+"""Pure builders of every Kubernetes object the operator creates for a job. No I/O, no kopf.
+
+``build_worker_pod`` is the only definition of what a worker runs: the kube adapter posts its output and the
+local runtime turns the same dict into a process (``worker_command`` / ``worker_env`` extract what it needs).
+Every object carries the job's labels and a controller ownerReference, so deleting the job garbage-collects
+everything (on a real cluster; the kmock emulator has no garbage collector).
+"""
+
+from __future__ import annotations
+
+import copy
+import shlex
+from typing import Any, Optional
+
+from disttrain.api import constants, env
+from disttrain.api.contract import WorkerContract
+from disttrain.api.spec import DistTrainJob
+from disttrain.operator import names
+
+# torchrun's rendezvous backend. "disttrain" is the c10d handler that completes a round as soon as the
+# operator's target node count joined and never closes the rendezvous when one node leaves; it is registered
+# through torch's official `torchrun.handlers` entry-point group by the disttrain package in the trainer image.
+RDZV_BACKEND = "disttrain"
+# torchrun counts every worker-group failure (our drain and reform exits included) against --max-restarts;
+# the operator owns the restart budget, so torchrun's must never run out.
+TORCHRUN_MAX_RESTARTS = 1_000_000
+CHECKPOINT_VOLUME = "disttrain-checkpoints"
+METRICS_PORT = 9400
+AGENT_CPU = "250m"
+AGENT_MEMORY = "512Mi"
+
+
+def job_labels(job: DistTrainJob, role: str) -> dict[str, str]:
+    return {constants.LABEL_JOB_NAME: job.metadata.name, constants.LABEL_ROLE: role}
+
+
+def owner_reference(job: DistTrainJob) -> dict[str, Any]:
+    """Controller reference to the job: garbage collection deletes the object with the job."""
+    return {
+        "apiVersion": constants.API_VERSION,
+        "kind": constants.KIND,
+        "name": job.metadata.name,
+        "uid": job.metadata.uid or "",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(job: DistTrainJob, name: str, role: str, extra_labels: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    labels = {**(extra_labels or {}), **job_labels(job, role)}
+    return {"name": name, "namespace": job.metadata.namespace, "labels": labels,
+            "ownerReferences": [owner_reference(job)]}
+
+
+def agent_endpoint(job: DistTrainJob) -> str:
+    """host:port of the agent's TCPStore as workers reach it through the agent Service."""
+    host = f"{names.agent_service_name(job.metadata.name)}.{job.metadata.namespace}.svc"
+    return f"{host}:{job.spec.rendezvous.port}"
+
+
+def checkpoint_dir(job: DistTrainJob) -> str:
+    return f"{job.spec.checkpoint.path.rstrip('/')}/{job.metadata.namespace}/{job.metadata.name}"
+
+
+def torchrun_args(job: DistTrainJob, endpoint: str) -> list[str]:
+    """torchrun's arguments (everything between ``-m torch.distributed.run`` and the training command)."""
+    spec = job.spec
+    rdzv = spec.rendezvous
+    conf = ",".join([
+        "is_host=false",  # the store lives in the agent pod: losing any worker never takes it down
+        f"join_timeout={rdzv.join_timeout_seconds}",
+        f"last_call_timeout={rdzv.last_call_timeout_seconds}",
+        f"close_timeout={rdzv.close_timeout_seconds}",
+        f"keep_alive_interval={rdzv.keep_alive_interval_seconds}",
+        f"keep_alive_max_attempt={rdzv.keep_alive_max_attempts}",
+    ])
+    return [
+        f"--nnodes={spec.nodes.min}:{spec.nodes.max}",
+        f"--nproc-per-node={spec.nproc_per_node}",
+        f"--rdzv-backend={RDZV_BACKEND}",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={job.metadata.uid or job.metadata.name}",
+        f"--rdzv-conf={conf}",
+        f"--max-restarts={TORCHRUN_MAX_RESTARTS}",
+        "--no-python",
+    ]
+
+
+def worker_env(job: DistTrainJob, node_name: str, *, endpoint: Optional[str] = None,
+               checkpoint_directory: Optional[str] = None, metrics_port: int = METRICS_PORT) -> list[dict[str, str]]:
+    """The DISTTRAIN_* contract env of one node (the local runtime overrides endpoint/dir/port)."""
+    meta = job.metadata
+    return [
+        {"name": env.CONTRACT, "value": WorkerContract.from_spec(job.spec).to_env_value()},
+        {"name": env.JOB_NAME, "value": meta.name},
+        {"name": env.JOB_NAMESPACE, "value": meta.namespace},
+        {"name": env.JOB_UID, "value": meta.uid or ""},
+        {"name": env.NODE_NAME, "value": node_name},
+        {"name": env.CHECKPOINT_DIR, "value": checkpoint_directory or checkpoint_dir(job)},
+        {"name": env.AGENT_ENDPOINT, "value": endpoint or agent_endpoint(job)},
+        {"name": env.METRICS_PORT, "value": str(metrics_port)},
+        # A scale-up deadlocks when torchrun shares the rendezvous store with the workers (see notes/torchrun.md).
+        {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"},
+    ]
+
+
+def _trainer_index(containers: list[dict[str, Any]]) -> int:
+    for i, container in enumerate(containers):
+        if container.get("name") == constants.TRAINER_CONTAINER:
+            return i
+    if len(containers) == 1:
+        return 0
+    raise ValueError("spec.template.spec.containers needs a container named 'trainer' (or exactly one container)")
+
+
+def build_worker_pod(job: DistTrainJob, node_index: int, *, endpoint: Optional[str] = None,
+                     checkpoint_directory: Optional[str] = None) -> dict[str, Any]:
+    """Worker pod ``<job>-worker-<index>``: the user's template plus our launcher, env, labels and volume.
+
+    The trainer container's ``command + args`` become the training command that torchrun runs with
+    ``--no-python``; a container without a ``command`` is refused (the image entrypoint cannot be known here).
+    """
+    name = names.worker_name(job.metadata.name, node_index)
+    template = copy.deepcopy(job.spec.template)
+    pod_spec: dict[str, Any] = template.get("spec") or {}
+    containers: list[dict[str, Any]] = pod_spec.setdefault("containers", [])
+    trainer = containers[_trainer_index(containers)]
+    user_command = [*(trainer.get("command") or []), *(trainer.get("args") or [])]
+    if not trainer.get("command"):
+        raise ValueError(f"spec.template.spec.containers[{trainer.get('name')}].command is required: the operator "
+                         "runs it under torchrun and cannot read the image's entrypoint")
+    endpoint = endpoint or agent_endpoint(job)
+    trainer["command"] = ["python", "-m", "torch.distributed.run", *torchrun_args(job, endpoint), *user_command]
+    trainer.pop("args", None)
+    user_env = [e for e in trainer.get("env") or [] if not e.get("name", "").startswith(constants.RESERVED_ENV_PREFIXES)]
+    trainer["env"] = [*user_env, *worker_env(job, name, endpoint=endpoint, checkpoint_directory=checkpoint_directory)]
+    ports = [p for p in trainer.get("ports") or [] if p.get("name") != "metrics"]
+    trainer["ports"] = [*ports, {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}]
+    _mount_checkpoints(job, pod_spec, trainer)
+    pod_spec["restartPolicy"] = "Never"  # a failed node is the operator's to replace, never the kubelet's
+    pod_spec["hostname"] = name
+    pod_spec["subdomain"] = names.headless_service_name(job.metadata.name)
+    if job.spec.run_policy.scheduler_name:
+        pod_spec["schedulerName"] = job.spec.run_policy.scheduler_name
+    if job.spec.run_policy.priority_class_name:
+        pod_spec["priorityClassName"] = job.spec.run_policy.priority_class_name
+    meta = _metadata(job, name, constants.ROLE_WORKER, (template.get("metadata") or {}).get("labels"))
+    meta["labels"][constants.LABEL_NODE_INDEX] = str(node_index)
+    annotations = (template.get("metadata") or {}).get("annotations")
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def _mount_checkpoints(job: DistTrainJob, pod_spec: dict[str, Any], trainer: dict[str, Any]) -> None:
+    ckpt = job.spec.checkpoint
+    volumes = pod_spec.setdefault("volumes", [])
+    if ckpt.claim_name:
+        volume = CHECKPOINT_VOLUME
+        volumes[:] = [v for v in volumes if v.get("name") != volume]
+        volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": ckpt.claim_name}})
+    else:
+        volume = ckpt.volume_name or ""
+        if not any(v.get("name") == volume for v in volumes):
+            raise ValueError(f"spec.checkpoint.volumeName={volume!r} names no volume in spec.template.spec.volumes")
+    mounts = [m for m in trainer.get("volumeMounts") or [] if m.get("mountPath") != ckpt.path]
+    trainer["volumeMounts"] = [*mounts, {"name": volume, "mountPath": ckpt.path}]
+    if not pod_spec["volumes"]:
+        del pod_spec["volumes"]
+
+
+def worker_command(pod: dict[str, Any]) -> list[str]:
+    """argv of a worker pod's trainer container (``python -m torch.distributed.run ... <training command>``)."""
+    containers = pod["spec"]["containers"]
+    return list(containers[_trainer_index(containers)]["command"])
+
+
+def worker_env_dict(pod: dict[str, Any]) -> dict[str, str]:
+    """The literal env of a worker pod's trainer container (valueFrom entries are skipped)."""
+    containers = pod["spec"]["containers"]
+    container = containers[_trainer_index(containers)]
+    return {e["name"]: e["value"] for e in container.get("env") or [] if "value" in e}
+
+
+def agent_command(job: DistTrainJob) -> list[str]:
+    return ["python", "-m", "disttrain.trainer.agent", "--port", str(job.spec.rendezvous.port)]
+
+
+def build_agent_pod(job: DistTrainJob) -> dict[str, Any]:
+    """The job agent: hosts the TCPStore, follows the job, relays progress (image: the trainer's)."""
+    trainer = job.spec.trainer_container()
+    template_spec = job.spec.template.get("spec") or {}
+    name = names.agent_name(job.metadata.name)
+    port = job.spec.rendezvous.port
+    container: dict[str, Any] = {
+        "name": "agent",
+        "image": trainer.get("image", ""),
+        "command": agent_command(job),
+        "env": [
+            {"name": env.JOB_NAME, "value": job.metadata.name},
+            {"name": env.JOB_NAMESPACE, "value": job.metadata.namespace},
+            {"name": env.JOB_UID, "value": job.metadata.uid or ""},
+        ],
+        "ports": [{"name": "rendezvous", "containerPort": port, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 2},
+        "resources": {"requests": {"cpu": AGENT_CPU, "memory": AGENT_MEMORY},
+                      "limits": {"memory": AGENT_MEMORY}},
+    }
+    if trainer.get("imagePullPolicy"):
+        container["imagePullPolicy"] = trainer["imagePullPolicy"]
+    spec: dict[str, Any] = {
+        "serviceAccountName": names.service_account_name(job.metadata.name),
+        "restartPolicy": "Never",  # the operator replaces a failed agent and tells the workers to re-join
+        "containers": [container],
+    }
+    for key in ("imagePullSecrets", "nodeSelector", "tolerations"):
+        if template_spec.get(key):
+            spec[key] = copy.deepcopy(template_spec[key])
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": _metadata(job, name, constants.ROLE_AGENT), "spec": spec}
+
+
+def build_agent_service(job: DistTrainJob) -> dict[str, Any]:
+    port = job.spec.rendezvous.port
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _metadata(job, names.agent_service_name(job.metadata.name), constants.ROLE_AGENT),
+        "spec": {"selector": job_labels(job, constants.ROLE_AGENT),
+                 "ports": [{"name": "rendezvous", "port": port, "targetPort": port, "protocol": "TCP"}]},
+    }
+
+
+def build_headless_service(job: DistTrainJob) -> dict[str, Any]:
+    """Stable DNS for worker pods (``<pod>.<job>-workers``), ready or not, for collectives between nodes."""
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _metadata(job, names.headless_service_name(job.metadata.name), constants.ROLE_WORKER),
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                 "selector": job_labels(job, constants.ROLE_WORKER),
+                 "ports": [{"name": "metrics", "port": METRICS_PORT, "targetPort": METRICS_PORT, "protocol": "TCP"}]},
+    }
+
+
+def build_service_account(job: DistTrainJob) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": _metadata(job, names.service_account_name(job.metadata.name), constants.ROLE_AGENT)}
+
+
+def build_role(job: DistTrainJob) -> dict[str, Any]:
+    """The agent may read its own job and patch only its status: nothing else, no other job."""
+    only = [job.metadata.name]
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "metadata": _metadata(job, names.role_name(job.metadata.name), constants.ROLE_AGENT),
+        "rules": [
+            {"apiGroups": [constants.GROUP], "resources": [constants.PLURAL], "resourceNames": only,
+             "verbs": ["get", "watch"]},
+            {"apiGroups": [constants.GROUP], "resources": [f"{constants.PLURAL}/status"], "resourceNames": only,
+             "verbs": ["get", "patch"]},
+        ],
+    }
+
+
+def build_role_binding(job: DistTrainJob) -> dict[str, Any]:
+    name = names.role_name(job.metadata.name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": _metadata(job, name, constants.ROLE_AGENT),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": names.service_account_name(job.metadata.name),
+                      "namespace": job.metadata.namespace}],
+    }
+
+
+def build_support_objects(job: DistTrainJob) -> list[dict[str, Any]]:
+    """Everything but pods, in creation order (RBAC before the agent needs it)."""
+    return [build_service_account(job), build_role(job), build_role_binding(job),
+            build_agent_service(job), build_headless_service(job)]
+
+
+def describe_command(pod: dict[str, Any]) -> str:
+    """A shell-quoted command line, for logs and docs."""
+    return shlex.join(worker_command(pod))

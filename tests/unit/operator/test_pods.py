@@ -1,0 +1,140 @@
+"""Pod, Service and RBAC builders: contents, and every object validates against the Kubernetes schema."""
+
+from __future__ import annotations
+
+import json
+
+import kubernetes_validate
+import pytest
+
+from disttrain.api import env
+from disttrain.api.contract import WorkerContract
+from disttrain.api.spec import DistTrainJob
+from disttrain.operator import pods
+from tests.unit.operator.world import job_manifest
+
+pytestmark = pytest.mark.timeout(60)
+K8S_VERSION = "1.33.0"
+
+
+def make_job(**spec):
+    manifest = job_manifest(replicas=2, **spec)
+    manifest["spec"]["template"]["metadata"] = {"labels": {"team": "ml"}, "annotations": {"note": "x"}}
+    manifest["spec"]["template"]["spec"]["containers"][0]["args"] = ["--epochs", "3"]
+    manifest["spec"]["template"]["spec"]["containers"][0]["env"] = [
+        {"name": "USER_VAR", "value": "1"}, {"name": "DISTTRAIN_NODE_NAME", "value": "spoofed"}]
+    return DistTrainJob.model_validate(manifest)
+
+
+def all_objects(job):
+    return [pods.build_worker_pod(job, 0), pods.build_worker_pod(job, 3), pods.build_agent_pod(job),
+            *pods.build_support_objects(job)]
+
+
+@pytest.mark.parametrize("spec", [{}, {"runPolicy": {"schedulerName": "volcano", "priorityClassName": "high"}},
+                                  {"nprocPerNode": 2}], ids=["default", "scheduling", "nproc-2"])
+def test_every_built_object_validates_against_the_kubernetes_schema(spec):
+    for obj in all_objects(make_job(**spec)):
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_an_invalid_object_is_refused_by_the_validator():
+    bad = pods.build_worker_pod(make_job(), 0)
+    bad["spec"]["containers"][0]["ports"][0]["containerPort"] = "nine"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+def test_worker_pod_runs_the_training_command_under_torchrun():
+    job = make_job()
+    pod = pods.build_worker_pod(job, 1)
+    argv = pods.worker_command(pod)
+    assert argv[:3] == ["python", "-m", "torch.distributed.run"]
+    assert "--nnodes=1:4" in argv and "--nproc-per-node=1" in argv
+    assert "--rdzv-backend=disttrain" in argv
+    assert "--rdzv-endpoint=demo-agent.default.svc:29400" in argv
+    assert "--rdzv-id=job-uid-1" in argv
+    conf = next(a for a in argv if a.startswith("--rdzv-conf="))
+    assert conf == ("--rdzv-conf=is_host=false,join_timeout=600,last_call_timeout=1,close_timeout=10,"
+                    "keep_alive_interval=1,keep_alive_max_attempt=3")
+    assert f"--max-restarts={pods.TORCHRUN_MAX_RESTARTS}" in argv
+    no_python = argv.index("--no-python")
+    assert argv[no_python + 1:] == ["python", "train.py", "--epochs", "3"]
+    assert "args" not in pod["spec"]["containers"][0]
+
+
+def test_worker_pod_identity_labels_and_owner():
+    pod = pods.build_worker_pod(make_job(), 2)
+    meta = pod["metadata"]
+    assert meta["name"] == "demo-worker-2" and meta["namespace"] == "default"
+    assert meta["labels"] == {"team": "ml", "disttrain.dev/job-name": "demo", "disttrain.dev/role": "worker",
+                              "disttrain.dev/node-index": "2"}
+    assert meta["annotations"] == {"note": "x"}
+    assert meta["ownerReferences"] == [{"apiVersion": "disttrain.dev/v1alpha1", "kind": "DistTrainJob", "name": "demo",
+                                        "uid": "job-uid-1", "controller": True, "blockOwnerDeletion": True}]
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert pod["spec"]["subdomain"] == "demo-workers"
+
+
+def test_worker_env_carries_the_contract_and_drops_user_spoofing():
+    job = make_job()
+    values = pods.worker_env_dict(pods.build_worker_pod(job, 0))
+    assert values["USER_VAR"] == "1"
+    assert values[env.NODE_NAME] == "demo-worker-0"
+    assert values[env.CHECKPOINT_DIR] == "/var/lib/disttrain/checkpoints/default/demo"
+    assert values[env.AGENT_ENDPOINT] == "demo-agent.default.svc:29400"
+    assert values[env.JOB_UID] == "job-uid-1"
+    assert WorkerContract.from_env_value(values[env.CONTRACT]) == WorkerContract.from_spec(job.spec)
+    names = [e["name"] for e in pods.build_worker_pod(job, 0)["spec"]["containers"][0]["env"]]
+    assert names.count(env.NODE_NAME) == 1
+
+
+def test_local_runtime_can_override_endpoint_and_checkpoint_dir():
+    pod = pods.build_worker_pod(make_job(), 0, endpoint="127.0.0.1:5555", checkpoint_directory="/tmp/ck")
+    values = pods.worker_env_dict(pod)
+    assert values[env.AGENT_ENDPOINT] == "127.0.0.1:5555" and values[env.CHECKPOINT_DIR] == "/tmp/ck"
+    assert "--rdzv-endpoint=127.0.0.1:5555" in pods.worker_command(pod)
+
+
+def test_checkpoint_claim_is_mounted_and_a_template_volume_can_be_used_instead():
+    pod = pods.build_worker_pod(make_job(), 0)
+    assert {"name": "disttrain-checkpoints", "persistentVolumeClaim": {"claimName": "ckpt"}} in pod["spec"]["volumes"]
+    mounts = pod["spec"]["containers"][0]["volumeMounts"]
+    assert {"name": "disttrain-checkpoints", "mountPath": "/var/lib/disttrain/checkpoints"} in mounts
+    manifest = job_manifest()
+    manifest["spec"]["checkpoint"] = {"volumeName": "shared", "path": "/ckpt"}
+    manifest["spec"]["template"]["spec"]["volumes"] = [{"name": "shared", "nfs": {"server": "nfs", "path": "/x"}}]
+    pod = pods.build_worker_pod(DistTrainJob.model_validate(manifest), 0)
+    assert pod["spec"]["containers"][0]["volumeMounts"] == [{"name": "shared", "mountPath": "/ckpt"}]
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
+def test_a_template_volume_name_that_does_not_exist_is_refused_with_the_field():
+    manifest = job_manifest()
+    manifest["spec"]["checkpoint"] = {"volumeName": "missing", "path": "/ckpt"}
+    with pytest.raises(ValueError, match="spec.checkpoint.volumeName"):
+        pods.build_worker_pod(DistTrainJob.model_validate(manifest), 0)
+
+
+def test_builders_are_pure():
+    job = make_job()
+    before = json.dumps(job.spec.template, sort_keys=True)
+    assert pods.build_worker_pod(job, 0) == pods.build_worker_pod(job, 0)
+    assert json.dumps(job.spec.template, sort_keys=True) == before
+
+
+def test_agent_role_allows_only_its_own_job_and_status_patch():
+    role = pods.build_role(make_job())
+    assert all(rule["resourceNames"] == ["demo"] for rule in role["rules"])
+    verbs = {tuple(rule["resources"]): rule["verbs"] for rule in role["rules"]}
+    assert verbs == {("disttrainjobs",): ["get", "watch"], ("disttrainjobs/status",): ["get", "patch"]}
+    binding = pods.build_role_binding(make_job())
+    assert binding["subjects"][0]["name"] == pods.build_agent_pod(make_job())["spec"]["serviceAccountName"]
+
+
+def test_agent_pod_and_service_meet_on_the_rendezvous_port():
+    job = make_job()
+    agent, service = pods.build_agent_pod(job), pods.build_agent_service(job)
+    assert service["spec"]["selector"].items() <= agent["metadata"]["labels"].items()
+    assert service["spec"]["ports"][0]["port"] == 29400
+    assert agent["spec"]["containers"][0]["command"] == ["python", "-m", "disttrain.trainer.agent", "--port", "29400"]
