@@ -20,6 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TOY = REPO / "tests" / "trainer" / "workers" / "toy.py"
+STORE_SERVER = REPO / "tests" / "trainer" / "workers" / "store_server.py"
 
 
 def free_port() -> int:
@@ -121,6 +122,15 @@ class Harness:
                 return
             time.sleep(0.05)
         raise AssertionError(f"{run} never reached step {step}:\n{self.log(run)[-3000:]}")
+
+    def start_store(self) -> int:
+        """A TCPStore server in its own process (the job agent's role); returns its port."""
+        port = free_port()
+        p = subprocess.Popen([sys.executable, str(STORE_SERVER), str(port)], stdout=subprocess.PIPE, text=True)
+        self.procs.append(p)
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        p.stdout.close()
+        return port
 
     def cleanup(self) -> None:
         for p in self.procs:
