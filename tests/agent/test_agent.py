@@ -1,0 +1,147 @@
+"""The job agent against a real TCPStore: directives out to workers, progress and checkpoints back to status."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from torch.distributed import TCPStore
+
+from disttrain.api import control as keys
+from disttrain.trainer import agent as agent_mod
+from disttrain.trainer.control import read_signal
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_job(state, control=None, **status):
+    job = {"apiVersion": "disttrain.dev/v1alpha1", "kind": "DistTrainJob",
+           "metadata": {"name": "demo", "namespace": "team"},
+           "spec": {"checkpoint": {"path": "/ckpt"}},
+           "status": {"control": control or {"generation": 0, "action": "none", "targetNodes": 2}, **status}}
+    (state / "job.json").write_text(json.dumps(job))
+
+
+@pytest.fixture
+def store_pair():
+    port = free_port()
+    server = agent_mod.start_store(port, "127.0.0.1", timeout_s=5)
+    client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    yield server, client
+
+
+def progress(step, world=2, run="r1", restart=0):
+    return keys.ProgressReport(step=step, samples_consumed=step * 24, world_size=world,
+                               plan={"worldSize": world, "globalBatch": 24, "microBatch": 2, "accumSteps": 6,
+                                     "lrScale": 1.0},
+                               restart_count=restart, run_id=run, time=1_700_000_000.5 + step).model_dump_json()
+
+
+def test_directive_reaches_the_workers_store_keys(tmp_path, store_pair):
+    server, client = store_pair
+    write_job(tmp_path, {"generation": 3, "action": "drain", "reason": "ScaledDown", "targetNodes": 2,
+                         "exclude": ["demo-worker-2"]})
+    agent = agent_mod.Agent(agent_mod.FileJobSource(tmp_path), server)
+    assert agent.sync()
+    signal_ = read_signal(client)  # the trainer's own reader
+    assert (signal_.generation, signal_.action, signal_.reason) == (3, "drain", "ScaledDown")
+    target = keys.TargetPlan.model_validate_json(client.get(keys.TARGET_KEY))
+    assert (target.generation, target.nodes, target.exclude) == (3, 2, ["demo-worker-2"])
+
+
+def test_progress_checkpoint_and_failure_are_relayed_into_status(tmp_path, store_pair):
+    server, client = store_pair
+    write_job(tmp_path)
+    source = agent_mod.FileJobSource(tmp_path)
+    agent = agent_mod.Agent(source, server)
+    client.set(keys.PROGRESS_KEY, progress(7))
+    client.set(keys.FAILURE_KEY, keys.WorkerFailure(exit_code=85, node="demo-worker-1", message="bad dataset",
+                                                    time=1_700_000_100.0).model_dump_json())
+    agent.sync()
+    status = source.read()["status"]
+    assert status["step"] == 7 and status["samplesConsumed"] == 168 and status["worldSize"] == 2
+    assert status["plan"]["accumSteps"] == 6
+    assert status["lastProgressTime"] == "2023-11-14T22:13:27.500Z"
+    assert status["rendezvousRound"] == 1
+    assert status["workerFailure"] == {"exitCode": 85, "node": "demo-worker-1", "message": "bad dataset",
+                                       "time": "2023-11-14T22:15:00.000Z"}
+    assert status["control"]["targetNodes"] == 2, "the runtime's fields are kept"
+    manifest = {"step": 10, "samples_consumed": 240, "data_cursor": 240, "world_size": 2, "plan": {}, "lr_scale": 1.0,
+                "dataset": {"length": 1000, "seed": 0}, "metadata_sha256": "x", "files": {},
+                "created_at": "2023-11-14T22:14:00Z", "code_version": "0.1.0", "config_hash": "h"}
+    client.set(keys.CHECKPOINT_KEY, json.dumps(manifest))
+    client.set(keys.PROGRESS_KEY, progress(11, world=3, restart=1))
+    agent.sync()
+    status = source.read()["status"]
+    assert status["lastCheckpoint"] == {"step": 10, "samples": 240, "path": "/ckpt/team/demo/step-10",
+                                        "time": "2023-11-14T22:14:00Z", "worldSize": 2}
+    assert status["worldSize"] == 3 and status["rendezvousRound"] == 2
+
+
+def test_only_changes_are_patched(tmp_path, store_pair):
+    server, client = store_pair
+    write_job(tmp_path)
+
+    class Counting(agent_mod.FileJobSource):
+        patches: list = []
+
+        def patch_status(self, patch):
+            self.patches.append(patch)
+            super().patch_status(patch)
+
+    source = Counting(tmp_path)
+    agent = agent_mod.Agent(source, server)
+    client.set(keys.PROGRESS_KEY, progress(1))
+    agent.sync()
+    agent.sync()
+    agent.sync()
+    assert len(source.patches) == 1
+    client.set(keys.PROGRESS_KEY, progress(2))
+    agent.sync()
+    assert len(source.patches) == 2 and set(source.patches[1]) == {"step", "samplesConsumed", "lastProgressTime"}
+
+
+def test_the_agent_stops_when_its_job_is_gone(tmp_path, store_pair):
+    server, _ = store_pair
+    agent = agent_mod.Agent(agent_mod.FileJobSource(tmp_path), server)
+    assert agent.sync() is False
+    assert agent.run() == 0
+
+
+def test_agent_process_serves_the_store_and_exits_on_sigterm(tmp_path):
+    port = free_port()
+    write_job(tmp_path, {"generation": 1, "action": "reform", "reason": "NodeLost", "targetNodes": 1})
+    log = (tmp_path / "agent.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "disttrain.trainer.agent", "--state-dir", str(tmp_path),
+                             "--port", str(port), "--host", "127.0.0.1", "--poll-seconds", "0.05"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        deadline = time.monotonic() + 20
+        while read_signal(client) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert read_signal(client).action == "reform"
+        client.set(keys.PROGRESS_KEY, progress(4, world=1))
+        while "step" not in agent_mod.FileJobSource(tmp_path).agent_status() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert agent_mod.FileJobSource(tmp_path).agent_status()["step"] == 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
