@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_validate.add_argument("files", nargs="+", metavar="FILE")
     p_validate.set_defaults(func=cmd_validate)
 
+    from disttrain.operator.local import cli as local_cli  # light: argparse wiring only
+
+    local_cli.add_parser(sub)
+
     return parser
 
 

@@ -1,0 +1,39 @@
+"""The local side of the job agent's file source (``python -m disttrain.trainer.agent --state-dir DIR``).
+
+The runtime writes ``job.json``; the agent follows ``status.control`` from it and writes the status fields it
+owns to ``agent-status.json`` (one writer per file), which the runtime merges into the status before each
+reconcile, as the API server merges the agent's status patches on Kubernetes.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from disttrain.operator.local.statedir import StateDir
+
+AGENT_STATUS_FILE = "agent-status.json"
+# Status fields the agent owns (disttrain.trainer.agent.AGENT_FIELDS; the operator package may not import it).
+AGENT_FIELDS = ("step", "samplesConsumed", "worldSize", "plan", "rendezvousRound", "lastProgressTime",
+                "lastCheckpoint", "workerFailure")
+
+
+def localize_agent_pod(pod: dict[str, Any], state: StateDir, port: int) -> dict[str, Any]:
+    """The agent pod's command, told to follow the state directory and listen on localhost only."""
+    pod = copy.deepcopy(pod)
+    container = pod["spec"]["containers"][0]
+    container["command"] = [*container.get("command", []), *container.pop("args", []),
+                            "--state-dir", str(state.path), "--host", "127.0.0.1"]
+    return pod
+
+
+def agent_env(state: StateDir) -> dict[str, str]:
+    return {}
+
+
+def read_relayed(state: StateDir) -> dict[str, Any]:
+    """The agent's status fields (empty until it relayed anything)."""
+    document = state.read_json(state.path / AGENT_STATUS_FILE)
+    if not isinstance(document, dict):
+        return {}
+    return {k: v for k, v in document.items() if k in AGENT_FIELDS}

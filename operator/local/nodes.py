@@ -1,0 +1,112 @@
+"""Local "pods": a process tree per worker node (torchrun + its workers) and one for the job agent.
+
+A :class:`LocalPod` turns its process into the :class:`~disttrain.operator.observed.PodView` that reconcile
+reads, exactly as the kube adapter turns a Pod object into one: Running while the root process lives,
+Succeeded / Failed with the exit code once it exited, Terminating while a deletion is in progress. Each pod
+runs on its own local "machine" (a :class:`NodeView`); killing the machine SIGKILLs the whole tree and marks
+the node NotReady, which reconcile treats as a lost node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import subprocess
+import time
+from typing import IO, Optional
+
+from disttrain.operator.local import proctree
+from disttrain.operator.observed import NodeView, PodView
+
+# Seconds a deleted pod gets between SIGTERM and SIGKILL (terminationGracePeriodSeconds, shortened locally).
+GRACE_SECONDS = 10.0
+
+
+@dataclasses.dataclass
+class LocalPod:
+    name: str
+    uid: str
+    index: int
+    """Node index (-1 for the agent)."""
+    node: str
+    """The local machine it runs on."""
+    marker: str
+    proc: subprocess.Popen
+    log: IO[bytes]
+    created_at: float
+    metrics_port: int = 0
+    deleting_since: Optional[float] = None
+    node_lost: bool = False
+    exit_code: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.exit_code is None:
+            code = self.proc.poll()
+            if code is not None:
+                self.exit_code = 128 - code if code < 0 else code  # -9 -> 137, as a container reports it
+        return self.exit_code
+
+    @property
+    def is_alive(self) -> bool:
+        return self.poll() is None
+
+    def view(self) -> PodView:
+        code = self.poll()
+        if self.node_lost or code is None:
+            phase, ready = "Running", not self.node_lost
+        else:
+            phase, ready = ("Succeeded" if code == 0 else "Failed"), False
+        return PodView(name=self.name, uid=self.uid, node_index=self.index, phase=phase, ready=ready,
+                       node_name=self.node, created_at=self.created_at, deleting_since=self.deleting_since,
+                       exit_code=None if phase == "Running" else code)
+
+    def node_view(self) -> NodeView:
+        return NodeView(name=self.node, ready=False if self.node_lost else True)
+
+    def kill_machine(self) -> None:
+        """The machine dies: every process of the pod gets SIGKILL, the node turns NotReady."""
+        self.node_lost = True
+        proctree.kill_tree(self.marker, self.proc.pid)
+        self.poll()
+
+    def terminate(self, now: float) -> None:
+        """A graceful delete: SIGTERM to the container's main process (torchrun stops its workers)."""
+        if self.deleting_since is None:
+            self.deleting_since = now
+            if self.is_alive:
+                try:
+                    self.proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    def is_gone(self, now: float) -> bool:
+        """Finish a deletion: True once no process of the pod is left (SIGKILL after the grace period)."""
+        if self.deleting_since is None:
+            return False
+        if self.is_alive and now - self.deleting_since < GRACE_SECONDS:
+            return False
+        tree = proctree.find_tree(self.marker, self.proc.pid if self.is_alive else None)
+        if tree and (now - self.deleting_since >= GRACE_SECONDS or not self.is_alive):
+            proctree.kill_tree(self.marker, self.proc.pid)
+        self.poll()
+        return not self.is_alive
+
+    def force_delete(self) -> None:
+        proctree.kill_tree(self.marker, self.proc.pid)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self.poll()
+
+    def close(self) -> None:
+        try:
+            self.log.close()
+        except OSError:
+            pass
+
+
+def wait_gone(pod: LocalPod, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while pod.is_alive and time.monotonic() < deadline:
+        time.sleep(0.02)

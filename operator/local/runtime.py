@@ -1,0 +1,325 @@
+"""The local runtime: the operator's pure ``reconcile`` driving local process trees instead of pods.
+
+One loop, the same shape as the kube adapter: observe (process trees -> PodViews, machines -> NodeViews, the
+agent's relayed progress), ``reconcile(job, observed, now)``, apply the Actions (status, deletions, creations,
+events), then wait for the next tick. Chaos events and scale requests from other terminals edit the "cluster"
+between ticks, as a dying machine or ``kubectl scale`` would.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Optional
+
+from disttrain.api import conditions as cond
+from disttrain.api.spec import DistTrainJob
+from disttrain.operator import names, pods, reconcile
+from disttrain.operator.local import agentlink, proctree, translate
+from disttrain.operator.local.chaos import ChaosEvent
+from disttrain.operator.local.logtail import LogTail
+from disttrain.operator.local.metrics import LocalMetrics
+from disttrain.operator.local.nodes import LocalPod
+from disttrain.operator.local.statedir import StateDir
+from disttrain.operator.local.summary import Recorder, Summary
+from disttrain.operator.observed import Actions, Event, Observed
+
+TICK_SECONDS = 0.2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """What the display shows after each tick."""
+
+    job: str
+    elapsed: float
+    status: dict[str, Any]
+    pods: list[tuple[str, str, str]]
+    """(pod name, machine, state) of every live pod, the agent first."""
+    loss: Optional[float]
+    samples_per_second: Optional[float]
+    events: list[dict[str, Any]]
+    metrics_url: str
+    worker_metrics: list[str]
+
+
+class LocalRuntime:
+    def __init__(self, job: DistTrainJob, state: StateDir, *, chaos: list[ChaosEvent] = (),
+                 workdir: Optional[str] = None, metrics_port: int = 0,
+                 on_tick: Optional[Callable[[Snapshot], None]] = None,
+                 on_event: Optional[Callable[[dict[str, Any]], None]] = None) -> None:
+        self.state = state
+        obj = job.model_dump(mode="json", by_alias=True, exclude_none=True)
+        obj["metadata"]["uid"] = obj["metadata"].get("uid") or str(uuid.uuid4())
+        obj["metadata"]["generation"] = obj["metadata"].get("generation") or 1
+        obj["status"] = {}
+        self.obj = obj
+        self.chaos = list(chaos)
+        self.workdir = workdir or os.getcwd()
+        self.metrics_port = metrics_port
+        self.on_tick = on_tick
+        self.on_event = on_event
+        self.workers: dict[str, LocalPod] = {}
+        self.agent: Optional[LocalPod] = None
+        self.lost_machines: list[LocalPod] = []
+        self.machine_count = 0
+        self.store_port = free_port()
+        self.started = time.time()
+        self.events: list[dict[str, Any]] = []
+        self.logs = LogTail(state.logs_dir)
+        self.recorder = Recorder()
+        self.metrics = LocalMetrics(obj["metadata"].get("namespace", "default"), obj["metadata"]["name"])
+        self.metrics_url = ""
+        self._status_written: Optional[dict[str, Any]] = None
+        self.interrupted = False
+
+    # ---- the job object --------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.obj["metadata"]["name"]
+
+    def job(self) -> DistTrainJob:
+        return DistTrainJob.model_validate(self.obj)
+
+    def set_replicas(self, replicas: int, why: str) -> None:
+        nodes = self.obj["spec"]["nodes"]
+        if nodes["replicas"] == replicas:
+            return
+        nodes["replicas"] = replicas
+        self.obj["metadata"]["generation"] += 1
+        self.record_event("Normal", "ScaleRequested", f"spec.nodes.replicas set to {replicas} ({why})")
+
+    # ---- events ----------------------------------------------------------------------------------------
+    def record_event(self, type_: str, reason: str, message: str, source: str = "local") -> None:
+        event = {"time": time.time(), "elapsed": round(time.time() - self.started, 2), "type": type_,
+                 "reason": reason, "message": message, "source": source}
+        self.events.append(event)
+        self.state.append_event(event)
+        self.recorder.on_event(event)
+        if self.on_event:
+            self.on_event(event)
+
+    # ---- process management ----------------------------------------------------------------------------
+    def site(self) -> translate.LocalSite:
+        job = self.job()
+        host = names.agent_service_name(self.name)
+        ns = job.metadata.namespace
+        return translate.LocalSite(
+            agent_hosts=(f"{host}.{ns}.svc.cluster.local", f"{host}.{ns}.svc", f"{host}.{ns}", host),
+            cluster_port=job.spec.rendezvous.port, local_port=self.store_port,
+            cluster_checkpoint_dir=pods.checkpoint_dir(job), checkpoint_dir=str(self.state.checkpoints_dir),
+            workdir=self.workdir, base_env=dict(os.environ))
+
+    def _spawn(self, pod: dict[str, Any], index: int, metrics_port: int, extra_env: dict[str, str]) -> LocalPod:
+        name = pod["metadata"]["name"]
+        self.machine_count += 1
+        machine = f"local-{self.machine_count}"
+        uid = str(uuid.uuid4())
+        pod = copy.deepcopy(pod)
+        pod["metadata"]["uid"] = uid
+        spec = translate.to_process(pod, self.site(), machine, metrics_port, extra_env)
+        log = self.state.log_file(name).open("ab")
+        log.write(f"==== {time.strftime('%H:%M:%S')} {name} (uid {uid}) on {machine}: "
+                  f"{' '.join(spec.argv)}\n".encode())
+        log.flush()
+        marker = f"{self.obj['metadata']['uid']}/{uid}"
+        proc = proctree.spawn(spec.argv, spec.env, spec.cwd, log, marker)
+        return LocalPod(name=name, uid=uid, index=index, node=machine, marker=marker, proc=proc, log=log,
+                        created_at=time.time(), metrics_port=metrics_port)
+
+    def create_worker(self, index: int) -> None:
+        job = self.job()
+        pod = pods.build_worker_pod(job, index, endpoint=f"127.0.0.1:{self.store_port}",
+                                    checkpoint_directory=str(self.state.checkpoints_dir))
+        port = free_port()
+        local = self._spawn(pod, index, port, {})
+        self.workers[local.name] = local
+
+    def create_agent(self) -> None:
+        job = self.job()
+        pod = pods.build_agent_pod(job)
+        pod = agentlink.localize_agent_pod(pod, self.state, self.store_port)
+        self.agent = self._spawn(pod, -1, 0, agentlink.agent_env(self.state))
+
+    def all_pods(self) -> list[LocalPod]:
+        return [*([self.agent] if self.agent else []), *self.workers.values()]
+
+    # ---- chaos and scale requests ----------------------------------------------------------------------
+    def fire_chaos(self, now: float) -> None:
+        step = int(self.obj["status"].get("step", 0))
+        for event in [e for e in self.chaos if e.is_due(now - self.started, step)]:
+            self.chaos.remove(event)
+            self.apply_chaos(event)
+
+    def apply_chaos(self, event: ChaosEvent) -> None:
+        if event.action == "kill-node":
+            alive = [p for p in self.workers.values() if p.is_alive and not p.node_lost and p.deleting_since is None]
+            if event.index is not None:
+                alive = [p for p in alive if p.index == event.index]
+            if not alive:
+                self.record_event("Warning", "ChaosSkipped", f"{event}: no running node to kill")
+                return
+            victim = max(alive, key=lambda p: (p.index != 0, p.created_at))
+            self.record_event("Warning", "ChaosKillNode", f"{event}: SIGKILL of machine {victim.node} "
+                                                          f"({victim.name}: torchrun and all its workers)")
+            victim.kill_machine()
+        elif event.action == "kill-agent":
+            if self.agent is None or not self.agent.is_alive:
+                self.record_event("Warning", "ChaosSkipped", f"{event}: no running agent")
+                return
+            self.record_event("Warning", "ChaosKillAgent", f"{event}: SIGKILL of the job agent ({self.agent.name})")
+            self.agent.kill_machine()
+        elif event.action in ("add-node", "remove-node"):
+            current = int(self.obj["status"].get("desiredNodes") or self.obj["spec"]["nodes"]["replicas"])
+            self.set_replicas(current + (1 if event.action == "add-node" else -1), f"chaos {event}")
+
+    def take_requests(self) -> None:
+        for replicas in self.state.take_scale_requests():
+            self.set_replicas(replicas, "disttrain local scale")
+
+    # ---- one tick --------------------------------------------------------------------------------------
+    def observe(self, now: float) -> Observed:
+        machines = {p.node: p.node_view() for p in self.all_pods()}
+        return Observed(workers=tuple(p.view() for p in self.workers.values()),
+                        agent=self.agent.view() if self.agent else None, nodes=machines)
+
+    def finish_deletions(self, now: float) -> None:
+        for name, pod in list(self.workers.items()):
+            if pod.is_gone(now):
+                pod.close()
+                del self.workers[name]
+        if self.agent is not None and self.agent.is_gone(now):
+            self.agent.close()
+            self.agent = None
+
+    def apply(self, actions: Actions, now: float) -> None:
+        self.obj["status"] = copy.deepcopy(dict(actions.status))
+        for deletion in actions.delete_pods:
+            pod = self.workers.get(deletion.name)
+            if pod is None and self.agent is not None and self.agent.name == deletion.name:
+                pod = self.agent
+            if pod is None:
+                continue
+            if deletion.force or pod.node_lost or not pod.is_alive:
+                pod.force_delete()
+                pod.deleting_since = pod.deleting_since or now
+            else:
+                pod.terminate(now)
+        self.finish_deletions(now)
+        if actions.create_agent and self.agent is None:
+            self.create_agent()
+        for index in actions.create_workers:
+            name = names.worker_name(self.name, index)
+            if name not in self.workers:
+                self.create_worker(index)
+        for event in actions.events:
+            self.record_event(event.type, event.reason, event.message, source="reconcile")
+
+    def tick(self) -> Actions:
+        now = time.time()
+        self.take_requests()
+        self.fire_chaos(now)
+        self.finish_deletions(now)
+        relayed = agentlink.read_relayed(self.state)
+        if relayed:
+            self.obj["status"] = {**self.obj["status"], **relayed}
+        facts = self.logs.poll(now)
+        self.recorder.on_status(self.obj["status"], facts, now)
+        began = time.perf_counter()
+        actions = reconcile.reconcile(self.job(), self.observe(now), now)
+        self.metrics.reconcile_seconds.observe(time.perf_counter() - began)
+        try:
+            self.apply(actions, now)
+        except Exception as exc:  # noqa: BLE001 - count, report, keep the loop alive like an operator
+            self.metrics.errors.inc()
+            self.record_event("Warning", "LocalError", f"applying actions failed: {exc!r}")
+        self.metrics.observe(self.obj["status"], actions.events, now)
+        self.write_state()
+        if self.on_tick:
+            self.on_tick(self.snapshot(now))
+        return actions
+
+    def snapshot(self, now: float) -> Snapshot:
+        facts = self.logs.facts
+        pods_shown = []
+        for pod in self.all_pods():
+            view = pod.view()
+            state = "Terminating" if view.is_terminating else ("NodeLost" if pod.node_lost else view.phase)
+            if view.exit_code is not None and view.phase == "Failed":
+                state += f" ({view.exit_code})"
+            pods_shown.append((pod.name, pod.node, state))
+        return Snapshot(job=self.name, elapsed=now - self.started, status=self.obj["status"], pods=pods_shown,
+                        loss=facts.loss, samples_per_second=facts.samples_per_second, events=self.events[-8:],
+                        metrics_url=self.metrics_url,
+                        worker_metrics=[f"http://127.0.0.1:{p.metrics_port}/metrics"
+                                        for p in self.workers.values() if p.metrics_port])
+
+    def write_state(self) -> None:
+        status = self.obj["status"]
+        if status != self._status_written:
+            self.state.write_json(self.state.status_file, status)
+            self.state.write_json(self.state.job_file, self.obj)
+            self._status_written = copy.deepcopy(status)
+        self.state.write_json(self.state.runtime_file, {
+            "pid": os.getpid(), "job": self.name, "metricsUrl": self.metrics_url, "storePort": self.store_port,
+            "started": self.started, "workerMetrics": {p.name: p.metrics_port for p in self.workers.values()},
+            "finished": False})
+
+    # ---- the whole run ---------------------------------------------------------------------------------
+    def is_done(self) -> bool:
+        phase = self.obj["status"].get("phase")
+        return phase in ("Succeeded", "Failed") and not self.all_pods()
+
+    def run(self, timeout_s: Optional[float] = None) -> Summary:
+        self.state.create()
+        self.metrics_url = self.metrics.serve(self.metrics_port)
+        self.record_event("Normal", "LocalRunStarted",
+                          f"state in {self.state.path}; operator metrics at {self.metrics_url}")
+        try:
+            while not self.is_done():
+                actions = self.tick()
+                if timeout_s is not None and time.time() - self.started > timeout_s:
+                    self.record_event("Warning", "LocalTimeout", f"run exceeded {timeout_s:.0f}s; stopping")
+                    break
+                wait = TICK_SECONDS if actions.requeue_after is None else min(TICK_SECONDS, actions.requeue_after)
+                time.sleep(max(0.02, wait))
+        except KeyboardInterrupt:
+            self.interrupted = True
+            self.record_event("Warning", "Interrupted", "stopped by the user (Ctrl-C); killing every local process")
+        finally:
+            self.shutdown()
+        summary = self.recorder.summary(self.obj["status"], time.time() - self.started, self.logs.facts)
+        self.state.write_json(self.state.summary_file, summary.to_dict())
+        runtime = self.state.read_json(self.state.runtime_file) or {}
+        runtime["finished"] = True
+        self.state.write_json(self.state.runtime_file, runtime)
+        return summary
+
+    def shutdown(self) -> None:
+        for pod in self.all_pods():
+            pod.force_delete()
+            pod.close()
+        self.workers.clear()
+        self.agent = None
+        self.metrics.shutdown()
+        self.write_state()
+
+
+def elapsed_since(rfc3339: Optional[str], now: float) -> Optional[float]:
+    at = cond.parse_time(rfc3339)
+    return None if at is None else now - at
+
+
+__all__ = ["LocalRuntime", "Snapshot", "free_port", "Event", "sys"]

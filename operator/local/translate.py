@@ -1,0 +1,164 @@
+"""Turn a pod dict (as built for Kubernetes) into a local process: argv, environment, working directory.
+
+The pod builders stay the single definition of what a node runs; only what differs between a cluster and one
+machine is translated here:
+
+* the agent Service's DNS name and port in args and env become ``127.0.0.1:<local port>`` (several jobs and
+  tests share one machine, so the runtime picks a free port for each job's store);
+* the checkpoint mount path becomes the state directory's ``checkpoints/``;
+* ``DISTTRAIN_METRICS_PORT`` gets a free local port per node (pods each have their own IP; processes do not);
+* ``python``/``python3`` and ``torchrun`` resolve to the interpreter running disttrain (the image's
+  interpreter on Kubernetes), so the venv's torch is used;
+* ``env[].valueFrom.fieldRef`` is resolved from the local pod's name, namespace, uid and node.
+
+Pure: no I/O; the runtime starts the result with :mod:`proctree`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+from disttrain.api import constants
+from disttrain.api import env as env_names
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalSite:
+    """Where the job lives on this machine."""
+
+    agent_hosts: tuple[str, ...]
+    """Host names the pods use for the agent (its Service, with or without the namespace/cluster suffix)."""
+    cluster_port: int
+    """spec.rendezvous.port: the store's port in the cluster."""
+    local_port: int
+    """The port the local agent listens on."""
+    cluster_checkpoint_dir: str
+    """DISTTRAIN_CHECKPOINT_DIR as the builder sets it (under spec.checkpoint.path)."""
+    checkpoint_dir: str
+    workdir: str
+    python: str = sys.executable
+    base_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Environment every local process starts from (the user's, so PATH and the venv work as in an image)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSpec:
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    cwd: str
+
+
+def trainer_container(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    containers = pod.get("spec", {}).get("containers", [])
+    for container in containers:
+        if container.get("name") == constants.TRAINER_CONTAINER:
+            return container
+    if not containers:
+        raise ValueError(f"pod {pod.get('metadata', {}).get('name')!r} has no containers")
+    return containers[0]
+
+
+def _endpoint_pattern(site: LocalSite) -> re.Pattern[str]:
+    hosts = "|".join(re.escape(h) for h in sorted(site.agent_hosts, key=len, reverse=True))
+    return re.compile(rf"(?<![\w.-])(?:{hosts})(?::{site.cluster_port})?(?![\w-])")
+
+
+def translate_text(text: str, site: LocalSite) -> str:
+    """Agent host[:port] -> 127.0.0.1:<local port>; checkpoint dir -> the local one."""
+    if site.cluster_checkpoint_dir and site.cluster_checkpoint_dir in text:
+        text = text.replace(site.cluster_checkpoint_dir, site.checkpoint_dir)
+
+    def endpoint(match: re.Match[str]) -> str:
+        return f"127.0.0.1:{site.local_port}" if ":" in match.group(0) else "127.0.0.1"
+
+    return _endpoint_pattern(site).sub(endpoint, text)
+
+
+def translate_argv(argv: Sequence[str], site: LocalSite) -> list[str]:
+    out = [translate_text(a, site) for a in argv]
+    if out and out[0] in ("python", "python3", "python3.10", "python3.11", "python3.12", "python3.13"):
+        out[0] = site.python
+    elif out and out[0] == "torchrun":
+        out[:1] = [site.python, "-m", "torch.distributed.run"]
+    for i, arg in enumerate(out):
+        if arg in ("python", "python3") and i > 0:
+            out[i] = site.python
+        elif i > 0 and arg == str(site.cluster_port) and out[i - 1] in ("--port", "--store-port", "--rdzv-port"):
+            out[i] = str(site.local_port)
+        elif re.fullmatch(rf"--(?:store-|rdzv-)?port={site.cluster_port}", arg):
+            out[i] = arg.rsplit("=", 1)[0] + f"={site.local_port}"
+    return out
+
+
+def _field_value(path: str, pod: Mapping[str, Any], node_name: str) -> Optional[str]:
+    meta = pod.get("metadata", {})
+    if path == "metadata.name":
+        return meta.get("name")
+    if path == "metadata.namespace":
+        return meta.get("namespace", "default")
+    if path == "metadata.uid":
+        return meta.get("uid", meta.get("name"))
+    if path in ("status.podIP", "status.hostIP"):
+        return "127.0.0.1"
+    if path == "spec.nodeName":
+        return node_name
+    if path == "spec.serviceAccountName":
+        return pod.get("spec", {}).get("serviceAccountName", "default")
+    match = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
+    if match:
+        return meta.get(match.group(1), {}).get(match.group(2))
+    return None
+
+
+def container_env(container: Mapping[str, Any], pod: Mapping[str, Any], node_name: str) -> dict[str, str]:
+    """The container's env list resolved to plain strings (``$(VAR)`` references expanded as kubelet does)."""
+    resolved: dict[str, str] = {}
+    for item in container.get("env", []) or []:
+        name = item.get("name")
+        if not name:
+            continue
+        if "value" in item:
+            value = str(item["value"])
+            value = re.sub(r"\$\((\w+)\)", lambda m: resolved.get(m.group(1), m.group(0)), value)
+            resolved[name] = value
+            continue
+        field = (item.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
+        if field:
+            value = _field_value(field, pod, node_name)
+            if value is not None:
+                resolved[name] = value
+    return resolved
+
+
+def to_process(pod: Mapping[str, Any], site: LocalSite, node_name: str, metrics_port: int,
+               extra_env: Optional[Mapping[str, str]] = None) -> ProcessSpec:
+    """The local process for ``pod``: the trainer container's command and env, translated to this machine."""
+    container = trainer_container(pod)
+    argv = translate_argv([*container.get("command", []), *container.get("args", [])], site)
+    if not argv:
+        raise ValueError(f"pod {pod.get('metadata', {}).get('name')!r}: the container has no command")
+    env = dict(site.base_env)
+    env.setdefault("OMP_NUM_THREADS", "1")  # many processes share a few cores locally
+    env["PYTHONUNBUFFERED"] = "1"
+    for name, value in container_env(container, pod, node_name).items():
+        env[name] = translate_text(value, site)
+    if env_names.AGENT_ENDPOINT in env:
+        env[env_names.AGENT_ENDPOINT] = f"127.0.0.1:{site.local_port}"
+    if env_names.CHECKPOINT_DIR in env or env_names.CONTRACT in env:
+        env[env_names.CHECKPOINT_DIR] = site.checkpoint_dir
+    if env_names.METRICS_PORT in env:
+        env[env_names.METRICS_PORT] = str(metrics_port)
+    env.update(extra_env or {})
+    workdir = container.get("workingDir")
+    cwd = site.workdir if not workdir or not _exists(workdir) else workdir
+    return ProcessSpec(tuple(argv), env, cwd)
+
+
+def _exists(path: str) -> bool:
+    import os
+
+    return os.path.isdir(path)
