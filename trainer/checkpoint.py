@@ -8,8 +8,10 @@ is in :mod:`disttrain.trainer.commit`; this module adds the collectives around i
 2. every rank fsyncs and digests the files it wrote (in parallel), and sends the digests to rank 0;
 3. rank 0 writes COMPLETE.json atomically, renames the dir to ``step-N``, fsyncs the parent, applies retention.
 
-Async saves (``dcp.async_save`` on a separate gloo group) do steps 1 and the DCP write in the background, and
-step 2 in a helper thread; step 3 runs at the first step boundary at which every rank reports its part done
+Async saves (``dcp.async_save`` on a separate gloo group) stage the state (an in-memory copy) in a background
+thread that overlaps the next forward/backward; only the next ``optimizer.step()`` waits for the copy to finish
+(:meth:`CheckpointManager.before_optimizer_step`), since that is the first thing to modify saved tensors. The
+DCP write runs in the background too, and step 2 in a helper thread; step 3 runs at the first step boundary at which every rank reports its part done
 (agreed by one tiny all-reduce per boundary, so no rank runs ahead of a failed save). A failed save is counted,
 logged and retried synchronously at that boundary; ``max_consecutive_failures`` failures in a row end the
 process with a retryable error rather than training on without a recoverable state.
@@ -32,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from disttrain.api.manifest import CheckpointManifest, DatasetFingerprint
@@ -42,7 +46,8 @@ log = logging.getLogger("disttrain.trainer")
 
 FAULT_ENV = "DISTTRAIN_FAULT_INJECT"
 """Fault injection for tests of the commit protocol: ``kill_before_commit:<step>`` makes global rank 0 SIGKILL
-itself after every rank's files are written and synced, just before COMPLETE.json (the worst moment)."""
+itself after every rank's files are written and synced, just before COMPLETE.json (the worst moment);
+``fail_async:<step>`` makes every rank's background part of that async save fail after DCP wrote its files."""
 
 
 class ModelOptimState(Stateful):
@@ -136,6 +141,9 @@ class CheckpointManager:
         self.pending: Optional[_Pending] = None
         self.on_commit = None  # callable(manifest) on rank 0 after each commit
         self._fault = os.environ.get(FAULT_ENV, "")
+        self._stager: Optional[DefaultStager] = None
+        self._staging: Any = None
+        self.blocked_s = 0.0  # total seconds training waited for saves (sync saves, async kick-off and staging)
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
 
@@ -162,11 +170,21 @@ class CheckpointManager:
         self.last_saved_step = step
         self.last_save_time = time.monotonic()
         if self.spec.async_save and not force_sync:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+            if self._stager is None:
+                self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+                                                            use_shared_memory=False, use_async_staging=True,
+                                                            use_non_blocking_copy=torch.cuda.is_available()))
+            response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
+                                      async_stager=self._stager)
+            if isinstance(response, AsyncSaveResponse):
+                future, self._staging = response.upload_completion, response.staging_completion
+            else:
+                future = response
             pending = _Pending(step, tmp, manifest, future, started=t0, blocking_s=time.monotonic() - t0)
             threading.Thread(target=self._finish_in_background, args=(pending,), daemon=True,
                              name="disttrain-ckpt-finish").start()
             self.pending = pending
+            self.blocked_s += pending.blocking_s
             self._observe("blocking", pending.blocking_s)
             return
         try:
@@ -176,11 +194,28 @@ class CheckpointManager:
         except Exception as exc:  # noqa: BLE001 - reported collectively below
             digests, error = {}, exc
         self._commit_collectively(step, tmp, manifest, digests, error)
+        self.blocked_s += time.monotonic() - t0
         self._observe("blocking", time.monotonic() - t0)
+
+    def before_optimizer_step(self) -> float:
+        """Wait for an async save's staging copy before tensors it copies change; returns seconds blocked."""
+        if self._staging is None:
+            return 0.0
+        t0 = time.monotonic()
+        try:
+            self._staging.result()
+        finally:
+            self._staging = None
+        blocked = time.monotonic() - t0
+        self.blocked_s += blocked
+        self._observe("blocking", blocked)
+        return blocked
 
     def _finish_in_background(self, pending: _Pending) -> None:
         try:
             pending.future.result()
+            if self._fault == f"fail_async:{pending.step}":
+                raise OSError(f"fault injection: async write of step {pending.step} failed")
             pending.digests = commit.digest_files(pending.tmp, _files_of_rank(pending.tmp, self.rank))
         except BaseException as exc:  # noqa: BLE001
             pending.error = exc
@@ -201,6 +236,7 @@ class CheckpointManager:
 
     def wait_pending(self) -> None:
         """Block until the save in flight is committed or has failed (collective)."""
+        self.before_optimizer_step()
         if self.pending is not None:
             self.pending.done.wait()
             self._barrier()
@@ -308,6 +344,9 @@ class CheckpointManager:
     def close(self) -> None:
         if self.pending is not None:
             self.wait_pending()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
 
 def empty_fingerprint() -> DatasetFingerprint:

@@ -300,6 +300,7 @@ class ElasticTrainer:
         self.current_scale = scale
 
     def _optimizer_step(self) -> None:
+        self.checkpoints.before_optimizer_step()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:

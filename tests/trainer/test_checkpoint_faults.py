@@ -1,5 +1,7 @@
 """A checkpoint that never committed, or was corrupted after committing, is never loaded."""
 
+import re
+
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -38,3 +40,27 @@ def test_a_corrupt_shard_is_detected_and_the_previous_checkpoint_is_used(harness
     assert "falling back to an older checkpoint" in log
     assert "resumed from checkpoint step-2" in log
     assert min(r["step"] for r in harness.records("second")) == 3
+
+
+def test_async_saves_commit_and_resume_exactly(harness):
+    contract = harness.contract(global_batch=4, micro=1, max_steps=8, interval=2, keep=2, async_save=True)
+    rc, log = harness.run(2, contract, "async", TOY_DRAIN_AT="5")
+    assert "drained at step 5" in log, log[-3000:]
+    assert sorted(p.name for p in harness.ckpt.iterdir()) == ["step-4", "step-5"]
+    rc, log = harness.run(2, contract, "rest")
+    assert rc == 0, log[-3000:]
+    assert "resumed from checkpoint step-5" in log
+    seen = [i for r in harness.records("async") + harness.records("rest") for i in r["indices"]]
+    assert len(seen) == 8 * 4 and sorted(r["step"] for r in harness.records("rest") if r["rank"] == 0) == [6, 7, 8]
+
+
+def test_a_failed_async_save_is_reported_at_the_next_boundary_and_retried(harness):
+    contract = harness.contract(global_batch=4, micro=1, max_steps=12, interval=4, keep=3, async_save=True)
+    rc, log = harness.run(2, contract, "fail", DISTTRAIN_FAULT_INJECT="fail_async:4", TOY_STEP_SLEEP="0.15")
+    assert rc == 0, log[-3000:]
+    failed = re.search(r"checkpoint save at step 4 FAILED \(1 in a row\): OSError\('fault injection.*\n.*"
+                       r"checkpoint step-(\d+) committed", log)
+    assert failed, log[-3000:]
+    retry = int(failed.group(1))
+    assert 4 < retry < 8  # retried at the boundary where the failure surfaced, not at the next interval
+    assert {p.name for p in harness.ckpt.iterdir()} == {f"step-{retry}", "step-8", "step-12"}
