@@ -37,3 +37,34 @@ def read_relayed(state: StateDir) -> dict[str, Any]:
     if not isinstance(document, dict):
         return {}
     return {k: v for k, v in document.items() if k in AGENT_FIELDS}
+
+
+class RelayFilter:
+    """Holds back ``lastProgressTime`` reported by the group a directive is ending.
+
+    Reconcile completes a directive when progress at the target size is newer than the directive
+    (``status.control.issuedAt``, second precision). Survivors keep reporting steps for a few hundred ms after a
+    reform or drain is issued (agent and watchdog poll), which would complete it at once, before the group
+    re-formed. Progress counts again once the agent reports a new rendezvous round (a new torchrun run or
+    restart), so a reform's duration runs to the first step of the new group.
+    """
+
+    def __init__(self) -> None:
+        self.generation = -1
+        self.round_at_issue: int | None = None
+
+    def filter(self, status: dict[str, Any], relayed: dict[str, Any]) -> dict[str, Any]:
+        control = status.get("control") or {}
+        generation = int(control.get("generation", 0))
+        current_round = int(relayed.get("rendezvousRound", status.get("rendezvousRound", 0)) or 0)
+        if control.get("action", "none") == "none":
+            self.round_at_issue = None
+            self.generation = generation
+            return relayed
+        if generation != self.generation:
+            self.generation = generation
+            if self.round_at_issue is None:
+                self.round_at_issue = int(status.get("rendezvousRound", 0) or 0)
+        if self.round_at_issue is not None and current_round <= self.round_at_issue:
+            return {k: v for k, v in relayed.items() if k not in ("lastProgressTime", "worldSize", "rendezvousRound")}
+        return relayed

@@ -106,7 +106,6 @@ def _run(job, state: StateDir, chaos, args: argparse.Namespace) -> int:  # noqa:
                                live=False if args.plain else None)
     runtime = LocalRuntime(job, state, chaos=chaos, workdir=args.workdir, metrics_port=args.metrics_port,
                            on_tick=view.on_tick, on_event=view.on_event)
-    runtime.recorder.job = job.metadata.name
     with view:
         summary = runtime.run(timeout_s=args.timeout)
     display_mod.render_summary(summary, console)

@@ -97,7 +97,7 @@ class Display:
         if self._live is not None:
             self._live.console.print(line)
         else:
-            self.console.print(line, highlight=False)
+            self.console.print(line, highlight=False, soft_wrap=True)
 
     def on_tick(self, snapshot: Snapshot) -> None:
         self.header(snapshot)
@@ -118,11 +118,11 @@ class Display:
                 + (f"/{self.max_steps}" if self.max_steps else "")
                 + f" loss {_fmt(snapshot.loss)} samples/s {_fmt(snapshot.samples_per_second, '.0f')} "
                 f"world {st.get('worldSize', 0)} checkpoint {ckpt} phase {st.get('phase', 'Pending')}",
-                highlight=False)
+                highlight=False, soft_wrap=True)
 
     def on_event(self, event: dict[str, Any]) -> None:
         if self._live is None:
-            self.console.print(format_event(event), highlight=False, markup=False)
+            self.console.print(format_event(event), highlight=False, markup=False, soft_wrap=True)
 
 
 def render_summary(summary: Summary, console: Console) -> None:

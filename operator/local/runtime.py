@@ -12,13 +12,11 @@ import copy
 import dataclasses
 import os
 import socket
-import sys
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any, Optional
 
-from disttrain.api import conditions as cond
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import names, pods, reconcile
 from disttrain.operator.local import agentlink, proctree, translate
@@ -28,7 +26,7 @@ from disttrain.operator.local.metrics import LocalMetrics
 from disttrain.operator.local.nodes import LocalPod
 from disttrain.operator.local.statedir import StateDir
 from disttrain.operator.local.summary import Recorder, Summary
-from disttrain.operator.observed import Actions, Event, Observed
+from disttrain.operator.observed import Actions, Observed
 
 TICK_SECONDS = 0.2
 
@@ -80,9 +78,11 @@ class LocalRuntime:
         self.events: list[dict[str, Any]] = []
         self.logs = LogTail(state.logs_dir)
         self.recorder = Recorder()
+        self.recorder.job = obj["metadata"]["name"]
         self.metrics = LocalMetrics(obj["metadata"].get("namespace", "default"), obj["metadata"]["name"])
         self.metrics_url = ""
         self._status_written: Optional[dict[str, Any]] = None
+        self.relay = agentlink.RelayFilter()
         self.interrupted = False
 
     # ---- the job object --------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ class LocalRuntime:
         self.take_requests()
         self.fire_chaos(now)
         self.finish_deletions(now)
-        relayed = agentlink.read_relayed(self.state)
+        relayed = self.relay.filter(self.obj["status"], agentlink.read_relayed(self.state))
         if relayed:
             self.obj["status"] = {**self.obj["status"], **relayed}
         facts = self.logs.poll(now)
@@ -316,10 +316,3 @@ class LocalRuntime:
         self.metrics.shutdown()
         self.write_state()
 
-
-def elapsed_since(rfc3339: Optional[str], now: float) -> Optional[float]:
-    at = cond.parse_time(rfc3339)
-    return None if at is None else now - at
-
-
-__all__ = ["LocalRuntime", "Snapshot", "free_port", "Event", "sys"]

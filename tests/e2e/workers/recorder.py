@@ -47,6 +47,8 @@ def main() -> None:
     with ElasticTrainer(model, optimizer, dataset, log_every=1) as trainer, open(path, "a", buffering=1) as record:
         if hold_step:
             _hold_save(trainer, hold_step, 30.0)
+        # One torchrun round = one group; its store port is fresh each round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE).
+        group = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}:{os.environ.get('MASTER_PORT', '')}:{trainer.world_size}"
         for step in trainer.steps():
             loss_sum, count = 0.0, 0
             for mb in step:
@@ -58,7 +60,7 @@ def main() -> None:
             record.write(json.dumps({"step": step.index + 1, "rank": trainer.rank, "world": trainer.world_size,
                                      "global_batch": trainer.plan.global_batch, "indices": step.indices,
                                      "loss_sum": loss_sum, "count": count, "time": time.time(),
-                                     "resumed_from": trainer.resumed_from,
+                                     "resumed_from": trainer.resumed_from, "group": f"{group}:{trainer.resumed_from}",
                                      "lrs": [grp["lr"] for grp in optimizer.param_groups]}) + "\n")
             if sleep:
                 time.sleep(sleep)

@@ -1,0 +1,95 @@
+"""Issue 5, e2e 1 and 6: a node is lost, the group re-forms, the job finishes exactly; the metrics tell the story."""
+
+from __future__ import annotations
+
+import collections
+import math
+import pathlib
+
+import pytest
+
+from disttrain.operator.local.chaos import ChaosEvent
+from tests.e2e.conftest import e2e_job, run_job, scrape
+
+pytestmark = [pytest.mark.slow]
+
+
+def _global_losses(trajectory):
+    """step -> the step's loss over the global batch (sum over ranks / global batch)."""
+    return {step: sum(r["loss_sum"] for r in records) / records[0]["global_batch"]
+            for step, records in trajectory.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    run = run_job(tmp, e2e_job("ref", tmp / "records", replicas=1))
+    assert run.summary.succeeded, run.reasons()
+    return run
+
+
+@pytest.fixture(scope="module")
+def node_loss(tmp_path_factory):
+    """3 nodes; once the trainer is past step 8 a node's machine dies (SIGKILL of torchrun and its worker).
+
+    The operator metrics are scraped as soon as the reform completed and again at the end.
+    """
+    tmp = tmp_path_factory.mktemp("node-loss")
+    scrapes = []
+
+    def on_tick(runtime, snapshot):
+        status = snapshot.status
+        reformed = (status.get("lastReform") or {}).get("durationSeconds") is not None
+        if reformed and not scrapes:
+            scrapes.append(scrape(runtime.metrics_url))
+        if status.get("phase") == "Succeeded" and len(scrapes) == 1:
+            scrapes.append(scrape(runtime.metrics_url))
+
+    run = run_job(tmp, e2e_job("loss", tmp / "records", replicas=3, step_sleep=0.05), chaos="kill-node@step=8",
+                  on_tick=on_tick)
+    run.scrapes = scrapes
+    return run
+
+
+@pytest.mark.timeout(240)
+def test_a_lost_node_is_replaced_the_group_reforms_and_the_job_finishes(node_loss):
+    assert node_loss.summary.succeeded, node_loss.reasons()
+    reasons = node_loss.reasons()
+    assert "ChaosKillNode" in reasons and "NodeLost" in reasons and "Reformed" in reasons
+    assert node_loss.summary.steps == 24
+    assert sum(node_loss.summary.restarts_by_reason.values()) == 1
+    (reform,) = node_loss.summary.reforms
+    assert reform.duration_seconds is not None and reform.duration_seconds > 0
+
+
+@pytest.mark.timeout(240)
+def test_after_the_reform_the_loss_trajectory_equals_an_uninterrupted_reference(node_loss, reference):
+    ref = _global_losses(reference.final_trajectory())
+    got = _global_losses(node_loss.final_trajectory())
+    assert sorted(got) == sorted(ref) == list(range(1, 25))
+    resumed = [r["resumed_from"] for recs in node_loss.final_trajectory().values() for r in recs if r["resumed_from"]]
+    assert resumed, "the run never resumed from a checkpoint: the kill missed the training"
+    for step in ref:
+        assert math.isclose(got[step], ref[step], rel_tol=1e-4, abs_tol=1e-6), (step, got[step], ref[step])
+
+
+@pytest.mark.timeout(240)
+def test_the_consumed_sample_indices_cover_the_epoch_exactly(node_loss):
+    consumed = collections.Counter(i for recs in node_loss.final_trajectory().values() for r in recs
+                                   for i in r["indices"])
+    assert sorted(consumed) == list(range(288))
+    assert set(consumed.values()) == {1}
+
+
+@pytest.mark.timeout(240)
+def test_the_operator_metrics_show_restarts_by_reason_reform_duration_and_last_checkpoint(node_loss):
+    assert len(node_loss.scrapes) == 2, "the metrics endpoint was not scraped while the job ran"
+    during, end = node_loss.scrapes
+    labels = 'job="loss",namespace="default"'
+    reason = next(iter(node_loss.summary.restarts_by_reason))
+    assert during[f'disttrain_job_restarts_total{{{labels},reason="{reason}"}}'] == 1
+    assert during[f"disttrain_job_reform_duration_seconds_count{{{labels}}}"] == 1
+    assert during[f"disttrain_job_reform_duration_seconds_sum{{{labels}}}"] > 0
+    assert end[f"disttrain_job_last_complete_checkpoint_step{{{labels}}}"] == 20.0 or \
+        end[f"disttrain_job_last_complete_checkpoint_step{{{labels}}}"] == 24.0
+    assert end[f'disttrain_job_phase{{{labels},phase="Succeeded"}}'] == 1
