@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from disttrain.api.manifest import CheckpointManifest, DatasetFingerprint
 from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer import commit
+from disttrain.trainer.digesting import DigestingFileSystem
 
 log = logging.getLogger("disttrain.trainer")
 
@@ -111,6 +112,7 @@ class _Pending:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: Optional[BaseException] = None
     digests: dict = dataclasses.field(default_factory=dict)
+    known: dict = dataclasses.field(default_factory=dict)
 
 
 def _files_of_rank(directory: Path, rank: int) -> list[str]:
@@ -126,7 +128,7 @@ class CheckpointManager:
 
     def __init__(self, root: Path, spec: CheckpointSpec, rank: int, world_size: int,
                  group: Optional[dist.ProcessGroup], metrics: Any = None,
-                 max_consecutive_failures: int = 2) -> None:
+                 max_consecutive_failures: int = 2, writer_threads: int = 2) -> None:
         self.root = Path(root)
         self.spec = spec
         self.rank = rank
@@ -134,6 +136,7 @@ class CheckpointManager:
         self.group = group
         self.metrics = metrics
         self.max_consecutive_failures = max_consecutive_failures
+        self.writer_threads = writer_threads
         self.consecutive_failures = 0
         self.last_save_time = time.monotonic()
         self.last_saved_step: Optional[int] = None
@@ -143,6 +146,7 @@ class CheckpointManager:
         self._fault = os.environ.get(FAULT_ENV, "")
         self._stager: Optional[DefaultStager] = None
         self._staging: Any = None
+        self._retention: Optional[threading.Thread] = None
         self.blocked_s = 0.0  # total seconds training waited for saves (sync saves, async kick-off and staging)
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -166,6 +170,7 @@ class CheckpointManager:
         if self.pending is not None:
             self.wait_pending()
         t0 = time.monotonic()
+        self._join_retention()
         tmp = self.root / commit.tmp_dir_name(step, self._nonce())
         self.last_saved_step = step
         self.last_save_time = time.monotonic()
@@ -174,13 +179,15 @@ class CheckpointManager:
                 self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
                                                             use_shared_memory=False, use_async_staging=True,
                                                             use_non_blocking_copy=torch.cuda.is_available()))
-            response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
+            writer = self._writer(tmp)
+            response = dcp.async_save(state, storage_writer=writer, process_group=self.group,
                                       async_stager=self._stager)
             if isinstance(response, AsyncSaveResponse):
                 future, self._staging = response.upload_completion, response.staging_completion
             else:
                 future = response
-            pending = _Pending(step, tmp, manifest, future, started=t0, blocking_s=time.monotonic() - t0)
+            pending = _Pending(step, tmp, manifest, future, started=t0, blocking_s=time.monotonic() - t0,
+                               known=writer.fs.digests)
             threading.Thread(target=self._finish_in_background, args=(pending,), daemon=True,
                              name="disttrain-ckpt-finish").start()
             self.pending = pending
@@ -188,8 +195,9 @@ class CheckpointManager:
             self._observe("blocking", pending.blocking_s)
             return
         try:
-            dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
-            digests = commit.digest_files(tmp, _files_of_rank(tmp, self.rank))
+            writer = self._writer(tmp)
+            dcp.save(state, storage_writer=writer, process_group=self.group)
+            digests = commit.digest_files(tmp, _files_of_rank(tmp, self.rank), known=writer.fs.digests)
             error = None
         except Exception as exc:  # noqa: BLE001 - reported collectively below
             digests, error = {}, exc
@@ -216,7 +224,8 @@ class CheckpointManager:
             pending.future.result()
             if self._fault == f"fail_async:{pending.step}":
                 raise OSError(f"fault injection: async write of step {pending.step} failed")
-            pending.digests = commit.digest_files(pending.tmp, _files_of_rank(pending.tmp, self.rank))
+            pending.digests = commit.digest_files(pending.tmp, _files_of_rank(pending.tmp, self.rank),
+                                                  known=pending.known)
         except BaseException as exc:  # noqa: BLE001
             pending.error = exc
         finally:
@@ -270,11 +279,7 @@ class CheckpointManager:
                 commit.publish(self.root, tmp, step)
                 log.info("checkpoint step-%d committed (%d files, %.1f MB)", step, len(files),
                          sum(f.size for f in files.values()) / 1e6)
-                # The step just committed is the newest complete one, so retention keeps it whatever `keep` says;
-                # the only save in flight is this one (saves never overlap), so no other temp dir is live.
-                deleted = commit.apply_retention(self.root, self.spec.keep)
-                if deleted:
-                    log.info("retention removed %s", ", ".join(deleted))
+                self._retain()
                 if self.on_commit is not None:
                     self.on_commit(final_manifest)
             except Exception as exc:  # noqa: BLE001
@@ -288,6 +293,24 @@ class CheckpointManager:
         self.consecutive_failures = 0
         if self.metrics is not None:
             self.metrics.last_complete_step.set(step)
+
+    def _retain(self) -> None:
+        """Retention off the critical path, in a thread (rank 0). The step just committed is the newest complete
+        one, so retention keeps it whatever `keep` says; saves never overlap, and the next save joins this
+        thread before it creates its temp dir, so no live temp dir can be removed."""
+        def run() -> None:
+            deleted = commit.apply_retention(self.root, self.spec.keep)
+            if deleted:
+                log.info("retention removed %s", ", ".join(deleted))
+
+        self._join_retention()
+        self._retention = threading.Thread(target=run, name="disttrain-retention", daemon=True)
+        self._retention.start()
+
+    def _join_retention(self) -> None:
+        if self._retention is not None:
+            self._retention.join()
+            self._retention = None
 
     def _failed(self, step: int, tmp: Path, reason: str) -> None:
         self.consecutive_failures += 1
@@ -321,6 +344,12 @@ class CheckpointManager:
         self.last_saved_step = manifest.step
 
     # ---- helpers ------------------------------------------------------------------------------------------
+    def _writer(self, tmp: Path) -> dcp.FileSystemWriter:
+        # Two writer threads per rank: on the disks measured here one stream leaves ~25% of dd on the table.
+        writer = dcp.FileSystemWriter(str(tmp), thread_count=self.writer_threads, sync_files=True)
+        writer.fs = DigestingFileSystem()
+        return writer
+
     def _nonce(self) -> str:
         box = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=self.group)
@@ -344,6 +373,7 @@ class CheckpointManager:
     def close(self) -> None:
         if self.pending is not None:
             self.wait_pending()
+        self._join_retention()
         if self._stager is not None:
             self._stager.close()
             self._stager = None
