@@ -90,7 +90,7 @@ def main() -> None:
             t0 = time.perf_counter()
             sync.save(i + 1, state, manifest(i + 1))
             save_s.append(time.perf_counter() - t0)
-            sync._join_retention()
+            sync.join_retention()
             nbytes = sum(f.stat().st_size for f in (root / "sync" / f"step-{i + 1}").iterdir())
             dd_s.append(dd_seconds(root, nbytes))
 

@@ -170,7 +170,7 @@ class CheckpointManager:
         if self.pending is not None:
             self.wait_pending()
         t0 = time.monotonic()
-        self._join_retention()
+        self.join_retention()
         tmp = self.root / commit.tmp_dir_name(step, self._nonce())
         self.last_saved_step = step
         self.last_save_time = time.monotonic()
@@ -303,11 +303,11 @@ class CheckpointManager:
             if deleted:
                 log.info("retention removed %s", ", ".join(deleted))
 
-        self._join_retention()
+        self.join_retention()
         self._retention = threading.Thread(target=run, name="disttrain-retention", daemon=True)
         self._retention.start()
 
-    def _join_retention(self) -> None:
+    def join_retention(self) -> None:
         if self._retention is not None:
             self._retention.join()
             self._retention = None
@@ -373,7 +373,7 @@ class CheckpointManager:
     def close(self) -> None:
         if self.pending is not None:
             self.wait_pending()
-        self._join_retention()
+        self.join_retention()
         if self._stager is not None:
             self._stager.close()
             self._stager = None

@@ -353,7 +353,8 @@ class ElasticTrainer:
             log.info("drained at step %d (%s): checkpoint step-%d committed; exiting %d", self.state.step, reason,
                      self.state.step, int(ExitCode.DRAINED))
             self.watchdog.stop()
-            _hard_exit(int(ExitCode.DRAINED), flush_only=True)
+            self.checkpoints.join_retention()
+            _hard_exit(int(ExitCode.DRAINED))
         if self.checkpoints.should_save(self.state.step, last=last) or seconds_due or self.checkpoints.retry_due:
             self.checkpoints.save(self.state.step, self._state(), self._manifest(), force_sync=last)
 
@@ -397,7 +398,7 @@ def _exit_permanent(message: str) -> None:
     _hard_exit(int(ExitCode.PERMANENT))
 
 
-def _hard_exit(code: int, flush_only: bool = False) -> None:
+def _hard_exit(code: int) -> None:
     """Exit without running torch's atexit/destructor paths, which can block on a peer that is gone."""
     for h in logging.getLogger().handlers:
         h.flush()
