@@ -41,6 +41,10 @@ class LocalMetrics:
                                          "Seconds since the newest complete checkpoint was committed", names,
                                          registry=r)
         self.samples = prom.Gauge("disttrain_job_samples_consumed", "Samples consumed so far", names, registry=r)
+        self.global_batch = prom.Gauge("disttrain_job_global_batch", "Samples per optimizer step in the current plan",
+                                       names, registry=r)
+        self.lr_scale = prom.Gauge("disttrain_job_lr_scale", "World-size LR factor of the current plan", names,
+                                   registry=r)
         self.step = prom.Gauge("disttrain_job_step", "Last completed optimizer step", names, registry=r)
         self.reconcile_seconds = prom.Histogram("disttrain_operator_reconcile_duration_seconds",
                                                 "Time of one reconcile call", registry=r,
@@ -94,3 +98,7 @@ class LocalMetrics:
                 self.checkpoint_age.labels(**labels).set(max(0.0, now - committed))
         self.samples.labels(**labels).set(status.get("samplesConsumed", 0))
         self.step.labels(**labels).set(status.get("step", 0))
+        plan = status.get("plan") or {}
+        if plan:
+            self.global_batch.labels(**labels).set(plan.get("globalBatch", 0))
+            self.lr_scale.labels(**labels).set(plan.get("lrScale", 0))

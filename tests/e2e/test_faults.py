@@ -1,0 +1,99 @@
+"""Issue 5, e2e 3, 4 and 7: the job agent dies, a node dies inside a checkpoint write, a manifest is malformed."""
+
+from __future__ import annotations
+
+import collections
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from disttrain.operator.local.chaos import ChaosEvent
+from tests.conftest import REPO_ROOT, JobBuilder
+from tests.e2e.conftest import e2e_job, run_job
+
+pytestmark = [pytest.mark.slow]
+
+
+def _covers_epoch_once(run, samples: int) -> None:
+    consumed = collections.Counter(i for recs in run.final_trajectory().values() for r in recs for i in r["indices"])
+    assert sorted(consumed) == list(range(samples)) and set(consumed.values()) == {1}
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_job_agent_is_recreated_and_the_workers_rejoin_and_finish(tmp_path):
+    run = run_job(tmp_path, e2e_job("agentkill", tmp_path / "records", replicas=2, step_sleep=0.05),
+                  chaos="kill-agent@step=8")
+    assert run.summary.succeeded, run.reasons()
+    reasons = run.reasons()
+    assert "ChaosKillAgent" in reasons and "AgentRestarted" in reasons
+    assert reasons.index("ChaosKillAgent") < reasons.index("AgentRestarted")
+    agent_log = run.state.log_file("agentkill-agent").read_text()
+    assert agent_log.count("serving the store") == 2, "the agent was not recreated"
+    # Work after the agent came back was done by a group formed on the new store.
+    groups = {r["group"] for r in run.records()}
+    assert len(groups) >= 2
+    assert run.summary.steps == 24
+    _covers_epoch_once(run, 288)
+
+
+@pytest.mark.timeout(240)
+def test_a_node_killed_during_a_checkpoint_write_resumes_from_the_previous_complete_checkpoint(tmp_path):
+    """Rank 0 holds the commit of step 10 open after every shard is written; its machine dies right then."""
+    out = tmp_path / "records"
+    killed: list[str] = []
+
+    def kill_inside_the_write(runtime, snapshot):
+        if killed:
+            return
+        marker = next(iter(out.glob("saving-10-*")), None) if out.exists() else None
+        if marker is None:
+            return
+        node = marker.name.removeprefix("saving-10-")
+        index = int(node.rsplit("-", 1)[1])
+        partial = [p.name for p in runtime.state.checkpoints_dir.iterdir() if "10" in p.name]
+        killed.append(f"{node}: {partial}")
+        runtime.apply_chaos(ChaosEvent("kill-node", at_seconds=0, index=index))
+
+    run = run_job(tmp_path, e2e_job("ckptkill", out, replicas=2, step_sleep=0.05,
+                                    extra_env={"E2E_HOLD_SAVE_STEP": "10"}), on_tick=kill_inside_the_write)
+    assert killed, "the held checkpoint write was never seen"
+    assert run.summary.succeeded, run.reasons()
+    # The write in flight left files but no step-10 commit; the group resumed from step 5.
+    resumes = [r["resumed_from"] for r in run.records() if r["resumed_from"]]
+    assert resumes and min(resumes) == 5, (killed, sorted(set(resumes)))
+    logs = "".join(p.read_text() for p in run.state.logs_dir.glob("*.log"))
+    assert "resumed from checkpoint step-5" in logs
+    assert run.summary.steps == 24
+    _covers_epoch_once(run, 288)
+
+
+@pytest.mark.timeout(60)
+def test_a_malformed_manifest_is_refused_naming_the_field_and_nothing_starts(tmp_path):
+    bad = JobBuilder("bad").nodes(4, 2, 3).set("spec.training.microBatchSize", 0).build()
+    bad["spec"]["checkpoint"]["intervalStep"] = 5  # typo: unknown field
+
+    manifest = tmp_path / "bad.yaml"
+    manifest.write_text(yaml.safe_dump(bad))
+    before = set(os.listdir("/proc"))
+    result = subprocess.run([sys.executable, "-m", "disttrain.operator.cli", "local", "run", str(manifest),
+                             "--state-dir", str(tmp_path / "state")], capture_output=True, text=True, timeout=60,
+                            cwd=REPO_ROOT)
+    assert result.returncode == 2, result.stderr
+    assert "spec.training.microBatchSize" in result.stderr
+    assert "spec.checkpoint.intervalStep: unknown field" in result.stderr
+    assert "nothing was started" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "state").exists()
+    # No process of ours outlived the command (no agent, no torchrun).
+    assert [pid for pid in set(os.listdir("/proc")) - before if pid.isdigit() and _is_ours(pid)] == []
+
+
+def _is_ours(pid: str) -> bool:
+    try:
+        return b"disttrain" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False

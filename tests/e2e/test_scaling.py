@@ -1,0 +1,96 @@
+"""Issue 5, e2e 2 and 5: planned scale-down and scale-up lose no step; in scaled mode each reform applies the plan."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from disttrain.api import plan as plan_mod
+from disttrain.api.spec import TrainingSpec
+from disttrain.operator import cli
+from tests.e2e.conftest import e2e_job, run_job, scrape
+
+pytestmark = [pytest.mark.slow]
+
+
+class Scaler:
+    """Requests each node count of ``sizes`` in turn, once the group runs at the previous one and made progress.
+
+    Requests go through ``disttrain local scale`` (the state directory), as from another terminal.
+    """
+
+    def __init__(self, sizes: list[int], progress_steps: int = 3) -> None:
+        self.sizes = list(sizes)
+        self.progress_steps = progress_steps
+        self.mark: tuple[int, int] | None = None  # (world size it waits for, step seen there)
+        self.scrapes: list[dict[str, float]] = []
+
+    def __call__(self, runtime, snapshot) -> None:
+        status = snapshot.status
+        if status.get("phase") != "Running":
+            return
+        world, step = status.get("worldSize", 0), status.get("step", 0)
+        if self.mark is None or self.mark[0] != world:
+            self.mark = (world, step)
+            self.scrapes.append(dict(scrape(runtime.metrics_url), world=world,
+                                     **{f"worker:{k}": v for url in snapshot.worker_metrics[:1]
+                                        for k, v in scrape(url).items()}))
+            return
+        if self.sizes and step >= self.mark[1] + self.progress_steps:
+            size = self.sizes.pop(0)
+            assert cli.main(["local", "scale", str(runtime.state.path), "--replicas", str(size)]) == 0
+            self.mark = (-1, step)
+
+
+@pytest.mark.timeout(300)
+def test_planned_scale_down_and_scale_up_lose_no_step(tmp_path):
+    scaler = Scaler([2, 3])
+    run = run_job(tmp_path, e2e_job("scale", tmp_path / "records", replicas=3, max_steps=36, dataset=432,
+                                    step_sleep=0.1), on_tick=scaler)
+    assert run.summary.succeeded, run.reasons()
+    assert not scaler.sizes, f"scale requests left: {scaler.sizes}; events {run.reasons()}"
+    reforms = [(r.reason, r.from_nodes, r.to_nodes) for r in run.summary.reforms]
+    assert reforms == [("ScaledDown", 3, 2), ("ScaledUp", 2, 3)], reforms
+    executions = run.executions()
+    redone = {step: len(runs) for step, runs in executions.items() if len(runs) > 1}
+    assert redone == {}, f"steps executed more than once (lost work): {redone}"
+    assert sorted(executions) == list(range(1, 37))
+    # The step after each reform is the step after the checkpoint it resumed from.
+    first_step: dict[str, int] = {}
+    resumed_from: dict[str, int] = {}
+    for record in run.records():
+        group = record["group"]
+        first_step[group] = min(first_step.get(group, record["step"]), record["step"])
+        resumed_from[group] = record["resumed_from"] or 0
+    assert len(first_step) == 3, first_step
+    assert all(first_step[g] == resumed_from[g] + 1 for g in first_step), (first_step, resumed_from)
+    assert run.summary.lost_steps == 0
+    assert run.summary.restarts_by_reason == {}
+
+
+@pytest.mark.timeout(300)
+def test_scaled_batch_policy_applies_the_plan_after_each_reform(tmp_path):
+    builder = e2e_job("scaled", tmp_path / "records", replicas=2, max_steps=30, dataset=600, step_sleep=0.1)
+    builder.set("spec.training", {"globalBatchSize": 4, "microBatchSize": 2, "batchPolicy": "scaled",
+                                  "accumulationSteps": 1, "lr": {"base": 0.05, "scaling": "linear"},
+                                  "maxSteps": 30, "seed": 3})
+    scaler = Scaler([3, 2])
+    run = run_job(tmp_path, builder, on_tick=scaler)
+    assert run.summary.succeeded, run.reasons()
+    training = TrainingSpec.model_validate(builder.obj["spec"]["training"])
+    worlds = [s["world"] for s in scaler.scrapes]
+    assert worlds[:3] == [2, 3, 2], worlds
+    labels = 'job="scaled",namespace="default"'
+    for sample in scaler.scrapes:
+        expected = plan_mod.plan(training, int(sample["world"]))
+        assert sample[f"disttrain_job_global_batch{{{labels}}}"] == expected.global_batch
+        assert math.isclose(sample[f"disttrain_job_lr_scale{{{labels}}}"], expected.lr_scale)
+        if "worker:disttrain_trainer_lr_scale" in sample:
+            assert math.isclose(sample["worker:disttrain_trainer_lr_scale"], expected.lr_scale)
+    # The optimizer really used it: every step's LR and batch match the plan of the world that ran it.
+    for step, records in run.final_trajectory().items():
+        world = records[0]["world"]
+        expected = plan_mod.plan(training, world)
+        assert records[0]["global_batch"] == expected.global_batch, step
+        assert math.isclose(records[0]["lrs"][0], 0.05 * expected.lr_scale, rel_tol=1e-6), (step, records[0]["lrs"])
