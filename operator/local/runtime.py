@@ -84,6 +84,7 @@ class LocalRuntime:
         self._status_written: Optional[dict[str, Any]] = None
         self.relay = agentlink.RelayFilter()
         self.interrupted = False
+        self.stop_requested = ""
 
     # ---- the job object --------------------------------------------------------------------------------
     @property
@@ -278,6 +279,10 @@ class LocalRuntime:
             "finished": False})
 
     # ---- the whole run ---------------------------------------------------------------------------------
+    def stop(self, reason: str) -> None:
+        """End the run after the current tick (benchmarks stop long jobs at a fixed wall time)."""
+        self.stop_requested = reason
+
     def is_done(self) -> bool:
         phase = self.obj["status"].get("phase")
         return phase in ("Succeeded", "Failed") and not self.all_pods()
@@ -288,7 +293,7 @@ class LocalRuntime:
         self.record_event("Normal", "LocalRunStarted",
                           f"state in {self.state.path}; operator metrics at {self.metrics_url}")
         try:
-            while not self.is_done():
+            while not self.is_done() and not self.stop_requested:
                 actions = self.tick()
                 if timeout_s is not None and time.time() - self.started > timeout_s:
                     self.record_event("Warning", "LocalTimeout", f"run exceeded {timeout_s:.0f}s; stopping")

@@ -45,6 +45,7 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{os.environ.get('DISTTRAIN_NODE_NAME', 'node')}-{os.getpid()}.jsonl")
     with ElasticTrainer(model, optimizer, dataset, log_every=1) as trainer, open(path, "a", buffering=1) as record:
+        _time_loads(trainer)
         if hold_step:
             _hold_save(trainer, hold_step, 30.0)
         # One torchrun round = one group; its store port is fresh each round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE).
@@ -60,10 +61,27 @@ def main() -> None:
             record.write(json.dumps({"step": step.index + 1, "rank": trainer.rank, "world": trainer.world_size,
                                      "global_batch": trainer.plan.global_batch, "indices": step.indices,
                                      "loss_sum": loss_sum, "count": count, "time": time.time(),
-                                     "resumed_from": trainer.resumed_from, "group": f"{group}:{trainer.resumed_from}",
+                                     "resumed_from": trainer.resumed_from, "load_seconds": trainer.load_seconds,
+                                     "group": f"{group}:{trainer.resumed_from}",
                                      "lrs": [grp["lr"] for grp in optimizer.param_groups]}) + "\n")
             if sleep:
                 time.sleep(sleep)
+
+
+def _time_loads(trainer: ElasticTrainer) -> None:
+    """Record how long loading the checkpoint took (the reform benchmark subtracts it)."""
+    manager = trainer.checkpoints
+    original = manager.load
+    trainer.load_seconds = 0.0
+
+    def timed_load(*args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            trainer.load_seconds = time.perf_counter() - began
+
+    manager.load = timed_load
 
 
 def _hold_save(trainer: ElasticTrainer, at_step: int, seconds: float) -> None:

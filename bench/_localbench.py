@@ -1,0 +1,103 @@
+"""Shared by the local-mode benchmarks: a lean job for the e2e recorder program and an in-process runner.
+
+The runner drives the real local runtime (reconcile, job agent, torchrun, trainer) and lets the benchmark act
+between ticks. Records of every step (time, step, group, load time) come from ``tests/e2e/workers/recorder.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import pathlib
+import sys
+import tempfile
+from typing import Any, Callable, Optional
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from disttrain.api.spec import DistTrainJob  # noqa: E402
+from disttrain.operator import pods  # noqa: E402
+from disttrain.operator.local.chaos import parse_chaos  # noqa: E402
+from disttrain.operator.local.runtime import LocalRuntime, Snapshot  # noqa: E402
+from disttrain.operator.local.statedir import StateDir  # noqa: E402
+
+
+def use_registered_backend() -> str:
+    """The ``disttrain`` torchrun handler when installed, else c10d (say so: figures differ)."""
+    from importlib.metadata import entry_points
+
+    if not any(ep.name == pods.RDZV_BACKEND for ep in entry_points(group="torchrun.handlers")):
+        print(f"note: torchrun handler {pods.RDZV_BACKEND!r} is not installed; using c10d", file=sys.stderr)
+        pods.RDZV_BACKEND = "c10d"
+    return pods.RDZV_BACKEND
+
+
+def recorder_job(name: str, out: pathlib.Path, *, replicas: int, max_steps: int, step_sleep: float = 0.0,
+                 global_batch: int = 12, interval: int = 5, dataset: Optional[int] = None) -> dict[str, Any]:
+    env = [{"name": "E2E_OUT", "value": str(out)},
+           {"name": "E2E_DATASET", "value": str(dataset or global_batch * max_steps)},
+           {"name": "E2E_STEP_SLEEP", "value": str(step_sleep)}]
+    return {
+        "apiVersion": "disttrain.dev/v1alpha1", "kind": "DistTrainJob", "metadata": {"name": name},
+        "spec": {
+            "nodes": {"min": 1, "max": 4, "replicas": replicas}, "nprocPerNode": 1,
+            "template": {"spec": {"containers": [{"name": "trainer", "image": "local", "env": env,
+                                                  "command": ["python", "-u", "tests/e2e/workers/recorder.py"]}]}},
+            "rendezvous": {"joinTimeoutSeconds": 120, "lastCallTimeoutSeconds": 1, "keepAliveIntervalSeconds": 1,
+                           "keepAliveMaxAttempts": 2},
+            "training": {"globalBatchSize": global_batch, "microBatchSize": 1, "lr": {"base": 0.05},
+                         "maxSteps": max_steps, "seed": 3},
+            "checkpoint": {"claimName": "local", "path": "/ckpt", "intervalSteps": interval, "keep": 3},
+            "elastic": {"scaleDebounceSeconds": 0, "replacementWaitSeconds": 5, "drainTimeoutSeconds": 60,
+                        "collectiveTimeoutSeconds": 20},
+            "restartPolicy": {"backoffSeconds": 0, "maxRestarts": 100},
+        },
+    }
+
+
+def tinylm_job(name: str, *, replicas: int, max_steps: int) -> dict[str, Any]:
+    import yaml
+
+    obj = yaml.safe_load((REPO / "examples" / "jobs" / "demo.yaml").read_text())
+    obj = copy.deepcopy(obj)
+    obj["metadata"]["name"] = name
+    obj["spec"]["nodes"]["replicas"] = replicas
+    obj["spec"]["training"]["maxSteps"] = max_steps
+    obj["spec"]["restartPolicy"]["maxRestarts"] = 100
+    return obj
+
+
+def run(obj: dict[str, Any], state_dir: pathlib.Path, *, chaos: str = "",
+        on_tick: Optional[Callable[[LocalRuntime, Snapshot], None]] = None, timeout_s: float = 600) -> LocalRuntime:
+    job = DistTrainJob.model_validate(obj)
+    holder: dict[str, LocalRuntime] = {}
+
+    def tick(snapshot: Snapshot) -> None:
+        if on_tick is not None:
+            on_tick(holder["runtime"], snapshot)
+
+    runtime = LocalRuntime(job, StateDir(state_dir), chaos=parse_chaos(chaos), workdir=str(REPO), on_tick=tick)
+    holder["runtime"] = runtime
+    runtime.summary = runtime.run(timeout_s=timeout_s)
+    return runtime
+
+
+def records(out: pathlib.Path) -> list[dict[str, Any]]:
+    found = []
+    for path in sorted(out.glob("*.jsonl")):
+        found += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(found, key=lambda r: r["time"])
+
+
+def lost_steps(found: list[dict[str, Any]]) -> int:
+    """Optimizer steps executed more than once (by different groups): work redone after a resume."""
+    groups_per_step: dict[int, set[str]] = collections.defaultdict(set)
+    for record in found:
+        groups_per_step[record["step"]].add(record["group"])
+    return sum(len(groups) - 1 for groups in groups_per_step.values())
+
+
+def workdir(prefix: str) -> pathlib.Path:
+    return pathlib.Path(tempfile.mkdtemp(prefix=f"disttrain-bench-{prefix}-"))

@@ -1,0 +1,119 @@
+"""P1 and P2 of the local-mode issue: how long a reform takes, and how much work planned reforms lose.
+
+P1, reform time: 3 nodes train; one node's machine dies (SIGKILL of torchrun and its worker) while the desired
+size drops to 2, as when an autoscaler removes a machine. reform_seconds = from the kill to the first step
+completed at the new size, minus the checkpoint load time. floor_seconds, measured in the same run: a fresh
+group started directly at 2 nodes from the same checkpoint, from starting its nodes to its first step, minus
+the load time. Goal: reform <= 5 s and <= 2x the floor.
+
+P2, lost work on planned scale-down (3 -> 2) and scale-up (2 -> 3): optimizer steps executed twice. Goal: 0.
+
+    python bench/reform.py [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+
+import _localbench as lb
+
+
+def p1(steps: int) -> tuple[float, float]:
+    base = lb.workdir("reform")
+    out = base / "records"
+    kill_at: dict[str, float] = {}
+
+    def kill_and_shrink(runtime, snapshot):
+        status = snapshot.status
+        if not kill_at and status.get("phase") == "Running" and status.get("step", 0) >= 12:
+            runtime.set_replicas(2, "the machine is gone for good")
+            kill_at["t"] = time.time()
+            victim = max(runtime.workers.values(), key=lambda p: p.index)
+            runtime.apply_chaos(lb.parse_chaos(f"kill-node:{victim.index}@0s")[0])
+
+    lb.run(lb.recorder_job("reform", out, replicas=3, max_steps=steps, step_sleep=0.05), base / "state",
+           on_tick=kill_and_shrink)
+    found = lb.records(out)
+    after = [r for r in found if r["time"] > kill_at["t"] and r["world"] == 2]
+    first = min(after, key=lambda r: r["time"])
+    reform = first["time"] - kill_at["t"] - first["load_seconds"]
+    resumed_from = first["resumed_from"]
+
+    # The floor: a fresh 2-node group from the same checkpoint (everything after it removed).
+    floor_base = lb.workdir("floor")
+    (floor_base / "state").mkdir()
+    shutil.copytree(base / "state" / "checkpoints", floor_base / "state" / "checkpoints")
+    for path in (floor_base / "state" / "checkpoints").iterdir():
+        if path.name.startswith("step-") and int(path.name.split("-")[1]) > resumed_from:
+            shutil.rmtree(path)
+    floor_out = floor_base / "records"
+    started: dict[str, float] = {}
+
+    def note_start(runtime, snapshot):
+        if "t" not in started and runtime.workers:
+            started["t"] = min(p.created_at for p in runtime.workers.values())
+
+    state = lb.StateDir(floor_base / "state")
+    job = lb.recorder_job("floor", floor_out, replicas=2, max_steps=resumed_from + 3, step_sleep=0.05)
+    runtime = lb.LocalRuntime(lb.DistTrainJob.model_validate(job), state, workdir=str(lb.REPO),
+                              on_tick=lambda snap: note_start(runtime, snap))
+    runtime.run(timeout_s=300)
+    first_floor = min(lb.records(floor_out), key=lambda r: r["time"])
+    floor = first_floor["time"] - started["t"] - first_floor["load_seconds"]
+    shutil.rmtree(base, ignore_errors=True)
+    shutil.rmtree(floor_base, ignore_errors=True)
+    return reform, floor
+
+
+def p2(steps: int) -> tuple[int, int]:
+    base = lb.workdir("planned")
+    out = base / "records"
+    plan = [2, 3]
+    marks: dict[str, object] = {"world": None, "step": 0, "done": []}
+    split: dict[int, float] = {}
+
+    def scaler(runtime, snapshot):
+        status = snapshot.status
+        if status.get("phase") != "Running":
+            return
+        world, step = status.get("worldSize"), status.get("step", 0)
+        if marks["world"] != world:
+            marks["world"], marks["step"] = world, step
+            return
+        if plan and step >= marks["step"] + 5:
+            size = plan.pop(0)
+            split[size] = time.time()
+            runtime.state.request_scale(size)
+            marks["world"] = None
+
+    lb.run(lb.recorder_job("planned", out, replicas=3, max_steps=steps, step_sleep=0.05), base / "state",
+           on_tick=scaler)
+    found = lb.records(out)
+    if plan:
+        raise SystemExit(f"the run ended before every scale request was made (left: {plan}); raise --steps")
+    down = [r for r in found if r["time"] < split[3]]
+    up = [r for r in found if r["time"] >= split[2]]
+    shutil.rmtree(base, ignore_errors=True)
+    return lb.lost_steps(down), lb.lost_steps(up)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args()
+    backend = lb.use_registered_backend()
+    began = time.time()
+    reform, floor = p1(args.steps)
+    down, up = p2(args.steps)
+    print(f"rendezvous backend: {backend}; bench wall time {time.time() - began:.0f}s")
+    print(f"reform_seconds: {reform:.2f}")
+    print(f"floor_seconds: {floor:.2f}")
+    print(f"reform_vs_floor: {reform / floor:.2f}")
+    print(f"lost_steps_scale_down: {down}")
+    print(f"lost_steps_scale_up: {up}")
+
+
+if __name__ == "__main__":
+    main()
