@@ -1,0 +1,61 @@
+"""A worker pod from the real builder, translated to a local process: only endpoint, paths and ports change."""
+
+import sys
+
+from disttrain.api import env
+from disttrain.api.spec import DistTrainJob
+from disttrain.operator import pods
+from disttrain.operator.local import translate
+
+
+def _job(make_job) -> DistTrainJob:
+    obj = make_job("tr").build()
+    container = obj["spec"]["template"]["spec"]["containers"][0]
+    container["command"] = ["python", "-u", "train.py"]
+    container["args"] = ["--ckpt", "/var/lib/disttrain/checkpoints/default/tr/extra"]
+    container["env"] = [{"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                        {"name": "GREETING", "value": "hello $(POD)"}]
+    obj["spec"]["checkpoint"] = {"claimName": "c", "path": "/var/lib/disttrain/checkpoints", "intervalSteps": 5}
+    return DistTrainJob.model_validate(obj)
+
+
+def _site(job: DistTrainJob) -> translate.LocalSite:
+    return translate.LocalSite(agent_hosts=("tr-agent.default.svc", "tr-agent"), cluster_port=29400, local_port=41234,
+                               cluster_checkpoint_dir=pods.checkpoint_dir(job), checkpoint_dir="/tmp/state/ckpt",
+                               workdir="/tmp/work", base_env={"PATH": "/usr/bin"})
+
+
+def test_the_cluster_pod_becomes_the_same_command_on_localhost(make_job):
+    job = _job(make_job)
+    pod = pods.build_worker_pod(job, 1)
+    spec = translate.to_process(pod, _site(job), "local-7", metrics_port=45000)
+    argv = list(spec.argv)
+    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--rdzv-endpoint=127.0.0.1:41234" in argv
+    assert argv[-5:] == [sys.executable, "-u", "train.py", "--ckpt", "/tmp/state/ckpt/extra"]
+    # Everything else torchrun gets is the builder's, untouched.
+    cluster = pods.worker_command(pod)
+    same = [a for a in cluster if "rdzv-endpoint" not in a and a not in ("python",) and "/var/lib" not in a]
+    assert all(a in argv for a in same)
+    assert spec.env[env.AGENT_ENDPOINT] == "127.0.0.1:41234"
+    assert spec.env[env.CHECKPOINT_DIR] == "/tmp/state/ckpt"
+    assert spec.env[env.METRICS_PORT] == "45000"
+    assert spec.env[env.NODE_NAME] == "tr-worker-1"
+    assert spec.env[env.CONTRACT] == pods.worker_env_dict(pod)[env.CONTRACT]
+    assert spec.env["POD"] == "tr-worker-1" and spec.env["GREETING"] == "hello tr-worker-1"
+    assert spec.env["PATH"] == "/usr/bin" and spec.cwd == "/tmp/work"
+
+
+def test_the_agent_listens_on_the_local_port(make_job):
+    job = _job(make_job)
+    spec = translate.to_process(pods.build_agent_pod(job), _site(job), "local-1", metrics_port=0)
+    assert list(spec.argv) == [sys.executable, "-m", "disttrain.trainer.agent", "--port", "41234"]
+
+
+def test_agent_service_names_are_rewritten_only_as_whole_host_names():
+    site = translate.LocalSite(agent_hosts=("a-agent.ns.svc", "a-agent"), cluster_port=29400, local_port=5,
+                               cluster_checkpoint_dir="/c/ns/a", checkpoint_dir="/l", workdir="/")
+    assert translate.translate_text("a-agent.ns.svc:29400", site) == "127.0.0.1:5"
+    assert translate.translate_text("tcp://a-agent:29400/x", site) == "tcp://127.0.0.1:5/x"
+    assert translate.translate_text("a-agent-old:29400", site) == "a-agent-old:29400"
+    assert translate.translate_text("/c/ns/a/step-3", site) == "/l/step-3"
