@@ -58,12 +58,18 @@ except Exception:  # noqa: BLE001 - running from a source tree without metadata
 
 class MicroBatch:
     """One forward/backward worth of samples: the collated ``data``, their dataset ``indices`` and per-sample
-    ``seeds`` for keyed randomness (see :mod:`disttrain.trainer.randomness`)."""
+    ``seeds`` for keyed randomness (see :mod:`disttrain.trainer.randomness`; computed on first use)."""
 
-    __slots__ = ("data", "indices", "seeds")
+    __slots__ = ("data", "indices", "_seed", "_step", "_seeds")
 
-    def __init__(self, data: Any, indices: list[int], seeds: list[int]) -> None:
-        self.data, self.indices, self.seeds = data, indices, seeds
+    def __init__(self, data: Any, indices: list[int], seed: int, step: int) -> None:
+        self.data, self.indices, self._seed, self._step, self._seeds = data, indices, seed, step, None
+
+    @property
+    def seeds(self) -> list[int]:
+        if self._seeds is None:
+            self._seeds = [sample_seed(self._seed, self._step, j) for j in self.indices]
+        return self._seeds
 
 
 class Step:
@@ -93,7 +99,7 @@ class Step:
             for i, idx in enumerate(self.micro_indices):
                 if isinstance(model, DistributedDataParallel):
                     model.require_backward_grad_sync = i == last
-                yield MicroBatch(self.trainer.fetch(idx), idx, [sample_seed(seed, self.index, j) for j in idx])
+                yield MicroBatch(self.trainer.fetch(idx), idx, seed, self.index)
         finally:
             if isinstance(model, DistributedDataParallel):
                 model.require_backward_grad_sync = True
@@ -158,6 +164,7 @@ class ElasticTrainer:
             log.warning("control channel %s unavailable (%s); only SIGTERM can drain", self.ctx.agent_endpoint, exc)
         self.checkpoints.on_commit = lambda m: self.watchdog.publish(control_keys.CHECKPOINT_KEY, m.model_dump_json())
         self.resumed_from: Optional[int] = None
+        self._agreement: Optional[tuple[torch.Tensor, Any]] = None
         self.lr_state = lr_mod.LRState(self.plan.lr_scale, self.plan.lr_scale, 0)
         self._fast_tensors = isinstance(dataset, TensorDataset)
         if scheduler is not None and self.training.lr.schedule is not LRSchedule.CONSTANT:
@@ -336,16 +343,34 @@ class ElasticTrainer:
             self.watchdog.publish(control_keys.PROGRESS_KEY, report.model_dump_json())
 
     def _boundary(self) -> None:
-        """Agree on drain / save state with every rank, then checkpoint when due (and exit on drain)."""
+        """Agree on drain / save state with every rank, then checkpoint when due (and exit on drain).
+
+        The agreement is an all-reduce started here and read at the next boundary, so it overlaps the next
+        step's compute instead of adding a synchronisation point: a drain or an async save's outcome is acted
+        on one step after the earliest rank saw it (every rank at the same step), or at once at the last step.
+        """
         not_done, failed = self.checkpoints.local_pending_state()
         seconds_due = int(self.rank == 0 and self.checkpoints.seconds_due())
-        flags = torch.tensor([int(self.watchdog.drain_requested), not_done, failed, seconds_due], dtype=torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        drain, any_not_done, _, seconds_due = (int(x) for x in flags.tolist())
-        if self.checkpoints.pending is not None and not any_not_done:
-            self.checkpoints.poll(all_done=True)
+        pending = self.checkpoints.pending.step if self.checkpoints.pending is not None else -1
+        # MAX of (pending, -pending) yields the max and -min: the flags speak of one save only if all ranks agree.
+        flags = torch.tensor([int(self.watchdog.drain_requested), not_done, failed, seconds_due, pending, -pending],
+                             dtype=torch.int64)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+        previous, self._agreement = self._agreement, (flags, work)
         last = self.done
+        if last:
+            previous = self._agreement
+        if previous is None:
+            return
+        previous[1].wait()
+        drain, any_not_done, _, seconds_due, max_pending, neg_min_pending = (int(x) for x in previous[0].tolist())
+        p = self.checkpoints.pending
+        if p is not None and not any_not_done and max_pending == -neg_min_pending == p.step:
+            # Every rank had finished its part of this very save when the flags were taken.
+            self.checkpoints.poll(all_done=True)
         if drain:
+            if previous is not self._agreement:
+                work.wait()  # leave no collective half-done behind the exit
             self.checkpoints.wait_pending()
             if self.checkpoints.last_saved_step != self.state.step:
                 self.checkpoints.save(self.state.step, self._state(), self._manifest(), force_sync=True)

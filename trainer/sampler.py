@@ -77,7 +77,19 @@ class GlobalSampler:
         return int(self.permutation(epoch)[offset])
 
     def indices(self, positions: list[int]) -> list[int]:
-        return [self.index_at(p) for p in positions]
+        """Dataset indices of ``positions`` (vectorised per epoch: this runs every step on the hot path)."""
+        if not positions:
+            return []
+        pos = torch.as_tensor(positions, dtype=torch.long)
+        epochs = pos // self.length
+        first, last = int(epochs.min()), int(epochs.max())
+        if first == last:
+            return self.permutation(first)[pos - first * self.length].tolist()
+        out = torch.empty_like(pos)
+        for epoch in range(first, last + 1):
+            sel = epochs == epoch
+            out[sel] = self.permutation(epoch)[pos[sel] - epoch * self.length]
+        return out.tolist()
 
     def epoch_of(self, position: int) -> int:
         return position // self.length

@@ -44,7 +44,7 @@ def test_a_corrupt_shard_is_detected_and_the_previous_checkpoint_is_used(harness
 
 def test_async_saves_commit_and_resume_exactly(harness):
     contract = harness.contract(global_batch=4, micro=1, max_steps=8, interval=2, keep=2, async_save=True)
-    rc, log = harness.run(2, contract, "async", TOY_DRAIN_AT="5")
+    rc, log = harness.run(2, contract, "async", TOY_DRAIN_AT="4")  # drains at step 5
     assert "drained at step 5" in log, log[-3000:]
     assert sorted(p.name for p in harness.ckpt.iterdir()) == ["step-4", "step-5"]
     rc, log = harness.run(2, contract, "rest")

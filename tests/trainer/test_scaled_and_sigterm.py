@@ -16,7 +16,7 @@ def test_scaled_mode_doubles_the_global_batch_and_ramps_the_lr_factor_after_resu
     base, ramp = 0.01, 4
     contract = harness.contract(policy="scaled", global_batch=4, micro=2, accum=1, max_steps=8, interval=3,
                                 lr={"base": base, "scaling": scaling, "rampSteps": ramp, "referenceBatchSize": 4})
-    rc, log = harness.run(2, contract, "w2", TOY_DRAIN_AT="3")
+    rc, log = harness.run(2, contract, "w2", TOY_DRAIN_AT="2")  # drains at step 3
     assert "drained at step 3" in log, log[-3000:]
     rows = harness.records("w2")
     assert {r["global_batch"] for r in rows} == {4}

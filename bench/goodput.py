@@ -1,0 +1,65 @@
+"""P5 of the local-mode issue: goodput under failures.
+
+Two runs of the tiny LM demo job on 3 nodes, the same wall-clock window measured from the first completed step:
+one without failures, one where a node's machine is killed every ``--period`` seconds (the runtime re-adds a
+node each time, as a cluster would replace a machine). goodput_ratio = samples whose work was kept (status
+samplesConsumed at the end of the window: redone steps are not counted twice) with failures / without.
+Goal: >= 0.90 at one kill per 60 s.
+
+    python bench/goodput.py [--window 130] [--period 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+
+import _localbench as lb
+
+
+def measure(window: float, period: float | None) -> tuple[float, int, dict]:
+    base = lb.workdir("goodput")
+    marks: dict[str, float] = {}
+    kills: list[float] = []
+
+    def on_tick(runtime, snapshot):
+        status = snapshot.status
+        now = time.time()
+        if "start" not in marks and status.get("step", 0) > 0:
+            marks["start"] = now
+        if "start" not in marks:
+            return
+        if period and now - marks["start"] >= period * (len(kills) + 1) - period / 2:
+            kills.append(now)
+            alive = [p for p in runtime.workers.values() if p.is_alive and not p.node_lost and p.index != 0]
+            if alive:
+                runtime.apply_chaos(lb.parse_chaos(f"kill-node:{max(p.index for p in alive)}@0s")[0])
+        if now - marks["start"] >= window:
+            marks["samples"] = status.get("samplesConsumed", 0)
+            marks["steps"] = status.get("step", 0)
+            runtime.stop(f"window of {window:.0f}s elapsed")
+
+    runtime = lb.run(lb.tinylm_job("goodput", replicas=3, max_steps=1_000_000), base / "state", on_tick=on_tick,
+                     timeout_s=window + 300)
+    restarts = dict(runtime.summary.restarts_by_reason)
+    shutil.rmtree(base, ignore_errors=True)
+    return marks.get("samples", 0) / window, len(kills), restarts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--window", type=float, default=130.0, help="seconds measured in each run")
+    parser.add_argument("--period", type=float, default=60.0, help="seconds between node kills")
+    args = parser.parse_args()
+    backend = lb.use_registered_backend()
+    clean, _, _ = measure(args.window, None)
+    faulty, kills, restarts = measure(args.window, args.period)
+    print(f"rendezvous backend: {backend}; {kills} node kills in {args.window:.0f}s; restarts {restarts}")
+    print(f"samples_per_second_clean: {clean:.1f}")
+    print(f"samples_per_second_with_failures: {faulty:.1f}")
+    print(f"goodput_ratio: {faulty / clean:.3f}")
+
+
+if __name__ == "__main__":
+    main()
