@@ -1,0 +1,63 @@
+"""The control channel through a store hosted by a separate process (the job agent's role): progress and
+checkpoint keys are published, drain checkpoints and exits DRAINED, a generation already seen is not acted on
+after a restart, reform exits REFORM at once; and the per-worker Prometheus exporter serves the metrics."""
+
+import json
+import re
+import time
+import urllib.request
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from disttrain.api import control
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def test_drain_reform_progress_and_metrics_through_the_agent_store(harness):
+    port = harness.start_store()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store.set(control.SIGNAL_KEY, control.ControlSignal(generation=3, action="reform", reason="old").model_dump_json())
+    metrics_port = harness.free_port()
+    contract = harness.contract(global_batch=4, micro=1, max_steps=1000, interval=5)
+    extra = {"DISTTRAIN_AGENT_ENDPOINT": f"127.0.0.1:{port}", "DISTTRAIN_METRICS_PORT": str(metrics_port),
+             "TOY_STEP_SLEEP": "0.05"}
+    proc = harness.start(2, contract, "one", **extra)
+    harness.wait_for_step("one", 7)  # generation 3 predates the workers: no reform
+
+    progress = control.ProgressReport.model_validate_json(store.get(control.PROGRESS_KEY))
+    assert progress.world_size == 2 and progress.step >= 6 and progress.plan["globalBatch"] == 4
+    committed = json.loads(store.get(control.CHECKPOINT_KEY))
+    assert committed["step"] == 5 and committed["world_size"] == 2
+    text = scrape(metrics_port)
+    assert re.search(r"^disttrain_trainer_world_size 2\.0$", text, re.M)
+    assert re.search(r"^disttrain_trainer_last_complete_checkpoint_step 5\.0$", text, re.M)
+    for name in ("disttrain_trainer_step", "disttrain_trainer_grad_accum_steps", "disttrain_trainer_lr_scale",
+                 "disttrain_trainer_checkpoint_save_seconds_bucket", "disttrain_trainer_samples_per_second",
+                 "disttrain_trainer_restart_count", "disttrain_trainer_samples_replayed_total"):
+        assert name in text
+    assert "disttrain_trainer_world_size 2.0" in scrape(metrics_port + 1)  # local rank 1 serves on port + 1
+
+    store.set(control.SIGNAL_KEY, control.ControlSignal(generation=4, action="drain", reason="scale").model_dump_json())
+    proc.wait(timeout=60)
+    log = harness.log("one")
+    assert "exitcode  : 83" in log, log[-3000:]
+    drained = int(re.search(r"drained at step (\d+)", log).group(1))
+
+    proc = harness.start(2, contract, "two", **extra)  # generation 4 is still in the store: not acted on again
+    harness.wait_for_step("two", drained + 4)
+    assert proc.poll() is None
+    t0 = time.monotonic()
+    store.set(control.SIGNAL_KEY, control.ControlSignal(generation=5, action="reform", reason="x").model_dump_json())
+    proc.wait(timeout=30)
+    log = harness.log("two")
+    assert "exitcode  : 84" in log and "reform signal (generation 5" in log, log[-3000:]
+    assert time.monotonic() - t0 < 10
+    assert f"resumed from checkpoint step-{drained}" in log

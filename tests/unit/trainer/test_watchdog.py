@@ -1,0 +1,77 @@
+"""The watchdog against a real TCPStore: each signal generation is acted on once, history is ignored."""
+
+import socket
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from disttrain.api import control
+from disttrain.api.exitcodes import ExitCode
+from disttrain.trainer.control import Watchdog, parse_endpoint
+
+
+@pytest.fixture
+def store():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    yield server, f"127.0.0.1:{port}"
+    del server
+
+
+def signal(server, generation: int, action: str) -> None:
+    server.set(control.SIGNAL_KEY, control.ControlSignal(generation=generation, action=action).model_dump_json())
+
+
+def test_a_generation_present_at_startup_is_history(store):
+    server, endpoint = store
+    signal(server, 5, "reform")
+    exits: list[int] = []
+    dog = Watchdog(endpoint, exit_fn=exits.append)
+    dog.connect()
+    dog.start()
+    dog.stop()
+    dog.poll_once()
+    assert exits == [] and not dog.drain_requested
+
+
+def test_a_generation_recorded_in_the_checkpoint_is_history(store):
+    server, endpoint = store
+    exits: list[int] = []
+    dog = Watchdog(endpoint, exit_fn=exits.append)
+    dog.connect()
+    signal(server, 7, "drain")  # written after start, but the checkpoint says we already drained for it
+    dog.seen_generation = max(dog.seen_generation, 7)
+    dog.poll_once()
+    assert not dog.drain_requested
+
+
+def test_drain_sets_the_flag_and_reform_exits_at_once_each_only_once(store):
+    server, endpoint = store
+    exits: list[int] = []
+    dog = Watchdog(endpoint, exit_fn=exits.append)
+    dog.connect()
+    dog.poll_once()
+    assert not dog.drain_requested  # no key yet: check() instead of a blocking get()
+    signal(server, 1, "drain")
+    dog.poll_once()
+    assert dog.drain_requested and "generation 1" in dog.drain_reason
+    signal(server, 2, "reform")
+    dog.poll_once()
+    dog.poll_once()
+    assert exits == [int(ExitCode.REFORM)]
+
+
+def test_no_endpoint_means_no_channel():
+    dog = Watchdog(None)
+    dog.connect()
+    dog.start()
+    assert dog.store is None
+
+
+@pytest.mark.parametrize("bad", ["nohost", "host:port", ":123"])
+def test_a_malformed_endpoint_is_named(bad):
+    with pytest.raises(ValueError, match="host:port"):
+        parse_endpoint(bad)
