@@ -1,0 +1,29 @@
+"""The shipped example really trains: examples/tinylm/train.py under torchrun, its loss falls."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def test_tinylm_loss_falls_within_a_minute_on_two_processes(harness):
+    contract = {"training": {"globalBatchSize": 32, "microBatchSize": 8, "lr": {"base": 0.003},
+                             "maxSteps": 80, "seed": 1},
+                "checkpoint": {"path": "/unused", "intervalSteps": 40, "keep": 1}}
+    env = harness.env(json.dumps(contract), "tinylm")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "examples/tinylm/train.py", "--d-model", "32", "--layers", "1"]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=150)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    losses = [float(x) for x in re.findall(r"\[disttrain rank 0\] INFO step \d+ loss ([\d.]+)", log)]
+    assert len(losses) >= 3, log[-3000:]
+    assert losses[-1] < losses[0] - 0.8, losses
+    assert (harness.ckpt / "step-80" / "COMPLETE.json").is_file()
