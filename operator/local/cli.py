@@ -11,6 +11,7 @@ import argparse
 import json
 import pathlib
 import shutil
+import signal
 import sys
 from typing import Optional
 
@@ -106,6 +107,9 @@ def _run(job, state: StateDir, chaos, args: argparse.Namespace) -> int:  # noqa:
                                live=False if args.plain else None)
     runtime = LocalRuntime(job, state, chaos=chaos, workdir=args.workdir, metrics_port=args.metrics_port,
                            on_tick=view.on_tick, on_event=view.on_event)
+    # SIGTERM/SIGHUP end the run like Ctrl-C: every node, the agent and their workers are killed, never orphaned.
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _interrupt)
     with view:
         summary = runtime.run(timeout_s=args.timeout)
     display_mod.render_summary(summary, console)
@@ -113,6 +117,10 @@ def _run(job, state: StateDir, chaos, args: argparse.Namespace) -> int:  # noqa:
     if runtime.interrupted:
         return 130
     return 0 if summary.succeeded else 1
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
