@@ -132,7 +132,10 @@ class ElasticTrainer:
                  scheduler: Any = None, collate_fn: Callable[[list[Any]], Any] = default_collate,
                  context: Optional[ctx_mod.ElasticContext] = None, log_every: int = 10) -> None:
         _configure_logging()
-        self.ctx = context or ctx_mod.ElasticContext.from_env()
+        try:
+            self.ctx = context or ctx_mod.ElasticContext.from_env()
+        except ctx_mod.ContractError as exc:
+            _exit_permanent(str(exc))
         self.training = self.ctx.contract.training
         self.dataset = dataset
         self.collate_fn = collate_fn
@@ -266,8 +269,9 @@ class ElasticTrainer:
         manifest = self.checkpoints.find_latest()
         ramp = self.training.lr.ramp_steps
         if manifest is None:
-            log.info("no complete checkpoint in %s: starting at step 0 (world size %d, plan %s)",
-                     self.ctx.checkpoint_dir, self.world_size, self.plan.to_status())
+            if self.rank == 0:
+                log.info("no complete checkpoint in %s: starting at step 0 (world size %d, plan %s)",
+                         self.ctx.checkpoint_dir, self.world_size, self.plan.to_status())
             self.lr_state = lr_mod.ramp_after_resume(None, None, 0, self.plan.lr_scale, 0, ramp)
             self.watchdog.start()
             return
