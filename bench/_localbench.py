@@ -25,13 +25,10 @@ from disttrain.operator.local.statedir import StateDir  # noqa: E402
 
 
 def use_registered_backend() -> str:
-    """The ``disttrain`` torchrun handler when installed, else c10d (say so: figures differ)."""
-    from importlib.metadata import entry_points
+    """The rendezvous backend the nodes will use (the runtime falls back to c10d without our handler)."""
+    from disttrain.operator.local.runtime import rendezvous_fallback
 
-    if not any(ep.name == pods.RDZV_BACKEND for ep in entry_points(group="torchrun.handlers")):
-        print(f"note: torchrun handler {pods.RDZV_BACKEND!r} is not installed; using c10d", file=sys.stderr)
-        pods.RDZV_BACKEND = "c10d"
-    return pods.RDZV_BACKEND
+    return rendezvous_fallback() or pods.RDZV_BACKEND
 
 
 def recorder_job(name: str, out: pathlib.Path, *, replicas: int, max_steps: int, step_sleep: float = 0.0,

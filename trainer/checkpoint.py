@@ -147,6 +147,8 @@ class CheckpointManager:
         self._stager: Optional[DefaultStager] = None
         self._staging: Any = None
         self._retention: Optional[threading.Thread] = None
+        self._session: Optional[str] = None
+        self._saves = 0
         self.blocked_s = 0.0  # total seconds training waited for saves (sync saves, async kick-off and staging)
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -170,7 +172,6 @@ class CheckpointManager:
         if self.pending is not None:
             self.wait_pending()
         t0 = time.monotonic()
-        self.join_retention()
         tmp = self.root / commit.tmp_dir_name(step, self._nonce())
         self.last_saved_step = step
         self.last_save_time = time.monotonic()
@@ -295,11 +296,13 @@ class CheckpointManager:
             self.metrics.last_complete_step.set(step)
 
     def _retain(self) -> None:
-        """Retention off the critical path, in a thread (rank 0). The step just committed is the newest complete
-        one, so retention keeps it whatever `keep` says; saves never overlap, and the next save joins this
-        thread before it creates its temp dir, so no live temp dir can be removed."""
+        """Retention (rank 0): decided now, deleted in a thread, off the critical path. The step just committed
+        is the newest complete one, so it is kept whatever `keep` says; saves never overlap, so no temp dir is
+        live at this moment, and the deletion list is fixed before the next save can create one."""
+        names = commit.plan_retention(self.root, self.spec.keep)
+
         def run() -> None:
-            deleted = commit.apply_retention(self.root, self.spec.keep)
+            deleted = commit.delete(self.root, names)
             if deleted:
                 log.info("retention removed %s", ", ".join(deleted))
 
@@ -351,9 +354,14 @@ class CheckpointManager:
         return writer
 
     def _nonce(self) -> str:
-        box = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        """Fresh per save and equal on all ranks: a random session id agreed once, plus a save counter (saves
+        are collective, so every rank counts alike). No collective on the per-save path."""
+        if self._session is None:
+            box = [uuid.uuid4().hex[:8] if self.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            self._session = box[0]
+        self._saves += 1
+        return f"{self._session}{self._saves:04d}"
 
     def _barrier(self) -> None:
         dist.barrier(group=self.group)

@@ -194,22 +194,31 @@ def choose_deletions(complete_steps: list[int], keep: int, protected: Iterable[i
     return sorted(s for s in ordered if s not in keep_set)
 
 
-def apply_retention(root: Path, keep: int, protected: Iterable[int] = (), in_flight: Iterable[str] = ()) -> list[str]:
-    """Delete old complete checkpoints beyond ``keep``, invalid ``step-N`` dirs older than the newest complete one,
-    and temp dirs of crashed saves (never a temp dir named in ``in_flight``). Returns the names deleted."""
-    deleted = []
+def plan_retention(root: Path, keep: int, protected: Iterable[int] = (), in_flight: Iterable[str] = ()) -> list[str]:
+    """Names to delete: complete checkpoints beyond ``keep`` (never the newest, never a protected step) and temp
+    dirs of crashed saves (never one named in ``in_flight``). Decided from one listing, so deleting the result
+    later (in a thread) cannot touch a directory created after the decision, such as the next save's temp dir."""
     dirs = step_dirs(root)
     complete = [s for s, p in dirs if (p / MANIFEST_FILE).is_file()]
-    for step in choose_deletions(complete, keep, protected):
-        path = root / step_dir_name(step)
-        shutil.rmtree(path, ignore_errors=True)
-        deleted.append(path.name)
+    names = [step_dir_name(step) for step in choose_deletions(complete, keep, protected)]
     keep_names = set(in_flight)
-    for entry in root.iterdir() if root.is_dir() else []:
+    for entry in sorted(root.iterdir()) if root.is_dir() else []:
         if entry.name.startswith((TMP_PREFIX, ".trash-")) and entry.name not in keep_names:
-            shutil.rmtree(entry, ignore_errors=True)
-            deleted.append(entry.name)
+            names.append(entry.name)
+    return names
+
+
+def delete(root: Path, names: Iterable[str]) -> list[str]:
+    deleted = []
+    for name in names:
+        shutil.rmtree(root / name, ignore_errors=True)
+        deleted.append(name)
     return deleted
+
+
+def apply_retention(root: Path, keep: int, protected: Iterable[int] = (), in_flight: Iterable[str] = ()) -> list[str]:
+    """Plan and delete at once. Returns the names deleted."""
+    return delete(root, plan_retention(root, keep, protected, in_flight))
 
 
 def read_json(path: Path) -> dict:
