@@ -53,6 +53,16 @@ class Snapshot:
     worker_metrics: list[str]
 
 
+def rendezvous_fallback() -> Optional[str]:
+    """None when torchrun here has the pods' rendezvous handler (entry-point group ``torchrun.handlers``), else
+    ``c10d``, the stock backend it extends."""
+    from importlib.metadata import entry_points
+
+    if any(ep.name == pods.RDZV_BACKEND for ep in entry_points(group="torchrun.handlers")):
+        return None
+    return "c10d"
+
+
 class LocalRuntime:
     def __init__(self, job: DistTrainJob, state: StateDir, *, chaos: list[ChaosEvent] = (),
                  workdir: Optional[str] = None, metrics_port: int = 0,
@@ -85,6 +95,7 @@ class LocalRuntime:
         self.relay = agentlink.RelayFilter()
         self.interrupted = False
         self.stop_requested = ""
+        self.rdzv_fallback = rendezvous_fallback()
 
     # ---- the job object --------------------------------------------------------------------------------
     @property
@@ -121,7 +132,7 @@ class LocalRuntime:
             agent_hosts=(f"{host}.{ns}.svc.cluster.local", f"{host}.{ns}.svc", f"{host}.{ns}", host),
             cluster_port=job.spec.rendezvous.port, local_port=self.store_port,
             cluster_checkpoint_dir=pods.checkpoint_dir(job), checkpoint_dir=str(self.state.checkpoints_dir),
-            workdir=self.workdir, base_env=dict(os.environ))
+            workdir=self.workdir, base_env=dict(os.environ), rdzv_backend=self.rdzv_fallback)
 
     def _spawn(self, pod: dict[str, Any], index: int, metrics_port: int, extra_env: dict[str, str]) -> LocalPod:
         name = pod["metadata"]["name"]
@@ -292,6 +303,11 @@ class LocalRuntime:
         self.metrics_url = self.metrics.serve(self.metrics_port)
         self.record_event("Normal", "LocalRunStarted",
                           f"state in {self.state.path}; operator metrics at {self.metrics_url}")
+        if self.rdzv_fallback:
+            self.record_event("Warning", "RendezvousFallback",
+                              f"torchrun handler {pods.RDZV_BACKEND!r} is not installed in this environment; nodes "
+                              f"use {self.rdzv_fallback!r} (rounds wait for last-call timeouts, scale-ups may reform "
+                              "twice)")
         try:
             while not self.is_done() and not self.stop_requested:
                 actions = self.tick()

@@ -43,6 +43,8 @@ class LocalSite:
     python: str = sys.executable
     base_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Environment every local process starts from (the user's, so PATH and the venv work as in an image)."""
+    rdzv_backend: Optional[str] = None
+    """torchrun rendezvous backend to use instead of the pod's (when its handler is not installed here)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +93,8 @@ def translate_argv(argv: Sequence[str], site: LocalSite) -> list[str]:
             out[i] = str(site.local_port)
         elif re.fullmatch(rf"--(?:store-|rdzv-)?port={site.cluster_port}", arg):
             out[i] = arg.rsplit("=", 1)[0] + f"={site.local_port}"
+        elif site.rdzv_backend and arg.startswith(("--rdzv-backend=", "--rdzv_backend=")):
+            out[i] = arg.split("=", 1)[0] + f"={site.rdzv_backend}"
     return out
 
 

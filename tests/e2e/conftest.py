@@ -14,7 +14,6 @@ import pathlib
 import urllib.request
 from typing import Any, Callable, Optional
 
-import pytest
 import yaml
 
 from disttrain.api import validation
@@ -114,26 +113,3 @@ def scrape(url: str) -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
             values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return values
-
-
-@pytest.fixture(scope="session", autouse=True)
-def rendezvous_backend():
-    """Until the trainer package registers the ``disttrain`` torchrun handler (operator issue), run with c10d."""
-    from importlib.metadata import entry_points
-
-    from disttrain.operator import pods
-
-    if any(ep.name == pods.RDZV_BACKEND for ep in entry_points(group="torchrun.handlers")):
-        yield pods.RDZV_BACKEND
-        return
-    original = pods.RDZV_BACKEND
-    pods.RDZV_BACKEND = "c10d"
-    yield "c10d"
-    pods.RDZV_BACKEND = original
-
-
-@pytest.fixture
-def out_dir(tmp_path: pathlib.Path) -> pathlib.Path:
-    path = tmp_path / "records"
-    path.mkdir()
-    return path

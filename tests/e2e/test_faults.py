@@ -25,7 +25,7 @@ def _covers_epoch_once(run, samples: int) -> None:
 
 @pytest.mark.timeout(240)
 def test_a_killed_job_agent_is_recreated_and_the_workers_rejoin_and_finish(tmp_path):
-    run = run_job(tmp_path, e2e_job("agentkill", tmp_path / "records", replicas=2, step_sleep=0.05),
+    run = run_job(tmp_path, e2e_job("agentkill", tmp_path / "records", replicas=2, step_sleep=0.15),
                   chaos="kill-agent@step=8")
     assert run.summary.succeeded, run.reasons()
     reasons = run.reasons()
@@ -33,9 +33,11 @@ def test_a_killed_job_agent_is_recreated_and_the_workers_rejoin_and_finish(tmp_p
     assert reasons.index("ChaosKillAgent") < reasons.index("AgentRestarted")
     agent_log = run.state.log_file("agentkill-agent").read_text()
     assert agent_log.count("serving the store") == 2, "the agent was not recreated"
-    # Work after the agent came back was done by a group formed on the new store.
-    groups = {r["group"] for r in run.records()}
-    assert len(groups) >= 2
+    # The last steps were done by a group formed after the agent came back.
+    killed_at = next(e["time"] for e in run.events if e["reason"] == "ChaosKillAgent")
+    final = run.final_trajectory()
+    assert min(r["time"] for r in final[24]) > killed_at
+    assert final[24][0]["group"] != final[1][0]["group"]
     assert run.summary.steps == 24
     _covers_epoch_once(run, 288)
 

@@ -23,24 +23,27 @@ class Scaler:
     def __init__(self, sizes: list[int], progress_steps: int = 3) -> None:
         self.sizes = list(sizes)
         self.progress_steps = progress_steps
-        self.mark: tuple[int, int] | None = None  # (world size it waits for, step seen there)
+        self.world = 0  # world size of the last scrape
+        self.since_step = 0  # step seen at that scrape
+        self.leaving: int | None = None  # world size a request is moving away from
         self.scrapes: list[dict[str, float]] = []
 
     def __call__(self, runtime, snapshot) -> None:
         status = snapshot.status
-        if status.get("phase") != "Running":
-            return
         world, step = status.get("worldSize", 0), status.get("step", 0)
-        if self.mark is None or self.mark[0] != world:
-            self.mark = (world, step)
+        if status.get("phase") != "Running" or world == self.leaving:
+            return
+        self.leaving = None
+        if world != self.world:
+            self.world, self.since_step = world, step
             self.scrapes.append(dict(scrape(runtime.metrics_url), world=world,
                                      **{f"worker:{k}": v for url in snapshot.worker_metrics[:1]
                                         for k, v in scrape(url).items()}))
             return
-        if self.sizes and step >= self.mark[1] + self.progress_steps:
+        if self.sizes and step >= self.since_step + self.progress_steps:
             size = self.sizes.pop(0)
             assert cli.main(["local", "scale", str(runtime.state.path), "--replicas", str(size)]) == 0
-            self.mark = (-1, step)
+            self.leaving = world
 
 
 @pytest.mark.timeout(300)
