@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
-from disttrain.api.manifest import CheckpointManifest, DatasetFingerprint
+from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer import commit
 from disttrain.trainer.digesting import DigestingFileSystem
@@ -155,8 +155,9 @@ class CheckpointManager:
 
     # ---- when ---------------------------------------------------------------------------------------------
     def should_save(self, step: int, last: bool = False) -> bool:
-        """Interval in steps or seconds (seconds are agreed by rank 0's clock, broadcast by the caller's
-        boundary collective: here only steps and ``last`` are used so every rank decides alike)."""
+        """Due by step interval or because it is the last step. Every rank decides alike from the step alone;
+        the seconds interval is rank 0's clock (:meth:`seconds_due`), agreed through the loop's boundary
+        all-reduce."""
         if step == self.last_saved_step:
             return False
         if last:
@@ -385,10 +386,6 @@ class CheckpointManager:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
-
-
-def empty_fingerprint() -> DatasetFingerprint:
-    return DatasetFingerprint(length=0, seed=0)
 
 
 def _now() -> str:

@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from disttrain.api.plan import ramped_lr_scale, schedule_factor  # noqa: F401 - documents the rule checked here
+from disttrain.api.plan import ramped_lr_scale
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
