@@ -154,8 +154,14 @@ class ElasticTrainer:
             _exit_permanent(f"spec.training: {exc}")
         self.sampler = sampler_mod.GlobalSampler(len(dataset), self.training.seed)
         self.state = ckpt_mod.TrainerState()
-        self.raw_model = model
-        self.model = DistributedDataParallel(model) if not isinstance(model, DistributedDataParallel) else model
+        self.device = self.groups.device
+        self.raw_model = model.to(self.device)  # in place: the optimizer keeps the same Parameter objects
+        if isinstance(model, DistributedDataParallel):
+            self.model = model
+        elif self.device.type == "cuda":
+            self.model = DistributedDataParallel(model, device_ids=[self.device.index])
+        else:
+            self.model = DistributedDataParallel(model)
         self.checkpoints = ckpt_mod.CheckpointManager(self.ctx.checkpoint_dir, self.ctx.contract.checkpoint,
                                                       self.rank, self.world_size, self.groups.checkpoint,
                                                       metrics=self.metrics)
@@ -210,12 +216,13 @@ class ElasticTrainer:
         self.watchdog.request_drain(reason)
 
     def fetch(self, indices: list[int]) -> Any:
+        """The collated micro batch for dataset ``indices``, on the trainer's device."""
         if self._fast_tensors:
             idx = torch.as_tensor(indices, dtype=torch.long)
-            return tuple(t[idx] for t in self.dataset.tensors)
+            return _to_device(tuple(t[idx] for t in self.dataset.tensors), self.device)
         getitems = getattr(self.dataset, "__getitems__", None)
         samples = getitems(indices) if getitems is not None else [self.dataset[i] for i in indices]
-        return self.collate_fn(samples)
+        return _to_device(self.collate_fn(samples), self.device)
 
     def steps(self) -> Iterator[Step]:
         """Resume, then yield one :class:`Step` per optimizer step until maxSteps/maxSamples, a drain or a failure."""
@@ -402,6 +409,18 @@ class _SchedulerState:
         saved = json.loads(state_dict["json"])
         saved.pop("base_lrs", None)
         self.scheduler.__dict__.update(saved)
+
+
+def _to_device(data: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return data
+    if isinstance(data, torch.Tensor):
+        return data.to(device, non_blocking=True)
+    if isinstance(data, (list, tuple)):
+        return type(data)(_to_device(d, device) for d in data)
+    if isinstance(data, dict):
+        return {k: _to_device(v, device) for k, v in data.items()}
+    return data
 
 
 def _is_collective_failure(exc: BaseException) -> bool:
