@@ -38,6 +38,9 @@ class LocalPod:
     deleting_since: Optional[float] = None
     node_lost: bool = False
     exit_code: Optional[int] = None
+    ready_port: int = 0
+    """Running only once the tree connected to this port (the store); 0: Running as soon as it started."""
+    started: bool = False
 
     def poll(self) -> Optional[int]:
         if self.exit_code is None:
@@ -50,9 +53,18 @@ class LocalPod:
     def is_alive(self) -> bool:
         return self.poll() is None
 
+    def is_started(self) -> bool:
+        """The container is up: for a worker, its torchrun reached the store (see proctree.is_connected_to)."""
+        if not self.started:
+            self.started = not self.ready_port or proctree.is_connected_to(self.marker, self.proc.pid,
+                                                                            self.ready_port)
+        return self.started
+
     def view(self) -> PodView:
         code = self.poll()
-        if self.node_lost or code is None:
+        if code is None and not self.node_lost and not self.is_started():
+            phase, ready = "Pending", False
+        elif self.node_lost or code is None:
             phase, ready = "Running", not self.node_lost
         else:
             phase, ready = ("Succeeded" if code == 0 else "Failed"), False

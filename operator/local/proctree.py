@@ -95,3 +95,41 @@ def kill_tree(marker: str, root: Optional[int] = None, timeout_s: float = 5.0) -
     deadline = time.monotonic() + timeout_s
     while signal_tree(marker, root, signal.SIGKILL) and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+def _socket_inodes(pids: set[int]) -> set[str]:
+    inodes = set()
+    for pid in pids:
+        fd_dir = _PROC / str(pid) / "fd"
+        try:
+            entries = list(fd_dir.iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                target = os.readlink(entry)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    return inodes
+
+
+def is_connected_to(marker: str, root: Optional[int], port: int) -> bool:
+    """Some process of the tree holds an established TCP connection to ``port`` (e.g. the rendezvous store).
+
+    Local mode reports a new node as Running only from then on, as a pod is Pending while its container is
+    being created: a process that is still importing torch has not reached the rendezvous yet.
+    """
+    inodes = _socket_inodes(find_tree(marker, root))
+    if not inodes:
+        return False
+    wanted = f"{port:04X}"
+    for table in ("tcp", "tcp6"):
+        raw = _read(_PROC / "net" / table)
+        for line in (raw or b"").decode().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "01" and fields[2].rsplit(":", 1)[1] == wanted \
+                    and fields[9] in inodes:
+                return True
+    return False

@@ -157,6 +157,7 @@ class LocalRuntime:
                                     checkpoint_directory=str(self.state.checkpoints_dir))
         port = free_port()
         local = self._spawn(pod, index, port, {})
+        local.ready_port = self.store_port
         self.workers[local.name] = local
 
     def create_agent(self) -> None:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from disttrain.api import plan as plan_mod
+from disttrain.api.plan import plan as make_plan
 from disttrain.api.spec import TrainingSpec
 from disttrain.operator import cli
 from tests.e2e.conftest import e2e_job, run_job, scrape
@@ -49,7 +49,7 @@ class Scaler:
 @pytest.mark.timeout(300)
 def test_planned_scale_down_and_scale_up_lose_no_step(tmp_path):
     scaler = Scaler([2, 3])
-    run = run_job(tmp_path, e2e_job("scale", tmp_path / "records", replicas=3, max_steps=36, dataset=432,
+    run = run_job(tmp_path, e2e_job("scale", tmp_path / "records", replicas=3, max_steps=80, dataset=960,
                                     step_sleep=0.1), on_tick=scaler)
     assert run.summary.succeeded, run.reasons()
     assert not scaler.sizes, f"scale requests left: {scaler.sizes}; events {run.reasons()}"
@@ -58,7 +58,7 @@ def test_planned_scale_down_and_scale_up_lose_no_step(tmp_path):
     executions = run.executions()
     redone = {step: len(runs) for step, runs in executions.items() if len(runs) > 1}
     assert redone == {}, f"steps executed more than once (lost work): {redone}"
-    assert sorted(executions) == list(range(1, 37))
+    assert sorted(executions) == list(range(1, 81))
     # The step after each reform is the step after the checkpoint it resumed from.
     first_step: dict[str, int] = {}
     resumed_from: dict[str, int] = {}
@@ -74,10 +74,10 @@ def test_planned_scale_down_and_scale_up_lose_no_step(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_scaled_batch_policy_applies_the_plan_after_each_reform(tmp_path):
-    builder = e2e_job("scaled", tmp_path / "records", replicas=2, max_steps=30, dataset=600, step_sleep=0.1)
+    builder = e2e_job("scaled", tmp_path / "records", replicas=2, max_steps=90, dataset=600, step_sleep=0.1)
     builder.set("spec.training", {"globalBatchSize": 4, "microBatchSize": 2, "batchPolicy": "scaled",
                                   "accumulationSteps": 1, "lr": {"base": 0.05, "scaling": "linear"},
-                                  "maxSteps": 30, "seed": 3})
+                                  "maxSteps": 90, "seed": 3})
     scaler = Scaler([3, 2])
     run = run_job(tmp_path, builder, on_tick=scaler)
     assert run.summary.succeeded, run.reasons()
@@ -86,7 +86,7 @@ def test_scaled_batch_policy_applies_the_plan_after_each_reform(tmp_path):
     assert worlds[:3] == [2, 3, 2], worlds
     labels = 'job="scaled",namespace="default"'
     for sample in scaler.scrapes:
-        expected = plan_mod.plan(training, int(sample["world"]))
+        expected = make_plan(training, int(sample["world"]))
         assert sample[f"disttrain_job_global_batch{{{labels}}}"] == expected.global_batch
         assert math.isclose(sample[f"disttrain_job_lr_scale{{{labels}}}"], expected.lr_scale)
         if "worker:disttrain_trainer_lr_scale" in sample:
@@ -94,6 +94,6 @@ def test_scaled_batch_policy_applies_the_plan_after_each_reform(tmp_path):
     # The optimizer really used it: every step's LR and batch match the plan of the world that ran it.
     for step, records in run.final_trajectory().items():
         world = records[0]["world"]
-        expected = plan_mod.plan(training, world)
+        expected = make_plan(training, world)
         assert records[0]["global_batch"] == expected.global_batch, step
         assert math.isclose(records[0]["lrs"][0], 0.05 * expected.lr_scale, rel_tol=1e-6), (step, records[0]["lrs"])
