@@ -1,0 +1,101 @@
+"""Prometheus metrics of the operator: per job (labels ``namespace``, ``job``) and of the operator itself.
+
+Per-job values are derived from the job's status after each reconcile, so they are exactly what ``kubectl get
+dtj -o yaml`` shows. Restarts and reforms are real counters advanced by the difference between the previous
+and the new status value (the first sight of a job only creates the series), so a restarted operator starts
+them from 0, as Prometheus' rate() expects.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from disttrain.api import conditions as cond
+from disttrain.api.status import Phase
+
+PHASES = [p.value for p in Phase]
+
+
+class OperatorMetrics:
+    """All metrics in one object so tests can use a private registry."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        job = ["namespace", "job"]
+        self.world_size = Gauge("disttrain_job_world_size", "Processes in the job's current group.", job,
+                                registry=registry)
+        self.desired_nodes = Gauge("disttrain_job_desired_nodes", "Node count the operator works towards.", job,
+                                   registry=registry)
+        self.phase = Gauge("disttrain_job_phase", "1 for the job's current phase, 0 for the others.",
+                           [*job, "phase"], registry=registry)
+        self.restarts = Counter("disttrain_job_restarts", "Failures restarted (counted against maxRestarts).",
+                                [*job, "reason"], registry=registry)
+        self.reforms = Counter("disttrain_job_reforms", "Group reforms (planned and unplanned).", [*job, "reason"],
+                               registry=registry)
+        self.reform_duration = Histogram(
+            "disttrain_job_reform_duration_seconds", "Seconds from a drain/reform directive to the first step at the "
+            "new size.", job, buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=registry)
+        self.checkpoint_step = Gauge("disttrain_job_last_complete_checkpoint_step",
+                                     "Step of the newest complete checkpoint.", job, registry=registry)
+        self.checkpoint_age = Gauge("disttrain_job_checkpoint_age_seconds",
+                                    "Seconds since the newest complete checkpoint was committed.", job,
+                                    registry=registry)
+        self.samples = Gauge("disttrain_job_samples_consumed", "Samples consumed by the training so far.", job,
+                             registry=registry)
+        self.reconcile_duration = Histogram(
+            "disttrain_operator_reconcile_duration_seconds", "Wall time of one reconcile (read, decide, write).",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=registry)
+        self.errors = Counter("disttrain_operator_reconcile_errors", "Reconciles that failed (retried).", ["kind"],
+                              registry=registry)
+        self._seen: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def observe_job(self, namespace: str, name: str, status: Mapping[str, Any], now: Optional[float] = None) -> None:
+        """Update the job's series from its status (call after every reconcile)."""
+        now = time.time() if now is None else now
+        labels = (namespace, name)
+        self.world_size.labels(*labels).set(status.get("worldSize", 0))
+        self.desired_nodes.labels(*labels).set(status.get("desiredNodes", 0))
+        for phase in PHASES:
+            self.phase.labels(*labels, phase).set(1 if status.get("phase") == phase else 0)
+        self.samples.labels(*labels).set(status.get("samplesConsumed", 0))
+        ckpt = status.get("lastCheckpoint") or {}
+        if ckpt:
+            self.checkpoint_step.labels(*labels).set(ckpt.get("step", 0))
+            committed = cond.parse_time(ckpt.get("time"))
+            if committed is not None:
+                self.checkpoint_age.labels(*labels).set(max(0.0, now - committed))
+        previous = self._seen.get(labels)
+        by_reason = (status.get("restarts") or {}).get("byReason") or {}
+        old_by_reason = ((previous or {}).get("restarts") or {}).get("byReason") or {}
+        for reason, count in by_reason.items():
+            delta = count - old_by_reason.get(reason, 0) if previous is not None else 0
+            self.restarts.labels(*labels, reason)  # the series exists from the first sight
+            if delta > 0:
+                self.restarts.labels(*labels, reason).inc(delta)
+        reform = status.get("lastReform") or {}
+        old_reform = (previous or {}).get("lastReform") or {}
+        if previous is not None and status.get("reforms", 0) > previous.get("reforms", 0):
+            self.reforms.labels(*labels, reform.get("reason", "Unknown")).inc(status["reforms"] - previous.get("reforms", 0))
+        if reform.get("durationSeconds") is not None and (reform.get("start"), reform.get("durationSeconds")) != \
+                (old_reform.get("start"), old_reform.get("durationSeconds")):
+            self.reform_duration.labels(*labels).observe(reform["durationSeconds"])
+        self._seen[labels] = {"restarts": status.get("restarts"), "reforms": status.get("reforms", 0),
+                              "lastReform": reform}
+
+    def forget_job(self, namespace: str, name: str) -> None:
+        """Drop a deleted job's series so /metrics does not grow without bound."""
+        labels = (namespace, name)
+        self._seen.pop(labels, None)
+        for metric in (self.world_size, self.desired_nodes, self.checkpoint_step, self.checkpoint_age, self.samples,
+                       self.reform_duration):
+            try:
+                metric.remove(*labels)
+            except KeyError:
+                pass
+        for metric in (self.phase, self.restarts, self.reforms):
+            for sample_labels in list(metric._metrics):  # noqa: SLF001 - prometheus-client has no public lister
+                if sample_labels[:2] == labels:
+                    metric.remove(*sample_labels)
