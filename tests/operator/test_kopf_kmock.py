@@ -102,8 +102,11 @@ async def test_apply_creates_agent_services_rbac_and_workers_owned_by_the_job(op
         posted = {key: pod[key] for key in ("apiVersion", "kind", "spec")}
         posted["metadata"] = {k: v for k, v in pod["metadata"].items() if k not in ("uid", "resourceVersion", "creationTimestamp")}
         kubernetes_validate.validate(posted, "1.33.0", strict=True)
-    job = await eventually(lambda: _phase(k, "Pending"))
-    status = job["status"]
+    async def counted():
+        job = await _phase(k, "Pending")
+        return job if job and job["status"].get("replicas") == 2 else None
+
+    status = (await eventually(counted))["status"]
     assert status["desiredNodes"] == 2 and status["replicas"] == 2
     assert status["selector"] == "disttrain.dev/job-name=demo,disttrain.dev/role=worker"
     events = (await k.get("/api/v1/namespaces/default/events"))["items"]
