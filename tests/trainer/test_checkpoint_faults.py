@@ -28,7 +28,7 @@ def test_a_corrupt_shard_is_detected_and_the_previous_checkpoint_is_used(harness
     contract = harness.contract(global_batch=4, micro=1, max_steps=4, interval=2, keep=3)
     rc, log = harness.run(2, contract, "first")
     assert rc == 0, log[-3000:]
-    shard = harness.ckpt / "step-4" / "__1_0.distcp"
+    shard = max((harness.ckpt / "step-4").glob("__*.distcp"), key=lambda p: p.stat().st_size)
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the digest can tell
     shard.write_bytes(bytes(data))
@@ -36,7 +36,7 @@ def test_a_corrupt_shard_is_detected_and_the_previous_checkpoint_is_used(harness
     longer = harness.contract(global_batch=4, micro=1, max_steps=6, interval=2, keep=3)
     rc, log = harness.run(2, longer, "second")
     assert rc == 0, log[-3000:]
-    assert "checkpoint step-4 is not usable (file __1_0.distcp is corrupt" in log
+    assert f"checkpoint step-4 is not usable (file {shard.name} is corrupt" in log
     assert "falling back to an older checkpoint" in log
     assert "resumed from checkpoint step-2" in log
     assert min(r["step"] for r in harness.records("second")) == 3
