@@ -34,11 +34,12 @@ def test_drain_reform_progress_and_metrics_through_the_agent_store(harness):
 
     progress = control.ProgressReport.model_validate_json(store.get(control.PROGRESS_KEY))
     assert progress.world_size == 2 and progress.step >= 6 and progress.plan["globalBatch"] == 4
-    committed = json.loads(store.get(control.CHECKPOINT_KEY))
-    assert committed["step"] == 5 and committed["world_size"] == 2
+    committed = json.loads(store.get(control.CHECKPOINT_KEY))  # step 5, or 10 if the test process was slow
+    assert committed["step"] in (5, 10) and committed["world_size"] == 2 and committed["files"]
     text = scrape(metrics_port)
     assert re.search(r"^disttrain_trainer_world_size 2\.0$", text, re.M)
-    assert re.search(r"^disttrain_trainer_last_complete_checkpoint_step 5\.0$", text, re.M)
+    last_complete = re.search(r"^disttrain_trainer_last_complete_checkpoint_step (\d+)\.0$", text, re.M)
+    assert last_complete and int(last_complete.group(1)) in (5, 10)
     for name in ("disttrain_trainer_step", "disttrain_trainer_grad_accum_steps", "disttrain_trainer_lr_scale",
                  "disttrain_trainer_checkpoint_save_seconds_bucket", "disttrain_trainer_samples_per_second",
                  "disttrain_trainer_restart_count", "disttrain_trainer_samples_replayed_total"):
