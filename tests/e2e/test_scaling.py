@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -27,6 +30,7 @@ class Scaler:
         self.since_step = 0  # step seen at that scrape
         self.leaving: int | None = None  # world size a request is moving away from
         self.scrapes: list[dict[str, float]] = []
+        self.status_seen: dict | None = None
 
     def __call__(self, runtime, snapshot) -> None:
         status = snapshot.status
@@ -41,9 +45,17 @@ class Scaler:
                                         for k, v in scrape(url).items()}))
             return
         if self.sizes and step >= self.since_step + self.progress_steps:
+            if self.status_seen is None:
+                self.status_seen = _status_from_another_terminal(runtime.state.path)
             size = self.sizes.pop(0)
             assert cli.main(["local", "scale", str(runtime.state.path), "--replicas", str(size)]) == 0
             self.leaving = world
+
+
+def _status_from_another_terminal(state_dir) -> dict:
+    result = subprocess.run([sys.executable, "-m", "disttrain.operator.cli", "local", "status", str(state_dir), "--json"],
+                            capture_output=True, text=True, timeout=30, check=True)
+    return json.loads(result.stdout)
 
 
 @pytest.mark.timeout(300)
@@ -53,6 +65,8 @@ def test_planned_scale_down_and_scale_up_lose_no_step(tmp_path):
                                     step_sleep=0.1), on_tick=scaler)
     assert run.summary.succeeded, run.reasons()
     assert not scaler.sizes, f"scale requests left: {scaler.sizes}; events {run.reasons()}"
+    seen = scaler.status_seen
+    assert seen["running"] and seen["status"]["phase"] == "Running" and seen["status"]["worldSize"] == 3
     reforms = [(r.reason, r.from_nodes, r.to_nodes) for r in run.summary.reforms]
     assert reforms == [("ScaledDown", 3, 2), ("ScaledUp", 2, 3)], reforms
     executions = run.executions()
