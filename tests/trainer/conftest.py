@@ -115,6 +115,14 @@ class Harness:
             rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         return rows
 
+    def wait_until(self, what: str, predicate, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}")
+
     def wait_for_step(self, run: str, step: int, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -1,0 +1,100 @@
+"""The ``disttrain`` torchrun rendezvous handler with real torchrun agents on localhost and the store in a
+separate process (the job agent's role, ``is_host=false``): a round completes as soon as the target node count
+joined, without waiting out ``last_call_timeout``, and a node listed in ``exclude`` stays out of the round."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from disttrain.api import control
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
+
+PROBE = Path(__file__).resolve().parent / "workers" / "rdzv_probe.py"
+LAST_CALL_S = 30
+
+
+def start_node(harness, port: int, name: str, out: Path) -> subprocess.Popen:
+    conf = f"is_host=false,join_timeout=60,last_call_timeout={LAST_CALL_S},keep_alive_interval=1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:3", "--nproc-per-node=1",
+           "--rdzv-backend=disttrain", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=probe", f"--rdzv-conf={conf}",
+           "--max-restarts=3", "--monitor-interval=0.2", str(PROBE)]
+    env = {**os.environ, "DISTTRAIN_NODE_NAME": name, "PROBE_OUT": str(out), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "PYTHONUNBUFFERED": "1"}
+    with open(out / f"{name}.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    harness.procs.append(proc)
+    return proc
+
+
+def read_records(out: Path) -> dict[str, dict]:
+    records = {}
+    for path in out.glob("*.json"):
+        try:
+            records[path.stem] = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            pass  # being written
+    return records
+
+
+def wait_for(out: Path, names: set[str], timeout: float) -> dict[str, dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not names <= read_records(out).keys():
+        time.sleep(0.1)
+    return read_records(out)
+
+
+def logs_of(out: Path, names) -> str:
+    return "\n".join(f"--- {n}\n" + (out / f"{n}.log").read_text()[-2000:] for n in names)
+
+
+def test_round_completes_once_the_target_joined_without_waiting_out_last_call(harness):
+    port = harness.start_store()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store.set(control.TARGET_KEY, control.TargetPlan(generation=1, nodes=2).model_dump_json())
+    started = time.time()
+    nodes = {name: start_node(harness, port, name, harness.out) for name in ("node-0", "node-1")}
+    records = wait_for(harness.out, set(nodes), 20)
+    assert set(nodes) <= records.keys(), logs_of(harness.out, nodes)
+    # Stock c10d with --nnodes=1:3 completes only last_call_timeout (30 s) after min_nodes (1) joined.
+    assert max(r["time"] for r in records.values()) - started < 10, logs_of(harness.out, nodes)
+    assert {r["WORLD_SIZE"] for r in records.values()} == {"2"}
+    assert all(p.wait(timeout=30) == 0 for p in nodes.values()), logs_of(harness.out, nodes)
+
+
+def test_round_completes_at_the_target_and_leaves_excluded_nodes_out(harness):
+    port = harness.start_store()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store.set(control.TARGET_KEY, control.TargetPlan(generation=1, nodes=2, exclude=["node-2"]).model_dump_json())
+    out = harness.out
+
+    started = time.time()
+    nodes = {name: start_node(harness, port, name, out) for name in ("node-2", "node-0", "node-1")}
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not {"node-0", "node-1"} <= read_records(out).keys():
+        time.sleep(0.1)
+    records = read_records(out)
+    logs = "\n".join(f"--- {n}\n" + (out / f"{n}.log").read_text()[-2000:] for n in nodes)
+    assert {"node-0", "node-1"} <= records.keys(), logs
+
+    # Stock c10d with --nnodes=1:3 would wait last_call_timeout (30 s) after the first node joined, then complete
+    # with whoever was there (all three here).
+    completed_after = max(records[n]["time"] for n in ("node-0", "node-1")) - started
+    assert completed_after < 10, logs
+    assert {records[n]["WORLD_SIZE"] for n in ("node-0", "node-1")} == {"2"}
+    assert sorted(records[n]["GROUP_RANK"] for n in ("node-0", "node-1")) == ["0", "1"]
+
+    # The excluded node is still outside while the round runs (and it never ran a worker).
+    time.sleep(1.5)
+    assert "node-2" not in read_records(out), logs
+    assert nodes["node-0"].wait(timeout=30) == 0 and nodes["node-1"].wait(timeout=30) == 0, logs
+    assert "node-2" not in read_records(out), logs
