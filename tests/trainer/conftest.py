@@ -31,12 +31,14 @@ def free_port() -> int:
 
 def make_contract(global_batch: int = 12, micro: int = 1, max_steps: int = 10, interval: int = 2, keep: int = 3,
                   policy: str = "fixed", accum: int = 1, lr: Optional[dict] = None, async_save: bool = False,
-                  seed: int = 3, timeout: int = 10) -> str:
+                  seed: int = 3, timeout: int = 10, interval_seconds: Optional[int] = None) -> str:
     training: dict[str, Any] = {"globalBatchSize": global_batch, "microBatchSize": micro, "batchPolicy": policy,
                                 "accumulationSteps": accum, "lr": lr or {"base": 0.01}, "maxSteps": max_steps,
                                 "seed": seed}
-    return json.dumps({"training": training,
-                       "checkpoint": {"path": "/unused", "intervalSteps": interval, "keep": keep, "async": async_save},
+    checkpoint: dict[str, Any] = {"path": "/unused", "intervalSteps": interval, "keep": keep, "async": async_save}
+    if interval_seconds is not None:
+        checkpoint["intervalSeconds"] = interval_seconds
+    return json.dumps({"training": training, "checkpoint": checkpoint,
                        "collective_timeout_seconds": timeout})
 
 

@@ -62,3 +62,27 @@ def test_drain_reform_progress_and_metrics_through_the_agent_store(harness):
     assert "exitcode  : 84" in log and "reform signal (generation 5" in log, log[-3000:]
     assert time.monotonic() - t0 < 10
     assert f"resumed from checkpoint step-{drained}" in log
+
+
+def test_reform_exits_at_once_even_while_a_collective_is_stuck(harness):
+    port = harness.start_store()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    contract = harness.contract(global_batch=4, micro=1, max_steps=1000, interval=1000, timeout=300)
+    proc = harness.start(2, contract, "stuck", DISTTRAIN_AGENT_ENDPOINT=f"127.0.0.1:{port}", TOY_HANG_RANK1_AT="4")
+    harness.wait_for_step("stuck", 3)
+    time.sleep(1.0)  # rank 0 is now blocked in step 4's gradient all-reduce (timeout 300 s), rank 1 asleep
+    assert proc.poll() is None
+    t0 = time.monotonic()
+    store.set(control.SIGNAL_KEY, control.ControlSignal(generation=1, action="reform", reason="t").model_dump_json())
+    proc.wait(timeout=30)
+    assert time.monotonic() - t0 < 10
+    log = harness.log("stuck")
+    assert log.count("reform signal (generation 1") == 2 and "exitcode  : 84" in log, log[-3000:]
+
+
+def test_a_seconds_interval_checkpoints_on_rank_zeros_clock(harness):
+    contract = harness.contract(global_batch=4, micro=1, max_steps=24, interval=1000, keep=10, interval_seconds=1)
+    rc, log = harness.run(2, contract, "secs", TOY_STEP_SLEEP="0.15")
+    assert rc == 0, log[-3000:]
+    steps = sorted(int(p.name.split("-")[1]) for p in harness.ckpt.glob("step-*"))
+    assert len(steps) >= 3 and steps[-1] == 24, steps  # >= 2 by time in ~3.6 s of training, plus the last

@@ -38,12 +38,15 @@ def main() -> None:
     model = Toy()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
     drain_at = int(os.environ.get("TOY_DRAIN_AT", "0"))
+    hang_at = int(os.environ.get("TOY_HANG_RANK1_AT", "0"))  # rank 1 stops at this step: its peers block
     sleep = float(os.environ.get("TOY_STEP_SLEEP", "0"))
     out_dir = os.environ["TOY_OUT"]
     tag = f"{os.environ.get('TOY_RUN', 'run')}-{os.getpid()}"
     path = os.path.join(out_dir, f"{tag}.jsonl")
     with ElasticTrainer(model, optimizer, dataset) as trainer, open(path, "a", buffering=1) as record:
         for step in trainer.steps():
+            if hang_at and step.index + 1 == hang_at and trainer.rank == 1:
+                time.sleep(600)
             for mb in step:
                 xb, yb = mb.data
                 loss = torch.nn.functional.mse_loss(trainer.model(xb, mb.seeds), yb, reduction="sum")
