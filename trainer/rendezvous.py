@@ -1,0 +1,153 @@
+"""torchrun rendezvous handler ``disttrain``: stock c10d, plus the operator's target plan.
+
+Worker pods run ``torchrun --rdzv-backend=disttrain`` (``disttrain.operator.pods.RDZV_BACKEND``). torchrun finds
+this handler through its official plug-in point, the ``torchrun.handlers`` entry-point group (see
+``torch/distributed/elastic/rendezvous/registry.py``: each entry point is loaded and *called*, and what it
+returns is registered as the handler creator ``(RendezvousParameters) -> RendezvousHandler``); pyproject.toml
+registers :func:`handler_creator`.
+
+Everything is torch's own machinery: a :class:`DynamicRendezvousHandler` over a :class:`C10dRendezvousBackend`
+(so the store is the job agent's TCPStore with ``is_host=false``, and ``join_timeout``, ``last_call_timeout``,
+``close_timeout``, ``keep_alive_*`` and ``read_timeout`` mean exactly what they mean for ``c10d``). Three
+behaviours change, and only while the job agent has published a :class:`~disttrain.api.control.TargetPlan`
+under ``TARGET_KEY`` (without one the handler is plain c10d):
+
+* **A round completes as soon as the target node count has joined**, instead of waiting out
+  ``last_call_timeout`` after ``min_nodes`` joined. (Stock c10d completes early only at ``max_nodes``.)
+* **Nodes listed in ``exclude``** (``DISTTRAIN_NODE_NAME`` of scale-down victims) stay out of the round: such a
+  node leaves any list it is in and waits outside until it is no longer excluded or ``join_timeout`` passes
+  (then torchrun fails as on any rendezvous timeout; the operator is deleting that pod anyway).
+* **Waiting nodes do not restart a healthy group** (``num_nodes_waiting`` answers 0). Stock torchrun restarts
+  the workers the moment a new node waits, which loses every step since the last checkpoint; here the operator
+  re-forms the group with a ``drain`` directive (checkpoint at the step boundary, then exit), so a scale-up
+  loses no step.
+
+The changes are made by wrapping the stock join operation (:class:`_TargetAwareOpExecutor`), not by copying it.
+Workers must run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (the pod builder sets it): with a shared store a
+scale-up deadlocks when the running node keeps rank 0 (notes/torchrun.md).
+
+This module imports torch and never kopf or the operator.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+from torch.distributed import Store
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
+
+from disttrain.api import control, env
+
+log = logging.getLogger("disttrain.rendezvous")
+
+BACKEND_NAME = "disttrain"  # must equal disttrain.operator.pods.RDZV_BACKEND (the trainer cannot import it)
+
+
+def read_target(store: Store) -> Optional[control.TargetPlan]:
+    """The agent's current TargetPlan, or None when none was published (or it cannot be parsed)."""
+    if not store.check([control.TARGET_KEY]):  # ``get`` would block until the key exists
+        return None
+    raw = store.get(control.TARGET_KEY)
+    try:
+        return control.TargetPlan.model_validate_json(raw)
+    except ValueError:
+        log.warning("ignoring an unparsable rendezvous target %r", raw)
+        return None
+
+
+class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
+    """The stock executor, with the join operation wrapped by :meth:`_join_with_target`."""
+
+    def __init__(self, node: Any, state_holder: Any, settings: dyn.RendezvousSettings,
+                 target: Callable[[], Optional[control.TargetPlan]], node_name: str) -> None:
+        super().__init__(node, state_holder, settings)
+        self._target = target
+        self._node_name = node_name
+
+    def run(self, state_handler: Callable[[dyn._RendezvousContext, float], dyn._Action], deadline: float,
+            update_deadline: Optional[Callable[[timedelta], float]] = None) -> None:
+        if isinstance(state_handler, dyn._RendezvousJoinOp):
+            join = state_handler
+
+            def state_handler(ctx: dyn._RendezvousContext, deadline: float) -> dyn._Action:
+                return self._join_with_target(join, ctx, deadline)
+
+        super().run(state_handler, deadline, update_deadline)
+
+    def _join_with_target(self, join: dyn._RendezvousJoinOp, ctx: dyn._RendezvousContext,
+                          deadline: float) -> dyn._Action:
+        state = ctx.state
+        if state.closed:
+            return join(ctx, deadline)
+        target = self._target()
+        if target is None:
+            return join(ctx, deadline)
+        if self._node_name and self._node_name in target.exclude:
+            if ctx.node in state.participants and not state.complete:
+                return dyn._Action.REMOVE_FROM_PARTICIPANTS
+            if ctx.node in state.wait_list:
+                return dyn._Action.REMOVE_FROM_WAIT_LIST
+            if ctx.node in state.redundancy_list:
+                return dyn._Action.REMOVE_FROM_REDUNDANCY_LIST
+            if ctx.node not in state.participants:
+                if time.monotonic() > deadline:
+                    return dyn._Action.ERROR_TIMEOUT
+                return dyn._Action.SYNC  # wait outside the rendezvous; polled about once a second
+        wanted = min(max(target.nodes, ctx.settings.min_nodes), ctx.settings.max_nodes)
+        if not state.complete and ctx.node in state.participants and len(state.participants) >= wanted:
+            log.info("rendezvous %s round %d: %d of target %d nodes joined (target generation %d); completing",
+                     ctx.settings.run_id, state.round, len(state.participants), target.nodes, target.generation)
+            return dyn._Action.MARK_RENDEZVOUS_COMPLETE
+        return join(ctx, deadline)
+
+
+class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
+    """A :class:`DynamicRendezvousHandler` that follows the operator's target plan (see the module docstring)."""
+
+    def __init__(self, node: Any, settings: dyn.RendezvousSettings, backend_name: str, store: Store,
+                 state_holder: Any) -> None:
+        super().__init__(node, settings, backend_name, store, state_holder)
+        self._target_store = store
+        self._op_executor = _TargetAwareOpExecutor(node, state_holder, settings, self.target,
+                                                   os.environ.get(env.NODE_NAME, ""))
+
+    def target(self) -> Optional[control.TargetPlan]:
+        return read_target(self._target_store)
+
+    def get_backend(self) -> str:
+        return BACKEND_NAME  # torchrun checks that the handler reports the backend it asked for
+
+    def num_nodes_waiting(self) -> int:
+        """0 while the operator steers (it re-forms the group by a drain at a checkpoint); else c10d's count."""
+        waiting = super().num_nodes_waiting()
+        if waiting and self.target() is not None:
+            return 0
+        return waiting
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Build the handler from torchrun's parameters, exactly as ``c10d`` reads them."""
+    backend, store = c10d_rendezvous_backend.create_backend(params)
+
+    def seconds(key: str) -> Optional[timedelta]:
+        value = params.get_as_int(f"{key}_timeout")
+        return None if value is None else timedelta(seconds=value)
+
+    timeout = dyn.RendezvousTimeout(seconds("join"), seconds("last_call"), seconds("close"), seconds("heartbeat"))
+    handler = DisttrainRendezvousHandler.from_backend(
+        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr, timeout,
+        keep_alive_interval=int(params.get_as_int("keep_alive_interval", 5) or 5),
+        keep_alive_max_attempt=int(params.get_as_int("keep_alive_max_attempt", 3) or 3),
+    )
+    return handler
+
+
+def handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The ``torchrun.handlers`` entry point: torchrun calls it and registers what it returns."""
+    return create_handler
