@@ -11,6 +11,7 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]' -c constraints-dev.txt
+	command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus >/dev/null)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -42,6 +42,49 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_operator(args: argparse.Namespace) -> int:
+    """Run the kopf operator (``kopf.run`` underneath) until SIGINT/SIGTERM."""
+    import logging
+    import os
+
+    if args.kubeconfig:  # before kubernetes is imported: it reads $KUBECONFIG at import time
+        os.environ["KUBECONFIG"] = args.kubeconfig
+    import kopf
+    from kubernetes import client, config
+    from prometheus_client import start_http_server
+
+    from disttrain.operator import handlers
+    from disttrain.operator.metrics import OperatorMetrics
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    def api_client() -> client.ApiClient:
+        """The adapter's client: --kubeconfig, else in-cluster, else the default kubeconfig (as kopf logs in)."""
+        configuration = client.Configuration()
+        if args.kubeconfig:
+            config.load_kube_config(config_file=args.kubeconfig, client_configuration=configuration)
+        else:
+            try:
+                config.load_incluster_config(client_configuration=configuration)
+            except config.ConfigException:
+                config.load_kube_config(client_configuration=configuration)
+        return client.ApiClient(configuration)
+
+    registry = kopf.get_default_registry()  # carries kopf's own login handlers (in-cluster, kubeconfig)
+    handlers.register(registry, api_client, OperatorMetrics())
+
+    @kopf.on.startup(registry=registry)
+    def startup(settings: kopf.OperatorSettings, **_: object) -> None:
+        handlers.configure(settings)
+
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr=args.metrics_address)
+    kopf.run(registry=registry, clusterwide=args.all_namespaces, namespaces=args.namespace or (),
+             standalone=True, liveness_endpoint=args.liveness or None)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="disttrain", description="Elastic distributed PyTorch training.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -52,6 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
     p_validate = sub.add_parser("validate", help="validate DistTrainJob manifests; exit 1 on any error")
     p_validate.add_argument("files", nargs="+", metavar="FILE")
     p_validate.set_defaults(func=cmd_validate)
+
+    p_operator = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
+    scope = p_operator.add_mutually_exclusive_group(required=True)
+    scope.add_argument("--namespace", "-n", action="append", metavar="NS",
+                       help="watch this namespace (repeatable; kopf globs such as 'team-*' work)")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch the whole cluster")
+    p_operator.add_argument("--metrics-port", type=int, default=9090,
+                            help="serve Prometheus /metrics on this port (0: off; default 9090)")
+    p_operator.add_argument("--metrics-address", default="0.0.0.0")
+    p_operator.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", metavar="URL",
+                            help="kopf liveness endpoint ('' turns it off; default %(default)s)")
+    p_operator.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, else $KUBECONFIG or "
+                                                 "~/.kube/config)")
+    p_operator.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p_operator.set_defaults(func=cmd_operator)
 
     from disttrain.operator.local import cli as local_cli  # light: argparse wiring only
 
