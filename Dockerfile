@@ -30,8 +30,8 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 COPY --from=build /wheels /wheels
 RUN wheel="$(ls /wheels/disttrain-*.whl)" \
- && pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" "${wheel}[trainer,operator]" \
+ && pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" "${wheel}[trainer]" "kubernetes>=29" \
  && rm -rf /wheels
-# [operator] brings the kubernetes client the job agent uses to follow its job; kopf is never imported here.
+# The kubernetes client is for the job agent (it follows its job); kopf is not installed here.
 WORKDIR /workspace
 USER 65532:65532
