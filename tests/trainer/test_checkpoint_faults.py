@@ -42,25 +42,21 @@ def test_a_corrupt_shard_is_detected_and_the_previous_checkpoint_is_used(harness
     assert min(r["step"] for r in harness.records("second")) == 3
 
 
-def test_async_saves_commit_and_resume_exactly(harness):
-    contract = harness.contract(global_batch=4, micro=1, max_steps=8, interval=2, keep=2, async_save=True)
-    rc, log = harness.run(2, contract, "async", TOY_DRAIN_AT="4")  # drains at step 5
-    assert "drained at step 5" in log, log[-3000:]
-    assert sorted(p.name for p in harness.ckpt.iterdir()) == ["step-4", "step-5"]
-    rc, log = harness.run(2, contract, "rest")
-    assert rc == 0, log[-3000:]
-    assert "resumed from checkpoint step-5" in log
-    seen = [i for r in harness.records("async") + harness.records("rest") for i in r["indices"]]
-    assert len(seen) == 8 * 4 and sorted(r["step"] for r in harness.records("rest") if r["rank"] == 0) == [6, 7, 8]
-
-
-def test_a_failed_async_save_is_reported_at_the_next_boundary_and_retried(harness):
+def test_a_failed_async_save_surfaces_at_a_boundary_is_retried_and_async_checkpoints_resume(harness):
     contract = harness.contract(global_batch=4, micro=1, max_steps=12, interval=4, keep=3, async_save=True)
-    rc, log = harness.run(2, contract, "fail", DISTTRAIN_FAULT_INJECT="fail_async:4", TOY_STEP_SLEEP="0.15")
-    assert rc == 0, log[-3000:]
+    rc, log = harness.run(2, contract, "fail", DISTTRAIN_FAULT_INJECT="fail_async:4", TOY_STEP_SLEEP="0.15",
+                          TOY_DRAIN_AT="9")  # drains at step 10
+    assert "drained at step 10" in log, log[-3000:]
     failed = re.search(r"checkpoint save at step 4 FAILED \(1 in a row\): OSError\('fault injection.*\n.*"
                        r"checkpoint step-(\d+) committed", log)
     assert failed, log[-3000:]
     retry = int(failed.group(1))
     assert 4 < retry < 8  # retried at the boundary where the failure surfaced, not at the next interval
-    assert {p.name for p in harness.ckpt.iterdir()} == {f"step-{retry}", "step-8", "step-12"}
+    assert {p.name for p in harness.ckpt.iterdir()} == {f"step-{retry}", "step-8", "step-10"}
+
+    rc, log = harness.run(2, contract, "rest")
+    assert rc == 0, log[-3000:]
+    assert "resumed from checkpoint step-10" in log
+    rows = harness.records("fail") + harness.records("rest")
+    assert sorted(r["step"] for r in rows if r["rank"] == 0) == list(range(1, 13))
+    assert sum(len(r["indices"]) for r in rows) == 12 * 4
