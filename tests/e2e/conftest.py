@@ -39,8 +39,8 @@ def e2e_job(name: str, out: pathlib.Path, *, replicas: int = 2, max_steps: int =
             .set("spec.training", {"globalBatchSize": 12, "microBatchSize": 2, "lr": {"base": 0.05},
                                    "maxSteps": max_steps, "seed": 3})
             .set("spec.checkpoint", {"claimName": "local", "path": "/ckpt", "intervalSteps": 5, "keep": 3})
-            .set("spec.rendezvous", {"joinTimeoutSeconds": 120, "lastCallTimeoutSeconds": 1,
-                                     "keepAliveIntervalSeconds": 1, "keepAliveMaxAttempts": 2})
+            .set("spec.rendezvous", {"joinTimeoutSeconds": 120, "lastCallTimeoutSeconds": 30,
+                                     "keepAliveIntervalSeconds": 1, "keepAliveMaxAttempts": 3})
             .set("spec.elastic", {"scaleDebounceSeconds": 0, "replacementWaitSeconds": 5,
                                   "drainTimeoutSeconds": 60, "collectiveTimeoutSeconds": 20})
             .set("spec.restartPolicy", {"backoffSeconds": 0}))
