@@ -79,6 +79,10 @@ class Operator:
             with contextlib.suppress(asyncio.CancelledError):
                 await self.task
             self.task = None
+        # Cancelling kopf does not stop the adapter's API calls already running in threads (asyncio.to_thread):
+        # one could still open a connection to the emulator after the client's pool was closed, leaving a socket
+        # that is garbage-collected unclosed (a ResourceWarning, an error in a later teardown). Wait for them.
+        await asyncio.get_running_loop().shutdown_default_executor()
         if getattr(self, "api_client", None) is not None:
             self.api_client.close()  # its keep-alive sockets to the emulator
             self.api_client = None
