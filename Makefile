@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]' -c constraints-dev.txt
-	command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus >/dev/null)
+	@# promtool (Debian package prometheus) lints the metrics expositions in the tests.
+	command -v promtool >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq prometheus >/dev/null; }
 	touch $(STAMP)
 
 demo: $(STAMP)
