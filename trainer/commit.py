@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -220,6 +219,3 @@ def apply_retention(root: Path, keep: int, protected: Iterable[int] = (), in_fli
     """Plan and delete at once. Returns the names deleted."""
     return delete(root, plan_retention(root, keep, protected, in_flight))
 
-
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text())

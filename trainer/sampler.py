@@ -90,6 +90,3 @@ class GlobalSampler:
             sel = epochs == epoch
             out[sel] = self.permutation(epoch)[pos[sel] - epoch * self.length]
         return out.tolist()
-
-    def epoch_of(self, position: int) -> int:
-        return position // self.length
