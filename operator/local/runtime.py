@@ -252,13 +252,13 @@ class LocalRuntime:
         self.recorder.on_status(self.obj["status"], facts, now)
         began = time.perf_counter()
         actions = reconcile.reconcile(self.job(), self.observe(now), now)
-        self.metrics.reconcile_seconds.observe(time.perf_counter() - began)
+        self.metrics.observe_reconcile(time.perf_counter() - began)
         try:
             self.apply(actions, now)
         except Exception as exc:  # noqa: BLE001 - count, report, keep the loop alive like an operator
-            self.metrics.errors.inc()
+            self.metrics.observe_error(type(exc).__name__)
             self.record_event("Warning", "LocalError", f"applying actions failed: {exc!r}")
-        self.metrics.observe(self.obj["status"], actions.events, now)
+        self.metrics.observe(self.obj["status"], now)
         self.write_state()
         if self.on_tick:
             self.on_tick(self.snapshot(now))
