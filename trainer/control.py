@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Callable, Optional
 
 from disttrain.api import control as keys
+from disttrain.api import env
 from disttrain.api.exitcodes import ExitCode
 
 log = logging.getLogger("disttrain.trainer")
@@ -122,3 +123,30 @@ class Watchdog:
             self.store.set(key, value)
         except Exception as exc:  # noqa: BLE001
             log.debug("could not publish %s: %s", key, exc)
+
+
+def report_failure(exit_code: int, message: str, endpoint: Optional[str] = None, timeout_s: float = 5.0) -> bool:
+    """Tell the job agent why this worker is about to exit (best effort; returns whether it was written).
+
+    torchrun turns a worker's exit code into its own (1) or restarts the worker, so a pod's exit code cannot
+    carry ``ExitCode.PERMANENT``; the ``FAILURE_KEY`` record can, and the operator fails the job on it instead
+    of crash-looping. Works before the contract or the process group exists: it only needs the endpoint.
+    """
+    import time
+
+    from torch.distributed import TCPStore
+
+    endpoint = endpoint if endpoint is not None else os.environ.get(env.AGENT_ENDPOINT)
+    if not endpoint:
+        return False
+    try:
+        host, port = parse_endpoint(endpoint)
+        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+        record = keys.WorkerFailure(exit_code=exit_code, node=os.environ.get(env.NODE_NAME, ""),
+                                    message=message[:2000], time=time.time())
+        store.set(keys.FAILURE_KEY, record.model_dump_json())
+        return True
+    except Exception as exc:  # noqa: BLE001 - the exit code and the log still say it
+        log.warning("could not report the failure to the job agent at %s: %s", endpoint, exc)
+        return False

@@ -41,7 +41,7 @@ from disttrain.trainer import checkpoint as ckpt_mod
 from disttrain.trainer import context as ctx_mod
 from disttrain.trainer import lr as lr_mod
 from disttrain.trainer import sampler as sampler_mod
-from disttrain.trainer.control import Watchdog
+from disttrain.trainer.control import Watchdog, report_failure
 from disttrain.trainer.metrics import TrainerMetrics
 from disttrain.trainer.randomness import sample_seed
 
@@ -443,6 +443,7 @@ def _configure_logging() -> None:
 
 def _exit_permanent(message: str) -> None:
     log.error("%s (exit %d: a restart cannot fix this)", message, int(ExitCode.PERMANENT))
+    report_failure(int(ExitCode.PERMANENT), message)
     _hard_exit(int(ExitCode.PERMANENT))
 
 

@@ -1,15 +1,27 @@
 """User errors a restart cannot fix end the worker with ExitCode.PERMANENT and a message naming the problem."""
 
+from datetime import timedelta
+
 import pytest
+from torch.distributed import TCPStore
+
+from disttrain.api import control
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
-def test_an_invalid_world_size_exits_permanent_naming_the_valid_sizes(harness):
+def test_an_invalid_world_size_exits_permanent_naming_the_valid_sizes_and_reports_it_to_the_agent(harness):
+    port = harness.start_store()
     contract = harness.contract(global_batch=8, micro=2, max_steps=2)  # 8 / (2 x 3) is not whole
-    rc, log = harness.run(3, contract, "w3")
+    rc, log = harness.run(3, contract, "w3", DISTTRAIN_AGENT_ENDPOINT=f"127.0.0.1:{port}",
+                          DISTTRAIN_NODE_NAME="node-7")
     assert "exitcode  : 85" in log, log[-3000:]
     assert "world size 3 is invalid" in log and "valid world sizes: 1, 2, 4" in log
+    # torchrun hides the worker's exit code from the pod; the failure record in the agent's store carries it.
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+    failure = control.WorkerFailure.model_validate_json(store.get(control.FAILURE_KEY))
+    assert failure.exit_code == 85 and failure.node == "node-7"
+    assert "world size 3 is invalid" in failure.message
 
 
 def test_resuming_with_a_changed_dataset_exits_permanent_naming_what_changed(harness):
