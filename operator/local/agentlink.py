@@ -31,12 +31,20 @@ def agent_env(state: StateDir) -> dict[str, str]:
     return {}
 
 
-def read_relayed(state: StateDir) -> dict[str, Any]:
-    """The agent's status fields (empty until it relayed anything)."""
+def read_relayed(state: StateDir, cluster_checkpoint_dir: str = "") -> dict[str, Any]:
+    """The agent's status fields (empty until it relayed anything).
+
+    The agent names checkpoints by their path in the pod (under spec.checkpoint.path); local mode shows where
+    they really are, in the state directory.
+    """
     document = state.read_json(state.path / AGENT_STATUS_FILE)
     if not isinstance(document, dict):
         return {}
-    return {k: v for k, v in document.items() if k in AGENT_FIELDS}
+    relayed = {k: v for k, v in document.items() if k in AGENT_FIELDS}
+    ckpt = relayed.get("lastCheckpoint")
+    if cluster_checkpoint_dir and isinstance(ckpt, dict) and str(ckpt.get("path", "")).startswith(cluster_checkpoint_dir):
+        relayed["lastCheckpoint"] = dict(ckpt, path=str(state.checkpoints_dir) + ckpt["path"][len(cluster_checkpoint_dir):])
+    return relayed
 
 
 class RelayFilter:

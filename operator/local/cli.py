@@ -148,9 +148,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if job is None:
         print(f"no local job state in {state.path}", file=sys.stderr)
         return 1
-    status = dict(job.get("status") or {})
-    relayed = state.read_json(state.path / "agent-status.json") or {}
-    status.update(relayed)
+    status = dict(job.get("status") or {})  # the runtime merges the agent's progress into it every tick
     running = state.is_running()
     if args.json:
         print(json.dumps({"running": running, "status": status}, indent=2, sort_keys=True))

@@ -96,6 +96,7 @@ class LocalRuntime:
         self.interrupted = False
         self.stop_requested = ""
         self.rdzv_fallback = rendezvous_fallback()
+        self.cluster_checkpoint_dir = pods.checkpoint_dir(job)
 
     # ---- the job object --------------------------------------------------------------------------------
     @property
@@ -159,12 +160,17 @@ class LocalRuntime:
         local = self._spawn(pod, index, port, {})
         local.ready_port = self.store_port
         self.workers[local.name] = local
+        self.record_event("Normal", "NodeStarted",
+                          f"{local.name} on machine {local.node}: log {self.state.log_file(local.name)}, worker "
+                          f"metrics http://127.0.0.1:{port}/metrics")
 
     def create_agent(self) -> None:
         job = self.job()
         pod = pods.build_agent_pod(job)
         pod = agentlink.localize_agent_pod(pod, self.state, self.store_port)
         self.agent = self._spawn(pod, -1, 0, agentlink.agent_env(self.state))
+        self.record_event("Normal", "AgentStarted", f"{self.agent.name}: store on 127.0.0.1:{self.store_port}, "
+                                                    f"log {self.state.log_file(self.agent.name)}")
 
     def all_pods(self) -> list[LocalPod]:
         return [*([self.agent] if self.agent else []), *self.workers.values()]
@@ -245,7 +251,7 @@ class LocalRuntime:
         self.take_requests()
         self.fire_chaos(now)
         self.finish_deletions(now)
-        relayed = self.relay.filter(self.obj["status"], agentlink.read_relayed(self.state))
+        relayed = self.relay.filter(self.obj["status"], agentlink.read_relayed(self.state, self.cluster_checkpoint_dir))
         if relayed:
             self.obj["status"] = {**self.obj["status"], **relayed}
         facts = self.logs.poll(now)
