@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import collections
 import math
-import pathlib
 
 import pytest
 
-from disttrain.operator.local.chaos import ChaosEvent
 from tests.e2e.conftest import e2e_job, run_job, scrape
 
 pytestmark = [pytest.mark.slow]
