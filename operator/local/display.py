@@ -121,7 +121,9 @@ class Display:
                 highlight=False, soft_wrap=True)
 
     def on_event(self, event: dict[str, Any]) -> None:
-        if self._live is None:
+        from disttrain.operator.local.runtime import QUIET_REASONS
+
+        if self._live is None and event["reason"] not in QUIET_REASONS:
             self.console.print(format_event(event), highlight=False, markup=False, soft_wrap=True)
 
 

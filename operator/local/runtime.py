@@ -29,6 +29,8 @@ from disttrain.operator.local.summary import Recorder, Summary
 from disttrain.operator.observed import Actions, Observed
 
 TICK_SECONDS = 0.2
+# Frequent events the display leaves out (the panel's checkpoint row shows the newest; events.jsonl keeps all).
+QUIET_REASONS = frozenset({"CheckpointCommitted"})
 
 
 def free_port() -> int:
@@ -280,7 +282,8 @@ class LocalRuntime:
                 state += f" ({view.exit_code})"
             pods_shown.append((pod.name, pod.node, state))
         return Snapshot(job=self.name, elapsed=now - self.started, status=self.obj["status"], pods=pods_shown,
-                        loss=facts.loss, samples_per_second=facts.samples_per_second, events=self.events[-8:],
+                        loss=facts.loss, samples_per_second=facts.samples_per_second,
+                        events=[e for e in self.events if e["reason"] not in QUIET_REASONS][-10:],
                         metrics_url=self.metrics_url,
                         worker_metrics=[f"http://127.0.0.1:{p.metrics_port}/metrics"
                                         for p in self.workers.values() if p.metrics_port])
