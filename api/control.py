@@ -61,5 +61,8 @@ class ProgressReport(BaseModel):
     restart_count: int = 0
     run_id: str = ""
     resumed_from_step: Optional[int] = None
+    process_id: str = ""
+    """Unique id of the reporting worker process. torchrun starts new worker processes after every completed
+    rendezvous round, so a new id means a new group even when run id, restart count and world size repeat."""
     time: float
     """Unix time of the report."""

@@ -101,6 +101,10 @@ class ControlDirective(ContractModel):
     """Node count the next rendezvous round should complete with."""
     issued_at: Optional[str] = None
     """RFC 3339 time the directive was issued."""
+    issued_round: Optional[int] = None
+    """status.rendezvousRound when the directive was issued. The directive completes only once the agent reports
+    a newer round at the target size: progress of the old group (which keeps stepping for a moment after the
+    directive) never completes it."""
     exclude: list[str] = Field(default_factory=list)
     """Worker pods that must not join the next rendezvous round (scale-down victims being drained)."""
 
@@ -143,7 +147,9 @@ class DistTrainJobStatus(ContractModel):
     world_size: int = 0
     """Processes in the current group."""
     rendezvous_round: int = 0
-    """Completed rendezvous rounds."""
+    """Completed rendezvous rounds (counted by the job agent: a new group's first progress report bumps it)."""
+    round_start_time: Optional[str] = None
+    """RFC 3339 time of the current round's first progress report (the new group's first completed step)."""
     restarts: RestartCounts = Field(default_factory=RestartCounts)
     """Failures restarted, total and by reason."""
     reforms: int = 0
@@ -172,6 +178,10 @@ class DistTrainJobStatus(ContractModel):
     """metadata.generation the operator last acted on."""
     last_progress_time: Optional[str] = None
     """RFC 3339 time of the newest trainer progress report relayed by the job agent."""
+    agent_lost_at: Optional[str] = None
+    """RFC 3339 time the job agent was lost, while the reform it caused is in flight: worker pods that existed
+    then and fail before the group re-forms (torchrun exits when its store disappears) were restarted by that
+    one loss (counted once, as AgentRestarted), not each as a PodFailed."""
     worker_failure: Optional[WorkerFailureStatus] = None
     """The newest failure a worker reported through the job agent (e.g. a permanent user error)."""
     tracked_pods: dict[str, str] = Field(default_factory=dict)

@@ -18,7 +18,11 @@ The group protocol, in short:
   committed after the drain (or ``drainTimeoutSeconds`` passed) the victims are deleted.
 * Scale-up -> new pods start and wait in the rendezvous; once they run, ``drain`` so the group re-forms with
   them at a checkpoint.
-* A directive completes when the trainer reports progress at the target world size after it was issued.
+* A directive completes when the agent reports a rendezvous round newer than the one running when it was issued
+  (``control.issuedRound``), at the target size, with progress after the issue. The old group keeps reporting
+  steps for a moment after a directive; those reports belong to the old round and never complete it.
+* A lost job agent is one restart (AgentRestarted). Worker pods that existed then fail on their own when their
+  store disappears (torchrun exits 1); those failures belong to the same loss and are not counted again.
 """
 
 from __future__ import annotations
@@ -283,6 +287,9 @@ def reconcile(job: DistTrainJob, seen: Observed, now: float) -> Actions:
         _resume(d)
     _bootstrap(d)
     _ensure_agent(d)
+    if d.status.phase.is_finished:  # the agent loss exhausted the restart budget
+        _clean_up_finished(d)
+        return d.freeze()
     _announce_checkpoint(d)
     members = _handle_workers(d)
     if d.status.phase.is_finished:
@@ -324,6 +331,11 @@ def _ensure_agent(d: _Draft) -> None:
     if lost and name in tracked:
         del tracked[name]
         d.event(WARNING, Reason.AGENT_RESTARTED, f"job agent pod {name} was lost; recreating it, workers re-join")
+        # One loss, one restart: the workers that fail because their store vanished are part of it (_handle_workers).
+        d.status.agent_lost_at = cond.format_time(d.now)
+        _count_restart(d, Reason.AGENT_RESTARTED, f"job agent pod {name} was lost")
+        if d.status.phase.is_finished:
+            return
         if d.status.world_size > 0:
             _issue(d, "reform", Reason.AGENT_RESTARTED.value, d.status.desired_nodes, exclude=d.status.control.exclude)
     elif agent is not None and not lost and agent.phase == "Running":
@@ -379,7 +391,11 @@ def _handle_workers(d: _Draft) -> list[PodView]:
             handled.add(pod.uid)
             st.tracked_pods.pop(pod.name, None)
             planned = pod.phase == "Failed" and pod.exit_code == ExitCode.DRAINED and st.control.action == "drain"
-            if not planned:
+            if not planned and reason is Reason.POD_FAILED and _failed_with_the_agent(st, pod):
+                d.event(NORMAL, Reason.AGENT_RESTARTED,
+                        f"worker pod {pod.name} exited (code {pod.exit_code}) after the job agent was lost; "
+                        f"restarting it as part of that restart")
+            elif not planned:
                 detail = f"worker pod {pod.name} lost: {reason.value}"
                 if pod.node_name and reason.value.startswith("Node"):
                     detail += f" (node {pod.node_name})"
@@ -398,21 +414,40 @@ def _handle_workers(d: _Draft) -> list[PodView]:
     return members
 
 
-def _count_loss(d: _Draft, name: str, reason: Reason, message: str) -> None:
-    """An unplanned loss: restart counters, backoff, NodeLost event, and a reform if a group is running."""
+def _failed_with_the_agent(st: DistTrainJobStatus, pod: PodView) -> bool:
+    """The pod existed when the job agent was lost and failed while that reform is in flight: torchrun exits
+    when its rendezvous store disappears, so this failure is the agent loss, already counted once."""
+    lost_at = cond.parse_time(st.agent_lost_at)
+    if lost_at is None:
+        return False
+    return pod.created_at is None or pod.created_at <= lost_at
+
+
+def _count_restart(d: _Draft, reason: Reason, message: str) -> bool:
+    """Restart counters and backoff for one failure; fails the job past the budget. False when not counted."""
     st = d.status
     if any(c.type == ConditionType.SUCCEEDED.value and c.status == "True" for c in st.conditions):
-        return
+        return False
     st.restarts.total += 1
     st.restarts.by_reason[reason.value] = st.restarts.by_reason.get(reason.value, 0) + 1
     st.consecutive_failures += 1
     delay = backoff_seconds(d.spec, st.consecutive_failures)
     st.next_restart_time = cond.format_time(d.now + delay) if delay > 0 else None
-    d.event(WARNING, Reason.NODE_LOST, message)
     if st.restarts.total > d.spec.restart_policy.max_restarts:
         _fail(d, Reason.RESTART_BUDGET_EXHAUSTED,
               f"{st.restarts.total} restarts exceed spec.restartPolicy.maxRestarts={d.spec.restart_policy.max_restarts} "
               f"(last: {message})")
+    return True
+
+
+def _count_loss(d: _Draft, name: str, reason: Reason, message: str) -> None:
+    """An unplanned loss: restart counters, backoff, NodeLost event, and a reform if a group is running."""
+    st = d.status
+    if any(c.type == ConditionType.SUCCEEDED.value and c.status == "True" for c in st.conditions):
+        return
+    d.event(WARNING, Reason.NODE_LOST, message)
+    _count_restart(d, reason, message)
+    if st.phase.is_finished:
         return
     if st.world_size > 0 or st.control.action != "none":
         _issue(d, "reform", reason.value, st.desired_nodes or d.spec.nodes.replicas, exclude=st.control.exclude)
@@ -428,6 +463,7 @@ def _issue(d: _Draft, action: str, reason: str, target: int, exclude: Iterable[s
     ctl.reason = reason
     ctl.target_nodes = target
     ctl.issued_at = cond.format_time(d.now)
+    ctl.issued_round = st.rendezvous_round
     ctl.exclude = sorted(set(exclude))
     if first_of_episode:
         st.reforms += 1
@@ -510,6 +546,7 @@ def _suspend(d: _Draft) -> None:
     st.tracked_pods = {}
     st.handled_pods = []
     st.pending_scale = None
+    st.agent_lost_at = None
     st.control.action = "none"
     st.control.exclude = []
     st.world_size = 0
@@ -590,24 +627,36 @@ def _size(d: _Draft, members: list[PodView]) -> None:
 
 
 def _complete_directive(d: _Draft, group_nodes: int) -> None:
-    """A directive is done when the trainer reports progress at the target size after it was issued."""
+    """A directive is done when a new rendezvous round runs at the target size.
+
+    New: the agent reports a round newer than ``control.issuedRound`` (the old group keeps reporting steps of
+    its round for a moment after the directive; they never complete it). The reform's duration runs from the
+    start of the episode to the first progress report of the new round.
+    """
     st = d.status
     ctl = st.control
     if ctl.action == "none":
+        if st.world_size > 0:
+            st.agent_lost_at = None  # a group runs with the new agent: later failures are failures of their own
         return
     issued = cond.parse_time(ctl.issued_at) or d.now
     progressed = cond.parse_time(st.last_progress_time)
-    if group_nodes == ctl.target_nodes and progressed is not None and progressed > issued:
+    new_round = ctl.issued_round is None or st.rendezvous_round > ctl.issued_round
+    if new_round and group_nodes == ctl.target_nodes and progressed is not None and progressed > issued:
         reason = ctl.reason
         ctl.action = "none"
+        st.agent_lost_at = None
         # Victims still shutting down stay excluded so they are not mistaken for members again.
         present = {p.name for p in d.seen.workers}
         ctl.exclude = [name for name in ctl.exclude if name in present]
         st.consecutive_failures = 0
         st.next_restart_time = None
         if st.last_reform is not None:
+            start = cond.parse_time(st.last_reform.start) or issued
+            first = cond.parse_time(st.round_start_time)
+            first = progressed if first is None or first < start else first
             st.last_reform.to = group_nodes
-            st.last_reform.duration_seconds = round(max(0.0, progressed - issued), 3)
+            st.last_reform.duration_seconds = round(max(0.0, first - start), 3)
         d.event(NORMAL, Reason.REFORMED, f"group re-formed with {group_nodes} nodes after {reason} "
                                           f"(world size {st.world_size})")
 

@@ -8,7 +8,8 @@ of them. The agent
 * follows its job's ``status.control`` (the operator's directive) and writes it into ``SIGNAL_KEY`` and
   ``TARGET_KEY``;
 * relays the trainer's ``PROGRESS_KEY``, ``CHECKPOINT_KEY`` and ``FAILURE_KEY`` into the job's status
-  (step, samplesConsumed, worldSize, plan, rendezvousRound, lastProgressTime, lastCheckpoint, workerFailure).
+  (step, samplesConsumed, worldSize, plan, rendezvousRound, roundStartTime, lastProgressTime, lastCheckpoint,
+  workerFailure).
 
 Where the job lives is a :class:`JobSource`: :class:`KubeJobSource` reads the DistTrainJob and patches only its
 status subresource (the agent's Role allows nothing else); :class:`FileJobSource` lets the local runtime drive
@@ -39,8 +40,8 @@ from disttrain.api.manifest import CheckpointManifest
 log = logging.getLogger("disttrain.agent")
 
 # Status fields the agent owns; it never writes any other.
-AGENT_FIELDS = ("step", "samplesConsumed", "worldSize", "plan", "rendezvousRound", "lastProgressTime",
-                "lastCheckpoint", "workerFailure")
+AGENT_FIELDS = ("step", "samplesConsumed", "worldSize", "plan", "rendezvousRound", "roundStartTime",
+                "lastProgressTime", "lastCheckpoint", "workerFailure")
 
 
 def rfc3339(unix: float) -> str:
@@ -147,6 +148,7 @@ class Agent:
         self._written_target: Optional[str] = None
         self._round_key: Optional[tuple[Any, ...]] = None
         self._rounds: Optional[int] = None
+        self._round_start: Optional[str] = None
 
     def sync(self) -> bool:
         """Follow the directive and relay progress once. False when the job is gone (the agent should exit)."""
@@ -188,12 +190,16 @@ class Agent:
             else:
                 if self._rounds is None:
                     self._rounds = int(status.get("rendezvousRound", 0))
-                round_key = (report.run_id, report.restart_count, report.world_size)
+                # A new group (round) is a new rank-0 process; the run id, restart count and world size can all
+                # repeat (a replaced node that becomes rank 0 after a reform at the same size), the process id not.
+                round_key = (report.run_id, report.restart_count, report.world_size, report.process_id)
                 if round_key != self._round_key:
                     self._round_key = round_key
                     self._rounds += 1
+                    self._round_start = rfc3339(report.time)
                 wanted.update(step=report.step, samplesConsumed=report.samples_consumed, worldSize=report.world_size,
-                              plan=report.plan, lastProgressTime=rfc3339(report.time), rendezvousRound=self._rounds)
+                              plan=report.plan, lastProgressTime=rfc3339(report.time), rendezvousRound=self._rounds,
+                              roundStartTime=self._round_start)
         ckpt_raw = _get(self.store, keys.CHECKPOINT_KEY)
         if ckpt_raw:
             try:

@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
@@ -173,6 +174,7 @@ class ElasticTrainer:
             log.warning("control channel %s unavailable (%s); only SIGTERM can drain", self.ctx.agent_endpoint, exc)
         self.checkpoints.on_commit = lambda m: self.watchdog.publish(control_keys.CHECKPOINT_KEY, m.model_dump_json())
         self.resumed_from: Optional[int] = None
+        self.process_id = uuid.uuid4().hex  # tells the agent a new group from the old one (ProgressReport.process_id)
         self._agreement: Optional[tuple[torch.Tensor, Any]] = None
         self.lr_state = lr_mod.LRState(self.plan.lr_scale, self.plan.lr_scale, 0)
         self._fast_tensors = isinstance(dataset, TensorDataset)
@@ -350,7 +352,7 @@ class ElasticTrainer:
                 step=self.state.step, samples_consumed=self.state.samples_consumed, world_size=self.world_size,
                 plan=self.plan.to_status(), loss=loss, samples_per_second=rate,
                 restart_count=self.ctx.restart_count, run_id=self.ctx.run_id, resumed_from_step=self.resumed_from,
-                time=time.time())
+                process_id=self.process_id, time=time.time())
             self.watchdog.publish(control_keys.PROGRESS_KEY, report.model_dump_json())
 
     def _boundary(self) -> None:

@@ -14,8 +14,8 @@ from disttrain.operator.local.statedir import StateDir
 
 AGENT_STATUS_FILE = "agent-status.json"
 # Status fields the agent owns (disttrain.trainer.agent.AGENT_FIELDS; the operator package may not import it).
-AGENT_FIELDS = ("step", "samplesConsumed", "worldSize", "plan", "rendezvousRound", "lastProgressTime",
-                "lastCheckpoint", "workerFailure")
+AGENT_FIELDS = ("step", "samplesConsumed", "worldSize", "plan", "rendezvousRound", "roundStartTime",
+                "lastProgressTime", "lastCheckpoint", "workerFailure")
 
 
 def localize_agent_pod(pod: dict[str, Any], state: StateDir, port: int) -> dict[str, Any]:
@@ -45,34 +45,3 @@ def read_relayed(state: StateDir, cluster_checkpoint_dir: str = "") -> dict[str,
     if cluster_checkpoint_dir and isinstance(ckpt, dict) and str(ckpt.get("path", "")).startswith(cluster_checkpoint_dir):
         relayed["lastCheckpoint"] = dict(ckpt, path=str(state.checkpoints_dir) + ckpt["path"][len(cluster_checkpoint_dir):])
     return relayed
-
-
-class RelayFilter:
-    """Holds back ``lastProgressTime`` reported by the group a directive is ending.
-
-    Reconcile completes a directive when progress at the target size is newer than the directive
-    (``status.control.issuedAt``, second precision). Survivors keep reporting steps for a few hundred ms after a
-    reform or drain is issued (agent and watchdog poll), which would complete it at once, before the group
-    re-formed. Progress counts again once the agent reports a new rendezvous round (a new torchrun run or
-    restart), so a reform's duration runs to the first step of the new group.
-    """
-
-    def __init__(self) -> None:
-        self.generation = -1
-        self.round_at_issue: int | None = None
-
-    def filter(self, status: dict[str, Any], relayed: dict[str, Any]) -> dict[str, Any]:
-        control = status.get("control") or {}
-        generation = int(control.get("generation", 0))
-        current_round = int(relayed.get("rendezvousRound", status.get("rendezvousRound", 0)) or 0)
-        if control.get("action", "none") == "none":
-            self.round_at_issue = None
-            self.generation = generation
-            return relayed
-        if generation != self.generation:
-            self.generation = generation
-            if self.round_at_issue is None:
-                self.round_at_issue = int(status.get("rendezvousRound", 0) or 0)
-        if self.round_at_issue is not None and current_round <= self.round_at_issue:
-            return {k: v for k, v in relayed.items() if k not in ("lastProgressTime", "worldSize", "rendezvousRound")}
-        return relayed

@@ -94,7 +94,6 @@ class LocalRuntime:
         self.metrics = LocalMetrics(obj["metadata"].get("namespace", "default"), obj["metadata"]["name"])
         self.metrics_url = ""
         self._status_written: Optional[dict[str, Any]] = None
-        self.relay = agentlink.RelayFilter()
         self.interrupted = False
         self.stop_requested = ""
         self.rdzv_fallback = rendezvous_fallback()
@@ -253,7 +252,7 @@ class LocalRuntime:
         self.take_requests()
         self.fire_chaos(now)
         self.finish_deletions(now)
-        relayed = self.relay.filter(self.obj["status"], agentlink.read_relayed(self.state, self.cluster_checkpoint_dir))
+        relayed = agentlink.read_relayed(self.state, self.cluster_checkpoint_dir)
         if relayed:
             self.obj["status"] = {**self.obj["status"], **relayed}
         facts = self.logs.poll(now)

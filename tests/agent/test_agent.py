@@ -43,11 +43,12 @@ def store_pair():
     yield server, client
 
 
-def progress(step, world=2, run="r1", restart=0):
+def progress(step, world=2, run="r1", restart=0, process="p1"):
     return keys.ProgressReport(step=step, samples_consumed=step * 24, world_size=world,
                                plan={"worldSize": world, "globalBatch": 24, "microBatch": 2, "accumSteps": 6,
                                      "lrScale": 1.0},
-                               restart_count=restart, run_id=run, time=1_700_000_000.5 + step).model_dump_json()
+                               restart_count=restart, run_id=run, process_id=process,
+                               time=1_700_000_000.5 + step).model_dump_json()
 
 
 def test_directive_reaches_the_workers_store_keys(tmp_path, store_pair):
@@ -89,6 +90,29 @@ def test_progress_checkpoint_and_failure_are_relayed_into_status(tmp_path, store
     assert status["lastCheckpoint"] == {"step": 10, "samples": 240, "path": "/ckpt/team/demo/step-10",
                                         "time": "2023-11-14T22:14:00Z", "worldSize": 2}
     assert status["worldSize"] == 3 and status["rendezvousRound"] == 2
+
+
+def test_a_new_group_at_the_same_size_and_restart_count_is_a_new_round(tmp_path, store_pair):
+    """After a reform back to the same size a fresh node can be rank 0 with restart count 0, like the old rank 0:
+    only the worker process differs, and it must still count as a new round (the operator waits for one)."""
+    server, client = store_pair
+    write_job(tmp_path)
+    source = agent_mod.FileJobSource(tmp_path)
+    agent = agent_mod.Agent(source, server)
+    client.set(keys.PROGRESS_KEY, progress(7, process="old-rank0"))
+    agent.sync()
+    client.set(keys.PROGRESS_KEY, progress(8, process="old-rank0"))
+    agent.sync()
+    status = source.read()["status"]
+    assert status["rendezvousRound"] == 1 and status["roundStartTime"] == "2023-11-14T22:13:27.500Z"
+    client.set(keys.PROGRESS_KEY, progress(9, process="new-rank0"))
+    agent.sync()
+    client.set(keys.PROGRESS_KEY, progress(10, process="new-rank0"))
+    agent.sync()
+    status = source.read()["status"]
+    assert status["rendezvousRound"] == 2
+    assert status["roundStartTime"] == "2023-11-14T22:13:29.500Z", "the new round's first report, not its latest"
+    assert status["lastProgressTime"] == "2023-11-14T22:13:30.500Z"
 
 
 def test_only_changes_are_patched(tmp_path, store_pair):

@@ -1,6 +1,5 @@
-"""Progress bookkeeping of a local run: log facts, lost steps at resumes, and the relay filter during reforms."""
+"""Progress bookkeeping of a local run: log facts and lost steps at resumes."""
 
-from disttrain.operator.local.agentlink import RelayFilter
 from disttrain.operator.local.logtail import LogFacts, parse_line
 from disttrain.operator.local.summary import Recorder
 
@@ -26,15 +25,3 @@ def test_lost_steps_are_the_peak_before_a_resume_minus_its_checkpoint():
         recorder.on_status({"step": step}, facts, float(t))
     lost = recorder.lost_steps_at_resumes(facts)
     assert [(resumed, n) for _, resumed, n in lost] == [(20, 6), (40, 0)]
-
-
-def test_progress_of_the_ending_group_does_not_complete_a_directive():
-    relay = RelayFilter()
-    running = {"control": {"generation": 0, "action": "none"}, "rendezvousRound": 1}
-    assert relay.filter(running, {"lastProgressTime": "t1", "rendezvousRound": 1}) == \
-        {"lastProgressTime": "t1", "rendezvousRound": 1}
-    reforming = {"control": {"generation": 1, "action": "reform"}, "rendezvousRound": 1}
-    held = relay.filter(reforming, {"step": 9, "lastProgressTime": "t2", "worldSize": 3, "rendezvousRound": 1})
-    assert held == {"step": 9}
-    fresh = relay.filter(reforming, {"step": 9, "lastProgressTime": "t3", "worldSize": 2, "rendezvousRound": 2})
-    assert fresh["lastProgressTime"] == "t3" and fresh["worldSize"] == 2

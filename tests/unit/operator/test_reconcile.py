@@ -273,9 +273,88 @@ def test_anchor_elastic_115_losing_the_agent_recreates_it_and_keeps_the_workers(
     assert actions.create_agent
     assert actions.delete_pods == () and actions.create_workers == ()
     assert world.control["action"] == "reform" and world.control["reason"] == "AgentRestarted"
-    assert world.status["restarts"]["total"] == 0
+    assert world.status["restarts"] == {"total": 1, "byReason": {"AgentRestarted": 1}}
     assert {n: p.uid for n, p in world.workers.items()} == uids
     assert "AgentRestarted" in world.reasons()
+
+
+def test_a_lost_agent_is_one_restart_even_when_every_worker_then_fails():
+    """torchrun exits 1 when its store vanishes: N worker failures after an agent loss are that one loss."""
+    world = World(job_manifest(replicas=3)).running_world(3)
+    old_uids = {p.uid for p in world.workers.values()}
+    world.agent = None
+    world.step(1)
+    world.run_all().step(1)  # the new agent runs
+    for index in range(3):
+        world.set_worker(index, phase="Failed", exit_code=1)
+    world.step(1)
+    assert world.status["restarts"] == {"total": 1, "byReason": {"AgentRestarted": 1}}
+    assert world.status["phase"] == "Reforming" and "NodeLost" not in world.reasons()
+    for _ in range(4):  # backoff of the one restart, then the workers come back
+        world.step(2)
+    assert sorted(world.workers) == ["demo-worker-0", "demo-worker-1", "demo-worker-2"]
+    assert not {p.uid for p in world.workers.values()} & old_uids, "every worker pod was recreated"
+    world.run_all().step(1)
+    world.progress(3, step=6).step(1)
+    assert world.status["phase"] == "Running" and world.control["action"] == "none"
+    assert world.status["restarts"] == {"total": 1, "byReason": {"AgentRestarted": 1}}
+    assert "agentLostAt" not in world.status
+    # After the group re-formed, a worker failure is its own restart again.
+    world.set_worker(0, phase="Failed", exit_code=1).step(1)
+    assert world.status["restarts"] == {"total": 2, "byReason": {"AgentRestarted": 1, "PodFailed": 1}}
+
+
+def test_a_replacement_that_fails_after_an_agent_loss_is_counted():
+    """Only pods that existed when the agent was lost belong to that loss: a crash-looping new pod still counts."""
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.agent = None
+    world.step(1)
+    old = set(world.workers)
+    world.set_worker(1, phase="Failed", exit_code=1).step(10)
+    world.step(1)
+    world.run_all().step(1)
+    assert world.status["restarts"]["total"] == 1
+    [new] = [p for n, p in world.workers.items() if n not in old]
+    assert new.created_at > cond.parse_time(world.status["agentLostAt"])
+    world.set_worker(new.node_index, phase="Failed", exit_code=1).step(1)
+    assert world.status["restarts"] == {"total": 2, "byReason": {"AgentRestarted": 1, "PodFailed": 1}}
+
+
+def test_progress_of_the_old_group_after_a_directive_does_not_complete_it():
+    """The old group keeps stepping for a moment after a reform; only a new rendezvous round completes it."""
+    world = World(job_manifest(replicas=3)).running_world(3)
+    world.set_worker(2, phase="Failed", exit_code=1)
+    world.step(1)
+    issued = cond.parse_time(world.control["issuedAt"])
+    assert world.control["issuedRound"] == world.status["rendezvousRound"] == 1
+    world.step(10)  # backoff over: the replacement is created and runs
+    world.run_all().step(1)
+    assert world.status["phase"] == "Reforming"
+    # Reports of the old round (still at the target size 3, after the issue) do not complete the reform.
+    world.now += 0.3
+    world.progress(3, step=7, same_round=True).step(0)
+    assert world.control["action"] == "reform" and world.status["phase"] == "Reforming"
+    assert "Reformed" not in world.reasons()
+    # The new round's first report completes it; its duration runs from the issue to that report.
+    world.now = issued + 4.5
+    world.progress(3, step=6)
+    world.step(0.75)
+    world.progress(3, step=7, same_round=True).step(0.25)
+    assert world.control["action"] == "none" and world.status["phase"] == "Running"
+    assert "Reformed" in world.reasons()
+    assert world.status["lastReform"]["to"] == 3
+    assert world.status["lastReform"]["durationSeconds"] == pytest.approx(4.5, abs=0.002)
+
+
+def test_a_new_round_at_the_wrong_size_does_not_complete_a_directive():
+    world = World(job_manifest(replicas=3)).running_world(3)
+    world.set_worker(2, phase="Failed", exit_code=1).step(1)
+    world.progress(2, step=6).step(1)  # a new round, but below the target of 3
+    assert world.control["action"] == "reform"
+    world.step(10)
+    world.run_all().step(1)
+    world.progress(3, step=7).step(1)
+    assert world.control["action"] == "none" and world.status["lastReform"]["to"] == 3
 
 
 def test_anchor_111646_survivors_are_told_to_reform_in_the_same_reconcile_that_sees_the_loss():

@@ -152,10 +152,13 @@ class World:
             self.agent = None
         return self
 
-    def progress(self, nodes: int, step: int, *, nproc: int = 1) -> "World":
-        """The agent relays a progress report at ``nodes`` nodes."""
-        self.status.update(worldSize=nodes * nproc, step=step, samplesConsumed=step * 24,
-                           lastProgressTime=cond.format_time(self.now), rendezvousRound=self.status.get("rendezvousRound", 0) + 1)
+    def progress(self, nodes: int, step: int, *, nproc: int = 1, same_round: bool = False) -> "World":
+        """The agent relays a progress report at ``nodes`` nodes: of a new rendezvous round (its first report), or,
+        with ``same_round``, of the group that is already running."""
+        now = cond.format_time(self.now)
+        self.status.update(worldSize=nodes * nproc, step=step, samplesConsumed=step * 24, lastProgressTime=now)
+        if not same_round:
+            self.status.update(rendezvousRound=self.status.get("rendezvousRound", 0) + 1, roundStartTime=now)
         return self
 
     def checkpoint(self, step: int) -> "World":
