@@ -76,9 +76,13 @@ class RendezvousSpec(ContractModel):
     """TCP port of the c10d rendezvous store hosted by the job agent."""
     join_timeout_seconds: int = Field(600, ge=1, le=86_400)
     """How long a node waits for a rendezvous round to complete before giving up (torchrun join_timeout)."""
-    last_call_timeout_seconds: int = Field(1, ge=0, le=3_600)
-    """Extra wait for more nodes once the minimum has joined (torchrun last_call_timeout). The operator completes
-    rounds early when it knows the target, so this only matters when it does not."""
+    last_call_timeout_seconds: int = Field(30, ge=0, le=3_600)
+    """Extra wait for more nodes once the minimum has joined (torchrun last_call_timeout). While the job agent
+    publishes the operator's target node count (always, once it runs), a round completes as soon as the target
+    joined and never with fewer nodes, so this wait plays no part. It matters only when no target is published
+    (a store without the agent's keys, stock c10d), where a short wait lets a round complete with the first
+    min nodes while others are still starting: a second reform, or two groups side by side. Hence torch's
+    own default, 30."""
     close_timeout_seconds: int = Field(10, ge=1, le=3_600)
     """Time to wait for a closed rendezvous to be noticed by all nodes (torchrun close_timeout)."""
     keep_alive_interval_seconds: int = Field(1, ge=1, le=600)

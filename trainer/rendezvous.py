@@ -8,12 +8,18 @@ registers :func:`handler_creator`.
 
 Everything is torch's own machinery: a :class:`DynamicRendezvousHandler` over a :class:`C10dRendezvousBackend`
 (so the store is the job agent's TCPStore with ``is_host=false``, and ``join_timeout``, ``last_call_timeout``,
-``close_timeout``, ``keep_alive_*`` and ``read_timeout`` mean exactly what they mean for ``c10d``). Three
+``close_timeout``, ``keep_alive_*`` and ``read_timeout`` mean exactly what they mean for ``c10d``). These
 behaviours change, and only while the job agent has published a :class:`~disttrain.api.control.TargetPlan`
 under ``TARGET_KEY`` (without one the handler is plain c10d):
 
-* **A round completes as soon as the target node count has joined**, instead of waiting out
-  ``last_call_timeout`` after ``min_nodes`` joined. (Stock c10d completes early only at ``max_nodes``.)
+* **The target is the trigger: a round completes as soon as the target node count has joined**, instead of
+  waiting out ``last_call_timeout`` after ``min_nodes`` joined. (Stock c10d completes early only at ``max_nodes``.)
+* **The target is also the floor: a round never completes with fewer nodes than the target** (clamped to
+  [min_nodes, max_nodes]), whatever ``last_call_timeout`` says. Stock c10d completes with any ``min_nodes``
+  after the last call, so a late node, or the survivors of a round whose heartbeats expired under CPU starvation,
+  could form a group of their own beside the one training (split brain: two groups writing one checkpoint
+  directory). The operator alone decides to continue with fewer nodes: it lowers the target itself when a
+  replacement does not come within ``replacementWaitSeconds`` (``pendingTimeoutSeconds`` for a new pod).
 * **Nodes listed in ``exclude``** (``DISTTRAIN_NODE_NAME`` of scale-down victims) stay out of the round: such a
   node leaves any list it is in and waits outside until it is no longer excluded or ``join_timeout`` passes
   (then torchrun fails as on any rendezvous timeout; the operator is deleting that pod anyway).
@@ -69,6 +75,7 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
         super().__init__(node, state_holder, settings)
         self._target = target
         self._node_name = node_name
+        self._floor_logged_round = -1
 
     def run(self, state_handler: Callable[[dyn._RendezvousContext, float], dyn._Action], deadline: float,
             update_deadline: Optional[Callable[[timedelta], float]] = None) -> None:
@@ -104,7 +111,17 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
             log.info("rendezvous %s round %d: %d of target %d nodes joined (target generation %d); completing",
                      ctx.settings.run_id, state.round, len(state.participants), target.nodes, target.generation)
             return dyn._Action.MARK_RENDEZVOUS_COMPLETE
-        return join(ctx, deadline)
+        action = join(ctx, deadline)
+        if action is dyn._Action.MARK_RENDEZVOUS_COMPLETE and len(state.participants) < wanted:
+            # The last call ran out below the target: keep waiting (join_timeout still bounds the wait, and the
+            # operator lowers the target when the missing nodes do not come).
+            if self._floor_logged_round != state.round:
+                self._floor_logged_round = state.round
+                log.info("rendezvous %s round %d: %d node(s) joined, below the target of %d (generation %d); "
+                         "not completing", ctx.settings.run_id, state.round, len(state.participants), target.nodes,
+                         target.generation)
+            return dyn._Action.KEEP_ALIVE if dyn._should_keep_alive(ctx) else dyn._Action.SYNC
+        return action
 
 
 class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):

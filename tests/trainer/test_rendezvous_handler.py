@@ -1,6 +1,7 @@
 """The ``disttrain`` torchrun rendezvous handler with real torchrun agents on localhost and the store in a
 separate process (the job agent's role, ``is_host=false``): a round completes as soon as the target node count
-joined, without waiting out ``last_call_timeout``, and a node listed in ``exclude`` stays out of the round."""
+joined, without waiting out ``last_call_timeout``; it never completes below the target (no split brain); a node
+listed in ``exclude`` stays out of the round; without a target it is stock c10d."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ LAST_CALL_S = 30
 STATE_KEY = "torch.rendezvous.probe"  # C10dRendezvousBackend keeps the round state under torch.rendezvous.<run id>
 
 
-def start_node(harness, port: int, name: str, out: Path) -> subprocess.Popen:
-    conf = f"is_host=false,join_timeout=60,last_call_timeout={LAST_CALL_S},keep_alive_interval=1"
+def start_node(harness, port: int, name: str, out: Path, last_call: int = LAST_CALL_S) -> subprocess.Popen:
+    conf = f"is_host=false,join_timeout=60,last_call_timeout={last_call},keep_alive_interval=1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:3", "--nproc-per-node=1",
            "--rdzv-backend=disttrain", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=probe", f"--rdzv-conf={conf}",
            "--max-restarts=3", "--monitor-interval=0.2", str(PROBE)]
@@ -110,3 +111,34 @@ def test_round_completes_at_the_target_and_leaves_excluded_nodes_out(harness):
     assert "node-2" not in read_records(out), logs
     assert nodes["node-0"].wait(timeout=30) == 0 and nodes["node-1"].wait(timeout=30) == 0, logs
     assert "node-2" not in read_records(out), logs
+
+
+def test_the_target_is_a_floor_a_lone_node_does_not_form_a_group_of_its_own(harness):
+    """Split brain seen in demo runs: with nodes.min 1 a late node completed a round alone after a short last call.
+    With the operator's target published, a round waits for the target however short the last call is."""
+    port = harness.start_store()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store.set(control.TARGET_KEY, control.TargetPlan(generation=1, nodes=2).model_dump_json())
+    out = harness.out
+    nodes = {"node-0": start_node(harness, port, "node-0", out, last_call=1)}
+    first_contact(store)
+    time.sleep(8)  # 8 last calls long
+    assert "node-0" not in read_records(out), "a lone node completed a round below the target: " + logs_of(out, nodes)
+    assert nodes["node-0"].poll() is None, logs_of(out, nodes)
+    nodes["node-1"] = start_node(harness, port, "node-1", out, last_call=1)
+    records = wait_for(out, set(nodes), 30)
+    assert set(nodes) <= records.keys(), logs_of(out, nodes)
+    assert {records[n]["WORLD_SIZE"] for n in nodes} == {"2"}
+    assert all(p.wait(timeout=30) == 0 for p in nodes.values()), logs_of(out, nodes)
+
+
+def test_without_a_target_it_is_stock_c10d_min_nodes_after_the_last_call(harness):
+    """The control case of the floor test: no target published, the same lone node completes after the last call."""
+    port = harness.start_store()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    nodes = {"node-0": start_node(harness, port, "node-0", harness.out, last_call=1)}
+    first_contact(store)
+    records = wait_for(harness.out, set(nodes), 20)
+    assert "node-0" in records, logs_of(harness.out, nodes)
+    assert records["node-0"]["WORLD_SIZE"] == "1"
+    assert nodes["node-0"].wait(timeout=30) == 0, logs_of(harness.out, nodes)
