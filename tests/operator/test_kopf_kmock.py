@@ -50,7 +50,7 @@ async def running_job(k, replicas=2):
     for i, name in enumerate(sorted(pods)):
         await k.node(f"node-{i}")
         await k.run_pod(name, f"node-{i}")
-    await k.agent_reports("demo", worldSize=replicas, step=3, lastProgressTime=_future(0))
+    await k.agent_reports("demo", worldSize=replicas, step=3, lastProgressTime=_future(0), rendezvousRound=1)
     await eventually(lambda: _phase(k, "Running"))
 
 
@@ -155,7 +155,7 @@ async def test_scale_subresource_drains_then_deletes_the_victim(operator, k):
     assert "demo-worker-2" in await workers(k), "victims wait for the drain checkpoint"
     await k.agent_reports("demo", lastCheckpoint={"step": 10, "time": _future(1)})
     await eventually(lambda: _count_workers(k, 2))
-    await k.agent_reports("demo", worldSize=2, lastProgressTime=_future(2))
+    await k.agent_reports("demo", worldSize=2, lastProgressTime=_future(2), rendezvousRound=2)  # the new group
     job = await eventually(lambda: _phase(k, "Running"))
     assert job["status"]["restarts"]["total"] == 0, job["status"]
     assert job["status"]["lastReform"]["to"] == 2, job["status"]

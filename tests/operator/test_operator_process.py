@@ -110,7 +110,7 @@ async def test_sigkill_mid_reform_creates_no_duplicates_and_keeps_status(process
     await eventually(lambda: _count_workers(k, 3))
     await k.node("node-3")
     await k.run_pod("demo-worker-1", "node-3")
-    await k.agent_reports("demo", worldSize=3, step=8, lastProgressTime=_future(0))
+    await k.agent_reports("demo", worldSize=3, step=8, lastProgressTime=_future(0), rendezvousRound=2)
     first = (await eventually(lambda: _phase(k, "Running")))["status"]
     assert first["restarts"]["total"] == 1 and first.get("lastReform"), first
 
@@ -138,7 +138,7 @@ async def test_sigkill_mid_reform_creates_no_duplicates_and_keeps_status(process
     # The reform completes under the new operator.
     await k.node("node-4")
     await k.run_pod("demo-worker-2", "node-4")
-    await k.agent_reports("demo", worldSize=3, step=12, lastProgressTime=_future(0))
+    await k.agent_reports("demo", worldSize=3, step=12, lastProgressTime=_future(0), rendezvousRound=3)
     done = (await eventually(lambda: _phase(k, "Running")))["status"]
     assert done["restarts"]["total"] == 2
     assert done["lastReform"]["start"] == before["lastReform"]["start"] and done["lastReform"]["to"] == 3, done
@@ -171,7 +171,8 @@ async def test_metrics_after_a_node_loss(process_operator, k, tmp_path):
     [replacement] = await eventually(unscheduled)
     await k.node("node-5")
     await k.run_pod(replacement, "node-5")
-    await k.agent_reports("demo", worldSize=2, step=21, samplesConsumed=504, lastProgressTime=_future(0))
+    await k.agent_reports("demo", worldSize=2, step=21, samplesConsumed=504, lastProgressTime=_future(0),
+                          rendezvousRound=2)
     status = (await eventually(lambda: _phase(k, "Running")))["status"]
 
     job = {("namespace", "default"), ("job", "demo")}
