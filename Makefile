@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints-dev.txt
 
 demo: $(STAMP)
 	$(BIN)/disttrain validate examples/jobs/*.yaml
-	$(BIN)/disttrain local run examples/jobs/demo.yaml --chaos "kill-node@30s,add-node@65s"
+	$(BIN)/disttrain local run examples/jobs/demo.yaml --chaos "kill-node@30s,add-node@50s"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
