@@ -202,7 +202,6 @@ async def test_metrics_after_a_node_loss(process_operator, k, tmp_path):
         "no reconcile failed"
 
     promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not installed (Debian package 'prometheus'; `make test` installs it)")
+    assert promtool is not None, "promtool is missing: install the Debian package 'prometheus' (`make test` does)"
     lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
     assert lint.returncode == 0, lint.stdout + lint.stderr
