@@ -1,0 +1,69 @@
+{{/* "<release>-operator", unless fullnameOverride: the name of every object the chart creates. */}}
+{{- define "disttrain.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The pod selector: stable across upgrades (a Deployment's selector is immutable). */}}
+{{- define "disttrain.selectorLabels" -}}
+app.kubernetes.io/name: disttrain-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "disttrain.labels" -}}
+{{ include "disttrain.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "disttrain.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{/*
+RBAC, exactly what the operator uses (docs/operator.md, "RBAC"). Cluster-scoped reads, always in the ClusterRole:
+  - customresourcedefinitions list/watch: kopf discovers and follows the resources it serves through them;
+  - nodes list/watch: kopf watches nodes and the adapter lists them to judge pods by their node.
+*/}}
+{{- define "disttrain.clusterRules" -}}
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["list", "watch"]
+{{- end -}}
+
+{{/*
+Namespaced, in the ClusterRole when serving all namespaces, else in a Role per watched namespace:
+  - disttrainjobs: kopf lists/watches them and patches its finalizer; the adapter gets them, deletes finished
+    ones (TTL) and patches their status; get/watch/patch on both also cover the per-job agent Role that the
+    operator creates (RBAC refuses to create a Role granting more than its creator holds);
+  - pods list/watch/create/delete: kopf watches the job's pods, the adapter creates and deletes them;
+  - services, serviceaccounts, roles, rolebindings create: the per-job Services and the agent's RBAC;
+  - events create: the adapter's Events and kopf's own (core/v1).
+*/}}
+{{- define "disttrain.namespacedRules" -}}
+- apiGroups: ["disttrain.dev"]
+  resources: ["disttrainjobs"]
+  verbs: ["get", "list", "watch", "patch", "delete"]
+- apiGroups: ["disttrain.dev"]
+  resources: ["disttrainjobs/status"]
+  verbs: ["get", "patch"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "watch", "create", "delete"]
+- apiGroups: [""]
+  resources: ["services", "serviceaccounts"]
+  verbs: ["create"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["create"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end -}}
