@@ -1,0 +1,110 @@
+"""What ``helm template`` renders: the expected objects, each valid for Kubernetes 1.33 (strict), and a
+Deployment whose arguments the ``disttrain operator`` CLI accepts and whose ports the Service targets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from disttrain.operator import cli
+from tests.chart.helm import NAMESPACE, NON_DEFAULT_VALUES, by_kind, render
+
+CASES = {"default": None, "non-default": NON_DEFAULT_VALUES}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def rendered(request) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    values = CASES[request.param] or {}
+    return values, render(CASES[request.param])
+
+
+def _operator_args(objects: list[dict[str, Any]]):
+    [deployment] = by_kind(objects, "Deployment")
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    return container, cli.build_parser().parse_args(["operator", *container["args"]])
+
+
+def test_default_objects():
+    kinds = sorted(obj["kind"] for obj in render())
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+
+
+def test_non_default_objects():
+    objects = render(NON_DEFAULT_VALUES)
+    kinds = sorted(obj["kind"] for obj in objects)
+    assert kinds == sorted(["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount",
+                            "ServiceMonitor", "Role", "Role", "RoleBinding", "RoleBinding"])
+    assert {(obj["kind"], obj["metadata"]["namespace"]) for obj in objects if obj["kind"].startswith("Role")} == {
+        (kind, ns) for kind in ("Role", "RoleBinding") for ns in NON_DEFAULT_VALUES["watchNamespaces"]}
+
+
+def test_every_object_validates_against_kubernetes_1_33(rendered):
+    _, objects = rendered
+    for obj in objects:
+        if obj["kind"] == "ServiceMonitor":
+            continue  # prometheus-operator's CRD, not in Kubernetes' schema: test_service_monitor checks it
+        kubernetes_validate.validate(obj, "1.33.0", strict=True)
+
+
+def test_namespaced_objects_are_in_the_release_namespace(rendered):
+    _, objects = rendered
+    for obj in objects:
+        if obj["kind"] in ("ServiceAccount", "Deployment", "Service", "ServiceMonitor"):
+            assert obj["metadata"]["namespace"] == NAMESPACE, obj["kind"]
+
+
+def test_deployment_args_are_accepted_by_the_operator_cli(rendered):
+    values, objects = rendered
+    container, args = _operator_args(objects)
+    watch = values.get("watchNamespaces", [])
+    assert args.all_namespaces is (not watch)
+    assert (args.namespace or []) == watch
+    assert args.metrics_port == values.get("metrics", {}).get("port", 9090)
+    assert args.liveness == f"http://0.0.0.0:{values.get('liveness', {}).get('port', 8080)}/healthz"
+    assert args.log_level == values.get("logLevel", "info")
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    assert ports == {"metrics": args.metrics_port, "healthz": int(args.liveness.split(":")[2].split("/")[0])}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+
+
+def test_image(rendered):
+    values, objects = rendered
+    container, _ = _operator_args(objects)
+    image = values.get("image", {})
+    assert container["image"] == f"{image.get('repository', 'ghcr.io/disttrain/operator')}:{image.get('tag', '0.1.0')}"
+
+
+def test_metrics_service_selects_the_operator_pod(rendered):
+    _, objects = rendered
+    [deployment] = by_kind(objects, "Deployment")
+    [service] = by_kind(objects, "Service")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    container, args = _operator_args(objects)
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": args.metrics_port, "targetPort": "metrics",
+                                         "protocol": "TCP"}]
+
+
+def test_deployment_uses_the_service_account():
+    objects = render()
+    [deployment] = by_kind(objects, "Deployment")
+    [account] = by_kind(objects, "ServiceAccount")
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_service_monitor():
+    """Off by default; when on, a ServiceMonitor (monitoring.coreos.com/v1) that selects the metrics Service."""
+    assert not by_kind(render(), "ServiceMonitor")
+    objects = render(NON_DEFAULT_VALUES)
+    [monitor] = by_kind(objects, "ServiceMonitor")
+    [service] = by_kind(objects, "Service")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s",
+                                             "scrapeTimeout": "5s"}]
