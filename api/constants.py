@@ -28,3 +28,5 @@ RESERVED_ENV_PREFIXES: Final = ("DISTTRAIN_", "TORCHELASTIC_")
 # Job names prefix Service names (DNS-1035 labels, at most 63 characters) such as "<job>-agent" and pod
 # names such as "<job>-worker-<index>-<suffix>", and are label values themselves.
 MAX_JOB_NAME_LENGTH: Final = 45
+DNS_1035_LABEL: Final = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+"""Job names: they name Services, which must be DNS-1035 labels."""

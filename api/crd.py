@@ -79,6 +79,23 @@ def _field_defaults(cls: type[BaseModel]) -> dict[str, Any]:
     return defaults
 
 
+TEMPLATE_LIST_BOUNDS = {"spec.template.spec.containers": 32, "spec.template.spec.containers[*].env": 512}
+"""maxItems on the lists a CEL rule iterates: without bounds the API server's cost estimate refuses the rule."""
+
+
+def _attach_nested_rules(schema: dict[str, Any], path: str) -> None:
+    """Put the rules (and list bounds) of ``path`` and every node below it into a foreign schema (the template)."""
+    if path in TEMPLATE_LIST_BOUNDS:
+        schema["maxItems"] = TEMPLATE_LIST_BOUNDS[path]
+    validations = rules.rules_for(path)
+    if validations:
+        schema["x-kubernetes-validations"] = validations
+    for key, sub in schema.get("properties", {}).items():
+        _attach_nested_rules(sub, f"{path}.{key}")
+    if isinstance(schema.get("items"), dict):
+        _attach_nested_rules(schema["items"], f"{path}[*]")
+
+
 class _SchemaConverter:
     """Turns pydantic's JSON schema (2020-12 with $defs) into a structural OpenAPI v3 schema."""
 
@@ -97,8 +114,8 @@ class _SchemaConverter:
             out = json.loads(json.dumps(pod_template_schema()))
             if "description" in node:
                 out["description"] = _clean_description(node["description"])
-            out["x-kubernetes-validations"] = rules.rules_for(path)
-            return self._strip_empty(out)
+            _attach_nested_rules(out, path)
+            return out
         if "$ref" in node or ("allOf" in node and len(node["allOf"]) == 1):
             ref = node.get("$ref") or node["allOf"][0]["$ref"]
             name = ref.rsplit("/", 1)[-1]
@@ -157,11 +174,6 @@ class _SchemaConverter:
             out["items"] = self._node(node["items"], path + "[*]")
         return out
 
-    @staticmethod
-    def _strip_empty(out: dict[str, Any]) -> dict[str, Any]:
-        if not out.get("x-kubernetes-validations"):
-            out.pop("x-kubernetes-validations", None)
-        return out
 
 
 def _status_schema() -> dict[str, Any]:
@@ -196,6 +208,13 @@ PRINTER_COLUMNS: tuple[dict[str, Any], ...] = (
 )
 
 
+def _metadata_schema() -> dict[str, Any]:
+    """A CRD may constrain only metadata.name and generateName; our name rules live on ``name``."""
+    name: dict[str, Any] = {"type": "string"}
+    _attach_nested_rules(name, "metadata.name")
+    return {"type": "object", "properties": {"name": name}}
+
+
 def build_crd() -> dict[str, Any]:
     """The CustomResourceDefinition as a dict."""
     root: dict[str, Any] = {
@@ -206,7 +225,7 @@ def build_crd() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            "metadata": _metadata_schema(),
             "spec": _spec_schema(),
             "status": _status_schema(),
         },

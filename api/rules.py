@@ -9,7 +9,8 @@ and divisors are guarded because CEL still runs when a ``minimum`` fails.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,16 +22,16 @@ Node = dict[str, Any]
 @dataclass(frozen=True)
 class Rule:
     node: str
-    """Dotted path of the schema node the rule is attached to ("" = the object root)."""
+    """Dotted path of the schema node the rule is attached to ("" = the object root, ``name[*]`` = each item)."""
     cel: str
     """CEL expression that must hold."""
     message: str
     """printf-style message (only %d and %s), rendered with ``cel_args`` / ``args``."""
     cel_args: Sequence[str]
     """CEL expressions of the message arguments."""
-    holds: Callable[[Node], bool]
+    holds: Callable[[Any], bool]
     """Python mirror of ``cel`` on the node's data."""
-    args: Callable[[Node], Sequence[Any]] = lambda node: ()
+    args: Callable[[Any], Sequence[Any]] = lambda node: ()
     """Python mirror of ``cel_args``."""
     field_path: str = ""
     """Relative path (".replicas") of the field the error is reported on; "" reports the node itself."""
@@ -51,9 +52,6 @@ class Rule:
         if self.reason:
             entry["reason"] = self.reason
         return entry
-
-    def error_path(self) -> str:
-        return ".".join(p for p in (self.node, self.field_path.lstrip(".")) if p)
 
     def render(self, node: Node) -> str:
         return self.message % tuple(self.args(node))
@@ -165,29 +163,53 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         node="spec.restartPolicy",
-        cel="self.backoffSeconds <= self.maxBackoffSeconds",
+        # has() guards: the API server also evaluates rules on a schema's `default: {}` (nested defaults unapplied)
+        cel=(
+            "!has(self.backoffSeconds) || !has(self.maxBackoffSeconds) || "
+            "self.backoffSeconds <= self.maxBackoffSeconds"
+        ),
         message="restartPolicy.backoffSeconds must be <= restartPolicy.maxBackoffSeconds",
         cel_args=(),
-        holds=lambda r: r["backoffSeconds"] <= r["maxBackoffSeconds"],
+        holds=lambda r: "maxBackoffSeconds" not in r or r.get("backoffSeconds", 0) <= r["maxBackoffSeconds"],
         field_path=".backoffSeconds",
     ),
     Rule(
         node="spec.restartPolicy.exitCodes",
-        cel="self.permanent.all(c, !(c in self.retryable))",
+        cel="!has(self.permanent) || !has(self.retryable) || self.permanent.all(c, !(c in self.retryable))",
         message="an exit code cannot be both permanent and retryable",
         cel_args=(),
-        holds=lambda e: not set(e["permanent"]) & set(e["retryable"]),
+        holds=lambda e: not set(e.get("permanent", ())) & set(e.get("retryable", ())),
         field_path=".retryable",
     ),
     Rule(
-        node="",
-        cel=f"size(self.metadata.name) <= {constants.MAX_JOB_NAME_LENGTH}",
+        node="spec.template.spec.containers[*]",
+        cel=(
+            "!has(self.env) || self.env.all(e, !e.name.startsWith('DISTTRAIN_') && "
+            "!e.name.startsWith('TORCHELASTIC_'))"
+        ),
+        message="env names starting with DISTTRAIN_ or TORCHELASTIC_ are reserved: the operator sets them",
+        cel_args=(),
+        holds=lambda c: not any(e.get("name", "").startswith(constants.RESERVED_ENV_PREFIXES)
+                                for e in c.get("env") or ()),
+        field_path=".env",
+    ),
+    Rule(
+        node="metadata.name",
+        cel=f"size(self) <= {constants.MAX_JOB_NAME_LENGTH}",
         message=f"metadata.name must be at most {constants.MAX_JOB_NAME_LENGTH} characters (it prefixes pod and "
         "Service names), got %d",
-        cel_args=("size(self.metadata.name)",),
-        holds=lambda o: len(o["metadata"]["name"]) <= constants.MAX_JOB_NAME_LENGTH,
-        args=lambda o: (len(o["metadata"]["name"]),),
-        field_path=".metadata.name",
+        cel_args=("size(self)",),
+        holds=lambda name: len(name) <= constants.MAX_JOB_NAME_LENGTH,
+        args=lambda name: (len(name),),
+    ),
+    Rule(
+        node="metadata.name",
+        cel=f"self.matches('{constants.DNS_1035_LABEL}')",
+        message="metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting with a "
+        "letter; it names Services), got %s",
+        cel_args=("self",),
+        holds=lambda name: re.fullmatch(constants.DNS_1035_LABEL, name) is not None,
+        args=lambda name: (name,),
     ),
     Rule(
         node="",
@@ -214,13 +236,31 @@ class RuleViolation:
 
 
 def lookup(obj: Node, dotted: str) -> Any:
-    """The value at a dotted path of ``obj`` ("" = obj itself); None when absent."""
-    value: Any = obj
-    for part in filter(None, dotted.split(".")):
-        if not isinstance(value, dict) or part not in value:
-            return None
-        value = value[part]
-    return value
+    """The value at a dotted path of ``obj`` ("" = obj itself); None when absent (the first match of ``[*]``)."""
+    found = list(nodes_at(obj, dotted))
+    return found[0][1] if found else None
+
+
+def nodes_at(obj: Any, dotted: str) -> Iterator[tuple[str, Any]]:
+    """(concrete path, value) of every node matching ``dotted``; ``name[*]`` stands for each item of a list."""
+    parts = [p for p in dotted.split(".") if p]
+
+    def walk(value: Any, index: int, path: str) -> Iterator[tuple[str, Any]]:
+        if index == len(parts):
+            yield path, value
+            return
+        part = parts[index]
+        key, each = (part[:-3], True) if part.endswith("[*]") else (part, False)
+        if not isinstance(value, dict) or key not in value:
+            return
+        child, child_path = value[key], f"{path}.{key}" if path else key
+        if not each:
+            yield from walk(child, index + 1, child_path)
+        elif isinstance(child, list):
+            for position, item in enumerate(child):
+                yield from walk(item, index + 1, f"{child_path}[{position}]")
+
+    yield from walk(obj, 0, "")
 
 
 def check_rules(obj: Node, rules: Sequence[Rule] = RULES) -> list[RuleViolation]:
@@ -229,11 +269,10 @@ def check_rules(obj: Node, rules: Sequence[Rule] = RULES) -> list[RuleViolation]
     for rule in rules:
         if rule.transition:
             continue
-        node = lookup(obj, rule.node)
-        if node is None:
-            continue
-        if not rule.holds(node):
-            violations.append(RuleViolation(rule.error_path(), rule.render(node), rule))
+        for path, node in nodes_at(obj, rule.node):
+            if not rule.holds(node):
+                where = ".".join(p for p in (path, rule.field_path.lstrip(".")) if p)
+                violations.append(RuleViolation(where, rule.render(node), rule))
     return violations
 
 

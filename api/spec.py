@@ -247,7 +247,7 @@ class ObjectMeta(BaseModel):
     """The part of metadata disttrain reads; everything else is kept as is."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
-    name: str = Field(min_length=1, max_length=constants.MAX_JOB_NAME_LENGTH, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    name: str = Field(min_length=1, max_length=constants.MAX_JOB_NAME_LENGTH, pattern=constants.DNS_1035_LABEL)
     """DNS-1035 label: it prefixes the names of the job's Services and pods."""
     namespace: str = "default"
     uid: Optional[str] = None

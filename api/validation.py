@@ -93,24 +93,11 @@ def _template_problems(template: Any) -> list[Problem]:
     problems = []
     for err in sorted(_template_validator().iter_errors(template), key=lambda e: list(e.absolute_path)):
         path = _format_loc(("spec", "template", *err.absolute_path))
-        if err.validator == "additionalProperties":
-            message = f"unknown field: {err.message.split('(')[-1].rstrip(')')}"
+        if err.validator == "additionalProperties":  # name each unknown field, as the API server's strict decoding
+            known = set(err.schema.get("properties", {}))
+            problems += [Problem(f"{path}.{key}", "unknown field") for key in sorted(err.instance) if key not in known]
         else:
-            message = err.message
-        problems.append(Problem(path, message))
-    return problems
-
-
-def _reserved_env_problems(job: DistTrainJob) -> list[Problem]:
-    problems = []
-    for c_index, container in enumerate(job.spec.template.get("spec", {}).get("containers", [])):
-        for e_index, env in enumerate(container.get("env") or []):
-            name = env.get("name", "")
-            if name.startswith(constants.RESERVED_ENV_PREFIXES):
-                path = f"spec.template.spec.containers[{c_index}].env[{e_index}].name"
-                problems.append(
-                    Problem(path, f"{name} is reserved: the operator sets DISTTRAIN_* and TORCHELASTIC_* variables")
-                )
+            problems.append(Problem(path, err.message))
     return problems
 
 
@@ -161,7 +148,6 @@ def validate_object(obj: Any) -> list[Problem]:
         return problems
     wire = job.model_dump(mode="json", by_alias=True, exclude_none=True)
     problems += [Problem(v.path, v.message) for v in rules.check_rules(wire)]
-    problems += _reserved_env_problems(job)
     if not problems:
         problems += _plan_problems(job)
     return problems
@@ -176,6 +162,8 @@ def load_documents(path: pathlib.Path) -> Iterator[tuple[str, Any]]:
     except OSError as error:
         raise ManifestError(str(path), [Problem("<file>", error.strerror or str(error))]) from error
     docs = [d for d in docs if d is not None]
+    if not docs:  # kubectl: "error: no objects passed to apply"
+        raise ManifestError(str(path), [Problem("<file>", "no objects in the file (expected a DistTrainJob)")])
     for index, doc in enumerate(docs):
         yield (f"{path}" if len(docs) == 1 else f"{path}#{index}"), doc
 
