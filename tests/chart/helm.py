@@ -22,8 +22,14 @@ from tests.conftest import REPO_ROOT
 CHART = REPO_ROOT / "charts" / "disttrain"
 RELEASE = "disttrain"
 NAMESPACE = "disttrain-system"
-SERVICE_ACCOUNT = "disttrain-operator"
-"""The ServiceAccount (and RBAC object) name for release "disttrain": "<release>-operator"."""
+
+
+def object_name(release: str = RELEASE) -> str:
+    """The name the chart gives its ServiceAccount, Deployment and RBAC objects (no fullnameOverride)."""
+    return f"{release}-operator"
+
+
+SERVICE_ACCOUNT = object_name()
 
 NON_DEFAULT_VALUES: dict[str, Any] = {
     "image": {"repository": "registry.example/disttrain-operator", "tag": "1.2.3", "pullPolicy": "Always"},
@@ -82,10 +88,10 @@ def helm(*args: str, values: Optional[dict[str, Any]] = None, check: bool = True
     return done
 
 
-def render(values: Optional[dict[str, Any]] = None, namespace: str = NAMESPACE,
-           include_crds: bool = False) -> list[dict[str, Any]]:
-    """``helm template`` the chart as release "disttrain" in ``namespace``: the objects it would install."""
-    args = ["template", RELEASE, str(CHART), "--namespace", namespace]
+def render(values: Optional[dict[str, Any]] = None, namespace: str = NAMESPACE, include_crds: bool = False,
+           release: str = RELEASE) -> list[dict[str, Any]]:
+    """``helm template`` the chart as ``release`` in ``namespace``: the objects it would install."""
+    args = ["template", release, str(CHART), "--namespace", namespace]
     if include_crds:
         args.append("--include-crds")
     out = helm(*args, values=values).stdout

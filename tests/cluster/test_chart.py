@@ -1,0 +1,131 @@
+"""The Helm chart's objects on a real kube-apiserver: they apply (server dry run, then for real), the operator's
+ServiceAccount may do what kopf and the adapter do and nothing it should not, RBAC lets it create the per-job
+agent Role, and PodSecurity admits its pod in a namespace that enforces the restricted standard.
+
+Only the real server decides RBAC (the first real run of the old deploy/ showed kopf forbidden to list CRDs).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import yaml
+
+from disttrain.api.spec import DistTrainJob
+from disttrain.operator import pods
+from tests.chart.helm import by_kind, object_name, render
+from tests.chart.rbac import CLUSTER_SCOPED, Permission, needed
+from tests.cluster.controlplane import ControlPlane
+from tests.unit.operator.world import job_manifest
+
+RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "latest"}
+
+
+def _apply(plane: ControlPlane, objects: list[dict[str, Any]]) -> None:
+    """Server-side apply (as Helm 4 does; the CRD is too large for client-side apply's annotation): a server dry
+    run of everything first, then for real."""
+    manifest = yaml.safe_dump_all(objects)
+    plane.kubectl("apply", "--server-side", "--dry-run=server", "-f", "-", input=manifest)
+    plane.kubectl("apply", "--server-side", "-f", "-", input=manifest)
+
+
+def _can_i(plane: ControlPlane, user: str, permission: Permission, namespace: str | None) -> bool:
+    group, resource, verb = permission
+    resource, _, subresource = resource.partition("/")
+    args = ["auth", "can-i", verb, f"{resource}.{group}" if group else resource, f"--as={user}"]
+    if subresource:
+        args.append(f"--subresource={subresource}")
+    if resource not in CLUSTER_SCOPED:
+        args += ["--all-namespaces"] if namespace is None else ["-n", namespace]
+    answer = plane.kubectl(*args, check=False)
+    assert answer.stdout.strip() in ("yes", "no"), answer.stderr
+    return answer.stdout.strip() == "yes"
+
+
+def _eventually_allowed(plane: ControlPlane, user: str, permissions: set[Permission], namespace: str | None) -> None:
+    """The authorizer follows RBAC objects through a watch: a fresh binding can take a moment to count."""
+    deadline = time.monotonic() + 15
+    while True:
+        denied = sorted(p for p in permissions if not _can_i(plane, user, p, namespace))
+        if not denied or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert denied == [], f"{user} may not (in {namespace or 'all namespaces'}): {denied}"
+
+
+def _release(plane: ControlPlane, values: dict[str, Any] | None) -> tuple[str, str, list[dict[str, Any]]]:
+    """Install the chart's objects under a unique release name (its ClusterRole is cluster-wide) into a fresh
+    namespace that enforces the restricted Pod Security Standard; (namespace, user, objects)."""
+    release = f"r{uuid.uuid4().hex[:8]}"
+    namespace = plane.create_namespace(f"{release}-system", labels=RESTRICTED)
+    objects = render(values, namespace=namespace, release=release, include_crds=True)
+    _apply(plane, objects)
+    return namespace, f"system:serviceaccount:{namespace}:{object_name(release)}", objects
+
+
+def _agent_role(namespace: str) -> dict[str, Any]:
+    manifest = job_manifest(f"job-{uuid.uuid4().hex[:6]}")
+    manifest["metadata"]["namespace"] = namespace
+    return pods.build_role(DistTrainJob.model_validate(manifest))
+
+
+def _create_as(plane: ControlPlane, user: str, obj: dict[str, Any]) -> Any:
+    return plane.kubectl("create", f"--as={user}", "-f", "-", input=json.dumps(obj), check=False)
+
+
+def _assert_may_create_agent_role(plane: ControlPlane, user: str, namespace: str) -> None:
+    """RBAC's escalation check: the operator may create the agent Role, but not one granting more than it holds."""
+    done = _create_as(plane, user, _agent_role(namespace))
+    assert done.returncode == 0, done.stderr
+    greedy = _agent_role(namespace)
+    greedy["rules"].append({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]})
+    refused = _create_as(plane, user, greedy)
+    assert refused.returncode != 0 and "grant RBAC permissions not currently held" in refused.stderr, refused.stderr
+
+
+def test_default_values_on_the_server(control_plane: ControlPlane):
+    plane = control_plane
+    namespace, user, objects = _release(plane, None)
+    want = needed(_agent_role("default")["rules"], all_namespaces=True)
+    _eventually_allowed(plane, user, want, namespace=None)
+    for forbidden in [("", "secrets", "get"), ("", "nodes", "delete"), ("", "namespaces", "list"),
+                      ("apiextensions.k8s.io", "customresourcedefinitions", "create"), ("", "pods", "patch")]:
+        assert not _can_i(plane, user, forbidden, None), forbidden
+    _assert_may_create_agent_role(plane, user, plane.create_namespace(f"jobs-{uuid.uuid4().hex[:6]}"))
+    _assert_operator_pod_is_admitted(plane, namespace, objects)
+
+
+def test_watch_namespaces_on_the_server(control_plane: ControlPlane, namespace: str):
+    plane = control_plane
+    watched = [plane.create_namespace(f"team-{uuid.uuid4().hex[:6]}") for _ in range(2)]
+    release_ns, user, objects = _release(plane, {"watchNamespaces": watched})
+    want = needed(_agent_role(watched[0])["rules"], all_namespaces=False)
+    cluster = {p for p in want if p[1] in CLUSTER_SCOPED}
+    _eventually_allowed(plane, user, cluster, namespace=None)
+    for ns in watched:
+        _eventually_allowed(plane, user, want - cluster, namespace=ns)
+        _assert_may_create_agent_role(plane, user, ns)
+    for permission in sorted(want - cluster):  # not in a namespace it does not serve, nor cluster-wide
+        assert not _can_i(plane, user, permission, namespace), (namespace, permission)
+        assert not _can_i(plane, user, permission, None), permission
+    _assert_operator_pod_is_admitted(plane, release_ns, objects)
+
+
+def _assert_operator_pod_is_admitted(plane: ControlPlane, namespace: str, objects: list[dict[str, Any]]) -> None:
+    """No kubelet or controller-manager runs here, so the Deployment's pod is created directly (server dry run):
+    PodSecurity admission (enforce=restricted on the namespace) accepts it and refuses a weakened copy."""
+    [deployment] = by_kind(objects, "Deployment")
+    template = deployment["spec"]["template"]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {**template["metadata"], "name": "operator-pss",
+                                                           "namespace": namespace}, "spec": template["spec"]}
+    manifest = json.dumps(pod)
+    done = plane.kubectl("create", "--dry-run=server", "-f", "-", input=manifest, check=False)
+    assert done.returncode == 0, done.stderr
+    weak = json.loads(manifest)
+    weak["spec"]["containers"][0]["securityContext"]["allowPrivilegeEscalation"] = True
+    refused = plane.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(weak), check=False)
+    assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr, refused.stderr
+
