@@ -8,17 +8,23 @@ Only the real server decides RBAC (the first real run of the old deploy/ showed 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+import urllib.request
 import uuid
+from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import pods
 from tests.chart.helm import by_kind, object_name, render
 from tests.chart.rbac import CLUSTER_SCOPED, Permission, needed
-from tests.cluster.controlplane import ControlPlane
+from tests.cluster.controlplane import ControlPlane, free_port
 from tests.unit.operator.world import job_manifest
 
 RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "latest"}
@@ -129,3 +135,74 @@ def _assert_operator_pod_is_admitted(plane: ControlPlane, namespace: str, object
     refused = plane.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(weak), check=False)
     assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr, refused.stderr
 
+
+
+def _operator_command(objects: list[dict[str, Any]], kubeconfig: str, liveness_port: int) -> list[str]:
+    """The Deployment's own arguments, run here: its kubeconfig is the ServiceAccount's token, its ports local."""
+    [deployment] = by_kind(objects, "Deployment")
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    args = [a for a in container["args"] if not a.startswith(("--metrics-port=", "--liveness="))]
+    return [sys.executable, "-m", "disttrain.operator.cli", "operator", *args, f"--kubeconfig={kubeconfig}",
+            "--metrics-port=0", f"--liveness=http://127.0.0.1:{liveness_port}/healthz"]
+
+
+def _wait_for(what: str, check: Any, log: Path, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.3)
+    raise AssertionError(f"{what} not within {timeout:.0f} s; operator log:\n{log.read_text()[-4000:]}")
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["all-namespaces", "watch-namespaces"])
+def test_operator_runs_as_its_service_account(control_plane: ControlPlane, tmp_path: Path, mode: str):
+    """``disttrain operator`` with the chart's arguments and its ServiceAccount's token: kopf starts with no
+    permission warning, and a job gets its agent RBAC, Services and pods, all created by the operator as that
+    ServiceAccount (so the agent Role passes the escalation check with the chart's RBAC, for real)."""
+    plane = control_plane
+    jobs_ns = plane.create_namespace(f"jobs-{uuid.uuid4().hex[:6]}")
+    release_ns, user, objects = _release(plane, {"watchNamespaces": [jobs_ns]} if mode != "all-namespaces" else None)
+    plane.wait_established("disttrainjobs.disttrain.dev")
+    sa_name = user.rsplit(":", 1)[1]
+    kubeconfig = plane.service_account_kubeconfig(release_ns, sa_name)
+    log = tmp_path / "operator.log"
+    port = free_port()
+    env = {key: value for key, value in os.environ.items() if key != "KUBECONFIG"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(_operator_command(objects, str(kubeconfig), port), stdout=out,
+                                stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"})
+    try:
+        _wait_for("kopf's /healthz", lambda: proc.poll() is None and _healthy(port), log)
+        job = job_manifest("rbac-demo")
+        job["metadata"] = {"name": "rbac-demo", "namespace": jobs_ns}
+        plane.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(job))
+
+        def support_objects() -> bool:
+            listed = plane.kubectl("get", "-n", jobs_ns, "serviceaccounts,roles,rolebindings,services,pods",
+                                   "-l", "disttrain.dev/job-name=rbac-demo", "-o", "json").stdout
+            kinds = {item["kind"] for item in json.loads(listed)["items"]}
+            return {"ServiceAccount", "Role", "RoleBinding", "Service", "Pod"} <= kinds
+
+        _wait_for("the job's ServiceAccount, Role, RoleBinding, Services and pods", support_objects, log)
+        assert proc.poll() is None, log.read_text()[-4000:]
+    finally:
+        proc.terminate()  # our own child, by its handle
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    text = log.read_text()
+    for sign in ("Forbidden", "forbidden", "Not enough permissions", "403"):
+        assert sign not in text, f"{sign!r} in the operator log:\n{text[-4000:]}"
