@@ -12,6 +12,7 @@ No policy lives here; an ``if`` about training belongs in the core.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -61,8 +62,6 @@ class Kube:
         selector = f"{constants.LABEL_JOB_NAME}={job}"
         result = await self._call(self.core.list_namespaced_pod, namespace, label_selector=selector,
                                   _preload_content=False)
-        import json
-
         return json.loads(result.data)["items"]
 
     async def list_nodes(self) -> Optional[list[dict[str, Any]]]:
@@ -76,8 +75,6 @@ class Kube:
                 self.nodes_allowed = False
                 return None
             raise
-        import json
-
         return json.loads(result.data)["items"]
 
     async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
@@ -117,6 +114,14 @@ class Kube:
         except k8s.ApiException as error:
             if error.status != 404:
                 raise
+
+
+def api_error_message(error: k8s.ApiException) -> str:
+    """The API server's own sentence (which verb on which resource was refused), not just "403 Forbidden"."""
+    try:
+        return str(json.loads(error.body or "{}").get("message", "")) or str(error.body or "")
+    except (TypeError, ValueError):
+        return str(error.body or "")
 
 
 def event_object(job: DistTrainJob, type_: str, reason: str, message: str, now: float) -> dict[str, Any]:
@@ -223,8 +228,8 @@ def register(registry: kopf.OperatorRegistry, api_client_factory: Callable[[], k
                         delay = min(delay, 0.2)  # look again soon: our own writes change what we observe
                 except k8s.ApiException as error:
                     metrics.errors.labels("api").inc()
-                    log.warning("reconcile of %s/%s failed: %s %s; retrying", namespace, name, error.status,
-                                error.reason)
+                    log.warning("reconcile of %s/%s failed: %s %s: %s; retrying", namespace, name, error.status,
+                                error.reason, api_error_message(error))
                     delay = 1.0
                 except Exception:
                     metrics.errors.labels("internal").inc()

@@ -1,0 +1,64 @@
+"""``disttrain operator`` as a real process, logged in as the chart's ServiceAccount (a TokenRequest token).
+
+Running it as a separate process under the chart's RBAC is the point: a missing permission shows as a 403 in
+its log, as it would in a cluster, and the process can be SIGKILLed at any instant.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from tests.cluster.controlplane import free_port
+from tests.conftest import REPO_ROOT
+
+FORBIDDEN = re.compile(r"\b403\b|forbidden", re.IGNORECASE)
+
+
+class OperatorProcess:
+    def __init__(self, kubeconfig: Path, log: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.metrics_port = 0
+
+    def start(self, timeout: float = 30) -> None:
+        self.metrics_port, liveness = free_port(), free_port()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("KUBECONFIG", None)
+        command = [sys.executable, "-m", "disttrain.operator.cli", "operator", "--all-namespaces",
+                   f"--kubeconfig={self.kubeconfig}", f"--metrics-port={self.metrics_port}",
+                   "--metrics-address=127.0.0.1", f"--liveness=http://127.0.0.1:{liveness}/healthz"]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, f"operator exited:\n{self.log_text()[-4000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{liveness}/healthz", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"operator not live:\n{self.log_text()[-4000:]}"
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, no graceful stop, as when the operator's node or container dies."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def forbidden_lines(self) -> list[str]:
+        return [line for line in self.log_text().splitlines() if FORBIDDEN.search(line)]

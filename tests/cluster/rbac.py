@@ -1,0 +1,24 @@
+"""The operator's ServiceAccount and RBAC exactly as the Helm chart installs them, applied to the real API server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from tests.chart.helm import NAMESPACE, object_name, render
+from tests.cluster.controlplane import ControlPlane
+
+OPERATOR_NAMESPACE = NAMESPACE
+OPERATOR_SERVICE_ACCOUNT = object_name()
+RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+
+
+def operator_rbac_documents() -> list[dict[str, Any]]:
+    """The chart's RBAC objects (default values: the operator watches all namespaces)."""
+    return [obj for obj in render() if obj["kind"] in RBAC_KINDS]
+
+
+def install_operator_rbac(plane: ControlPlane) -> None:
+    plane.kubectl("create", "namespace", OPERATOR_NAMESPACE, check=False)  # absent or there: both fine
+    plane.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(operator_rbac_documents()))

@@ -1,0 +1,292 @@
+"""The operator on a real control plane: kube-apiserver, etcd, kube-controller-manager and kube-scheduler.
+
+The operator runs as a process under the ServiceAccount and RBAC that the Helm chart installs (token from the
+TokenRequest API). The tests play the kubelet (:mod:`tests.cluster.kubelet`) and the job agent, which reports
+progress with *its own* ServiceAccount token, so the per-job Role the operator creates is exercised too. Over
+the whole module the operator's log must show no 403.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+from disttrain.api import constants
+from disttrain.api.conditions import format_time
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.kubelet import Kubelets
+from tests.cluster.operator_process import OperatorProcess
+from tests.conftest import JobBuilder
+from tests.cluster.rbac import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, install_operator_rbac
+
+pytestmark = [pytest.mark.usefixtures("crd"), pytest.mark.timeout(180)]
+T = TypeVar("T")
+
+
+def eventually(check: Callable[[], T], timeout: float = 30, interval: float = 0.2, what: str = "") -> T:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"{what or 'condition'} not met within {timeout:.0f} s; last value: {last!r}")
+
+
+@pytest.fixture(scope="module")
+def operator(controllers: ControlPlane, crd: ControlPlane, tmp_path_factory) -> Iterator[OperatorProcess]:
+    install_operator_rbac(controllers)
+    kubeconfig = controllers.service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT)
+    process = OperatorProcess(kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log")
+    process.start()
+    yield process
+    process.kill()
+    forbidden = process.forbidden_lines()
+    assert not forbidden, "the operator hit 403s under the chart's RBAC:\n" + "\n".join(forbidden[:20])
+
+
+@pytest.fixture
+def kubelets(controllers: ControlPlane) -> Iterator[Kubelets]:
+    sim = Kubelets(controllers)
+    yield sim
+    sim.stop()
+
+
+class Cluster:
+    """kubectl and REST helpers for one test's namespace and job."""
+
+    def __init__(self, plane: ControlPlane, namespace: str, kubelets: Kubelets) -> None:
+        self.plane, self.ns, self.kubelets = plane, namespace, kubelets
+        self.tag = uuid.uuid4().hex[:6]
+
+    def jobs(self, name: str = "", sub: str = "") -> str:
+        path = f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/{self.ns}/{constants.PLURAL}"
+        return path + (f"/{name}" if name else "") + (f"/{sub}" if sub else "")
+
+    def apply(self, builder: JobBuilder, tmp: Path) -> dict[str, Any]:
+        obj = builder.build()
+        obj["metadata"]["namespace"] = self.ns
+        manifest = tmp / f"{obj['metadata']['name']}.yaml"
+        manifest.write_text(yaml.safe_dump(obj))
+        self.plane.kubectl("apply", "--server-side", "-f", str(manifest))
+        return self.job(obj["metadata"]["name"])
+
+    def job(self, name: str) -> dict[str, Any]:
+        return self.plane.request("GET", self.jobs(name))
+
+    def status(self, name: str) -> dict[str, Any]:
+        return self.job(name).get("status") or {}
+
+    def pods(self, role: str = "worker") -> dict[str, dict[str, Any]]:
+        items = self.plane.request("GET", f"/api/v1/namespaces/{self.ns}/pods")["items"]
+        return {p["metadata"]["name"]: p for p in items if p["metadata"].get("labels", {}).get(constants.LABEL_ROLE) == role}
+
+    def live_workers(self) -> dict[str, dict[str, Any]]:
+        return {n: p for n, p in self.pods().items() if not p["metadata"].get("deletionTimestamp")}
+
+    def phase(self, name: str, phase: str) -> dict[str, Any] | None:
+        status = self.status(name)
+        return status if status.get("phase") == phase else None
+
+    def nodes(self, count: int) -> list[str]:
+        names = [f"{self.tag}-n{i}" for i in range(count)]
+        for node in names:
+            self.kubelets.add_node(node)
+        return names
+
+    def agent_kubeconfig(self, job: str) -> Path:
+        return self.plane.service_account_kubeconfig(self.ns, f"{job}-agent")
+
+    def agent_reports(self, job: str, token_config: Path, **status: Any) -> None:
+        """What the job agent relays, with the agent's own token (the per-job Role allows only this)."""
+        self.plane.kubectl("patch", "-n", self.ns, f"{constants.PLURAL}/{job}", "--subresource=status",
+                           "--type=merge", "-p", json.dumps({"status": status}), kubeconfig=token_config)
+
+    def running(self, job: str, builder: JobBuilder, tmp: Path, replicas: int) -> Path:
+        """Apply, let the scheduler and the kubelets run every pod, report a first group: phase Running."""
+        self.nodes(replicas + 2)
+        self.apply(builder.nodes(1, 4, replicas).set("spec.elastic", {"scaleDebounceSeconds": 0, "replacementWaitSeconds": 30})
+                   .set("spec.restartPolicy", {"maxRestarts": 5, "backoffSeconds": 0}), tmp)
+        eventually(lambda: len(self.pods("agent")) == 1 and len(self.live_workers()) == replicas, what="pods created")
+        eventually(lambda: all(p["status"].get("phase") == "Running" for p in [*self.pods().values(),
+                                                                                  *self.pods("agent").values()]),
+                   what="pods scheduled and running")
+        agent = eventually(lambda: _try(lambda: self.agent_kubeconfig(job)), what="agent ServiceAccount")
+        self.agent_reports(job, agent, worldSize=replicas, step=3, rendezvousRound=1,
+                           lastProgressTime=format_time(time.time()))
+        eventually(lambda: self.phase(job, "Running"), what="phase Running")
+        return agent
+
+
+def _try(fn: Callable[[], T]) -> T | None:
+    try:
+        return fn()
+    except urllib.error.HTTPError:
+        return None
+
+
+@pytest.fixture
+def cluster(controllers, namespace, kubelets, operator) -> Cluster:
+    """A namespace with the checkpoint claim the jobs name (bound to a PersistentVolume by the real PV controller,
+    or the real scheduler would not place the workers)."""
+    # ServiceAccount admission refuses pods (403) until the controller created the namespace's "default" account.
+    eventually(lambda: _try(lambda: controllers.request("GET", f"/api/v1/namespaces/{namespace}/serviceaccounts/default")),
+               what="the namespace's default ServiceAccount")
+    volume = f"pv-{namespace}"
+    controllers.request("POST", "/api/v1/persistentvolumes", {
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "manual",
+                 "hostPath": {"path": f"/tmp/{volume}"},
+                 "claimRef": {"namespace": namespace, "name": "ckpt"}}})
+    controllers.request("POST", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "ckpt"},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "manual", "volumeName": volume,
+                 "resources": {"requests": {"storage": "1Gi"}}}})
+    return Cluster(controllers, namespace, kubelets)
+
+
+def test_created_objects_are_owned_and_collected_by_the_garbage_collector(cluster, tmp_path):
+    job = cluster.apply(JobBuilder("gc"), tmp_path)
+    uid = job["metadata"]["uid"]
+    eventually(lambda: len(cluster.pods("agent")) == 1 and len(cluster.pods()) == 2, what="pods created")
+    owned = {
+        f"/api/v1/namespaces/{cluster.ns}/services/gc-agent", f"/api/v1/namespaces/{cluster.ns}/services/gc-workers",
+        f"/api/v1/namespaces/{cluster.ns}/serviceaccounts/gc-agent",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{cluster.ns}/roles/gc-agent",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{cluster.ns}/rolebindings/gc-agent",
+        *(f"/api/v1/namespaces/{cluster.ns}/pods/{name}" for name in ("gc-agent", "gc-worker-0", "gc-worker-1")),
+    }
+    for path in owned:
+        [owner] = eventually(lambda: _try(lambda: cluster.plane.request("GET", path)), what=path)["metadata"][
+            "ownerReferences"]
+        assert owner == {"apiVersion": constants.API_VERSION, "kind": constants.KIND, "name": "gc", "uid": uid,
+                         "controller": True, "blockOwnerDeletion": True}
+    cluster.plane.kubectl("delete", "-n", cluster.ns, "dtj/gc", "--wait=false")
+
+    def collected() -> bool:  # the real garbage collector removes every dependent (no pod was bound: no kubelet wait)
+        return all(_gone(cluster.plane, path) for path in owned) and _gone(cluster.plane, cluster.jobs("gc"))
+
+    eventually(collected, timeout=60, what="dependents garbage-collected")
+
+
+def _gone(plane: ControlPlane, path: str) -> bool:
+    try:
+        plane.request("GET", path)
+    except urllib.error.HTTPError as error:
+        return error.code == 404
+    return False
+
+
+def test_a_node_lost_to_the_node_lifecycle_controller_is_replaced(cluster, tmp_path):
+    agent = cluster.running("lost", JobBuilder("lost"), tmp_path, replicas=2)
+    victim = cluster.pods()["lost-worker-1"]
+    node = victim["spec"]["nodeName"]
+    powered_off = time.monotonic()
+    cluster.kubelets.power_off(node)
+
+    def node_unreachable() -> bool:
+        taints = cluster.plane.request("GET", f"/api/v1/nodes/{node}")["spec"].get("taints", [])
+        return any(t["key"] == "node.kubernetes.io/unreachable" for t in taints)
+
+    eventually(node_unreachable, timeout=60, what="the node-lifecycle controller taints the node")
+    reforming = eventually(lambda: cluster.phase("lost", "Reforming"), timeout=30, what="reform")
+    detected = time.monotonic() - powered_off
+    assert reforming["restarts"]["byReason"] == {"NodeUnreachable": 1}, reforming  # Ready=Unknown: no heartbeat
+    assert reforming["control"]["action"] == "reform"
+
+    def replaced() -> dict[str, Any] | None:
+        workers = cluster.live_workers()
+        fresh = [p for p in workers.values() if p["metadata"]["name"] not in ("lost-worker-0", "lost-worker-1")]
+        return fresh[0] if fresh and fresh[0]["spec"].get("nodeName") not in (None, node) else None
+
+    replacement = eventually(replaced, timeout=30, what="a replacement scheduled on another node")
+    eventually(lambda: cluster.pods()[replacement["metadata"]["name"]]["status"].get("phase") == "Running")
+    cluster.agent_reports("lost", agent, worldSize=2, step=4, rendezvousRound=2,
+                          lastProgressTime=format_time(time.time()))
+    status = eventually(lambda: cluster.phase("lost", "Running"), what="back to Running")
+    assert status["restarts"]["total"] == 1 and status["lastReform"]["to"] == 2
+    print(f"node power-off -> reform directive: {detected:.1f} s")
+
+
+def test_scale_down_and_up_through_the_scale_subresource(cluster, tmp_path):
+    agent = cluster.running("sc", JobBuilder("sc"), tmp_path, replicas=3)
+    cluster.plane.kubectl("scale", "-n", cluster.ns, "dtj/sc", "--replicas=2")
+    drain = eventually(lambda: cluster.phase("sc", "Reforming"), what="drain")
+    assert drain["control"]["action"] == "drain" and drain["control"]["exclude"] == ["sc-worker-2"]
+    assert "sc-worker-2" in cluster.live_workers(), "a victim waits for the drain checkpoint"
+    cluster.agent_reports("sc", agent, lastCheckpoint={"step": 10, "time": format_time(time.time() + 1)})
+    eventually(lambda: sorted(cluster.pods()) == ["sc-worker-0", "sc-worker-1"], what="victim deleted")
+    cluster.agent_reports("sc", agent, worldSize=2, rendezvousRound=2, lastProgressTime=format_time(time.time() + 2))
+    down = eventually(lambda: cluster.phase("sc", "Running"), what="Running at 2")
+    assert down["restarts"]["total"] == 0 and down["lastReform"]["to"] == 2
+
+    cluster.plane.kubectl("scale", "-n", cluster.ns, "dtj/sc", "--replicas=3")
+    eventually(lambda: len(cluster.live_workers()) == 3, what="a third worker created")
+    eventually(lambda: all(p["status"].get("phase") == "Running" for p in cluster.pods().values()))
+    up = eventually(lambda: cluster.phase("sc", "Reforming"), what="scale-up directive")
+    cluster.agent_reports("sc", agent, lastCheckpoint={"step": 20, "time": format_time(time.time() + 3)},
+                          worldSize=3, rendezvousRound=3, lastProgressTime=format_time(time.time() + 4))
+    done = eventually(lambda: cluster.phase("sc", "Running"), what="Running at 3")
+    assert up["control"]["action"] in ("drain", "reform") and done["lastReform"]["to"] == 3
+    assert done["restarts"]["total"] == 0
+    scale = cluster.plane.request("GET", cluster.jobs("sc", "scale"))
+    assert scale["status"]["replicas"] == 3 and scale["status"]["selector"]
+
+
+def test_suspend_removes_pods_and_resume_recreates_them(cluster, tmp_path):
+    agent = cluster.running("sus", JobBuilder("sus"), tmp_path, replicas=2)
+    cluster.agent_reports("sus", agent, lastCheckpoint={"step": 30, "time": format_time(time.time())})
+    cluster.plane.kubectl("patch", "-n", cluster.ns, "dtj/sus", "--type=merge", "-p",
+                          '{"spec": {"runPolicy": {"suspend": true}}}')
+    status = eventually(lambda: cluster.phase("sus", "Suspended"), what="Suspended")
+    eventually(lambda: not cluster.pods() and not cluster.pods("agent"), what="pods removed")
+    assert status["lastCheckpoint"]["step"] == 30
+    cluster.plane.kubectl("patch", "-n", cluster.ns, "dtj/sus", "--type=merge", "-p",
+                          '{"spec": {"runPolicy": {"suspend": false}}}')
+    eventually(lambda: len(cluster.live_workers()) == 2 and len(cluster.pods("agent")) == 1, what="pods recreated")
+    events = cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/events")["items"]
+    reasons = {e["reason"] for e in events if e["involvedObject"].get("name") == "sus"}
+    assert {"Suspended", "Resumed"} <= reasons, reasons
+
+
+def test_a_stale_resource_version_conflicts_and_changes_nothing(cluster, tmp_path):
+    agent = cluster.running("rv", JobBuilder("rv"), tmp_path, replicas=1)
+    stale = cluster.job("rv")
+    cluster.agent_reports("rv", agent, step=7, lastProgressTime=format_time(time.time()))
+    eventually(lambda: cluster.job("rv")["metadata"]["resourceVersion"] != stale["metadata"]["resourceVersion"])
+    stale["spec"]["nodes"]["replicas"] = 2
+    with pytest.raises(urllib.error.HTTPError) as conflict:
+        cluster.plane.request("PUT", cluster.jobs("rv"), stale)
+    assert conflict.value.code == 409
+    after = cluster.job("rv")
+    assert after["spec"]["nodes"]["replicas"] == 1 and after["status"]["step"] == 7
+    # The operator's own writes are merge patches of the fields it owns: interleaved agent reports survive them.
+    for step in range(8, 14):
+        cluster.agent_reports("rv", agent, step=step, lastProgressTime=format_time(time.time()))
+    final = eventually(lambda: cluster.phase("rv", "Running"))
+    assert final["step"] == 13 and final["restarts"]["total"] == 0
+
+
+def test_an_operator_sigkilled_mid_drain_finishes_it_without_duplicates(cluster, operator, tmp_path):
+    agent = cluster.running("kd", JobBuilder("kd"), tmp_path, replicas=3)
+    cluster.plane.kubectl("scale", "-n", cluster.ns, "dtj/kd", "--replicas=2")
+    before = eventually(lambda: cluster.phase("kd", "Reforming"), what="drain")
+    operator.kill()
+    cluster.agent_reports("kd", agent, lastCheckpoint={"step": 10, "time": format_time(time.time() + 1)})
+    operator.start()
+    eventually(lambda: sorted(cluster.pods()) == ["kd-worker-0", "kd-worker-1"], what="victim deleted")
+    cluster.agent_reports("kd", agent, worldSize=2, rendezvousRound=2, lastProgressTime=format_time(time.time() + 2))
+    done = eventually(lambda: cluster.phase("kd", "Running"), what="Running at 2")
+    assert done["control"]["generation"] == before["control"]["generation"], "the drain was not issued twice"
+    assert done["restarts"] == before["restarts"] and done["lastReform"]["to"] == 2
+    time.sleep(1.5)  # the restarted operator had time to act on everything it saw
+    assert sorted(cluster.pods()) == ["kd-worker-0", "kd-worker-1"] and len(cluster.pods("agent")) == 1
