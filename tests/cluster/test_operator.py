@@ -209,6 +209,10 @@ def test_a_node_lost_to_the_node_lifecycle_controller_is_replaced(cluster, tmp_p
         return fresh[0] if fresh and fresh[0]["spec"].get("nodeName") not in (None, node) else None
 
     replacement = eventually(replaced, timeout=30, what="a replacement scheduled on another node")
+    lost = cluster.pods()["lost-worker-1"]  # no kubelet confirms its deletion: Terminating, as in a real cluster
+    assert lost["metadata"].get("deletionTimestamp") and lost["metadata"]["uid"] == victim["metadata"]["uid"]
+    assert {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
+            "tolerationSeconds": 10} in lost["spec"]["tolerations"], "taint-based eviction applies to workers"
     eventually(lambda: cluster.pods()[replacement["metadata"]["name"]]["status"].get("phase") == "Running")
     cluster.agent_reports("lost", agent, worldSize=2, step=4, rendezvousRound=2,
                           lastProgressTime=format_time(time.time()))
