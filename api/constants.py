@@ -28,3 +28,12 @@ RESERVED_ENV_PREFIXES: Final = ("DISTTRAIN_", "TORCHELASTIC_")
 # Job names prefix Service names (DNS-1035 labels, at most 63 characters) such as "<job>-agent" and pod
 # names such as "<job>-worker-<index>-<suffix>", and are label values themselves.
 MAX_JOB_NAME_LENGTH: Final = 45
+
+# Name of the container in the job agent pod (the only one).
+AGENT_CONTAINER: Final = "agent"
+
+# torchrun's rendezvous backend in worker pods: the c10d handler that completes a round as soon as the operator's
+# target node count joined and never closes the rendezvous when one node leaves. The trainer package registers it
+# under this name through torch's `torchrun.handlers` entry-point group (pyproject.toml), and the handler reports
+# it back to torchrun, which checks that it got the backend it asked for.
+RDZV_BACKEND: Final = "disttrain"
