@@ -43,6 +43,15 @@ class WorkerContract(BaseModel):
         return cls.model_validate_json(value)
 
 
+def job_checkpoint_dir(root: str, namespace: str, name: str) -> str:
+    """Directory of one job's checkpoints: ``<spec.checkpoint.path>/<namespace>/<job name>``.
+
+    The operator sets it as ``$DISTTRAIN_CHECKPOINT_DIR``, the job agent names ``status.lastCheckpoint.path`` under
+    it, and a trainer started without the variable falls back to it, so all three must agree.
+    """
+    return f"{root.rstrip('/')}/{namespace}/{name}"
+
+
 def training_config_hash(training: TrainingSpec) -> str:
     """Stable hash of the training contract, recorded in every checkpoint manifest."""
     canonical = json.dumps(training.to_wire(), sort_keys=True, separators=(",", ":"))

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import kopf
 from kubernetes import client as k8s
 
-from disttrain.api import constants
+from disttrain.api import constants, timestamps
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import pods as builders
 from disttrain.operator import views
@@ -121,7 +121,7 @@ class Kube:
 
 def event_object(job: DistTrainJob, type_: str, reason: str, message: str, now: float) -> dict[str, Any]:
     """A core/v1 Event about the job (unique name: Events need no idempotency, a repeat is just a repeat)."""
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
+    stamp = timestamps.format_time_seconds(now)
     return {
         "apiVersion": "v1", "kind": "Event",
         "metadata": {"name": f"{job.metadata.name}.{uuid.uuid4().hex[:16]}", "namespace": job.metadata.namespace},

@@ -31,15 +31,9 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def read_signal(store) -> Optional[keys.ControlSignal]:
-    """The current signal in the store, or None (``check`` first: ``get`` would block until the key exists)."""
-    if not store.check([keys.SIGNAL_KEY]):
-        return None
-    try:
-        return keys.ControlSignal.model_validate_json(store.get(keys.SIGNAL_KEY))
-    except ValueError:
-        log.warning("ignoring an unparsable value under %s", keys.SIGNAL_KEY)
-        return None
+def read_signal(store: keys.StoreReader) -> Optional[keys.ControlSignal]:
+    """The current signal in the store, or None when there is none (or it cannot be parsed)."""
+    return keys.read_model(store, keys.SIGNAL_KEY, keys.ControlSignal)
 
 
 class Watchdog:

@@ -10,12 +10,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from disttrain.api.status import AGENT_FIELDS
 from disttrain.operator.local.statedir import StateDir
 
 AGENT_STATUS_FILE = "agent-status.json"
-# Status fields the agent owns (disttrain.trainer.agent.AGENT_FIELDS; the operator package may not import it).
-AGENT_FIELDS = ("step", "samplesConsumed", "worldSize", "plan", "rendezvousRound", "roundStartTime",
-                "lastProgressTime", "lastCheckpoint", "workerFailure")
 
 
 def localize_agent_pod(pod: dict[str, Any], state: StateDir, port: int) -> dict[str, Any]:
