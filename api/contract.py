@@ -25,7 +25,7 @@ class WorkerContract(BaseModel):
     max_nodes: int = Field(1, ge=1)
 
     @classmethod
-    def from_spec(cls, spec: DistTrainJobSpec) -> "WorkerContract":
+    def from_spec(cls, spec: DistTrainJobSpec) -> WorkerContract:
         return cls(
             training=spec.training,
             checkpoint=spec.checkpoint,
@@ -39,7 +39,7 @@ class WorkerContract(BaseModel):
         return self.model_dump_json(by_alias=True, exclude_none=True)
 
     @classmethod
-    def from_env_value(cls, value: str) -> "WorkerContract":
+    def from_env_value(cls, value: str) -> WorkerContract:
         return cls.model_validate_json(value)
 
 

@@ -64,7 +64,7 @@ def _fixed_batch_divides(spec: Node) -> bool:
     micro = training["microBatchSize"]
     if training["batchPolicy"] != "fixed" or replicas < 1 or nproc < 1 or micro < 1:
         return True
-    return training["globalBatchSize"] % (micro * replicas * nproc) == 0
+    return bool(training["globalBatchSize"] % (micro * replicas * nproc) == 0)
 
 
 def _trainer_container_present(template: Node) -> bool:

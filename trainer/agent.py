@@ -29,7 +29,7 @@ import pathlib
 import signal
 import tempfile
 import threading
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, cast
 
 from disttrain.api import constants, env
 from disttrain.api import control as keys
@@ -111,8 +111,9 @@ class KubeJobSource:
 
     def read(self) -> Optional[dict[str, Any]]:
         try:
-            return self.api.get_namespaced_custom_object(constants.GROUP, constants.VERSION, self.namespace,
-                                                         constants.PLURAL, self.name)
+            job = self.api.get_namespaced_custom_object(constants.GROUP, constants.VERSION, self.namespace,
+                                                        constants.PLURAL, self.name)
+            return cast("dict[str, Any]", job)
         except self._not_found as error:
             if error.status == 404:
                 return None
@@ -200,7 +201,7 @@ class Agent:
                 if not self.sync():
                     log.info("job is gone; exiting")
                     return 0
-            except Exception:  # noqa: BLE001 - one failed round must not kill the store every worker depends on
+            except Exception:
                 log.exception("agent round failed; retrying")
             self.stop_event.wait(self.poll_seconds)
         return 0

@@ -46,7 +46,7 @@ class ElasticContext:
     job: Optional[str]
 
     @classmethod
-    def from_env(cls, environ: Optional[dict[str, str]] = None) -> "ElasticContext":
+    def from_env(cls, environ: Optional[dict[str, str]] = None) -> ElasticContext:
         e = dict(os.environ if environ is None else environ)
         raw = e.get(env_names.CONTRACT)
         if not raw:

@@ -42,13 +42,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Optional
 
 from torch.distributed import Store
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
-from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, c10d_rendezvous_backend
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
 from disttrain.api import constants, control, env

@@ -40,6 +40,7 @@ def read_relayed(state: StateDir, cluster_checkpoint_dir: str = "") -> dict[str,
         return {}
     relayed = {k: v for k, v in document.items() if k in AGENT_FIELDS}
     ckpt = relayed.get("lastCheckpoint")
-    if cluster_checkpoint_dir and isinstance(ckpt, dict) and str(ckpt.get("path", "")).startswith(cluster_checkpoint_dir):
-        relayed["lastCheckpoint"] = dict(ckpt, path=str(state.checkpoints_dir) + ckpt["path"][len(cluster_checkpoint_dir):])
+    path = str(ckpt.get("path", "")) if isinstance(ckpt, dict) else ""
+    if cluster_checkpoint_dir and isinstance(ckpt, dict) and path.startswith(cluster_checkpoint_dir):
+        relayed["lastCheckpoint"] = dict(ckpt, path=str(state.checkpoints_dir) + path[len(cluster_checkpoint_dir):])
     return relayed

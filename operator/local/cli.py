@@ -18,7 +18,7 @@ from typing import Optional
 from disttrain.operator.local.statedir import StateDir
 
 
-def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p_local = sub.add_parser("local", help="run a DistTrainJob on this machine (no cluster): run, scale, status")
     local = p_local.add_subparsers(dest="local_command", required=True, metavar="ACTION")
 
@@ -96,7 +96,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return _run(job, state, chaos, args)
 
 
-def _run(job, state: StateDir, chaos, args: argparse.Namespace) -> int:  # noqa: ANN001 - lazy-imported types
+def _run(job, state: StateDir, chaos, args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from disttrain.operator.local import display as display_mod

@@ -271,7 +271,7 @@ class LocalRuntime:
         pods_shown = []
         for pod in self.all_pods():
             view = pod.view()
-            state = "Terminating" if view.is_terminating else ("NodeLost" if pod.node_lost else view.phase)
+            state: str = "Terminating" if view.is_terminating else ("NodeLost" if pod.node_lost else view.phase)
             if view.exit_code is not None and view.phase == "Failed":
                 state += f" ({view.exit_code})"
             pods_shown.append((pod.name, pod.node, state))
@@ -309,9 +309,9 @@ class LocalRuntime:
                           f"state in {self.state.path}; operator metrics at {self.metrics_url}")
         if self.rdzv_fallback:
             self.record_event("Warning", "RendezvousFallback",
-                              f"torchrun handler {constants.RDZV_BACKEND!r} is not installed in this environment; nodes "
-                              f"use {self.rdzv_fallback!r} (rounds wait for last-call timeouts, scale-ups may reform "
-                              "twice)")
+                              f"torchrun handler {constants.RDZV_BACKEND!r} is not installed in this environment; "
+                              f"nodes use {self.rdzv_fallback!r} (rounds wait for last-call timeouts, scale-ups may "
+                              "reform twice)")
         try:
             while not self.is_done() and not self.stop_requested:
                 actions = self.tick()

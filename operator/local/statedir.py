@@ -31,7 +31,7 @@ class StateDir:
         self.path = path
 
     @classmethod
-    def for_job(cls, job_name: str, state_dir: Optional[str] = None) -> "StateDir":
+    def for_job(cls, job_name: str, state_dir: Optional[str] = None) -> StateDir:
         if state_dir:
             return cls(pathlib.Path(state_dir).resolve())
         return cls((pathlib.Path.cwd() / DEFAULT_ROOT / job_name).resolve())

@@ -131,9 +131,9 @@ def container_env(container: Mapping[str, Any], pod: Mapping[str, Any], node_nam
             continue
         field = (item.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
         if field:
-            value = _field_value(field, pod, node_name)
-            if value is not None:
-                resolved[name] = value
+            field_value = _field_value(field, pod, node_name)
+            if field_value is not None:
+                resolved[name] = field_value
     return resolved
 
 
