@@ -3,7 +3,7 @@
 Each :class:`Rule` sits on a schema node (``spec.nodes`` ...) and carries its CEL expression, the Python
 predicate that mirrors it on the same camelCase data (defaults applied, as the API server sees it), and one
 message template rendered both as a CEL ``messageExpression`` and as a Python string. CEL rules only see
-their own subtree (shared/notes/crd-cel.md), so each rule sits on the lowest node that sees all its fields,
+their own subtree, so each rule sits on the lowest node that sees all its fields,
 and divisors are guarded because CEL still runs when a ``minimum`` fails.
 """
 
