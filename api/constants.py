@@ -37,3 +37,9 @@ AGENT_CONTAINER: Final = "agent"
 # under this name through torch's `torchrun.handlers` entry-point group (pyproject.toml), and the handler reports
 # it back to torchrun, which checks that it got the backend it asked for.
 RDZV_BACKEND: Final = "disttrain"
+
+# Local mode's state directory, shared by the local runtime and the job agent (`--state-dir`): the runtime writes
+# the job to LOCAL_JOB_FILE; the agent follows it and writes the status fields it owns to LOCAL_AGENT_STATUS_FILE.
+# One writer per file, so neither loses the other's updates.
+LOCAL_JOB_FILE: Final = "job.json"
+LOCAL_AGENT_STATUS_FILE: Final = "agent-status.json"

@@ -60,8 +60,8 @@ class FileJobSource:
 
     def __init__(self, state_dir: str | os.PathLike[str]) -> None:
         self.state_dir = pathlib.Path(state_dir)
-        self.job_path = self.state_dir / "job.json"
-        self.status_path = self.state_dir / "agent-status.json"
+        self.job_path = self.state_dir / constants.LOCAL_JOB_FILE
+        self.status_path = self.state_dir / constants.LOCAL_AGENT_STATUS_FILE
 
     def read(self) -> Optional[dict[str, Any]]:
         try:

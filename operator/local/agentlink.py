@@ -10,10 +10,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from disttrain.api import constants
 from disttrain.api.status import AGENT_FIELDS
 from disttrain.operator.local.statedir import StateDir
-
-AGENT_STATUS_FILE = "agent-status.json"
 
 
 def localize_agent_pod(pod: dict[str, Any], state: StateDir, port: int) -> dict[str, Any]:
@@ -35,7 +34,7 @@ def read_relayed(state: StateDir, cluster_checkpoint_dir: str = "") -> dict[str,
     The agent names checkpoints by their path in the pod (under spec.checkpoint.path); local mode shows where
     they really are, in the state directory.
     """
-    document = state.read_json(state.path / AGENT_STATUS_FILE)
+    document = state.read_json(state.path / constants.LOCAL_AGENT_STATUS_FILE)
     if not isinstance(document, dict):
         return {}
     relayed = {k: v for k, v in document.items() if k in AGENT_FIELDS}

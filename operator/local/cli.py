@@ -53,8 +53,10 @@ def resolve_state(job: str, state_dir: Optional[str]) -> StateDir:
     if state_dir:
         return StateDir.for_job(job, state_dir)
     path = pathlib.Path(job)
-    if path.is_dir() and (path / "job.json").exists():
-        return StateDir(path.resolve())
+    if path.is_dir():
+        candidate = StateDir(path.resolve())
+        if candidate.job_file.exists():
+            return candidate
     if path.is_file():
         import yaml
 

@@ -23,6 +23,8 @@ import pathlib
 import time
 from typing import Any, Optional
 
+from disttrain.api import constants
+
 DEFAULT_ROOT = ".disttrain"
 
 
@@ -39,7 +41,7 @@ class StateDir:
     # -- layout
     @property
     def job_file(self) -> pathlib.Path:
-        return self.path / "job.json"
+        return self.path / constants.LOCAL_JOB_FILE
 
     @property
     def status_file(self) -> pathlib.Path:
