@@ -113,6 +113,11 @@ class ControlDirective(ContractModel):
     exclude: list[str] = Field(default_factory=list)
     """Worker pods that must not join the next rendezvous round (scale-down victims being drained)."""
 
+    @property
+    def in_flight(self) -> bool:
+        """A drain or reform was issued and the group has not re-formed yet."""
+        return self.action is not DirectiveAction.NONE
+
 
 class WorkerFailureStatus(ContractModel):
     """A worker's own report of a failure (relayed by the job agent), seen even when torchrun hides exit codes."""

@@ -52,8 +52,6 @@ from disttrain.operator.observed import (
 )
 from disttrain.operator.patches import merge_patch
 
-NONE, DRAIN, REFORM = DirectiveAction.NONE, DirectiveAction.DRAIN, DirectiveAction.REFORM
-
 # Reasons that come from an unplanned loss (replacement wait applies to them). Values: control.reason is a string.
 LOSS_REASONS = frozenset({
     Reason.POD_FAILED.value, Reason.POD_DELETED.value, Reason.EVICTED.value, Reason.NODE_NOT_READY.value,
@@ -348,7 +346,8 @@ def _ensure_agent(d: _Draft) -> None:
         if d.is_finished:
             return
         if d.status.world_size > 0:
-            _issue(d, REFORM, Reason.AGENT_RESTARTED, d.status.desired_nodes, exclude=d.status.control.exclude)
+            _issue(d, DirectiveAction.REFORM, Reason.AGENT_RESTARTED, d.status.desired_nodes,
+                   exclude=d.status.control.exclude)
     elif agent is not None and not lost and agent.is_running:
         tracked[name] = agent.uid
 
@@ -426,7 +425,7 @@ def _count_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
     """First sight of a lost pod: a restart, unless it drained as asked or fell with the job agent."""
     st = d.status
     st.tracked_pods.pop(pod.name, None)
-    if pod.phase == "Failed" and pod.exit_code == ExitCode.DRAINED and st.control.action is DRAIN:
+    if pod.phase == "Failed" and pod.exit_code == ExitCode.DRAINED and st.control.action is DirectiveAction.DRAIN:
         return  # planned: it checkpointed and exited on our drain
     if reason is Reason.POD_FAILED and _failed_with_the_agent(st, pod):
         d.event(NORMAL, Reason.AGENT_RESTARTED,
@@ -489,15 +488,15 @@ def _count_loss(d: _Draft, reason: Reason, message: str) -> None:
     _count_restart(d, reason, message)
     if d.is_finished:
         return
-    if st.world_size > 0 or st.control.action is not NONE:
-        _issue(d, REFORM, reason, st.desired_nodes or d.spec.nodes.replicas, exclude=st.control.exclude)
+    if st.world_size > 0 or st.control.in_flight:
+        _issue(d, DirectiveAction.REFORM, reason, st.desired_nodes or d.spec.nodes.replicas, exclude=st.control.exclude)
 
 
 def _issue(d: _Draft, action: DirectiveAction, reason: Reason, target: int, exclude: Iterable[str] = ()) -> None:
     """A new directive generation for the agent; the reform record starts here."""
     st = d.status
     ctl = st.control
-    first_of_episode = ctl.action is NONE
+    first_of_episode = not ctl.in_flight
     ctl.generation += 1
     ctl.action = action
     ctl.reason = reason.value
@@ -511,7 +510,7 @@ def _issue(d: _Draft, action: DirectiveAction, reason: Reason, target: int, excl
         st.last_reform = ReformRecord.model_validate(
             {"reason": reason.value, "from": st.world_size // nproc if nproc else 0, "to": 0,
              "start": ctl.issued_at})
-    if action is DRAIN:
+    if action is DirectiveAction.DRAIN:
         d.event(NORMAL, Reason.DRAINING, f"drain (checkpoint at the next step boundary, then exit) for "
                                           f"{reason.value}; target {target} nodes")
     else:
@@ -571,7 +570,7 @@ def _clean_up_finished(d: _Draft) -> None:
             d.delete(pod, why)
     if d.seen.agent is not None:
         d.delete(d.seen.agent, why)
-    d.status.control.action = NONE
+    d.status.control.action = DirectiveAction.NONE
     d.status.pending_scale = None
     ttl = d.spec.run_policy.ttl_seconds_after_finished
     done = timestamps.parse_time(d.status.completion_time)
@@ -593,7 +592,7 @@ def _suspend(d: _Draft) -> None:
     st.handled_pods = []
     st.pending_scale = None
     st.agent_lost_at = None
-    st.control.action = NONE
+    st.control.action = DirectiveAction.NONE
     st.control.exclude = []
     st.world_size = 0
     st.replicas = len(d.seen.workers)
@@ -649,9 +648,12 @@ def _size(d: _Draft) -> None:
         if previous and desired < previous:
             d.event(NORMAL, Reason.SCALED_DOWN, f"scaling down from {previous} to {desired} nodes")
         victims = choose_victims(live, surplus)
-        if group_nodes > 0 and any(v.is_running for v in victims) and ctl.action is not REFORM:
-            if ctl.action is not DRAIN or ctl.reason != Reason.SCALED_DOWN.value or ctl.target_nodes != desired:
-                _issue(d, DRAIN, Reason.SCALED_DOWN, desired, exclude=[*ctl.exclude, *(v.name for v in victims)])
+        if group_nodes > 0 and any(v.is_running for v in victims) and ctl.action is not DirectiveAction.REFORM:
+            already_asked = ctl.action is DirectiveAction.DRAIN and ctl.reason == Reason.SCALED_DOWN.value \
+                and ctl.target_nodes == desired
+            if not already_asked:
+                _issue(d, DirectiveAction.DRAIN, Reason.SCALED_DOWN, desired,
+                       exclude=[*ctl.exclude, *(v.name for v in victims)])
         else:
             for victim in victims:
                 st.tracked_pods.pop(victim.name, None)  # a planned removal, not a loss
@@ -686,7 +688,7 @@ def _complete_directive(d: _Draft, group_nodes: int) -> None:
     """
     st = d.status
     ctl = st.control
-    if ctl.action is NONE:
+    if not ctl.in_flight:
         if st.world_size > 0:
             st.agent_lost_at = None  # a group runs with the new agent: later failures are failures of their own
         return
@@ -695,7 +697,7 @@ def _complete_directive(d: _Draft, group_nodes: int) -> None:
     new_round = ctl.issued_round is None or st.rendezvous_round > ctl.issued_round
     if new_round and group_nodes == ctl.target_nodes and progressed is not None and progressed > issued:
         reason = ctl.reason
-        ctl.action = NONE
+        ctl.action = DirectiveAction.NONE
         st.agent_lost_at = None
         # Victims still shutting down stay excluded so they are not mistaken for members again.
         present = {p.name for p in d.seen.workers}
@@ -722,8 +724,8 @@ def _remove_drained_victims(d: _Draft) -> None:
     ckpt_time = timestamps.parse_time(st.last_checkpoint.time) if st.last_checkpoint else None
     drained = ckpt_time is not None and ckpt_time >= issued
     timed_out = d.now - issued >= spec.elastic.drain_timeout_seconds
-    if ctl.action is not DRAIN or drained or timed_out:
-        if timed_out and not drained and ctl.action is DRAIN:
+    if ctl.action is not DirectiveAction.DRAIN or drained or timed_out:
+        if timed_out and not drained and ctl.action is DirectiveAction.DRAIN:
             d.event(WARNING, Reason.DRAIN_TIMEOUT,
                     f"no checkpoint within spec.elastic.drainTimeoutSeconds={spec.elastic.drain_timeout_seconds}; "
                     f"deleting {', '.join(p.name for p in victims)}")
@@ -749,7 +751,7 @@ def _choose_target(d: _Draft, live: list[PodView], group_nodes: int) -> None:
     missing = max(0, desired - len(live))
     target = desired
     if waiting or missing:
-        if ctl.action is REFORM and ctl.reason in LOSS_REASONS:
+        if ctl.action is DirectiveAction.REFORM and ctl.reason in LOSS_REASONS:
             expiry = (timestamps.parse_time(ctl.issued_at) or now) + spec.elastic.replacement_wait_seconds
             timeout_reason = Reason.REPLACEMENT_TIMEOUT
         else:
@@ -764,14 +766,14 @@ def _choose_target(d: _Draft, live: list[PodView], group_nodes: int) -> None:
                         f"{len(waiting) + missing} node(s) not running after the wait; continuing with {target} nodes")
         else:
             d.timer(expiry)
-    if ctl.action is NONE and group_nodes > 0:
+    if not ctl.in_flight and group_nodes > 0:
         grown = snap_to_valid(spec, len(running), allow_up=False) or 0
         if not waiting and not missing and grown > group_nodes:
-            _issue(d, DRAIN, Reason.SCALED_UP, grown)
+            _issue(d, DirectiveAction.DRAIN, Reason.SCALED_UP, grown)
             target = grown
         elif target < group_nodes and not ctl.exclude:
             target = group_nodes
-    if ctl.action is not NONE:
+    if ctl.in_flight:
         if target < ctl.target_nodes or ctl.reason in LOSS_REASONS:
             ctl.target_nodes = target
     else:
@@ -796,11 +798,11 @@ def _publish(d: _Draft) -> None:
                     f"waiting for {max(len(unscheduled), st.desired_nodes - len(live))} worker pod(s) to be scheduled")
     ctl = st.control
     nproc = d.spec.nproc_per_node
-    if ctl.action is not NONE:
+    if ctl.in_flight:
         st.phase = Phase.REFORMING
         st.message = f"{ctl.action.value} for {ctl.reason}: re-forming with {ctl.target_nodes} nodes"
-        d.condition(ConditionType.REFORMING, True, Reason.DRAINING if ctl.action is DRAIN else Reason.REFORMING,
-                    st.message)
+        reason = Reason.DRAINING if ctl.action is DirectiveAction.DRAIN else Reason.REFORMING
+        d.condition(ConditionType.REFORMING, True, reason, st.message)
         d.condition(ConditionType.RUNNING, False, Reason.REFORMING, st.message)
     elif st.world_size > 0:
         st.phase = Phase.RUNNING
