@@ -3,18 +3,18 @@
 Each :class:`Rule` sits on a schema node (``spec.nodes`` ...) and carries its CEL expression, the Python
 predicate that mirrors it on the same camelCase data (defaults applied, as the API server sees it), and one
 message template rendered both as a CEL ``messageExpression`` and as a Python string. CEL rules only see
-their own subtree (shared/notes/crd-cel.md), so each rule sits on the lowest node that sees all its fields,
+their own subtree, so each rule sits on the lowest node that sees all its fields,
 and divisors are guarded because CEL still runs when a ``minimum`` fails.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
 import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from disttrain.api import constants
+from disttrain.api import constants, containers
 
 Node = dict[str, Any]
 
@@ -62,12 +62,7 @@ def _fixed_batch_divides(spec: Node) -> bool:
     micro = training["microBatchSize"]
     if training["batchPolicy"] != "fixed" or replicas < 1 or nproc < 1 or micro < 1:
         return True
-    return training["globalBatchSize"] % (micro * replicas * nproc) == 0
-
-
-def _trainer_container_present(template: Node) -> bool:
-    containers = template.get("spec", {}).get("containers", [])
-    return any(c.get("name") == constants.TRAINER_CONTAINER for c in containers) or len(containers) == 1
+    return bool(training["globalBatchSize"] % (micro * replicas * nproc) == 0)
 
 
 def _checkpoint_volume_declared(spec: Node) -> bool:
@@ -158,7 +153,7 @@ RULES: tuple[Rule, ...] = (
         ),
         message="template.spec.containers needs a container named 'trainer' (or exactly one container)",
         cel_args=(),
-        holds=_trainer_container_present,
+        holds=lambda t: containers.find_trainer_index(t.get("spec", {}).get("containers", [])) is not None,
         field_path=".spec",
     ),
     Rule(

@@ -18,7 +18,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from disttrain.api.spec import DistTrainJob  # noqa: E402
-from disttrain.operator import pods  # noqa: E402
+from disttrain.api import constants  # noqa: E402
 from disttrain.operator.local.chaos import parse_chaos  # noqa: E402
 from disttrain.operator.local.runtime import LocalRuntime, Snapshot  # noqa: E402
 from disttrain.operator.local.statedir import StateDir  # noqa: E402
@@ -28,7 +28,7 @@ def use_registered_backend() -> str:
     """The rendezvous backend the nodes will use (the runtime falls back to c10d without our handler)."""
     from disttrain.operator.local.runtime import rendezvous_fallback
 
-    return rendezvous_fallback() or pods.RDZV_BACKEND
+    return rendezvous_fallback() or constants.RDZV_BACKEND
 
 
 def recorder_job(name: str, out: pathlib.Path, *, replicas: int, max_steps: int, step_sleep: float = 0.0,

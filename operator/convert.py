@@ -237,7 +237,7 @@ def _nodes(job_spec: dict[str, Any], notes: list[str]) -> dict[str, int]:
 
 def _env(container: dict[str, Any], notes: list[str]) -> None:
     env = container.get("env") or []
-    kept = [e for e in env if not str(e.get("name", "")).startswith(constants.RESERVED_ENV_PREFIXES + ("PET_",))]
+    kept = [e for e in env if not str(e.get("name", "")).startswith((*constants.RESERVED_ENV_PREFIXES, "PET_"))]
     for dropped in (e["name"] for e in env if e not in kept):
         notes.append(f"env {dropped} dropped: the operator sets the torchrun/disttrain environment")
     if env:

@@ -11,10 +11,11 @@ is in :mod:`disttrain.trainer.commit`; this module adds the collectives around i
 Async saves (``dcp.async_save`` on a separate gloo group) stage the state (an in-memory copy) in a background
 thread that overlaps the next forward/backward; only the next ``optimizer.step()`` waits for the copy to finish
 (:meth:`CheckpointManager.before_optimizer_step`), since that is the first thing to modify saved tensors. The
-DCP write runs in the background too, and step 2 in a helper thread; step 3 runs at the first step boundary at which every rank reports its part done
-(agreed by one tiny all-reduce per boundary, so no rank runs ahead of a failed save). A failed save is counted,
-logged and retried synchronously at that boundary; ``max_consecutive_failures`` failures in a row end the
-process with a retryable error rather than training on without a recoverable state.
+DCP write runs in the background too, and step 2 in a helper thread; step 3 runs at the first step boundary at
+which every rank reports its part done (agreed by one tiny all-reduce per boundary, so no rank runs ahead of a
+failed save). A failed save is counted, logged and retried synchronously at that boundary;
+``max_consecutive_failures`` failures in a row end the process with a retryable error rather than training on
+without a recoverable state.
 """
 
 from __future__ import annotations
@@ -27,21 +28,21 @@ import random
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.spec import CheckpointSpec
-from disttrain.trainer import commit
-from disttrain.trainer import storage
+from disttrain.trainer import commit, storage
 
 log = logging.getLogger("disttrain.trainer")
 
@@ -142,7 +143,7 @@ class CheckpointManager:
         self.last_saved_step: Optional[int] = None
         self.loaded_step: Optional[int] = None
         self.pending: Optional[_Pending] = None
-        self.on_commit = None  # callable(manifest) on rank 0 after each commit
+        self.on_commit: Optional[Callable[[CheckpointManifest], None]] = None  # on rank 0 after each commit
         self._fault = os.environ.get(FAULT_ENV, "")
         self._stager: Optional[DefaultStager] = None
         self._staging: Any = None
@@ -162,10 +163,11 @@ class CheckpointManager:
             return False
         if last:
             return True
-        return bool(self.spec.interval_steps) and step % self.spec.interval_steps == 0
+        return self.spec.interval_steps is not None and step % self.spec.interval_steps == 0
 
     def seconds_due(self) -> bool:
-        return bool(self.spec.interval_seconds) and time.monotonic() - self.last_save_time >= self.spec.interval_seconds
+        interval = self.spec.interval_seconds
+        return interval is not None and time.monotonic() - self.last_save_time >= interval
 
     # ---- save ---------------------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], manifest: CheckpointManifest, force_sync: bool = False) -> None:
@@ -255,6 +257,7 @@ class CheckpointManager:
 
     def _complete_pending(self) -> None:
         p, self.pending = self.pending, None
+        assert p is not None, "called only with a save in flight"
         self._commit_collectively(p.step, p.tmp, p.manifest, p.digests, p.error)
         self._observe("background", time.monotonic() - p.started)
 
@@ -336,7 +339,7 @@ class CheckpointManager:
         choice: list[Any] = [None]
         if self.rank == 0:
             found = commit.find_latest(self.root, log=log.warning)
-            if found is not None:
+            if found is not None and found.manifest is not None:
                 choice[0] = found.manifest.model_dump_json()
         dist.broadcast_object_list(choice, src=0, group=self.group)
         return CheckpointManifest.model_validate_json(choice[0]) if choice[0] else None

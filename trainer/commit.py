@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Optional
 
@@ -151,12 +151,14 @@ def validate(path: Path, verify_digests: bool = True) -> Validation:
             return Validation(step, path, manifest, f"file {name} is missing")
         size = file.stat().st_size
         if size != expected.size:
-            return Validation(step, path, manifest, f"file {name} has {size} bytes, {MANIFEST_FILE} says {expected.size}")
+            return Validation(step, path, manifest,
+                              f"file {name} has {size} bytes, {MANIFEST_FILE} says {expected.size}")
         if verify_digests:
             algorithm = expected.digest.split(":", 1)[0]
             actual = file_digest(file, algorithm).digest
             if actual != expected.digest:
-                return Validation(step, path, manifest, f"file {name} is corrupt: digest {actual}, expected {expected.digest}")
+                return Validation(step, path, manifest,
+                                  f"file {name} is corrupt: digest {actual}, expected {expected.digest}")
     if manifest.files[METADATA_FILE].digest != f"sha256:{manifest.metadata_sha256}":
         return Validation(step, path, manifest, f"{METADATA_FILE} hash disagrees with metadata_sha256")
     return Validation(step, path, manifest)
@@ -174,7 +176,7 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def find_latest(root: Path, log: Optional[callable] = None) -> Optional[Validation]:
+def find_latest(root: Path, log: Optional[Callable[[str], None]] = None) -> Optional[Validation]:
     """Newest valid checkpoint; each rejected newer one is reported through ``log`` with its reason."""
     for _, path in step_dirs(root):
         v = validate(path)

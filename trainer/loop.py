@@ -24,8 +24,8 @@ import sys
 import time
 import uuid
 import warnings
-from collections.abc import Iterator, Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,7 @@ class MicroBatch:
     ``seeds`` for keyed randomness (see :mod:`disttrain.trainer.randomness`; computed on first use)."""
 
     __slots__ = ("data", "indices", "_seed", "_step", "_seeds")
+    _seeds: Optional[list[int]]
 
     def __init__(self, data: Any, indices: list[int], seed: int, step: int) -> None:
         self.data, self.indices, self._seed, self._step, self._seeds = data, indices, seed, step, None
@@ -79,7 +80,7 @@ class Step:
     Iteration turns DDP's gradient sync off for all but the last micro batch (forward included, as DDP needs).
     """
 
-    def __init__(self, trainer: "ElasticTrainer", index: int, indices: list[int]) -> None:
+    def __init__(self, trainer: ElasticTrainer, index: int, indices: list[int]) -> None:
         self.trainer = trainer
         self.index = index
         self.indices = indices
@@ -112,7 +113,8 @@ class Step:
         dist.all_reduce(t)
         return float(t.item())
 
-    def backward(self, loss_sum: torch.Tensor, denominator: Optional[float] = None, count: Optional[int] = None) -> None:
+    def backward(self, loss_sum: torch.Tensor, denominator: Optional[float] = None,
+                 count: Optional[int] = None) -> None:
         """Backward of a loss *summed* over this micro batch, normalised by the global count of the step.
 
         ``denominator`` defaults to the global batch (sample-weighted); pass :meth:`global_count` of your token
@@ -183,10 +185,10 @@ class ElasticTrainer:
                         "applies on top of base LR x world-size factor", self.training.lr.schedule.value)
 
     # ---- user-facing -------------------------------------------------------------------------------------
-    def __enter__(self) -> "ElasticTrainer":
+    def __enter__(self) -> ElasticTrainer:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> Literal[False]:
         if exc is None:
             self.close()
             return False
@@ -221,7 +223,7 @@ class ElasticTrainer:
         """The collated micro batch for dataset ``indices``, on the trainer's device."""
         if self._fast_tensors:
             idx = torch.as_tensor(indices, dtype=torch.long)
-            return _to_device(tuple(t[idx] for t in self.dataset.tensors), self.device)
+            return _to_device(tuple(t[idx] for t in cast(TensorDataset, self.dataset).tensors), self.device)
         getitems = getattr(self.dataset, "__getitems__", None)
         samples = getitems(indices) if getitems is not None else [self.dataset[i] for i in indices]
         return _to_device(self.collate_fn(samples), self.device)
@@ -314,7 +316,7 @@ class ElasticTrainer:
                 warnings.simplefilter("ignore")  # get_lr() outside step() warns; we call it deliberately
                 closed = getattr(self.scheduler, "_get_closed_form_lr", None)
                 lrs = closed() if closed is not None else self.scheduler.get_lr()
-            for group, lr in zip(self.optimizer.param_groups, lrs):
+            for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
                 group["lr"] = lr
         self.metrics.lr_scale.set(scale)
         self.current_scale = scale

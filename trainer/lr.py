@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from disttrain.api.plan import learning_rate as _planned_lr, ramped_lr_scale
+from disttrain.api.plan import learning_rate as _planned_lr
+from disttrain.api.plan import ramped_lr_scale
 from disttrain.api.spec import TrainingSpec
 
 

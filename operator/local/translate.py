@@ -22,7 +22,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from disttrain.api import constants
+from disttrain.api import containers
 from disttrain.api import env as env_names
 
 
@@ -55,13 +55,12 @@ class ProcessSpec:
 
 
 def trainer_container(pod: Mapping[str, Any]) -> Mapping[str, Any]:
-    containers = pod.get("spec", {}).get("containers", [])
-    for container in containers:
-        if container.get("name") == constants.TRAINER_CONTAINER:
-            return container
-    if not containers:
-        raise ValueError(f"pod {pod.get('metadata', {}).get('name')!r} has no containers")
-    return containers[0]
+    """The container the local process runs: the trainer of a worker pod, the only one of the agent pod."""
+    pod_containers: list[Mapping[str, Any]] = pod.get("spec", {}).get("containers", [])
+    index = containers.find_trainer_index(pod_containers)
+    if index is None:
+        raise ValueError(f"pod {pod.get('metadata', {}).get('name')!r}: {containers.NO_TRAINER_MESSAGE}")
+    return pod_containers[index]
 
 
 def _endpoint_pattern(site: LocalSite) -> re.Pattern[str]:
@@ -132,9 +131,9 @@ def container_env(container: Mapping[str, Any], pod: Mapping[str, Any], node_nam
             continue
         field = (item.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
         if field:
-            value = _field_value(field, pod, node_name)
-            if value is not None:
-                resolved[name] = value
+            field_value = _field_value(field, pod, node_name)
+            if field_value is not None:
+                resolved[name] = field_value
     return resolved
 
 
