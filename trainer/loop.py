@@ -217,6 +217,8 @@ class ElasticTrainer:
 
     def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
                  tb: Optional[TracebackType]) -> None:
+        """Success closes; a user error exits PERMANENT and a failed collective REFORM, without Python's
+        shutdown (it can block on a dead peer); anything else propagates (exit 1, retryable)."""
         if exc is None:
             self.close()
             return
@@ -278,6 +280,7 @@ class ElasticTrainer:
         log.info("training finished at step %d (%d samples)", self.state.step, self.state.samples_consumed)
 
     def close(self) -> None:
+        """Stop what :meth:`from_env` started: the watchdog, pending saves, the process group."""
         self.watchdog.stop()
         self.checkpoints.close()
         if dist.is_initialized():
