@@ -28,8 +28,8 @@ import random
 import threading
 import time
 import uuid
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -47,7 +47,6 @@ from disttrain.trainer import storage
 from disttrain.trainer.metrics import TrainerMetrics
 
 log = logging.getLogger("disttrain.trainer")
-
 
 
 class CheckpointPhase(str, enum.Enum):
