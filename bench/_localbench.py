@@ -1,7 +1,7 @@
 """Shared by the local-mode benchmarks: a lean job for the e2e recorder program and an in-process runner.
 
 The runner drives the real local runtime (reconcile, job agent, torchrun, trainer) and lets the benchmark act
-between ticks. Records of every step (time, step, group, load time) come from ``tests/e2e/workers/recorder.py``.
+between ticks. Records of every step (time, step, group, load time) come from ``tests/workers/recorder.py``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def recorder_job(name: str, out: pathlib.Path, *, replicas: int, max_steps: int,
         "spec": {
             "nodes": {"min": 1, "max": 4, "replicas": replicas}, "nprocPerNode": 1,
             "template": {"spec": {"containers": [{"name": "trainer", "image": "local", "env": env,
-                                                  "command": ["python", "-u", "tests/e2e/workers/recorder.py"]}]}},
+                                                  "command": ["python", "-u", "tests/workers/recorder.py"]}]}},
             "rendezvous": {"joinTimeoutSeconds": 120, "lastCallTimeoutSeconds": 30, "keepAliveIntervalSeconds": 1,
                            "keepAliveMaxAttempts": 3},
             "training": {"globalBatchSize": global_batch, "microBatchSize": 1, "lr": {"base": 0.05},

@@ -95,7 +95,7 @@ class Watchdog:
 
     def poll_once(self) -> None:
         if self.store is None:
-            return
+            return  # no control channel: only SIGTERM
         current = read_signal(self.store)
         if current is None or current.generation <= self.seen_generation:
             return

@@ -50,7 +50,13 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 class RawFileSystemWriter(FileSystemWriter):
     def __init__(self, path: str, thread_count: int = 2) -> None:
         super().__init__(path, thread_count=thread_count, sync_files=True)
-        self.fs: DigestingFileSystem = DigestingFileSystem()
+        self._digesting = DigestingFileSystem()
+        self.fs = self._digesting
+
+    @property
+    def digests(self) -> dict[str, tuple[int, str]]:
+        """file name -> (size, "crc32:<hex>") of every shard this writer wrote, computed while writing."""
+        return self._digesting.digests
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix

@@ -24,10 +24,6 @@ def localize_agent_pod(pod: dict[str, Any], state: StateDir, port: int) -> dict[
     return pod
 
 
-def agent_env(state: StateDir) -> dict[str, str]:
-    return {}
-
-
 def read_relayed(state: StateDir, cluster_checkpoint_dir: str = "") -> dict[str, Any]:
     """The agent's status fields (empty until it relayed anything).
 

@@ -131,14 +131,14 @@ class LocalRuntime:
             cluster_checkpoint_dir=pods.checkpoint_dir(job), checkpoint_dir=str(self.state.checkpoints_dir),
             workdir=self.workdir, base_env=dict(os.environ), rdzv_backend=self.rdzv_fallback)
 
-    def _spawn(self, pod: dict[str, Any], index: int, metrics_port: int, extra_env: dict[str, str]) -> LocalPod:
+    def _spawn(self, pod: dict[str, Any], index: int, metrics_port: int) -> LocalPod:
         name = pod["metadata"]["name"]
         self.machine_count += 1
         machine = f"local-{self.machine_count}"
         uid = str(uuid.uuid4())
         pod = copy.deepcopy(pod)
         pod["metadata"]["uid"] = uid
-        spec = translate.to_process(pod, self.site(), machine, metrics_port, extra_env)
+        spec = translate.to_process(pod, self.site(), machine, metrics_port)
         log = self.state.log_file(name).open("ab")
         log.write(f"==== {time.strftime('%H:%M:%S')} {name} (uid {uid}) on {machine}: "
                   f"{' '.join(spec.argv)}\n".encode())
@@ -153,7 +153,7 @@ class LocalRuntime:
         pod = pods.build_worker_pod(job, index, endpoint=f"127.0.0.1:{self.store_port}",
                                     checkpoint_directory=str(self.state.checkpoints_dir))
         port = free_port()
-        local = self._spawn(pod, index, port, {})
+        local = self._spawn(pod, index, port)
         local.ready_port = self.store_port
         self.workers[local.name] = local
         self.record_event("Normal", "NodeStarted",
@@ -164,7 +164,7 @@ class LocalRuntime:
         job = self.job()
         pod = pods.build_agent_pod(job)
         pod = agentlink.localize_agent_pod(pod, self.state, self.store_port)
-        self.agent = self._spawn(pod, -1, 0, agentlink.agent_env(self.state))
+        self.agent = self._spawn(pod, -1, 0)
         self.record_event("Normal", "AgentStarted", f"{self.agent.name}: store on 127.0.0.1:{self.store_port}, "
                                                     f"log {self.state.log_file(self.agent.name)}")
 

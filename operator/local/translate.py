@@ -137,8 +137,7 @@ def container_env(container: Mapping[str, Any], pod: Mapping[str, Any], node_nam
     return resolved
 
 
-def to_process(pod: Mapping[str, Any], site: LocalSite, node_name: str, metrics_port: int,
-               extra_env: Optional[Mapping[str, str]] = None) -> ProcessSpec:
+def to_process(pod: Mapping[str, Any], site: LocalSite, node_name: str, metrics_port: int) -> ProcessSpec:
     """The local process for ``pod``: the trainer container's command and env, translated to this machine."""
     container = trainer_container(pod)
     argv = translate_argv([*container.get("command", []), *container.get("args", [])], site)
@@ -155,7 +154,6 @@ def to_process(pod: Mapping[str, Any], site: LocalSite, node_name: str, metrics_
         env[env_names.CHECKPOINT_DIR] = site.checkpoint_dir
     if env_names.METRICS_PORT in env:
         env[env_names.METRICS_PORT] = str(metrics_port)
-    env.update(extra_env or {})
     workdir = container.get("workingDir")
     cwd = site.workdir if not workdir or not _exists(workdir) else workdir
     return ProcessSpec(tuple(argv), env, cwd)
