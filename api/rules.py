@@ -57,6 +57,18 @@ class Rule:
         return self.message % tuple(self.args(node))
 
 
+def exactly_one_of(node: str, first: str, second: str) -> Rule:
+    """The rule that exactly one of two optional fields of ``node`` is set."""
+    short = node.rsplit(".", 1)[-1]
+    return Rule(
+        node=node,
+        cel=f"has(self.{first}) != has(self.{second})",
+        message=f"exactly one of {short}.{first} and {short}.{second} must be set",
+        cel_args=(),
+        holds=lambda n: (first in n) != (second in n),
+    )
+
+
 def _fixed_batch_divides(spec: Node) -> bool:
     training, replicas, nproc = spec["training"], spec["nodes"]["replicas"], spec["nprocPerNode"]
     micro = training["microBatchSize"]
@@ -119,20 +131,8 @@ RULES: tuple[Rule, ...] = (
         ),
         field_path=".training.globalBatchSize",
     ),
-    Rule(
-        node="spec.training",
-        cel="has(self.maxSteps) != has(self.maxSamples)",
-        message="exactly one of training.maxSteps and training.maxSamples must be set",
-        cel_args=(),
-        holds=lambda t: ("maxSteps" in t) != ("maxSamples" in t),
-    ),
-    Rule(
-        node="spec.checkpoint",
-        cel="has(self.claimName) != has(self.volumeName)",
-        message="exactly one of checkpoint.claimName and checkpoint.volumeName must be set",
-        cel_args=(),
-        holds=lambda c: ("claimName" in c) != ("volumeName" in c),
-    ),
+    exactly_one_of("spec.training", "maxSteps", "maxSamples"),
+    exactly_one_of("spec.checkpoint", "claimName", "volumeName"),
     Rule(
         node="spec",
         cel=(
