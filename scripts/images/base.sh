@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Makes a Python base image from Debian's own packages and prints its name, for builds where no image registry
+# is reachable (this project's CI): debootstrap a minimal Debian into a folder, then commit it with buildah.
+# Its python3 is CPython 3.11 (bookworm), like python:3.11-slim, the Dockerfile's default base.
+#
+# The image name carries a hash of every input (suite, mirror, packages, this script), so a second run finds it
+# in buildah's local storage and returns at once; changing an input makes a new image.
+set -euo pipefail
+
+SUITE="${DEBIAN_SUITE:-bookworm}"
+# python3-venv: the Dockerfile installs into a venv (it brings pip's wheel); ca-certificates: pip reaches PyPI.
+PACKAGES="python3-venv,ca-certificates"
+
+# The mirror this machine's apt uses (deb822 sources or the one-line format), so no other host is contacted.
+apt_mirror() {
+    local uri
+    uri=$(awk '/^URIs:/ {for (i = 2; i <= NF; i++) if ($i ~ /\/debian\/?$/) {print $i; exit}}' \
+        /etc/apt/sources.list.d/*.sources 2>/dev/null | head -n1)
+    [ -n "$uri" ] || uri=$(awk '$1 == "deb" && $2 !~ /^\[/ && $2 ~ /\/debian\/?$/ {print $2; exit}' \
+        /etc/apt/sources.list 2>/dev/null)
+    echo "${uri:-http://deb.debian.org/debian}"
+}
+MIRROR="${DEBIAN_MIRROR:-$(apt_mirror)}"
+
+key=$(printf '%s\n' "$SUITE" "$MIRROR" "$PACKAGES" "$(sha256sum < "$0")" | sha256sum | cut -c1-12)
+name="localhost/disttrain-base:${SUITE}-${key}"
+if buildah inspect --type image "$name" >/dev/null 2>&1; then
+    echo "$name"
+    exit 0
+fi
+
+command -v debootstrap >/dev/null || { echo "base.sh: debootstrap is not installed (apt-get install debootstrap)" >&2; exit 1; }
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+echo "base.sh: debootstrap $SUITE from $MIRROR (a few minutes)" >&2
+debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$work/rootfs" "$MIRROR" >"$work/debootstrap.log" 2>&1 \
+    || { tail -n 30 "$work/debootstrap.log" >&2; exit 1; }
+# Downloaded packages and package lists: ~95 MB nobody needs at run time (`apt-get update` brings lists back).
+rm -rf "$work"/rootfs/var/cache/apt/archives/*.deb "$work"/rootfs/var/lib/apt/lists/*
+# A tar keeps what a plain copy may not: owners, modes (/tmp's sticky bit), device nodes, hard links.
+tar -C "$work/rootfs" --numeric-owner -cf "$work/rootfs.tar" .
+ctr=$(buildah from scratch)
+buildah add "$ctr" "$work/rootfs.tar" / >/dev/null  # ADD unpacks a local tar archive
+buildah config --env LANG=C.UTF-8 --cmd python3 \
+    --label "org.opencontainers.image.description=Debian $SUITE minbase + $PACKAGES (debootstrap from $MIRROR)" "$ctr"
+buildah commit --quiet --rm "$ctr" "$name" >/dev/null
+echo "$name"
