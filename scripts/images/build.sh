@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# `make images`: builds the Dockerfile's `operator` and `trainer` targets with buildah (no daemon, no registry).
+#   - base: a Debian image made by scripts/images/base.sh (or PYTHON_IMAGE, if it is already in local storage);
+#   - torch: the CPU wheel pinned in constraints-dev.txt, taken by the host's pip (here a local file) and mounted
+#     into the build read-only, so no layer keeps it; every other package comes from PyPI.
+# Prints the build time of each target and the image sizes. IMAGE_TAG (default latest) names the images
+# localhost/disttrain/{operator,trainer}:TAG.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+TAG="${IMAGE_TAG:-latest}"
+PIP="${PIP:-python3 -m pip}"
+command -v buildah >/dev/null || { echo "build.sh: buildah is not installed (apt-get install buildah)" >&2; exit 1; }
+
+base="${PYTHON_IMAGE:-$(scripts/images/base.sh)}"
+
+wheels="$PWD/build/wheels"
+mkdir -p "$wheels"
+$PIP download --quiet --no-deps --constraint constraints-dev.txt --dest "$wheels" torch
+cp constraints-dev.txt "$wheels/constraints.txt"
+
+# Where PyPI is reached through a TLS-inspecting proxy (as here), only the host's CA bundle trusts it: lend that
+# bundle to the RUN steps as a read-only mount over the base's own, so the images keep Debian's.
+ca="${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}"
+ca_mount=()
+[ -f "$ca" ] && ca_mount=(--volume "$(realpath "$ca"):/etc/ssl/certs/ca-certificates.crt:ro")
+
+bud() {  # TARGET [buildah bud options...]
+    local target=$1 start=$SECONDS
+    shift
+    # --layers: a rebuild with nothing changed reuses every step; --pull=never: the base is local, never fetched.
+    buildah bud --quiet --isolation chroot --layers --pull=never --target "$target" \
+        --build-arg PYTHON_IMAGE="$base" -t "localhost/disttrain/$target:$TAG" "${ca_mount[@]}" "$@" . >/dev/null
+    echo "images: $target built in $((SECONDS - start)) s"
+}
+bud operator
+bud trainer --build-arg TORCH_INDEX_URL= \
+    --volume "$wheels:/extra-wheels:ro" \
+    --build-arg PIP_INSTALL_ARGS="--find-links /extra-wheels --constraint /extra-wheels/constraints.txt"
+buildah images --format '{{.Name}}:{{.Tag}} {{.Size}}' | grep -E "^localhost/disttrain/(operator|trainer):$TAG " \
+    | sed 's/^/images: /'
