@@ -2,7 +2,7 @@
 # `make images`: builds the Dockerfile's `operator` and `trainer` targets with buildah (no daemon, no registry).
 #   - base: a Debian image made by scripts/images/base.sh (or PYTHON_IMAGE, if it is already in local storage);
 #   - torch: the CPU wheel pinned in constraints-dev.txt, taken by the host's pip (here a local file) and mounted
-#     into the build read-only, so no layer keeps it; every other package comes from PyPI.
+#     into the build read-only (never a layer of the images); every other package comes from PyPI.
 # Prints the build time of each target and the image sizes. IMAGE_TAG (default latest) names the images
 # localhost/disttrain/{operator,trainer}:TAG.
 set -euo pipefail
@@ -13,6 +13,7 @@ PIP="${PIP:-python3 -m pip}"
 command -v buildah >/dev/null || { echo "build.sh: buildah is not installed (apt-get install buildah)" >&2; exit 1; }
 
 base="${PYTHON_IMAGE:-$(scripts/images/base.sh)}"
+echo "images: base $base"
 
 wheels="$PWD/build/wheels"
 mkdir -p "$wheels"
@@ -34,8 +35,10 @@ bud() {  # TARGET [buildah bud options...]
     echo "images: $target built in $((SECONDS - start)) s"
 }
 bud operator
+# Mounted at /mnt, a folder every Debian image has: a mount point buildah had to create would stay behind, empty,
+# in the layer of every RUN step, the images' included.
 bud trainer --build-arg TORCH_INDEX_URL= \
-    --volume "$wheels:/extra-wheels:ro" \
-    --build-arg PIP_INSTALL_ARGS="--find-links /extra-wheels --constraint /extra-wheels/constraints.txt"
+    --volume "$wheels:/mnt:ro" \
+    --build-arg PIP_INSTALL_ARGS="--find-links /mnt --constraint /mnt/constraints.txt"
 buildah images --format '{{.Name}}:{{.Tag}} {{.Size}}' | grep -E "^localhost/disttrain/(operator|trainer):$TAG " \
     | sed 's/^/images: /'
