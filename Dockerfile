@@ -1,16 +1,17 @@
-# Two images from one source tree:
-#   docker build --target operator -t disttrain/operator .   # kopf operator, no torch
-#   docker build --target trainer  -t disttrain/trainer  .   # torch (CPU wheel by default), trainer, job agent,
-#                                                            # the torchrun rendezvous handler "disttrain", examples/
+# Two images from one source tree (the names the example job manifests use):
+#   docker build --target operator -t disttrain-operator .   # kopf operator, no torch
+#   docker build --target trainer  -t disttrain-trainer  .   # torch (CPU wheel by default), trainer, job agent, the
+#                                                            # torchrun rendezvous handler "disttrain", examples/
 # Both install the same wheel; the extras decide what comes with it. The trainer image is what worker pods and
 # the job agent pod run: it must carry the `torchrun.handlers` entry point, which installing the wheel does.
 # Your own training code goes in an image built FROM the trainer image: see examples/custom-image/.
+# Both run as user 65532. Without docker or a registry: `make images` (buildah, a Debian base; scripts/images/).
 #
 # Build arguments (the defaults are what users want; `make images` overrides them to build without a registry):
 #   PYTHON_IMAGE      a Debian-based image whose `python3` is CPython 3.10+ with the venv module
 #   TORCH_INDEX_URL   extra pip index for torch; empty for PyPI only. CUDA: https://download.pytorch.org/whl/cu126
 #   PIP_INSTALL_ARGS  more `pip install` options and requirements for the trainer, e.g. a local wheel directory
-#                     mounted into the build: "--find-links /extra-wheels torch==2.13.0". It is recorded in the
+#                     mounted into the build: "--find-links /mnt torch==2.13.0". It is recorded in the
 #                     image's history: never put a credential in a build argument.
 
 ARG PYTHON_IMAGE=python:3.11-slim

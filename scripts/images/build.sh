@@ -4,7 +4,7 @@
 #   - torch: the CPU wheel pinned in constraints-dev.txt, taken by the host's pip (here a local file) and mounted
 #     into the build read-only (never a layer of the images); every other package comes from PyPI.
 # Prints the build time of each target and the image sizes. IMAGE_TAG (default latest) names the images
-# localhost/disttrain/{operator,trainer}:TAG.
+# localhost/disttrain-{operator,trainer}:TAG.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -31,7 +31,7 @@ bud() {  # TARGET [buildah bud options...]
     shift
     # --layers: a rebuild with nothing changed reuses every step; --pull=never: the base is local, never fetched.
     buildah bud --quiet --isolation chroot --layers --pull=never --target "$target" \
-        --build-arg PYTHON_IMAGE="$base" -t "localhost/disttrain/$target:$TAG" "${ca_mount[@]}" "$@" . >/dev/null
+        --build-arg PYTHON_IMAGE="$base" -t "localhost/disttrain-$target:$TAG" "${ca_mount[@]}" "$@" . >/dev/null
     echo "images: $target built in $((SECONDS - start)) s"
 }
 bud operator
@@ -40,5 +40,5 @@ bud operator
 bud trainer --build-arg TORCH_INDEX_URL= \
     --volume "$wheels:/mnt:ro" \
     --build-arg PIP_INSTALL_ARGS="--find-links /mnt --constraint /mnt/constraints.txt"
-buildah images --format '{{.Name}}:{{.Tag}} {{.Size}}' | grep -E "^localhost/disttrain/(operator|trainer):$TAG " \
+buildah images --format '{{.Name}}:{{.Tag}} {{.Size}}' | grep -E "^localhost/disttrain-(operator|trainer):$TAG " \
     | sed 's/^/images: /'

@@ -54,5 +54,5 @@ def images(pytestconfig: pytest.Config) -> Images:
         for line in [*lines, f"images: build.sh took {time.monotonic() - start:.0f} s"]:
             reporter.write_line(line)
     base = next(line.split()[-1] for line in lines if line.startswith("images: base "))
-    return Images(base=base, operator=f"localhost/disttrain/operator:{TAG}",
-                  trainer=f"localhost/disttrain/trainer:{TAG}")
+    return Images(base=base, operator=f"localhost/disttrain-operator:{TAG}",
+                  trainer=f"localhost/disttrain-trainer:{TAG}")
