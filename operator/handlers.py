@@ -176,7 +176,7 @@ async def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, n
     actions = reconcile(job, observed, now)
     await apply(kube, job, actions, now)
     metrics.reconcile_duration.observe(time.perf_counter() - started)
-    metrics.observe_job(namespace, name, actions.status, now)
+    metrics.observe_job(namespace, name, actions.status, now, max_restarts=job.spec.restart_policy.max_restarts)
     return actions
 
 

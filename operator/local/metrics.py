@@ -9,7 +9,7 @@ the e2e tests read: the step and the plan's global batch and LR scale. The worke
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 import prometheus_client as prom
 
@@ -46,8 +46,8 @@ class LocalMetrics:
     def observe_error(self, kind: str) -> None:
         self.operator.errors.labels(kind).inc()
 
-    def observe(self, status: Mapping[str, Any], now: float) -> None:
-        self.operator.observe_job(self.namespace, self.job, status, now)
+    def observe(self, status: Mapping[str, Any], now: float, max_restarts: Optional[int] = None) -> None:
+        self.operator.observe_job(self.namespace, self.job, status, now, max_restarts=max_restarts)
         labels = (self.namespace, self.job)
         self.step.labels(*labels).set(status.get("step", 0))
         plan = status.get("plan") or {}

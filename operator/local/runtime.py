@@ -265,7 +265,8 @@ class LocalRuntime:
         except Exception as exc:  # noqa: BLE001 - count, report, keep the loop alive like an operator
             self.metrics.observe_error(type(exc).__name__)
             self.record_event("Warning", "LocalError", f"applying actions failed: {exc!r}")
-        self.metrics.observe(self.obj["status"], now)
+        self.metrics.observe(self.obj["status"], now,
+                             max_restarts=self.obj["spec"].get("restartPolicy", {}).get("maxRestarts"))
         self.write_state()
         if self.on_tick:
             self.on_tick(self.snapshot(now))
