@@ -113,6 +113,17 @@ def _trainer_index(containers: list[dict[str, Any]]) -> int:
     raise ValueError("spec.template.spec.containers needs a container named 'trainer' (or exactly one container)")
 
 
+def metrics_ports(nproc_per_node: int) -> list[dict[str, Any]]:
+    """One named container port per local rank's exporter (``DISTTRAIN_METRICS_PORT + LOCAL_RANK``): ``metrics``
+    for rank 0, ``metrics-<rank>`` for the others, so a PodMonitor can keep exactly these by name."""
+    return [{"name": "metrics" if rank == 0 else f"metrics-{rank}", "containerPort": METRICS_PORT + rank,
+             "protocol": "TCP"} for rank in range(nproc_per_node)]
+
+
+def _is_metrics_port_name(name: str) -> bool:
+    return name == "metrics" or (name.startswith("metrics-") and name[len("metrics-"):].isdigit())
+
+
 def build_worker_pod(job: DistTrainJob, node_index: int, *, endpoint: Optional[str] = None,
                      checkpoint_directory: Optional[str] = None) -> dict[str, Any]:
     """Worker pod ``<job>-worker-<index>``: the user's template plus our launcher, env, labels and volume.
@@ -134,8 +145,8 @@ def build_worker_pod(job: DistTrainJob, node_index: int, *, endpoint: Optional[s
     trainer.pop("args", None)
     user_env = [e for e in trainer.get("env") or [] if not e.get("name", "").startswith(constants.RESERVED_ENV_PREFIXES)]
     trainer["env"] = [*user_env, *worker_env(job, name, endpoint=endpoint, checkpoint_directory=checkpoint_directory)]
-    ports = [p for p in trainer.get("ports") or [] if p.get("name") != "metrics"]
-    trainer["ports"] = [*ports, {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}]
+    ports = [p for p in trainer.get("ports") or [] if not _is_metrics_port_name(p.get("name", ""))]
+    trainer["ports"] = [*ports, *metrics_ports(job.spec.nproc_per_node)]
     _mount_checkpoints(job, pod_spec, trainer)
     pod_spec["restartPolicy"] = "Never"  # a failed node is the operator's to replace, never the kubelet's
     pod_spec["hostname"] = name
