@@ -3,9 +3,10 @@
 Per-job values are derived from the job's status after each reconcile, so they are exactly what ``kubectl get
 dtj -o yaml`` shows. Restarts and reforms are real counters advanced by the difference between the previous
 and the new status value (the first sight of a job only creates the series), so a restarted operator starts
-them from 0, as Prometheus' rate() expects. Every restart and reform reason's series exists (at 0) from the job's
-first sight: Prometheus' increase() only sees a counter's 0 -> 1 when the 0 was scraped, so a series created at 1
-would hide the job's first restart of that cause from every dashboard panel built on increase().
+them from 0, as Prometheus' rate() expects. Every restart and reform reason's counter and the reform-duration
+histogram exist (at 0) from the job's first sight: Prometheus' increase() only sees a counter's 0 -> 1 when the 0
+was scraped, so a series created at 1 would hide the job's first restart, reform or reform duration of that kind
+from every dashboard panel built on increase().
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class OperatorMetrics:
         now = time.time() if now is None else now
         labels = (namespace, name)
         if labels not in self._seen:
-            self._create_reason_series(labels)
+            self._create_series_at_zero(labels)
         if max_restarts is not None:
             self.max_restarts.labels(*labels).set(max_restarts)
         self.restarts_counted.labels(*labels).set((status.get("restarts") or {}).get("total", 0))
@@ -107,8 +108,10 @@ class OperatorMetrics:
         self._seen[labels] = {"restarts": status.get("restarts"), "reforms": status.get("reforms", 0),
                               "lastReform": reform}
 
-    def _create_reason_series(self, labels: tuple[str, str]) -> None:
-        """Every reason's counter at 0, so that increase() sees the first restart or reform of each cause."""
+    def _create_series_at_zero(self, labels: tuple[str, str]) -> None:
+        """Every reason's counter and the reform-duration histogram at 0, so that increase() sees the first
+        restart, reform and reform duration of each kind."""
+        self.reform_duration.labels(*labels)
         for reason in RESTART_REASONS:
             self.restarts.labels(*labels, reason)
         for reason in REFORM_REASONS:

@@ -28,6 +28,7 @@ def test_every_reason_series_exists_at_zero_from_the_first_sight():
         assert _value(registry, "disttrain_job_restarts_total", reason=reason) == 0, reason
     for reason in REFORM_REASONS:
         assert _value(registry, "disttrain_job_reforms_total", reason=reason) == 0, reason
+    assert _value(registry, "disttrain_job_reform_duration_seconds_count") == 0
     metrics.observe_job("team-a", "demo", {"phase": "Reforming", "restarts": {"total": 1, "byReason": {
         "NodeNotReady": 1}}, "reforms": 1, "lastReform": {"reason": "NodeNotReady", "start": "x"}}, now=101)
     assert _value(registry, "disttrain_job_restarts_total", reason="NodeNotReady") == 1
