@@ -55,3 +55,15 @@ def test_a_forgotten_job_leaves_no_series():
     leftovers = [sample for family in registry.collect() for sample in family.samples
                  if sample.labels.get("job") == "demo"]
     assert leftovers == []
+
+
+def test_every_operator_metric_is_documented():
+    """README's Metrics table and docs/operator.md name every series the operator exports."""
+    from tests.conftest import REPO_ROOT
+
+    registry = CollectorRegistry()
+    OperatorMetrics(registry)
+    names = {family.name + ("_total" if family.type == "counter" else "") for family in registry.collect()}
+    for doc in ("README.md", "docs/operator.md"):
+        text = (REPO_ROOT / doc).read_text()
+        assert not [name for name in names if f"`{name}`" not in text], doc
