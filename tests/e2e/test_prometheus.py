@@ -41,13 +41,15 @@ class Observed:
     statuses: list[dict[str, Any]]
     end: float
 
+    def ticks_around(self, at: float) -> range:
+        """The ticks whose metrics a scrape stamped ``at`` may have read: from the one before the last tick that
+        started before ``at`` (gauges are set at the end of a tick) to those that started up to 1 s after it (the
+        exporter answers a moment after Prometheus stamps the scrape, later on a busy machine)."""
+        first = max(0, bisect.bisect_right(self.ticks, at) - 2)
+        return range(first, max(first + 1, bisect.bisect_right(self.ticks, at + 1.0)))
+
     def statuses_around(self, at: float) -> list[dict[str, Any]]:
-        """The statuses a scrape at ``at`` may have seen: the tick before it, its neighbours, and any within 0.5 s
-        (gauges are set at the end of a tick, and the scrape is answered a moment after Prometheus stamps it)."""
-        j = bisect.bisect_right(self.ticks, at) - 1
-        near = {i for i in (j - 1, j, j + 1) if 0 <= i < len(self.ticks)}
-        near |= {i for i, t in enumerate(self.ticks) if abs(t - at) <= 0.5}
-        return [self.statuses[i] for i in sorted(near)]
+        return [self.statuses[i] for i in self.ticks_around(at)]
 
     def samples(self, metric: str) -> dict[frozenset, list[tuple[float, float]]]:
         return self.prometheus.samples(metric + SELECTOR, at=self.end)
@@ -92,7 +94,7 @@ def observed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prometheus")
     with Prometheus(tmp / "prometheus", {"operator": True, "workers": False}) as prometheus:
         choreography = Choreography(prometheus)
-        builder = e2e_job(JOB, tmp / "records", replicas=3, max_steps=44, dataset=528, step_sleep=0.1)
+        builder = e2e_job(JOB, tmp / "records", replicas=3, max_steps=48, dataset=576, step_sleep=0.2)
         # The group waits for the replacement (up to 60 s) instead of re-forming without it: one reform per event,
         # whatever the machine's load.
         builder.set("spec.elastic", {"scaleDebounceSeconds": 0, "replacementWaitSeconds": 60,
@@ -141,8 +143,7 @@ def test_reforms_by_reason_are_the_status_and_event_counts(observed):
     for labels, points in series.items():
         reason = dict(labels)["reason"]
         for at, value in points:
-            upto = bisect.bisect_right(observed.ticks, at)
-            seen = {_reforms_by_reason(observed.statuses[:i + 1])[reason] for i in range(max(0, upto - 3), upto + 2)}
+            seen = {_reforms_by_reason(observed.statuses[:i + 1])[reason] for i in observed.ticks_around(at)}
             assert value in seen, (reason, at, value, seen)
     last = {dict(labels)["reason"]: points[-1][1] for labels, points in series.items()}
     reformed_events = collections.Counter(re.search(r"after (\w+)", e["message"]).group(1)
@@ -181,8 +182,7 @@ def test_checkpoint_step_and_age_are_the_status_checkpoint(observed):
         step = int(steps[at])
         assert step in committed, (at, step, sorted(committed))
         # The gauge is (time of the tick that set it) - (commit time): one of the ticks around the scrape.
-        j = bisect.bisect_right(observed.ticks, at) - 1
-        expected = [observed.ticks[i] - committed[step] for i in (j - 1, j, j + 1) if 0 <= i < len(observed.ticks)]
+        expected = [observed.ticks[i] - committed[step] for i in observed.ticks_around(at)]
         assert any(abs(age - e) < 1e-3 for e in expected), (at, age, step, expected)
         checked.add(step)
     assert len(ages) >= 10 and len(checked) >= 3, (len(ages), checked)
@@ -223,9 +223,11 @@ def test_samples_per_second_are_what_rank_0_logged(observed):
             if step in redone or step not in logged[pod]:
                 continue  # not rank 0 at this step, or no step yet
             shown = f"{rate:.0f}"
-            assert shown in logged[pod][step] | logged[pod].get(step - 1, set()), (pod, step, shown, logged[pod][step])
+            # A scrape can fall between the step gauge's update and the rate's: the neighbouring step's rate.
+            near = set().union(*(logged[pod].get(s, set()) for s in (step - 1, step, step + 1)))
+            assert shown in near, (pod, step, shown, logged[pod][step])
             matched += 1
-    assert matched >= 3, f"only {matched} scrapes of rank 0's rate"
+    assert matched >= 5, f"only {matched} scrapes of rank 0's rate"
 
 
 @pytest.mark.timeout(300)
