@@ -13,6 +13,7 @@ COPY pyproject.toml README.md ./
 COPY api ./api
 COPY operator ./operator
 COPY trainer ./trainer
+COPY src ./src
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE} AS operator

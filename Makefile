@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 HELM := $(BIN)/helm
 CRD := crds/disttrain.dev_disttrainjobs.yaml
 
-.PHONY: demo test test-fast crd clean
+.PHONY: demo test test-fast lint crd clean
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,14 @@ demo: $(STAMP)
 	$(BIN)/disttrain validate examples/jobs/*.yaml
 	$(BIN)/disttrain local run examples/jobs/demo.yaml --chaos "kill-node@30s,add-node@50s"
 
-test: $(STAMP) $(HELM)
+# Static checks, configured in pyproject.toml: ruff lint, mypy (strict on api/ and the reconcile core), ruff format.
+LINTED := api operator trainer src
+lint: $(STAMP)
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/mypy
+	$(BIN)/ruff format --check $(LINTED)
+
+test: lint $(HELM)
 	$(BIN)/python -m pytest
 
 test-fast: $(STAMP) $(HELM)

@@ -7,7 +7,15 @@ torch, kopf or kubernetes (a test checks ``sys.modules``).
 from disttrain.api.constants import API_VERSION, GROUP, KIND, PLURAL, SHORT_NAME, VERSION
 from disttrain.api.exitcodes import ExitCode
 from disttrain.api.manifest import CheckpointManifest, DatasetFingerprint, FileDigest
-from disttrain.api.plan import InvalidWorldSizeError, Plan, lr_factor, plan, ramped_lr_scale, valid_node_counts, valid_world_sizes
+from disttrain.api.plan import (
+    InvalidWorldSizeError,
+    Plan,
+    lr_factor,
+    plan,
+    ramped_lr_scale,
+    valid_node_counts,
+    valid_world_sizes,
+)
 from disttrain.api.spec import (
     BatchPolicy,
     CheckpointSpec,

@@ -1,15 +1,23 @@
 """Conditions and event reasons of a DistTrainJob: one module owns them (as Kubeflow's ``util/status.go`` does).
 
 ``set_condition`` is idempotent and keeps ``lastTransitionTime`` while a condition's status holds, so the
-operator can call it on every reconcile and patch status only when something really changed. Reasons are
+operator can call it on every reconcile and patch status only when something really changed. The functions work
+on the :class:`~disttrain.api.status.Condition` models of a typed status, never on wire dicts. Reasons are
 constants here so that the operator, the docs and the tests never disagree on a spelling.
 """
 
 from __future__ import annotations
 
-import datetime
 import enum
-from typing import Any, Optional
+from collections.abc import Sequence
+from typing import Optional
+
+from disttrain.api import timestamps
+from disttrain.api.status import Condition
+
+# Condition times are RFC 3339 like every time disttrain writes; :mod:`disttrain.api.timestamps` is their home.
+format_time = timestamps.format_time
+parse_time = timestamps.parse_time
 
 
 class ConditionType(str, enum.Enum):
@@ -69,62 +77,43 @@ class Reason(str, enum.Enum):
     INVALID_SPEC = "InvalidSpec"
 
 
-def format_time(unix: float) -> str:
-    """RFC 3339 UTC with millisecond precision.
-
-    Milliseconds, not Kubernetes' usual seconds, because the reform protocol compares a directive's issue time
-    with the time of the first progress report after it, and a reform can finish within a second.
-    """
-    moment = datetime.datetime.fromtimestamp(round(unix, 3), tz=datetime.timezone.utc)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
-
-
-def parse_time(value: Optional[str]) -> Optional[float]:
-    """Unix time of an RFC 3339 string (``Z`` or an offset, fractional seconds allowed); None stays None."""
-    if not value:
-        return None
-    text = value.replace("Z", "+00:00")
-    parsed = datetime.datetime.fromisoformat(text)
-    if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=datetime.timezone.utc)
-    return parsed.timestamp()
-
-
-def find_condition(conditions: list[dict[str, Any]], type_: str) -> Optional[dict[str, Any]]:
-    """The condition of ``type_`` in a wire-form list, if any."""
+def find_condition(conditions: Sequence[Condition], type_: ConditionType) -> Optional[Condition]:
+    """The condition of ``type_``, if any."""
     for condition in conditions:
-        if condition.get("type") == type_:
+        if condition.type == type_.value:
             return condition
     return None
 
 
-def is_true(conditions: list[dict[str, Any]], type_: str) -> bool:
+def is_true(conditions: Sequence[Condition], type_: ConditionType) -> bool:
+    """Whether the condition of ``type_`` exists with status True."""
     condition = find_condition(conditions, type_)
-    return condition is not None and condition.get("status") == "True"
+    return condition is not None and condition.status == "True"
 
 
 def set_condition(
-    conditions: list[dict[str, Any]],
-    type_: str,
+    conditions: list[Condition],
+    type_: ConditionType,
     status: bool,
-    reason: str,
+    reason: Reason,
     message: str,
     now: float,
-) -> tuple[list[dict[str, Any]], bool]:
+) -> tuple[list[Condition], bool]:
     """Return (new list, whether the status flipped) with ``type_`` set; the input list is not modified.
 
     ``lastTransitionTime`` changes only when ``status`` flips; reason and message follow the latest call. A
-    condition that is absent and set to False is recorded too (so ``kubectl get -o yaml`` shows it).
+    condition that is absent and set to False is recorded too (so ``kubectl get -o yaml`` shows it). When nothing
+    changes, the input list itself is returned.
     """
     wanted = "True" if status else "False"
     existing = find_condition(conditions, type_)
-    if existing is not None and existing.get("status") == wanted:
-        if existing.get("reason") == reason and existing.get("message") == message:
+    if existing is not None and existing.status == wanted:
+        if existing.reason == reason.value and existing.message == message:
             return conditions, False
-        updated = dict(existing, reason=reason, message=message)
+        updated = existing.model_copy(update={"reason": reason.value, "message": message})
         return [updated if c is existing else c for c in conditions], False
-    fresh = {"type": type_, "status": wanted, "reason": reason, "message": message,
-             "lastTransitionTime": format_time(now)}
+    fresh = Condition(type=type_.value, status=wanted, reason=reason.value, message=message,
+                      last_transition_time=timestamps.format_time(now))
     if existing is None:
         return [*conditions, fresh], True
     return [fresh if c is existing else c for c in conditions], True

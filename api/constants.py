@@ -30,3 +30,18 @@ RESERVED_ENV_PREFIXES: Final = ("DISTTRAIN_", "TORCHELASTIC_")
 MAX_JOB_NAME_LENGTH: Final = 45
 DNS_1035_LABEL: Final = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 """Job names: they name Services, which must be DNS-1035 labels."""
+
+# Name of the container in the job agent pod (the only one).
+AGENT_CONTAINER: Final = "agent"
+
+# torchrun's rendezvous backend in worker pods: the c10d handler that completes a round as soon as the operator's
+# target node count joined and never closes the rendezvous when one node leaves. The trainer package registers it
+# under this name through torch's `torchrun.handlers` entry-point group (pyproject.toml), and the handler reports
+# it back to torchrun, which checks that it got the backend it asked for.
+RDZV_BACKEND: Final = "disttrain"
+
+# Local mode's state directory, shared by the local runtime and the job agent (`--state-dir`): the runtime writes
+# the job to LOCAL_JOB_FILE; the agent follows it and writes the status fields it owns to LOCAL_AGENT_STATUS_FILE.
+# One writer per file, so neither loses the other's updates.
+LOCAL_JOB_FILE: Final = "job.json"
+LOCAL_AGENT_STATUS_FILE: Final = "agent-status.json"

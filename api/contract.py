@@ -25,7 +25,7 @@ class WorkerContract(BaseModel):
     max_nodes: int = Field(1, ge=1)
 
     @classmethod
-    def from_spec(cls, spec: DistTrainJobSpec) -> "WorkerContract":
+    def from_spec(cls, spec: DistTrainJobSpec) -> WorkerContract:
         return cls(
             training=spec.training,
             checkpoint=spec.checkpoint,
@@ -39,8 +39,17 @@ class WorkerContract(BaseModel):
         return self.model_dump_json(by_alias=True, exclude_none=True)
 
     @classmethod
-    def from_env_value(cls, value: str) -> "WorkerContract":
+    def from_env_value(cls, value: str) -> WorkerContract:
         return cls.model_validate_json(value)
+
+
+def job_checkpoint_dir(root: str, namespace: str, name: str) -> str:
+    """Directory of one job's checkpoints: ``<spec.checkpoint.path>/<namespace>/<job name>``.
+
+    The operator sets it as ``$DISTTRAIN_CHECKPOINT_DIR``, the job agent names ``status.lastCheckpoint.path`` under
+    it, and a trainer started without the variable falls back to it, so all three must agree.
+    """
+    return f"{root.rstrip('/')}/{namespace}/{name}"
 
 
 def training_config_hash(training: TrainingSpec) -> str:

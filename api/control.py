@@ -7,9 +7,13 @@ The operator never touches the store: it writes ``status.control`` and the agent
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+import enum
+import logging
+from typing import Optional, Protocol, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict
+
+log = logging.getLogger("disttrain.control")
 
 PREFIX = "disttrain/"
 # ControlSignal JSON, written by the agent whenever the operator's directive generation changes.
@@ -26,10 +30,21 @@ CHECKPOINT_KEY = PREFIX + "checkpoint"
 FAILURE_KEY = PREFIX + "failure"
 
 
+class DirectiveAction(str, enum.Enum):
+    """What the operator asks of the workers (``status.control.action``, relayed as :class:`ControlSignal`)."""
+
+    NONE = "none"
+    """Keep training."""
+    DRAIN = "drain"
+    """Checkpoint at the next step boundary, then exit (``ExitCode.DRAINED``): a planned reform loses no step."""
+    REFORM = "reform"
+    """Exit at once (``ExitCode.REFORM``), even inside a stuck collective; resume from the last checkpoint."""
+
+
 class ControlSignal(BaseModel):
     model_config = ConfigDict(extra="forbid")
     generation: int
-    action: Literal["none", "drain", "reform"]
+    action: DirectiveAction
     reason: str = ""
 
 
@@ -66,3 +81,33 @@ class ProgressReport(BaseModel):
     rendezvous round, so a new id means a new group even when run id, restart count and world size repeat."""
     time: float
     """Unix time of the report."""
+
+
+class StoreReader(Protocol):
+    """The part of a ``torch.distributed.Store`` that :func:`read_model` uses (the api never imports torch)."""
+
+    def check(self, keys: list[str], /) -> bool: ...
+
+    def get(self, key: str, /) -> Union[bytes, str]: ...
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def read_model(store: StoreReader, key: str, model: type[Model]) -> Optional[Model]:
+    """The ``model`` stored under ``key``; None when the key is absent or empty, or its value does not parse.
+
+    ``check`` comes first because ``get`` blocks until the key exists. A value that does not parse is logged and
+    skipped, never raised: a half-upgraded peer or a torn write must not stop the reader (the agent, the
+    rendezvous handler, the watchdog), which simply tries again on its next round.
+    """
+    if not store.check([key]):
+        return None
+    raw = store.get(key)
+    if not raw:
+        return None
+    try:
+        return model.model_validate_json(raw)
+    except ValueError:
+        log.warning("ignoring an unparsable %s under %s: %r", model.__name__, key, raw[:200])
+        return None

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
-from disttrain.api.spec import BatchPolicy, LRSchedule, LRScaling, LRSpec, TrainingSpec
+from disttrain.api.spec import BatchPolicy, LRScaling, LRSchedule, LRSpec, TrainingSpec
 
 if TYPE_CHECKING:
     from disttrain.api.spec import DistTrainJobSpec

@@ -3,18 +3,18 @@
 Each :class:`Rule` sits on a schema node (``spec.nodes`` ...) and carries its CEL expression, the Python
 predicate that mirrors it on the same camelCase data (defaults applied, as the API server sees it), and one
 message template rendered both as a CEL ``messageExpression`` and as a Python string. CEL rules only see
-their own subtree (shared/notes/crd-cel.md), so each rule sits on the lowest node that sees all its fields,
+their own subtree, so each rule sits on the lowest node that sees all its fields,
 and divisors are guarded because CEL still runs when a ``minimum`` fails.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
 import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from disttrain.api import constants
+from disttrain.api import constants, containers
 
 Node = dict[str, Any]
 
@@ -57,17 +57,24 @@ class Rule:
         return self.message % tuple(self.args(node))
 
 
+def exactly_one_of(node: str, first: str, second: str) -> Rule:
+    """The rule that exactly one of two optional fields of ``node`` is set."""
+    short = node.rsplit(".", 1)[-1]
+    return Rule(
+        node=node,
+        cel=f"has(self.{first}) != has(self.{second})",
+        message=f"exactly one of {short}.{first} and {short}.{second} must be set",
+        cel_args=(),
+        holds=lambda n: (first in n) != (second in n),
+    )
+
+
 def _fixed_batch_divides(spec: Node) -> bool:
     training, replicas, nproc = spec["training"], spec["nodes"]["replicas"], spec["nprocPerNode"]
     micro = training["microBatchSize"]
     if training["batchPolicy"] != "fixed" or replicas < 1 or nproc < 1 or micro < 1:
         return True
-    return training["globalBatchSize"] % (micro * replicas * nproc) == 0
-
-
-def _trainer_container_present(template: Node) -> bool:
-    containers = template.get("spec", {}).get("containers", [])
-    return any(c.get("name") == constants.TRAINER_CONTAINER for c in containers) or len(containers) == 1
+    return bool(training["globalBatchSize"] % (micro * replicas * nproc) == 0)
 
 
 def _checkpoint_volume_declared(spec: Node) -> bool:
@@ -124,20 +131,8 @@ RULES: tuple[Rule, ...] = (
         ),
         field_path=".training.globalBatchSize",
     ),
-    Rule(
-        node="spec.training",
-        cel="has(self.maxSteps) != has(self.maxSamples)",
-        message="exactly one of training.maxSteps and training.maxSamples must be set",
-        cel_args=(),
-        holds=lambda t: ("maxSteps" in t) != ("maxSamples" in t),
-    ),
-    Rule(
-        node="spec.checkpoint",
-        cel="has(self.claimName) != has(self.volumeName)",
-        message="exactly one of checkpoint.claimName and checkpoint.volumeName must be set",
-        cel_args=(),
-        holds=lambda c: ("claimName" in c) != ("volumeName" in c),
-    ),
+    exactly_one_of("spec.training", "maxSteps", "maxSamples"),
+    exactly_one_of("spec.checkpoint", "claimName", "volumeName"),
     Rule(
         node="spec",
         cel=(
@@ -158,7 +153,7 @@ RULES: tuple[Rule, ...] = (
         ),
         message="template.spec.containers needs a container named 'trainer' (or exactly one container)",
         cel_args=(),
-        holds=_trainer_container_present,
+        holds=lambda t: containers.find_trainer_index(t.get("spec", {}).get("containers", [])) is not None,
         field_path=".spec",
     ),
     Rule(

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from disttrain.api import constants
+from disttrain.api import constants, containers
 from disttrain.api.exitcodes import DEFAULT_PERMANENT_EXIT_CODES
 
 
@@ -234,13 +234,8 @@ class DistTrainJobSpec(ContractModel):
 
     def trainer_container(self) -> dict[str, Any]:
         """The container that runs the trainer: the one named `trainer`, else the only one."""
-        containers = self.template.get("spec", {}).get("containers", [])
-        for container in containers:
-            if container.get("name") == constants.TRAINER_CONTAINER:
-                return container
-        if len(containers) == 1:
-            return containers[0]
-        raise ValueError("spec.template.spec.containers needs a container named 'trainer' (or exactly one container)")
+        pod_containers: list[dict[str, Any]] = self.template.get("spec", {}).get("containers", [])
+        return pod_containers[containers.trainer_index(pod_containers)]
 
 
 class ObjectMeta(BaseModel):

@@ -9,11 +9,16 @@ level-triggered: a restarted operator reads back everything it decided.
 from __future__ import annotations
 
 import enum
-from typing import Optional
+from typing import Final, Optional
 
 from pydantic import Field
 
+from disttrain.api.control import DirectiveAction
 from disttrain.api.spec import ContractModel
+
+AGENT_FIELDS: Final = ("step", "samplesConsumed", "worldSize", "plan", "rendezvousRound", "roundStartTime",
+                        "lastProgressTime", "lastCheckpoint", "workerFailure")
+"""Wire names of the status fields the job agent owns; it writes no other, and the operator never writes these."""
 
 
 class Phase(str, enum.Enum):
@@ -93,7 +98,7 @@ class ControlDirective(ContractModel):
 
     generation: int = 0
     """Increases with every new directive; workers act on each generation once."""
-    action: str = Field("none", pattern=r"^(none|drain|reform)$")
+    action: DirectiveAction = DirectiveAction.NONE
     """none, drain (checkpoint at the next step boundary, then exit) or reform (exit at once)."""
     reason: str = ""
     """Why, e.g. ScaleDown, ScaleUp, NodeLost."""
@@ -107,6 +112,11 @@ class ControlDirective(ContractModel):
     directive) never completes it."""
     exclude: list[str] = Field(default_factory=list)
     """Worker pods that must not join the next rendezvous round (scale-down victims being drained)."""
+
+    @property
+    def in_flight(self) -> bool:
+        """A drain or reform was issued and the group has not re-formed yet."""
+        return self.action is not DirectiveAction.NONE
 
 
 class WorkerFailureStatus(ContractModel):

@@ -1,7 +1,7 @@
 """Shared by the local-mode benchmarks: a lean job for the e2e recorder program and an in-process runner.
 
 The runner drives the real local runtime (reconcile, job agent, torchrun, trainer) and lets the benchmark act
-between ticks. Records of every step (time, step, group, load time) come from ``tests/e2e/workers/recorder.py``.
+between ticks. Records of every step (time, step, group, load time) come from ``tests/workers/recorder.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from disttrain.api.spec import DistTrainJob  # noqa: E402
-from disttrain.operator import pods  # noqa: E402
+from disttrain.api import constants  # noqa: E402
 from disttrain.operator.local.chaos import parse_chaos  # noqa: E402
 from disttrain.operator.local.runtime import LocalRuntime, Snapshot  # noqa: E402
 from disttrain.operator.local.statedir import StateDir  # noqa: E402
@@ -28,7 +28,7 @@ def use_registered_backend() -> str:
     """The rendezvous backend the nodes will use (the runtime falls back to c10d without our handler)."""
     from disttrain.operator.local.runtime import rendezvous_fallback
 
-    return rendezvous_fallback() or pods.RDZV_BACKEND
+    return rendezvous_fallback() or constants.RDZV_BACKEND
 
 
 def recorder_job(name: str, out: pathlib.Path, *, replicas: int, max_steps: int, step_sleep: float = 0.0,
@@ -41,7 +41,7 @@ def recorder_job(name: str, out: pathlib.Path, *, replicas: int, max_steps: int,
         "spec": {
             "nodes": {"min": 1, "max": 4, "replicas": replicas}, "nprocPerNode": 1,
             "template": {"spec": {"containers": [{"name": "trainer", "image": "local", "env": env,
-                                                  "command": ["python", "-u", "tests/e2e/workers/recorder.py"]}]}},
+                                                  "command": ["python", "-u", "tests/workers/recorder.py"]}]}},
             "rendezvous": {"joinTimeoutSeconds": 120, "lastCallTimeoutSeconds": 30, "keepAliveIntervalSeconds": 1,
                            "keepAliveMaxAttempts": 3},
             "training": {"globalBatchSize": global_batch, "microBatchSize": 1, "lr": {"base": 0.05},

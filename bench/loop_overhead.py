@@ -58,7 +58,7 @@ def worker(args) -> None:
                      "maxSteps": args.steps + 1, "seed": 0},
         "checkpoint": {"path": tmp, "intervalSteps": 1_000_000, "keep": 1}})
     os.environ["DISTTRAIN_CHECKPOINT_DIR"] = tmp
-    trainer = ElasticTrainer(ours_model, ours_opt, torch.utils.data.TensorDataset(x, y), log_every=1_000_000)
+    trainer = ElasticTrainer.from_env(ours_model, ours_opt, torch.utils.data.TensorDataset(x, y), log_every=1_000_000)
     steps = trainer.steps()
 
     plain_s, ours_s = [], []

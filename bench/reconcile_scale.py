@@ -14,7 +14,7 @@ import resource
 import statistics
 import time
 
-from disttrain.api import conditions as cond
+from disttrain.api import timestamps
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator.observed import NodeView, Observed, PodView
 from disttrain.operator.reconcile import reconcile
@@ -67,8 +67,8 @@ def main() -> None:
         for i, (m, seen) in enumerate(jobs):
             if rnd == 2:  # every job reports a running group
                 m["status"] = dict(m.get("status") or {}, worldSize=args.pods_per_job, step=10,
-                                   lastProgressTime=cond.format_time(now - 0.5),
-                                   lastCheckpoint={"step": 10, "time": cond.format_time(now - 0.5)})
+                                   lastProgressTime=timestamps.format_time(now - 0.5),
+                                   lastCheckpoint={"step": 10, "time": timestamps.format_time(now - 0.5)})
             if rnd >= 3 and i % 10 == rnd:
                 lost = seen.workers[0]
                 seen = dataclasses.replace(seen, workers=(dataclasses.replace(lost, phase="Failed", exit_code=1),

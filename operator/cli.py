@@ -42,6 +42,52 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Turn Kubeflow PyTorchJob manifests into DistTrainJobs (YAML on stdout, notes on stderr)."""
+    import yaml
+
+    from disttrain.operator import convert
+
+    contract = convert.Contract(
+        global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size, lr=args.lr,
+        max_steps=args.max_steps, max_samples=args.max_samples, checkpoint_claim=args.checkpoint_claim,
+        checkpoint_volume=args.checkpoint_volume, batch_policy=args.batch_policy, lr_scaling=args.lr_scaling,
+        checkpoint_path=args.checkpoint_path, checkpoint_interval_steps=args.checkpoint_interval_steps,
+        seed=args.seed)
+    missing = contract.missing()
+    if missing:
+        print("a PyTorchJob has no training contract; give these (disttrain convert --help):", file=sys.stderr)
+        for line in missing:
+            print(f"  {line}", file=sys.stderr)
+        return 2
+    try:
+        documents = list(validation.load_documents(pathlib.Path(args.file)))
+    except validation.ManifestError as error:
+        print(error, file=sys.stderr)
+        return 1
+    outputs: list[dict[str, object]] = []
+    failed = False
+    for source, obj in documents:
+        try:
+            result = convert.convert(obj, contract)
+        except convert.ConversionError as error:
+            print(f"{source}: {error}", file=sys.stderr)
+            failed = True
+            continue
+        for note in result.notes:
+            print(f"{source}: note: {note}", file=sys.stderr)
+        errors = [p for p in validation.validate_object(result.objects[0])
+                  if p.severity is validation.Severity.ERROR]
+        for problem in errors:
+            print(f"{source}: converted job: {problem}", file=sys.stderr)
+        failed |= bool(errors)
+        outputs += result.objects
+    if failed:
+        return 1
+    sys.stdout.write(yaml.safe_dump_all(outputs, sort_keys=False))
+    return 0
+
+
 def cmd_operator(args: argparse.Namespace) -> int:
     """Run the kopf operator (``kopf.run`` underneath) until SIGINT/SIGTERM."""
     import logging
@@ -95,6 +141,27 @@ def build_parser() -> argparse.ArgumentParser:
     p_validate = sub.add_parser("validate", help="validate DistTrainJob manifests; exit 1 on any error")
     p_validate.add_argument("files", nargs="+", metavar="FILE")
     p_validate.set_defaults(func=cmd_validate)
+
+    p_convert = sub.add_parser("convert", help="convert a Kubeflow PyTorchJob manifest into a DistTrainJob",
+                               description="Convert Kubeflow PyTorchJob manifests (kubeflow.org/v1) into "
+                               "DistTrainJobs. The training contract, which a PyTorchJob lacks, comes from the "
+                               "flags; without them the command lists what is missing and exits 2.")
+    p_convert.add_argument("file", metavar="FILE")
+    contract = p_convert.add_argument_group("training contract")
+    contract.add_argument("--global-batch-size", type=int, metavar="N")
+    contract.add_argument("--micro-batch-size", type=int, metavar="N")
+    contract.add_argument("--lr", type=float, metavar="X", help="learning rate at the global batch size")
+    contract.add_argument("--max-steps", type=int, metavar="N")
+    contract.add_argument("--max-samples", type=int, metavar="N")
+    contract.add_argument("--batch-policy", choices=["fixed", "scaled"])
+    contract.add_argument("--lr-scaling", choices=["linear", "sqrt", "none"])
+    contract.add_argument("--seed", type=int)
+    storage = p_convert.add_argument_group("checkpoints")
+    storage.add_argument("--checkpoint-claim", metavar="PVC", help="ReadWriteMany PersistentVolumeClaim")
+    storage.add_argument("--checkpoint-volume", metavar="NAME", help="a volume of the pod template")
+    storage.add_argument("--checkpoint-path", metavar="PATH")
+    storage.add_argument("--checkpoint-interval-steps", type=int, metavar="N")
+    p_convert.set_defaults(func=cmd_convert)
 
     p_operator = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
     scope = p_operator.add_mutually_exclusive_group(required=True)

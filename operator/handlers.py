@@ -16,13 +16,13 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 import kopf
 from kubernetes import client as k8s
 
-from disttrain.api import constants
+from disttrain.api import constants, timestamps
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import pods as builders
 from disttrain.operator import views
@@ -86,7 +86,7 @@ class Kube:
         """Create ``obj``; an existing one (409) is fine: names are deterministic."""
         namespace = obj["metadata"]["namespace"]
         kind = obj["kind"]
-        creators = {
+        creators: dict[str, Callable[..., Any]] = {
             "Pod": self.core.create_namespaced_pod, "Service": self.core.create_namespaced_service,
             "ServiceAccount": self.core.create_namespaced_service_account,
             "Role": self.rbac.create_namespaced_role, "RoleBinding": self.rbac.create_namespaced_role_binding,
@@ -126,7 +126,7 @@ def api_error_message(error: k8s.ApiException) -> str:
 
 def event_object(job: DistTrainJob, type_: str, reason: str, message: str, now: float) -> dict[str, Any]:
     """A core/v1 Event about the job (unique name: Events need no idempotency, a repeat is just a repeat)."""
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
+    stamp = timestamps.format_time_seconds(now)
     return {
         "apiVersion": "v1", "kind": "Event",
         "metadata": {"name": f"{job.metadata.name}.{uuid.uuid4().hex[:16]}", "namespace": job.metadata.namespace},
@@ -199,6 +199,13 @@ class Pokes:
             event.set()
 
 
+def _namespaced(namespace: Optional[str]) -> str:
+    """kopf types ``namespace`` as optional for cluster-scoped kinds; DistTrainJobs and Pods always have one."""
+    if namespace is None:
+        raise kopf.PermanentError("a DistTrainJob or Pod without a namespace")
+    return namespace
+
+
 def register(registry: kopf.OperatorRegistry, api_client_factory: Callable[[], k8s.ApiClient],
              metrics: OperatorMetrics) -> None:
     """Register every handler on ``registry`` (a fresh one in tests, kopf's default one in ``disttrain operator``)."""
@@ -211,8 +218,9 @@ def register(registry: kopf.OperatorRegistry, api_client_factory: Callable[[], k
         return kube_box["kube"]
 
     @kopf.daemon(constants.GROUP, constants.VERSION, constants.PLURAL, registry=registry, cancellation_timeout=5.0)
-    async def job_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, **_: Any) -> None:
+    async def job_loop(*, name: str, namespace: Optional[str], stopped: kopf.DaemonStopped, **_: Any) -> None:
         """The job's reconcile loop (kopf starts it on create and on operator start, stops it on deletion)."""
+        namespace = _namespaced(namespace)
         wake = pokes.get(namespace, name)
         try:
             while not stopped:
@@ -243,12 +251,12 @@ def register(registry: kopf.OperatorRegistry, api_client_factory: Callable[[], k
             pokes.events.pop((namespace, name), None)
 
     @kopf.on.event(constants.GROUP, constants.VERSION, constants.PLURAL, registry=registry)
-    async def job_changed(name: str, namespace: str, **_: Any) -> None:
-        pokes.poke(namespace, name)
+    async def job_changed(*, name: str, namespace: Optional[str], **_: Any) -> None:
+        pokes.poke(_namespaced(namespace), name)
 
     @kopf.on.event("v1", "pods", labels={constants.LABEL_JOB_NAME: kopf.PRESENT}, registry=registry)
-    async def pod_changed(labels: dict[str, str], namespace: str, **_: Any) -> None:
-        pokes.poke(namespace, labels[constants.LABEL_JOB_NAME])
+    async def pod_changed(*, labels: Mapping[str, str], namespace: Optional[str], **_: Any) -> None:
+        pokes.poke(_namespaced(namespace), labels[constants.LABEL_JOB_NAME])
 
     @kopf.on.event("v1", "nodes", registry=registry)
     async def node_changed(**_: Any) -> None:

@@ -101,7 +101,8 @@ class OperatorMetrics:
         reform = status.get("lastReform") or {}
         old_reform = (previous or {}).get("lastReform") or {}
         if previous is not None and status.get("reforms", 0) > previous.get("reforms", 0):
-            self.reforms.labels(*labels, reform.get("reason", "Unknown")).inc(status["reforms"] - previous.get("reforms", 0))
+            added = status["reforms"] - previous.get("reforms", 0)
+            self.reforms.labels(*labels, reform.get("reason", "Unknown")).inc(added)
         if reform.get("durationSeconds") is not None and (reform.get("start"), reform.get("durationSeconds")) != \
                 (old_reform.get("start"), old_reform.get("durationSeconds")):
             self.reform_duration.labels(*labels).observe(reform["durationSeconds"])
@@ -127,7 +128,7 @@ class OperatorMetrics:
                 metric.remove(*labels)
             except KeyError:
                 pass
-        for metric in (self.phase, self.restarts, self.reforms):
-            for sample_labels in list(metric._metrics):  # noqa: SLF001 - prometheus-client has no public lister
+        for family in (self.phase, self.restarts, self.reforms):
+            for sample_labels in list(family._metrics):  # prometheus-client has no public lister
                 if sample_labels[:2] == labels:
-                    metric.remove(*sample_labels)
+                    family.remove(*sample_labels)

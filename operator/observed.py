@@ -9,7 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Final, Literal, Optional, get_args
+
+PodPhase = Literal["Pending", "Running", "Succeeded", "Failed", "Unknown"]
+"""pod.status.phase, as Kubernetes defines it."""
+POD_PHASES: Final = frozenset(get_args(PodPhase))
+FINISHED_PHASES: Final[frozenset[PodPhase]] = frozenset({"Succeeded", "Failed"})
+
+EventType = Literal["Normal", "Warning"]
+"""core/v1 Event.type."""
+NORMAL: Final[EventType] = "Normal"
+WARNING: Final[EventType] = "Warning"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,7 +30,7 @@ class PodView:
     uid: str
     node_index: int = -1
     """Value of the node-index label; -1 for the agent."""
-    phase: str = "Pending"
+    phase: PodPhase = "Pending"
     """Pending, Running, Succeeded, Failed or Unknown (pod.status.phase)."""
     ready: bool = False
     node_name: Optional[str] = None
@@ -37,6 +47,15 @@ class PodView:
     @property
     def is_terminating(self) -> bool:
         return self.deleting_since is not None
+
+    @property
+    def is_running(self) -> bool:
+        return self.phase == "Running"
+
+    @property
+    def is_finished(self) -> bool:
+        """Succeeded or Failed: its containers exited and will not run again (restartPolicy Never)."""
+        return self.phase in FINISHED_PHASES
 
     @property
     def is_scheduled(self) -> bool:
@@ -68,9 +87,9 @@ class Observed:
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    type: str
-    """Normal or Warning."""
+    type: EventType
     reason: str
+    """A :class:`~disttrain.api.conditions.Reason` value."""
     message: str
 
 

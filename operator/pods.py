@@ -12,15 +12,11 @@ import copy
 import shlex
 from typing import Any, Optional
 
-from disttrain.api import constants, env
-from disttrain.api.contract import WorkerContract
+from disttrain.api import constants, containers, env
+from disttrain.api.contract import WorkerContract, job_checkpoint_dir
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import names
 
-# torchrun's rendezvous backend. "disttrain" is the c10d handler that completes a round as soon as the
-# operator's target node count joined and never closes the rendezvous when one node leaves; it is registered
-# through torch's official `torchrun.handlers` entry-point group by the disttrain package in the trainer image.
-RDZV_BACKEND = "disttrain"
 # torchrun counts every worker-group failure (our drain and reform exits included) against --max-restarts;
 # the operator owns the restart budget, so torchrun's must never run out.
 TORCHRUN_MAX_RESTARTS = 1_000_000
@@ -59,7 +55,8 @@ def agent_endpoint(job: DistTrainJob) -> str:
 
 
 def checkpoint_dir(job: DistTrainJob) -> str:
-    return f"{job.spec.checkpoint.path.rstrip('/')}/{job.metadata.namespace}/{job.metadata.name}"
+    """``$DISTTRAIN_CHECKPOINT_DIR`` of the job's worker pods."""
+    return job_checkpoint_dir(job.spec.checkpoint.path, job.metadata.namespace, job.metadata.name)
 
 
 def torchrun_args(job: DistTrainJob, endpoint: str) -> list[str]:
@@ -77,7 +74,7 @@ def torchrun_args(job: DistTrainJob, endpoint: str) -> list[str]:
     return [
         f"--nnodes={spec.nodes.min}:{spec.nodes.max}",
         f"--nproc-per-node={spec.nproc_per_node}",
-        f"--rdzv-backend={RDZV_BACKEND}",
+        f"--rdzv-backend={constants.RDZV_BACKEND}",
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={job.metadata.uid or job.metadata.name}",
         f"--rdzv-conf={conf}",
@@ -99,18 +96,10 @@ def worker_env(job: DistTrainJob, node_name: str, *, endpoint: Optional[str] = N
         {"name": env.CHECKPOINT_DIR, "value": checkpoint_directory or checkpoint_dir(job)},
         {"name": env.AGENT_ENDPOINT, "value": endpoint or agent_endpoint(job)},
         {"name": env.METRICS_PORT, "value": str(metrics_port)},
-        # A scale-up deadlocks when torchrun shares the rendezvous store with the workers (see notes/torchrun.md).
+        # With a store shared between torchrun and the workers, a scale-up deadlocks when the running node keeps
+        # rank 0: it never publishes MASTER_ADDR/PORT for the new round (see trainer/rendezvous.py).
         {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"},
     ]
-
-
-def _trainer_index(containers: list[dict[str, Any]]) -> int:
-    for i, container in enumerate(containers):
-        if container.get("name") == constants.TRAINER_CONTAINER:
-            return i
-    if len(containers) == 1:
-        return 0
-    raise ValueError("spec.template.spec.containers needs a container named 'trainer' (or exactly one container)")
 
 
 def metrics_ports(nproc_per_node: int) -> list[dict[str, Any]]:
@@ -134,8 +123,8 @@ def build_worker_pod(job: DistTrainJob, node_index: int, *, endpoint: Optional[s
     name = names.worker_name(job.metadata.name, node_index)
     template = copy.deepcopy(job.spec.template)
     pod_spec: dict[str, Any] = template.get("spec") or {}
-    containers: list[dict[str, Any]] = pod_spec.setdefault("containers", [])
-    trainer = containers[_trainer_index(containers)]
+    pod_containers: list[dict[str, Any]] = pod_spec.setdefault("containers", [])
+    trainer = pod_containers[containers.trainer_index(pod_containers)]
     user_command = [*(trainer.get("command") or []), *(trainer.get("args") or [])]
     if not trainer.get("command"):
         raise ValueError(f"spec.template.spec.containers[{trainer.get('name')}].command is required: the operator "
@@ -143,7 +132,8 @@ def build_worker_pod(job: DistTrainJob, node_index: int, *, endpoint: Optional[s
     endpoint = endpoint or agent_endpoint(job)
     trainer["command"] = ["python", "-m", "torch.distributed.run", *torchrun_args(job, endpoint), *user_command]
     trainer.pop("args", None)
-    user_env = [e for e in trainer.get("env") or [] if not e.get("name", "").startswith(constants.RESERVED_ENV_PREFIXES)]
+    reserved = constants.RESERVED_ENV_PREFIXES
+    user_env = [e for e in trainer.get("env") or [] if not e.get("name", "").startswith(reserved)]
     trainer["env"] = [*user_env, *worker_env(job, name, endpoint=endpoint, checkpoint_directory=checkpoint_directory)]
     ports = [p for p in trainer.get("ports") or [] if not _is_metrics_port_name(p.get("name", ""))]
     trainer["ports"] = [*ports, *metrics_ports(job.spec.nproc_per_node)]
@@ -180,17 +170,20 @@ def _mount_checkpoints(job: DistTrainJob, pod_spec: dict[str, Any], trainer: dic
         del pod_spec["volumes"]
 
 
+def trainer_container(pod: dict[str, Any]) -> dict[str, Any]:
+    """The trainer container of a pod built here."""
+    pod_containers: list[dict[str, Any]] = pod["spec"]["containers"]
+    return pod_containers[containers.trainer_index(pod_containers)]
+
+
 def worker_command(pod: dict[str, Any]) -> list[str]:
     """argv of a worker pod's trainer container (``python -m torch.distributed.run ... <training command>``)."""
-    containers = pod["spec"]["containers"]
-    return list(containers[_trainer_index(containers)]["command"])
+    return list(trainer_container(pod)["command"])
 
 
 def worker_env_dict(pod: dict[str, Any]) -> dict[str, str]:
     """The literal env of a worker pod's trainer container (valueFrom entries are skipped)."""
-    containers = pod["spec"]["containers"]
-    container = containers[_trainer_index(containers)]
-    return {e["name"]: e["value"] for e in container.get("env") or [] if "value" in e}
+    return {e["name"]: e["value"] for e in trainer_container(pod).get("env") or [] if "value" in e}
 
 
 def agent_command(job: DistTrainJob) -> list[str]:
@@ -204,7 +197,7 @@ def build_agent_pod(job: DistTrainJob) -> dict[str, Any]:
     name = names.agent_name(job.metadata.name)
     port = job.spec.rendezvous.port
     container: dict[str, Any] = {
-        "name": "agent",
+        "name": constants.AGENT_CONTAINER,
         "image": trainer.get("image", ""),
         "command": agent_command(job),
         "env": [

@@ -28,23 +28,31 @@ The group protocol, in short:
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
-from typing import Any, Optional
+from collections.abc import Callable, Iterable, Mapping
+from typing import Optional, TypedDict
 
-from disttrain.api import conditions as cond
-from disttrain.api import constants
-from disttrain.api.plan import valid_node_counts
+from disttrain.api import conditions, constants, timestamps
 from disttrain.api.conditions import ConditionType, Reason
+from disttrain.api.control import DirectiveAction
 from disttrain.api.exitcodes import ExitCode
-from disttrain.api.spec import DistTrainJob, DistTrainJobSpec, SuccessPolicy
-from disttrain.api.status import Condition, DistTrainJobStatus, PendingScale, Phase, ReformRecord
+from disttrain.api.plan import valid_node_counts
+from disttrain.api.spec import CleanPodPolicy, DistTrainJob, DistTrainJobSpec, SuccessPolicy
+from disttrain.api.status import DistTrainJobStatus, PendingScale, Phase, ReformRecord
 from disttrain.operator import names
-from disttrain.operator.observed import Actions, Event, NodeView, Observed, PodDeletion, PodView
+from disttrain.operator.observed import (
+    NORMAL,
+    WARNING,
+    Actions,
+    Event,
+    EventType,
+    NodeView,
+    Observed,
+    PodDeletion,
+    PodView,
+)
+from disttrain.operator.patches import merge_patch
 
-NORMAL = "Normal"
-WARNING = "Warning"
-
-# Reasons that come from an unplanned loss (replacement wait applies to them).
+# Reasons that come from an unplanned loss (replacement wait applies to them). Values: control.reason is a string.
 LOSS_REASONS = frozenset({
     Reason.POD_FAILED.value, Reason.POD_DELETED.value, Reason.EVICTED.value, Reason.NODE_NOT_READY.value,
     Reason.NODE_UNREACHABLE.value, Reason.NODE_DELETED.value, Reason.NODE_DRAINING.value,
@@ -55,6 +63,13 @@ LOSS_REASONS = frozenset({
 # --------------------------------------------------------------------------------------------------------------
 # Small policies (each unit-tested on its own)
 # --------------------------------------------------------------------------------------------------------------
+
+
+class PendingScaleWire(TypedDict):
+    """``status.pendingScale`` on the wire: a scale request waiting out the debounce."""
+
+    replicas: int
+    since: str
 
 
 def clamp_nodes(spec: DistTrainJobSpec, requested: int) -> int:
@@ -78,22 +93,22 @@ def snap_to_valid(spec: DistTrainJobSpec, count: int, *, allow_up: bool = True) 
 
 
 def debounce_scale(
-    current: int, requested: int, pending: Optional[dict[str, Any]], debounce_s: float, now: float
-) -> tuple[int, Optional[dict[str, Any]]]:
+    current: int, requested: int, pending: Optional[PendingScaleWire], debounce_s: float, now: float
+) -> tuple[int, Optional[PendingScaleWire]]:
     """(desired now, pendingScale to keep). A request must stand ``debounce_s`` before it takes effect.
 
     ``current`` 0 means the job has no size yet: the request applies at once.
     """
     if current == 0 or requested == current:
         return requested if current == 0 else current, None
-    if pending is not None and pending.get("replicas") == requested:
-        since = cond.parse_time(pending.get("since")) or now
+    if pending is not None and pending["replicas"] == requested:
+        since = timestamps.parse_time(pending["since"]) or now
         if now - since >= debounce_s:
             return requested, None
         return current, pending
     if debounce_s <= 0:
         return requested, None
-    return current, {"replicas": requested, "since": cond.format_time(now)}
+    return current, {"replicas": requested, "since": timestamps.format_time(now)}
 
 
 def is_permanent_exit(spec: DistTrainJobSpec, code: Optional[int]) -> bool:
@@ -136,7 +151,7 @@ def backoff_seconds(spec: DistTrainJobSpec, consecutive_failures: int) -> float:
     policy = spec.restart_policy
     if consecutive_failures <= 0:
         return 0.0
-    return min(policy.max_backoff_seconds, policy.backoff_seconds * 2 ** min(consecutive_failures - 1, 30))
+    return min(policy.max_backoff_seconds, policy.backoff_seconds * 2.0 ** min(consecutive_failures - 1, 30))
 
 
 def choose_victims(live: Iterable[PodView], count: int) -> list[PodView]:
@@ -144,7 +159,7 @@ def choose_victims(live: Iterable[PodView], count: int) -> list[PodView]:
 
     The lowest index usually hosts rank 0; keeping it avoids moving rank-0-only duties without need.
     """
-    ordered = sorted(live, key=lambda p: (p.phase == "Running" and p.ready, p.phase == "Running", -p.node_index))
+    ordered = sorted(live, key=lambda p: (p.is_running and p.ready, p.is_running, -p.node_index))
     return ordered[:count]
 
 
@@ -160,13 +175,21 @@ def free_indices(existing: Iterable[PodView], count: int) -> list[int]:
     return found
 
 
-def is_force_delete_due(pod: PodView, spec: DistTrainJobSpec, nodes: Optional[Mapping[str, NodeView]], now: float) -> bool:
+def is_force_delete_due(
+    pod: PodView, spec: DistTrainJobSpec, nodes: Optional[Mapping[str, NodeView]], now: float
+) -> bool:
     """A Terminating pod is force-deleted when its node is gone or it has been stuck past the timeout."""
     if pod.deleting_since is None:
         return False
     if node_loss_reason(pod.node_name, nodes) is Reason.NODE_DELETED:
         return True
     return now - pod.deleting_since >= spec.elastic.stuck_pod_timeout_seconds
+
+
+def is_agent_lost(agent: Optional[PodView], nodes: Optional[Mapping[str, NodeView]]) -> bool:
+    """The job agent is missing, exited, unreachable, being deleted, or on a lost node."""
+    return agent is None or agent.is_finished or agent.phase == "Unknown" or agent.is_terminating \
+        or node_loss_reason(agent.node_name, nodes) is not None
 
 
 def training_complete(spec: DistTrainJobSpec, status: DistTrainJobStatus) -> bool:
@@ -191,28 +214,14 @@ def is_success(spec: DistTrainJobSpec, status: DistTrainJobStatus, members: list
     return len(succeeded) == len(members)
 
 
-def merge_patch(old: Any, new: Any) -> Any:
-    """RFC 7386 merge patch turning ``old`` into ``new`` (dicts recurse; removed keys become None)."""
-    if not isinstance(old, dict) or not isinstance(new, dict):
-        return new
-    patch: dict[str, Any] = {}
-    for key in old.keys() - new.keys():
-        patch[key] = None
-    for key, value in new.items():
-        if key not in old:
-            patch[key] = value
-        elif old[key] != value:
-            patch[key] = merge_patch(old[key], value)
-    return patch
-
-
 # --------------------------------------------------------------------------------------------------------------
-# The pipeline
+# The working state of one reconcile
 # --------------------------------------------------------------------------------------------------------------
 
 
 class _Draft:
-    """The mutable working state of one reconcile; frozen into :class:`Actions` at the end."""
+    """The mutable working state of one reconcile: the typed status being decided and the actions collected so
+    far; frozen into :class:`Actions` at the end."""
 
     def __init__(self, job: DistTrainJob, seen: Observed, now: float) -> None:
         self.job = job
@@ -223,6 +232,8 @@ class _Draft:
         # Patches are computed against what the API holds, so the first one also writes the defaults.
         self.old = copy.deepcopy(raw)
         self.status = DistTrainJobStatus.model_validate(raw)
+        self.members: list[PodView] = []
+        """Worker pods that exist, are not lost and are not scale-down victims (set by :func:`_handle_workers`)."""
         self.events: list[Event] = []
         self.create: list[int] = []
         self.create_agent = False
@@ -230,43 +241,41 @@ class _Draft:
         self.timers: list[float] = []
         self.delete_job = False
 
-    # -- helpers
-    def event(self, type_: str, reason: Reason | str, message: str) -> None:
-        self.events.append(Event(type_, getattr(reason, "value", reason), message))
+    @property
+    def is_finished(self) -> bool:
+        return self.status.phase.is_finished
 
-    def condition(self, type_: ConditionType, ok: bool, reason: Reason | str, message: str, *,
-                  announce: Optional[str] = None) -> bool:
+    def is_true(self, type_: ConditionType) -> bool:
+        return conditions.is_true(self.status.conditions, type_)
+
+    def event(self, type_: EventType, reason: Reason, message: str) -> None:
+        self.events.append(Event(type_, reason.value, message))
+
+    def condition(self, type_: ConditionType, ok: bool, reason: Reason, message: str, *,
+                  announce: Optional[EventType] = None) -> bool:
         """Set a condition; emit an event (type ``announce``) when it turns True. Returns whether it flipped."""
-        reason_s = getattr(reason, "value", reason)
-        conds = [c.to_wire() for c in self.status.conditions]
-        updated, flipped = cond.set_condition(conds, type_.value, ok, reason_s, message, self.now)
-        if updated is not conds:
-            self.status.conditions = [Condition.model_validate(c) for c in updated]
+        self.status.conditions, flipped = conditions.set_condition(
+            self.status.conditions, type_, ok, reason, message, self.now)
         if flipped and ok and announce:
-            self.event(announce, reason_s, message)
+            self.event(announce, reason, message)
         return flipped
 
-    def delete(self, pod: PodView, reason: str, force: bool = False) -> None:
+    def delete(self, pod: PodView, reason: Reason, force: bool = False) -> None:
         if pod.is_terminating and not force:
             return
-        self.deletions[pod.name] = PodDeletion(pod.name, force=force, reason=reason)
+        self.deletions[pod.name] = PodDeletion(pod.name, force=force, reason=reason.value)
 
     def timer(self, at: Optional[float]) -> None:
         if at is not None:
             self.timers.append(max(0.0, at - self.now))
 
-    def elapsed(self, rfc3339: Optional[str]) -> float:
-        at = cond.parse_time(rfc3339)
-        return 0.0 if at is None else self.now - at
-
     def freeze(self) -> Actions:
         new = self.status.to_wire()
-        patch = merge_patch(self.old, new)
         return Actions(
             create_workers=tuple(sorted(self.create)),
             create_agent=self.create_agent,
             delete_pods=tuple(self.deletions.values()),
-            status_patch=patch,
+            status_patch=merge_patch(self.old, new),
             status=new,
             events=tuple(self.events),
             requeue_after=min(self.timers) if self.timers else None,
@@ -274,40 +283,41 @@ class _Draft:
         )
 
 
+# --------------------------------------------------------------------------------------------------------------
+# The pipeline
+# --------------------------------------------------------------------------------------------------------------
+
+Step = Callable[[_Draft], None]
+
+
 def reconcile(job: DistTrainJob, seen: Observed, now: float) -> Actions:
-    """Decide everything for one job at time ``now`` (Unix seconds). Pure; call it as often as you like."""
+    """Decide everything for one job at time ``now`` (Unix seconds). Pure; call it as often as you like.
+
+    The steps run in order until one finishes the job (success, failure, budget, deadline); a finished job,
+    whether it finished now or earlier, only has its pods cleaned up.
+    """
     d = _Draft(job, seen, now)
-    if d.status.phase.is_finished:
+    for step in _steps(d.spec):
+        if d.is_finished:
+            break
+        step(d)
+    if d.is_finished:
         _clean_up_finished(d)
-        return d.freeze()
-    if d.spec.run_policy.suspend:
-        _suspend(d)
-        return d.freeze()
-    if d.status.phase is Phase.SUSPENDED:
-        _resume(d)
-    _bootstrap(d)
-    _ensure_agent(d)
-    if d.status.phase.is_finished:  # the agent loss exhausted the restart budget
-        _clean_up_finished(d)
-        return d.freeze()
-    _announce_checkpoint(d)
-    members = _handle_workers(d)
-    if d.status.phase.is_finished:
-        _clean_up_finished(d)
-        return d.freeze()
-    if _check_terminal(d, members):
-        _clean_up_finished(d)
-        return d.freeze()
-    _size(d, members)
-    _publish(d, members)
     return d.freeze()
+
+
+def _steps(spec: DistTrainJobSpec) -> tuple[Step, ...]:
+    if spec.run_policy.suspend:
+        return (_suspend,)
+    return (_resume_if_suspended, _bootstrap, _ensure_agent, _announce_checkpoint, _handle_workers,
+            _check_terminal, _size, _publish)
 
 
 def _bootstrap(d: _Draft) -> None:
     """First sight of the job (or after a resume): start time, selector, Created condition."""
     st = d.status
     if st.start_time is None:
-        st.start_time = cond.format_time(d.now)
+        st.start_time = timestamps.format_time(d.now)
     st.selector = f"{constants.LABEL_JOB_NAME}={d.job.metadata.name},{constants.LABEL_ROLE}={constants.ROLE_WORKER}"
     st.observed_generation = d.job.metadata.generation or st.observed_generation
     d.condition(ConditionType.CREATED, True, Reason.CREATED, "job agent, services, RBAC and workers are managed",
@@ -319,11 +329,10 @@ def _ensure_agent(d: _Draft) -> None:
     agent = d.seen.agent
     name = names.agent_name(d.job.metadata.name)
     tracked = d.status.tracked_pods
-    lost = agent is None or agent.phase in ("Failed", "Succeeded", "Unknown") or agent.is_terminating \
-        or node_loss_reason(agent.node_name, d.seen.nodes) is not None
+    lost = is_agent_lost(agent, d.seen.nodes)
     if agent is not None and lost:
         force = agent.is_terminating and is_force_delete_due(agent, d.spec, d.seen.nodes, d.now)
-        d.delete(agent, Reason.AGENT_RESTARTED.value, force=force)
+        d.delete(agent, Reason.AGENT_RESTARTED, force=force)
         if agent.is_terminating and not force:
             d.timer((agent.deleting_since or d.now) + d.spec.elastic.stuck_pod_timeout_seconds)
     if agent is None:
@@ -331,14 +340,15 @@ def _ensure_agent(d: _Draft) -> None:
     if lost and name in tracked:
         del tracked[name]
         d.event(WARNING, Reason.AGENT_RESTARTED, f"job agent pod {name} was lost; recreating it, workers re-join")
-        # One loss, one restart: the workers that fail because their store vanished are part of it (_handle_workers).
-        d.status.agent_lost_at = cond.format_time(d.now)
+        # One loss, one restart: the workers that fail because their store vanished are part of it (_count_lost_pod).
+        d.status.agent_lost_at = timestamps.format_time(d.now)
         _count_restart(d, Reason.AGENT_RESTARTED, f"job agent pod {name} was lost")
-        if d.status.phase.is_finished:
+        if d.is_finished:
             return
         if d.status.world_size > 0:
-            _issue(d, "reform", Reason.AGENT_RESTARTED.value, d.status.desired_nodes, exclude=d.status.control.exclude)
-    elif agent is not None and not lost and agent.phase == "Running":
+            _issue(d, DirectiveAction.REFORM, Reason.AGENT_RESTARTED, d.status.desired_nodes,
+                   exclude=d.status.control.exclude)
+    elif agent is not None and not lost and agent.is_running:
         tracked[name] = agent.uid
 
 
@@ -349,186 +359,221 @@ def _announce_checkpoint(d: _Draft) -> None:
         return
     message = f"checkpoint at step {ckpt.step} is complete ({ckpt.path})" if ckpt.path else \
         f"checkpoint at step {ckpt.step} is complete"
-    previous = cond.find_condition([c.to_wire() for c in d.status.conditions], ConditionType.CHECKPOINTED.value)
+    previous = conditions.find_condition(d.status.conditions, ConditionType.CHECKPOINTED)
     d.condition(ConditionType.CHECKPOINTED, True, Reason.CHECKPOINT_COMMITTED, message)
-    if previous is None or previous.get("message") != message:
+    if previous is None or previous.message != message:
         d.event(NORMAL, Reason.CHECKPOINT_COMMITTED, message)
 
 
-def _handle_workers(d: _Draft) -> list[PodView]:
-    """Detect lost pods (count, reform, delete, force-delete) and return the live members.
+# -- worker pods: losses and members -----------------------------------------------------------------------------
 
-    Live members: worker pods that exist, are not lost and are not scale-down victims being removed.
+
+def _handle_workers(d: _Draft) -> None:
+    """Sort every worker pod into member, scale-down victim or lost pod; count and remove the lost ones.
+
+    The books in status make this safe to repeat: ``trackedPods`` (seen alive) reveals pods that vanished
+    unseen, ``handledPods`` (losses already counted) keeps a restarted operator from counting one twice.
     """
-    st, spec, now = d.status, d.spec, d.now
-    seen_names = {p.name for p in d.seen.workers}
-    exclude = set(st.control.exclude)
-    agent_name = names.agent_name(d.job.metadata.name)
-    # Pods that vanished without us seeing them lost (force-deleted, or deleted while we were down).
-    for name in sorted(set(st.tracked_pods) - seen_names - {agent_name}):
-        del st.tracked_pods[name]
-        if name not in exclude:
-            _count_loss(d, name, Reason.POD_DELETED, f"worker pod {name} disappeared")
-    st.control.exclude = [name for name in st.control.exclude if name in seen_names]
-    handled = set(st.handled_pods)
-    members: list[PodView] = []
+    victims = frozenset(d.status.control.exclude)  # as they stood before this reconcile's own directives
+    _count_vanished_pods(d, victims)
+    _forget_gone_victims(d)
+    handled = set(d.status.handled_pods)
     for pod in sorted(d.seen.workers, key=lambda p: p.node_index):
         reason = loss_reason(pod, d.seen.nodes)
-        if pod.name in exclude:
-            if pod.phase in ("Failed", "Succeeded") or reason is not None:
-                d.delete(pod, Reason.SCALED_DOWN.value, force=is_force_delete_due(pod, spec, d.seen.nodes, now))
-            continue
-        if reason is None:
-            members.append(pod)
-            st.tracked_pods[pod.name] = pod.uid
-            continue
-        if pod.phase == "Failed" and is_permanent_exit(spec, pod.exit_code):
+        if pod.name in victims:
+            _remove_exited_victim(d, pod, reason)
+        elif reason is None:
+            d.members.append(pod)
+            d.status.tracked_pods[pod.name] = pod.uid
+        elif pod.phase == "Failed" and is_permanent_exit(d.spec, pod.exit_code):
             _fail(d, Reason.PERMANENT_EXIT_CODE,
                   f"worker pod {pod.name} exited with code {pod.exit_code}, listed as permanent in "
                   f"spec.restartPolicy.exitCodes.permanent")
-            return members
-        if pod.uid not in handled:
-            handled.add(pod.uid)
-            st.tracked_pods.pop(pod.name, None)
-            planned = pod.phase == "Failed" and pod.exit_code == ExitCode.DRAINED and st.control.action == "drain"
-            if not planned and reason is Reason.POD_FAILED and _failed_with_the_agent(st, pod):
-                d.event(NORMAL, Reason.AGENT_RESTARTED,
-                        f"worker pod {pod.name} exited (code {pod.exit_code}) after the job agent was lost; "
-                        f"restarting it as part of that restart")
-            elif not planned:
-                detail = f"worker pod {pod.name} lost: {reason.value}"
-                if pod.node_name and reason.value.startswith("Node"):
-                    detail += f" (node {pod.node_name})"
-                if pod.exit_code is not None:
-                    detail += f", exit code {pod.exit_code}"
-                _count_loss(d, pod.name, reason, detail)
-        force = is_force_delete_due(pod, spec, d.seen.nodes, now)
-        if force:
-            d.event(WARNING, Reason.FORCE_DELETED, f"worker pod {pod.name} was stuck Terminating; force-deleting it")
-        elif pod.is_terminating:
-            d.timer(pod.deleting_since + spec.elastic.stuck_pod_timeout_seconds)  # type: ignore[operator]
-        d.delete(pod, reason.value, force=force or reason is Reason.NODE_DELETED)
+            return
+        else:
+            if pod.uid not in handled:
+                handled.add(pod.uid)
+                _count_lost_pod(d, pod, reason)
+            _remove_lost_pod(d, pod, reason)
     # Forget handled uids whose pods are gone: the list stays as short as the set of lingering pods.
     present = {p.uid for p in d.seen.workers}
-    st.handled_pods = sorted(uid for uid in handled if uid in present)
-    return members
+    d.status.handled_pods = sorted(uid for uid in handled if uid in present)
+
+
+def _count_vanished_pods(d: _Draft, victims: frozenset[str]) -> None:
+    """Pods that vanished without us seeing them lost (force-deleted, or deleted while we were down)."""
+    seen = {p.name for p in d.seen.workers}
+    agent = names.agent_name(d.job.metadata.name)
+    for name in sorted(set(d.status.tracked_pods) - seen - {agent}):
+        del d.status.tracked_pods[name]
+        if name not in victims:
+            _count_loss(d, Reason.POD_DELETED, f"worker pod {name} disappeared")
+
+
+def _forget_gone_victims(d: _Draft) -> None:
+    seen = {p.name for p in d.seen.workers}
+    d.status.control.exclude = [name for name in d.status.control.exclude if name in seen]
+
+
+def _remove_exited_victim(d: _Draft, pod: PodView, reason: Optional[Reason]) -> None:
+    """A scale-down victim that exited or was lost anyway is deleted now (a planned removal, never counted)."""
+    if pod.is_finished or reason is not None:
+        d.delete(pod, Reason.SCALED_DOWN, force=is_force_delete_due(pod, d.spec, d.seen.nodes, d.now))
+
+
+def _count_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
+    """First sight of a lost pod: a restart, unless it drained as asked or fell with the job agent."""
+    st = d.status
+    st.tracked_pods.pop(pod.name, None)
+    if pod.phase == "Failed" and pod.exit_code == ExitCode.DRAINED and st.control.action is DirectiveAction.DRAIN:
+        return  # planned: it checkpointed and exited on our drain
+    if reason is Reason.POD_FAILED and _failed_with_the_agent(st, pod):
+        d.event(NORMAL, Reason.AGENT_RESTARTED,
+                f"worker pod {pod.name} exited (code {pod.exit_code}) after the job agent was lost; "
+                f"restarting it as part of that restart")
+        return
+    detail = f"worker pod {pod.name} lost: {reason.value}"
+    if pod.node_name and reason.value.startswith("Node"):
+        detail += f" (node {pod.node_name})"
+    if pod.exit_code is not None:
+        detail += f", exit code {pod.exit_code}"
+    _count_loss(d, reason, detail)
+
+
+def _remove_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
+    """Delete a lost pod; force-delete it when its node is gone or it is stuck Terminating."""
+    force = is_force_delete_due(pod, d.spec, d.seen.nodes, d.now)
+    if force:
+        d.event(WARNING, Reason.FORCE_DELETED, f"worker pod {pod.name} was stuck Terminating; force-deleting it")
+    elif pod.deleting_since is not None:
+        d.timer(pod.deleting_since + d.spec.elastic.stuck_pod_timeout_seconds)
+    d.delete(pod, reason, force=force or reason is Reason.NODE_DELETED)
 
 
 def _failed_with_the_agent(st: DistTrainJobStatus, pod: PodView) -> bool:
     """The pod existed when the job agent was lost and failed while that reform is in flight: torchrun exits
     when its rendezvous store disappears, so this failure is the agent loss, already counted once."""
-    lost_at = cond.parse_time(st.agent_lost_at)
+    lost_at = timestamps.parse_time(st.agent_lost_at)
     if lost_at is None:
         return False
     return pod.created_at is None or pod.created_at <= lost_at
 
 
+# -- failures, restarts and directives ---------------------------------------------------------------------------
+
+
 def _count_restart(d: _Draft, reason: Reason, message: str) -> bool:
     """Restart counters and backoff for one failure; fails the job past the budget. False when not counted."""
     st = d.status
-    if any(c.type == ConditionType.SUCCEEDED.value and c.status == "True" for c in st.conditions):
+    if d.is_true(ConditionType.SUCCEEDED):
         return False
     st.restarts.total += 1
     st.restarts.by_reason[reason.value] = st.restarts.by_reason.get(reason.value, 0) + 1
     st.consecutive_failures += 1
     delay = backoff_seconds(d.spec, st.consecutive_failures)
-    st.next_restart_time = cond.format_time(d.now + delay) if delay > 0 else None
-    if st.restarts.total > d.spec.restart_policy.max_restarts:
+    st.next_restart_time = timestamps.format_time(d.now + delay) if delay > 0 else None
+    budget = d.spec.restart_policy.max_restarts
+    if st.restarts.total > budget:
         _fail(d, Reason.RESTART_BUDGET_EXHAUSTED,
-              f"{st.restarts.total} restarts exceed spec.restartPolicy.maxRestarts={d.spec.restart_policy.max_restarts} "
-              f"(last: {message})")
+              f"{st.restarts.total} restarts exceed spec.restartPolicy.maxRestarts={budget} (last: {message})")
     return True
 
 
-def _count_loss(d: _Draft, name: str, reason: Reason, message: str) -> None:
+def _count_loss(d: _Draft, reason: Reason, message: str) -> None:
     """An unplanned loss: restart counters, backoff, NodeLost event, and a reform if a group is running."""
     st = d.status
-    if any(c.type == ConditionType.SUCCEEDED.value and c.status == "True" for c in st.conditions):
+    if d.is_true(ConditionType.SUCCEEDED):
         return
     d.event(WARNING, Reason.NODE_LOST, message)
     _count_restart(d, reason, message)
-    if st.phase.is_finished:
+    if d.is_finished:
         return
-    if st.world_size > 0 or st.control.action != "none":
-        _issue(d, "reform", reason.value, st.desired_nodes or d.spec.nodes.replicas, exclude=st.control.exclude)
+    if st.world_size > 0 or st.control.in_flight:
+        _issue(d, DirectiveAction.REFORM, reason, st.desired_nodes or d.spec.nodes.replicas, exclude=st.control.exclude)
 
 
-def _issue(d: _Draft, action: str, reason: str, target: int, exclude: Iterable[str] = ()) -> None:
+def _issue(d: _Draft, action: DirectiveAction, reason: Reason, target: int, exclude: Iterable[str] = ()) -> None:
     """A new directive generation for the agent; the reform record starts here."""
     st = d.status
     ctl = st.control
-    first_of_episode = ctl.action == "none"
+    first_of_episode = not ctl.in_flight
     ctl.generation += 1
     ctl.action = action
-    ctl.reason = reason
+    ctl.reason = reason.value
     ctl.target_nodes = target
-    ctl.issued_at = cond.format_time(d.now)
+    ctl.issued_at = timestamps.format_time(d.now)
     ctl.issued_round = st.rendezvous_round
     ctl.exclude = sorted(set(exclude))
     if first_of_episode:
         st.reforms += 1
         nproc = d.spec.nproc_per_node
         st.last_reform = ReformRecord.model_validate(
-            {"reason": reason, "from": st.world_size // nproc if nproc else 0, "to": 0,
+            {"reason": reason.value, "from": st.world_size // nproc if nproc else 0, "to": 0,
              "start": ctl.issued_at})
-    if action == "drain":
-        d.event(NORMAL, Reason.DRAINING, f"drain (checkpoint at the next step boundary, then exit) for {reason}; "
-                                          f"target {target} nodes")
+    if action is DirectiveAction.DRAIN:
+        d.event(NORMAL, Reason.DRAINING, f"drain (checkpoint at the next step boundary, then exit) for "
+                                          f"{reason.value}; target {target} nodes")
     else:
-        d.event(WARNING, Reason.REFORMING, f"reform (survivors exit at once and re-rendezvous) for {reason}; "
-                                            f"target {target} nodes")
+        d.event(WARNING, Reason.REFORMING, f"reform (survivors exit at once and re-rendezvous) for "
+                                            f"{reason.value}; target {target} nodes")
 
 
 def _fail(d: _Draft, reason: Reason, message: str) -> None:
     st = d.status
     st.phase = Phase.FAILED
     st.message = message
-    st.completion_time = st.completion_time or cond.format_time(d.now)
+    st.completion_time = st.completion_time or timestamps.format_time(d.now)
     d.condition(ConditionType.FAILED, True, reason, message, announce=WARNING)
     d.condition(ConditionType.RUNNING, False, reason, message)
     d.condition(ConditionType.REFORMING, False, reason, message)
 
 
-def _check_terminal(d: _Draft, members: list[PodView]) -> bool:
-    """Permanent failure reported by a worker, active deadline, success rule. True when the job finished."""
+def _succeed(d: _Draft) -> None:
+    st = d.status
+    st.phase = Phase.SUCCEEDED
+    st.completion_time = st.completion_time or timestamps.format_time(d.now)
+    st.message = f"training finished at step {st.step}"
+    d.condition(ConditionType.SUCCEEDED, True, Reason.SUCCEEDED, st.message, announce=NORMAL)
+    d.condition(ConditionType.RUNNING, False, Reason.SUCCEEDED, st.message)
+    d.condition(ConditionType.REFORMING, False, Reason.SUCCEEDED, st.message)
+
+
+# -- the end of a job: terminal checks, cleanup, suspend -----------------------------------------------------------
+
+
+def _check_terminal(d: _Draft) -> None:
+    """Permanent failure reported by a worker, active deadline, success rule."""
     st, spec = d.status, d.spec
     failure = st.worker_failure
-    started = cond.parse_time(st.start_time) or 0.0
+    started = timestamps.parse_time(st.start_time) or 0.0
     if failure is not None and is_permanent_exit(spec, failure.exit_code) \
-            and (cond.parse_time(failure.time) or d.now) >= started - 1:
+            and (timestamps.parse_time(failure.time) or d.now) >= started - 1:
         _fail(d, Reason.PERMANENT_EXIT_CODE,
               f"worker {failure.node or '?'} exited with permanent code {failure.exit_code}: {failure.message}")
-        return True
+        return
     deadline = spec.run_policy.active_deadline_seconds
     if deadline is not None:
         if d.now - started >= deadline:
-            _fail(d, Reason.DEADLINE_EXCEEDED,
-                  f"job ran longer than spec.runPolicy.activeDeadlineSeconds={deadline}")
-            return True
+            _fail(d, Reason.DEADLINE_EXCEEDED, f"job ran longer than spec.runPolicy.activeDeadlineSeconds={deadline}")
+            return
         d.timer(started + deadline)
-    if is_success(spec, st, members):
-        st.phase = Phase.SUCCEEDED
-        st.completion_time = st.completion_time or cond.format_time(d.now)
-        st.message = f"training finished at step {st.step}"
-        d.condition(ConditionType.SUCCEEDED, True, Reason.SUCCEEDED, st.message, announce=NORMAL)
-        d.condition(ConditionType.RUNNING, False, Reason.SUCCEEDED, st.message)
-        d.condition(ConditionType.REFORMING, False, Reason.SUCCEEDED, st.message)
-        return True
-    return False
+    if is_success(spec, st, d.members):
+        _succeed(d)
 
 
 def _clean_up_finished(d: _Draft) -> None:
     """Finished jobs: delete pods per cleanPodPolicy, always the agent; delete the job after the TTL."""
-    policy = d.spec.run_policy.clean_pod_policy.value
+    policy = d.spec.run_policy.clean_pod_policy
+    why = Reason.SUCCEEDED if d.status.phase is Phase.SUCCEEDED else Reason.FAILED
     for pod in d.seen.workers:
-        if policy == "All" or (policy == "Running" and pod.phase in ("Running", "Pending", "Unknown")):
-            d.delete(pod, d.status.phase.value)
+        if policy is CleanPodPolicy.ALL or (policy is CleanPodPolicy.RUNNING and not pod.is_finished):
+            d.delete(pod, why)
     if d.seen.agent is not None:
-        d.delete(d.seen.agent, d.status.phase.value)
-    d.status.control.action = "none"
+        d.delete(d.seen.agent, why)
+    d.status.control.action = DirectiveAction.NONE
     d.status.pending_scale = None
     ttl = d.spec.run_policy.ttl_seconds_after_finished
-    done = cond.parse_time(d.status.completion_time)
+    done = timestamps.parse_time(d.status.completion_time)
     if ttl is not None and done is not None:
         if d.now >= done + ttl:
             d.delete_job = True
@@ -540,14 +585,14 @@ def _suspend(d: _Draft) -> None:
     """No pods while suspended; status (checkpoint, counters) kept; restarts are not counted."""
     st = d.status
     for pod in d.seen.workers:
-        d.delete(pod, Reason.SUSPENDED.value)
+        d.delete(pod, Reason.SUSPENDED)
     if d.seen.agent is not None:
-        d.delete(d.seen.agent, Reason.SUSPENDED.value)
+        d.delete(d.seen.agent, Reason.SUSPENDED)
     st.tracked_pods = {}
     st.handled_pods = []
     st.pending_scale = None
     st.agent_lost_at = None
-    st.control.action = "none"
+    st.control.action = DirectiveAction.NONE
     st.control.exclude = []
     st.world_size = 0
     st.replicas = len(d.seen.workers)
@@ -560,8 +605,10 @@ def _suspend(d: _Draft) -> None:
     d.condition(ConditionType.REFORMING, False, Reason.SUSPENDED, message)
 
 
-def _resume(d: _Draft) -> None:
+def _resume_if_suspended(d: _Draft) -> None:
     st = d.status
+    if st.phase is not Phase.SUSPENDED:
+        return
     st.phase = Phase.PENDING
     st.consecutive_failures = 0
     st.next_restart_time = None
@@ -572,15 +619,20 @@ def _resume(d: _Draft) -> None:
                 f"resuming from the complete checkpoint at step {st.last_checkpoint.step}")
 
 
-def _size(d: _Draft, members: list[PodView]) -> None:
+# -- size: scale requests, directives, pod creation ----------------------------------------------------------------
+
+
+def _size(d: _Draft) -> None:
     """Desired size (clamp, valid sizes, debounce), directives for scale and replacement, pod creation."""
     st, spec, now = d.status, d.spec, d.now
     requested = snap_to_valid(spec, clamp_nodes(spec, spec.nodes.replicas)) or clamp_nodes(spec, spec.nodes.replicas)
-    pending = st.pending_scale.to_wire() if st.pending_scale else None
+    pending: Optional[PendingScaleWire] = None
+    if st.pending_scale is not None:
+        pending = {"replicas": st.pending_scale.replicas, "since": st.pending_scale.since}
     desired, pending = debounce_scale(st.desired_nodes, requested, pending, spec.elastic.scale_debounce_seconds, now)
-    st.pending_scale = PendingScale.model_validate(pending) if pending else None
+    st.pending_scale = PendingScale(replicas=pending["replicas"], since=pending["since"]) if pending else None
     if pending:
-        d.timer((cond.parse_time(pending["since"]) or now) + spec.elastic.scale_debounce_seconds)
+        d.timer((timestamps.parse_time(pending["since"]) or now) + spec.elastic.scale_debounce_seconds)
     previous = st.desired_nodes
     st.desired_nodes = desired
     ctl = st.control
@@ -589,20 +641,23 @@ def _size(d: _Draft, members: list[PodView]) -> None:
 
     _complete_directive(d, group_nodes)
 
-    live = list(members)
+    live = list(d.members)
     # Scale-down: more live pods than desired.
     surplus = len(live) - desired
     if surplus > 0:
         if previous and desired < previous:
             d.event(NORMAL, Reason.SCALED_DOWN, f"scaling down from {previous} to {desired} nodes")
         victims = choose_victims(live, surplus)
-        if group_nodes > 0 and any(v.phase == "Running" for v in victims) and ctl.action != "reform":
-            if ctl.action != "drain" or ctl.reason != Reason.SCALED_DOWN.value or ctl.target_nodes != desired:
-                _issue(d, "drain", Reason.SCALED_DOWN.value, desired, exclude=[*ctl.exclude, *(v.name for v in victims)])
+        if group_nodes > 0 and any(v.is_running for v in victims) and ctl.action is not DirectiveAction.REFORM:
+            already_asked = ctl.action is DirectiveAction.DRAIN and ctl.reason == Reason.SCALED_DOWN.value \
+                and ctl.target_nodes == desired
+            if not already_asked:
+                _issue(d, DirectiveAction.DRAIN, Reason.SCALED_DOWN, desired,
+                       exclude=[*ctl.exclude, *(v.name for v in victims)])
         else:
             for victim in victims:
                 st.tracked_pods.pop(victim.name, None)  # a planned removal, not a loss
-                d.delete(victim, Reason.SCALED_DOWN.value)
+                d.delete(victim, Reason.SCALED_DOWN)
         live = [p for p in live if p not in victims]
     # Victims of a drain: delete once a checkpoint was committed after the drain, or after the drain timeout.
     if ctl.exclude:
@@ -611,15 +666,13 @@ def _size(d: _Draft, members: list[PodView]) -> None:
     # Create what is missing (after the restart backoff).
     missing = desired - len(live)
     if missing > 0 and not any(p.phase == "Succeeded" for p in d.seen.workers):
-        resume_at = cond.parse_time(st.next_restart_time)
+        resume_at = timestamps.parse_time(st.next_restart_time)
         if resume_at is not None and now < resume_at:
             d.timer(resume_at)
             d.condition(ConditionType.RUNNING, st.phase is Phase.RUNNING, Reason.BACKOFF,
                         f"restarting {missing} node(s) after backoff at {st.next_restart_time}")
         else:
-            occupied = [p for p in d.seen.workers]
-            indices = free_indices(occupied, missing)
-            d.create.extend(indices)
+            d.create.extend(free_indices(d.seen.workers, missing))
             if previous and desired > previous:
                 d.event(NORMAL, Reason.SCALED_UP, f"scaling up from {previous} to {desired} nodes")
 
@@ -635,16 +688,16 @@ def _complete_directive(d: _Draft, group_nodes: int) -> None:
     """
     st = d.status
     ctl = st.control
-    if ctl.action == "none":
+    if not ctl.in_flight:
         if st.world_size > 0:
             st.agent_lost_at = None  # a group runs with the new agent: later failures are failures of their own
         return
-    issued = cond.parse_time(ctl.issued_at) or d.now
-    progressed = cond.parse_time(st.last_progress_time)
+    issued = timestamps.parse_time(ctl.issued_at) or d.now
+    progressed = timestamps.parse_time(st.last_progress_time)
     new_round = ctl.issued_round is None or st.rendezvous_round > ctl.issued_round
     if new_round and group_nodes == ctl.target_nodes and progressed is not None and progressed > issued:
         reason = ctl.reason
-        ctl.action = "none"
+        ctl.action = DirectiveAction.NONE
         st.agent_lost_at = None
         # Victims still shutting down stay excluded so they are not mistaken for members again.
         present = {p.name for p in d.seen.workers}
@@ -652,8 +705,8 @@ def _complete_directive(d: _Draft, group_nodes: int) -> None:
         st.consecutive_failures = 0
         st.next_restart_time = None
         if st.last_reform is not None:
-            start = cond.parse_time(st.last_reform.start) or issued
-            first = cond.parse_time(st.round_start_time)
+            start = timestamps.parse_time(st.last_reform.start) or issued
+            first = timestamps.parse_time(st.round_start_time)
             first = progressed if first is None or first < start else first
             st.last_reform.to = group_nodes
             st.last_reform.duration_seconds = round(max(0.0, first - start), 3)
@@ -667,18 +720,18 @@ def _remove_drained_victims(d: _Draft) -> None:
     victims = [p for p in d.seen.workers if p.name in ctl.exclude]
     if not victims:
         return
-    issued = cond.parse_time(ctl.issued_at) or d.now
-    ckpt_time = cond.parse_time(st.last_checkpoint.time) if st.last_checkpoint else None
+    issued = timestamps.parse_time(ctl.issued_at) or d.now
+    ckpt_time = timestamps.parse_time(st.last_checkpoint.time) if st.last_checkpoint else None
     drained = ckpt_time is not None and ckpt_time >= issued
     timed_out = d.now - issued >= spec.elastic.drain_timeout_seconds
-    if ctl.action != "drain" or drained or timed_out:
-        if timed_out and not drained and ctl.action == "drain":
+    if ctl.action is not DirectiveAction.DRAIN or drained or timed_out:
+        if timed_out and not drained and ctl.action is DirectiveAction.DRAIN:
             d.event(WARNING, Reason.DRAIN_TIMEOUT,
                     f"no checkpoint within spec.elastic.drainTimeoutSeconds={spec.elastic.drain_timeout_seconds}; "
                     f"deleting {', '.join(p.name for p in victims)}")
         for pod in victims:
             st.tracked_pods.pop(pod.name, None)
-            d.delete(pod, Reason.SCALED_DOWN.value, force=is_force_delete_due(pod, spec, d.seen.nodes, d.now))
+            d.delete(pod, Reason.SCALED_DOWN, force=is_force_delete_due(pod, spec, d.seen.nodes, d.now))
     else:
         d.timer(issued + spec.elastic.drain_timeout_seconds)
 
@@ -693,13 +746,13 @@ def _choose_target(d: _Draft, live: list[PodView], group_nodes: int) -> None:
     st, spec, now = d.status, d.spec, d.now
     ctl = st.control
     desired = st.desired_nodes
-    running = [p for p in live if p.phase == "Running"]
-    waiting = [p for p in live if p.phase != "Running"]
+    running = [p for p in live if p.is_running]
+    waiting = [p for p in live if not p.is_running]
     missing = max(0, desired - len(live))
     target = desired
     if waiting or missing:
-        if ctl.action == "reform" and ctl.reason in LOSS_REASONS:
-            expiry = (cond.parse_time(ctl.issued_at) or now) + spec.elastic.replacement_wait_seconds
+        if ctl.action is DirectiveAction.REFORM and ctl.reason in LOSS_REASONS:
+            expiry = (timestamps.parse_time(ctl.issued_at) or now) + spec.elastic.replacement_wait_seconds
             timeout_reason = Reason.REPLACEMENT_TIMEOUT
         else:
             created = [p.created_at for p in waiting if p.created_at is not None]
@@ -713,26 +766,29 @@ def _choose_target(d: _Draft, live: list[PodView], group_nodes: int) -> None:
                         f"{len(waiting) + missing} node(s) not running after the wait; continuing with {target} nodes")
         else:
             d.timer(expiry)
-    if ctl.action == "none" and group_nodes > 0:
+    if not ctl.in_flight and group_nodes > 0:
         grown = snap_to_valid(spec, len(running), allow_up=False) or 0
         if not waiting and not missing and grown > group_nodes:
-            _issue(d, "drain", Reason.SCALED_UP.value, grown)
+            _issue(d, DirectiveAction.DRAIN, Reason.SCALED_UP, grown)
             target = grown
         elif target < group_nodes and not ctl.exclude:
             target = group_nodes
-    if ctl.action != "none":
+    if ctl.in_flight:
         if target < ctl.target_nodes or ctl.reason in LOSS_REASONS:
             ctl.target_nodes = target
     else:
         ctl.target_nodes = target
 
 
-def _publish(d: _Draft, members: list[PodView]) -> None:
+# -- what the status says -------------------------------------------------------------------------------------------
+
+
+def _publish(d: _Draft) -> None:
     """Counts, phase and conditions from what was decided."""
     st = d.status
-    live = [p for p in members if p.name not in st.control.exclude]
+    live = [p for p in d.members if p.name not in st.control.exclude]
     st.replicas = len(d.seen.workers)
-    st.ready_replicas = sum(1 for p in d.seen.workers if p.phase == "Running" and p.ready)
+    st.ready_replicas = sum(1 for p in d.seen.workers if p.is_running and p.ready)
     unscheduled = [p.name for p in live if not p.is_scheduled]
     if live and not unscheduled and len(live) >= st.desired_nodes:
         d.condition(ConditionType.SCHEDULED, True, Reason.SCHEDULED,
@@ -742,23 +798,23 @@ def _publish(d: _Draft, members: list[PodView]) -> None:
                     f"waiting for {max(len(unscheduled), st.desired_nodes - len(live))} worker pod(s) to be scheduled")
     ctl = st.control
     nproc = d.spec.nproc_per_node
-    if ctl.action != "none":
+    if ctl.in_flight:
         st.phase = Phase.REFORMING
-        st.message = f"{ctl.action} for {ctl.reason}: re-forming with {ctl.target_nodes} nodes"
-        d.condition(ConditionType.REFORMING, True, Reason.DRAINING if ctl.action == "drain" else Reason.REFORMING,
-                    st.message)
+        st.message = f"{ctl.action.value} for {ctl.reason}: re-forming with {ctl.target_nodes} nodes"
+        reason = Reason.DRAINING if ctl.action is DirectiveAction.DRAIN else Reason.REFORMING
+        d.condition(ConditionType.REFORMING, True, reason, st.message)
         d.condition(ConditionType.RUNNING, False, Reason.REFORMING, st.message)
     elif st.world_size > 0:
         st.phase = Phase.RUNNING
         st.message = f"training with {st.world_size // nproc} nodes (world size {st.world_size})"
         d.condition(ConditionType.REFORMING, False, Reason.REFORMED, st.message)
         flipped = d.condition(ConditionType.RUNNING, True, Reason.RENDEZVOUS_COMPLETE, st.message, announce=NORMAL)
-        if flipped and st.last_checkpoint is not None and st.step <= st.last_checkpoint.step + 1 \
-                and st.last_checkpoint.step > 0:
-            d.event(NORMAL, Reason.RESUMED_FROM_STEP, f"training resumed from step {st.last_checkpoint.step}")
+        ckpt = st.last_checkpoint
+        if flipped and ckpt is not None and st.step <= ckpt.step + 1 and ckpt.step > 0:
+            d.event(NORMAL, Reason.RESUMED_FROM_STEP, f"training resumed from step {ckpt.step}")
     else:
         st.phase = Phase.PENDING
-        running = sum(1 for p in live if p.phase == "Running")
+        running = sum(1 for p in live if p.is_running)
         if running < d.spec.nodes.min:
             st.message = f"waiting for nodes: {running} running, at least spec.nodes.min={d.spec.nodes.min} needed"
             reason = Reason.WAITING_FOR_NODES

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
-from disttrain.api import conditions as cond
-from disttrain.api import constants
-from disttrain.operator.observed import NodeView, Observed, PodView
+from disttrain.api import constants, timestamps
+from disttrain.operator.observed import POD_PHASES, NodeView, Observed, PodPhase, PodView
 
 # Taints that mean "this node is being emptied" (kubectl drain's NoExecute by node lifecycle, cluster autoscaler,
 # Karpenter). A cordon alone (spec.unschedulable) only stops new pods and is not a loss.
@@ -17,6 +16,11 @@ DRAIN_TAINTS = frozenset({
     "karpenter.sh/disruption",
     "node.kubernetes.io/out-of-service",
 })
+
+
+def pod_phase(value: object) -> PodPhase:
+    """pod.status.phase; absent (a pod just created) or anything Kubernetes does not define reads as Pending."""
+    return cast(PodPhase, value) if value in POD_PHASES else "Pending"
 
 
 def pod_view(pod: Mapping[str, Any]) -> PodView:
@@ -30,20 +34,20 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         index = -1
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
     exit_code: Optional[int] = None
+    ours = (constants.TRAINER_CONTAINER, constants.AGENT_CONTAINER)  # their exit code wins over a sidecar's
     for container in status.get("containerStatuses") or []:
         terminated = (container.get("state") or {}).get("terminated")
-        if terminated is not None and (container.get("name") in (constants.TRAINER_CONTAINER, "agent")
-                                       or exit_code is None):
+        if terminated is not None and (container.get("name") in ours or exit_code is None):
             exit_code = terminated.get("exitCode")
     return PodView(
         name=meta.get("name", ""),
         uid=meta.get("uid") or f"{meta.get('name')}@{meta.get('creationTimestamp')}",
         node_index=index,
-        phase=status.get("phase") or "Pending",
+        phase=pod_phase(status.get("phase")),
         ready=ready,
         node_name=spec.get("nodeName"),
-        created_at=cond.parse_time(meta.get("creationTimestamp")),
-        deleting_since=cond.parse_time(meta.get("deletionTimestamp")),
+        created_at=timestamps.parse_time(meta.get("creationTimestamp")),
+        deleting_since=timestamps.parse_time(meta.get("deletionTimestamp")),
         exit_code=exit_code,
         reason=status.get("reason") or "",
         message=status.get("message") or "",

@@ -4,7 +4,8 @@ Run by developers when moving to a newer Kubernetes version (needs the dev extra
     python scripts/gen_pod_template_schema.py 1.33
 
 The CRD embeds the result under spec.template so that the API server validates and explains the template
-(a preserved, schemaless template is not ratcheted and hides typos; see shared/notes/crd-cel.md). Converting
+(a preserved, schemaless template keeps typos, and the API server does not ratchet rules over a subtree holding
+preserved data: after a rule is tightened, an existing object refuses even the removal of its finalizer). Converting
 Kubernetes' JSON schema into a *structural* one means: inline every $ref, one type per node, int-or-string
 instead of oneOf, and no descriptions or list-map annotations (their keys would have to be required or
 defaulted in a CRD). Lists therefore merge atomically, which is what a pod template needs.

@@ -8,8 +8,7 @@ of them. The agent
 * follows its job's ``status.control`` (the operator's directive) and writes it into ``SIGNAL_KEY`` and
   ``TARGET_KEY``;
 * relays the trainer's ``PROGRESS_KEY``, ``CHECKPOINT_KEY`` and ``FAILURE_KEY`` into the job's status
-  (step, samplesConsumed, worldSize, plan, rendezvousRound, roundStartTime, lastProgressTime, lastCheckpoint,
-  workerFailure).
+  fields it owns (:data:`disttrain.api.status.AGENT_FIELDS`; it writes no other).
 
 Where the job lives is a :class:`JobSource`: :class:`KubeJobSource` reads the DistTrainJob and patches only its
 status subresource (the agent's Role allows nothing else); :class:`FileJobSource` lets the local runtime drive
@@ -30,23 +29,18 @@ import pathlib
 import signal
 import tempfile
 import threading
-import time
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, cast
 
 from disttrain.api import constants, env
 from disttrain.api import control as keys
+from disttrain.api.contract import job_checkpoint_dir
 from disttrain.api.manifest import CheckpointManifest
+from disttrain.api.spec import CheckpointSpec
+from disttrain.api.status import AGENT_FIELDS
+from disttrain.api.timestamps import format_time
+from disttrain.trainer.commit import step_dir_name
 
 log = logging.getLogger("disttrain.agent")
-
-# Status fields the agent owns; it never writes any other.
-AGENT_FIELDS = ("step", "samplesConsumed", "worldSize", "plan", "rendezvousRound", "roundStartTime",
-                "lastProgressTime", "lastCheckpoint", "workerFailure")
-
-
-def rfc3339(unix: float) -> str:
-    moment = datetime.datetime.fromtimestamp(round(unix, 3), tz=datetime.timezone.utc)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
 
 
 class JobSource(Protocol):
@@ -66,8 +60,8 @@ class FileJobSource:
 
     def __init__(self, state_dir: str | os.PathLike[str]) -> None:
         self.state_dir = pathlib.Path(state_dir)
-        self.job_path = self.state_dir / "job.json"
-        self.status_path = self.state_dir / "agent-status.json"
+        self.job_path = self.state_dir / constants.LOCAL_JOB_FILE
+        self.status_path = self.state_dir / constants.LOCAL_AGENT_STATUS_FILE
 
     def read(self) -> Optional[dict[str, Any]]:
         try:
@@ -81,9 +75,10 @@ class FileJobSource:
 
     def agent_status(self) -> dict[str, Any]:
         try:
-            return json.loads(self.status_path.read_text())
+            document = json.loads(self.status_path.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return {}
+        return document if isinstance(document, dict) else {}
 
     def patch_status(self, patch: dict[str, Any]) -> None:
         current = self.agent_status()
@@ -116,8 +111,9 @@ class KubeJobSource:
 
     def read(self) -> Optional[dict[str, Any]]:
         try:
-            return self.api.get_namespaced_custom_object(constants.GROUP, constants.VERSION, self.namespace,
-                                                         constants.PLURAL, self.name)
+            job = self.api.get_namespaced_custom_object(constants.GROUP, constants.VERSION, self.namespace,
+                                                        constants.PLURAL, self.name)
+            return cast("dict[str, Any]", job)
         except self._not_found as error:
             if error.status == 404:
                 return None
@@ -126,14 +122,6 @@ class KubeJobSource:
     def patch_status(self, patch: dict[str, Any]) -> None:
         self.api.patch_namespaced_custom_object_status(constants.GROUP, constants.VERSION, self.namespace,
                                                        constants.PLURAL, self.name, {"status": patch})
-
-
-def _get(store: Any, key: str) -> Optional[str]:
-    """A key's value, or None when absent (``check`` first: ``get`` blocks until the key exists)."""
-    if not store.check([key]):
-        return None
-    value = store.get(key)
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class Agent:
@@ -181,49 +169,30 @@ class Agent:
     def _relay(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
         """Agent-owned status fields that differ from what the job's status holds."""
         wanted: dict[str, Any] = {}
-        progress_raw = _get(self.store, keys.PROGRESS_KEY)
-        if progress_raw:
-            try:
-                report = keys.ProgressReport.model_validate_json(progress_raw)
-            except ValueError:
-                log.warning("ignoring an unparsable progress report")
-            else:
-                if self._rounds is None:
-                    self._rounds = int(status.get("rendezvousRound", 0))
-                # A new group (round) is a new rank-0 process; the run id, restart count and world size can all
-                # repeat (a replaced node that becomes rank 0 after a reform at the same size), the process id not.
-                round_key = (report.run_id, report.restart_count, report.world_size, report.process_id)
-                if round_key != self._round_key:
-                    self._round_key = round_key
-                    self._rounds += 1
-                    self._round_start = rfc3339(report.time)
-                wanted.update(step=report.step, samplesConsumed=report.samples_consumed, worldSize=report.world_size,
-                              plan=report.plan, lastProgressTime=rfc3339(report.time), rendezvousRound=self._rounds,
-                              roundStartTime=self._round_start)
-        ckpt_raw = _get(self.store, keys.CHECKPOINT_KEY)
-        if ckpt_raw:
-            try:
-                manifest = CheckpointManifest.model_validate_json(ckpt_raw)
-            except ValueError:
-                log.warning("ignoring an unparsable checkpoint manifest")
-            else:
-                spec_ckpt = (job.get("spec") or {}).get("checkpoint") or {}
-                meta = job.get("metadata") or {}
-                base = f"{spec_ckpt.get('path', '/var/lib/disttrain/checkpoints').rstrip('/')}/" \
-                       f"{meta.get('namespace', 'default')}/{meta.get('name', '')}"
-                wanted["lastCheckpoint"] = {"step": manifest.step, "samples": manifest.samples_consumed,
-                                            "path": f"{base}/step-{manifest.step}", "time": manifest.created_at,
-                                            "worldSize": manifest.world_size}
-        failure_raw = _get(self.store, keys.FAILURE_KEY)
-        if failure_raw:
-            try:
-                failure = keys.WorkerFailure.model_validate_json(failure_raw)
-            except ValueError:
-                log.warning("ignoring an unparsable failure report")
-            else:
-                wanted["workerFailure"] = {"exitCode": failure.exit_code, "node": failure.node,
-                                           "message": failure.message, "time": rfc3339(failure.time)}
-        return {k: v for k, v in wanted.items() if status.get(k) != v}
+        report = keys.read_model(self.store, keys.PROGRESS_KEY, keys.ProgressReport)
+        if report is not None:
+            if self._rounds is None:
+                self._rounds = int(status.get("rendezvousRound", 0))
+            # A new group (round) is a new rank-0 process; the run id, restart count and world size can all
+            # repeat (a replaced node that becomes rank 0 after a reform at the same size), the process id not.
+            round_key = (report.run_id, report.restart_count, report.world_size, report.process_id)
+            if round_key != self._round_key:
+                self._round_key = round_key
+                self._rounds += 1
+                self._round_start = format_time(report.time)
+            wanted.update(step=report.step, samplesConsumed=report.samples_consumed, worldSize=report.world_size,
+                          plan=report.plan, lastProgressTime=format_time(report.time), rendezvousRound=self._rounds,
+                          roundStartTime=self._round_start)
+        manifest = keys.read_model(self.store, keys.CHECKPOINT_KEY, CheckpointManifest)
+        if manifest is not None:
+            path = f"{_checkpoint_dir(job)}/{step_dir_name(manifest.step)}"
+            wanted["lastCheckpoint"] = {"step": manifest.step, "samples": manifest.samples_consumed, "path": path,
+                                        "time": manifest.created_at, "worldSize": manifest.world_size}
+        failure = keys.read_model(self.store, keys.FAILURE_KEY, keys.WorkerFailure)
+        if failure is not None:
+            wanted["workerFailure"] = {"exitCode": failure.exit_code, "node": failure.node,
+                                       "message": failure.message, "time": format_time(failure.time)}
+        return {k: v for k, v in wanted.items() if k in AGENT_FIELDS and status.get(k) != v}
 
     def run(self) -> int:
         """Loop until the job is gone or ``stop_event`` is set; transient API errors are logged and retried."""
@@ -232,10 +201,17 @@ class Agent:
                 if not self.sync():
                     log.info("job is gone; exiting")
                     return 0
-            except Exception:  # noqa: BLE001 - one failed round must not kill the store every worker depends on
+            except Exception:
                 log.exception("agent round failed; retrying")
             self.stop_event.wait(self.poll_seconds)
         return 0
+
+
+def _checkpoint_dir(job: dict[str, Any]) -> str:
+    """The job's checkpoint directory as the worker pods see it (``$DISTTRAIN_CHECKPOINT_DIR``)."""
+    root = ((job.get("spec") or {}).get("checkpoint") or {}).get("path") or CheckpointSpec.model_fields["path"].default
+    meta = job.get("metadata") or {}
+    return job_checkpoint_dir(root, meta.get("namespace", "default"), meta.get("name", ""))
 
 
 def start_store(port: int, host: str = "0.0.0.0", timeout_s: float = 60.0) -> Any:

@@ -11,7 +11,8 @@ is in :mod:`disttrain.trainer.commit`; this module adds the collectives around i
 Async saves (``dcp.async_save`` on a separate gloo group) stage the state (an in-memory copy) in a background
 thread that overlaps the next forward/backward; only the next ``optimizer.step()`` waits for the copy to finish
 (:meth:`CheckpointManager.before_optimizer_step`), since that is the first thing to modify saved tensors. The
-DCP write runs in the background too, and step 2 in a helper thread; step 3 runs at the first step boundary at which every rank reports its part done
+DCP write runs in the background too, and step 2 in a helper thread; step 3 runs at the first step boundary at
+which every rank reports its part done
 (agreed by one tiny all-reduce per boundary, so no rank runs ahead of a failed save). A failed save is counted,
 logged and retried synchronously at that boundary; ``max_consecutive_failures`` failures in a row end the
 process with a retryable error rather than training on without a recoverable state.
@@ -21,34 +22,51 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import enum
+import json
 import logging
-import os
 import random
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.spec import CheckpointSpec
-from disttrain.trainer import commit
-from disttrain.trainer import storage
+from disttrain.trainer import commit, storage
+from disttrain.trainer.metrics import TrainerMetrics
 
 log = logging.getLogger("disttrain.trainer")
 
-FAULT_ENV = "DISTTRAIN_FAULT_INJECT"
-"""Fault injection for tests of the commit protocol: ``kill_before_commit:<step>`` makes global rank 0 SIGKILL
-itself after every rank's files are written and synced, just before COMPLETE.json (the worst moment);
-``fail_async:<step>`` makes every rank's background part of that async save fail after DCP wrote its files."""
+
+class CheckpointPhase(str, enum.Enum):
+    """Moments of a save at which the manager calls its ``on_phase`` hook with (phase, step).
+
+    The hook is how tests reach inside the commit protocol (kill a process at the worst moment, fail a write,
+    hold a commit open) without any test code here; production passes none.
+    """
+
+    FILES_WRITTEN = "files_written"
+    """Every rank, once DCP has written this rank's files and before they are synced and digested (in the
+    background thread for an async save). Raising fails this rank's part of the save."""
+
+    BEFORE_MANIFEST = "before_manifest"
+    """Global rank 0, once every rank's files are written and synced, just before COMPLETE.json: a crash here
+    leaves a complete-looking directory that resume must never trust. Raising fails the commit."""
+
+
+PhaseHook = Callable[[CheckpointPhase, int], None]
+"""``on_phase(phase, step)``; see :class:`CheckpointPhase`."""
 
 
 class ModelOptimState(Stateful):
@@ -65,6 +83,23 @@ class ModelOptimState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
                        optim_state_dict=state_dict["optim"])
+
+
+class SchedulerState(Stateful):
+    """A user's LR scheduler as a Stateful. Only its plain values are saved: its base LRs are recomputed from the
+    declared rule after every load anyway."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"json": json.dumps({k: v for k, v in self.scheduler.state_dict().items()
+                                    if isinstance(v, (int, float, str, list, bool, type(None)))})}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = json.loads(state_dict["json"])
+        saved.pop("base_lrs", None)
+        self.scheduler.__dict__.update(saved)
 
 
 @dataclasses.dataclass
@@ -111,8 +146,8 @@ class _Pending:
     blocking_s: float
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: Optional[BaseException] = None
-    digests: dict = dataclasses.field(default_factory=dict)
-    known: dict = dataclasses.field(default_factory=dict)
+    digests: dict[str, commit.FileDigest] = dataclasses.field(default_factory=dict)
+    known: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
 
 
 def _files_of_rank(directory: Path, rank: int) -> list[str]:
@@ -127,8 +162,10 @@ class CheckpointManager:
     """Owns the "when" (interval in steps or seconds, the last step, a drain) and the "how" of checkpoints."""
 
     def __init__(self, root: Path, spec: CheckpointSpec, rank: int, world_size: int,
-                 group: Optional[dist.ProcessGroup], metrics: Any = None,
-                 max_consecutive_failures: int = 2, writer_threads: int = 2) -> None:
+                 group: Optional[dist.ProcessGroup], metrics: Optional[TrainerMetrics] = None,
+                 max_consecutive_failures: int = 2, writer_threads: int = 2,
+                 on_commit: Optional[Callable[[CheckpointManifest], None]] = None,
+                 on_phase: Optional[PhaseHook] = None) -> None:
         self.root = Path(root)
         self.spec = spec
         self.rank = rank
@@ -142,8 +179,8 @@ class CheckpointManager:
         self.last_saved_step: Optional[int] = None
         self.loaded_step: Optional[int] = None
         self.pending: Optional[_Pending] = None
-        self.on_commit = None  # callable(manifest) on rank 0 after each commit
-        self._fault = os.environ.get(FAULT_ENV, "")
+        self.on_commit = on_commit  # rank 0, after each commit (the trainer tells the job agent)
+        self.on_phase = on_phase
         self._stager: Optional[DefaultStager] = None
         self._staging: Any = None
         self._retention: Optional[threading.Thread] = None
@@ -162,10 +199,16 @@ class CheckpointManager:
             return False
         if last:
             return True
-        return bool(self.spec.interval_steps) and step % self.spec.interval_steps == 0
+        interval = self.spec.interval_steps
+        if not interval:
+            return False
+        return step % interval == 0
 
     def seconds_due(self) -> bool:
-        return bool(self.spec.interval_seconds) and time.monotonic() - self.last_save_time >= self.spec.interval_seconds
+        interval = self.spec.interval_seconds
+        if not interval:
+            return False
+        return time.monotonic() - self.last_save_time >= interval
 
     # ---- save ---------------------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], manifest: CheckpointManifest, force_sync: bool = False) -> None:
@@ -189,7 +232,7 @@ class CheckpointManager:
             else:
                 future = response
             pending = _Pending(step, tmp, manifest, future, started=t0, blocking_s=time.monotonic() - t0,
-                               known=writer.fs.digests)
+                               known=writer.digests)
             threading.Thread(target=self._finish_in_background, args=(pending,), daemon=True,
                              name="disttrain-ckpt-finish").start()
             self.pending = pending
@@ -199,7 +242,8 @@ class CheckpointManager:
         try:
             writer = self._writer(tmp)
             dcp.save(state, storage_writer=writer, process_group=self.group)
-            digests = commit.digest_files(tmp, _files_of_rank(tmp, self.rank), known=writer.fs.digests)
+            self._phase(CheckpointPhase.FILES_WRITTEN, step)
+            digests = commit.digest_files(tmp, _files_of_rank(tmp, self.rank), known=writer.digests)
             error = None
         except Exception as exc:  # noqa: BLE001 - reported collectively below
             digests, error = {}, exc
@@ -224,8 +268,7 @@ class CheckpointManager:
     def _finish_in_background(self, pending: _Pending) -> None:
         try:
             pending.future.result()
-            if self._fault == f"fail_async:{pending.step}":
-                raise OSError(f"fault injection: async write of step {pending.step} failed")
+            self._phase(CheckpointPhase.FILES_WRITTEN, pending.step)
             pending.digests = commit.digest_files(pending.tmp, _files_of_rank(pending.tmp, self.rank),
                                                   known=pending.known)
         except BaseException as exc:  # noqa: BLE001
@@ -236,7 +279,7 @@ class CheckpointManager:
     def poll(self, all_done: bool) -> None:
         """Called at a step boundary with the group's agreement that every rank finished its part."""
         if self.pending is not None and all_done:
-            self._complete_pending()
+            self._complete_pending(self.pending)
 
     def local_pending_state(self) -> tuple[int, int]:
         """(in flight and not done here, failed here) for the boundary all-reduce."""
@@ -251,15 +294,15 @@ class CheckpointManager:
         if self.pending is not None:
             self.pending.done.wait()
             self._barrier()
-            self._complete_pending()
+            self._complete_pending(self.pending)
 
-    def _complete_pending(self) -> None:
-        p, self.pending = self.pending, None
+    def _complete_pending(self, p: _Pending) -> None:
+        self.pending = None
         self._commit_collectively(p.step, p.tmp, p.manifest, p.digests, p.error)
         self._observe("background", time.monotonic() - p.started)
 
     def _commit_collectively(self, step: int, tmp: Path, manifest: CheckpointManifest,
-                             digests: dict, error: Optional[BaseException]) -> None:
+                             digests: dict[str, commit.FileDigest], error: Optional[BaseException]) -> None:
         gathered: list[Any] = [None] * self.world_size
         payload = {"digests": {k: v.model_dump() for k, v in digests.items()}, "error": repr(error) if error else None}
         dist.all_gather_object(gathered, payload, group=self.group)
@@ -270,7 +313,7 @@ class CheckpointManager:
         committed = True
         if self.rank == 0:
             try:
-                self._maybe_fault("kill_before_commit", step)
+                self._phase(CheckpointPhase.BEFORE_MANIFEST, step)
                 files = {}
                 for g in gathered:
                     files.update({k: commit.FileDigest(**v) for k, v in g["digests"].items()})
@@ -336,7 +379,7 @@ class CheckpointManager:
         choice: list[Any] = [None]
         if self.rank == 0:
             found = commit.find_latest(self.root, log=log.warning)
-            if found is not None:
+            if found is not None and found.manifest is not None:
                 choice[0] = found.manifest.model_dump_json()
         dist.broadcast_object_list(choice, src=0, group=self.group)
         return CheckpointManifest.model_validate_json(choice[0]) if choice[0] else None
@@ -369,13 +412,9 @@ class CheckpointManager:
         if self.metrics is not None:
             self.metrics.save_seconds.labels(phase=phase).observe(seconds)
 
-    def _maybe_fault(self, kind: str, step: int) -> None:
-        if self._fault == f"{kind}:{step}":
-            import signal
-
-            log.warning("fault injection: SIGKILL before COMPLETE.json of step %d", step)
-            logging.shutdown()
-            os.kill(os.getpid(), signal.SIGKILL)
+    def _phase(self, phase: CheckpointPhase, step: int) -> None:
+        if self.on_phase is not None:
+            self.on_phase(phase, step)
 
     def close(self) -> None:
         if self.pending is not None:

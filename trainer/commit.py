@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Optional
 
@@ -151,12 +151,14 @@ def validate(path: Path, verify_digests: bool = True) -> Validation:
             return Validation(step, path, manifest, f"file {name} is missing")
         size = file.stat().st_size
         if size != expected.size:
-            return Validation(step, path, manifest, f"file {name} has {size} bytes, {MANIFEST_FILE} says {expected.size}")
+            return Validation(step, path, manifest,
+                              f"file {name} has {size} bytes, {MANIFEST_FILE} says {expected.size}")
         if verify_digests:
             algorithm = expected.digest.split(":", 1)[0]
             actual = file_digest(file, algorithm).digest
             if actual != expected.digest:
-                return Validation(step, path, manifest, f"file {name} is corrupt: digest {actual}, expected {expected.digest}")
+                return Validation(step, path, manifest,
+                                  f"file {name} is corrupt: digest {actual}, expected {expected.digest}")
     if manifest.files[METADATA_FILE].digest != f"sha256:{manifest.metadata_sha256}":
         return Validation(step, path, manifest, f"{METADATA_FILE} hash disagrees with metadata_sha256")
     return Validation(step, path, manifest)
@@ -174,7 +176,7 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def find_latest(root: Path, log: Optional[callable] = None) -> Optional[Validation]:
+def find_latest(root: Path, log: Optional[Callable[[str], object]] = None) -> Optional[Validation]:
     """Newest valid checkpoint; each rejected newer one is reported through ``log`` with its reason."""
     for _, path in step_dirs(root):
         v = validate(path)
@@ -193,13 +195,13 @@ def choose_deletions(complete_steps: list[int], keep: int, protected: Iterable[i
     return sorted(s for s in ordered if s not in keep_set)
 
 
-def plan_retention(root: Path, keep: int, protected: Iterable[int] = (), in_flight: Iterable[str] = ()) -> list[str]:
-    """Names to delete: complete checkpoints beyond ``keep`` (never the newest, never a protected step) and temp
-    dirs of crashed saves (never one named in ``in_flight``). Decided from one listing, so deleting the result
-    later (in a thread) cannot touch a directory created after the decision, such as the next save's temp dir."""
+def plan_retention(root: Path, keep: int, in_flight: Iterable[str] = ()) -> list[str]:
+    """Names to delete: complete checkpoints beyond ``keep`` (never the newest) and temp dirs of crashed saves
+    (never one named in ``in_flight``). Decided from one listing, so deleting the result later (in a thread)
+    cannot touch a directory created after the decision, such as the next save's temp dir."""
     dirs = step_dirs(root)
     complete = [s for s, p in dirs if (p / MANIFEST_FILE).is_file()]
-    names = [step_dir_name(step) for step in choose_deletions(complete, keep, protected)]
+    names = [step_dir_name(step) for step in choose_deletions(complete, keep)]
     keep_names = set(in_flight)
     for entry in sorted(root.iterdir()) if root.is_dir() else []:
         if entry.name.startswith((TMP_PREFIX, ".trash-")) and entry.name not in keep_names:
@@ -208,14 +210,9 @@ def plan_retention(root: Path, keep: int, protected: Iterable[int] = (), in_flig
 
 
 def delete(root: Path, names: Iterable[str]) -> list[str]:
+    """Remove the named directories under ``root`` (a planned retention); returns the names."""
     deleted = []
     for name in names:
         shutil.rmtree(root / name, ignore_errors=True)
         deleted.append(name)
     return deleted
-
-
-def apply_retention(root: Path, keep: int, protected: Iterable[int] = (), in_flight: Iterable[str] = ()) -> list[str]:
-    """Plan and delete at once. Returns the names deleted."""
-    return delete(root, plan_retention(root, keep, protected, in_flight))
-

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from disttrain.api import env as env_names
-from disttrain.api.contract import WorkerContract
+from disttrain.api.contract import WorkerContract, job_checkpoint_dir
+from disttrain.api.ports import free_port
 
 log = logging.getLogger("disttrain.trainer")
 
@@ -45,7 +46,7 @@ class ElasticContext:
     job: Optional[str]
 
     @classmethod
-    def from_env(cls, environ: Optional[dict[str, str]] = None) -> "ElasticContext":
+    def from_env(cls, environ: Optional[dict[str, str]] = None) -> ElasticContext:
         e = dict(os.environ if environ is None else environ)
         raw = e.get(env_names.CONTRACT)
         if not raw:
@@ -58,7 +59,7 @@ class ElasticContext:
         name, namespace = e.get(env_names.JOB_NAME), e.get(env_names.JOB_NAMESPACE, "default")
         ckpt = e.get(env_names.CHECKPOINT_DIR)
         if not ckpt:
-            ckpt = os.path.join(contract.checkpoint.path, namespace, name or "job")
+            ckpt = job_checkpoint_dir(contract.checkpoint.path, namespace, name or "job")
         return cls(
             rank=int(e.get("RANK", "0")),
             local_rank=int(e.get("LOCAL_RANK", "0")),
@@ -105,17 +106,9 @@ def init_process_group(ctx: ElasticContext) -> Groups:
         if "MASTER_ADDR" not in os.environ:
             # A plain `python train.py` run: a one-process group on a free local port.
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.setdefault("RANK", "0")
             os.environ.setdefault("WORLD_SIZE", "1")
         dist.init_process_group(backend=backend, timeout=timeout, rank=ctx.rank, world_size=ctx.world_size)
     checkpoint = dist.new_group(backend="gloo", timeout=timeout)
     return Groups(default=dist.group.WORLD, checkpoint=checkpoint, device=device)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

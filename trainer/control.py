@@ -14,12 +14,16 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 from disttrain.api import control as keys
 from disttrain.api import env
 from disttrain.api.exitcodes import ExitCode
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 log = logging.getLogger("disttrain.trainer")
 
@@ -31,15 +35,9 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def read_signal(store) -> Optional[keys.ControlSignal]:
-    """The current signal in the store, or None (``check`` first: ``get`` would block until the key exists)."""
-    if not store.check([keys.SIGNAL_KEY]):
-        return None
-    try:
-        return keys.ControlSignal.model_validate_json(store.get(keys.SIGNAL_KEY))
-    except ValueError:
-        log.warning("ignoring an unparsable value under %s", keys.SIGNAL_KEY)
-        return None
+def read_signal(store: keys.StoreReader) -> Optional[keys.ControlSignal]:
+    """The current signal in the store, or None when there is none (or it cannot be parsed)."""
+    return keys.read_model(store, keys.SIGNAL_KEY, keys.ControlSignal)
 
 
 class Watchdog:
@@ -53,7 +51,7 @@ class Watchdog:
         self._drain = threading.Event()
         self._stop = threading.Event()
         self.drain_reason = ""
-        self.store = None
+        self.store: Optional[Store] = None
         self.seen_generation = -1
         self._thread: Optional[threading.Thread] = None
 
@@ -96,6 +94,8 @@ class Watchdog:
         self._stop.set()
 
     def poll_once(self) -> None:
+        if self.store is None:
+            return  # no control channel: only SIGTERM
         current = read_signal(self.store)
         if current is None or current.generation <= self.seen_generation:
             return

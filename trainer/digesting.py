@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import threading
 import zlib
+from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Generator
+from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 

@@ -1,31 +1,33 @@
 """The training-loop API: the user's loop stays recognisable, the elastic machinery lives here.
 
-    with ElasticTrainer(model, optimizer, dataset) as trainer:
+    with ElasticTrainer.from_env(model, optimizer, dataset) as trainer:
         for step in trainer.steps():
             for batch in step:                       # this rank's micro batches of the step
                 loss = loss_fn(trainer.model(batch.data[0]), batch.data[1], reduction="sum")
                 step.backward(loss)                  # normalised by the global sample count
             # optimizer step, LR, checkpoint, drain/SIGTERM are handled when the loop comes back here
 
-At start the trainer joins the group, plans micro batch / accumulation / LR for the actual world size, loads the
-newest valid checkpoint (resharding model and optimizer), refuses a changed dataset, and recomputes the LR from
-the declared rule. After each optimizer step it agrees with all ranks (one tiny all-reduce) on drain requests and
-on the state of an async save, then checkpoints when due. Exits: ``ExitCode.SUCCESS`` at the end,
-``DRAINED`` after a drain/SIGTERM checkpoint, ``REFORM`` when a collective fails or the agent says reform,
-``PERMANENT`` for an invalid world size, contract or changed dataset.
+Lifecycle: :meth:`ElasticTrainer.from_env` starts everything with a side effect (process group, metrics server,
+DDP, SIGTERM handler, control channel) and plans micro batch / accumulation / LR for the actual world size;
+:meth:`~ElasticTrainer.steps` loads the newest valid checkpoint (resharding model and optimizer), refuses a
+changed dataset, recomputes the LR from the declared rule and trains; :meth:`~ElasticTrainer.close` (the end of
+the ``with``) stops it all. After each optimizer step the ranks agree (one tiny all-reduce,
+:mod:`disttrain.trainer.boundary`) on drain requests and on the state of an async save, then checkpoint when due.
+Exits: ``ExitCode.SUCCESS`` at the end, ``DRAINED`` after a drain/SIGTERM checkpoint, ``REFORM`` when a
+collective fails or the agent says reform, ``PERMANENT`` for an invalid world size, contract or changed dataset.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 import time
 import uuid
 import warnings
-from collections.abc import Iterator, Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Any, NoReturn, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,12 +39,15 @@ from disttrain.api.contract import training_config_hash
 from disttrain.api.exitcodes import ExitCode
 from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.plan import InvalidWorldSizeError, Plan, plan
-from disttrain.api.spec import LRSchedule
+from disttrain.api.spec import LRSchedule, TrainingSpec
 from disttrain.trainer import checkpoint as ckpt_mod
 from disttrain.trainer import context as ctx_mod
+from disttrain.trainer import exits
 from disttrain.trainer import lr as lr_mod
 from disttrain.trainer import sampler as sampler_mod
-from disttrain.trainer.control import Watchdog, report_failure
+from disttrain.trainer.boundary import NO_SAVE, BoundaryAgreement, BoundaryFlags
+from disttrain.trainer.control import Watchdog
+from disttrain.trainer.failures import is_collective_failure
 from disttrain.trainer.metrics import TrainerMetrics
 from disttrain.trainer.randomness import sample_seed
 
@@ -57,6 +62,14 @@ except Exception:  # noqa: BLE001 - running from a source tree without metadata
     CODE_VERSION = "0+unknown"
 
 
+class MapDataset(Protocol):
+    """A map-style dataset: a length and samples by index (``TensorDataset`` and friends)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
 class MicroBatch:
     """One forward/backward worth of samples: the collated ``data``, their dataset ``indices`` and per-sample
     ``seeds`` for keyed randomness (see :mod:`disttrain.trainer.randomness`; computed on first use)."""
@@ -64,7 +77,8 @@ class MicroBatch:
     __slots__ = ("data", "indices", "_seed", "_step", "_seeds")
 
     def __init__(self, data: Any, indices: list[int], seed: int, step: int) -> None:
-        self.data, self.indices, self._seed, self._step, self._seeds = data, indices, seed, step, None
+        self.data, self.indices, self._seed, self._step = data, indices, seed, step
+        self._seeds: Optional[list[int]] = None
 
     @property
     def seeds(self) -> list[int]:
@@ -79,7 +93,7 @@ class Step:
     Iteration turns DDP's gradient sync off for all but the last micro batch (forward included, as DDP needs).
     """
 
-    def __init__(self, trainer: "ElasticTrainer", index: int, indices: list[int]) -> None:
+    def __init__(self, trainer: ElasticTrainer, index: int, indices: list[int]) -> None:
         self.trainer = trainer
         self.index = index
         self.indices = indices
@@ -112,7 +126,8 @@ class Step:
         dist.all_reduce(t)
         return float(t.item())
 
-    def backward(self, loss_sum: torch.Tensor, denominator: Optional[float] = None, count: Optional[int] = None) -> None:
+    def backward(self, loss_sum: torch.Tensor, denominator: Optional[float] = None,
+                 count: Optional[int] = None) -> None:
         """Backward of a loss *summed* over this micro batch, normalised by the global count of the step.
 
         ``denominator`` defaults to the global batch (sample-weighted); pass :meth:`global_count` of your token
@@ -127,76 +142,93 @@ class Step:
 
 
 class ElasticTrainer:
-    """Model, optimizer, (optional) scheduler and a map-style dataset in; :meth:`steps` out."""
+    """Model, optimizer, (optional) scheduler and a map-style dataset in; :meth:`steps` out.
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Sequence[Any],
-                 scheduler: Any = None, collate_fn: Callable[[list[Any]], Any] = default_collate,
-                 context: Optional[ctx_mod.ElasticContext] = None, log_every: int = 10) -> None:
-        _configure_logging()
-        try:
-            self.ctx = context or ctx_mod.ElasticContext.from_env()
-        except ctx_mod.ContractError as exc:
-            _exit_permanent(str(exc))
-        self.training = self.ctx.contract.training
-        self.dataset = dataset
-        self.collate_fn = collate_fn
+    Start one with :meth:`from_env`. The constructor only stores parts that are already started, so
+    :meth:`from_env` is the one place that shows what starts, in which order, and :meth:`close` what stops.
+    """
+
+    def __init__(self, *, context: ctx_mod.ElasticContext, groups: ctx_mod.Groups, rank: int, plan: Plan,
+                 model: torch.nn.Module, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
+                 dataset: MapDataset, checkpoints: ckpt_mod.CheckpointManager, watchdog: Watchdog,
+                 metrics: TrainerMetrics, scheduler: Any = None,
+                 collate_fn: Callable[[list[Any]], Any] = default_collate, log_every: int = 10) -> None:
+        self.ctx = context
+        self.training: TrainingSpec = context.contract.training
+        self.groups = groups
+        self.device = groups.device
+        self.rank = rank
+        self.world_size = plan.world_size
+        self.plan = plan
+        self.raw_model = model
+        self.model = ddp_model
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.dataset = dataset
+        self.collate_fn = collate_fn
         self.log_every = log_every
-        self.groups = ctx_mod.init_process_group(self.ctx)
-        self.world_size = dist.get_world_size()
-        self.rank = dist.get_rank()
-        self.metrics = TrainerMetrics()
-        self.metrics.serve(self.ctx.metrics_port + self.ctx.local_rank if self.ctx.metrics_port else 0)
-        self.metrics.restart_count.set(self.ctx.restart_count)
-        try:
-            self.plan: Plan = plan(self.training, self.world_size)
-        except InvalidWorldSizeError as exc:
-            _exit_permanent(f"spec.training: {exc}")
+        self.checkpoints = checkpoints
+        self.watchdog = watchdog
+        self.metrics = metrics
         self.sampler = sampler_mod.GlobalSampler(len(dataset), self.training.seed)
         self.state = ckpt_mod.TrainerState()
-        self.device = self.groups.device
-        self.raw_model = model.to(self.device)  # in place: the optimizer keeps the same Parameter objects
-        if isinstance(model, DistributedDataParallel):
-            self.model = model
-        elif self.device.type == "cuda":
-            self.model = DistributedDataParallel(model, device_ids=[self.device.index])
-        else:
-            self.model = DistributedDataParallel(model)
-        self.checkpoints = ckpt_mod.CheckpointManager(self.ctx.checkpoint_dir, self.ctx.contract.checkpoint,
-                                                      self.rank, self.world_size, self.groups.checkpoint,
-                                                      metrics=self.metrics)
-        self.watchdog = Watchdog(self.ctx.agent_endpoint)
-        self.watchdog.install_sigterm()
-        try:
-            self.watchdog.connect()
-        except Exception as exc:  # noqa: BLE001 - the channel is optional; SIGTERM still works
-            log.warning("control channel %s unavailable (%s); only SIGTERM can drain", self.ctx.agent_endpoint, exc)
-        self.checkpoints.on_commit = lambda m: self.watchdog.publish(control_keys.CHECKPOINT_KEY, m.model_dump_json())
+        self.lr_state = lr_mod.LRState(plan.lr_scale, plan.lr_scale, 0)
         self.resumed_from: Optional[int] = None
         self.process_id = uuid.uuid4().hex  # tells the agent a new group from the old one (ProgressReport.process_id)
-        self._agreement: Optional[tuple[torch.Tensor, Any]] = None
-        self.lr_state = lr_mod.LRState(self.plan.lr_scale, self.plan.lr_scale, 0)
-        self._fast_tensors = isinstance(dataset, TensorDataset)
-        if scheduler is not None and self.training.lr.schedule is not LRSchedule.CONSTANT:
+        self._agreement = BoundaryAgreement()
+
+    @classmethod
+    def from_env(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: MapDataset, *,
+                 scheduler: Any = None, collate_fn: Callable[[list[Any]], Any] = default_collate,
+                 log_every: int = 10, context: Optional[ctx_mod.ElasticContext] = None,
+                 on_checkpoint_phase: Optional[ckpt_mod.PhaseHook] = None) -> ElasticTrainer:
+        """Start the trainer of this worker, configured by the torchrun and ``DISTTRAIN_*`` environment.
+
+        In this order: read the worker contract (or take ``context``), join the process group and a gloo group
+        for checkpoints, serve metrics on ``DISTTRAIN_METRICS_PORT + LOCAL_RANK``, plan batch and LR for the
+        world size, move the model to its device and wrap it in DDP, install the SIGTERM handler, connect to the
+        job agent. Ends the process with ``ExitCode.PERMANENT`` (after telling the agent) when the contract is
+        missing or invalid or the world size does not fit it. ``on_checkpoint_phase`` lets tests act inside a
+        save (:class:`~disttrain.trainer.checkpoint.CheckpointPhase`).
+        """
+        _configure_logging()
+        ctx = context or _context_or_exit()
+        groups = ctx_mod.init_process_group(ctx)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        metrics = _serve_metrics(ctx)
+        training_plan = _plan_or_exit(ctx.contract.training, world_size)
+        on_device = model.to(groups.device)  # in place: the optimizer keeps the same Parameter objects
+        ddp_model = _data_parallel(model, groups.device)
+        watchdog = Watchdog(ctx.agent_endpoint)
+        checkpoints = ckpt_mod.CheckpointManager(
+            ctx.checkpoint_dir, ctx.contract.checkpoint, rank, world_size, groups.checkpoint, metrics=metrics,
+            on_commit=lambda m: watchdog.publish(control_keys.CHECKPOINT_KEY, m.model_dump_json()),
+            on_phase=on_checkpoint_phase)
+        _open_control_channel(watchdog)
+        if scheduler is not None and ctx.contract.training.lr.schedule is not LRSchedule.CONSTANT:
             log.warning("a scheduler was passed: spec.training.lr.schedule=%s is ignored, the scheduler's factor "
-                        "applies on top of base LR x world-size factor", self.training.lr.schedule.value)
+                        "applies on top of base LR x world-size factor", ctx.contract.training.lr.schedule.value)
+        return cls(context=ctx, groups=groups, rank=rank, plan=training_plan, model=on_device, ddp_model=ddp_model,
+                   optimizer=optimizer, dataset=dataset, checkpoints=checkpoints, watchdog=watchdog,
+                   metrics=metrics, scheduler=scheduler, collate_fn=collate_fn, log_every=log_every)
 
     # ---- user-facing -------------------------------------------------------------------------------------
-    def __enter__(self) -> "ElasticTrainer":
+    def __enter__(self) -> ElasticTrainer:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        """Success closes; a user error exits PERMANENT and a failed collective REFORM, without Python's
+        shutdown (it can block on a dead peer); anything else propagates (exit 1, retryable)."""
         if exc is None:
             self.close()
-            return False
+            return
         if isinstance(exc, (sampler_mod.DatasetChangedError, InvalidWorldSizeError, ctx_mod.ContractError)):
-            _exit_permanent(str(exc))
-        if _is_collective_failure(exc):
+            exits.exit_permanent(str(exc))
+        if is_collective_failure(exc):
             log.error("a collective failed (%s: %s); exiting %d so the group re-forms from the last checkpoint",
                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", int(ExitCode.REFORM))
-            _hard_exit(int(ExitCode.REFORM))
-        return False
+            exits.hard_exit(ExitCode.REFORM)
 
     @property
     def step(self) -> int:
@@ -219,7 +251,7 @@ class ElasticTrainer:
 
     def fetch(self, indices: list[int]) -> Any:
         """The collated micro batch for dataset ``indices``, on the trainer's device."""
-        if self._fast_tensors:
+        if isinstance(self.dataset, TensorDataset):
             idx = torch.as_tensor(indices, dtype=torch.long)
             return _to_device(tuple(t[idx] for t in self.dataset.tensors), self.device)
         getitems = getattr(self.dataset, "__getitems__", None)
@@ -245,12 +277,11 @@ class ElasticTrainer:
             self._after_step(step, now - t_prev)
             t_prev = now
             self._boundary()
-        self.checkpoints.wait_pending()
-        if self.checkpoints.last_saved_step != self.state.step:
-            self.checkpoints.save(self.state.step, self._state(), self._manifest(), force_sync=True)
+        self._commit_current_step()
         log.info("training finished at step %d (%d samples)", self.state.step, self.state.samples_consumed)
 
     def close(self) -> None:
+        """Stop what :meth:`from_env` started: the watchdog, pending saves, the process group."""
         self.watchdog.stop()
         self.checkpoints.close()
         if dist.is_initialized():
@@ -260,11 +291,13 @@ class ElasticTrainer:
             dist.destroy_process_group()
 
     # ---- internals ---------------------------------------------------------------------------------------
-    def _state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"app": ckpt_mod.ModelOptimState(self.raw_model, self.optimizer), "trainer": self.state}
+    def _checkpoint_contents(self) -> dict[str, Any]:
+        """What a checkpoint holds, as DCP Statefuls: model + optimizer, :attr:`state`, the scheduler."""
+        contents: dict[str, Any] = {"app": ckpt_mod.ModelOptimState(self.raw_model, self.optimizer),
+                                    "trainer": self.state}
         if self.scheduler is not None:
-            state["scheduler"] = _SchedulerState(self.scheduler)
-        return state
+            contents["scheduler"] = ckpt_mod.SchedulerState(self.scheduler)
+        return contents
 
     def _manifest(self) -> CheckpointManifest:
         return CheckpointManifest(
@@ -273,6 +306,15 @@ class ElasticTrainer:
             lr_scale=self.lr_state.scale_at(max(0, self.state.step - 1), self.training.lr.ramp_steps),
             dataset=self.sampler.fingerprint, metadata_sha256="pending", files={}, created_at="pending",
             code_version=CODE_VERSION, config_hash=training_config_hash(self.training), job=self.ctx.job)
+
+    def _save(self, force_sync: bool) -> None:
+        self.checkpoints.save(self.state.step, self._checkpoint_contents(), self._manifest(), force_sync=force_sync)
+
+    def _commit_current_step(self) -> None:
+        """Make sure a committed checkpoint holds every step that ran (the end of training, a drain)."""
+        self.checkpoints.wait_pending()
+        if self.checkpoints.last_saved_step != self.state.step:
+            self._save(force_sync=True)
 
     def _resume(self) -> None:
         manifest = self.checkpoints.find_latest()
@@ -288,7 +330,7 @@ class ElasticTrainer:
         if manifest.config_hash != training_config_hash(self.training):
             log.warning("spec.training changed since checkpoint step-%d (config hash differs); continuing with the "
                         "new contract", manifest.step)
-        self.checkpoints.load(manifest, self._state())
+        self.checkpoints.load(manifest, self._checkpoint_contents())
         s = self.state
         if s.data_cursor != s.samples_consumed or s.data_cursor != manifest.data_cursor:
             # The cursor is the number of samples consumed by construction; anything else would replay or skip.
@@ -314,10 +356,9 @@ class ElasticTrainer:
                 warnings.simplefilter("ignore")  # get_lr() outside step() warns; we call it deliberately
                 closed = getattr(self.scheduler, "_get_closed_form_lr", None)
                 lrs = closed() if closed is not None else self.scheduler.get_lr()
-            for group, lr in zip(self.optimizer.param_groups, lrs):
+            for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
                 group["lr"] = lr
         self.metrics.lr_scale.set(scale)
-        self.current_scale = scale
 
     def _optimizer_step(self) -> None:
         self.checkpoints.before_optimizer_step()
@@ -355,62 +396,79 @@ class ElasticTrainer:
                 process_id=self.process_id, time=time.time())
             self.watchdog.publish(control_keys.PROGRESS_KEY, report.model_dump_json())
 
+    def _boundary_flags(self) -> BoundaryFlags:
+        """This rank's side of the boundary agreement."""
+        save_in_progress, save_failed = self.checkpoints.local_pending_state()
+        pending = self.checkpoints.pending
+        return BoundaryFlags.of_rank(
+            drain=self.watchdog.drain_requested, save_in_progress=bool(save_in_progress),
+            save_failed=bool(save_failed), seconds_due=self.rank == 0 and self.checkpoints.seconds_due(),
+            pending_step=pending.step if pending is not None else NO_SAVE)
+
     def _boundary(self) -> None:
-        """Agree on drain / save state with every rank, then checkpoint when due (and exit on drain).
-
-        The agreement is an all-reduce started here and read at the next boundary, so it overlaps the next
-        step's compute instead of adding a synchronisation point: a drain or an async save's outcome is acted
-        on one step after the earliest rank saw it (every rank at the same step), or at once at the last step.
-        """
-        not_done, failed = self.checkpoints.local_pending_state()
-        seconds_due = int(self.rank == 0 and self.checkpoints.seconds_due())
-        pending = self.checkpoints.pending.step if self.checkpoints.pending is not None else -1
-        # MAX of (pending, -pending) yields the max and -min: the flags speak of one save only if all ranks agree.
-        flags = torch.tensor([int(self.watchdog.drain_requested), not_done, failed, seconds_due, pending, -pending],
-                             dtype=torch.int64)
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
-        previous, self._agreement = self._agreement, (flags, work)
+        """Agree on drain / save state with every rank (:mod:`disttrain.trainer.boundary`), then complete a save
+        every rank finished, drain, or checkpoint when due."""
         last = self.done
-        if last:
-            previous = self._agreement
-        if previous is None:
+        agreed = self._agreement.exchange(self._boundary_flags(), read_now=last)
+        if agreed is None:
             return
-        previous[1].wait()
-        drain, any_not_done, _, seconds_due, max_pending, neg_min_pending = (int(x) for x in previous[0].tolist())
-        p = self.checkpoints.pending
-        if p is not None and not any_not_done and max_pending == -neg_min_pending == p.step:
-            # Every rank had finished its part of this very save when the flags were taken.
+        pending = self.checkpoints.pending
+        if pending is not None and agreed.save_finished_everywhere(pending.step):
             self.checkpoints.poll(all_done=True)
-        if drain:
-            if previous is not self._agreement:
-                work.wait()  # leave no collective half-done behind the exit
-            self.checkpoints.wait_pending()
-            if self.checkpoints.last_saved_step != self.state.step:
-                self.checkpoints.save(self.state.step, self._state(), self._manifest(), force_sync=True)
-            reason = self.watchdog.drain_reason or "drain on another rank"
-            log.info("drained at step %d (%s): checkpoint step-%d committed; exiting %d", self.state.step, reason,
-                     self.state.step, int(ExitCode.DRAINED))
-            self.watchdog.stop()
-            self.checkpoints.join_retention()
-            _hard_exit(int(ExitCode.DRAINED))
-        if self.checkpoints.should_save(self.state.step, last=last) or seconds_due or self.checkpoints.retry_due:
-            self.checkpoints.save(self.state.step, self._state(), self._manifest(), force_sync=last)
+        if agreed.drain:
+            self._agreement.settle()
+            self._drain()
+        if self.checkpoints.should_save(self.state.step, last=last) or agreed.seconds_due or self.checkpoints.retry_due:
+            self._save(force_sync=last)
+
+    def _drain(self) -> NoReturn:
+        """Commit the current step, then exit ``ExitCode.DRAINED``: no step that ran is lost."""
+        self._commit_current_step()
+        reason = self.watchdog.drain_reason or "drain on another rank"
+        log.info("drained at step %d (%s): checkpoint step-%d committed; exiting %d", self.state.step, reason,
+                 self.state.step, int(ExitCode.DRAINED))
+        self.watchdog.stop()
+        self.checkpoints.join_retention()
+        exits.hard_exit(ExitCode.DRAINED)
 
 
-class _SchedulerState:
-    """A user scheduler as a Stateful (its base LRs are recomputed from the rule after load anyway)."""
+def _context_or_exit() -> ctx_mod.ElasticContext:
+    try:
+        return ctx_mod.ElasticContext.from_env()
+    except ctx_mod.ContractError as exc:
+        exits.exit_permanent(str(exc))
 
-    def __init__(self, scheduler: Any) -> None:
-        self.scheduler = scheduler
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"json": json.dumps({k: v for k, v in self.scheduler.state_dict().items()
-                                    if isinstance(v, (int, float, str, list, bool, type(None)))})}
+def _serve_metrics(ctx: ctx_mod.ElasticContext) -> TrainerMetrics:
+    metrics = TrainerMetrics()
+    metrics.serve(ctx.metrics_port + ctx.local_rank if ctx.metrics_port else 0)
+    metrics.restart_count.set(ctx.restart_count)
+    return metrics
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = json.loads(state_dict["json"])
-        saved.pop("base_lrs", None)
-        self.scheduler.__dict__.update(saved)
+
+def _plan_or_exit(training: TrainingSpec, world_size: int) -> Plan:
+    try:
+        return plan(training, world_size)
+    except InvalidWorldSizeError as exc:
+        exits.exit_permanent(f"spec.training: {exc}")
+
+
+def _data_parallel(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+    """``model`` wrapped in DDP (as given when it already is); one device per process on GPUs."""
+    if isinstance(model, DistributedDataParallel):
+        return model
+    if device.type == "cuda":
+        return DistributedDataParallel(model, device_ids=[device.index])
+    return DistributedDataParallel(model)
+
+
+def _open_control_channel(watchdog: Watchdog) -> None:
+    """SIGTERM means drain; the agent's store is optional (without it only SIGTERM can drain)."""
+    watchdog.install_sigterm()
+    try:
+        watchdog.connect()
+    except Exception as exc:  # noqa: BLE001 - the channel is optional; SIGTERM still works
+        log.warning("control channel %s unavailable (%s); only SIGTERM can drain", watchdog.endpoint, exc)
 
 
 def _to_device(data: Any, device: torch.device) -> Any:
@@ -425,15 +483,6 @@ def _to_device(data: Any, device: torch.device) -> Any:
     return data
 
 
-def _is_collective_failure(exc: BaseException) -> bool:
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        s in text for s in ("Connection closed by peer", "Connection reset", "Gloo", "gloo", "Timed out", "timed out",
-                            "NCCL", "Socket", "socket"))
-
-
 def _configure_logging() -> None:
     root = logging.getLogger()
     if not root.handlers:
@@ -441,18 +490,3 @@ def _configure_logging() -> None:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format=f"%(asctime)s [disttrain rank {rank}] %(levelname)s %(message)s")
     logging.getLogger("disttrain").setLevel(logging.INFO)
-
-
-def _exit_permanent(message: str) -> None:
-    log.error("%s (exit %d: a restart cannot fix this)", message, int(ExitCode.PERMANENT))
-    report_failure(int(ExitCode.PERMANENT), message)
-    _hard_exit(int(ExitCode.PERMANENT))
-
-
-def _hard_exit(code: int) -> None:
-    """Exit without running torch's atexit/destructor paths, which can block on a peer that is gone."""
-    for h in logging.getLogger().handlers:
-        h.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

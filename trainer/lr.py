@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from disttrain.api.plan import learning_rate as _planned_lr, ramped_lr_scale
+from disttrain.api.plan import learning_rate, ramped_lr_scale
 from disttrain.api.spec import TrainingSpec
 
 
@@ -44,10 +44,6 @@ def ramp_after_resume(saved_scale: Optional[float], saved_target: Optional[float
     in_effect = ramped_lr_scale(saved_scale, saved_target, step - 1 - saved_change_step, ramp_steps) \
         if step > saved_change_step else saved_scale
     return LRState(start_scale=in_effect, target_scale=new_target, change_step=step)
-
-
-def learning_rate(training: TrainingSpec, samples_consumed: int, scale: float) -> float:
-    return _planned_lr(training, samples_consumed, scale)
 
 
 def apply_lr(optimizer: Any, scheduler: Any, training: TrainingSpec, samples_consumed: int, scale: float) -> float:

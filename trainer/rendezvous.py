@@ -1,6 +1,6 @@
 """torchrun rendezvous handler ``disttrain``: stock c10d, plus the operator's target plan.
 
-Worker pods run ``torchrun --rdzv-backend=disttrain`` (``disttrain.operator.pods.RDZV_BACKEND``). torchrun finds
+Worker pods run ``torchrun --rdzv-backend=disttrain`` (:data:`disttrain.api.constants.RDZV_BACKEND`). torchrun finds
 this handler through its official plug-in point, the ``torchrun.handlers`` entry-point group (see
 ``torch/distributed/elastic/rendezvous/registry.py``: each entry point is loaded and *called*, and what it
 returns is registered as the handler creator ``(RendezvousParameters) -> RendezvousHandler``); pyproject.toml
@@ -30,7 +30,9 @@ under ``TARGET_KEY`` (without one the handler is plain c10d):
 
 The changes are made by wrapping the stock join operation (:class:`_TargetAwareOpExecutor`), not by copying it.
 Workers must run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (the pod builder sets it): with a shared store a
-scale-up deadlocks when the running node keeps rank 0 (notes/torchrun.md).
+scale-up deadlocks whenever the running node sorts first and keeps rank 0. It reuses its cached store address, so
+it never publishes MASTER_ADDR/MASTER_PORT for the new round; the new node waits for them, the old one for the new
+node's rank info, and both exit 1 after the 60 s store read timeout (measured with torch 2.13).
 
 This module imports torch and never kopf or the operator.
 """
@@ -40,31 +42,22 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from torch.distributed import Store
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
-from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, c10d_rendezvous_backend
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
-from disttrain.api import control, env
+from disttrain.api import constants, control, env
 
 log = logging.getLogger("disttrain.rendezvous")
-
-BACKEND_NAME = "disttrain"  # must equal disttrain.operator.pods.RDZV_BACKEND (the trainer cannot import it)
 
 
 def read_target(store: Store) -> Optional[control.TargetPlan]:
     """The agent's current TargetPlan, or None when none was published (or it cannot be parsed)."""
-    if not store.check([control.TARGET_KEY]):  # ``get`` would block until the key exists
-        return None
-    raw = store.get(control.TARGET_KEY)
-    try:
-        return control.TargetPlan.model_validate_json(raw)
-    except ValueError:
-        log.warning("ignoring an unparsable rendezvous target %r", raw)
-        return None
+    return control.read_model(store, control.TARGET_KEY, control.TargetPlan)
 
 
 class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
@@ -138,7 +131,7 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
         return read_target(self._target_store)
 
     def get_backend(self) -> str:
-        return BACKEND_NAME  # torchrun checks that the handler reports the backend it asked for
+        return constants.RDZV_BACKEND  # torchrun checks that the handler reports the backend it asked for
 
     def num_nodes_waiting(self) -> int:
         """0 while the operator steers (it re-forms the group by a drain at a checkpoint); else c10d's count."""

@@ -67,7 +67,7 @@ class GlobalSampler:
     def fingerprint(self) -> DatasetFingerprint:
         return fingerprint(self.length, self.seed)
 
-    @functools.lru_cache(maxsize=2)
+    @functools.lru_cache(maxsize=2)  # noqa: B019 - one sampler per process, alive as long as the cache anyway
     def permutation(self, epoch: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.length, generator=generator)

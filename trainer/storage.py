@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 import queue
 import threading
-from torch.futures import Future
 from typing import Any, cast
 
 import torch
@@ -25,8 +24,16 @@ from torch.distributed.checkpoint.filesystem import (
     _StorageInfo,
 )
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from disttrain.trainer.digesting import DigestingFileSystem
 
@@ -37,13 +44,19 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     flat = t.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 class RawFileSystemWriter(FileSystemWriter):
     def __init__(self, path: str, thread_count: int = 2) -> None:
         super().__init__(path, thread_count=thread_count, sync_files=True)
-        self.fs = DigestingFileSystem()
+        self._digesting = DigestingFileSystem()
+        self.fs = self._digesting
+
+    @property
+    def digests(self) -> dict[str, tuple[int, str]]:
+        """file name -> (size, "crc32:<hex>") of every shard this writer wrote, computed while writing."""
+        return self._digesting.digests
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
@@ -119,7 +132,7 @@ class RawFileSystemReader(FileSystemReader):
                         continue
                     tensor = self._read_chunk(stream, info, metadata.state_dict_metadata[req.storage_index.fqn],
                                               req.storage_index.offset)
-                    for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                    for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
                         tensor = tensor.narrow(dim, start, length)
                     target = planner.resolve_tensor(req).detach()
                     if target.size() != tensor.size():

@@ -82,7 +82,7 @@ def main() -> None:
     torch.manual_seed(0)  # identical initial weights on every rank; the checkpoint takes over after a restart
     model = TinyLM(vocab, args.d_model, args.layers, args.heads, args.block)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, betas=(0.9, 0.95))
-    with ElasticTrainer(model, optimizer, dataset, log_every=20) as trainer:
+    with ElasticTrainer.from_env(model, optimizer, dataset, log_every=20) as trainer:
         if trainer.rank == 0:
             print(f"tinylm: {sum(p.numel() for p in model.parameters())} parameters, vocab {vocab}, "
                   f"{len(dataset)} windows of {args.block}; uniform loss would be {math.log(vocab):.2f}", flush=True)

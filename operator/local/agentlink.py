@@ -10,12 +10,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from disttrain.api import constants
+from disttrain.api.status import AGENT_FIELDS
 from disttrain.operator.local.statedir import StateDir
-
-AGENT_STATUS_FILE = "agent-status.json"
-# Status fields the agent owns (disttrain.trainer.agent.AGENT_FIELDS; the operator package may not import it).
-AGENT_FIELDS = ("step", "samplesConsumed", "worldSize", "plan", "rendezvousRound", "roundStartTime",
-                "lastProgressTime", "lastCheckpoint", "workerFailure")
 
 
 def localize_agent_pod(pod: dict[str, Any], state: StateDir, port: int) -> dict[str, Any]:
@@ -27,21 +24,18 @@ def localize_agent_pod(pod: dict[str, Any], state: StateDir, port: int) -> dict[
     return pod
 
 
-def agent_env(state: StateDir) -> dict[str, str]:
-    return {}
-
-
 def read_relayed(state: StateDir, cluster_checkpoint_dir: str = "") -> dict[str, Any]:
     """The agent's status fields (empty until it relayed anything).
 
     The agent names checkpoints by their path in the pod (under spec.checkpoint.path); local mode shows where
     they really are, in the state directory.
     """
-    document = state.read_json(state.path / AGENT_STATUS_FILE)
+    document = state.read_json(state.path / constants.LOCAL_AGENT_STATUS_FILE)
     if not isinstance(document, dict):
         return {}
     relayed = {k: v for k, v in document.items() if k in AGENT_FIELDS}
     ckpt = relayed.get("lastCheckpoint")
-    if cluster_checkpoint_dir and isinstance(ckpt, dict) and str(ckpt.get("path", "")).startswith(cluster_checkpoint_dir):
-        relayed["lastCheckpoint"] = dict(ckpt, path=str(state.checkpoints_dir) + ckpt["path"][len(cluster_checkpoint_dir):])
+    path = str(ckpt.get("path", "")) if isinstance(ckpt, dict) else ""
+    if cluster_checkpoint_dir and isinstance(ckpt, dict) and path.startswith(cluster_checkpoint_dir):
+        relayed["lastCheckpoint"] = dict(ckpt, path=str(state.checkpoints_dir) + path[len(cluster_checkpoint_dir):])
     return relayed

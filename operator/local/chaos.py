@@ -47,7 +47,8 @@ class ChaosEvent:
         return f"{name}@{when}"
 
 
-_ITEM = re.compile(r"^(?P<action>[a-z-]+)(?::(?P<index>\d+))?@(?:(?P<step>step=\d+)|(?P<time>\d+(?:\.\d+)?)(?P<unit>s|m)?)$")
+_ITEM = re.compile(r"^(?P<action>[a-z-]+)(?::(?P<index>\d+))?"
+                   r"@(?:(?P<step>step=\d+)|(?P<time>\d+(?:\.\d+)?)(?P<unit>s|m)?)$")
 
 
 def parse_chaos(text: str) -> list[ChaosEvent]:

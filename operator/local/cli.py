@@ -18,7 +18,7 @@ from typing import Optional
 from disttrain.operator.local.statedir import StateDir
 
 
-def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p_local = sub.add_parser("local", help="run a DistTrainJob on this machine (no cluster): run, scale, status")
     local = p_local.add_subparsers(dest="local_command", required=True, metavar="ACTION")
 
@@ -53,8 +53,10 @@ def resolve_state(job: str, state_dir: Optional[str]) -> StateDir:
     if state_dir:
         return StateDir.for_job(job, state_dir)
     path = pathlib.Path(job)
-    if path.is_dir() and (path / "job.json").exists():
-        return StateDir(path.resolve())
+    if path.is_dir():
+        candidate = StateDir(path.resolve())
+        if candidate.job_file.exists():
+            return candidate
     if path.is_file():
         import yaml
 
@@ -96,7 +98,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return _run(job, state, chaos, args)
 
 
-def _run(job, state: StateDir, chaos, args: argparse.Namespace) -> int:  # noqa: ANN001 - lazy-imported types
+def _run(job, state: StateDir, chaos, args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from disttrain.operator.local import display as display_mod

@@ -79,7 +79,7 @@ class Display:
         self._last_line = 0.0
         self._header_done = False
 
-    def __enter__(self) -> "Display":
+    def __enter__(self) -> Display:
         if self.live_enabled:
             self._live = Live(console=self.console, refresh_per_second=4, transient=False)
             self._live.__enter__()
@@ -134,7 +134,8 @@ def render_summary(summary: Summary, console: Console) -> None:
     table.add_row("result", f"{summary.phase}: {summary.message}")
     table.add_row("steps", f"{summary.steps} ({summary.samples} samples)")
     table.add_row("wall time", f"{summary.wall_seconds:.1f}s")
-    table.add_row("last checkpoint", "-" if summary.last_checkpoint_step is None else f"step {summary.last_checkpoint_step}")
+    last = summary.last_checkpoint_step
+    table.add_row("last checkpoint", "-" if last is None else f"step {last}")
     reforms = [f"{r.reason}: {r.from_nodes}->{r.to_nodes} nodes in {_fmt(r.duration_seconds, '.1f')}s"
                + (f", resumed from step {r.resumed_from_step}" if r.resumed_from_step is not None else "")
                + (f", {r.lost_steps} steps lost" if r.lost_steps is not None else "")

@@ -44,11 +44,11 @@ def parse_line(line: str, facts: LogFacts, now: float) -> None:
         facts.samples_per_second = _float(match.group(5))
         return
     match = _RESUMED.search(line)
-    step = int(match.group(1)) if match else (0 if _FRESH.search(line) else None)
-    if step is not None:
+    resumed = int(match.group(1)) if match else (0 if _FRESH.search(line) else None)
+    if resumed is not None:
         # Every rank logs the resume; one record per group start (same step within a few seconds).
-        if not facts.resumes or facts.resumes[-1][1] != step or now - facts.resumes[-1][0] > 5:
-            facts.resumes.append((now, step))
+        if not facts.resumes or facts.resumes[-1][1] != resumed or now - facts.resumes[-1][0] > 5:
+            facts.resumes.append((now, resumed))
         return
     match = _DRAINED.search(line)
     if match:

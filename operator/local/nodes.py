@@ -16,7 +16,7 @@ import time
 from typing import IO, Optional
 
 from disttrain.operator.local import proctree
-from disttrain.operator.observed import NodeView, PodView
+from disttrain.operator.observed import NodeView, PodPhase, PodView
 
 # Seconds a deleted pod gets between SIGTERM and SIGKILL (terminationGracePeriodSeconds, shortened locally).
 GRACE_SECONDS = 10.0
@@ -61,6 +61,7 @@ class LocalPod:
         return self.started
 
     def view(self) -> PodView:
+        phase: PodPhase
         code = self.poll()
         if code is None and not self.node_lost and not self.is_started():
             phase, ready = "Pending", False
@@ -73,7 +74,7 @@ class LocalPod:
                        exit_code=None if phase == "Running" else code)
 
     def node_view(self) -> NodeView:
-        return NodeView(name=self.node, ready=False if self.node_lost else True)
+        return NodeView(name=self.node, ready=not self.node_lost)
 
     def kill_machine(self) -> None:
         """The machine dies: every process of the pod gets SIGKILL, the node turns NotReady."""

@@ -11,12 +11,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
+from disttrain.api import constants
+from disttrain.api.ports import free_port
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import names, pods, reconcile
 from disttrain.operator.local import agentlink, proctree, translate
@@ -31,12 +32,6 @@ from disttrain.operator.observed import Actions, Observed
 TICK_SECONDS = 0.2
 # Frequent events the display leaves out (the panel's checkpoint row shows the newest; events.jsonl keeps all).
 QUIET_REASONS = frozenset({"CheckpointCommitted"})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass
@@ -60,13 +55,13 @@ def rendezvous_fallback() -> Optional[str]:
     ``c10d``, the stock backend it extends."""
     from importlib.metadata import entry_points
 
-    if any(ep.name == pods.RDZV_BACKEND for ep in entry_points(group="torchrun.handlers")):
+    if any(ep.name == constants.RDZV_BACKEND for ep in entry_points(group="torchrun.handlers")):
         return None
     return "c10d"
 
 
 class LocalRuntime:
-    def __init__(self, job: DistTrainJob, state: StateDir, *, chaos: list[ChaosEvent] = (),
+    def __init__(self, job: DistTrainJob, state: StateDir, *, chaos: Sequence[ChaosEvent] = (),
                  workdir: Optional[str] = None, metrics_port: int = 0,
                  on_tick: Optional[Callable[[Snapshot], None]] = None,
                  on_event: Optional[Callable[[dict[str, Any]], None]] = None) -> None:
@@ -136,14 +131,14 @@ class LocalRuntime:
             cluster_checkpoint_dir=pods.checkpoint_dir(job), checkpoint_dir=str(self.state.checkpoints_dir),
             workdir=self.workdir, base_env=dict(os.environ), rdzv_backend=self.rdzv_fallback)
 
-    def _spawn(self, pod: dict[str, Any], index: int, metrics_port: int, extra_env: dict[str, str]) -> LocalPod:
+    def _spawn(self, pod: dict[str, Any], index: int, metrics_port: int) -> LocalPod:
         name = pod["metadata"]["name"]
         self.machine_count += 1
         machine = f"local-{self.machine_count}"
         uid = str(uuid.uuid4())
         pod = copy.deepcopy(pod)
         pod["metadata"]["uid"] = uid
-        spec = translate.to_process(pod, self.site(), machine, metrics_port, extra_env)
+        spec = translate.to_process(pod, self.site(), machine, metrics_port)
         log = self.state.log_file(name).open("ab")
         log.write(f"==== {time.strftime('%H:%M:%S')} {name} (uid {uid}) on {machine}: "
                   f"{' '.join(spec.argv)}\n".encode())
@@ -158,7 +153,7 @@ class LocalRuntime:
         pod = pods.build_worker_pod(job, index, endpoint=f"127.0.0.1:{self.store_port}",
                                     checkpoint_directory=str(self.state.checkpoints_dir))
         port = free_port()
-        local = self._spawn(pod, index, port, {})
+        local = self._spawn(pod, index, port)
         local.ready_port = self.store_port
         self.workers[local.name] = local
         self.record_event("Normal", "NodeStarted",
@@ -169,7 +164,7 @@ class LocalRuntime:
         job = self.job()
         pod = pods.build_agent_pod(job)
         pod = agentlink.localize_agent_pod(pod, self.state, self.store_port)
-        self.agent = self._spawn(pod, -1, 0, agentlink.agent_env(self.state))
+        self.agent = self._spawn(pod, -1, 0)
         self.record_event("Normal", "AgentStarted", f"{self.agent.name}: store on 127.0.0.1:{self.store_port}, "
                                                     f"log {self.state.log_file(self.agent.name)}")
 
@@ -277,7 +272,7 @@ class LocalRuntime:
         pods_shown = []
         for pod in self.all_pods():
             view = pod.view()
-            state = "Terminating" if view.is_terminating else ("NodeLost" if pod.node_lost else view.phase)
+            state: str = "Terminating" if view.is_terminating else ("NodeLost" if pod.node_lost else view.phase)
             if view.exit_code is not None and view.phase == "Failed":
                 state += f" ({view.exit_code})"
             pods_shown.append((pod.name, pod.node, state))
@@ -315,9 +310,9 @@ class LocalRuntime:
                           f"state in {self.state.path}; operator metrics at {self.metrics_url}")
         if self.rdzv_fallback:
             self.record_event("Warning", "RendezvousFallback",
-                              f"torchrun handler {pods.RDZV_BACKEND!r} is not installed in this environment; nodes "
-                              f"use {self.rdzv_fallback!r} (rounds wait for last-call timeouts, scale-ups may reform "
-                              "twice)")
+                              f"torchrun handler {constants.RDZV_BACKEND!r} is not installed in this environment; "
+                              f"nodes use {self.rdzv_fallback!r} (rounds wait for last-call timeouts, scale-ups may "
+                              "reform twice)")
         try:
             while not self.is_done() and not self.stop_requested:
                 actions = self.tick()

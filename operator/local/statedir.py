@@ -23,6 +23,8 @@ import pathlib
 import time
 from typing import Any, Optional
 
+from disttrain.api import constants
+
 DEFAULT_ROOT = ".disttrain"
 
 
@@ -31,7 +33,7 @@ class StateDir:
         self.path = path
 
     @classmethod
-    def for_job(cls, job_name: str, state_dir: Optional[str] = None) -> "StateDir":
+    def for_job(cls, job_name: str, state_dir: Optional[str] = None) -> StateDir:
         if state_dir:
             return cls(pathlib.Path(state_dir).resolve())
         return cls((pathlib.Path.cwd() / DEFAULT_ROOT / job_name).resolve())
@@ -39,7 +41,7 @@ class StateDir:
     # -- layout
     @property
     def job_file(self) -> pathlib.Path:
-        return self.path / "job.json"
+        return self.path / constants.LOCAL_JOB_FILE
 
     @property
     def status_file(self) -> pathlib.Path:

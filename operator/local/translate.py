@@ -22,7 +22,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from disttrain.api import constants
+from disttrain.api import containers
 from disttrain.api import env as env_names
 
 
@@ -55,13 +55,12 @@ class ProcessSpec:
 
 
 def trainer_container(pod: Mapping[str, Any]) -> Mapping[str, Any]:
-    containers = pod.get("spec", {}).get("containers", [])
-    for container in containers:
-        if container.get("name") == constants.TRAINER_CONTAINER:
-            return container
-    if not containers:
-        raise ValueError(f"pod {pod.get('metadata', {}).get('name')!r} has no containers")
-    return containers[0]
+    """The container the local process runs: the trainer of a worker pod, the only one of the agent pod."""
+    pod_containers: list[Mapping[str, Any]] = pod.get("spec", {}).get("containers", [])
+    index = containers.find_trainer_index(pod_containers)
+    if index is None:
+        raise ValueError(f"pod {pod.get('metadata', {}).get('name')!r}: {containers.NO_TRAINER_MESSAGE}")
+    return pod_containers[index]
 
 
 def _endpoint_pattern(site: LocalSite) -> re.Pattern[str]:
@@ -132,14 +131,13 @@ def container_env(container: Mapping[str, Any], pod: Mapping[str, Any], node_nam
             continue
         field = (item.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
         if field:
-            value = _field_value(field, pod, node_name)
-            if value is not None:
-                resolved[name] = value
+            field_value = _field_value(field, pod, node_name)
+            if field_value is not None:
+                resolved[name] = field_value
     return resolved
 
 
-def to_process(pod: Mapping[str, Any], site: LocalSite, node_name: str, metrics_port: int,
-               extra_env: Optional[Mapping[str, str]] = None) -> ProcessSpec:
+def to_process(pod: Mapping[str, Any], site: LocalSite, node_name: str, metrics_port: int) -> ProcessSpec:
     """The local process for ``pod``: the trainer container's command and env, translated to this machine."""
     container = trainer_container(pod)
     argv = translate_argv([*container.get("command", []), *container.get("args", [])], site)
@@ -156,7 +154,6 @@ def to_process(pod: Mapping[str, Any], site: LocalSite, node_name: str, metrics_
         env[env_names.CHECKPOINT_DIR] = site.checkpoint_dir
     if env_names.METRICS_PORT in env:
         env[env_names.METRICS_PORT] = str(metrics_port)
-    env.update(extra_env or {})
     workdir = container.get("workingDir")
     cwd = site.workdir if not workdir or not _exists(workdir) else workdir
     return ProcessSpec(tuple(argv), env, cwd)

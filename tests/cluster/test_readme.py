@@ -114,6 +114,15 @@ def test_the_readme_kubernetes_walkthrough(fresh_cluster: ControlPlane, tmp_path
         phases = [line[1] for line in lines[1:]]
         assert "Reforming" in phases and phases[-1] == "Running", watched
         assert lines[-1][2] == "3" and lines[-1][7] == "3", watched  # world size and desired nodes (NODES)
+        # And back down, as a user trying the elastic range would: a drain, the victim deleted, Running at 1.
+        assert "scaled" in plane.kubectl("scale", "dtj/tinylm", "--replicas=1").stdout
+        drain = eventually(lambda: _phase_status(plane, "Reforming"), what="the scale-down drain")
+        assert drain["control"]["action"] == "drain" and len(drain["control"]["exclude"]) == 2
+        report(lastCheckpoint={"step": 60, "time": format_time(time.time() + 3)})
+        eventually(lambda: len(_workers(plane)) == 1, what="victims deleted after the drain checkpoint")
+        report(worldSize=1, step=61, rendezvousRound=3, lastProgressTime=format_time(time.time() + 4))
+        row = eventually(lambda: _row(plane.kubectl(*get[1:]).stdout, "Running"), what="Running at 1")
+        assert row[2] == "1" and row[4] == "60", row
         assert not operator.forbidden_lines(), operator.forbidden_lines()
     finally:
         if operator is not None:
@@ -123,6 +132,11 @@ def test_the_readme_kubernetes_walkthrough(fresh_cluster: ControlPlane, tmp_path
 
 def _job_path() -> str:
     return f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/default/{constants.PLURAL}/tinylm"
+
+
+def _phase_status(plane: ControlPlane, phase: str) -> dict | None:
+    status = plane.request("GET", _job_path()).get("status") or {}
+    return status if status.get("phase") == phase else None
 
 
 def _workers(plane: ControlPlane) -> list[dict]:

@@ -1,6 +1,6 @@
 """Local-mode end-to-end harness: real runtime, real agent, real torchrun and trainer processes.
 
-``run_job`` writes a manifest for the e2e recorder program (``workers/recorder.py``), runs it with the local
+``run_job`` writes a manifest for the e2e recorder program (``tests/workers/recorder.py``), runs it with the local
 runtime in this process (so a test can act between ticks through ``on_tick``) and returns the run: summary,
 events, the per-step records of every process, and the state directory.
 """
@@ -23,7 +23,7 @@ from disttrain.operator.local.statedir import StateDir
 from disttrain.operator.local.summary import Summary
 from tests.conftest import REPO_ROOT, JobBuilder
 
-RECORDER = "tests/e2e/workers/recorder.py"
+RECORDER = "tests/workers/recorder.py"
 
 
 def e2e_job(name: str, out: pathlib.Path, *, replicas: int = 2, max_steps: int = 24, dataset: int = 288,

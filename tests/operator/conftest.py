@@ -57,7 +57,7 @@ class Operator:
         @kopf.on.startup(registry=registry)
         def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
             handlers.configure(settings)
-            settings.posting.enabled = False  # kopf's generateName events collide on kmock (see notes/kmock.md)
+            settings.posting.enabled = False  # kopf's generateName events collide (409) on kmock 0.8
             settings.watching.connect_timeout = 5
 
         def api_client() -> k8s.ApiClient:

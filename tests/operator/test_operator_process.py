@@ -46,7 +46,7 @@ def http_get(url: str) -> tuple[int, str]:
 class OperatorProcess:
     """``python -m disttrain.operator.cli operator --all-namespaces`` with a kubeconfig naming the emulator.
 
-    (``--namespace`` would make kopf scan /api/v1/namespaces, which kmock 0.8 answers with 500; see notes/kmock.md.)
+    (``--namespace`` would make kopf scan /api/v1/namespaces, which kmock 0.8 answers with 500.)
     """
 
     def __init__(self, url: str, tmp: Path) -> None:

@@ -1,6 +1,6 @@
 """Harness for the multi-process trainer tests: real ``python -m torch.distributed.run``, gloo, CPU, real kills.
 
-Each scenario runs ``workers/toy.py`` (the real loop API on a tiny MLP) with a worker contract in the env, and
+Each scenario runs ``tests/workers/toy.py`` (the real loop API on the shared tiny MLP) with a worker contract in the env, and
 reads back what the processes recorded (steps, consumed indices, LRs) and what they committed on disk.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, Optional
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TOY = REPO / "tests" / "trainer" / "workers" / "toy.py"
+TOY = REPO / "tests" / "workers" / "toy.py"
 STORE_SERVER = REPO / "tests" / "trainer" / "workers" / "store_server.py"
 
 

@@ -9,7 +9,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 def test_kill_during_save_before_commit_leaves_the_previous_checkpoint_loaded_and_kept(harness):
     contract = harness.contract(global_batch=4, micro=1, max_steps=8, interval=2, keep=1)
-    rc, log = harness.run(2, contract, "crash", DISTTRAIN_FAULT_INJECT="kill_before_commit:4")
+    rc, log = harness.run(2, contract, "crash", TOY_FAULT="kill_before_commit:4")
     assert rc != 0, log[-3000:]
     assert "SIGKILL before COMPLETE.json of step 4" in log
     names = sorted(p.name for p in harness.ckpt.iterdir())
@@ -44,7 +44,7 @@ def test_a_corrupt_shard_is_detected_and_the_previous_checkpoint_is_used(harness
 
 def test_a_failed_async_save_surfaces_at_a_boundary_is_retried_and_async_checkpoints_resume(harness):
     contract = harness.contract(global_batch=4, micro=1, max_steps=12, interval=4, keep=3, async_save=True)
-    rc, log = harness.run(2, contract, "fail", DISTTRAIN_FAULT_INJECT="fail_async:4", TOY_STEP_SLEEP="0.15",
+    rc, log = harness.run(2, contract, "fail", TOY_FAULT="fail_write:4", TOY_STEP_SLEEP="0.15",
                           TOY_DRAIN_AT="9")  # drains at step 10
     assert "drained at step 10" in log, log[-3000:]
     failed = re.search(r"checkpoint save at step 4 FAILED \(1 in a row\): OSError\('fault injection.*\n.*"

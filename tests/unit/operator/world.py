@@ -11,7 +11,7 @@ import copy
 import dataclasses
 from typing import Any, Optional
 
-from disttrain.api import conditions as cond
+from disttrain.api import timestamps
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import names
 from disttrain.operator.observed import Actions, NodeView, Observed, PodView
@@ -155,7 +155,7 @@ class World:
     def progress(self, nodes: int, step: int, *, nproc: int = 1, same_round: bool = False) -> "World":
         """The agent relays a progress report at ``nodes`` nodes: of a new rendezvous round (its first report), or,
         with ``same_round``, of the group that is already running."""
-        now = cond.format_time(self.now)
+        now = timestamps.format_time(self.now)
         self.status.update(worldSize=nodes * nproc, step=step, samplesConsumed=step * 24, lastProgressTime=now)
         if not same_round:
             self.status.update(rendezvousRound=self.status.get("rendezvousRound", 0) + 1, roundStartTime=now)
@@ -163,7 +163,7 @@ class World:
 
     def checkpoint(self, step: int) -> "World":
         self.status["lastCheckpoint"] = {"step": step, "samples": step * 24, "path": f"/ckpt/step-{step}",
-                                         "time": cond.format_time(self.now), "worldSize": self.status.get("worldSize", 0)}
+                                         "time": timestamps.format_time(self.now), "worldSize": self.status.get("worldSize", 0)}
         return self
 
     def spec(self, dotted: str, value: Any) -> "World":
@@ -176,7 +176,7 @@ class World:
 
     # -- reading
     def condition(self, type_: str) -> Optional[dict[str, Any]]:
-        return cond.find_condition(self.status.get("conditions", []), type_)
+        return next((c for c in self.status.get("conditions", []) if c.get("type") == type_), None)
 
     def reasons(self) -> list[str]:
         return [reason for reason, _ in self.events]

@@ -74,5 +74,5 @@ def test_retention_removes_torn_saves_but_not_the_one_in_flight(tmp_path):
     make_checkpoint(tmp_path, 4)
     (tmp_path / ".tmp-step-6-dead").mkdir()
     (tmp_path / ".tmp-step-8-live").mkdir()
-    commit.apply_retention(tmp_path, keep=1, in_flight=[".tmp-step-8-live"])
+    commit.delete(tmp_path, commit.plan_retention(tmp_path, keep=1, in_flight=[".tmp-step-8-live"]))
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-step-8-live", "step-4"]

@@ -1,0 +1,24 @@
+"""JSON merge patches (RFC 7386): the one way the operator writes status, as kopf keeps ``_cogs/structs/patches.py``.
+
+The reconcile core computes the patch from the status it read to the status it decided, so the adapter sends only
+what changed and the patch is empty when nothing did.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def merge_patch(old: Any, new: Any) -> Any:
+    """RFC 7386 merge patch turning ``old`` into ``new`` (dicts recurse; removed keys become None)."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return new
+    patch: dict[str, Any] = {}
+    for key in old.keys() - new.keys():
+        patch[key] = None
+    for key, value in new.items():
+        if key not in old:
+            patch[key] = value
+        elif old[key] != value:
+            patch[key] = merge_patch(old[key], value)
+    return patch

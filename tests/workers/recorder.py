@@ -1,0 +1,82 @@
+"""The e2e training program: the real loop API on the shared tiny MLP, recording what every step did.
+
+Settings come from the worker contract env like any disttrain program. ``E2E_OUT`` is a folder; each process
+appends JSON lines to its own file: step, world size, global batch, the dataset indices this rank consumed,
+this rank's loss sum and sample count, and the param-group LRs (:func:`toymodel.step_record` plus the loss,
+time, load time and group). ``E2E_STEP_SLEEP`` slows steps down so chaos lands mid-run; ``E2E_HOLD_SAVE_STEP``
+holds that step's commit open after every rank's files are written, before COMPLETE.json, so a node kill lands
+inside the checkpoint write.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+import toymodel  # a sibling: this folder is sys.path[0] of a script started by path
+from disttrain.trainer.checkpoint import CheckpointPhase, PhaseHook
+from disttrain.trainer.loop import ElasticTrainer
+
+
+def main() -> None:
+    dataset = toymodel.regression_dataset(int(os.environ.get("E2E_DATASET", "480")))
+    model = toymodel.TinyMLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    sleep = float(os.environ.get("E2E_STEP_SLEEP", "0"))
+    hold_step = int(os.environ.get("E2E_HOLD_SAVE_STEP", "0"))
+    out_dir = os.environ["E2E_OUT"]
+    hook = hold_commit(hold_step, 30.0, out_dir) if hold_step else None
+    node = os.environ.get("DISTTRAIN_NODE_NAME", "node")
+    with ElasticTrainer.from_env(model, optimizer, dataset, log_every=1, on_checkpoint_phase=hook) as trainer, \
+            toymodel.open_records(out_dir, node) as records:
+        load_seconds = _time_loads(trainer)
+        # One torchrun round = one group; its store port is fresh each round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE).
+        group = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}:{os.environ.get('MASTER_PORT', '')}:{trainer.world_size}"
+        for step in trainer.steps():
+            loss_sum, count = toymodel.train_step(trainer, step)
+            toymodel.write_record(records, dict(
+                toymodel.step_record(trainer, step), loss_sum=loss_sum, count=count, time=time.time(),
+                load_seconds=load_seconds[0], group=f"{group}:{trainer.resumed_from}"))
+            if sleep:
+                time.sleep(sleep)
+
+
+def _time_loads(trainer: ElasticTrainer) -> list[float]:
+    """Record how long loading the checkpoint took (the reform benchmark subtracts it): a one-item list the
+    wrapped ``load`` fills in."""
+    manager = trainer.checkpoints
+    original = manager.load
+    seconds = [0.0]
+
+    def timed_load(*args: Any, **kwargs: Any) -> None:
+        began = time.perf_counter()
+        try:
+            original(*args, **kwargs)
+        finally:
+            seconds[0] = time.perf_counter() - began
+
+    manager.load = timed_load  # type: ignore[method-assign]
+    return seconds
+
+
+def hold_commit(at_step: int, seconds: float, out_dir: str) -> PhaseHook:
+    """Hold the commit of ``at_step`` open for ``seconds`` once, after every rank's files are written and before
+    COMPLETE.json: a window for a node kill inside the checkpoint write. A marker file names the step and node."""
+
+    def hook(phase: CheckpointPhase, step: int) -> None:
+        if phase is not CheckpointPhase.BEFORE_MANIFEST or step != at_step:
+            return  # BEFORE_MANIFEST happens on global rank 0 only
+        if any(name.startswith(f"saving-{step}-") for name in os.listdir(out_dir)):
+            return  # held once already, by an earlier group
+        node = os.environ.get("DISTTRAIN_NODE_NAME", "node")
+        open(os.path.join(out_dir, f"saving-{step}-{node}"), "w").close()
+        time.sleep(seconds)
+
+    return hook
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The small model every multi-process test trains, shared by ``toy.py`` (trainer tests) and ``recorder.py``
+(end-to-end tests and the local-mode benchmarks).
+
+Those programs are started by path (``torchrun ... tests/workers/toy.py``), so Python puts this folder first on
+``sys.path`` and they import this module as plain ``toymodel``; no PYTHONPATH is needed in any launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import IO, Any, Optional
+
+import torch
+
+from disttrain.trainer import randomness
+from disttrain.trainer.loop import ElasticTrainer, Step
+
+
+class TinyMLP(torch.nn.Module):
+    """8 -> 16 -> 1 with keyed dropout (so exactness tests cover model randomness across world sizes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1234)  # identical init on every rank and every run
+        self.l1 = torch.nn.Linear(8, 16)
+        self.l2 = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, seeds: Optional[list[int]] = None) -> torch.Tensor:
+        h = torch.tanh(self.l1(x))
+        if seeds is not None:
+            h = randomness.keyed_dropout(h, 0.1, seeds)
+        return self.l2(h).squeeze(-1)
+
+
+def regression_dataset(n: int) -> torch.utils.data.TensorDataset:
+    """``n`` samples of a noisy linear target, the same on every rank and every run."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, 8, generator=g)
+    y = x.sum(-1) * 0.3 + torch.randn(n, generator=g) * 0.1
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def train_step(trainer: ElasticTrainer, step: Step) -> tuple[float, int]:
+    """Forward and backward of every micro batch of ``step`` (MSE summed over samples, keyed dropout).
+    Returns this rank's loss sum and sample count."""
+    loss_sum, count = 0.0, 0
+    for mb in step:
+        xb, yb = mb.data
+        loss = torch.nn.functional.mse_loss(trainer.model(xb, mb.seeds), yb, reduction="sum")
+        step.backward(loss)
+        loss_sum += float(loss.detach())
+        count += len(mb.indices)
+    return loss_sum, count
+
+
+def step_record(trainer: ElasticTrainer, step: Step) -> dict[str, Any]:
+    """What every test program records about a step it ran: the step, who ran it at which world size and plan,
+    the dataset indices this rank consumed, the checkpoint it resumed from and the param-group LRs."""
+    return {"step": step.index + 1, "rank": trainer.rank, "world": trainer.world_size,
+            "global_batch": trainer.plan.global_batch, "indices": step.indices,
+            "resumed_from": trainer.resumed_from, "lrs": [grp["lr"] for grp in trainer.optimizer.param_groups]}
+
+
+def open_records(out_dir: str, name: str) -> IO[str]:
+    """This process's JSON-lines file ``<out_dir>/<name>-<pid>.jsonl``, line-buffered so a kill loses no line."""
+    os.makedirs(out_dir, exist_ok=True)
+    return open(os.path.join(out_dir, f"{name}-{os.getpid()}.jsonl"), "a", buffering=1)
+
+
+def write_record(records: IO[str], record: dict[str, Any]) -> None:
+    records.write(json.dumps(record) + "\n")
