@@ -39,7 +39,7 @@ def test_an_invalid_query_would_be_refused(tmp_path):
     assert promtool("check", "rules", str(path)).returncode != 0
 
 
-@pytest.mark.parametrize("query", QUERIES, ids=str)
+@pytest.mark.parametrize("query", QUERIES, ids=lambda q: f"{q.panel}-{q.ref}")
 def test_every_metric_a_query_names_is_exported(query):
     """Compared with the metrics of operator/metrics.py and trainer/metrics.py (what exists on a cluster)."""
     names = metric_names(query.expr)
