@@ -774,7 +774,10 @@ def _choose_target(d: _Draft, live: list[PodView], group_nodes: int) -> None:
         elif target < group_nodes and not ctl.exclude:
             target = group_nodes
     if ctl.in_flight:
-        if target < ctl.target_nodes or ctl.reason in LOSS_REASONS:
+        # Lowered, never raised while in flight: once a lower target was published, a round may already have
+        # formed at it, and raising the target then would leave the directive waiting for a size the running
+        # group will never reach (the late node waits outside; a ScaledUp drain brings it in once this completes).
+        if target < ctl.target_nodes:
             ctl.target_nodes = target
     else:
         ctl.target_nodes = target
