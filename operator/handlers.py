@@ -51,8 +51,14 @@ class Kube:
 
     async def get_job(self, namespace: str, name: str) -> Optional[dict[str, Any]]:
         try:
-            return await self._call(self.custom.get_namespaced_custom_object, constants.GROUP, constants.VERSION,
-                                    namespace, constants.PLURAL, name)
+            return await self._call(
+                self.custom.get_namespaced_custom_object,
+                constants.GROUP,
+                constants.VERSION,
+                namespace,
+                constants.PLURAL,
+                name,
+            )
         except k8s.ApiException as error:
             if error.status == 404:
                 return None
@@ -60,8 +66,9 @@ class Kube:
 
     async def list_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
         selector = f"{constants.LABEL_JOB_NAME}={job}"
-        result = await self._call(self.core.list_namespaced_pod, namespace, label_selector=selector,
-                                  _preload_content=False)
+        result = await self._call(
+            self.core.list_namespaced_pod, namespace, label_selector=selector, _preload_content=False
+        )
         return json.loads(result.data)["items"]
 
     async def list_nodes(self) -> Optional[list[dict[str, Any]]]:
@@ -78,18 +85,28 @@ class Kube:
         return json.loads(result.data)["items"]
 
     async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
-        await self._call(self.custom.patch_namespaced_custom_object_status, constants.GROUP, constants.VERSION,
-                         namespace, constants.PLURAL, name, {"status": patch}, _content_type=MERGE_PATCH,
-                         _preload_content=False)
+        await self._call(
+            self.custom.patch_namespaced_custom_object_status,
+            constants.GROUP,
+            constants.VERSION,
+            namespace,
+            constants.PLURAL,
+            name,
+            {"status": patch},
+            _content_type=MERGE_PATCH,
+            _preload_content=False,
+        )
 
     async def create(self, obj: dict[str, Any]) -> None:
         """Create ``obj``; an existing one (409) is fine: names are deterministic."""
         namespace = obj["metadata"]["namespace"]
         kind = obj["kind"]
         creators: dict[str, Callable[..., Any]] = {
-            "Pod": self.core.create_namespaced_pod, "Service": self.core.create_namespaced_service,
+            "Pod": self.core.create_namespaced_pod,
+            "Service": self.core.create_namespaced_service,
             "ServiceAccount": self.core.create_namespaced_service_account,
-            "Role": self.rbac.create_namespaced_role, "RoleBinding": self.rbac.create_namespaced_role_binding,
+            "Role": self.rbac.create_namespaced_role,
+            "RoleBinding": self.rbac.create_namespaced_role_binding,
             "Event": self.core.create_namespaced_event,
         }
         try:
@@ -100,17 +117,29 @@ class Kube:
 
     async def delete_pod(self, namespace: str, name: str, force: bool) -> None:
         try:
-            await self._call(self.core.delete_namespaced_pod, name, namespace,
-                             grace_period_seconds=0 if force else None, _preload_content=False)
+            await self._call(
+                self.core.delete_namespaced_pod,
+                name,
+                namespace,
+                grace_period_seconds=0 if force else None,
+                _preload_content=False,
+            )
         except k8s.ApiException as error:
             if error.status != 404:
                 raise
 
     async def delete_job(self, namespace: str, name: str) -> None:
         try:
-            await self._call(self.custom.delete_namespaced_custom_object, constants.GROUP, constants.VERSION,
-                             namespace, constants.PLURAL, name, propagation_policy="Background",
-                             _preload_content=False)
+            await self._call(
+                self.custom.delete_namespaced_custom_object,
+                constants.GROUP,
+                constants.VERSION,
+                namespace,
+                constants.PLURAL,
+                name,
+                propagation_policy="Background",
+                _preload_content=False,
+            )
         except k8s.ApiException as error:
             if error.status != 404:
                 raise
@@ -128,14 +157,25 @@ def event_object(job: DistTrainJob, type_: str, reason: str, message: str, now: 
     """A core/v1 Event about the job (unique name: Events need no idempotency, a repeat is just a repeat)."""
     stamp = timestamps.format_time_seconds(now)
     return {
-        "apiVersion": "v1", "kind": "Event",
+        "apiVersion": "v1",
+        "kind": "Event",
         "metadata": {"name": f"{job.metadata.name}.{uuid.uuid4().hex[:16]}", "namespace": job.metadata.namespace},
-        "involvedObject": {"apiVersion": constants.API_VERSION, "kind": constants.KIND, "name": job.metadata.name,
-                           "namespace": job.metadata.namespace, "uid": job.metadata.uid or ""},
-        "type": type_, "reason": reason, "message": message[:1024],
+        "involvedObject": {
+            "apiVersion": constants.API_VERSION,
+            "kind": constants.KIND,
+            "name": job.metadata.name,
+            "namespace": job.metadata.namespace,
+            "uid": job.metadata.uid or "",
+        },
+        "type": type_,
+        "reason": reason,
+        "message": message[:1024],
         "source": {"component": "disttrain-operator"},
-        "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
-        "reportingComponent": "disttrain.dev/operator", "reportingInstance": "disttrain-operator",
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+        "reportingComponent": "disttrain.dev/operator",
+        "reportingInstance": "disttrain-operator",
     }
 
 
@@ -169,14 +209,15 @@ async def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, n
         metrics.forget_job(namespace, name)
         return None
     raw.setdefault("metadata", {}).setdefault("namespace", namespace)
-    job = DistTrainJob.model_validate({k: v for k, v in raw.items() if k in ("apiVersion", "kind", "metadata", "spec",
-                                                                              "status")})
+    job = DistTrainJob.model_validate(
+        {k: v for k, v in raw.items() if k in ("apiVersion", "kind", "metadata", "spec", "status")}
+    )
     observed = views.observe(name, await kube.list_pods(namespace, name), await kube.list_nodes())
     now = time.time()
     actions = reconcile(job, observed, now)
     await apply(kube, job, actions, now)
     metrics.reconcile_duration.observe(time.perf_counter() - started)
-    metrics.observe_job(namespace, name, actions.status, now)
+    metrics.observe_job(namespace, name, actions.status, now, max_restarts=job.spec.restart_policy.max_restarts)
     return actions
 
 
@@ -206,8 +247,9 @@ def _namespaced(namespace: Optional[str]) -> str:
     return namespace
 
 
-def register(registry: kopf.OperatorRegistry, api_client_factory: Callable[[], k8s.ApiClient],
-             metrics: OperatorMetrics) -> None:
+def register(
+    registry: kopf.OperatorRegistry, api_client_factory: Callable[[], k8s.ApiClient], metrics: OperatorMetrics
+) -> None:
     """Register every handler on ``registry`` (a fresh one in tests, kopf's default one in ``disttrain operator``)."""
     pokes = Pokes()
     kube_box: dict[str, Kube] = {}
@@ -236,8 +278,14 @@ def register(registry: kopf.OperatorRegistry, api_client_factory: Callable[[], k
                         delay = min(delay, 0.2)  # look again soon: our own writes change what we observe
                 except k8s.ApiException as error:
                     metrics.errors.labels("api").inc()
-                    log.warning("reconcile of %s/%s failed: %s %s: %s; retrying", namespace, name, error.status,
-                                error.reason, api_error_message(error))
+                    log.warning(
+                        "reconcile of %s/%s failed: %s %s: %s; retrying",
+                        namespace,
+                        name,
+                        error.status,
+                        error.reason,
+                        api_error_message(error),
+                    )
                     delay = 1.0
                 except Exception:
                     metrics.errors.labels("internal").inc()

@@ -3,7 +3,10 @@
 Per-job values are derived from the job's status after each reconcile, so they are exactly what ``kubectl get
 dtj -o yaml`` shows. Restarts and reforms are real counters advanced by the difference between the previous
 and the new status value (the first sight of a job only creates the series), so a restarted operator starts
-them from 0, as Prometheus' rate() expects.
+them from 0, as Prometheus' rate() expects. Every restart and reform reason's counter and the reform-duration
+histogram exist (at 0) from the job's first sight: Prometheus' increase() only sees a counter's 0 -> 1 when the 0
+was scraped, so a series created at 1 would hide the job's first restart, reform or reform duration of that kind
+from every dashboard panel built on increase().
 """
 
 from __future__ import annotations
@@ -15,9 +18,26 @@ from typing import Any, Optional
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from disttrain.api import conditions as cond
+from disttrain.api.conditions import Reason
 from disttrain.api.status import Phase
 
 PHASES = [p.value for p in Phase]
+RESTART_REASONS = tuple(
+    r.value
+    for r in (
+        Reason.POD_FAILED,
+        Reason.POD_DELETED,
+        Reason.EVICTED,
+        Reason.NODE_NOT_READY,
+        Reason.NODE_UNREACHABLE,
+        Reason.NODE_DELETED,
+        Reason.NODE_DRAINING,
+        Reason.AGENT_RESTARTED,
+    )
+)
+"""Causes of an unplanned loss: the keys of status.restarts.byReason (the reconcile core's LOSS_REASONS)."""
+REFORM_REASONS = (*RESTART_REASONS, Reason.SCALED_DOWN.value, Reason.SCALED_UP.value)
+"""Reasons a reform starts with: every restart cause, and the planned scale-down and scale-up."""
 
 
 class OperatorMetrics:
@@ -25,37 +45,92 @@ class OperatorMetrics:
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         job = ["namespace", "job"]
-        self.world_size = Gauge("disttrain_job_world_size", "Processes in the job's current group.", job,
-                                registry=registry)
-        self.desired_nodes = Gauge("disttrain_job_desired_nodes", "Node count the operator works towards.", job,
-                                   registry=registry)
-        self.phase = Gauge("disttrain_job_phase", "1 for the job's current phase, 0 for the others.",
-                           [*job, "phase"], registry=registry)
-        self.restarts = Counter("disttrain_job_restarts", "Failures restarted (counted against maxRestarts).",
-                                [*job, "reason"], registry=registry)
-        self.reforms = Counter("disttrain_job_reforms", "Group reforms (planned and unplanned).", [*job, "reason"],
-                               registry=registry)
+        self.world_size = Gauge(
+            "disttrain_job_world_size", "Processes in the job's current group.", job, registry=registry
+        )
+        self.desired_nodes = Gauge(
+            "disttrain_job_desired_nodes", "Node count the operator works towards.", job, registry=registry
+        )
+        self.phase = Gauge(
+            "disttrain_job_phase",
+            "1 for the job's current phase, 0 for the others.",
+            [*job, "phase"],
+            registry=registry,
+        )
+        self.restarts = Counter(
+            "disttrain_job_restarts",
+            "Failures restarted (counted against maxRestarts).",
+            [*job, "reason"],
+            registry=registry,
+        )
+        self.restarts_counted = Gauge(
+            "disttrain_job_restarts_counted",
+            "Restarts counted against spec.restartPolicy.maxRestarts "
+            "(status.restarts.total; unlike the counter, it survives an operator restart).",
+            job,
+            registry=registry,
+        )
+        self.max_restarts = Gauge(
+            "disttrain_job_max_restarts",
+            "The job's restart budget, spec.restartPolicy."
+            "maxRestarts: it fails once more restarts than this were counted.",
+            job,
+            registry=registry,
+        )
+        self.reforms = Counter(
+            "disttrain_job_reforms", "Group reforms (planned and unplanned).", [*job, "reason"], registry=registry
+        )
         self.reform_duration = Histogram(
-            "disttrain_job_reform_duration_seconds", "Seconds from a drain/reform directive to the first step at the "
-            "new size.", job, buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=registry)
-        self.checkpoint_step = Gauge("disttrain_job_last_complete_checkpoint_step",
-                                     "Step of the newest complete checkpoint.", job, registry=registry)
-        self.checkpoint_age = Gauge("disttrain_job_checkpoint_age_seconds",
-                                    "Seconds since the newest complete checkpoint was committed.", job,
-                                    registry=registry)
-        self.samples = Gauge("disttrain_job_samples_consumed", "Samples consumed by the training so far.", job,
-                             registry=registry)
+            "disttrain_job_reform_duration_seconds",
+            "Seconds from a drain/reform directive to the first step at the new size.",
+            job,
+            buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
+            registry=registry,
+        )
+        self.checkpoint_step = Gauge(
+            "disttrain_job_last_complete_checkpoint_step",
+            "Step of the newest complete checkpoint.",
+            job,
+            registry=registry,
+        )
+        self.checkpoint_age = Gauge(
+            "disttrain_job_checkpoint_age_seconds",
+            "Seconds since the newest complete checkpoint was committed.",
+            job,
+            registry=registry,
+        )
+        self.samples = Gauge(
+            "disttrain_job_samples_consumed", "Samples consumed by the training so far.", job, registry=registry
+        )
         self.reconcile_duration = Histogram(
-            "disttrain_operator_reconcile_duration_seconds", "Wall time of one reconcile (read, decide, write).",
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=registry)
-        self.errors = Counter("disttrain_operator_reconcile_errors", "Reconciles that failed (retried).", ["kind"],
-                              registry=registry)
+            "disttrain_operator_reconcile_duration_seconds",
+            "Wall time of one reconcile (read, decide, write).",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            registry=registry,
+        )
+        self.errors = Counter(
+            "disttrain_operator_reconcile_errors", "Reconciles that failed (retried).", ["kind"], registry=registry
+        )
         self._seen: dict[tuple[str, str], dict[str, Any]] = {}
 
-    def observe_job(self, namespace: str, name: str, status: Mapping[str, Any], now: Optional[float] = None) -> None:
-        """Update the job's series from its status (call after every reconcile)."""
+    def observe_job(
+        self,
+        namespace: str,
+        name: str,
+        status: Mapping[str, Any],
+        now: Optional[float] = None,
+        *,
+        max_restarts: Optional[int] = None,
+    ) -> None:
+        """Update the job's series from its status (call after every reconcile); ``max_restarts`` is the spec's
+        restart budget, which the status does not carry."""
         now = time.time() if now is None else now
         labels = (namespace, name)
+        if labels not in self._seen:
+            self._create_series_at_zero(labels)
+        if max_restarts is not None:
+            self.max_restarts.labels(*labels).set(max_restarts)
+        self.restarts_counted.labels(*labels).set((status.get("restarts") or {}).get("total", 0))
         self.world_size.labels(*labels).set(status.get("worldSize", 0))
         self.desired_nodes.labels(*labels).set(status.get("desiredNodes", 0))
         for phase in PHASES:
@@ -80,18 +155,40 @@ class OperatorMetrics:
         if previous is not None and status.get("reforms", 0) > previous.get("reforms", 0):
             added = status["reforms"] - previous.get("reforms", 0)
             self.reforms.labels(*labels, reform.get("reason", "Unknown")).inc(added)
-        if reform.get("durationSeconds") is not None and (reform.get("start"), reform.get("durationSeconds")) != \
-                (old_reform.get("start"), old_reform.get("durationSeconds")):
+        if reform.get("durationSeconds") is not None and (reform.get("start"), reform.get("durationSeconds")) != (
+            old_reform.get("start"),
+            old_reform.get("durationSeconds"),
+        ):
             self.reform_duration.labels(*labels).observe(reform["durationSeconds"])
-        self._seen[labels] = {"restarts": status.get("restarts"), "reforms": status.get("reforms", 0),
-                              "lastReform": reform}
+        self._seen[labels] = {
+            "restarts": status.get("restarts"),
+            "reforms": status.get("reforms", 0),
+            "lastReform": reform,
+        }
+
+    def _create_series_at_zero(self, labels: tuple[str, str]) -> None:
+        """Every reason's counter and the reform-duration histogram at 0, so that increase() sees the first
+        restart, reform and reform duration of each kind."""
+        self.reform_duration.labels(*labels)
+        for reason in RESTART_REASONS:
+            self.restarts.labels(*labels, reason)
+        for reason in REFORM_REASONS:
+            self.reforms.labels(*labels, reason)
 
     def forget_job(self, namespace: str, name: str) -> None:
         """Drop a deleted job's series so /metrics does not grow without bound."""
         labels = (namespace, name)
         self._seen.pop(labels, None)
-        for metric in (self.world_size, self.desired_nodes, self.checkpoint_step, self.checkpoint_age, self.samples,
-                       self.reform_duration):
+        for metric in (
+            self.world_size,
+            self.desired_nodes,
+            self.checkpoint_step,
+            self.checkpoint_age,
+            self.samples,
+            self.reform_duration,
+            self.restarts_counted,
+            self.max_restarts,
+        ):
             try:
                 metric.remove(*labels)
             except KeyError:

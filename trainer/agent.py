@@ -111,8 +111,9 @@ class KubeJobSource:
 
     def read(self) -> Optional[dict[str, Any]]:
         try:
-            job = self.api.get_namespaced_custom_object(constants.GROUP, constants.VERSION, self.namespace,
-                                                        constants.PLURAL, self.name)
+            job = self.api.get_namespaced_custom_object(
+                constants.GROUP, constants.VERSION, self.namespace, constants.PLURAL, self.name
+            )
             return cast("dict[str, Any]", job)
         except self._not_found as error:
             if error.status == 404:
@@ -120,8 +121,9 @@ class KubeJobSource:
             raise
 
     def patch_status(self, patch: dict[str, Any]) -> None:
-        self.api.patch_namespaced_custom_object_status(constants.GROUP, constants.VERSION, self.namespace,
-                                                       constants.PLURAL, self.name, {"status": patch})
+        self.api.patch_namespaced_custom_object_status(
+            constants.GROUP, constants.VERSION, self.namespace, constants.PLURAL, self.name, {"status": patch}
+        )
 
 
 class Agent:
@@ -152,16 +154,18 @@ class Agent:
 
     def _write_directive(self, control: dict[str, Any]) -> None:
         generation = int(control.get("generation", 0))
-        signal_value = keys.ControlSignal(generation=generation, action=control.get("action", "none"),
-                                          reason=control.get("reason", "")).model_dump_json()
+        signal_value = keys.ControlSignal(
+            generation=generation, action=control.get("action", "none"), reason=control.get("reason", "")
+        ).model_dump_json()
         if signal_value != self._written_signal:
             self.store.set(keys.SIGNAL_KEY, signal_value)
             self._written_signal = signal_value
             log.info("directive %s", signal_value)
         target_nodes = int(control.get("targetNodes", 0))
         if target_nodes > 0:
-            target_value = keys.TargetPlan(generation=generation, nodes=target_nodes,
-                                           exclude=list(control.get("exclude") or [])).model_dump_json()
+            target_value = keys.TargetPlan(
+                generation=generation, nodes=target_nodes, exclude=list(control.get("exclude") or [])
+            ).model_dump_json()
             if target_value != self._written_target:
                 self.store.set(keys.TARGET_KEY, target_value)
                 self._written_target = target_value
@@ -180,18 +184,33 @@ class Agent:
                 self._round_key = round_key
                 self._rounds += 1
                 self._round_start = format_time(report.time)
-            wanted.update(step=report.step, samplesConsumed=report.samples_consumed, worldSize=report.world_size,
-                          plan=report.plan, lastProgressTime=format_time(report.time), rendezvousRound=self._rounds,
-                          roundStartTime=self._round_start)
+            wanted.update(
+                step=report.step,
+                samplesConsumed=report.samples_consumed,
+                worldSize=report.world_size,
+                plan=report.plan,
+                lastProgressTime=format_time(report.time),
+                rendezvousRound=self._rounds,
+                roundStartTime=self._round_start,
+            )
         manifest = keys.read_model(self.store, keys.CHECKPOINT_KEY, CheckpointManifest)
         if manifest is not None:
             path = f"{_checkpoint_dir(job)}/{step_dir_name(manifest.step)}"
-            wanted["lastCheckpoint"] = {"step": manifest.step, "samples": manifest.samples_consumed, "path": path,
-                                        "time": manifest.created_at, "worldSize": manifest.world_size}
+            wanted["lastCheckpoint"] = {
+                "step": manifest.step,
+                "samples": manifest.samples_consumed,
+                "path": path,
+                "time": manifest.created_at,
+                "worldSize": manifest.world_size,
+            }
         failure = keys.read_model(self.store, keys.FAILURE_KEY, keys.WorkerFailure)
         if failure is not None:
-            wanted["workerFailure"] = {"exitCode": failure.exit_code, "node": failure.node,
-                                       "message": failure.message, "time": format_time(failure.time)}
+            wanted["workerFailure"] = {
+                "exitCode": failure.exit_code,
+                "node": failure.node,
+                "message": failure.message,
+                "time": format_time(failure.time),
+            }
         return {k: v for k, v in wanted.items() if k in AGENT_FIELDS and status.get(k) != v}
 
     def run(self) -> int:
@@ -218,8 +237,7 @@ def start_store(port: int, host: str = "0.0.0.0", timeout_s: float = 60.0) -> An
     """The TCPStore server the c10d rendezvous and the control channel share (torch imported here only)."""
     from torch.distributed import TCPStore
 
-    return TCPStore(host, port, is_master=True, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=timeout_s))
+    return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -9,7 +9,7 @@ the e2e tests read: the step and the plan's global batch and LR scale. The worke
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 import prometheus_client as prom
 
@@ -23,10 +23,12 @@ class LocalMetrics:
         self.operator = OperatorMetrics(registry=r)
         names = ["namespace", "job"]
         self.step = prom.Gauge("disttrain_job_step", "Last completed optimizer step.", names, registry=r)
-        self.global_batch = prom.Gauge("disttrain_job_global_batch", "Samples per optimizer step in the current plan.",
-                                       names, registry=r)
-        self.lr_scale = prom.Gauge("disttrain_job_lr_scale", "World-size LR factor of the current plan.", names,
-                                   registry=r)
+        self.global_batch = prom.Gauge(
+            "disttrain_job_global_batch", "Samples per optimizer step in the current plan.", names, registry=r
+        )
+        self.lr_scale = prom.Gauge(
+            "disttrain_job_lr_scale", "World-size LR factor of the current plan.", names, registry=r
+        )
         self._server: Any = None
 
     def serve(self, port: int = 0) -> str:
@@ -46,8 +48,8 @@ class LocalMetrics:
     def observe_error(self, kind: str) -> None:
         self.operator.errors.labels(kind).inc()
 
-    def observe(self, status: Mapping[str, Any], now: float) -> None:
-        self.operator.observe_job(self.namespace, self.job, status, now)
+    def observe(self, status: Mapping[str, Any], now: float, max_restarts: Optional[int] = None) -> None:
+        self.operator.observe_job(self.namespace, self.job, status, now, max_restarts=max_restarts)
         labels = (self.namespace, self.job)
         self.step.labels(*labels).set(status.get("step", 0))
         plan = status.get("plan") or {}

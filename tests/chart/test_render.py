@@ -3,15 +3,21 @@ Deployment whose arguments the ``disttrain operator`` CLI accepts and whose port
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 import kubernetes_validate
 import pytest
 
-from disttrain.operator import cli
+from disttrain.api.spec import DistTrainJob
+from disttrain.operator import cli, pods
+from tests.chart.dashboard import DASHBOARD
 from tests.chart.helm import NAMESPACE, NON_DEFAULT_VALUES, by_kind, render
+from tests.unit.operator.world import job_manifest
 
 CASES = {"default": None, "non-default": NON_DEFAULT_VALUES}
+PROMETHEUS_OPERATOR_KINDS = ("ServiceMonitor", "PodMonitor", "PrometheusRule")
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -35,7 +41,8 @@ def test_non_default_objects():
     objects = render(NON_DEFAULT_VALUES)
     kinds = sorted(obj["kind"] for obj in objects)
     assert kinds == sorted(["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount",
-                            "ServiceMonitor", "Role", "Role", "RoleBinding", "RoleBinding"])
+                            "ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap", "Role", "Role",
+                            "RoleBinding", "RoleBinding"])
     assert {(obj["kind"], obj["metadata"]["namespace"]) for obj in objects if obj["kind"].startswith("Role")} == {
         (kind, ns) for kind in ("Role", "RoleBinding") for ns in NON_DEFAULT_VALUES["watchNamespaces"]}
 
@@ -43,15 +50,15 @@ def test_non_default_objects():
 def test_every_object_validates_against_kubernetes_1_33(rendered):
     _, objects = rendered
     for obj in objects:
-        if obj["kind"] == "ServiceMonitor":
-            continue  # prometheus-operator's CRD, not in Kubernetes' schema: test_service_monitor checks it
+        if obj["kind"] in PROMETHEUS_OPERATOR_KINDS:
+            continue  # prometheus-operator's CRDs, not in Kubernetes' schema: tests of their own check them
         kubernetes_validate.validate(obj, "1.33.0", strict=True)
 
 
 def test_namespaced_objects_are_in_the_release_namespace(rendered):
     _, objects = rendered
     for obj in objects:
-        if obj["kind"] in ("ServiceAccount", "Deployment", "Service", "ServiceMonitor"):
+        if obj["kind"] in ("ServiceAccount", "Deployment", "Service", *PROMETHEUS_OPERATOR_KINDS):
             assert obj["metadata"]["namespace"] == NAMESPACE, obj["kind"]
 
 
@@ -106,5 +113,47 @@ def test_service_monitor():
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
-    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s",
-                                             "scrapeTimeout": "5s"}]
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "honorLabels": True,
+                                             "interval": "15s", "scrapeTimeout": "5s"}]
+
+
+def _worker_pod(namespace: str, nproc: int) -> dict[str, Any]:
+    manifest = job_manifest(nprocPerNode=nproc)
+    manifest["metadata"]["namespace"] = namespace
+    manifest["spec"]["template"]["spec"]["containers"][0]["ports"] = [{"name": "http", "containerPort": 8000}]
+    return pods.build_worker_pod(DistTrainJob.model_validate(manifest), 0)
+
+
+@pytest.mark.parametrize("watch", [[], ["team-a", "team-b"]], ids=["all-namespaces", "watch-namespaces"])
+def test_pod_monitor_selects_every_local_ranks_exporter_of_the_worker_pods(watch):
+    """Off by default. On: the worker pods the operator builds are selected, one target per ``metrics*`` port (what
+    Prometheus' pod discovery makes of each declared port, then the keep rule), labelled job=<job name>."""
+    assert not by_kind(render(), "PodMonitor")
+    [monitor] = by_kind(render({"podMonitor": {"enabled": True}, "watchNamespaces": watch}), "PodMonitor")
+    spec = monitor["spec"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert spec["namespaceSelector"] == ({"matchNames": watch} if watch else {"any": True})
+    pod = _worker_pod("team-a", nproc=3)
+    labels = pod["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    assert labels[spec["jobLabel"]] == "demo"  # the DistTrainJob's name, as in the operator's per-job series
+    [endpoint] = spec["podMetricsEndpoints"]
+    [keep] = endpoint["relabelings"]
+    assert keep["action"] == "keep" and keep["sourceLabels"] == ["__meta_kubernetes_pod_container_port_name"]
+    kept = [port["containerPort"] for container in pod["spec"]["containers"] for port in container["ports"]
+            if re.fullmatch(keep["regex"], port["name"])]  # Prometheus anchors relabel regexes
+    assert kept == [9400, 9401, 9402]
+    agent = pods.build_agent_pod(DistTrainJob.model_validate(job_manifest()))
+    assert not spec["selector"]["matchLabels"].items() <= agent["metadata"]["labels"].items()
+
+
+def test_dashboard_config_map_carries_the_dashboard_for_grafanas_sidecar():
+    assert not by_kind(render(), "ConfigMap")
+    [default_on] = by_kind(render({"dashboards": {"enabled": True}}), "ConfigMap")
+    assert default_on["metadata"]["namespace"] == NAMESPACE
+    [config_map] = by_kind(render(NON_DEFAULT_VALUES), "ConfigMap")
+    metadata = config_map["metadata"]
+    assert metadata["namespace"] == "monitoring"
+    assert metadata["labels"]["grafana_dashboard"] == "1" and metadata["labels"]["team"] == "ml"
+    assert metadata["annotations"] == {"grafana_folder": "Training"}
+    assert json.loads(config_map["data"]["disttrain.json"]) == json.loads(DASHBOARD.read_text())

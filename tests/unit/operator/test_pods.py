@@ -138,3 +138,17 @@ def test_agent_pod_and_service_meet_on_the_rendezvous_port():
     assert service["spec"]["selector"].items() <= agent["metadata"]["labels"].items()
     assert service["spec"]["ports"][0]["port"] == 29400
     assert agent["spec"]["containers"][0]["command"] == ["python", "-m", "disttrain.trainer.agent", "--port", "29400"]
+
+
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_each_local_ranks_exporter_has_a_named_metrics_port(nproc):
+    """Worker pods declare ``metrics``, ``metrics-1``, ... on 9400 + local rank: what the chart's PodMonitor keeps."""
+    manifest = job_manifest(nprocPerNode=nproc)
+    manifest["spec"]["template"]["spec"]["containers"][0]["ports"] = [
+        {"name": "http", "containerPort": 8000}, {"name": "metrics-1", "containerPort": 1}]
+    pod = pods.build_worker_pod(DistTrainJob.model_validate(manifest), 0)
+    [container] = pod["spec"]["containers"]
+    named = {port["name"]: port["containerPort"] for port in container["ports"]}
+    base = int({e["name"]: e.get("value") for e in container["env"]}[env.METRICS_PORT])
+    assert named == {"http": 8000, **{("metrics" if r == 0 else f"metrics-{r}"): base + r for r in range(nproc)}}
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)

@@ -357,6 +357,27 @@ def test_a_new_round_at_the_wrong_size_does_not_complete_a_directive():
     assert world.control["action"] == "none" and world.status["lastReform"]["to"] == 3
 
 
+def test_a_replacement_running_after_the_wait_does_not_strand_the_reform_at_the_lower_target():
+    """The target dropped to the survivors, a round may have formed at it; a late replacement joins by a drain."""
+    world = World(job_manifest(replicas=3, min=2))
+    world.nodes = {f"node-{i}": NodeView(f"node-{i}") for i in range(3)} | {"node-agent": NodeView("node-agent")}
+    world.running_world(3)
+    world.set_worker(1, phase="Failed", exit_code=1).step(1)
+    assert world.control["action"] == "reform" and world.control["targetNodes"] == 3
+    world.step(31)  # replacementWaitSeconds passed with the replacement not running
+    assert world.control["targetNodes"] == 2
+    world.run_all().step(1)  # the replacement runs before the agent reports the round the survivors formed
+    assert world.control["targetNodes"] == 2, "a published lower target is never raised while in flight"
+    world.progress(2, step=6).step(1)
+    assert "Reformed" in world.reasons(), "the reform completed at the size the round formed with"
+    assert world.control["action"] == "drain" and world.control["reason"] == "ScaledUp"
+    assert world.control["targetNodes"] == 3
+    world.step(1)
+    world.checkpoint(6).progress(3, step=7).step(1)
+    assert world.control["action"] == "none" and world.status["phase"] == "Running"
+    assert world.status["lastReform"]["to"] == 3
+
+
 def test_anchor_111646_survivors_are_told_to_reform_in_the_same_reconcile_that_sees_the_loss():
     world = World(job_manifest(replicas=3)).running_world(3)
     world.set_worker(2, phase="Failed", exit_code=1)

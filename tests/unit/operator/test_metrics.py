@@ -1,0 +1,69 @@
+"""OperatorMetrics: the restart budget as series, and reason series that exist before their first increment."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from disttrain.operator import reconcile
+from disttrain.operator.metrics import REFORM_REASONS, RESTART_REASONS, OperatorMetrics
+
+JOB = {"namespace": "team-a", "job": "demo"}
+
+
+def _value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, {**JOB, **labels})
+
+
+def test_the_restart_reasons_are_the_reconcile_cores_loss_reasons():
+    assert set(RESTART_REASONS) == set(reconcile.LOSS_REASONS)
+    assert set(REFORM_REASONS) == set(RESTART_REASONS) | {"ScaledDown", "ScaledUp"}
+
+
+def test_every_reason_series_exists_at_zero_from_the_first_sight():
+    """increase() over [0, 1] counts the first restart; a series born at 1 would show none."""
+    registry = CollectorRegistry()
+    metrics = OperatorMetrics(registry)
+    metrics.observe_job("team-a", "demo", {"phase": "Running"}, now=100)
+    for reason in RESTART_REASONS:
+        assert _value(registry, "disttrain_job_restarts_total", reason=reason) == 0, reason
+    for reason in REFORM_REASONS:
+        assert _value(registry, "disttrain_job_reforms_total", reason=reason) == 0, reason
+    assert _value(registry, "disttrain_job_reform_duration_seconds_count") == 0
+    metrics.observe_job("team-a", "demo", {"phase": "Reforming", "restarts": {"total": 1, "byReason": {
+        "NodeNotReady": 1}}, "reforms": 1, "lastReform": {"reason": "NodeNotReady", "start": "x"}}, now=101)
+    assert _value(registry, "disttrain_job_restarts_total", reason="NodeNotReady") == 1
+    assert _value(registry, "disttrain_job_reforms_total", reason="NodeNotReady") == 1
+    assert _value(registry, "disttrain_job_restarts_total", reason="PodFailed") == 0
+
+
+def test_the_restart_budget_and_the_restarts_counted_against_it():
+    registry = CollectorRegistry()
+    metrics = OperatorMetrics(registry)
+    metrics.observe_job("team-a", "demo", {"restarts": {"total": 7, "byReason": {"PodFailed": 7}}}, now=1,
+                        max_restarts=8)
+    assert _value(registry, "disttrain_job_max_restarts") == 8
+    # A restarted operator: the counter starts at 0 again, the gauge still says what the status counts.
+    assert _value(registry, "disttrain_job_restarts_total", reason="PodFailed") == 0
+    assert _value(registry, "disttrain_job_restarts_counted") == 7
+
+
+def test_a_forgotten_job_leaves_no_series():
+    registry = CollectorRegistry()
+    metrics = OperatorMetrics(registry)
+    metrics.observe_job("team-a", "demo", {"phase": "Running", "lastCheckpoint": {"step": 5}}, now=1, max_restarts=3)
+    metrics.forget_job("team-a", "demo")
+    leftovers = [sample for family in registry.collect() for sample in family.samples
+                 if sample.labels.get("job") == "demo"]
+    assert leftovers == []
+
+
+def test_every_operator_metric_is_documented():
+    """README's Metrics table and docs/operator.md name every series the operator exports."""
+    from tests.conftest import REPO_ROOT
+
+    registry = CollectorRegistry()
+    OperatorMetrics(registry)
+    names = {family.name + ("_total" if family.type == "counter" else "") for family in registry.collect()}
+    for doc in ("README.md", "docs/operator.md"):
+        text = (REPO_ROOT / doc).read_text()
+        assert not [name for name in names if f"`{name}`" not in text], doc
