@@ -31,7 +31,8 @@ fi
 
 command -v debootstrap >/dev/null || { echo "base.sh: debootstrap is not installed (apt-get install debootstrap)" >&2; exit 1; }
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+ctr=""
+trap 'rm -rf "$work"; [ -z "$ctr" ] || buildah rm "$ctr" >/dev/null 2>&1 || true' EXIT
 echo "base.sh: debootstrap $SUITE from $MIRROR (a few minutes)" >&2
 debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$work/rootfs" "$MIRROR" >"$work/debootstrap.log" 2>&1 \
     || { tail -n 30 "$work/debootstrap.log" >&2; exit 1; }
@@ -44,4 +45,5 @@ buildah add "$ctr" "$work/rootfs.tar" / >/dev/null  # ADD unpacks a local tar ar
 buildah config --env LANG=C.UTF-8 --cmd python3 \
     --label "org.opencontainers.image.description=Debian $SUITE minbase + $PACKAGES (debootstrap from $MIRROR)" "$ctr"
 buildah commit --quiet --rm "$ctr" "$name" >/dev/null
+ctr=""
 echo "$name"
