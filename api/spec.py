@@ -208,6 +208,16 @@ class RunPolicySpec(ContractModel):
     """PriorityClass of the worker pods."""
 
 
+class ReportingSpec(ContractModel):
+    progress_interval_seconds: int = Field(10, ge=1, le=3_600)
+    """Seconds between two progress writes of the job agent into the job's status (step, samples, progress time).
+    Changes that the operator acts on are written at once: a new rendezvous round, a worker failure, the end of
+    training, and everything while a drain or reform is in flight (its checkpoint, the new group's progress). A
+    checkpoint commit otherwise goes out with the next progress write. Every step in between is on the workers'
+    /metrics. Bounds the agent's API writes to about 60 / this per minute (Kubernetes only: in local mode the
+    agent writes a local file and relays every report)."""
+
+
 class DistTrainJobSpec(ContractModel):
     template: dict[str, Any] = Field(json_schema_extra={"x-disttrain-pod-template": True})
     """Pod template of a worker node (PodTemplateSpec): image, resources such as nvidia.com/gpu, volumes,
@@ -231,6 +241,8 @@ class DistTrainJobSpec(ContractModel):
     """Suspend, deadlines, TTL, pod cleanup and scheduling."""
     success_policy: SuccessPolicy = SuccessPolicy.ALL_WORKERS
     """When the job has succeeded: every worker finished (AllWorkers) or the node running rank 0 finished (RankZero)."""
+    reporting: ReportingSpec = Field(default_factory=ReportingSpec)
+    """How often the job agent writes training progress into the job's status."""
 
     def trainer_container(self) -> dict[str, Any]:
         """The container that runs the trainer: the one named `trainer`, else the only one."""
