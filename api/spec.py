@@ -133,6 +133,12 @@ class TrainingSpec(ContractModel):
         """The batch size the base LR refers to."""
         return self.lr.reference_batch_size or self.global_batch_size
 
+    def is_complete(self, step: int, samples_consumed: int) -> bool:
+        """Training reached its length: maxSteps optimizer steps, or maxSamples samples."""
+        if self.max_steps is not None:
+            return step >= self.max_steps
+        return self.max_samples is not None and samples_consumed >= self.max_samples
+
     @property
     def total_samples(self) -> int:
         """Length of the run in samples; the LR schedule is evaluated on samples, so it never depends on the world."""

@@ -195,10 +195,7 @@ def is_agent_lost(agent: Optional[PodView], nodes: Optional[Mapping[str, NodeVie
 
 def training_complete(spec: DistTrainJobSpec, status: DistTrainJobStatus) -> bool:
     """The agent's relayed progress shows the training length reached."""
-    training = spec.training
-    if training.max_steps is not None:
-        return status.step >= training.max_steps
-    return training.max_samples is not None and status.samples_consumed >= training.max_samples
+    return spec.training.is_complete(status.step, status.samples_consumed)
 
 
 def is_success(spec: DistTrainJobSpec, status: DistTrainJobStatus, members: list[PodView]) -> bool:
