@@ -217,11 +217,10 @@ class RunPolicySpec(ContractModel):
 class ReportingSpec(ContractModel):
     progress_interval_seconds: int = Field(10, ge=1, le=3_600)
     """Seconds between two progress writes of the job agent into the job's status (step, samples, progress time).
-    Changes that the operator acts on are written at once: a new rendezvous round, a worker failure, the end of
-    training, and everything while a drain or reform is in flight (its checkpoint, the new group's progress). A
-    checkpoint commit otherwise goes out with the next progress write. Every step in between is on the workers'
-    /metrics. Bounds the agent's API writes to about 60 / this per minute (Kubernetes only: in local mode the
-    agent writes a local file and relays every report)."""
+    What the operator acts on is written at once: a new rendezvous round, a checkpoint while a drain is in
+    flight, a worker failure, the end of training. A routine checkpoint goes out with the next progress write.
+    Every step in between is on the workers' /metrics. Bounds the agent's API writes to about 60 / this per
+    minute (Kubernetes only: in local mode the agent writes a local file and relays every report)."""
 
 
 class DistTrainJobSpec(ContractModel):

@@ -120,6 +120,9 @@ class JobFleet:
         self._stop.set()
         for agent in self.agents:
             agent.stop_event.set()
+            close = getattr(agent.source, "close", None)  # the watching source (the polling one has none)
+            if close is not None:
+                close()
 
     def _drive(self) -> None:
         tick = time.monotonic()

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional, Protocol, cast
 
-from disttrain.api import constants, env
+from disttrain.api import constants, env, versions
 from disttrain.api import control as keys
 from disttrain.api.contract import job_checkpoint_dir
 from disttrain.api.manifest import CheckpointManifest
@@ -173,7 +173,7 @@ class KubeJobSource:
     def _remember(self, job: dict[str, Any]) -> None:
         """Keep ``job`` unless a newer version is already kept (a patch response and the watch race)."""
         with self._lock:
-            if self._job is None or not is_older(_version(job), _version(self._job)):
+            if self._job is None or not versions.is_older(_version(job), _version(self._job)):
                 self._job = job
         self._changed.set()
 
@@ -233,17 +233,6 @@ class KubeJobSource:
 
 def _version(obj: dict[str, Any]) -> Optional[str]:
     return (obj.get("metadata") or {}).get("resourceVersion")
-
-
-def is_older(candidate: Optional[str], current: Optional[str]) -> bool:
-    """``candidate`` is an older resourceVersion of the same object than ``current``.
-
-    Kubernetes resourceVersions of one object come from one etcd revision counter (integers); anything else is
-    never called older, so an unusual server at worst shows a stale object until its next event.
-    """
-    if candidate is None or current is None or not candidate.isdigit() or not current.isdigit():
-        return False
-    return int(candidate) < int(current)
 
 
 class Agent:

@@ -5,15 +5,17 @@ Why: every status write is a request to the API server and a watch event for the
 several times a second; relaying each step cost hundreds of writes per job and minute. The operator acts on
 a few things only, and those never wait:
 
-* a new rendezvous round (with its world size): a directive completes on it, and a first round makes the job
+* a new rendezvous round (with its world size and first progress): a directive completes on it (every drain
+  and reform makes the workers exit, so a new round always follows one), and a first round makes the job
   Running;
+* a checkpoint while a drain is in flight: the drain's victims are deleted once a checkpoint committed after it;
 * a worker failure: a permanent exit code fails the job;
-* the end of training: the success rule reads the final step;
-* anything while a drain or reform is in flight: the drain waits for a checkpoint committed after it, and the
-  directive for the new group's progress.
+* the end of training: the success rule reads the final step.
 
-Everything else (steps, samples, a routine checkpoint) goes out with the next periodic write; every step is on
-the workers' /metrics in between. Pure: the caller passes the time.
+Everything else (steps and samples within a round, a routine checkpoint) goes out with the next periodic
+write; every step is on the workers' /metrics in between. Progress within a round is never urgent, not even
+during a directive: a group that keeps stepping then (a trainer that ignores a drain until the drain timeout)
+would otherwise cost a write per step. Pure: the caller passes the time.
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ def urgent_reason(changes: Mapping[str, Any], status: Mapping[str, Any], spec: M
     """
     if "rendezvousRound" in changes:
         return "new rendezvous round"
+    action = (status.get("control") or {}).get("action") or DirectiveAction.NONE.value
+    if "lastCheckpoint" in changes and action == DirectiveAction.DRAIN.value:
+        return "checkpoint during a drain"
     if "workerFailure" in changes:
         return "worker failure"
-    action = (status.get("control") or {}).get("action") or DirectiveAction.NONE.value
-    if action != DirectiveAction.NONE.value:
-        return f"{action} in flight"
     if is_training_complete({**status, **changes}, spec):
         return "training complete"
     return None

@@ -16,12 +16,13 @@ RUNNING = {"step": 40, "samplesConsumed": 960, "rendezvousRound": 2, "control": 
     ({"lastCheckpoint": {"step": 40}}, RUNNING, None),
     ({"step": 41, "rendezvousRound": 3, "worldSize": 2}, RUNNING, "new rendezvous round"),
     ({"workerFailure": {"exitCode": 85}}, RUNNING, "worker failure"),
-    ({"lastCheckpoint": {"step": 40}}, {**RUNNING, "control": {"action": "drain"}}, "drain in flight"),
-    ({"step": 41}, {**RUNNING, "control": {"action": "reform"}}, "reform in flight"),
+    ({"lastCheckpoint": {"step": 40}}, {**RUNNING, "control": {"action": "drain"}}, "checkpoint during a drain"),
+    ({"lastCheckpoint": {"step": 40}}, {**RUNNING, "control": {"action": "reform"}}, None),
+    ({"step": 41}, {**RUNNING, "control": {"action": "drain"}}, None),
     ({"step": 100}, RUNNING, "training complete"),
     ({"step": 41}, {"step": 40}, None),
-], ids=["progress-waits", "routine-checkpoint-waits", "new-round", "failure", "drain-checkpoint", "reform-progress",
-        "last-step", "no-control-yet"])
+], ids=["progress-waits", "routine-checkpoint-waits", "new-round", "failure", "drain-checkpoint",
+        "reform-checkpoint-waits", "old-group-progress-during-a-drain-waits", "last-step", "no-control-yet"])
 def test_urgent_reason(changes, status, expected):
     assert reporting.urgent_reason(changes, status, SPEC) == expected
 
