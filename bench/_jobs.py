@@ -95,26 +95,34 @@ class SimulatedTrainer:
 
 
 class JobFleet:
-    """J agents (threads) and one loop stepping every stand-in trainer."""
+    """J agents (threads) and one loop stepping every stand-in trainer whose agent runs."""
 
-    def __init__(self, step_seconds: float, checkpoint_every: int) -> None:
+    def __init__(self, step_seconds: float, checkpoint_every: int, poll_seconds: float = 0.25) -> None:
         self.step_seconds = step_seconds
         self.checkpoint_every = checkpoint_every
+        self.poll_seconds = poll_seconds
         self.trainers: list[SimulatedTrainer] = []
         self.agents: list[Any] = []
+        self._waiting: list[tuple[Any, SimulatedTrainer]] = []
         self._stop = threading.Event()
         self._driver = threading.Thread(target=self._drive, name="trainers", daemon=True)
 
     def add(self, namespace: str, name: str, api_client: Any) -> None:
         store = DictStore()
-        trainer = SimulatedTrainer(store, run_id=name)
-        agent = agent_mod.Agent(agent_mod.KubeJobSource(namespace, name, api_client), store)
-        threading.Thread(target=agent.run, name=f"agent-{name}", daemon=True).start()
-        self.trainers.append(trainer)
-        self.agents.append(agent)
+        agent = agent_mod.Agent(
+            agent_mod.KubeJobSource(namespace, name, api_client), store, poll_seconds=self.poll_seconds
+        )
+        self._waiting.append((agent, SimulatedTrainer(store, run_id=name)))
 
-    def start(self) -> None:
+    def start(self, jobs_per_second: float = 25.0) -> None:
+        """Start the jobs a few at a time, as pods start in a cluster (500 first writes at once would be refused
+        with 429 by a small API server): each agent, and its trainer with it."""
         self._driver.start()
+        for agent, trainer in self._waiting:
+            threading.Thread(target=agent.run, name=f"agent-{agent.source.name}", daemon=True).start()
+            self.agents.append(agent)
+            self.trainers.append(trainer)
+            time.sleep(1.0 / jobs_per_second)
 
     def stop(self) -> None:
         self._stop.set()

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import pathlib
+import random
 import signal
 import tempfile
 import threading
@@ -50,6 +51,8 @@ REQUEST_TIMEOUT_S = 30.0
 """Client-side timeout of every API request but the watch (a hung connection must not stall the agent)."""
 WATCH_SECONDS = 300
 """Server-side length of one watch request; the agent resumes from the last resourceVersion after it."""
+MAX_RETRY_S = 30.0
+"""Longest wait between two rounds after failures (an API server that refuses or times out)."""
 
 
 class JobSource(Protocol):
@@ -215,6 +218,8 @@ class KubeJobSource:
                         return
                 backoff = 0.5
             except self._api_error as error:
+                if self._stop.is_set():
+                    return
                 if error.status == 404:
                     self._mark_gone()
                     return
@@ -223,11 +228,13 @@ class KubeJobSource:
                     continue
                 log.warning("watch of %s/%s failed: %s %s; retrying", self.namespace, self.name, error.status,
                             error.reason)
-                self._stop.wait(backoff)
+                self._stop.wait(backoff * random.uniform(0.5, 1.0))
                 backoff = min(backoff * 2, 10.0)
             except Exception as error:  # noqa: BLE001 (connection reset, timeout: resume from the last version)
+                if self._stop.is_set():
+                    return
                 log.warning("watch of %s/%s interrupted: %r; resuming", self.namespace, self.name, error)
-                self._stop.wait(backoff)
+                self._stop.wait(backoff * random.uniform(0.5, 1.0))
                 backoff = min(backoff * 2, 10.0)
 
 
@@ -327,15 +334,28 @@ class Agent:
         A round runs every ``poll_seconds`` (the store is local: reading it is free) and at once when the job
         changes, so a new directive reaches the workers without waiting for the next round.
         """
+        failures = 0
         while not self.stop_event.is_set():
             try:
                 if not self.sync():
                     log.info("job is gone; exiting")
                     return 0
-            except Exception:
-                log.exception("agent round failed; retrying")
-            self.source.wait_for_change(self.poll_seconds)
+                failures = 0
+                self.source.wait_for_change(self.poll_seconds)
+            except Exception as error:
+                failures += 1
+                if failures == 1:
+                    log.exception("agent round failed; retrying")
+                else:
+                    log.warning("agent round failed again (%d in a row): %r", failures, error)
+                self.stop_event.wait(retry_delay(self.poll_seconds, failures))
         return 0
+
+
+def retry_delay(poll_seconds: float, failures: int, cap_s: float = MAX_RETRY_S) -> float:
+    """Seconds before the next round after ``failures`` failed ones in a row: doubling from the poll period up to
+    ``cap_s``, jittered, so that the agents of many jobs do not hammer a struggling API server in step."""
+    return min(cap_s, poll_seconds * 2.0 ** min(failures - 1, 16)) * random.uniform(0.5, 1.0)
 
 
 def _checkpoint_dir(job: dict[str, Any]) -> str:

@@ -246,3 +246,11 @@ def test_while_a_drain_is_in_flight_its_checkpoint_is_written_at_once(tmp_path, 
     client.set(keys.CHECKPOINT_KEY, json.dumps(manifest))
     agent.sync()
     assert len(source.patches) == 2 and source.patches[1]["lastCheckpoint"]["step"] == 8
+
+
+def test_failed_rounds_back_off_with_jitter_up_to_a_cap():
+    delays = [agent_mod.retry_delay(0.25, failures) for failures in range(1, 12)]
+    assert 0.125 <= delays[0] <= 0.25
+    assert all(0.5 * min(30, 0.25 * 2 ** (n - 1)) <= d <= min(30, 0.25 * 2 ** (n - 1))
+               for n, d in enumerate(delays, start=1))
+    assert max(delays) <= agent_mod.MAX_RETRY_S
