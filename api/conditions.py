@@ -113,8 +113,14 @@ def set_condition(
             return conditions, False
         updated = existing.model_copy(update={"reason": reason.value, "message": message, "last_update_time": stamp})
         return [updated if c is existing else c for c in conditions], False
-    fresh = Condition(type=type_.value, status=wanted, reason=reason.value, message=message,
-                      last_transition_time=stamp, last_update_time=stamp)
+    fresh = Condition(
+        type=type_.value,
+        status=wanted,
+        reason=reason.value,
+        message=message,
+        last_transition_time=stamp,
+        last_update_time=stamp,
+    )
     if existing is None:
         return [*conditions, fresh], True
     return [fresh if c is existing else c for c in conditions], True

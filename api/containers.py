@@ -11,8 +11,9 @@ from typing import Any, Optional
 
 from disttrain.api import constants
 
-NO_TRAINER_MESSAGE = (f"spec.template.spec.containers needs a container named {constants.TRAINER_CONTAINER!r} "
-                      "(or exactly one container)")
+NO_TRAINER_MESSAGE = (
+    f"spec.template.spec.containers needs a container named {constants.TRAINER_CONTAINER!r} (or exactly one container)"
+)
 
 
 def find_trainer_index(containers: Sequence[Mapping[str, Any]]) -> Optional[int]:

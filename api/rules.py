@@ -148,8 +148,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         node="spec.template",
         cel=(
-            "has(self.spec) && (self.spec.containers.exists(c, c.name == 'trainer') || "
-            "size(self.spec.containers) == 1)"
+            "has(self.spec) && (self.spec.containers.exists(c, c.name == 'trainer') || size(self.spec.containers) == 1)"
         ),
         message="template.spec.containers needs a container named 'trainer' (or exactly one container)",
         cel_args=(),
@@ -160,8 +159,7 @@ RULES: tuple[Rule, ...] = (
         node="spec.restartPolicy",
         # has() guards: the API server also evaluates rules on a schema's `default: {}` (nested defaults unapplied)
         cel=(
-            "!has(self.backoffSeconds) || !has(self.maxBackoffSeconds) || "
-            "self.backoffSeconds <= self.maxBackoffSeconds"
+            "!has(self.backoffSeconds) || !has(self.maxBackoffSeconds) || self.backoffSeconds <= self.maxBackoffSeconds"
         ),
         message="restartPolicy.backoffSeconds must be <= restartPolicy.maxBackoffSeconds",
         cel_args=(),
@@ -179,13 +177,13 @@ RULES: tuple[Rule, ...] = (
     Rule(
         node="spec.template.spec.containers[*]",
         cel=(
-            "!has(self.env) || self.env.all(e, !e.name.startsWith('DISTTRAIN_') && "
-            "!e.name.startsWith('TORCHELASTIC_'))"
+            "!has(self.env) || self.env.all(e, !e.name.startsWith('DISTTRAIN_') && !e.name.startsWith('TORCHELASTIC_'))"
         ),
         message="env names starting with DISTTRAIN_ or TORCHELASTIC_ are reserved: the operator sets them",
         cel_args=(),
-        holds=lambda c: not any(e.get("name", "").startswith(constants.RESERVED_ENV_PREFIXES)
-                                for e in c.get("env") or ()),
+        holds=lambda c: (
+            not any(e.get("name", "").startswith(constants.RESERVED_ENV_PREFIXES) for e in c.get("env") or ())
+        ),
         field_path=".env",
     ),
     Rule(

@@ -16,8 +16,17 @@ from pydantic import Field
 from disttrain.api.control import DirectiveAction
 from disttrain.api.spec import ContractModel
 
-AGENT_FIELDS: Final = ("step", "samplesConsumed", "worldSize", "plan", "rendezvousRound", "roundStartTime",
-                        "lastProgressTime", "lastCheckpoint", "workerFailure")
+AGENT_FIELDS: Final = (
+    "step",
+    "samplesConsumed",
+    "worldSize",
+    "plan",
+    "rendezvousRound",
+    "roundStartTime",
+    "lastProgressTime",
+    "lastCheckpoint",
+    "workerFailure",
+)
 """Wire names of the status fields the job agent owns; it writes no other, and the operator never writes these."""
 
 

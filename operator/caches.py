@@ -102,8 +102,11 @@ class VersionedStore(Generic[K, V]):
         """Keys that a LIST begun at ``started`` did not return and no event refreshed since (``where``: a
         predicate on keys limiting the sweep to what the LIST covered)."""
         present = set(listed)
-        return [key for key, entry in self._entries.items()
-                if key not in present and entry.refreshed < started and (where is None or where(key))]
+        return [
+            key
+            for key, entry in self._entries.items()
+            if key not in present and entry.refreshed < started and (where is None or where(key))
+        ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,8 +256,9 @@ class ClusterCache:
 
     # -- sweeps after a LIST ------------------------------------------------------------------------------------
 
-    def sweep_pods(self, namespace: str, listed: Iterable[Mapping[str, Any]], started: float,
-                   now: float) -> set[JobKey]:
+    def sweep_pods(
+        self, namespace: str, listed: Iterable[Mapping[str, Any]], started: float, now: float
+    ) -> set[JobKey]:
         """Take a LIST of our pods in ``namespace`` begun at ``started``; returns the jobs whose pods changed."""
         touched: set[JobKey] = set()
         keys = []
@@ -283,8 +287,9 @@ class ClusterCache:
             self.nodes.remove(name, now=now)
         return touched
 
-    def sweep_jobs(self, namespace: str, listed: Iterable[Mapping[str, Any]], started: float,
-                   now: float) -> set[JobKey]:
+    def sweep_jobs(
+        self, namespace: str, listed: Iterable[Mapping[str, Any]], started: float, now: float
+    ) -> set[JobKey]:
         """Take a LIST of the jobs in ``namespace`` begun at ``started``; returns the jobs that changed or left."""
         touched: set[JobKey] = set()
         keys = []

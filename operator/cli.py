@@ -49,11 +49,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from disttrain.operator import convert
 
     contract = convert.Contract(
-        global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size, lr=args.lr,
-        max_steps=args.max_steps, max_samples=args.max_samples, checkpoint_claim=args.checkpoint_claim,
-        checkpoint_volume=args.checkpoint_volume, batch_policy=args.batch_policy, lr_scaling=args.lr_scaling,
-        checkpoint_path=args.checkpoint_path, checkpoint_interval_steps=args.checkpoint_interval_steps,
-        seed=args.seed)
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+        lr=args.lr,
+        max_steps=args.max_steps,
+        max_samples=args.max_samples,
+        checkpoint_claim=args.checkpoint_claim,
+        checkpoint_volume=args.checkpoint_volume,
+        batch_policy=args.batch_policy,
+        lr_scaling=args.lr_scaling,
+        checkpoint_path=args.checkpoint_path,
+        checkpoint_interval_steps=args.checkpoint_interval_steps,
+        seed=args.seed,
+    )
     missing = contract.missing()
     if missing:
         print("a PyTorchJob has no training contract; give these (disttrain convert --help):", file=sys.stderr)
@@ -76,8 +84,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             continue
         for note in result.notes:
             print(f"{source}: note: {note}", file=sys.stderr)
-        errors = [p for p in validation.validate_object(result.objects[0])
-                  if p.severity is validation.Severity.ERROR]
+        errors = [p for p in validation.validate_object(result.objects[0]) if p.severity is validation.Severity.ERROR]
         for problem in errors:
             print(f"{source}: converted job: {problem}", file=sys.stderr)
         failed |= bool(errors)
@@ -102,8 +109,9 @@ def cmd_operator(args: argparse.Namespace) -> int:
     from disttrain.operator import handlers
     from disttrain.operator.metrics import OperatorMetrics
 
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
 
     def api_client() -> client.ApiClient:
         """The adapter's client: --kubeconfig, else in-cluster, else the default kubeconfig (as kopf logs in)."""
@@ -126,8 +134,13 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_address)
-    kopf.run(registry=registry, clusterwide=args.all_namespaces, namespaces=args.namespace or (),
-             standalone=True, liveness_endpoint=args.liveness or None)
+    kopf.run(
+        registry=registry,
+        clusterwide=args.all_namespaces,
+        namespaces=args.namespace or (),
+        standalone=True,
+        liveness_endpoint=args.liveness or None,
+    )
     return 0
 
 
@@ -142,10 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     p_validate.add_argument("files", nargs="+", metavar="FILE")
     p_validate.set_defaults(func=cmd_validate)
 
-    p_convert = sub.add_parser("convert", help="convert a Kubeflow PyTorchJob manifest into a DistTrainJob",
-                               description="Convert Kubeflow PyTorchJob manifests (kubeflow.org/v1) into "
-                               "DistTrainJobs. The training contract, which a PyTorchJob lacks, comes from the "
-                               "flags; without them the command lists what is missing and exits 2.")
+    p_convert = sub.add_parser(
+        "convert",
+        help="convert a Kubeflow PyTorchJob manifest into a DistTrainJob",
+        description="Convert Kubeflow PyTorchJob manifests (kubeflow.org/v1) into "
+        "DistTrainJobs. The training contract, which a PyTorchJob lacks, comes from the "
+        "flags; without them the command lists what is missing and exits 2.",
+    )
     p_convert.add_argument("file", metavar="FILE")
     contract = p_convert.add_argument_group("training contract")
     contract.add_argument("--global-batch-size", type=int, metavar="N")
@@ -165,16 +181,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_operator = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
     scope = p_operator.add_mutually_exclusive_group(required=True)
-    scope.add_argument("--namespace", "-n", action="append", metavar="NS",
-                       help="watch this namespace (repeatable; kopf globs such as 'team-*' work)")
+    scope.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        metavar="NS",
+        help="watch this namespace (repeatable; kopf globs such as 'team-*' work)",
+    )
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch the whole cluster")
-    p_operator.add_argument("--metrics-port", type=int, default=9090,
-                            help="serve Prometheus /metrics on this port (0: off; default 9090)")
+    p_operator.add_argument(
+        "--metrics-port", type=int, default=9090, help="serve Prometheus /metrics on this port (0: off; default 9090)"
+    )
     p_operator.add_argument("--metrics-address", default="0.0.0.0")
-    p_operator.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", metavar="URL",
-                            help="kopf liveness endpoint ('' turns it off; default %(default)s)")
-    p_operator.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, else $KUBECONFIG or "
-                                                 "~/.kube/config)")
+    p_operator.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
+        metavar="URL",
+        help="kopf liveness endpoint ('' turns it off; default %(default)s)",
+    )
+    p_operator.add_argument(
+        "--kubeconfig", help="kubeconfig file (default: in-cluster, else $KUBECONFIG or ~/.kube/config)"
+    )
     p_operator.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p_operator.set_defaults(func=cmd_operator)
 

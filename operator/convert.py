@@ -31,8 +31,15 @@ RDZV_CONF_KEYS = {
 """torchrun --rdzv-conf keys (as PyTorchJob's elasticPolicy.rdzvConf carries them) -> spec.rendezvous fields."""
 
 TORCHRUN_FLAGS_WITHOUT_VALUE = {
-    "--standalone", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module",
-    "--virtual-local-rank", "--virtual_local_rank",
+    "--standalone",
+    "--no-python",
+    "--no_python",
+    "--run-path",
+    "--run_path",
+    "-m",
+    "--module",
+    "--virtual-local-rank",
+    "--virtual_local_rank",
 }
 TORCHRUN_MODULE_FLAGS = {"-m", "--module"}
 TORCHRUN_NO_PYTHON_FLAGS = {"--no-python", "--no_python"}
@@ -68,8 +75,10 @@ class Contract:
         if (self.max_steps is None) == (self.max_samples is None):
             lines.append("spec.training.maxSteps or maxSamples (exactly one of --max-steps N, --max-samples N)")
         if (self.checkpoint_claim is None) == (self.checkpoint_volume is None):
-            lines.append("spec.checkpoint.claimName or volumeName (exactly one of --checkpoint-claim NAME, "
-                         "--checkpoint-volume NAME): where checkpoints are written, shared by every node")
+            lines.append(
+                "spec.checkpoint.claimName or volumeName (exactly one of --checkpoint-claim NAME, "
+                "--checkpoint-volume NAME): where checkpoints are written, shared by every node"
+            )
         return lines
 
 
@@ -101,8 +110,12 @@ def split_launcher(command: list[str], notes: list[str]) -> tuple[list[str], Opt
     """
     if command[:1] == ["torchrun"]:
         rest = command[1:]
-    elif len(command) >= 3 and command[0].startswith("python") and command[1] == "-m" and command[2] in (
-            "torch.distributed.run", "torch.distributed.launch"):
+    elif (
+        len(command) >= 3
+        and command[0].startswith("python")
+        and command[1] == "-m"
+        and command[2] in ("torch.distributed.run", "torch.distributed.launch")
+    ):
         rest = command[3:]
     else:
         return command, None
@@ -127,8 +140,10 @@ def split_launcher(command: list[str], notes: list[str]) -> tuple[list[str], Opt
     if not program:
         raise ConversionError("command: the torchrun launcher has no training script after its options")
     if dropped:
-        notes.append(f"dropped the torchrun launcher options {' '.join(dropped)}: the operator runs torchrun "
-                     "with its own rendezvous, node range and nprocPerNode")
+        notes.append(
+            f"dropped the torchrun launcher options {' '.join(dropped)}: the operator runs torchrun "
+            "with its own rendezvous, node range and nprocPerNode"
+        )
     if no_python:
         return program, nproc
     return (["python", "-m", *program] if module else ["python", *program]), nproc
@@ -142,16 +157,17 @@ def _trainer_container(template: dict[str, Any], notes: list[str]) -> dict[str, 
     elif len(containers) == 1:
         container = containers[0]
     else:
-        raise ConversionError("pytorchReplicaSpecs.*.template.spec.containers: no container named 'pytorch' "
-                              "(Kubeflow's training container) and not exactly one container")
+        raise ConversionError(
+            "pytorchReplicaSpecs.*.template.spec.containers: no container named 'pytorch' "
+            "(Kubeflow's training container) and not exactly one container"
+        )
     if container.get("name") != constants.TRAINER_CONTAINER:
         notes.append(f"container {container.get('name')!r} renamed to {constants.TRAINER_CONTAINER!r}")
         container["name"] = constants.TRAINER_CONTAINER
     return container
 
 
-def _nproc(job_spec: dict[str, Any], container: dict[str, Any], launcher_nproc: Optional[int],
-           notes: list[str]) -> int:
+def _nproc(job_spec: dict[str, Any], container: dict[str, Any], launcher_nproc: Optional[int], notes: list[str]) -> int:
     elastic = job_spec.get("elasticPolicy") or {}
     declared = job_spec.get("nprocPerNode", elastic.get("nProcPerNode"))
     gpus = ((container.get("resources") or {}).get("limits") or {}).get("nvidia.com/gpu")
@@ -196,8 +212,10 @@ def _run_policy(run: dict[str, Any], notes: list[str]) -> dict[str, Any]:
         policy["priorityClassName"] = scheduling["priorityClass"]
     for key in ("queue", "minAvailable", "minResources", "scheduleTimeoutSeconds"):
         if scheduling.get(key) is not None:
-            notes.append(f"runPolicy.schedulingPolicy.{key} ({scheduling[key]}) not carried over; see "
-                         "docs/operator.md for queueing and gang scheduling")
+            notes.append(
+                f"runPolicy.schedulingPolicy.{key} ({scheduling[key]}) not carried over; see "
+                "docs/operator.md for queueing and gang scheduling"
+            )
     return policy
 
 
@@ -207,14 +225,18 @@ def _template(replicas: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     if source is None or "template" not in source:
         raise ConversionError("spec.pytorchReplicaSpecs: needs a Worker or Master with a template")
     if master and worker and master.get("template") != worker.get("template"):
-        notes.append("Master and Worker templates differ; the Worker template is used for every node "
-                     "(in a DistTrainJob all nodes are equal and rank 0 may move)")
+        notes.append(
+            "Master and Worker templates differ; the Worker template is used for every node "
+            "(in a DistTrainJob all nodes are equal and rank 0 may move)"
+        )
     for role, spec in replicas.items():
         if role not in ("Master", "Worker"):
             raise ConversionError(f"spec.pytorchReplicaSpecs.{role}: only Master and Worker are known")
         if spec.get("restartPolicy") not in (None, "OnFailure", "ExitCode"):
-            notes.append(f"pytorchReplicaSpecs.{role}.restartPolicy {spec['restartPolicy']} replaced by "
-                         "spec.restartPolicy (a restart budget for the whole job)")
+            notes.append(
+                f"pytorchReplicaSpecs.{role}.restartPolicy {spec['restartPolicy']} replaced by "
+                "spec.restartPolicy (a restart budget for the whole job)"
+            )
     template = copy.deepcopy(source["template"])
     pod = template.setdefault("spec", {})
     if pod.pop("restartPolicy", None) is not None:
@@ -224,8 +246,9 @@ def _template(replicas: dict[str, Any], notes: list[str]) -> dict[str, Any]:
 
 def _nodes(job_spec: dict[str, Any], notes: list[str]) -> dict[str, int]:
     replicas = job_spec.get("pytorchReplicaSpecs") or {}
-    total = sum(_int(spec.get("replicas", 1), f"spec.pytorchReplicaSpecs.{role}.replicas")
-                for role, spec in replicas.items())
+    total = sum(
+        _int(spec.get("replicas", 1), f"spec.pytorchReplicaSpecs.{role}.replicas") for role, spec in replicas.items()
+    )
     elastic = job_spec.get("elasticPolicy") or {}
     low = _int(elastic.get("minReplicas", total), "spec.elasticPolicy.minReplicas")
     high = _int(elastic.get("maxReplicas", total), "spec.elasticPolicy.maxReplicas")
@@ -247,8 +270,11 @@ def _env(container: dict[str, Any], notes: list[str]) -> None:
 
 
 def _training(contract: Contract) -> dict[str, Any]:
-    training: dict[str, Any] = {"globalBatchSize": contract.global_batch_size,
-                                "microBatchSize": contract.micro_batch_size, "lr": {"base": contract.lr}}
+    training: dict[str, Any] = {
+        "globalBatchSize": contract.global_batch_size,
+        "microBatchSize": contract.micro_batch_size,
+        "lr": {"base": contract.lr},
+    }
     if contract.lr_scaling:
         training["lr"]["scaling"] = contract.lr_scaling
     if contract.batch_policy:
@@ -283,8 +309,11 @@ def _metadata(meta: dict[str, Any]) -> dict[str, Any]:
         out["namespace"] = meta["namespace"]
     if meta.get("labels"):
         out["labels"] = dict(meta["labels"])
-    annotations = {k: v for k, v in (meta.get("annotations") or {}).items()
-                   if k != "kubectl.kubernetes.io/last-applied-configuration"}
+    annotations = {
+        k: v
+        for k, v in (meta.get("annotations") or {}).items()
+        if k != "kubectl.kubernetes.io/last-applied-configuration"
+    }
     if annotations:
         out["annotations"] = annotations
     return out
@@ -294,11 +323,15 @@ def _hpa(job: dict[str, Any], metrics: list[dict[str, Any]]) -> dict[str, Any]:
     """Kubeflow creates an HPA from elasticPolicy.metrics; a DistTrainJob is scaled by a plain HPA on /scale."""
     meta = {k: v for k, v in job["metadata"].items() if k in ("name", "namespace")}
     return {
-        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": meta,
-        "spec": {"scaleTargetRef": {"apiVersion": constants.API_VERSION, "kind": constants.KIND,
-                                    "name": meta["name"]},
-                 "minReplicas": job["spec"]["nodes"]["min"], "maxReplicas": job["spec"]["nodes"]["max"],
-                 "metrics": copy.deepcopy(metrics)},
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": meta,
+        "spec": {
+            "scaleTargetRef": {"apiVersion": constants.API_VERSION, "kind": constants.KIND, "name": meta["name"]},
+            "minReplicas": job["spec"]["nodes"]["min"],
+            "maxReplicas": job["spec"]["nodes"]["max"],
+            "metrics": copy.deepcopy(metrics),
+        },
     }
 
 
@@ -319,8 +352,10 @@ def convert(pytorchjob: Any, contract: Contract) -> Conversion:
     container = _trainer_container(template, notes)
     command = [*(container.get("command") or []), *(container.get("args") or [])]
     if not command:
-        raise ConversionError("template.spec.containers[pytorch]: no command (the image's entrypoint cannot be "
-                              "wrapped by torchrun); set command to the training script")
+        raise ConversionError(
+            "template.spec.containers[pytorch]: no command (the image's entrypoint cannot be "
+            "wrapped by torchrun); set command to the training script"
+        )
     program, launcher_nproc = split_launcher(command, notes)
     container["command"] = program
     container.pop("args", None)
@@ -343,11 +378,17 @@ def convert(pytorchjob: Any, contract: Contract) -> Conversion:
     run_policy = _run_policy(run, notes)
     if run_policy:
         spec["runPolicy"] = run_policy
-    job = {"apiVersion": constants.API_VERSION, "kind": constants.KIND,
-           "metadata": _metadata(pytorchjob.get("metadata") or {}), "spec": spec}
+    job = {
+        "apiVersion": constants.API_VERSION,
+        "kind": constants.KIND,
+        "metadata": _metadata(pytorchjob.get("metadata") or {}),
+        "spec": spec,
+    }
     result.objects.append(job)
     if elastic.get("metrics"):
         result.objects.append(_hpa(job, elastic["metrics"]))
-        notes.append("elasticPolicy.metrics -> an autoscaling/v2 HorizontalPodAutoscaler on the DistTrainJob's "
-                     "scale subresource (emitted after the job)")
+        notes.append(
+            "elasticPolicy.metrics -> an autoscaling/v2 HorizontalPodAutoscaler on the DistTrainJob's "
+            "scale subresource (emitted after the job)"
+        )
     return result

@@ -58,8 +58,7 @@ class Kube:
 
     @staticmethod
     async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.to_thread(fn, *args, _request_timeout=REQUEST_TIMEOUT_S, _preload_content=False,
-                                       **kwargs)
+        return await asyncio.to_thread(fn, *args, _request_timeout=REQUEST_TIMEOUT_S, _preload_content=False, **kwargs)
 
     @staticmethod
     def _body(response: Any) -> dict[str, Any]:
@@ -72,26 +71,43 @@ class Kube:
         if kind == listing.NODES:
             response = await self._call(self.core.list_node)
         elif kind == listing.PODS:
-            response = await self._call(self.core.list_namespaced_pod, namespace,
-                                        label_selector=constants.LABEL_JOB_NAME)
+            response = await self._call(
+                self.core.list_namespaced_pod, namespace, label_selector=constants.LABEL_JOB_NAME
+            )
         else:
-            response = await self._call(self.custom.list_namespaced_custom_object, constants.GROUP,
-                                        constants.VERSION, namespace, constants.PLURAL)
+            response = await self._call(
+                self.custom.list_namespaced_custom_object,
+                constants.GROUP,
+                constants.VERSION,
+                namespace,
+                constants.PLURAL,
+            )
         return list(self._body(response).get("items") or [])
 
     async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        return self._body(await self._call(
-            self.custom.patch_namespaced_custom_object_status, constants.GROUP, constants.VERSION, namespace,
-            constants.PLURAL, name, {"status": patch}, _content_type=MERGE_PATCH))
+        return self._body(
+            await self._call(
+                self.custom.patch_namespaced_custom_object_status,
+                constants.GROUP,
+                constants.VERSION,
+                namespace,
+                constants.PLURAL,
+                name,
+                {"status": patch},
+                _content_type=MERGE_PATCH,
+            )
+        )
 
     async def create(self, obj: dict[str, Any]) -> Optional[dict[str, Any]]:
         """Create ``obj``; an existing one (409) is fine: names are deterministic. Returns what was created."""
         namespace = obj["metadata"]["namespace"]
         kind = obj["kind"]
         creators: dict[str, Callable[..., Any]] = {
-            "Pod": self.core.create_namespaced_pod, "Service": self.core.create_namespaced_service,
+            "Pod": self.core.create_namespaced_pod,
+            "Service": self.core.create_namespaced_service,
             "ServiceAccount": self.core.create_namespaced_service_account,
-            "Role": self.rbac.create_namespaced_role, "RoleBinding": self.rbac.create_namespaced_role_binding,
+            "Role": self.rbac.create_namespaced_role,
+            "RoleBinding": self.rbac.create_namespaced_role_binding,
             "Event": self.core.create_namespaced_event,
         }
         try:
@@ -104,8 +120,11 @@ class Kube:
     async def delete_pod(self, namespace: str, name: str, force: bool) -> Optional[dict[str, Any]]:
         """Delete a pod; returns it as the API server left it (Terminating), None when it was already gone."""
         try:
-            answer = self._body(await self._call(self.core.delete_namespaced_pod, name, namespace,
-                                                 grace_period_seconds=0 if force else None))
+            answer = self._body(
+                await self._call(
+                    self.core.delete_namespaced_pod, name, namespace, grace_period_seconds=0 if force else None
+                )
+            )
         except k8s.ApiException as error:
             if error.status != 404:
                 raise
@@ -114,8 +133,15 @@ class Kube:
 
     async def delete_job(self, namespace: str, name: str) -> None:
         try:
-            await self._call(self.custom.delete_namespaced_custom_object, constants.GROUP, constants.VERSION,
-                             namespace, constants.PLURAL, name, propagation_policy="Background")
+            await self._call(
+                self.custom.delete_namespaced_custom_object,
+                constants.GROUP,
+                constants.VERSION,
+                namespace,
+                constants.PLURAL,
+                name,
+                propagation_policy="Background",
+            )
         except k8s.ApiException as error:
             if error.status != 404:
                 raise
@@ -133,14 +159,25 @@ def event_object(job: DistTrainJob, type_: str, reason: str, message: str, now: 
     """A core/v1 Event about the job (unique name: Events need no idempotency, a repeat is just a repeat)."""
     stamp = timestamps.format_time_seconds(now)
     return {
-        "apiVersion": "v1", "kind": "Event",
+        "apiVersion": "v1",
+        "kind": "Event",
         "metadata": {"name": f"{job.metadata.name}.{uuid.uuid4().hex[:16]}", "namespace": job.metadata.namespace},
-        "involvedObject": {"apiVersion": constants.API_VERSION, "kind": constants.KIND, "name": job.metadata.name,
-                           "namespace": job.metadata.namespace, "uid": job.metadata.uid or ""},
-        "type": type_, "reason": reason, "message": message[:1024],
+        "involvedObject": {
+            "apiVersion": constants.API_VERSION,
+            "kind": constants.KIND,
+            "name": job.metadata.name,
+            "namespace": job.metadata.namespace,
+            "uid": job.metadata.uid or "",
+        },
+        "type": type_,
+        "reason": reason,
+        "message": message[:1024],
         "source": {"component": "disttrain-operator"},
-        "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
-        "reportingComponent": "disttrain.dev/operator", "reportingInstance": "disttrain-operator",
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+        "reportingComponent": "disttrain.dev/operator",
+        "reportingInstance": "disttrain-operator",
     }
 
 
@@ -175,8 +212,9 @@ def _remember_pod(cache: ClusterCache, created: Optional[dict[str, Any]]) -> Non
         cache.put_pod(created, time.monotonic())
 
 
-async def reconcile_once(kube: Kube, cache: ClusterCache, metrics: OperatorMetrics, namespace: str,
-                         name: str) -> Optional[Actions]:
+async def reconcile_once(
+    kube: Kube, cache: ClusterCache, metrics: OperatorMetrics, namespace: str, name: str
+) -> Optional[Actions]:
     """Decide on the cached state and write. Returns the actions (None when the job is gone)."""
     started = time.perf_counter()
     raw = cache.job(namespace, name)
@@ -184,8 +222,9 @@ async def reconcile_once(kube: Kube, cache: ClusterCache, metrics: OperatorMetri
         return None
     meta = dict(raw.get("metadata") or {})
     meta.setdefault("namespace", namespace)
-    job = DistTrainJob.model_validate({**{k: v for k, v in raw.items() if k in ("apiVersion", "kind", "spec",
-                                                                                "status")}, "metadata": meta})
+    job = DistTrainJob.model_validate(
+        {**{k: v for k, v in raw.items() if k in ("apiVersion", "kind", "spec", "status")}, "metadata": meta}
+    )
     observed = cache.observe(namespace, name)
     now = time.time()
     actions = reconcile(job, observed, now)
@@ -231,8 +270,9 @@ async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, timeout: Opti
             waiter.cancel()
 
 
-def register(registry: kopf.OperatorRegistry, api_client_factory: Callable[[], k8s.ApiClient],
-             metrics: OperatorMetrics) -> None:
+def register(
+    registry: kopf.OperatorRegistry, api_client_factory: Callable[[], k8s.ApiClient], metrics: OperatorMetrics
+) -> None:
     """Register every handler on ``registry`` (a fresh one in tests, kopf's default one in ``disttrain operator``)."""
     pokes = Pokes()
     cache = ClusterCache()
@@ -249,8 +289,9 @@ def register(registry: kopf.OperatorRegistry, api_client_factory: Callable[[], k
     listings = listing.Listings(cache, list_scope, pokes.poke_jobs)
 
     @kopf.daemon(constants.GROUP, constants.VERSION, constants.PLURAL, registry=registry, cancellation_timeout=5.0)
-    async def job_loop(*, name: str, namespace: Optional[str], body: kopf.Body, stopped: kopf.DaemonStopped,
-                       **_: Any) -> None:
+    async def job_loop(
+        *, name: str, namespace: Optional[str], body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any
+    ) -> None:
         """The job's reconcile loop (kopf starts it on create and on operator start, stops it on deletion)."""
         namespace = _namespaced(namespace)
         wake = pokes.get(namespace, name)
@@ -267,8 +308,14 @@ def register(registry: kopf.OperatorRegistry, api_client_factory: Callable[[], k
                     delay = None if actions.requeue_after is None else max(0.05, actions.requeue_after)
                 except k8s.ApiException as error:
                     metrics.errors.labels("api").inc()
-                    log.warning("reconcile of %s/%s failed: %s %s: %s; retrying", namespace, name, error.status,
-                                error.reason, api_error_message(error))
+                    log.warning(
+                        "reconcile of %s/%s failed: %s %s: %s; retrying",
+                        namespace,
+                        name,
+                        error.status,
+                        error.reason,
+                        api_error_message(error),
+                    )
                     delay = API_ERROR_RETRY_S
                 except Exception:
                     metrics.errors.labels("internal").inc()
@@ -281,8 +328,9 @@ def register(registry: kopf.OperatorRegistry, api_client_factory: Callable[[], k
                 metrics.forget_job(namespace, name)
 
     @kopf.on.event(constants.GROUP, constants.VERSION, constants.PLURAL, registry=registry)
-    async def job_changed(*, type: Optional[str], body: kopf.Body, name: str, namespace: Optional[str],
-                          **_: Any) -> None:
+    async def job_changed(
+        *, type: Optional[str], body: kopf.Body, name: str, namespace: Optional[str], **_: Any
+    ) -> None:
         namespace = _namespaced(namespace)
         now = time.monotonic()
         if type is None:

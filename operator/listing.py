@@ -40,8 +40,15 @@ class Listings:
     """Lists scopes into the cache: :meth:`ensure_synced` before a namespace's first reconcile, :meth:`relisted`
     when kopf's watch of a scope listed again."""
 
-    def __init__(self, cache: ClusterCache, list_scope: Lister, wake: Callable[[Iterable[JobKey]], None], *,
-                 clock: Callable[[], float] = time.monotonic, settle_s: float = RELIST_SETTLE_SECONDS) -> None:
+    def __init__(
+        self,
+        cache: ClusterCache,
+        list_scope: Lister,
+        wake: Callable[[Iterable[JobKey]], None],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        settle_s: float = RELIST_SETTLE_SECONDS,
+    ) -> None:
         self.cache = cache
         self.list_scope = list_scope
         self.wake = wake

@@ -25,31 +25,58 @@ class OperatorMetrics:
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         job = ["namespace", "job"]
-        self.world_size = Gauge("disttrain_job_world_size", "Processes in the job's current group.", job,
-                                registry=registry)
-        self.desired_nodes = Gauge("disttrain_job_desired_nodes", "Node count the operator works towards.", job,
-                                   registry=registry)
-        self.phase = Gauge("disttrain_job_phase", "1 for the job's current phase, 0 for the others.",
-                           [*job, "phase"], registry=registry)
-        self.restarts = Counter("disttrain_job_restarts", "Failures restarted (counted against maxRestarts).",
-                                [*job, "reason"], registry=registry)
-        self.reforms = Counter("disttrain_job_reforms", "Group reforms (planned and unplanned).", [*job, "reason"],
-                               registry=registry)
+        self.world_size = Gauge(
+            "disttrain_job_world_size", "Processes in the job's current group.", job, registry=registry
+        )
+        self.desired_nodes = Gauge(
+            "disttrain_job_desired_nodes", "Node count the operator works towards.", job, registry=registry
+        )
+        self.phase = Gauge(
+            "disttrain_job_phase",
+            "1 for the job's current phase, 0 for the others.",
+            [*job, "phase"],
+            registry=registry,
+        )
+        self.restarts = Counter(
+            "disttrain_job_restarts",
+            "Failures restarted (counted against maxRestarts).",
+            [*job, "reason"],
+            registry=registry,
+        )
+        self.reforms = Counter(
+            "disttrain_job_reforms", "Group reforms (planned and unplanned).", [*job, "reason"], registry=registry
+        )
         self.reform_duration = Histogram(
-            "disttrain_job_reform_duration_seconds", "Seconds from a drain/reform directive to the first step at the "
-            "new size.", job, buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=registry)
-        self.checkpoint_step = Gauge("disttrain_job_last_complete_checkpoint_step",
-                                     "Step of the newest complete checkpoint.", job, registry=registry)
-        self.checkpoint_age = Gauge("disttrain_job_checkpoint_age_seconds",
-                                    "Seconds since the newest complete checkpoint was committed.", job,
-                                    registry=registry)
-        self.samples = Gauge("disttrain_job_samples_consumed", "Samples consumed by the training so far.", job,
-                             registry=registry)
+            "disttrain_job_reform_duration_seconds",
+            "Seconds from a drain/reform directive to the first step at the new size.",
+            job,
+            buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
+            registry=registry,
+        )
+        self.checkpoint_step = Gauge(
+            "disttrain_job_last_complete_checkpoint_step",
+            "Step of the newest complete checkpoint.",
+            job,
+            registry=registry,
+        )
+        self.checkpoint_age = Gauge(
+            "disttrain_job_checkpoint_age_seconds",
+            "Seconds since the newest complete checkpoint was committed.",
+            job,
+            registry=registry,
+        )
+        self.samples = Gauge(
+            "disttrain_job_samples_consumed", "Samples consumed by the training so far.", job, registry=registry
+        )
         self.reconcile_duration = Histogram(
-            "disttrain_operator_reconcile_duration_seconds", "Wall time of one reconcile (read, decide, write).",
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=registry)
-        self.errors = Counter("disttrain_operator_reconcile_errors", "Reconciles that failed (retried).", ["kind"],
-                              registry=registry)
+            "disttrain_operator_reconcile_duration_seconds",
+            "Wall time of one reconcile (read, decide, write).",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            registry=registry,
+        )
+        self.errors = Counter(
+            "disttrain_operator_reconcile_errors", "Reconciles that failed (retried).", ["kind"], registry=registry
+        )
         self._seen: dict[tuple[str, str], dict[str, Any]] = {}
 
     def observe_job(self, namespace: str, name: str, status: Mapping[str, Any], now: Optional[float] = None) -> None:
@@ -80,18 +107,29 @@ class OperatorMetrics:
         if previous is not None and status.get("reforms", 0) > previous.get("reforms", 0):
             added = status["reforms"] - previous.get("reforms", 0)
             self.reforms.labels(*labels, reform.get("reason", "Unknown")).inc(added)
-        if reform.get("durationSeconds") is not None and (reform.get("start"), reform.get("durationSeconds")) != \
-                (old_reform.get("start"), old_reform.get("durationSeconds")):
+        if reform.get("durationSeconds") is not None and (reform.get("start"), reform.get("durationSeconds")) != (
+            old_reform.get("start"),
+            old_reform.get("durationSeconds"),
+        ):
             self.reform_duration.labels(*labels).observe(reform["durationSeconds"])
-        self._seen[labels] = {"restarts": status.get("restarts"), "reforms": status.get("reforms", 0),
-                              "lastReform": reform}
+        self._seen[labels] = {
+            "restarts": status.get("restarts"),
+            "reforms": status.get("reforms", 0),
+            "lastReform": reform,
+        }
 
     def forget_job(self, namespace: str, name: str) -> None:
         """Drop a deleted job's series so /metrics does not grow without bound."""
         labels = (namespace, name)
         self._seen.pop(labels, None)
-        for metric in (self.world_size, self.desired_nodes, self.checkpoint_step, self.checkpoint_age, self.samples,
-                       self.reform_duration):
+        for metric in (
+            self.world_size,
+            self.desired_nodes,
+            self.checkpoint_step,
+            self.checkpoint_age,
+            self.samples,
+            self.reform_duration,
+        ):
             try:
                 metric.remove(*labels)
             except KeyError:

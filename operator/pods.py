@@ -44,8 +44,12 @@ def owner_reference(job: DistTrainJob) -> dict[str, Any]:
 
 def _metadata(job: DistTrainJob, name: str, role: str, extra_labels: Optional[dict[str, str]] = None) -> dict[str, Any]:
     labels = {**(extra_labels or {}), **job_labels(job, role)}
-    return {"name": name, "namespace": job.metadata.namespace, "labels": labels,
-            "ownerReferences": [owner_reference(job)]}
+    return {
+        "name": name,
+        "namespace": job.metadata.namespace,
+        "labels": labels,
+        "ownerReferences": [owner_reference(job)],
+    }
 
 
 def agent_endpoint(job: DistTrainJob) -> str:
@@ -63,14 +67,16 @@ def torchrun_args(job: DistTrainJob, endpoint: str) -> list[str]:
     """torchrun's arguments (everything between ``-m torch.distributed.run`` and the training command)."""
     spec = job.spec
     rdzv = spec.rendezvous
-    conf = ",".join([
-        "is_host=false",  # the store lives in the agent pod: losing any worker never takes it down
-        f"join_timeout={rdzv.join_timeout_seconds}",
-        f"last_call_timeout={rdzv.last_call_timeout_seconds}",
-        f"close_timeout={rdzv.close_timeout_seconds}",
-        f"keep_alive_interval={rdzv.keep_alive_interval_seconds}",
-        f"keep_alive_max_attempt={rdzv.keep_alive_max_attempts}",
-    ])
+    conf = ",".join(
+        [
+            "is_host=false",  # the store lives in the agent pod: losing any worker never takes it down
+            f"join_timeout={rdzv.join_timeout_seconds}",
+            f"last_call_timeout={rdzv.last_call_timeout_seconds}",
+            f"close_timeout={rdzv.close_timeout_seconds}",
+            f"keep_alive_interval={rdzv.keep_alive_interval_seconds}",
+            f"keep_alive_max_attempt={rdzv.keep_alive_max_attempts}",
+        ]
+    )
     return [
         f"--nnodes={spec.nodes.min}:{spec.nodes.max}",
         f"--nproc-per-node={spec.nproc_per_node}",
@@ -83,8 +89,14 @@ def torchrun_args(job: DistTrainJob, endpoint: str) -> list[str]:
     ]
 
 
-def worker_env(job: DistTrainJob, node_name: str, *, endpoint: Optional[str] = None,
-               checkpoint_directory: Optional[str] = None, metrics_port: int = METRICS_PORT) -> list[dict[str, str]]:
+def worker_env(
+    job: DistTrainJob,
+    node_name: str,
+    *,
+    endpoint: Optional[str] = None,
+    checkpoint_directory: Optional[str] = None,
+    metrics_port: int = METRICS_PORT,
+) -> list[dict[str, str]]:
     """The DISTTRAIN_* contract env of one node (the local runtime overrides endpoint/dir/port)."""
     meta = job.metadata
     return [
@@ -102,8 +114,9 @@ def worker_env(job: DistTrainJob, node_name: str, *, endpoint: Optional[str] = N
     ]
 
 
-def build_worker_pod(job: DistTrainJob, node_index: int, *, endpoint: Optional[str] = None,
-                     checkpoint_directory: Optional[str] = None) -> dict[str, Any]:
+def build_worker_pod(
+    job: DistTrainJob, node_index: int, *, endpoint: Optional[str] = None, checkpoint_directory: Optional[str] = None
+) -> dict[str, Any]:
     """Worker pod ``<job>-worker-<index>``: the user's template plus our launcher, env, labels and volume.
 
     The trainer container's ``command + args`` become the training command that torchrun runs with
@@ -116,8 +129,10 @@ def build_worker_pod(job: DistTrainJob, node_index: int, *, endpoint: Optional[s
     trainer = pod_containers[containers.trainer_index(pod_containers)]
     user_command = [*(trainer.get("command") or []), *(trainer.get("args") or [])]
     if not trainer.get("command"):
-        raise ValueError(f"spec.template.spec.containers[{trainer.get('name')}].command is required: the operator "
-                         "runs it under torchrun and cannot read the image's entrypoint")
+        raise ValueError(
+            f"spec.template.spec.containers[{trainer.get('name')}].command is required: the operator "
+            "runs it under torchrun and cannot read the image's entrypoint"
+        )
     endpoint = endpoint or agent_endpoint(job)
     trainer["command"] = ["python", "-m", "torch.distributed.run", *torchrun_args(job, endpoint), *user_command]
     trainer.pop("args", None)
@@ -196,8 +211,7 @@ def build_agent_pod(job: DistTrainJob) -> dict[str, Any]:
         ],
         "ports": [{"name": "rendezvous", "containerPort": port, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 2},
-        "resources": {"requests": {"cpu": AGENT_CPU, "memory": AGENT_MEMORY},
-                      "limits": {"memory": AGENT_MEMORY}},
+        "resources": {"requests": {"cpu": AGENT_CPU, "memory": AGENT_MEMORY}, "limits": {"memory": AGENT_MEMORY}},
     }
     if trainer.get("imagePullPolicy"):
         container["imagePullPolicy"] = trainer["imagePullPolicy"]
@@ -215,40 +229,59 @@ def build_agent_pod(job: DistTrainJob) -> dict[str, Any]:
 def build_agent_service(job: DistTrainJob) -> dict[str, Any]:
     port = job.spec.rendezvous.port
     return {
-        "apiVersion": "v1", "kind": "Service",
+        "apiVersion": "v1",
+        "kind": "Service",
         "metadata": _metadata(job, names.agent_service_name(job.metadata.name), constants.ROLE_AGENT),
-        "spec": {"selector": job_labels(job, constants.ROLE_AGENT),
-                 "ports": [{"name": "rendezvous", "port": port, "targetPort": port, "protocol": "TCP"}]},
+        "spec": {
+            "selector": job_labels(job, constants.ROLE_AGENT),
+            "ports": [{"name": "rendezvous", "port": port, "targetPort": port, "protocol": "TCP"}],
+        },
     }
 
 
 def build_headless_service(job: DistTrainJob) -> dict[str, Any]:
     """Stable DNS for worker pods (``<pod>.<job>-workers``), ready or not, for collectives between nodes."""
     return {
-        "apiVersion": "v1", "kind": "Service",
+        "apiVersion": "v1",
+        "kind": "Service",
         "metadata": _metadata(job, names.headless_service_name(job.metadata.name), constants.ROLE_WORKER),
-        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
-                 "selector": job_labels(job, constants.ROLE_WORKER),
-                 "ports": [{"name": "metrics", "port": METRICS_PORT, "targetPort": METRICS_PORT, "protocol": "TCP"}]},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": job_labels(job, constants.ROLE_WORKER),
+            "ports": [{"name": "metrics", "port": METRICS_PORT, "targetPort": METRICS_PORT, "protocol": "TCP"}],
+        },
     }
 
 
 def build_service_account(job: DistTrainJob) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "ServiceAccount",
-            "metadata": _metadata(job, names.service_account_name(job.metadata.name), constants.ROLE_AGENT)}
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _metadata(job, names.service_account_name(job.metadata.name), constants.ROLE_AGENT),
+    }
 
 
 def build_role(job: DistTrainJob) -> dict[str, Any]:
     """The agent may read its own job and patch only its status: nothing else, no other job."""
     only = [job.metadata.name]
     return {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
         "metadata": _metadata(job, names.role_name(job.metadata.name), constants.ROLE_AGENT),
         "rules": [
-            {"apiGroups": [constants.GROUP], "resources": [constants.PLURAL], "resourceNames": only,
-             "verbs": ["get", "watch"]},
-            {"apiGroups": [constants.GROUP], "resources": [f"{constants.PLURAL}/status"], "resourceNames": only,
-             "verbs": ["get", "patch"]},
+            {
+                "apiGroups": [constants.GROUP],
+                "resources": [constants.PLURAL],
+                "resourceNames": only,
+                "verbs": ["get", "watch"],
+            },
+            {
+                "apiGroups": [constants.GROUP],
+                "resources": [f"{constants.PLURAL}/status"],
+                "resourceNames": only,
+                "verbs": ["get", "patch"],
+            },
         ],
     }
 
@@ -256,18 +289,29 @@ def build_role(job: DistTrainJob) -> dict[str, Any]:
 def build_role_binding(job: DistTrainJob) -> dict[str, Any]:
     name = names.role_name(job.metadata.name)
     return {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
         "metadata": _metadata(job, name, constants.ROLE_AGENT),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": names.service_account_name(job.metadata.name),
-                      "namespace": job.metadata.namespace}],
+        "subjects": [
+            {
+                "kind": "ServiceAccount",
+                "name": names.service_account_name(job.metadata.name),
+                "namespace": job.metadata.namespace,
+            }
+        ],
     }
 
 
 def build_support_objects(job: DistTrainJob) -> list[dict[str, Any]]:
     """Everything but pods, in creation order (RBAC before the agent needs it)."""
-    return [build_service_account(job), build_role(job), build_role_binding(job),
-            build_agent_service(job), build_headless_service(job)]
+    return [
+        build_service_account(job),
+        build_role(job),
+        build_role_binding(job),
+        build_agent_service(job),
+        build_headless_service(job),
+    ]
 
 
 def describe_command(pod: dict[str, Any]) -> str:

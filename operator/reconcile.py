@@ -53,11 +53,18 @@ from disttrain.operator.observed import (
 from disttrain.operator.patches import merge_patch
 
 # Reasons that come from an unplanned loss (replacement wait applies to them). Values: control.reason is a string.
-LOSS_REASONS = frozenset({
-    Reason.POD_FAILED.value, Reason.POD_DELETED.value, Reason.EVICTED.value, Reason.NODE_NOT_READY.value,
-    Reason.NODE_UNREACHABLE.value, Reason.NODE_DELETED.value, Reason.NODE_DRAINING.value,
-    Reason.AGENT_RESTARTED.value,
-})
+LOSS_REASONS = frozenset(
+    {
+        Reason.POD_FAILED.value,
+        Reason.POD_DELETED.value,
+        Reason.EVICTED.value,
+        Reason.NODE_NOT_READY.value,
+        Reason.NODE_UNREACHABLE.value,
+        Reason.NODE_DELETED.value,
+        Reason.NODE_DRAINING.value,
+        Reason.AGENT_RESTARTED.value,
+    }
+)
 CHECKPOINT_MESSAGE_REFRESH_SECONDS = 60.0
 """How late the Checkpointed condition's message may name an older checkpoint than status.lastCheckpoint."""
 
@@ -189,8 +196,13 @@ def is_force_delete_due(
 
 def is_agent_lost(agent: Optional[PodView], nodes: Optional[Mapping[str, NodeView]]) -> bool:
     """The job agent is missing, exited, unreachable, being deleted, or on a lost node."""
-    return agent is None or agent.is_finished or agent.phase == "Unknown" or agent.is_terminating \
+    return (
+        agent is None
+        or agent.is_finished
+        or agent.phase == "Unknown"
+        or agent.is_terminating
         or node_loss_reason(agent.node_name, nodes) is not None
+    )
 
 
 def training_complete(spec: DistTrainJobSpec, status: DistTrainJobStatus) -> bool:
@@ -249,11 +261,13 @@ class _Draft:
     def event(self, type_: EventType, reason: Reason, message: str) -> None:
         self.events.append(Event(type_, reason.value, message))
 
-    def condition(self, type_: ConditionType, ok: bool, reason: Reason, message: str, *,
-                  announce: Optional[EventType] = None) -> bool:
+    def condition(
+        self, type_: ConditionType, ok: bool, reason: Reason, message: str, *, announce: Optional[EventType] = None
+    ) -> bool:
         """Set a condition; emit an event (type ``announce``) when it turns True. Returns whether it flipped."""
         self.status.conditions, flipped = conditions.set_condition(
-            self.status.conditions, type_, ok, reason, message, self.now)
+            self.status.conditions, type_, ok, reason, message, self.now
+        )
         if flipped and ok and announce:
             self.event(announce, reason, message)
         return flipped
@@ -307,8 +321,16 @@ def reconcile(job: DistTrainJob, seen: Observed, now: float) -> Actions:
 def _steps(spec: DistTrainJobSpec) -> tuple[Step, ...]:
     if spec.run_policy.suspend:
         return (_suspend,)
-    return (_resume_if_suspended, _bootstrap, _ensure_agent, _announce_checkpoint, _handle_workers,
-            _check_terminal, _size, _publish)
+    return (
+        _resume_if_suspended,
+        _bootstrap,
+        _ensure_agent,
+        _announce_checkpoint,
+        _handle_workers,
+        _check_terminal,
+        _size,
+        _publish,
+    )
 
 
 def _bootstrap(d: _Draft) -> None:
@@ -318,8 +340,13 @@ def _bootstrap(d: _Draft) -> None:
         st.start_time = timestamps.format_time(d.now)
     st.selector = f"{constants.LABEL_JOB_NAME}={d.job.metadata.name},{constants.LABEL_ROLE}={constants.ROLE_WORKER}"
     st.observed_generation = d.job.metadata.generation or st.observed_generation
-    d.condition(ConditionType.CREATED, True, Reason.CREATED, "job agent, services, RBAC and workers are managed",
-                announce=NORMAL)
+    d.condition(
+        ConditionType.CREATED,
+        True,
+        Reason.CREATED,
+        "job agent, services, RBAC and workers are managed",
+        announce=NORMAL,
+    )
 
 
 def _ensure_agent(d: _Draft) -> None:
@@ -344,8 +371,13 @@ def _ensure_agent(d: _Draft) -> None:
         if d.is_finished:
             return
         if d.status.world_size > 0:
-            _issue(d, DirectiveAction.REFORM, Reason.AGENT_RESTARTED, d.status.desired_nodes,
-                   exclude=d.status.control.exclude)
+            _issue(
+                d,
+                DirectiveAction.REFORM,
+                Reason.AGENT_RESTARTED,
+                d.status.desired_nodes,
+                exclude=d.status.control.exclude,
+            )
     elif agent is not None and not lost and agent.is_running:
         tracked[name] = agent.uid
 
@@ -372,8 +404,11 @@ def _announce_checkpoint(d: _Draft) -> None:
             else:
                 d.timer(shown_since + CHECKPOINT_MESSAGE_REFRESH_SECONDS)
         return
-    if previous is not None and previous.reason == Reason.RESUMED_FROM_STEP.value \
-            and previous.message == resumed_message(ckpt):
+    if (
+        previous is not None
+        and previous.reason == Reason.RESUMED_FROM_STEP.value
+        and previous.message == resumed_message(ckpt)
+    ):
         return  # still the checkpoint that training resumed from
     d.condition(ConditionType.CHECKPOINTED, True, Reason.CHECKPOINT_COMMITTED, message)
     d.event(NORMAL, Reason.CHECKPOINT_COMMITTED, message)
@@ -381,8 +416,11 @@ def _announce_checkpoint(d: _Draft) -> None:
 
 def checkpoint_message(ckpt: CheckpointRef) -> str:
     """The Checkpointed condition's message while checkpoints are being committed."""
-    return f"checkpoint at step {ckpt.step} is complete ({ckpt.path})" if ckpt.path else \
-        f"checkpoint at step {ckpt.step} is complete"
+    return (
+        f"checkpoint at step {ckpt.step} is complete ({ckpt.path})"
+        if ckpt.path
+        else f"checkpoint at step {ckpt.step} is complete"
+    )
 
 
 def resumed_message(ckpt: CheckpointRef) -> str:
@@ -411,9 +449,12 @@ def _handle_workers(d: _Draft) -> None:
             d.members.append(pod)
             d.status.tracked_pods[pod.name] = pod.uid
         elif pod.phase == "Failed" and is_permanent_exit(d.spec, pod.exit_code):
-            _fail(d, Reason.PERMANENT_EXIT_CODE,
-                  f"worker pod {pod.name} exited with code {pod.exit_code}, listed as permanent in "
-                  f"spec.restartPolicy.exitCodes.permanent")
+            _fail(
+                d,
+                Reason.PERMANENT_EXIT_CODE,
+                f"worker pod {pod.name} exited with code {pod.exit_code}, listed as permanent in "
+                f"spec.restartPolicy.exitCodes.permanent",
+            )
             return
         else:
             if pod.uid not in handled:
@@ -453,9 +494,12 @@ def _count_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
     if pod.phase == "Failed" and pod.exit_code == ExitCode.DRAINED and st.control.action is DirectiveAction.DRAIN:
         return  # planned: it checkpointed and exited on our drain
     if reason is Reason.POD_FAILED and _failed_with_the_agent(st, pod):
-        d.event(NORMAL, Reason.AGENT_RESTARTED,
-                f"worker pod {pod.name} exited (code {pod.exit_code}) after the job agent was lost; "
-                f"restarting it as part of that restart")
+        d.event(
+            NORMAL,
+            Reason.AGENT_RESTARTED,
+            f"worker pod {pod.name} exited (code {pod.exit_code}) after the job agent was lost; "
+            f"restarting it as part of that restart",
+        )
         return
     detail = f"worker pod {pod.name} lost: {reason.value}"
     if pod.node_name and reason.value.startswith("Node"):
@@ -499,8 +543,11 @@ def _count_restart(d: _Draft, reason: Reason, message: str) -> bool:
     st.next_restart_time = timestamps.format_time(d.now + delay) if delay > 0 else None
     budget = d.spec.restart_policy.max_restarts
     if st.restarts.total > budget:
-        _fail(d, Reason.RESTART_BUDGET_EXHAUSTED,
-              f"{st.restarts.total} restarts exceed spec.restartPolicy.maxRestarts={budget} (last: {message})")
+        _fail(
+            d,
+            Reason.RESTART_BUDGET_EXHAUSTED,
+            f"{st.restarts.total} restarts exceed spec.restartPolicy.maxRestarts={budget} (last: {message})",
+        )
     return True
 
 
@@ -533,14 +580,20 @@ def _issue(d: _Draft, action: DirectiveAction, reason: Reason, target: int, excl
         st.reforms += 1
         nproc = d.spec.nproc_per_node
         st.last_reform = ReformRecord.model_validate(
-            {"reason": reason.value, "from": st.world_size // nproc if nproc else 0, "to": 0,
-             "start": ctl.issued_at})
+            {"reason": reason.value, "from": st.world_size // nproc if nproc else 0, "to": 0, "start": ctl.issued_at}
+        )
     if action is DirectiveAction.DRAIN:
-        d.event(NORMAL, Reason.DRAINING, f"drain (checkpoint at the next step boundary, then exit) for "
-                                          f"{reason.value}; target {target} nodes")
+        d.event(
+            NORMAL,
+            Reason.DRAINING,
+            f"drain (checkpoint at the next step boundary, then exit) for {reason.value}; target {target} nodes",
+        )
     else:
-        d.event(WARNING, Reason.REFORMING, f"reform (survivors exit at once and re-rendezvous) for "
-                                            f"{reason.value}; target {target} nodes")
+        d.event(
+            WARNING,
+            Reason.REFORMING,
+            f"reform (survivors exit at once and re-rendezvous) for {reason.value}; target {target} nodes",
+        )
 
 
 def _fail(d: _Draft, reason: Reason, message: str) -> None:
@@ -571,10 +624,16 @@ def _check_terminal(d: _Draft) -> None:
     st, spec = d.status, d.spec
     failure = st.worker_failure
     started = timestamps.parse_time(st.start_time) or 0.0
-    if failure is not None and is_permanent_exit(spec, failure.exit_code) \
-            and (timestamps.parse_time(failure.time) or d.now) >= started - 1:
-        _fail(d, Reason.PERMANENT_EXIT_CODE,
-              f"worker {failure.node or '?'} exited with permanent code {failure.exit_code}: {failure.message}")
+    if (
+        failure is not None
+        and is_permanent_exit(spec, failure.exit_code)
+        and (timestamps.parse_time(failure.time) or d.now) >= started - 1
+    ):
+        _fail(
+            d,
+            Reason.PERMANENT_EXIT_CODE,
+            f"worker {failure.node or '?'} exited with permanent code {failure.exit_code}: {failure.message}",
+        )
         return
     deadline = spec.run_policy.active_deadline_seconds
     if deadline is not None:
@@ -640,8 +699,9 @@ def _resume_if_suspended(d: _Draft) -> None:
     d.condition(ConditionType.SUSPENDED, False, Reason.RESUMED, "resumed")
     d.event(NORMAL, Reason.RESUMED, "job resumed")
     if st.last_checkpoint is not None:
-        d.event(NORMAL, Reason.RESUMED_FROM_STEP,
-                f"resuming from the complete checkpoint at step {st.last_checkpoint.step}")
+        d.event(
+            NORMAL, Reason.RESUMED_FROM_STEP, f"resuming from the complete checkpoint at step {st.last_checkpoint.step}"
+        )
 
 
 # -- size: scale requests, directives, pod creation ----------------------------------------------------------------
@@ -674,11 +734,19 @@ def _size(d: _Draft) -> None:
             d.event(NORMAL, Reason.SCALED_DOWN, f"scaling down from {previous} to {desired} nodes")
         victims = choose_victims(live, surplus)
         if group_nodes > 0 and any(v.is_running for v in victims) and ctl.action is not DirectiveAction.REFORM:
-            already_asked = ctl.action is DirectiveAction.DRAIN and ctl.reason == Reason.SCALED_DOWN.value \
+            already_asked = (
+                ctl.action is DirectiveAction.DRAIN
+                and ctl.reason == Reason.SCALED_DOWN.value
                 and ctl.target_nodes == desired
+            )
             if not already_asked:
-                _issue(d, DirectiveAction.DRAIN, Reason.SCALED_DOWN, desired,
-                       exclude=[*ctl.exclude, *(v.name for v in victims)])
+                _issue(
+                    d,
+                    DirectiveAction.DRAIN,
+                    Reason.SCALED_DOWN,
+                    desired,
+                    exclude=[*ctl.exclude, *(v.name for v in victims)],
+                )
         else:
             for victim in victims:
                 st.tracked_pods.pop(victim.name, None)  # a planned removal, not a loss
@@ -694,8 +762,12 @@ def _size(d: _Draft) -> None:
         resume_at = timestamps.parse_time(st.next_restart_time)
         if resume_at is not None and now < resume_at:
             d.timer(resume_at)
-            d.condition(ConditionType.RUNNING, st.phase is Phase.RUNNING, Reason.BACKOFF,
-                        f"restarting {missing} node(s) after backoff at {st.next_restart_time}")
+            d.condition(
+                ConditionType.RUNNING,
+                st.phase is Phase.RUNNING,
+                Reason.BACKOFF,
+                f"restarting {missing} node(s) after backoff at {st.next_restart_time}",
+            )
         else:
             d.create.extend(free_indices(d.seen.workers, missing))
             if previous and desired > previous:
@@ -735,8 +807,11 @@ def _complete_directive(d: _Draft, group_nodes: int) -> None:
             first = progressed if first is None or first < start else first
             st.last_reform.to = group_nodes
             st.last_reform.duration_seconds = round(max(0.0, first - start), 3)
-        d.event(NORMAL, Reason.REFORMED, f"group re-formed with {group_nodes} nodes after {reason} "
-                                          f"(world size {st.world_size})")
+        d.event(
+            NORMAL,
+            Reason.REFORMED,
+            f"group re-formed with {group_nodes} nodes after {reason} (world size {st.world_size})",
+        )
 
 
 def _remove_drained_victims(d: _Draft) -> None:
@@ -751,9 +826,12 @@ def _remove_drained_victims(d: _Draft) -> None:
     timed_out = d.now - issued >= spec.elastic.drain_timeout_seconds
     if ctl.action is not DirectiveAction.DRAIN or drained or timed_out:
         if timed_out and not drained and ctl.action is DirectiveAction.DRAIN:
-            d.event(WARNING, Reason.DRAIN_TIMEOUT,
-                    f"no checkpoint within spec.elastic.drainTimeoutSeconds={spec.elastic.drain_timeout_seconds}; "
-                    f"deleting {', '.join(p.name for p in victims)}")
+            d.event(
+                WARNING,
+                Reason.DRAIN_TIMEOUT,
+                f"no checkpoint within spec.elastic.drainTimeoutSeconds={spec.elastic.drain_timeout_seconds}; "
+                f"deleting {', '.join(p.name for p in victims)}",
+            )
         for pod in victims:
             st.tracked_pods.pop(pod.name, None)
             d.delete(pod, Reason.SCALED_DOWN, force=is_force_delete_due(pod, spec, d.seen.nodes, d.now))
@@ -787,8 +865,11 @@ def _choose_target(d: _Draft, live: list[PodView], group_nodes: int) -> None:
         if now >= expiry and survivors is not None:
             target = survivors
             if ctl.target_nodes != target:
-                d.event(WARNING, timeout_reason,
-                        f"{len(waiting) + missing} node(s) not running after the wait; continuing with {target} nodes")
+                d.event(
+                    WARNING,
+                    timeout_reason,
+                    f"{len(waiting) + missing} node(s) not running after the wait; continuing with {target} nodes",
+                )
         else:
             d.timer(expiry)
     if not ctl.in_flight and group_nodes > 0:
@@ -816,11 +897,20 @@ def _publish(d: _Draft) -> None:
     st.ready_replicas = sum(1 for p in d.seen.workers if p.is_running and p.ready)
     unscheduled = [p.name for p in live if not p.is_scheduled]
     if live and not unscheduled and len(live) >= st.desired_nodes:
-        d.condition(ConditionType.SCHEDULED, True, Reason.SCHEDULED,
-                    f"all {len(live)} worker pods are bound to nodes", announce=NORMAL)
+        d.condition(
+            ConditionType.SCHEDULED,
+            True,
+            Reason.SCHEDULED,
+            f"all {len(live)} worker pods are bound to nodes",
+            announce=NORMAL,
+        )
     else:
-        d.condition(ConditionType.SCHEDULED, False, Reason.PODS_PENDING,
-                    f"waiting for {max(len(unscheduled), st.desired_nodes - len(live))} worker pod(s) to be scheduled")
+        d.condition(
+            ConditionType.SCHEDULED,
+            False,
+            Reason.PODS_PENDING,
+            f"waiting for {max(len(unscheduled), st.desired_nodes - len(live))} worker pod(s) to be scheduled",
+        )
     ctl = st.control
     nproc = d.spec.nproc_per_node
     if ctl.in_flight:

@@ -10,12 +10,14 @@ from disttrain.operator.observed import POD_PHASES, NodeView, Observed, PodPhase
 
 # Taints that mean "this node is being emptied" (kubectl drain's NoExecute by node lifecycle, cluster autoscaler,
 # Karpenter). A cordon alone (spec.unschedulable) only stops new pods and is not a loss.
-DRAIN_TAINTS = frozenset({
-    "ToBeDeletedByClusterAutoscaler",
-    "karpenter.sh/disrupted",
-    "karpenter.sh/disruption",
-    "node.kubernetes.io/out-of-service",
-})
+DRAIN_TAINTS = frozenset(
+    {
+        "ToBeDeletedByClusterAutoscaler",
+        "karpenter.sh/disrupted",
+        "karpenter.sh/disruption",
+        "node.kubernetes.io/out-of-service",
+    }
+)
 
 
 def pod_phase(value: object) -> PodPhase:

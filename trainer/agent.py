@@ -128,8 +128,9 @@ class KubeJobSource:
 
     rate_limited = True
 
-    def __init__(self, namespace: str, name: str, api_client: Any = None, *,
-                 watch_seconds: int = WATCH_SECONDS) -> None:
+    def __init__(
+        self, namespace: str, name: str, api_client: Any = None, *, watch_seconds: int = WATCH_SECONDS
+    ) -> None:
         from kubernetes import client, config  # imported here: local mode needs no kubernetes package
 
         if api_client is None:
@@ -162,8 +163,14 @@ class KubeJobSource:
 
     def patch_status(self, patch: dict[str, Any]) -> None:
         job = self.api.patch_namespaced_custom_object_status(
-            constants.GROUP, constants.VERSION, self.namespace, constants.PLURAL, self.name, {"status": patch},
-            _request_timeout=REQUEST_TIMEOUT_S)
+            constants.GROUP,
+            constants.VERSION,
+            self.namespace,
+            constants.PLURAL,
+            self.name,
+            {"status": patch},
+            _request_timeout=REQUEST_TIMEOUT_S,
+        )
         self._remember(cast("dict[str, Any]", job))
 
     def wait_for_change(self, timeout: float) -> None:
@@ -195,17 +202,32 @@ class KubeJobSource:
         while not self._stop.is_set():
             try:
                 if version is None:
-                    job = cast("dict[str, Any]", self.api.get_namespaced_custom_object(
-                        constants.GROUP, constants.VERSION, self.namespace, constants.PLURAL, self.name,
-                        _request_timeout=REQUEST_TIMEOUT_S))
+                    job = cast(
+                        "dict[str, Any]",
+                        self.api.get_namespaced_custom_object(
+                            constants.GROUP,
+                            constants.VERSION,
+                            self.namespace,
+                            constants.PLURAL,
+                            self.name,
+                            _request_timeout=REQUEST_TIMEOUT_S,
+                        ),
+                    )
                     self._remember(job)
                     self._synced.set()
                     version = _version(job)
                 stream = watch.Watch().stream(
-                    self.api.list_namespaced_custom_object, constants.GROUP, constants.VERSION, self.namespace,
-                    constants.PLURAL, field_selector=f"metadata.name={self.name}", resource_version=version,
-                    allow_watch_bookmarks=True, timeout_seconds=self.watch_seconds,
-                    _request_timeout=(REQUEST_TIMEOUT_S, self.watch_seconds + REQUEST_TIMEOUT_S))
+                    self.api.list_namespaced_custom_object,
+                    constants.GROUP,
+                    constants.VERSION,
+                    self.namespace,
+                    constants.PLURAL,
+                    field_selector=f"metadata.name={self.name}",
+                    resource_version=version,
+                    allow_watch_bookmarks=True,
+                    timeout_seconds=self.watch_seconds,
+                    _request_timeout=(REQUEST_TIMEOUT_S, self.watch_seconds + REQUEST_TIMEOUT_S),
+                )
                 for event in stream:
                     obj = event["raw_object"]
                     version = _version(obj) or version
@@ -226,8 +248,9 @@ class KubeJobSource:
                 if error.status == 410:  # our resourceVersion is too old to watch from: read the job afresh
                     version = None
                     continue
-                log.warning("watch of %s/%s failed: %s %s; retrying", self.namespace, self.name, error.status,
-                            error.reason)
+                log.warning(
+                    "watch of %s/%s failed: %s %s; retrying", self.namespace, self.name, error.status, error.reason
+                )
                 self._stop.wait(backoff * random.uniform(0.5, 1.0))
                 backoff = min(backoff * 2, 10.0)
             except Exception as error:  # noqa: BLE001 (connection reset, timeout: resume from the last version)
@@ -245,8 +268,9 @@ def _version(obj: dict[str, Any]) -> Optional[str]:
 class Agent:
     """One job's agent. ``sync()`` does one round of follow + relay; ``run()`` loops until stopped."""
 
-    def __init__(self, source: JobSource, store: Any, *, poll_seconds: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, source: JobSource, store: Any, *, poll_seconds: float = 0.25, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.source = source
         self.store = store
         self.poll_seconds = poll_seconds
@@ -278,24 +302,27 @@ class Agent:
             return True
         spec = job.get("spec") or {}
         urgent = reporting.urgent_reason(patch, status, spec)
-        due = self.throttle.is_due(urgent=urgent is not None, interval_s=reporting.progress_interval(spec),
-                                   now=self.clock())
+        due = self.throttle.is_due(
+            urgent=urgent is not None, interval_s=reporting.progress_interval(spec), now=self.clock()
+        )
         if due and urgent:
             log.info("writing status at once: %s", urgent)
         return due
 
     def _write_directive(self, control: dict[str, Any]) -> None:
         generation = int(control.get("generation", 0))
-        signal_value = keys.ControlSignal(generation=generation, action=control.get("action", "none"),
-                                          reason=control.get("reason", "")).model_dump_json()
+        signal_value = keys.ControlSignal(
+            generation=generation, action=control.get("action", "none"), reason=control.get("reason", "")
+        ).model_dump_json()
         if signal_value != self._written_signal:
             self.store.set(keys.SIGNAL_KEY, signal_value)
             self._written_signal = signal_value
             log.info("directive %s", signal_value)
         target_nodes = int(control.get("targetNodes", 0))
         if target_nodes > 0:
-            target_value = keys.TargetPlan(generation=generation, nodes=target_nodes,
-                                           exclude=list(control.get("exclude") or [])).model_dump_json()
+            target_value = keys.TargetPlan(
+                generation=generation, nodes=target_nodes, exclude=list(control.get("exclude") or [])
+            ).model_dump_json()
             if target_value != self._written_target:
                 self.store.set(keys.TARGET_KEY, target_value)
                 self._written_target = target_value
@@ -314,18 +341,33 @@ class Agent:
                 self._round_key = round_key
                 self._rounds += 1
                 self._round_start = format_time(report.time)
-            wanted.update(step=report.step, samplesConsumed=report.samples_consumed, worldSize=report.world_size,
-                          plan=report.plan, lastProgressTime=format_time(report.time), rendezvousRound=self._rounds,
-                          roundStartTime=self._round_start)
+            wanted.update(
+                step=report.step,
+                samplesConsumed=report.samples_consumed,
+                worldSize=report.world_size,
+                plan=report.plan,
+                lastProgressTime=format_time(report.time),
+                rendezvousRound=self._rounds,
+                roundStartTime=self._round_start,
+            )
         manifest = keys.read_model(self.store, keys.CHECKPOINT_KEY, CheckpointManifest)
         if manifest is not None:
             path = f"{_checkpoint_dir(job)}/{step_dir_name(manifest.step)}"
-            wanted["lastCheckpoint"] = {"step": manifest.step, "samples": manifest.samples_consumed, "path": path,
-                                        "time": manifest.created_at, "worldSize": manifest.world_size}
+            wanted["lastCheckpoint"] = {
+                "step": manifest.step,
+                "samples": manifest.samples_consumed,
+                "path": path,
+                "time": manifest.created_at,
+                "worldSize": manifest.world_size,
+            }
         failure = keys.read_model(self.store, keys.FAILURE_KEY, keys.WorkerFailure)
         if failure is not None:
-            wanted["workerFailure"] = {"exitCode": failure.exit_code, "node": failure.node,
-                                       "message": failure.message, "time": format_time(failure.time)}
+            wanted["workerFailure"] = {
+                "exitCode": failure.exit_code,
+                "node": failure.node,
+                "message": failure.message,
+                "time": format_time(failure.time),
+            }
         return {k: v for k, v in wanted.items() if k in AGENT_FIELDS and status.get(k) != v}
 
     def run(self) -> int:
@@ -369,8 +411,7 @@ def start_store(port: int, host: str = "0.0.0.0", timeout_s: float = 60.0) -> An
     """The TCPStore server the c10d rendezvous and the control channel share (torch imported here only)."""
     from torch.distributed import TCPStore
 
-    return TCPStore(host, port, is_master=True, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=timeout_s))
+    return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -380,8 +421,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--state-dir", help="local mode: follow <dir>/job.json instead of the Kubernetes API")
     parser.add_argument("--namespace", default=os.environ.get(env.JOB_NAMESPACE, "default"))
     parser.add_argument("--name", default=os.environ.get(env.JOB_NAME))
-    parser.add_argument("--poll-seconds", type=float, default=0.25,
-                        help="how often the store is read for progress, checkpoints and failures")
+    parser.add_argument(
+        "--poll-seconds",
+        type=float,
+        default=0.25,
+        help="how often the store is read for progress, checkpoints and failures",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.state_dir:

@@ -40,14 +40,23 @@ class BoundaryFlags:
     """Equal to ``newest_pending_step`` on one rank; the lowest of them after the reduction."""
 
     @classmethod
-    def of_rank(cls, *, drain: bool, save_in_progress: bool, save_failed: bool, seconds_due: bool,
-                pending_step: int) -> BoundaryFlags:
+    def of_rank(
+        cls, *, drain: bool, save_in_progress: bool, save_failed: bool, seconds_due: bool, pending_step: int
+    ) -> BoundaryFlags:
         return cls(drain, save_in_progress, save_failed, seconds_due, pending_step, pending_step)
 
     def to_tensor(self) -> torch.Tensor:
-        return torch.tensor([int(self.drain), int(self.save_in_progress), int(self.save_failed),
-                             int(self.seconds_due), self.newest_pending_step, -self.oldest_pending_step],
-                            dtype=torch.int64)
+        return torch.tensor(
+            [
+                int(self.drain),
+                int(self.save_in_progress),
+                int(self.save_failed),
+                int(self.seconds_due),
+                self.newest_pending_step,
+                -self.oldest_pending_step,
+            ],
+            dtype=torch.int64,
+        )
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> BoundaryFlags:

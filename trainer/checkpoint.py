@@ -81,8 +81,9 @@ class ModelOptimState(Stateful):
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optim"])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"]
+        )
 
 
 class SchedulerState(Stateful):
@@ -93,8 +94,15 @@ class SchedulerState(Stateful):
         self.scheduler = scheduler
 
     def state_dict(self) -> dict[str, Any]:
-        return {"json": json.dumps({k: v for k, v in self.scheduler.state_dict().items()
-                                    if isinstance(v, (int, float, str, list, bool, type(None)))})}
+        return {
+            "json": json.dumps(
+                {
+                    k: v
+                    for k, v in self.scheduler.state_dict().items()
+                    if isinstance(v, (int, float, str, list, bool, type(None)))
+                }
+            )
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = json.loads(state_dict["json"])
@@ -161,11 +169,19 @@ def _files_of_rank(directory: Path, rank: int) -> list[str]:
 class CheckpointManager:
     """Owns the "when" (interval in steps or seconds, the last step, a drain) and the "how" of checkpoints."""
 
-    def __init__(self, root: Path, spec: CheckpointSpec, rank: int, world_size: int,
-                 group: Optional[dist.ProcessGroup], metrics: Optional[TrainerMetrics] = None,
-                 max_consecutive_failures: int = 2, writer_threads: int = 2,
-                 on_commit: Optional[Callable[[CheckpointManifest], None]] = None,
-                 on_phase: Optional[PhaseHook] = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        spec: CheckpointSpec,
+        rank: int,
+        world_size: int,
+        group: Optional[dist.ProcessGroup],
+        metrics: Optional[TrainerMetrics] = None,
+        max_consecutive_failures: int = 2,
+        writer_threads: int = 2,
+        on_commit: Optional[Callable[[CheckpointManifest], None]] = None,
+        on_phase: Optional[PhaseHook] = None,
+    ) -> None:
         self.root = Path(root)
         self.spec = spec
         self.rank = rank
@@ -221,20 +237,26 @@ class CheckpointManager:
         self.last_save_time = time.monotonic()
         if self.spec.async_save and not force_sync:
             if self._stager is None:
-                self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
-                                                            use_shared_memory=False, use_async_staging=True,
-                                                            use_non_blocking_copy=torch.cuda.is_available()))
+                self._stager = DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=torch.cuda.is_available(),
+                        use_shared_memory=False,
+                        use_async_staging=True,
+                        use_non_blocking_copy=torch.cuda.is_available(),
+                    )
+                )
             writer = self._writer(tmp)
-            response = dcp.async_save(state, storage_writer=writer, process_group=self.group,
-                                      async_stager=self._stager)
+            response = dcp.async_save(state, storage_writer=writer, process_group=self.group, async_stager=self._stager)
             if isinstance(response, AsyncSaveResponse):
                 future, self._staging = response.upload_completion, response.staging_completion
             else:
                 future = response
-            pending = _Pending(step, tmp, manifest, future, started=t0, blocking_s=time.monotonic() - t0,
-                               known=writer.digests)
-            threading.Thread(target=self._finish_in_background, args=(pending,), daemon=True,
-                             name="disttrain-ckpt-finish").start()
+            pending = _Pending(
+                step, tmp, manifest, future, started=t0, blocking_s=time.monotonic() - t0, known=writer.digests
+            )
+            threading.Thread(
+                target=self._finish_in_background, args=(pending,), daemon=True, name="disttrain-ckpt-finish"
+            ).start()
             self.pending = pending
             self.blocked_s += pending.blocking_s
             self._observe("blocking", pending.blocking_s)
@@ -269,8 +291,9 @@ class CheckpointManager:
         try:
             pending.future.result()
             self._phase(CheckpointPhase.FILES_WRITTEN, pending.step)
-            pending.digests = commit.digest_files(pending.tmp, _files_of_rank(pending.tmp, self.rank),
-                                                  known=pending.known)
+            pending.digests = commit.digest_files(
+                pending.tmp, _files_of_rank(pending.tmp, self.rank), known=pending.known
+            )
         except BaseException as exc:  # noqa: BLE001
             pending.error = exc
         finally:
@@ -301,8 +324,14 @@ class CheckpointManager:
         self._commit_collectively(p.step, p.tmp, p.manifest, p.digests, p.error)
         self._observe("background", time.monotonic() - p.started)
 
-    def _commit_collectively(self, step: int, tmp: Path, manifest: CheckpointManifest,
-                             digests: dict[str, commit.FileDigest], error: Optional[BaseException]) -> None:
+    def _commit_collectively(
+        self,
+        step: int,
+        tmp: Path,
+        manifest: CheckpointManifest,
+        digests: dict[str, commit.FileDigest],
+        error: Optional[BaseException],
+    ) -> None:
         gathered: list[Any] = [None] * self.world_size
         payload = {"digests": {k: v.model_dump() for k, v in digests.items()}, "error": repr(error) if error else None}
         dist.all_gather_object(gathered, payload, group=self.group)
@@ -318,12 +347,17 @@ class CheckpointManager:
                 for g in gathered:
                     files.update({k: commit.FileDigest(**v) for k, v in g["digests"].items()})
                 meta = files[commit.METADATA_FILE].digest.split(":", 1)[1]
-                final_manifest = manifest.model_copy(update={"files": files, "metadata_sha256": meta,
-                                                             "created_at": _now()})
+                final_manifest = manifest.model_copy(
+                    update={"files": files, "metadata_sha256": meta, "created_at": _now()}
+                )
                 commit.write_manifest(tmp, final_manifest)
                 commit.publish(self.root, tmp, step)
-                log.info("checkpoint step-%d committed (%d files, %.1f MB)", step, len(files),
-                         sum(f.size for f in files.values()) / 1e6)
+                log.info(
+                    "checkpoint step-%d committed (%d files, %.1f MB)",
+                    step,
+                    len(files),
+                    sum(f.size for f in files.values()) / 1e6,
+                )
                 self._retain()
                 if self.on_commit is not None:
                     self.on_commit(final_manifest)

@@ -71,14 +71,16 @@ def algorithm_for(name: str) -> str:
     return "sha256" if name == METADATA_FILE else "crc32"
 
 
-def digest_files(directory: Path, names: Iterable[str], fsync: bool = True,
-                 known: Optional[dict[str, tuple[int, str]]] = None) -> dict[str, FileDigest]:
+def digest_files(
+    directory: Path, names: Iterable[str], fsync: bool = True, known: Optional[dict[str, tuple[int, str]]] = None
+) -> dict[str, FileDigest]:
     """Flush to disk and digest the named files of ``directory`` (each rank calls it for the files it wrote).
 
     Files are digested in parallel threads (zlib and hashlib release the GIL on large buffers) while they are
     still in the page cache, so this adds little to a save. ``known`` digests (computed while writing) are used
     when the file on disk still has the size they were computed for.
     """
+
     def one(name: str) -> tuple[str, FileDigest]:
         path = directory / name
         if fsync:
@@ -151,14 +153,16 @@ def validate(path: Path, verify_digests: bool = True) -> Validation:
             return Validation(step, path, manifest, f"file {name} is missing")
         size = file.stat().st_size
         if size != expected.size:
-            return Validation(step, path, manifest,
-                              f"file {name} has {size} bytes, {MANIFEST_FILE} says {expected.size}")
+            return Validation(
+                step, path, manifest, f"file {name} has {size} bytes, {MANIFEST_FILE} says {expected.size}"
+            )
         if verify_digests:
             algorithm = expected.digest.split(":", 1)[0]
             actual = file_digest(file, algorithm).digest
             if actual != expected.digest:
-                return Validation(step, path, manifest,
-                                  f"file {name} is corrupt: digest {actual}, expected {expected.digest}")
+                return Validation(
+                    step, path, manifest, f"file {name} is corrupt: digest {actual}, expected {expected.digest}"
+                )
     if manifest.files[METADATA_FILE].digest != f"sha256:{manifest.metadata_sha256}":
         return Validation(step, path, manifest, f"{METADATA_FILE} hash disagrees with metadata_sha256")
     return Validation(step, path, manifest)

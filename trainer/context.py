@@ -50,8 +50,10 @@ class ElasticContext:
         e = dict(os.environ if environ is None else environ)
         raw = e.get(env_names.CONTRACT)
         if not raw:
-            raise ContractError(f"${env_names.CONTRACT} is not set: run under the disttrain operator, "
-                                "`disttrain local`, or set it to a WorkerContract JSON document")
+            raise ContractError(
+                f"${env_names.CONTRACT} is not set: run under the disttrain operator, "
+                "`disttrain local`, or set it to a WorkerContract JSON document"
+            )
         try:
             contract = WorkerContract.from_env_value(raw)
         except ValueError as exc:

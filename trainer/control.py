@@ -43,8 +43,9 @@ def read_signal(store: keys.StoreReader) -> Optional[keys.ControlSignal]:
 class Watchdog:
     """Follows SIGTERM and the control channel. ``drain_requested`` is read by the loop at step boundaries."""
 
-    def __init__(self, endpoint: Optional[str], poll_seconds: float = 0.2,
-                 exit_fn: Callable[[int], None] = os._exit) -> None:
+    def __init__(
+        self, endpoint: Optional[str], poll_seconds: float = 0.2, exit_fn: Callable[[int], None] = os._exit
+    ) -> None:
         self.endpoint = endpoint
         self.poll_seconds = poll_seconds
         self._exit = exit_fn
@@ -62,8 +63,11 @@ class Watchdog:
     def request_drain(self, reason: str) -> None:
         if not self._drain.is_set():
             self.drain_reason = reason
-            log.info("drain requested (%s): checkpoint at the next step boundary, then exit %d",
-                     reason, int(ExitCode.DRAINED))
+            log.info(
+                "drain requested (%s): checkpoint at the next step boundary, then exit %d",
+                reason,
+                int(ExitCode.DRAINED),
+            )
         self._drain.set()
 
     def install_sigterm(self) -> None:
@@ -77,8 +81,9 @@ class Watchdog:
         import torch.distributed as dist
 
         host, port = parse_endpoint(self.endpoint)
-        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
-                                   wait_for_workers=False)
+        self.store = dist.TCPStore(
+            host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
         current = read_signal(self.store)
         self.seen_generation = current.generation if current else -1
 
@@ -101,8 +106,12 @@ class Watchdog:
             return
         self.seen_generation = current.generation
         if current.action == "reform":
-            log.warning("reform signal (generation %d, %s): exiting %d now", current.generation,
-                        current.reason, int(ExitCode.REFORM))
+            log.warning(
+                "reform signal (generation %d, %s): exiting %d now",
+                current.generation,
+                current.reason,
+                int(ExitCode.REFORM),
+            )
             sys.stderr.flush()
             self._exit(int(ExitCode.REFORM))
         elif current.action == "drain":
@@ -141,10 +150,10 @@ def report_failure(exit_code: int, message: str, endpoint: Optional[str] = None,
         return False
     try:
         host, port = parse_endpoint(endpoint)
-        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
-        record = keys.WorkerFailure(exit_code=exit_code, node=os.environ.get(env.NODE_NAME, ""),
-                                    message=message[:2000], time=time.time())
+        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        record = keys.WorkerFailure(
+            exit_code=exit_code, node=os.environ.get(env.NODE_NAME, ""), message=message[:2000], time=time.time()
+        )
         store.set(keys.FAILURE_KEY, record.model_dump_json())
         return True
     except Exception as exc:  # noqa: BLE001 - the exit code and the log still say it

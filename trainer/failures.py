@@ -26,9 +26,13 @@ CHECKED_ON = "torch 2.13.0, gloo on CPU"
 
 RUNTIME_ERROR_MARKERS: tuple[str, ...] = (
     "Connection closed by peer",  # gloo, peer died (seen on torch 2.13.0)
-    "Timed out", "timed out",  # gloo, peer hung past the collective timeout (seen on torch 2.13.0)
-    "Gloo", "gloo",  # any gloo transport error: its messages carry the gloo source path
-    "Connection reset", "Socket", "socket",  # transport errors of older builds
+    "Timed out",
+    "timed out",  # gloo, peer hung past the collective timeout (seen on torch 2.13.0)
+    "Gloo",
+    "gloo",  # any gloo transport error: its messages carry the gloo source path
+    "Connection reset",
+    "Socket",
+    "socket",  # transport errors of older builds
     "NCCL",  # NCCL errors not (yet) raised as DistBackendError
 )
 """Substrings of a ``RuntimeError`` message that mean a collective failed."""

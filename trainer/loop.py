@@ -98,7 +98,7 @@ class Step:
         self.index = index
         self.indices = indices
         p = trainer.plan
-        self.micro_indices = [indices[i * p.micro_batch:(i + 1) * p.micro_batch] for i in range(p.accum_steps)]
+        self.micro_indices = [indices[i * p.micro_batch : (i + 1) * p.micro_batch] for i in range(p.accum_steps)]
         self.loss_sum = 0.0
         self.loss_count = 0
 
@@ -126,8 +126,9 @@ class Step:
         dist.all_reduce(t)
         return float(t.item())
 
-    def backward(self, loss_sum: torch.Tensor, denominator: Optional[float] = None,
-                 count: Optional[int] = None) -> None:
+    def backward(
+        self, loss_sum: torch.Tensor, denominator: Optional[float] = None, count: Optional[int] = None
+    ) -> None:
         """Backward of a loss *summed* over this micro batch, normalised by the global count of the step.
 
         ``denominator`` defaults to the global batch (sample-weighted); pass :meth:`global_count` of your token
@@ -137,8 +138,7 @@ class Step:
         denom = float(denominator if denominator is not None else self.global_batch)
         (loss_sum * (self.trainer.world_size / denom)).backward()
         self.loss_sum += float(loss_sum.detach())
-        self.loss_count += int(count if count is not None else
-                               len(self.micro_indices[0]) if self.micro_indices else 0)
+        self.loss_count += int(count if count is not None else len(self.micro_indices[0]) if self.micro_indices else 0)
 
 
 class ElasticTrainer:
@@ -148,11 +148,24 @@ class ElasticTrainer:
     :meth:`from_env` is the one place that shows what starts, in which order, and :meth:`close` what stops.
     """
 
-    def __init__(self, *, context: ctx_mod.ElasticContext, groups: ctx_mod.Groups, rank: int, plan: Plan,
-                 model: torch.nn.Module, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
-                 dataset: MapDataset, checkpoints: ckpt_mod.CheckpointManager, watchdog: Watchdog,
-                 metrics: TrainerMetrics, scheduler: Any = None,
-                 collate_fn: Callable[[list[Any]], Any] = default_collate, log_every: int = 10) -> None:
+    def __init__(
+        self,
+        *,
+        context: ctx_mod.ElasticContext,
+        groups: ctx_mod.Groups,
+        rank: int,
+        plan: Plan,
+        model: torch.nn.Module,
+        ddp_model: DistributedDataParallel,
+        optimizer: torch.optim.Optimizer,
+        dataset: MapDataset,
+        checkpoints: ckpt_mod.CheckpointManager,
+        watchdog: Watchdog,
+        metrics: TrainerMetrics,
+        scheduler: Any = None,
+        collate_fn: Callable[[list[Any]], Any] = default_collate,
+        log_every: int = 10,
+    ) -> None:
         self.ctx = context
         self.training: TrainingSpec = context.contract.training
         self.groups = groups
@@ -178,10 +191,18 @@ class ElasticTrainer:
         self._agreement = BoundaryAgreement()
 
     @classmethod
-    def from_env(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: MapDataset, *,
-                 scheduler: Any = None, collate_fn: Callable[[list[Any]], Any] = default_collate,
-                 log_every: int = 10, context: Optional[ctx_mod.ElasticContext] = None,
-                 on_checkpoint_phase: Optional[ckpt_mod.PhaseHook] = None) -> ElasticTrainer:
+    def from_env(
+        cls,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset: MapDataset,
+        *,
+        scheduler: Any = None,
+        collate_fn: Callable[[list[Any]], Any] = default_collate,
+        log_every: int = 10,
+        context: Optional[ctx_mod.ElasticContext] = None,
+        on_checkpoint_phase: Optional[ckpt_mod.PhaseHook] = None,
+    ) -> ElasticTrainer:
         """Start the trainer of this worker, configured by the torchrun and ``DISTTRAIN_*`` environment.
 
         In this order: read the worker contract (or take ``context``), join the process group and a gloo group
@@ -201,23 +222,46 @@ class ElasticTrainer:
         ddp_model = _data_parallel(model, groups.device)
         watchdog = Watchdog(ctx.agent_endpoint)
         checkpoints = ckpt_mod.CheckpointManager(
-            ctx.checkpoint_dir, ctx.contract.checkpoint, rank, world_size, groups.checkpoint, metrics=metrics,
+            ctx.checkpoint_dir,
+            ctx.contract.checkpoint,
+            rank,
+            world_size,
+            groups.checkpoint,
+            metrics=metrics,
             on_commit=lambda m: watchdog.publish(control_keys.CHECKPOINT_KEY, m.model_dump_json()),
-            on_phase=on_checkpoint_phase)
+            on_phase=on_checkpoint_phase,
+        )
         _open_control_channel(watchdog)
         if scheduler is not None and ctx.contract.training.lr.schedule is not LRSchedule.CONSTANT:
-            log.warning("a scheduler was passed: spec.training.lr.schedule=%s is ignored, the scheduler's factor "
-                        "applies on top of base LR x world-size factor", ctx.contract.training.lr.schedule.value)
-        return cls(context=ctx, groups=groups, rank=rank, plan=training_plan, model=on_device, ddp_model=ddp_model,
-                   optimizer=optimizer, dataset=dataset, checkpoints=checkpoints, watchdog=watchdog,
-                   metrics=metrics, scheduler=scheduler, collate_fn=collate_fn, log_every=log_every)
+            log.warning(
+                "a scheduler was passed: spec.training.lr.schedule=%s is ignored, the scheduler's factor "
+                "applies on top of base LR x world-size factor",
+                ctx.contract.training.lr.schedule.value,
+            )
+        return cls(
+            context=ctx,
+            groups=groups,
+            rank=rank,
+            plan=training_plan,
+            model=on_device,
+            ddp_model=ddp_model,
+            optimizer=optimizer,
+            dataset=dataset,
+            checkpoints=checkpoints,
+            watchdog=watchdog,
+            metrics=metrics,
+            scheduler=scheduler,
+            collate_fn=collate_fn,
+            log_every=log_every,
+        )
 
     # ---- user-facing -------------------------------------------------------------------------------------
     def __enter__(self) -> ElasticTrainer:
         return self
 
-    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
-                 tb: Optional[TracebackType]) -> None:
+    def __exit__(
+        self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
         """Success closes; a user error exits PERMANENT and a failed collective REFORM, without Python's
         shutdown (it can block on a dead peer); anything else propagates (exit 1, retryable)."""
         if exc is None:
@@ -226,8 +270,12 @@ class ElasticTrainer:
         if isinstance(exc, (sampler_mod.DatasetChangedError, InvalidWorldSizeError, ctx_mod.ContractError)):
             exits.exit_permanent(str(exc))
         if is_collective_failure(exc):
-            log.error("a collective failed (%s: %s); exiting %d so the group re-forms from the last checkpoint",
-                      type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", int(ExitCode.REFORM))
+            log.error(
+                "a collective failed (%s: %s); exiting %d so the group re-forms from the last checkpoint",
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+                int(ExitCode.REFORM),
+            )
             exits.hard_exit(ExitCode.REFORM)
 
     @property
@@ -265,8 +313,9 @@ class ElasticTrainer:
         t_prev = time.monotonic()
         while not self.done:
             self._apply_lr()
-            positions = sampler_mod.rank_positions(self.state.data_cursor, self.plan.global_batch,
-                                                   self.world_size, self.rank)
+            positions = sampler_mod.rank_positions(
+                self.state.data_cursor, self.plan.global_batch, self.world_size, self.rank
+            )
             step = Step(self, self.state.step, self.sampler.indices(positions))
             yield step
             self._optimizer_step()
@@ -293,19 +342,30 @@ class ElasticTrainer:
     # ---- internals ---------------------------------------------------------------------------------------
     def _checkpoint_contents(self) -> dict[str, Any]:
         """What a checkpoint holds, as DCP Statefuls: model + optimizer, :attr:`state`, the scheduler."""
-        contents: dict[str, Any] = {"app": ckpt_mod.ModelOptimState(self.raw_model, self.optimizer),
-                                    "trainer": self.state}
+        contents: dict[str, Any] = {
+            "app": ckpt_mod.ModelOptimState(self.raw_model, self.optimizer),
+            "trainer": self.state,
+        }
         if self.scheduler is not None:
             contents["scheduler"] = ckpt_mod.SchedulerState(self.scheduler)
         return contents
 
     def _manifest(self) -> CheckpointManifest:
         return CheckpointManifest(
-            step=self.state.step, samples_consumed=self.state.samples_consumed, data_cursor=self.state.data_cursor,
-            world_size=self.world_size, plan=self.plan.to_status(),
+            step=self.state.step,
+            samples_consumed=self.state.samples_consumed,
+            data_cursor=self.state.data_cursor,
+            world_size=self.world_size,
+            plan=self.plan.to_status(),
             lr_scale=self.lr_state.scale_at(max(0, self.state.step - 1), self.training.lr.ramp_steps),
-            dataset=self.sampler.fingerprint, metadata_sha256="pending", files={}, created_at="pending",
-            code_version=CODE_VERSION, config_hash=training_config_hash(self.training), job=self.ctx.job)
+            dataset=self.sampler.fingerprint,
+            metadata_sha256="pending",
+            files={},
+            created_at="pending",
+            code_version=CODE_VERSION,
+            config_hash=training_config_hash(self.training),
+            job=self.ctx.job,
+        )
 
     def _save(self, force_sync: bool) -> None:
         self.checkpoints.save(self.state.step, self._checkpoint_contents(), self._manifest(), force_sync=force_sync)
@@ -321,15 +381,22 @@ class ElasticTrainer:
         ramp = self.training.lr.ramp_steps
         if manifest is None:
             if self.rank == 0:
-                log.info("no complete checkpoint in %s: starting at step 0 (world size %d, plan %s)",
-                         self.ctx.checkpoint_dir, self.world_size, self.plan.to_status())
+                log.info(
+                    "no complete checkpoint in %s: starting at step 0 (world size %d, plan %s)",
+                    self.ctx.checkpoint_dir,
+                    self.world_size,
+                    self.plan.to_status(),
+                )
             self.lr_state = lr_mod.ramp_after_resume(None, None, 0, self.plan.lr_scale, 0, ramp)
             self.watchdog.start()
             return
         sampler_mod.check_fingerprint(manifest.dataset, self.sampler.fingerprint)
         if manifest.config_hash != training_config_hash(self.training):
-            log.warning("spec.training changed since checkpoint step-%d (config hash differs); continuing with the "
-                        "new contract", manifest.step)
+            log.warning(
+                "spec.training changed since checkpoint step-%d (config hash differs); continuing with the "
+                "new contract",
+                manifest.step,
+            )
         self.checkpoints.load(manifest, self._checkpoint_contents())
         s = self.state
         if s.data_cursor != s.samples_consumed or s.data_cursor != manifest.data_cursor:
@@ -338,13 +405,22 @@ class ElasticTrainer:
             (self.metrics.samples_replayed if gap < 0 else self.metrics.samples_skipped).inc(abs(gap))
         saved_scale = s.lr_start_scale if s.lr_start_scale > 0 else None
         saved_target = s.lr_target_scale if s.lr_target_scale > 0 else None
-        self.lr_state = lr_mod.ramp_after_resume(saved_scale, saved_target, s.lr_change_step, self.plan.lr_scale,
-                                                 s.step, ramp)
+        self.lr_state = lr_mod.ramp_after_resume(
+            saved_scale, saved_target, s.lr_change_step, self.plan.lr_scale, s.step, ramp
+        )
         self.resumed_from = manifest.step
-        log.info("resumed from checkpoint step-%d (saved at world size %d) at world size %d: plan %s, "
-                 "samples consumed %d, LR factor %.4g -> %.4g over %d steps", manifest.step, manifest.world_size,
-                 self.world_size, self.plan.to_status(), s.samples_consumed, self.lr_state.start_scale,
-                 self.lr_state.target_scale, ramp)
+        log.info(
+            "resumed from checkpoint step-%d (saved at world size %d) at world size %d: plan %s, "
+            "samples consumed %d, LR factor %.4g -> %.4g over %d steps",
+            manifest.step,
+            manifest.world_size,
+            self.world_size,
+            self.plan.to_status(),
+            s.samples_consumed,
+            self.lr_state.start_scale,
+            self.lr_state.target_scale,
+            ramp,
+        )
         self.watchdog.start(recorded_generation=s.control_generation)
 
     def _apply_lr(self) -> None:
@@ -385,15 +461,28 @@ class ElasticTrainer:
             return
         loss = step.loss_sum / step.loss_count if step.loss_count else None
         if self.state.step % self.log_every == 0 or self.state.step == 1:
-            log.info("step %d loss %s lr %.4g world %d samples/s %.0f", self.state.step,
-                     f"{loss:.4f}" if loss is not None else "-", self.optimizer.param_groups[0]["lr"],
-                     self.world_size, rate)
+            log.info(
+                "step %d loss %s lr %.4g world %d samples/s %.0f",
+                self.state.step,
+                f"{loss:.4f}" if loss is not None else "-",
+                self.optimizer.param_groups[0]["lr"],
+                self.world_size,
+                rate,
+            )
         if self.watchdog.store is not None:
             report = control_keys.ProgressReport(
-                step=self.state.step, samples_consumed=self.state.samples_consumed, world_size=self.world_size,
-                plan=self.plan.to_status(), loss=loss, samples_per_second=rate,
-                restart_count=self.ctx.restart_count, run_id=self.ctx.run_id, resumed_from_step=self.resumed_from,
-                process_id=self.process_id, time=time.time())
+                step=self.state.step,
+                samples_consumed=self.state.samples_consumed,
+                world_size=self.world_size,
+                plan=self.plan.to_status(),
+                loss=loss,
+                samples_per_second=rate,
+                restart_count=self.ctx.restart_count,
+                run_id=self.ctx.run_id,
+                resumed_from_step=self.resumed_from,
+                process_id=self.process_id,
+                time=time.time(),
+            )
             self.watchdog.publish(control_keys.PROGRESS_KEY, report.model_dump_json())
 
     def _boundary_flags(self) -> BoundaryFlags:
@@ -401,9 +490,12 @@ class ElasticTrainer:
         save_in_progress, save_failed = self.checkpoints.local_pending_state()
         pending = self.checkpoints.pending
         return BoundaryFlags.of_rank(
-            drain=self.watchdog.drain_requested, save_in_progress=bool(save_in_progress),
-            save_failed=bool(save_failed), seconds_due=self.rank == 0 and self.checkpoints.seconds_due(),
-            pending_step=pending.step if pending is not None else NO_SAVE)
+            drain=self.watchdog.drain_requested,
+            save_in_progress=bool(save_in_progress),
+            save_failed=bool(save_failed),
+            seconds_due=self.rank == 0 and self.checkpoints.seconds_due(),
+            pending_step=pending.step if pending is not None else NO_SAVE,
+        )
 
     def _boundary(self) -> None:
         """Agree on drain / save state with every rank (:mod:`disttrain.trainer.boundary`), then complete a save
@@ -425,8 +517,13 @@ class ElasticTrainer:
         """Commit the current step, then exit ``ExitCode.DRAINED``: no step that ran is lost."""
         self._commit_current_step()
         reason = self.watchdog.drain_reason or "drain on another rank"
-        log.info("drained at step %d (%s): checkpoint step-%d committed; exiting %d", self.state.step, reason,
-                 self.state.step, int(ExitCode.DRAINED))
+        log.info(
+            "drained at step %d (%s): checkpoint step-%d committed; exiting %d",
+            self.state.step,
+            reason,
+            self.state.step,
+            int(ExitCode.DRAINED),
+        )
         self.watchdog.stop()
         self.checkpoints.join_retention()
         exits.hard_exit(ExitCode.DRAINED)
@@ -487,6 +584,9 @@ def _configure_logging() -> None:
     root = logging.getLogger()
     if not root.handlers:
         rank = os.environ.get("RANK", "0")
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format=f"%(asctime)s [disttrain rank {rank}] %(levelname)s %(message)s")
+        logging.basicConfig(
+            level=logging.INFO,
+            stream=sys.stderr,
+            format=f"%(asctime)s [disttrain rank {rank}] %(levelname)s %(message)s",
+        )
     logging.getLogger("disttrain").setLevel(logging.INFO)

@@ -29,8 +29,14 @@ class LRState:
         return ramped_lr_scale(self.start_scale, self.target_scale, step - self.change_step, ramp_steps)
 
 
-def ramp_after_resume(saved_scale: Optional[float], saved_target: Optional[float], saved_change_step: int,
-                      new_target: float, step: int, ramp_steps: int) -> LRState:
+def ramp_after_resume(
+    saved_scale: Optional[float],
+    saved_target: Optional[float],
+    saved_change_step: int,
+    new_target: float,
+    step: int,
+    ramp_steps: int,
+) -> LRState:
     """The ramp to follow from ``step`` on, given what the checkpoint recorded and the new plan's factor.
 
     A fresh start ramps from the target itself (no ramp: there is nothing to move from). A resume at the same
@@ -41,8 +47,11 @@ def ramp_after_resume(saved_scale: Optional[float], saved_target: Optional[float
         return LRState(start_scale=new_target, target_scale=new_target, change_step=step)
     if saved_target == new_target:
         return LRState(start_scale=saved_scale, target_scale=saved_target, change_step=saved_change_step)
-    in_effect = ramped_lr_scale(saved_scale, saved_target, step - 1 - saved_change_step, ramp_steps) \
-        if step > saved_change_step else saved_scale
+    in_effect = (
+        ramped_lr_scale(saved_scale, saved_target, step - 1 - saved_change_step, ramp_steps)
+        if step > saved_change_step
+        else saved_scale
+    )
     return LRState(start_scale=in_effect, target_scale=new_target, change_step=step)
 
 

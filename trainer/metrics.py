@@ -16,30 +16,41 @@ class TrainerMetrics:
     def __init__(self) -> None:
         r = self.registry = prom.CollectorRegistry()
         self.step = prom.Gauge("disttrain_trainer_step", "Optimizer steps completed", registry=r)
-        self.samples_per_second = prom.Gauge("disttrain_trainer_samples_per_second",
-                                             "Global samples per second over the last step", registry=r)
+        self.samples_per_second = prom.Gauge(
+            "disttrain_trainer_samples_per_second", "Global samples per second over the last step", registry=r
+        )
         self.world_size = prom.Gauge("disttrain_trainer_world_size", "Processes in the current group", registry=r)
-        self.accum_steps = prom.Gauge("disttrain_trainer_grad_accum_steps", "Micro batches per optimizer step",
-                                      registry=r)
-        self.lr_scale = prom.Gauge("disttrain_trainer_lr_scale", "World-size LR factor in effect (ramped)",
-                                   registry=r)
-        self.save_seconds = prom.Histogram("disttrain_trainer_checkpoint_save_seconds",
-                                           "Checkpoint save time; phase=blocking (training stopped) or background",
-                                           ["phase"], registry=r,
-                                           buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
-        self.last_complete_step = prom.Gauge("disttrain_trainer_last_complete_checkpoint_step",
-                                             "Step of the newest committed checkpoint", registry=r)
-        self.checkpoint_failures = prom.Counter("disttrain_trainer_checkpoint_failures",
-                                                "Checkpoint saves that failed", registry=r)
-        self.resume_seconds = prom.Gauge("disttrain_trainer_resume_seconds",
-                                         "Seconds from process start to the first step after loading a checkpoint",
-                                         registry=r)
-        self.samples_replayed = prom.Counter("disttrain_trainer_samples_replayed",
-                                             "Samples read twice across a resume (0 by construction)", registry=r)
-        self.samples_skipped = prom.Counter("disttrain_trainer_samples_skipped",
-                                            "Samples never read across a resume (0 by construction)", registry=r)
-        self.restart_count = prom.Gauge("disttrain_trainer_restart_count", "torchrun restarts of this worker",
-                                        registry=r)
+        self.accum_steps = prom.Gauge(
+            "disttrain_trainer_grad_accum_steps", "Micro batches per optimizer step", registry=r
+        )
+        self.lr_scale = prom.Gauge("disttrain_trainer_lr_scale", "World-size LR factor in effect (ramped)", registry=r)
+        self.save_seconds = prom.Histogram(
+            "disttrain_trainer_checkpoint_save_seconds",
+            "Checkpoint save time; phase=blocking (training stopped) or background",
+            ["phase"],
+            registry=r,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+        )
+        self.last_complete_step = prom.Gauge(
+            "disttrain_trainer_last_complete_checkpoint_step", "Step of the newest committed checkpoint", registry=r
+        )
+        self.checkpoint_failures = prom.Counter(
+            "disttrain_trainer_checkpoint_failures", "Checkpoint saves that failed", registry=r
+        )
+        self.resume_seconds = prom.Gauge(
+            "disttrain_trainer_resume_seconds",
+            "Seconds from process start to the first step after loading a checkpoint",
+            registry=r,
+        )
+        self.samples_replayed = prom.Counter(
+            "disttrain_trainer_samples_replayed", "Samples read twice across a resume (0 by construction)", registry=r
+        )
+        self.samples_skipped = prom.Counter(
+            "disttrain_trainer_samples_skipped", "Samples never read across a resume (0 by construction)", registry=r
+        )
+        self.restart_count = prom.Gauge(
+            "disttrain_trainer_restart_count", "torchrun restarts of this worker", registry=r
+        )
 
     def serve(self, port: int) -> bool:
         if port <= 0:

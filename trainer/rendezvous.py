@@ -63,15 +63,25 @@ def read_target(store: Store) -> Optional[control.TargetPlan]:
 class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
     """The stock executor, with the join operation wrapped by :meth:`_join_with_target`."""
 
-    def __init__(self, node: Any, state_holder: Any, settings: dyn.RendezvousSettings,
-                 target: Callable[[], Optional[control.TargetPlan]], node_name: str) -> None:
+    def __init__(
+        self,
+        node: Any,
+        state_holder: Any,
+        settings: dyn.RendezvousSettings,
+        target: Callable[[], Optional[control.TargetPlan]],
+        node_name: str,
+    ) -> None:
         super().__init__(node, state_holder, settings)
         self._target = target
         self._node_name = node_name
         self._floor_logged_round = -1
 
-    def run(self, state_handler: Callable[[dyn._RendezvousContext, float], dyn._Action], deadline: float,
-            update_deadline: Optional[Callable[[timedelta], float]] = None) -> None:
+    def run(
+        self,
+        state_handler: Callable[[dyn._RendezvousContext, float], dyn._Action],
+        deadline: float,
+        update_deadline: Optional[Callable[[timedelta], float]] = None,
+    ) -> None:
         if isinstance(state_handler, dyn._RendezvousJoinOp):
             join = state_handler
 
@@ -80,8 +90,9 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
 
         super().run(state_handler, deadline, update_deadline)
 
-    def _join_with_target(self, join: dyn._RendezvousJoinOp, ctx: dyn._RendezvousContext,
-                          deadline: float) -> dyn._Action:
+    def _join_with_target(
+        self, join: dyn._RendezvousJoinOp, ctx: dyn._RendezvousContext, deadline: float
+    ) -> dyn._Action:
         state = ctx.state
         if state.closed:
             return join(ctx, deadline)
@@ -101,8 +112,14 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
                 return dyn._Action.SYNC  # wait outside the rendezvous; polled about once a second
         wanted = min(max(target.nodes, ctx.settings.min_nodes), ctx.settings.max_nodes)
         if not state.complete and ctx.node in state.participants and len(state.participants) >= wanted:
-            log.info("rendezvous %s round %d: %d of target %d nodes joined (target generation %d); completing",
-                     ctx.settings.run_id, state.round, len(state.participants), target.nodes, target.generation)
+            log.info(
+                "rendezvous %s round %d: %d of target %d nodes joined (target generation %d); completing",
+                ctx.settings.run_id,
+                state.round,
+                len(state.participants),
+                target.nodes,
+                target.generation,
+            )
             return dyn._Action.MARK_RENDEZVOUS_COMPLETE
         action = join(ctx, deadline)
         if action is dyn._Action.MARK_RENDEZVOUS_COMPLETE and len(state.participants) < wanted:
@@ -110,9 +127,14 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
             # operator lowers the target when the missing nodes do not come).
             if self._floor_logged_round != state.round:
                 self._floor_logged_round = state.round
-                log.info("rendezvous %s round %d: %d node(s) joined, below the target of %d (generation %d); "
-                         "not completing", ctx.settings.run_id, state.round, len(state.participants), target.nodes,
-                         target.generation)
+                log.info(
+                    "rendezvous %s round %d: %d node(s) joined, below the target of %d (generation %d); not completing",
+                    ctx.settings.run_id,
+                    state.round,
+                    len(state.participants),
+                    target.nodes,
+                    target.generation,
+                )
             return dyn._Action.KEEP_ALIVE if dyn._should_keep_alive(ctx) else dyn._Action.SYNC
         return action
 
@@ -120,12 +142,14 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
 class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
     """A :class:`DynamicRendezvousHandler` that follows the operator's target plan (see the module docstring)."""
 
-    def __init__(self, node: Any, settings: dyn.RendezvousSettings, backend_name: str, store: Store,
-                 state_holder: Any) -> None:
+    def __init__(
+        self, node: Any, settings: dyn.RendezvousSettings, backend_name: str, store: Store, state_holder: Any
+    ) -> None:
         super().__init__(node, settings, backend_name, store, state_holder)
         self._target_store = store
-        self._op_executor = _TargetAwareOpExecutor(node, state_holder, settings, self.target,
-                                                   os.environ.get(env.NODE_NAME, ""))
+        self._op_executor = _TargetAwareOpExecutor(
+            node, state_holder, settings, self.target, os.environ.get(env.NODE_NAME, "")
+        )
 
     def target(self) -> Optional[control.TargetPlan]:
         return read_target(self._target_store)
@@ -151,7 +175,13 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
 
     timeout = dyn.RendezvousTimeout(seconds("join"), seconds("last_call"), seconds("close"), seconds("heartbeat"))
     handler = DisttrainRendezvousHandler.from_backend(
-        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr, timeout,
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        timeout,
         keep_alive_interval=int(params.get_as_int("keep_alive_interval", 5) or 5),
         keep_alive_max_attempt=int(params.get_as_int("keep_alive_max_attempt", 3) or 3),
     )

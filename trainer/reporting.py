@@ -50,8 +50,9 @@ def is_training_complete(status: Mapping[str, Any], spec: Mapping[str, Any]) -> 
     training = spec.get("training")
     if not training:
         return False
-    return TrainingSpec.model_validate(training).is_complete(int(status.get("step", 0)),
-                                                            int(status.get("samplesConsumed", 0)))
+    return TrainingSpec.model_validate(training).is_complete(
+        int(status.get("step", 0)), int(status.get("samplesConsumed", 0))
+    )
 
 
 def progress_interval(spec: Mapping[str, Any], default: float = 10.0) -> float:

@@ -107,8 +107,9 @@ class RawFileSystemWriter(FileSystemWriter):
                     payload = _byte_view(cast(torch.Tensor, data))
                 stream.write(payload)
                 length = len(payload)
-                out.append(WriteResult(index=item.index, size_in_bytes=length,
-                                       storage_data=_StorageInfo(name, offset, length)))
+                out.append(
+                    WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
+                )
                 offset += length
             stream.flush()
             os.fsync(stream.fileno())
@@ -130,14 +131,17 @@ class RawFileSystemReader(FileSystemReader):
                         buf = io.BytesIO(stream.read(info.length))
                         planner.load_bytes(req, buf)
                         continue
-                    tensor = self._read_chunk(stream, info, metadata.state_dict_metadata[req.storage_index.fqn],
-                                              req.storage_index.offset)
+                    tensor = self._read_chunk(
+                        stream, info, metadata.state_dict_metadata[req.storage_index.fqn], req.storage_index.offset
+                    )
                     for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
                         tensor = tensor.narrow(dim, start, length)
                     target = planner.resolve_tensor(req).detach()
                     if target.size() != tensor.size():
-                        raise ValueError(f"checkpoint item {req.storage_index.fqn}: stored {tuple(tensor.size())}, "
-                                         f"expected {tuple(target.size())}")
+                        raise ValueError(
+                            f"checkpoint item {req.storage_index.fqn}: stored {tuple(tensor.size())}, "
+                            f"expected {tuple(target.size())}"
+                        )
                     target.copy_(tensor)
                     planner.commit_tensor(req, target)
         fut: Future[None] = Future()

@@ -19,8 +19,14 @@ def localize_agent_pod(pod: dict[str, Any], state: StateDir, port: int) -> dict[
     """The agent pod's command, told to follow the state directory and listen on localhost only."""
     pod = copy.deepcopy(pod)
     container = pod["spec"]["containers"][0]
-    container["command"] = [*container.get("command", []), *container.pop("args", []),
-                            "--state-dir", str(state.path), "--host", "127.0.0.1"]
+    container["command"] = [
+        *container.get("command", []),
+        *container.pop("args", []),
+        "--state-dir",
+        str(state.path),
+        "--host",
+        "127.0.0.1",
+    ]
     return pod
 
 
@@ -37,5 +43,5 @@ def read_relayed(state: StateDir, cluster_checkpoint_dir: str = "") -> dict[str,
     ckpt = relayed.get("lastCheckpoint")
     path = str(ckpt.get("path", "")) if isinstance(ckpt, dict) else ""
     if cluster_checkpoint_dir and isinstance(ckpt, dict) and path.startswith(cluster_checkpoint_dir):
-        relayed["lastCheckpoint"] = dict(ckpt, path=str(state.checkpoints_dir) + path[len(cluster_checkpoint_dir):])
+        relayed["lastCheckpoint"] = dict(ckpt, path=str(state.checkpoints_dir) + path[len(cluster_checkpoint_dir) :])
     return relayed

@@ -47,8 +47,10 @@ class ChaosEvent:
         return f"{name}@{when}"
 
 
-_ITEM = re.compile(r"^(?P<action>[a-z-]+)(?::(?P<index>\d+))?"
-                   r"@(?:(?P<step>step=\d+)|(?P<time>\d+(?:\.\d+)?)(?P<unit>s|m)?)$")
+_ITEM = re.compile(
+    r"^(?P<action>[a-z-]+)(?::(?P<index>\d+))?"
+    r"@(?:(?P<step>step=\d+)|(?P<time>\d+(?:\.\d+)?)(?P<unit>s|m)?)$"
+)
 
 
 def parse_chaos(text: str) -> list[ChaosEvent]:
@@ -59,17 +61,24 @@ def parse_chaos(text: str) -> list[ChaosEvent]:
             continue
         match = _ITEM.match(raw)
         if match is None:
-            raise ChaosSyntaxError(f"--chaos item {raw!r}: expected ACTION[:INDEX]@TIME (e.g. kill-node@30s, "
-                                   f"kill-node:1@1m, add-node@step=40); actions: {', '.join(ACTIONS)}")
+            raise ChaosSyntaxError(
+                f"--chaos item {raw!r}: expected ACTION[:INDEX]@TIME (e.g. kill-node@30s, "
+                f"kill-node:1@1m, add-node@step=40); actions: {', '.join(ACTIONS)}"
+            )
         action = match["action"]
         if action not in ACTIONS:
             raise ChaosSyntaxError(f"--chaos item {raw!r}: unknown action {action!r}; allowed: {', '.join(ACTIONS)}")
         if match["index"] is not None and action != "kill-node":
             raise ChaosSyntaxError(f"--chaos item {raw!r}: only kill-node takes a node index")
         if match["step"]:
-            events.append(ChaosEvent(action, at_step=int(match["step"].split("=")[1]),
-                                     index=int(match["index"]) if match["index"] else None))
+            events.append(
+                ChaosEvent(
+                    action,
+                    at_step=int(match["step"].split("=")[1]),
+                    index=int(match["index"]) if match["index"] else None,
+                )
+            )
             continue
         seconds = float(match["time"]) * (60.0 if match["unit"] == "m" else 1.0)
         events.append(ChaosEvent(action, at_seconds=seconds, index=int(match["index"]) if match["index"] else None))
-    return sorted(events, key=lambda e: (e.at_seconds if e.at_seconds is not None else float("inf")))
+    return sorted(events, key=lambda e: e.at_seconds if e.at_seconds is not None else float("inf"))

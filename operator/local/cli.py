@@ -30,8 +30,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p_run.add_argument("--workdir", help="working directory of the nodes (default: the current directory)")
     p_run.add_argument("--metrics-port", type=int, default=0, help="operator metrics port (default: a free one)")
     p_run.add_argument("--timeout", type=float, help="stop (and fail) after this many seconds")
-    p_run.add_argument("--resume", action="store_true",
-                       help="keep the state directory's checkpoints and continue from the newest one")
+    p_run.add_argument(
+        "--resume", action="store_true", help="keep the state directory's checkpoints and continue from the newest one"
+    )
     p_run.add_argument("--plain", action="store_true", help="plain log lines instead of the live panel")
     p_run.set_defaults(func=cmd_run)
 
@@ -85,8 +86,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     nodes = job.spec.nodes
     if args.nodes is not None:
         if not nodes.min <= args.nodes <= nodes.max:
-            print(f"--nodes {args.nodes}: must be within spec.nodes.min={nodes.min} and spec.nodes.max={nodes.max}"
-                  "\nnothing was started.", file=sys.stderr)
+            print(
+                f"--nodes {args.nodes}: must be within spec.nodes.min={nodes.min} and spec.nodes.max={nodes.max}"
+                "\nnothing was started.",
+                file=sys.stderr,
+            )
             return 2
         nodes.replicas = args.nodes
     state = StateDir.for_job(job.metadata.name, args.state_dir)
@@ -105,10 +109,18 @@ def _run(job, state: StateDir, chaos, args: argparse.Namespace) -> int:
     from disttrain.operator.local.runtime import LocalRuntime
 
     console = Console()
-    view = display_mod.Display(job.metadata.name, job.spec.training.max_steps, console,
-                               live=False if args.plain else None)
-    runtime = LocalRuntime(job, state, chaos=chaos, workdir=args.workdir, metrics_port=args.metrics_port,
-                           on_tick=view.on_tick, on_event=view.on_event)
+    view = display_mod.Display(
+        job.metadata.name, job.spec.training.max_steps, console, live=False if args.plain else None
+    )
+    runtime = LocalRuntime(
+        job,
+        state,
+        chaos=chaos,
+        workdir=args.workdir,
+        metrics_port=args.metrics_port,
+        on_tick=view.on_tick,
+        on_event=view.on_event,
+    )
     # SIGTERM/SIGHUP end the run like Ctrl-C: every node, the agent and their workers are killed, never orphaned.
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _interrupt)
@@ -128,8 +140,9 @@ def _interrupt(signum: int, frame: object) -> None:
 def cmd_scale(args: argparse.Namespace) -> int:
     state = resolve_state(args.job, args.state_dir)
     if not state.is_running():
-        print(f"no local run is going with state in {state.path} (start one with `disttrain local run`)",
-              file=sys.stderr)
+        print(
+            f"no local run is going with state in {state.path} (start one with `disttrain local run`)", file=sys.stderr
+        )
         return 1
     if args.replicas < 1:
         print(f"--replicas {args.replicas}: must be at least 1", file=sys.stderr)
@@ -137,8 +150,10 @@ def cmd_scale(args: argparse.Namespace) -> int:
     job = state.read_json(state.job_file) or {}
     nodes = (job.get("spec") or {}).get("nodes") or {}
     if nodes and not nodes.get("min", 1) <= args.replicas <= nodes.get("max", args.replicas):
-        print(f"note: {args.replicas} is outside spec.nodes [{nodes.get('min')}, {nodes.get('max')}]; it will be "
-              "clamped", file=sys.stderr)
+        print(
+            f"note: {args.replicas} is outside spec.nodes [{nodes.get('min')}, {nodes.get('max')}]; it will be clamped",
+            file=sys.stderr,
+        )
     state.request_scale(args.replicas)
     print(f"{job.get('metadata', {}).get('name', args.job)}: scale to {args.replicas} nodes requested")
     return 0

@@ -35,11 +35,19 @@ def _progress(snapshot: Snapshot, max_steps: Optional[int]) -> Table:
     plan = st.get("plan") or {}
     step = st.get("step", 0)
     table.add_row("phase", f"[bold]{st.get('phase', 'Pending')}[/]", "elapsed", f"{snapshot.elapsed:.0f}s")
-    table.add_row("step", f"{step}" + (f" / {max_steps}" if max_steps else ""), "samples/s",
-                  _fmt(snapshot.samples_per_second, ".0f"))
+    table.add_row(
+        "step",
+        f"{step}" + (f" / {max_steps}" if max_steps else ""),
+        "samples/s",
+        _fmt(snapshot.samples_per_second, ".0f"),
+    )
     table.add_row("loss", _fmt(snapshot.loss), "world size", str(st.get("worldSize", 0)))
-    table.add_row("nodes", f"{len([p for p in snapshot.pods if '-agent' not in p[0]])} (desired "
-                           f"{st.get('desiredNodes', 0)})", "global batch", str(plan.get("globalBatch", "-")))
+    table.add_row(
+        "nodes",
+        f"{len([p for p in snapshot.pods if '-agent' not in p[0]])} (desired {st.get('desiredNodes', 0)})",
+        "global batch",
+        str(plan.get("globalBatch", "-")),
+    )
     table.add_row("checkpoint", f"step {ckpt['step']}" if ckpt else "-", "reforms", str(st.get("reforms", 0)))
     restarts = (st.get("restarts") or {}).get("byReason") or {}
     table.add_row("restarts", ", ".join(f"{k} {v}" for k, v in restarts.items()) or "0", "", "")
@@ -57,8 +65,9 @@ def _pods(snapshot: Snapshot) -> Table:
 def _events(events: list[dict[str, Any]]) -> Table:
     table = Table(box=None, show_header=False, pad_edge=False)
     for event in events:
-        table.add_row(f"{event['elapsed']:6.1f}s", Text(event["reason"], style=_STYLE.get(event["type"], "")),
-                      event["message"])
+        table.add_row(
+            f"{event['elapsed']:6.1f}s", Text(event["reason"], style=_STYLE.get(event["type"], "")), event["message"]
+        )
     return table
 
 
@@ -69,8 +78,9 @@ def format_event(event: dict[str, Any]) -> str:
 class Display:
     """Live panel on a TTY, plain lines otherwise. Use as a context manager around the run."""
 
-    def __init__(self, job: str, max_steps: Optional[int], console: Optional[Console] = None,
-                 live: Optional[bool] = None) -> None:
+    def __init__(
+        self, job: str, max_steps: Optional[int], console: Optional[Console] = None, live: Optional[bool] = None
+    ) -> None:
         self.console = console or Console(stderr=False)
         self.job = job
         self.max_steps = max_steps
@@ -102,8 +112,9 @@ class Display:
     def on_tick(self, snapshot: Snapshot) -> None:
         self.header(snapshot)
         if self._live is not None:
-            body = Group(_progress(snapshot, self.max_steps), Text(""), _pods(snapshot), Text(""),
-                         _events(snapshot.events))
+            body = Group(
+                _progress(snapshot, self.max_steps), Text(""), _pods(snapshot), Text(""), _events(snapshot.events)
+            )
             title = f"disttrain local · {self.job} · metrics {snapshot.metrics_url}"
             sub = " ".join(snapshot.worker_metrics[:4])
             self._live.update(Panel(body, title=title, subtitle=f"workers: {sub}" if sub else None))
@@ -118,7 +129,9 @@ class Display:
                 + (f"/{self.max_steps}" if self.max_steps else "")
                 + f" loss {_fmt(snapshot.loss)} samples/s {_fmt(snapshot.samples_per_second, '.0f')} "
                 f"world {st.get('worldSize', 0)} checkpoint {ckpt} phase {st.get('phase', 'Pending')}",
-                highlight=False, soft_wrap=True)
+                highlight=False,
+                soft_wrap=True,
+            )
 
     def on_event(self, event: dict[str, Any]) -> None:
         from disttrain.operator.local.runtime import QUIET_REASONS
@@ -136,10 +149,12 @@ def render_summary(summary: Summary, console: Console) -> None:
     table.add_row("wall time", f"{summary.wall_seconds:.1f}s")
     last = summary.last_checkpoint_step
     table.add_row("last checkpoint", "-" if last is None else f"step {last}")
-    reforms = [f"{r.reason}: {r.from_nodes}->{r.to_nodes} nodes in {_fmt(r.duration_seconds, '.1f')}s"
-               + (f", resumed from step {r.resumed_from_step}" if r.resumed_from_step is not None else "")
-               + (f", {r.lost_steps} steps lost" if r.lost_steps is not None else "")
-               for r in summary.reforms]
+    reforms = [
+        f"{r.reason}: {r.from_nodes}->{r.to_nodes} nodes in {_fmt(r.duration_seconds, '.1f')}s"
+        + (f", resumed from step {r.resumed_from_step}" if r.resumed_from_step is not None else "")
+        + (f", {r.lost_steps} steps lost" if r.lost_steps is not None else "")
+        for r in summary.reforms
+    ]
     table.add_row("reforms", "\n".join(reforms) or "none")
     table.add_row("restarts", ", ".join(f"{k}: {v}" for k, v in summary.restarts_by_reason.items()) or "none")
     table.add_row("lost steps", str(summary.lost_steps))

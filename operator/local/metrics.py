@@ -23,10 +23,12 @@ class LocalMetrics:
         self.operator = OperatorMetrics(registry=r)
         names = ["namespace", "job"]
         self.step = prom.Gauge("disttrain_job_step", "Last completed optimizer step.", names, registry=r)
-        self.global_batch = prom.Gauge("disttrain_job_global_batch", "Samples per optimizer step in the current plan.",
-                                       names, registry=r)
-        self.lr_scale = prom.Gauge("disttrain_job_lr_scale", "World-size LR factor of the current plan.", names,
-                                   registry=r)
+        self.global_batch = prom.Gauge(
+            "disttrain_job_global_batch", "Samples per optimizer step in the current plan.", names, registry=r
+        )
+        self.lr_scale = prom.Gauge(
+            "disttrain_job_lr_scale", "World-size LR factor of the current plan.", names, registry=r
+        )
         self._server: Any = None
 
     def serve(self, port: int = 0) -> str:

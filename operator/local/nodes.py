@@ -56,8 +56,7 @@ class LocalPod:
     def is_started(self) -> bool:
         """The container is up: for a worker, its torchrun reached the store (see proctree.is_connected_to)."""
         if not self.started:
-            self.started = not self.ready_port or proctree.is_connected_to(self.marker, self.proc.pid,
-                                                                            self.ready_port)
+            self.started = not self.ready_port or proctree.is_connected_to(self.marker, self.proc.pid, self.ready_port)
         return self.started
 
     def view(self) -> PodView:
@@ -69,9 +68,17 @@ class LocalPod:
             phase, ready = "Running", not self.node_lost
         else:
             phase, ready = ("Succeeded" if code == 0 else "Failed"), False
-        return PodView(name=self.name, uid=self.uid, node_index=self.index, phase=phase, ready=ready,
-                       node_name=self.node, created_at=self.created_at, deleting_since=self.deleting_since,
-                       exit_code=None if phase == "Running" else code)
+        return PodView(
+            name=self.name,
+            uid=self.uid,
+            node_index=self.index,
+            phase=phase,
+            ready=ready,
+            node_name=self.node,
+            created_at=self.created_at,
+            deleting_since=self.deleting_since,
+            exit_code=None if phase == "Running" else code,
+        )
 
     def node_view(self) -> NodeView:
         return NodeView(name=self.node, ready=not self.node_lost)

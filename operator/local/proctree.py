@@ -26,8 +26,15 @@ def spawn(argv: Sequence[str], env: Mapping[str, str], cwd: str, log: IO[bytes],
     """Start ``argv`` in a new session with ``marker`` in its environment; stdout and stderr go to ``log``."""
     full_env = dict(env)
     full_env[MARKER_ENV] = marker
-    return subprocess.Popen(list(argv), env=full_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        list(argv),
+        env=full_env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _read(path: Path) -> Optional[bytes]:
@@ -42,13 +49,13 @@ def _parent_of(pid: int) -> Optional[int]:
     if raw is None:
         return None
     # The command name (field 2) is in parentheses and may contain spaces: split after the last ')'.
-    fields = raw[raw.rfind(b")") + 2:].split()
+    fields = raw[raw.rfind(b")") + 2 :].split()
     return int(fields[1]) if len(fields) > 1 else None
 
 
 def _is_zombie(pid: int) -> bool:
     raw = _read(_PROC / str(pid) / "stat")
-    return raw is None or raw[raw.rfind(b")") + 2:raw.rfind(b")") + 3] == b"Z"
+    return raw is None or raw[raw.rfind(b")") + 2 : raw.rfind(b")") + 3] == b"Z"
 
 
 def find_tree(marker: str, root: Optional[int] = None) -> set[int]:
@@ -129,7 +136,6 @@ def is_connected_to(marker: str, root: Optional[int], port: int) -> bool:
         raw = _read(_PROC / "net" / table)
         for line in (raw or b"").decode().splitlines()[1:]:
             fields = line.split()
-            if len(fields) > 9 and fields[3] == "01" and fields[2].rsplit(":", 1)[1] == wanted \
-                    and fields[9] in inodes:
+            if len(fields) > 9 and fields[3] == "01" and fields[2].rsplit(":", 1)[1] == wanted and fields[9] in inodes:
                 return True
     return False

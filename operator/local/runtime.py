@@ -61,10 +61,17 @@ def rendezvous_fallback() -> Optional[str]:
 
 
 class LocalRuntime:
-    def __init__(self, job: DistTrainJob, state: StateDir, *, chaos: Sequence[ChaosEvent] = (),
-                 workdir: Optional[str] = None, metrics_port: int = 0,
-                 on_tick: Optional[Callable[[Snapshot], None]] = None,
-                 on_event: Optional[Callable[[dict[str, Any]], None]] = None) -> None:
+    def __init__(
+        self,
+        job: DistTrainJob,
+        state: StateDir,
+        *,
+        chaos: Sequence[ChaosEvent] = (),
+        workdir: Optional[str] = None,
+        metrics_port: int = 0,
+        on_tick: Optional[Callable[[Snapshot], None]] = None,
+        on_event: Optional[Callable[[dict[str, Any]], None]] = None,
+    ) -> None:
         self.state = state
         obj = job.model_dump(mode="json", by_alias=True, exclude_none=True)
         obj["metadata"]["uid"] = obj["metadata"].get("uid") or str(uuid.uuid4())
@@ -112,8 +119,14 @@ class LocalRuntime:
 
     # ---- events ----------------------------------------------------------------------------------------
     def record_event(self, type_: str, reason: str, message: str, source: str = "local") -> None:
-        event = {"time": time.time(), "elapsed": round(time.time() - self.started, 2), "type": type_,
-                 "reason": reason, "message": message, "source": source}
+        event = {
+            "time": time.time(),
+            "elapsed": round(time.time() - self.started, 2),
+            "type": type_,
+            "reason": reason,
+            "message": message,
+            "source": source,
+        }
         self.events.append(event)
         self.state.append_event(event)
         self.recorder.on_event(event)
@@ -127,9 +140,14 @@ class LocalRuntime:
         ns = job.metadata.namespace
         return translate.LocalSite(
             agent_hosts=(f"{host}.{ns}.svc.cluster.local", f"{host}.{ns}.svc", f"{host}.{ns}", host),
-            cluster_port=job.spec.rendezvous.port, local_port=self.store_port,
-            cluster_checkpoint_dir=pods.checkpoint_dir(job), checkpoint_dir=str(self.state.checkpoints_dir),
-            workdir=self.workdir, base_env=dict(os.environ), rdzv_backend=self.rdzv_fallback)
+            cluster_port=job.spec.rendezvous.port,
+            local_port=self.store_port,
+            cluster_checkpoint_dir=pods.checkpoint_dir(job),
+            checkpoint_dir=str(self.state.checkpoints_dir),
+            workdir=self.workdir,
+            base_env=dict(os.environ),
+            rdzv_backend=self.rdzv_fallback,
+        )
 
     def _spawn(self, pod: dict[str, Any], index: int, metrics_port: int) -> LocalPod:
         name = pod["metadata"]["name"]
@@ -140,33 +158,48 @@ class LocalRuntime:
         pod["metadata"]["uid"] = uid
         spec = translate.to_process(pod, self.site(), machine, metrics_port)
         log = self.state.log_file(name).open("ab")
-        log.write(f"==== {time.strftime('%H:%M:%S')} {name} (uid {uid}) on {machine}: "
-                  f"{' '.join(spec.argv)}\n".encode())
+        log.write(f"==== {time.strftime('%H:%M:%S')} {name} (uid {uid}) on {machine}: {' '.join(spec.argv)}\n".encode())
         log.flush()
         marker = f"{self.obj['metadata']['uid']}/{uid}"
         proc = proctree.spawn(spec.argv, spec.env, spec.cwd, log, marker)
-        return LocalPod(name=name, uid=uid, index=index, node=machine, marker=marker, proc=proc, log=log,
-                        created_at=time.time(), metrics_port=metrics_port)
+        return LocalPod(
+            name=name,
+            uid=uid,
+            index=index,
+            node=machine,
+            marker=marker,
+            proc=proc,
+            log=log,
+            created_at=time.time(),
+            metrics_port=metrics_port,
+        )
 
     def create_worker(self, index: int) -> None:
         job = self.job()
-        pod = pods.build_worker_pod(job, index, endpoint=f"127.0.0.1:{self.store_port}",
-                                    checkpoint_directory=str(self.state.checkpoints_dir))
+        pod = pods.build_worker_pod(
+            job, index, endpoint=f"127.0.0.1:{self.store_port}", checkpoint_directory=str(self.state.checkpoints_dir)
+        )
         port = free_port()
         local = self._spawn(pod, index, port)
         local.ready_port = self.store_port
         self.workers[local.name] = local
-        self.record_event("Normal", "NodeStarted",
-                          f"{local.name} on machine {local.node}: log {self.state.log_file(local.name)}, worker "
-                          f"metrics http://127.0.0.1:{port}/metrics")
+        self.record_event(
+            "Normal",
+            "NodeStarted",
+            f"{local.name} on machine {local.node}: log {self.state.log_file(local.name)}, worker "
+            f"metrics http://127.0.0.1:{port}/metrics",
+        )
 
     def create_agent(self) -> None:
         job = self.job()
         pod = pods.build_agent_pod(job)
         pod = agentlink.localize_agent_pod(pod, self.state, self.store_port)
         self.agent = self._spawn(pod, -1, 0)
-        self.record_event("Normal", "AgentStarted", f"{self.agent.name}: store on 127.0.0.1:{self.store_port}, "
-                                                    f"log {self.state.log_file(self.agent.name)}")
+        self.record_event(
+            "Normal",
+            "AgentStarted",
+            f"{self.agent.name}: store on 127.0.0.1:{self.store_port}, log {self.state.log_file(self.agent.name)}",
+        )
 
     def all_pods(self) -> list[LocalPod]:
         return [*([self.agent] if self.agent else []), *self.workers.values()]
@@ -187,8 +220,11 @@ class LocalRuntime:
                 self.record_event("Warning", "ChaosSkipped", f"{event}: no running node to kill")
                 return
             victim = max(alive, key=lambda p: (p.index != 0, p.created_at))
-            self.record_event("Warning", "ChaosKillNode", f"{event}: SIGKILL of machine {victim.node} "
-                                                          f"({victim.name}: torchrun and all its workers)")
+            self.record_event(
+                "Warning",
+                "ChaosKillNode",
+                f"{event}: SIGKILL of machine {victim.node} ({victim.name}: torchrun and all its workers)",
+            )
             victim.kill_machine()
         elif event.action == "kill-agent":
             if self.agent is None or not self.agent.is_alive:
@@ -207,8 +243,11 @@ class LocalRuntime:
     # ---- one tick --------------------------------------------------------------------------------------
     def observe(self, now: float) -> Observed:
         machines = {p.node: p.node_view() for p in self.all_pods()}
-        return Observed(workers=tuple(p.view() for p in self.workers.values()),
-                        agent=self.agent.view() if self.agent else None, nodes=machines)
+        return Observed(
+            workers=tuple(p.view() for p in self.workers.values()),
+            agent=self.agent.view() if self.agent else None,
+            nodes=machines,
+        )
 
     def finish_deletions(self, now: float) -> None:
         for name, pod in list(self.workers.items()):
@@ -275,12 +314,19 @@ class LocalRuntime:
             if view.exit_code is not None and view.phase == "Failed":
                 state += f" ({view.exit_code})"
             pods_shown.append((pod.name, pod.node, state))
-        return Snapshot(job=self.name, elapsed=now - self.started, status=self.obj["status"], pods=pods_shown,
-                        loss=facts.loss, samples_per_second=facts.samples_per_second,
-                        events=[e for e in self.events if e["reason"] not in QUIET_REASONS][-10:],
-                        metrics_url=self.metrics_url,
-                        worker_metrics=[f"http://127.0.0.1:{p.metrics_port}/metrics"
-                                        for p in self.workers.values() if p.metrics_port])
+        return Snapshot(
+            job=self.name,
+            elapsed=now - self.started,
+            status=self.obj["status"],
+            pods=pods_shown,
+            loss=facts.loss,
+            samples_per_second=facts.samples_per_second,
+            events=[e for e in self.events if e["reason"] not in QUIET_REASONS][-10:],
+            metrics_url=self.metrics_url,
+            worker_metrics=[
+                f"http://127.0.0.1:{p.metrics_port}/metrics" for p in self.workers.values() if p.metrics_port
+            ],
+        )
 
     def write_state(self) -> None:
         status = self.obj["status"]
@@ -288,10 +334,18 @@ class LocalRuntime:
             self.state.write_json(self.state.status_file, status)
             self.state.write_json(self.state.job_file, self.obj)
             self._status_written = copy.deepcopy(status)
-        self.state.write_json(self.state.runtime_file, {
-            "pid": os.getpid(), "job": self.name, "metricsUrl": self.metrics_url, "storePort": self.store_port,
-            "started": self.started, "workerMetrics": {p.name: p.metrics_port for p in self.workers.values()},
-            "finished": False})
+        self.state.write_json(
+            self.state.runtime_file,
+            {
+                "pid": os.getpid(),
+                "job": self.name,
+                "metricsUrl": self.metrics_url,
+                "storePort": self.store_port,
+                "started": self.started,
+                "workerMetrics": {p.name: p.metrics_port for p in self.workers.values()},
+                "finished": False,
+            },
+        )
 
     # ---- the whole run ---------------------------------------------------------------------------------
     def stop(self, reason: str) -> None:
@@ -305,13 +359,17 @@ class LocalRuntime:
     def run(self, timeout_s: Optional[float] = None) -> Summary:
         self.state.create()
         self.metrics_url = self.metrics.serve(self.metrics_port)
-        self.record_event("Normal", "LocalRunStarted",
-                          f"state in {self.state.path}; operator metrics at {self.metrics_url}")
+        self.record_event(
+            "Normal", "LocalRunStarted", f"state in {self.state.path}; operator metrics at {self.metrics_url}"
+        )
         if self.rdzv_fallback:
-            self.record_event("Warning", "RendezvousFallback",
-                              f"torchrun handler {constants.RDZV_BACKEND!r} is not installed in this environment; "
-                              f"nodes use {self.rdzv_fallback!r} (rounds wait for last-call timeouts, scale-ups may "
-                              "reform twice)")
+            self.record_event(
+                "Warning",
+                "RendezvousFallback",
+                f"torchrun handler {constants.RDZV_BACKEND!r} is not installed in this environment; "
+                f"nodes use {self.rdzv_fallback!r} (rounds wait for last-call timeouts, scale-ups may "
+                "reform twice)",
+            )
         try:
             while not self.is_done() and not self.stop_requested:
                 actions = self.tick()
@@ -340,4 +398,3 @@ class LocalRuntime:
         self.agent = None
         self.metrics.shutdown()
         self.write_state()
-

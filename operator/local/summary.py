@@ -87,15 +87,27 @@ class Recorder:
             done = record["seenAt"]
             matched = [r for r in resumes if r[0] <= done]
             resumed, lost = (matched[-1][1], matched[-1][2]) if matched else (None, None)
-            reforms.append(ReformSummary(reason=record.get("reason", ""), from_nodes=int(record.get("from", 0)),
-                                         to_nodes=int(record.get("to", 0)),
-                                         duration_seconds=record.get("durationSeconds"),
-                                         resumed_from_step=resumed, lost_steps=lost))
+            reforms.append(
+                ReformSummary(
+                    reason=record.get("reason", ""),
+                    from_nodes=int(record.get("from", 0)),
+                    to_nodes=int(record.get("to", 0)),
+                    duration_seconds=record.get("durationSeconds"),
+                    resumed_from_step=resumed,
+                    lost_steps=lost,
+                )
+            )
         ckpt = status.get("lastCheckpoint") or {}
         return Summary(
-            job=self.job, phase=str(status.get("phase", "Pending")), message=str(status.get("message", "")),
-            steps=int(status.get("step", 0) or 0), samples=int(status.get("samplesConsumed", 0) or 0),
-            wall_seconds=round(wall, 2), reforms=tuple(reforms),
+            job=self.job,
+            phase=str(status.get("phase", "Pending")),
+            message=str(status.get("message", "")),
+            steps=int(status.get("step", 0) or 0),
+            samples=int(status.get("samplesConsumed", 0) or 0),
+            wall_seconds=round(wall, 2),
+            reforms=tuple(reforms),
             restarts_by_reason=dict((status.get("restarts") or {}).get("byReason", {})),
-            lost_steps=sum(r[2] for r in resumes), last_checkpoint_step=ckpt.get("step"),
-            world_size=int(status.get("worldSize", 0) or 0))
+            lost_steps=sum(r[2] for r in resumes),
+            last_checkpoint_step=ckpt.get("step"),
+            world_size=int(status.get("worldSize", 0) or 0),
+        )
