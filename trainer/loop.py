@@ -136,12 +136,14 @@ class Step:
         """Backward of a loss *summed* over this micro batch, normalised by the global count of the step.
 
         ``denominator`` defaults to the global batch (sample-weighted); pass :meth:`global_count` of your token
-        counts for a token-weighted loss. DDP and FSDP2 average gradients over W ranks, hence the factor W: the
-        result is exactly sum(all samples' losses) / global count, whatever the split into ranks and micro
-        batches. Under fp16 the loss is scaled by the GradScaler first.
+        counts for a token-weighted loss. Where the reduction averages over the W ranks (fp32 DDP) the loss is
+        multiplied by W first; FSDP2 and mixed-precision DDP sum (:class:`~disttrain.trainer.parallel.ParallelModel`).
+        Either way the result is exactly sum(all samples' losses) / global count, whatever the split into ranks
+        and micro batches. Under fp16 the loss is scaled by the GradScaler first.
         """
         denom = float(denominator if denominator is not None else self.global_batch)
-        self.trainer.precision.scale(loss_sum * (self.trainer.world_size / denom)).backward()
+        factor = self.trainer.parallel.loss_factor(self.trainer.world_size)
+        self.trainer.precision.scale(loss_sum * (factor / denom)).backward()
         self.loss_sum += float(loss_sum.detach())
         self.loss_count += int(count if count is not None else len(self.micro_indices[0]) if self.micro_indices else 0)
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -44,12 +45,25 @@ class Precision(str, enum.Enum):
 
 
 class ParallelModel:
-    """The wrapped model (``module``, what ``trainer.model`` is) and the one switch the loop needs from it:
-    gradient sync on or off, so accumulation communicates only on the last micro batch."""
+    """The wrapped model (``module``, what ``trainer.model`` is) and what the loop needs from it: gradient sync
+    on or off (accumulation communicates only on the last micro batch), and whether the gradient reduction sums
+    or averages over the ranks.
 
-    def __init__(self, module: nn.Module, parallelism: Parallelism) -> None:
+    Why sums: a loss multiplied by W before a low-precision backward is rounded differently at each world size
+    (a factor 4/12 is not 3/12 times a power of two), so bf16 gradients would differ between W=4 and W=3. With
+    a summing reduction the backward runs on ``loss_sum / global count`` alone, the same at every world size.
+    FSDP2 and mixed-precision DDP sum; fp32 DDP keeps its stock averaging (exact in fp32 anyway).
+    """
+
+    def __init__(self, module: nn.Module, parallelism: Parallelism, sums_gradients: bool) -> None:
         self.module = module
         self.parallelism = parallelism
+        self.sums_gradients = sums_gradients
+
+    def loss_factor(self, world_size: int) -> float:
+        """What a loss normalised by the global count is multiplied by before backward: W under an averaging
+        reduction (which divides by W again), 1 under a summing one."""
+        return 1.0 if self.sums_gradients else float(world_size)
 
     def set_gradient_sync(self, enabled: bool) -> None:
         if isinstance(self.module, DistributedDataParallel):
@@ -85,11 +99,19 @@ def wrap(
     if parallelism is Parallelism.DDP:
         if shard_modules is not None:
             raise ValueError("shard_modules is an FSDP2 option; it is not allowed with parallelism='ddp'")
-        return ParallelModel(_data_parallel(model, device, precision), parallelism)
+        ddp = _data_parallel(model, device, precision)
+        sums = precision.compute_dtype is not None
+        if sums:
+            ddp.register_comm_hook(None, _sum_allreduce_hook)
+        return ParallelModel(ddp, parallelism, sums_gradients=sums)
     if isinstance(model, DistributedDataParallel):
         raise ValueError("parallelism='fsdp2' needs the plain model, not one already wrapped in DDP")
     _shard(model, optimizer, device, precision, shard_modules)
-    return ParallelModel(model, parallelism)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    return ParallelModel(model, parallelism, sums_gradients=True)
 
 
 def default_shard_modules(model: nn.Module) -> list[nn.Module]:
@@ -149,6 +171,13 @@ def _shard(
             raise ValueError(
                 "parallelism='fsdp2': the optimizer holds a parameter that is not one of the model's"
             ) from exc
+
+
+def _sum_allreduce_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's all-reduce without the division by W (see :class:`ParallelModel`)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    assert work is not None
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def _to_fp32(out: Any) -> Any:
