@@ -190,8 +190,9 @@ def main() -> None:
               f"({mb / dd:.0f} MB/s)")
         print(f"step: median {step * 1000:.1f} ms; async save blocked: median {statistics.median(blocked) * 1000:.1f}"
               f" ms (all: {', '.join(f'{b * 1000:.1f}' for b in blocked)})")
-        details = [ln for ln in fsdp2_lines if ":" in ln and not ln.startswith("fsdp2_")]
-        print("\n".join(details))
+        for line in fsdp2_lines:
+            if not line.startswith("fsdp2_"):
+                print(line)
         print(f"save_vs_dd_ratio: {dd / save:.2f}")
         print(f"async_blocking_fraction: {statistics.median(blocked) / step:.3f}")
         print("\n".join(ln for ln in fsdp2_lines if ln.startswith("fsdp2_")))

@@ -15,9 +15,24 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from disttrain.trainer import sampler as sampler_mod
+
+
+def check_random_access(dataset: Any) -> None:
+    """Refuse a dataset the global cursor cannot drive: it needs samples by index (``len`` and ``[i]``).
+
+    An ``IterableDataset`` can only be read in its own order, so resuming at another world size could not
+    give every rank its positions of the global permutation.
+    """
+    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise TypeError(
+            f"dataset: {type(dataset).__name__} has no random access; the trainer needs a map-style dataset "
+            "(__len__ and __getitem__, e.g. torch.utils.data.Dataset or TensorDataset), because every sample is "
+            "read at its position of the global permutation. IterableDataset is not supported: index your samples "
+            "(for example an array of file offsets) and read them in __getitem__"
+        )
 
 
 class CursorBatchSampler:

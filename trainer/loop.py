@@ -252,13 +252,17 @@ class ElasticTrainer:
         ``device``: ``"auto"`` (``cuda:LOCAL_RANK`` when CUDA is available, else the CPU), ``"cuda"`` (refuse to
         start, ``PERMANENT``, when CUDA is absent) or ``"cpu"``.
         """
+        _configure_logging()
         parallelism = _option_or_exit("parallelism", parallelism, parallel_mod.Parallelism)
         precision = _option_or_exit("precision", precision, parallel_mod.Precision)
+        try:
+            data_mod.check_random_access(dataset)
+        except TypeError as exc:
+            exits.exit_permanent(str(exc))
         if num_workers < 0:
             exits.exit_permanent(f"num_workers={num_workers} must be >= 0 (0: batches are read in this process)")
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             exits.exit_permanent(f"clip_grad_norm={clip_grad_norm!r} must be a positive number (or None: no clipping)")
-        _configure_logging()
         ctx = context or _context_or_exit()
         groups = ctx_mod.init_process_group(ctx, use_cuda=_use_cuda_or_exit(device))
         rank, world_size = dist.get_rank(), dist.get_world_size()

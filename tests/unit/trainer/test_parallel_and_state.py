@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from disttrain.trainer import parallel
+from disttrain.trainer import data, parallel
 from disttrain.trainer.checkpoint import TrainerState
 
 
@@ -57,3 +57,17 @@ def test_the_trainer_state_restores_the_numpy_python_and_torch_rngs():
     restored.load_state_dict(saved)
     assert restored.step == 3
     assert (np.random.rand(), random.random(), torch.rand(1).item()) == expected
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(3))
+
+
+def test_an_iterable_dataset_is_refused_saying_what_the_trainer_needs():
+    with pytest.raises(TypeError, match="Stream has no random access; the trainer needs a map-style dataset"):
+        data.check_random_access(Stream())
+
+
+def test_a_tensor_dataset_has_random_access():
+    data.check_random_access(torch.utils.data.TensorDataset(torch.zeros(3)))
