@@ -45,3 +45,6 @@ RDZV_BACKEND: Final = "disttrain"
 # One writer per file, so neither loses the other's updates.
 LOCAL_JOB_FILE: Final = "job.json"
 LOCAL_AGENT_STATUS_FILE: Final = "agent-status.json"
+
+GPU_RESOURCE: Final = "nvidia.com/gpu"
+"""The extended resource a trainer container's GPUs are requested by (one process per GPU: ``nprocPerNode``)."""

@@ -20,6 +20,7 @@ import yaml
 from pydantic import ValidationError
 
 from disttrain.api import constants, crd, rules
+from disttrain.api import containers as containers_mod
 from disttrain.api.plan import valid_node_counts
 from disttrain.api.spec import DistTrainJob
 
@@ -129,6 +130,28 @@ def _plan_problems(job: DistTrainJob) -> list[Problem]:
     ]
 
 
+def _gpu_problems(job: DistTrainJob, wire: dict[str, Any]) -> list[Problem]:
+    """One process per GPU is the rule on GPUs: a trainer container whose ``nvidia.com/gpu`` limit differs from
+    ``nprocPerNode`` leaves GPUs idle or puts two processes on one GPU (each rank takes ``cuda:LOCAL_RANK``)."""
+    containers = wire.get("spec", {}).get("template", {}).get("spec", {}).get("containers") or []
+    index = containers_mod.find_trainer_index(containers)
+    if index is None:
+        return []
+    limits = (containers[index].get("resources") or {}).get("limits") or {}
+    gpus = limits.get(constants.GPU_RESOURCE)
+    if gpus is None or str(gpus) == str(job.spec.nproc_per_node):
+        return []
+    return [
+        Problem(
+            "spec.nprocPerNode",
+            f"nprocPerNode {job.spec.nproc_per_node} differs from the trainer container's "
+            f"resources.limits[{constants.GPU_RESOURCE!r}] {gpus}; on GPUs run one process per GPU "
+            f"(set nprocPerNode: {gpus})",
+            Severity.WARNING,
+        )
+    ]
+
+
 def validate_object(obj: Any) -> list[Problem]:
     """Every problem of one DistTrainJob object (already parsed from YAML/JSON)."""
     if not isinstance(obj, dict):
@@ -149,7 +172,7 @@ def validate_object(obj: Any) -> list[Problem]:
     wire = job.model_dump(mode="json", by_alias=True, exclude_none=True)
     problems += [Problem(v.path, v.message) for v in rules.check_rules(wire)]
     if not problems:
-        problems += _plan_problems(job)
+        problems += _plan_problems(job) + _gpu_problems(job, obj)
     return problems
 
 

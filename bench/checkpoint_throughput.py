@@ -1,12 +1,15 @@
-"""Checkpoint throughput vs dd, and how long async saves block training (one process, gloo, CPU).
+"""Checkpoint throughput vs dd, and how long async saves block training (one process, gloo, CPU); then the same
+save of FSDP2-sharded state from 2 processes.
 
-    python bench/checkpoint_throughput.py [--state-mb 100] [--repeats 3] [--dir DIR]
+    python bench/checkpoint_throughput.py [--state-mb 100] [--repeats 3] [--dir DIR] [--case single|fsdp2|all]
 
 save_vs_dd_ratio: dd's time to write and fsync the same number of bytes to the same directory, divided by a
 sync save's time through the real CheckpointManager (DCP write + fsync + digests + COMPLETE.json + renames),
 medians of ``--repeats``, measured alternately in this run. async_blocking_fraction: the time an async save
 blocks the training loop (kick-off plus waiting for the staging copy before the next optimizer step),
-divided by the median step time of the same model without a save.
+divided by the median step time of the same model without a save. fsdp2_save_vs_dd_ratio: the same ratio for a
+model sharded with ``fully_shard`` over 2 processes (its own torchrun): each rank writes its shards of the
+parameters and AdamW moments through the CheckpointManager; dd writes the total bytes from one process.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -64,13 +68,80 @@ def dd_seconds(directory: Path, nbytes: int) -> float:
     return seconds
 
 
+def fsdp2_worker(args: argparse.Namespace) -> None:
+    """One rank of the sharded case (started by :func:`main` under torchrun)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(backend="gloo")
+    root = Path(args.root)
+    model, _ = build(args.state_mb)
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    train_step(model, opt, torch.randn(args.batch // world, 1024))
+    state = {"app": ckpt_mod.ModelOptimState(model, opt), "trainer": ckpt_mod.TrainerState()}
+    manager = ckpt_mod.CheckpointManager(root / "fsdp2", CheckpointSpec(keep=1), rank, world, group)
+    manager.save(0, state, manifest(0))  # warm-up
+    save_s, dd_s = [], []
+    for i in range(args.repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        manager.save(i + 1, state, manifest(i + 1))
+        dist.barrier()
+        save_s.append(time.perf_counter() - t0)
+        manager.join_retention()
+        if rank == 0:
+            nbytes = sum(f.stat().st_size for f in (root / "fsdp2" / f"step-{i + 1}").iterdir())
+            dd_s.append(dd_seconds(root, nbytes))
+        dist.barrier()
+    params = sum(p.numel() for p in get_model_state_dict(model).values())
+    if rank == 0:
+        mb = nbytes / 1e6
+        save, dd = statistics.median(save_s), statistics.median(dd_s)
+        print(f"fsdp2 ({world} ranks, {params / 1e6:.1f}M parameters): {mb:.1f} MB; sync save median {save:.3f} s "
+              f"({mb / save:.0f} MB/s); dd conv=fsync median {dd:.3f} s ({mb / dd:.0f} MB/s)")
+        print(f"fsdp2_save_vs_dd_ratio: {dd / save:.2f}")
+    manager.close()
+    dist.destroy_process_group()
+
+
+def run_fsdp2_case(args: argparse.Namespace) -> list[str]:
+    """The sharded case under torchrun; returns its output lines."""
+    root = Path(tempfile.mkdtemp(prefix="ckpt-bench-fsdp2-", dir=args.dir))
+    try:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+               "--state-mb", str(args.state_mb), "--repeats", str(args.repeats), "--batch", str(args.batch),
+               "--case", "fsdp2", "--root", str(root)]
+        proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stderr[-5000:])
+            raise SystemExit(proc.returncode)
+        return [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--state-mb", type=float, default=100)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
+    parser.add_argument("--case", choices=["single", "fsdp2", "all"], default="all")
+    parser.add_argument("--root", default=None, help=argparse.SUPPRESS)  # the fsdp2 workers' directory
     args = parser.parse_args()
+    if "RANK" in os.environ:
+        fsdp2_worker(args)
+        return
+    fsdp2_lines = run_fsdp2_case(args) if args.case in ("fsdp2", "all") else []
+    if args.case == "fsdp2":
+        print("\n".join(fsdp2_lines))
+        return
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")
@@ -119,8 +190,12 @@ def main() -> None:
               f"({mb / dd:.0f} MB/s)")
         print(f"step: median {step * 1000:.1f} ms; async save blocked: median {statistics.median(blocked) * 1000:.1f}"
               f" ms (all: {', '.join(f'{b * 1000:.1f}' for b in blocked)})")
+        for line in fsdp2_lines:
+            if not line.startswith("fsdp2_"):
+                print(line)
         print(f"save_vs_dd_ratio: {dd / save:.2f}")
         print(f"async_blocking_fraction: {statistics.median(blocked) / step:.3f}")
+        print("\n".join(ln for ln in fsdp2_lines if ln.startswith("fsdp2_")))
     finally:
         shutil.rmtree(root, ignore_errors=True)
         dist.destroy_process_group()

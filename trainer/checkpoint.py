@@ -46,6 +46,11 @@ from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer import commit, storage
 from disttrain.trainer.metrics import TrainerMetrics
 
+try:
+    import numpy as _numpy
+except ImportError:  # NumPy is optional: without it there is no NumPy RNG to save
+    _numpy = None  # type: ignore[assignment]
+
 log = logging.getLogger("disttrain.trainer")
 
 
@@ -112,7 +117,8 @@ class SchedulerState(Stateful):
 
 @dataclasses.dataclass
 class TrainerState(Stateful):
-    """Where training is, in global terms. RNG states are saved once (rank 0's) and restored on every rank:
+    """Where training is, in global terms. RNG states (torch, Python, NumPy, CUDA) are saved once (rank 0's) and
+    restored on every rank:
     randomness that must be reproducible is keyed by (seed, step, sample), never by rank or by this stream."""
 
     step: int = 0
@@ -127,6 +133,8 @@ class TrainerState(Stateful):
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["rng_torch"] = torch.get_rng_state()
         out["rng_python"] = random.getstate()
+        if _numpy is not None:
+            out["rng_numpy"] = _numpy.random.get_state()
         if torch.cuda.is_available():
             out["rng_cuda"] = torch.cuda.get_rng_state()
         return out
@@ -136,6 +144,8 @@ class TrainerState(Stateful):
             setattr(self, f.name, type(getattr(self, f.name))(state_dict[f.name]))
         torch.set_rng_state(state_dict["rng_torch"])
         random.setstate(state_dict["rng_python"])
+        if "rng_numpy" in state_dict and _numpy is not None:
+            _numpy.random.set_state(state_dict["rng_numpy"])
         if "rng_cuda" in state_dict and torch.cuda.is_available():
             torch.cuda.set_rng_state(state_dict["rng_cuda"])
 

@@ -95,9 +95,11 @@ class Groups:
     device: torch.device
 
 
-def init_process_group(ctx: ElasticContext) -> Groups:
+def init_process_group(ctx: ElasticContext, use_cuda: Optional[bool] = None) -> Groups:
+    """Join the group on ``cuda:LOCAL_RANK`` (nccl) when ``use_cuda`` (default: when CUDA is available), else on
+    the CPU (gloo)."""
     timeout = datetime.timedelta(seconds=ctx.contract.collective_timeout_seconds)
-    if torch.cuda.is_available():
+    if use_cuda if use_cuda is not None else torch.cuda.is_available():
         torch.cuda.set_device(ctx.local_rank)
         device = torch.device("cuda", ctx.local_rank)
         backend = "cpu:gloo,cuda:nccl"

@@ -8,7 +8,7 @@
             # optimizer step, LR, checkpoint, drain/SIGTERM are handled when the loop comes back here
 
 Lifecycle: :meth:`ElasticTrainer.from_env` starts everything with a side effect (process group, metrics server,
-DDP, SIGTERM handler, control channel) and plans micro batch / accumulation / LR for the actual world size;
+DDP or FSDP2, SIGTERM handler, control channel) and plans micro batch / accumulation / LR for the actual world size;
 :meth:`~ElasticTrainer.steps` loads the newest valid checkpoint (resharding model and optimizer), refuses a
 changed dataset, recomputes the LR from the declared rule and trains; :meth:`~ElasticTrainer.close` (the end of
 the ``with``) stops it all. After each optimizer step the ranks agree (one tiny all-reduce,
@@ -25,13 +25,15 @@ import sys
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, NoReturn, Optional, Protocol
+from typing import Any, NoReturn, Optional, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import TensorDataset, default_collate
 
 from disttrain.api import control as control_keys
@@ -42,8 +44,11 @@ from disttrain.api.plan import InvalidWorldSizeError, Plan, plan
 from disttrain.api.spec import LRSchedule, TrainingSpec
 from disttrain.trainer import checkpoint as ckpt_mod
 from disttrain.trainer import context as ctx_mod
+from disttrain.trainer import data as data_mod
 from disttrain.trainer import exits
 from disttrain.trainer import lr as lr_mod
+from disttrain.trainer import parallel as parallel_mod
+from disttrain.trainer import precision as precision_mod
 from disttrain.trainer import sampler as sampler_mod
 from disttrain.trainer.boundary import NO_SAVE, BoundaryAgreement, BoundaryFlags
 from disttrain.trainer.control import Watchdog
@@ -90,7 +95,8 @@ class MicroBatch:
 class Step:
     """One optimizer step on this rank: iterate it for micro batches, call :meth:`backward` once per micro batch.
 
-    Iteration turns DDP's gradient sync off for all but the last micro batch (forward included, as DDP needs).
+    Iteration turns gradient sync (DDP, FSDP2) off for all but the last micro batch (forward included, as DDP
+    needs).
     """
 
     def __init__(self, trainer: ElasticTrainer, index: int, indices: list[int]) -> None:
@@ -107,17 +113,15 @@ class Step:
         return self.trainer.plan.global_batch
 
     def __iter__(self) -> Iterator[MicroBatch]:
-        model = self.trainer.model
+        parallel = self.trainer.parallel
         last = len(self.micro_indices) - 1
         seed = self.trainer.training.seed
         try:
             for i, idx in enumerate(self.micro_indices):
-                if isinstance(model, DistributedDataParallel):
-                    model.require_backward_grad_sync = i == last
+                parallel.set_gradient_sync(i == last)
                 yield MicroBatch(self.trainer.fetch(idx), idx, seed, self.index)
         finally:
-            if isinstance(model, DistributedDataParallel):
-                model.require_backward_grad_sync = True
+            parallel.set_gradient_sync(True)
 
     def global_count(self, local_count: float | int | torch.Tensor) -> float:
         """Sum of a count over all ranks (e.g. non-padding tokens in this step): the denominator of a
@@ -132,11 +136,14 @@ class Step:
         """Backward of a loss *summed* over this micro batch, normalised by the global count of the step.
 
         ``denominator`` defaults to the global batch (sample-weighted); pass :meth:`global_count` of your token
-        counts for a token-weighted loss. DDP averages gradients over W ranks, hence the factor W: the result is
-        exactly sum(all samples' losses) / global count, whatever the split into ranks and micro batches.
+        counts for a token-weighted loss. Where the reduction averages over the W ranks (fp32 DDP) the loss is
+        multiplied by W first; FSDP2 and mixed-precision DDP sum (:class:`~disttrain.trainer.parallel.ParallelModel`).
+        Either way the result is exactly sum(all samples' losses) / global count, whatever the split into ranks
+        and micro batches. Under fp16 the loss is scaled by the GradScaler first.
         """
         denom = float(denominator if denominator is not None else self.global_batch)
-        (loss_sum * (self.trainer.world_size / denom)).backward()
+        factor = self.trainer.parallel.loss_factor(self.trainer.world_size)
+        self.trainer.precision.scale(loss_sum * (factor / denom)).backward()
         self.loss_sum += float(loss_sum.detach())
         self.loss_count += int(count if count is not None else len(self.micro_indices[0]) if self.micro_indices else 0)
 
@@ -156,7 +163,7 @@ class ElasticTrainer:
         rank: int,
         plan: Plan,
         model: torch.nn.Module,
-        ddp_model: DistributedDataParallel,
+        parallel: parallel_mod.ParallelModel,
         optimizer: torch.optim.Optimizer,
         dataset: MapDataset,
         checkpoints: ckpt_mod.CheckpointManager,
@@ -165,6 +172,11 @@ class ElasticTrainer:
         scheduler: Any = None,
         collate_fn: Callable[[list[Any]], Any] = default_collate,
         log_every: int = 10,
+        precision: Optional[precision_mod.PrecisionState] = None,
+        clip_grad_norm: Optional[float] = None,
+        user_state: Optional[Mapping[str, Stateful]] = None,
+        num_workers: int = 0,
+        prefetch_factor: Optional[int] = None,
     ) -> None:
         self.ctx = context
         self.training: TrainingSpec = context.contract.training
@@ -174,7 +186,15 @@ class ElasticTrainer:
         self.world_size = plan.world_size
         self.plan = plan
         self.raw_model = model
-        self.model = ddp_model
+        self.parallel = parallel
+        self.model = parallel.module
+        self.precision = precision or precision_mod.PrecisionState(parallel_mod.Precision.FP32, groups.device)
+        self.clip_grad_norm = clip_grad_norm
+        self.last_grad_norm: Optional[float] = None
+        self.user_state: dict[str, Stateful] = dict(user_state or {})
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor
+        self._feed: Optional[data_mod.LoaderFeed] = None
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.dataset = dataset
@@ -202,24 +222,58 @@ class ElasticTrainer:
         log_every: int = 10,
         context: Optional[ctx_mod.ElasticContext] = None,
         on_checkpoint_phase: Optional[ckpt_mod.PhaseHook] = None,
+        parallelism: str | parallel_mod.Parallelism = parallel_mod.Parallelism.DDP,
+        precision: str | parallel_mod.Precision = parallel_mod.Precision.FP32,
+        shard_modules: Optional[Sequence[torch.nn.Module]] = None,
+        clip_grad_norm: Optional[float] = None,
+        user_state: Optional[Mapping[str, Stateful]] = None,
+        grad_scaler: Optional[ShardedGradScaler] = None,
+        num_workers: int = 0,
+        prefetch_factor: Optional[int] = None,
+        device: str = "auto",
     ) -> ElasticTrainer:
         """Start the trainer of this worker, configured by the torchrun and ``DISTTRAIN_*`` environment.
 
         In this order: read the worker contract (or take ``context``), join the process group and a gloo group
         for checkpoints, serve metrics on ``DISTTRAIN_METRICS_PORT + LOCAL_RANK``, plan batch and LR for the
-        world size, move the model to its device and wrap it in DDP, install the SIGTERM handler, connect to the
-        job agent. Ends the process with ``ExitCode.PERMANENT`` (after telling the agent) when the contract is
+        world size, move the model to its device and wrap it in DDP or FSDP2, install the SIGTERM handler, connect
+        to the job agent. Ends the process with ``ExitCode.PERMANENT`` (after telling the agent) when the contract is
         missing or invalid or the world size does not fit it. ``on_checkpoint_phase`` lets tests act inside a
         save (:class:`~disttrain.trainer.checkpoint.CheckpointPhase`).
+
+        ``parallelism``: ``"ddp"`` (default) or ``"fsdp2"`` (``fully_shard`` on each of ``shard_modules``, by
+        default :func:`~disttrain.trainer.parallel.default_shard_modules`, then the root). ``precision``:
+        ``"fp32"``, ``"bf16"`` or ``"fp16"`` (with a GradScaler in the checkpoint; pass ``grad_scaler`` to set its
+        initial scale or growth interval). ``clip_grad_norm``: clip the
+        global gradient norm to this value before each optimizer step. ``user_state``: more ``Stateful`` objects
+        (an EMA, a curriculum counter) saved and restored with every checkpoint under their names.
+        ``num_workers`` > 0: batches come from a ``DataLoader`` with that many worker processes (and
+        ``prefetch_factor`` batches each in flight, pinned memory on GPU), driven by the global cursor.
+        ``device``: ``"auto"`` (``cuda:LOCAL_RANK`` when CUDA is available, else the CPU), ``"cuda"`` (refuse to
+        start, ``PERMANENT``, when CUDA is absent) or ``"cpu"``.
         """
         _configure_logging()
+        parallelism = _option_or_exit("parallelism", parallelism, parallel_mod.Parallelism)
+        precision = _option_or_exit("precision", precision, parallel_mod.Precision)
+        try:
+            data_mod.check_random_access(dataset)
+        except TypeError as exc:
+            exits.exit_permanent(str(exc))
+        if num_workers < 0:
+            exits.exit_permanent(f"num_workers={num_workers} must be >= 0 (0: batches are read in this process)")
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            exits.exit_permanent(f"clip_grad_norm={clip_grad_norm!r} must be a positive number (or None: no clipping)")
         ctx = context or _context_or_exit()
-        groups = ctx_mod.init_process_group(ctx)
+        groups = ctx_mod.init_process_group(ctx, use_cuda=_use_cuda_or_exit(device))
         rank, world_size = dist.get_rank(), dist.get_world_size()
         metrics = _serve_metrics(ctx)
         training_plan = _plan_or_exit(ctx.contract.training, world_size)
         on_device = model.to(groups.device)  # in place: the optimizer keeps the same Parameter objects
-        ddp_model = _data_parallel(model, groups.device)
+        try:
+            wrapped = parallel_mod.wrap(on_device, optimizer, groups.device, parallelism, precision, shard_modules)
+            precision_state = precision_mod.PrecisionState(precision, groups.device, grad_scaler)
+        except ValueError as exc:
+            exits.exit_permanent(str(exc))
         watchdog = Watchdog(ctx.agent_endpoint)
         checkpoints = ckpt_mod.CheckpointManager(
             ctx.checkpoint_dir,
@@ -244,7 +298,7 @@ class ElasticTrainer:
             rank=rank,
             plan=training_plan,
             model=on_device,
-            ddp_model=ddp_model,
+            parallel=wrapped,
             optimizer=optimizer,
             dataset=dataset,
             checkpoints=checkpoints,
@@ -253,6 +307,11 @@ class ElasticTrainer:
             scheduler=scheduler,
             collate_fn=collate_fn,
             log_every=log_every,
+            precision=precision_state,
+            clip_grad_norm=clip_grad_norm,
+            user_state=user_state,
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor,
         )
 
     # ---- user-facing -------------------------------------------------------------------------------------
@@ -297,8 +356,16 @@ class ElasticTrainer:
         """Checkpoint at the next step boundary, then exit ``ExitCode.DRAINED`` (as SIGTERM does)."""
         self.watchdog.request_drain(reason)
 
+    def full_model_state_dict(self) -> dict[str, Any]:
+        """The whole model's weights as plain CPU tensors on global rank 0 (empty elsewhere), under DDP or FSDP2
+        alike: the way to export the trained model. Collective: every rank calls it."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.raw_model, options=options)
+
     def fetch(self, indices: list[int]) -> Any:
         """The collated micro batch for dataset ``indices``, on the trainer's device."""
+        if self._feed is not None:
+            return _to_device(self._feed.next_batch(indices), self.device)
         if isinstance(self.dataset, TensorDataset):
             idx = torch.as_tensor(indices, dtype=torch.long)
             return _to_device(tuple(t[idx] for t in self.dataset.tensors), self.device)
@@ -309,6 +376,8 @@ class ElasticTrainer:
     def steps(self) -> Iterator[Step]:
         """Resume, then yield one :class:`Step` per optimizer step until maxSteps/maxSamples, a drain or a failure."""
         self._resume()
+        if self.num_workers > 0:
+            self._feed = self._start_feed()
         first = True
         t_prev = time.monotonic()
         while not self.done:
@@ -330,8 +399,11 @@ class ElasticTrainer:
         log.info("training finished at step %d (%d samples)", self.state.step, self.state.samples_consumed)
 
     def close(self) -> None:
-        """Stop what :meth:`from_env` started: the watchdog, pending saves, the process group."""
+        """Stop what :meth:`from_env` started: the watchdog, pending saves, the data loader's workers, the
+        process group."""
         self.watchdog.stop()
+        if self._feed is not None:
+            self._feed.close()
         self.checkpoints.close()
         if dist.is_initialized():
             # Everyone leaves together: rank 0 hosts the group's store, and tearing it down under a peer
@@ -340,6 +412,26 @@ class ElasticTrainer:
             dist.destroy_process_group()
 
     # ---- internals ---------------------------------------------------------------------------------------
+    def _start_feed(self) -> data_mod.LoaderFeed:
+        """A DataLoader that reads ahead exactly the micro batches the steps from the restored cursor will ask for."""
+        batches = data_mod.CursorBatchSampler(
+            self.sampler,
+            self.state.data_cursor,
+            self.plan.global_batch,
+            self.world_size,
+            self.rank,
+            self.plan.micro_batch,
+            self.plan.accum_steps,
+        )
+        return data_mod.LoaderFeed(
+            self.dataset,
+            self.collate_fn,
+            batches,
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor,
+            pin_memory=self.device.type == "cuda",
+        )
+
     def _checkpoint_contents(self) -> dict[str, Any]:
         """What a checkpoint holds, as DCP Statefuls: model + optimizer, :attr:`state`, the scheduler."""
         contents: dict[str, Any] = {
@@ -348,6 +440,10 @@ class ElasticTrainer:
         }
         if self.scheduler is not None:
             contents["scheduler"] = ckpt_mod.SchedulerState(self.scheduler)
+        if self.precision.scaler is not None:
+            contents["grad_scaler"] = precision_mod.GradScalerState(self.precision.scaler)
+        for name, stateful in self.user_state.items():
+            contents[f"user/{name}"] = stateful
         return contents
 
     def _manifest(self) -> CheckpointManifest:
@@ -438,7 +534,11 @@ class ElasticTrainer:
 
     def _optimizer_step(self) -> None:
         self.checkpoints.before_optimizer_step()
-        self.optimizer.step()
+        self.precision.unscale(self.optimizer)
+        if self.clip_grad_norm is not None:
+            self.last_grad_norm = precision_mod.clip_global_grad_norm(self.raw_model, self.clip_grad_norm)
+            self.metrics.grad_norm.set(self.last_grad_norm)
+        self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
@@ -550,13 +650,32 @@ def _plan_or_exit(training: TrainingSpec, world_size: int) -> Plan:
         exits.exit_permanent(f"spec.training: {exc}")
 
 
-def _data_parallel(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
-    """``model`` wrapped in DDP (as given when it already is); one device per process on GPUs."""
-    if isinstance(model, DistributedDataParallel):
-        return model
-    if device.type == "cuda":
-        return DistributedDataParallel(model, device_ids=[device.index])
-    return DistributedDataParallel(model)
+_Option = TypeVar("_Option", parallel_mod.Parallelism, parallel_mod.Precision)
+
+
+def _use_cuda_or_exit(device: str) -> Optional[bool]:
+    """``device`` as the process group's choice; CUDA asked for and absent is a permanent error, not a CPU run."""
+    if device == "auto":
+        return None
+    if device == "cpu":
+        return False
+    if device != "cuda":
+        exits.exit_permanent(f"device={device!r} is not supported; allowed: 'auto', 'cuda', 'cpu'")
+    if not torch.cuda.is_available():
+        exits.exit_permanent(
+            f"device='cuda' was asked for but CUDA is not available in this container (torch {torch.__version__}, "
+            f"built for CUDA {torch.version.cuda or 'none'}, {torch.cuda.device_count()} devices visible): "
+            "use a CUDA build of torch and request GPUs (resources.limits['nvidia.com/gpu']), or pass device='cpu'"
+        )
+    return True
+
+
+def _option_or_exit(name: str, value: str | _Option, kind: type[_Option]) -> _Option:
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = ", ".join(repr(k.value) for k in kind)
+        exits.exit_permanent(f"{name}={value!r} is not supported; allowed: {allowed}")
 
 
 def _open_control_channel(watchdog: Watchdog) -> None:

@@ -24,6 +24,9 @@ class TrainerMetrics:
             "disttrain_trainer_grad_accum_steps", "Micro batches per optimizer step", registry=r
         )
         self.lr_scale = prom.Gauge("disttrain_trainer_lr_scale", "World-size LR factor in effect (ramped)", registry=r)
+        self.grad_norm = prom.Gauge(
+            "disttrain_trainer_grad_norm", "Global gradient norm before clipping (set when clipping is on)", registry=r
+        )
         self.save_seconds = prom.Histogram(
             "disttrain_trainer_checkpoint_save_seconds",
             "Checkpoint save time; phase=blocking (training stopped) or background",

@@ -1,4 +1,5 @@
-"""The shipped example really trains: examples/tinylm/train.py under torchrun, its loss falls."""
+"""The shipped examples really train under torchrun, their loss falls: examples/tinylm (DDP) and examples/gptlm
+(FSDP2, bf16, clipping)."""
 
 import json
 import re
@@ -27,3 +28,20 @@ def test_tinylm_loss_falls_within_a_minute_on_two_processes(harness):
     assert len(losses) >= 3, log[-3000:]
     assert losses[-1] < losses[0] - 0.8, losses
     assert (harness.ckpt / "step-80" / "COMPLETE.json").is_file()
+
+
+def test_the_gpt_example_trains_with_fsdp2_bf16_and_clipping_on_two_processes(harness):
+    contract = {"training": {"globalBatchSize": 32, "microBatchSize": 8, "lr": {"base": 0.003},
+                             "maxSteps": 60, "seed": 1},
+                "checkpoint": {"path": "/unused", "intervalSteps": 30, "keep": 1}}
+    env = harness.env(json.dumps(contract), "gptlm")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "examples/gptlm/train.py", "--size", "small"]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=150)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "gptlm (small, FSDP2, bf16)" in log
+    losses = [float(x) for x in re.findall(r"\[disttrain rank 0\] INFO step \d+ loss ([\d.]+)", log)]
+    assert len(losses) >= 3, log[-3000:]
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert (harness.ckpt / "step-60" / "COMPLETE.json").is_file()

@@ -3,6 +3,7 @@
 from datetime import timedelta
 
 import pytest
+import torch
 from torch.distributed import TCPStore
 
 from disttrain.api import control
@@ -39,3 +40,11 @@ def test_a_missing_contract_exits_permanent_with_instructions(harness):
     rc, log = harness.run(1, env_contract, "nocontract")
     assert "exitcode  : 85" in log, log[-3000:]
     assert "$DISTTRAIN_CONTRACT is not set" in log
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_asking_for_cuda_without_cuda_exits_permanent_saying_what_is_missing(harness):
+    rc, log = harness.run(1, harness.contract(global_batch=4, micro=1, max_steps=2), "nocuda", TOY_DEVICE="cuda")
+    assert "exitcode  : 85" in log, log[-3000:]
+    assert "device='cuda' was asked for but CUDA is not available in this container" in log
+    assert "resources.limits['nvidia.com/gpu']" in log

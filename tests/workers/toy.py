@@ -7,6 +7,11 @@ Settings come from the worker contract env like any disttrain program. Test-only
 - ``TOY_DATASET``: number of samples (97). ``TOY_STEP_SLEEP``: seconds to sleep after each step.
 - ``TOY_DRAIN_AT``: ask for a drain after this step. ``TOY_HANG_RANK1_AT``: rank 1 stops at this step, so its
   peers block in a collective.
+- ``TOY_PARALLELISM`` (``ddp``/``fsdp2``), ``TOY_PRECISION`` (``fp32``/``bf16``/``fp16``), ``TOY_CLIP`` (max
+  gradient norm): the trainer options of the same names. ``TOY_SCALER_GROWTH_INTERVAL``: an fp16 GradScaler
+  that grows its scale every that many steps (so a resume has a scale and tracker worth checking).
+  ``TOY_USER_STATE=1``: register a :class:`toymodel.StepCounter` as user state. ``TOY_NUM_WORKERS``: DataLoader
+  worker processes. ``TOY_DEVICE``: the trainer's ``device`` option.
 - ``TOY_FAULT``: a checkpoint fault, injected through the trainer's ``on_checkpoint_phase`` hook.
   ``kill_before_commit:<step>`` makes global rank 0 SIGKILL itself once every rank's files of that save are
   written and synced, just before COMPLETE.json (the worst moment); ``fail_write:<step>`` makes every rank's
@@ -22,6 +27,7 @@ import time
 from typing import Optional
 
 import torch
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import toymodel  # a sibling: this folder is sys.path[0] of a script started by path
 from disttrain.trainer.checkpoint import CheckpointPhase, PhaseHook
@@ -58,20 +64,37 @@ def main() -> None:
     sleep = float(os.environ.get("TOY_STEP_SLEEP", "0"))
     out_dir, run = os.environ["TOY_OUT"], os.environ.get("TOY_RUN", "run")
     hook = fault_hook(os.environ.get("TOY_FAULT", ""))
-    with ElasticTrainer.from_env(model, optimizer, dataset, on_checkpoint_phase=hook) as trainer, \
+    counter = toymodel.StepCounter()
+    options: dict = {"parallelism": os.environ.get("TOY_PARALLELISM", "ddp"),
+                     "precision": os.environ.get("TOY_PRECISION", "fp32")}
+    if os.environ.get("TOY_CLIP"):
+        options["clip_grad_norm"] = float(os.environ["TOY_CLIP"])
+    if os.environ.get("TOY_SCALER_GROWTH_INTERVAL"):
+        options["grad_scaler"] = ShardedGradScaler(
+            device="cpu", init_scale=1024.0, growth_interval=int(os.environ["TOY_SCALER_GROWTH_INTERVAL"]))
+    if os.environ.get("TOY_DEVICE"):
+        options["device"] = os.environ["TOY_DEVICE"]
+    if os.environ.get("TOY_NUM_WORKERS"):
+        options["num_workers"] = int(os.environ["TOY_NUM_WORKERS"])
+    if os.environ.get("TOY_USER_STATE"):
+        options["user_state"] = {"counter": counter}
+    with ElasticTrainer.from_env(model, optimizer, dataset, on_checkpoint_phase=hook, **options) as trainer, \
             toymodel.open_records(out_dir, run) as records:
         for step in trainer.steps():
             if hang_at and step.index + 1 == hang_at and trainer.rank == 1:
                 time.sleep(600)
             toymodel.train_step(trainer, step)
-            toymodel.write_record(records, toymodel.step_record(trainer, step))
+            counter.count += 1
+            record = toymodel.step_record(trainer, step)
+            record["counter"] = counter.count
+            toymodel.write_record(records, record)
             if sleep:
                 time.sleep(sleep)
             if drain_at and step.index + 1 == drain_at:
                 trainer.request_drain("TOY_DRAIN_AT")
+        weights = trainer.full_model_state_dict()  # collective: whole tensors on rank 0, under DDP or FSDP2
         if trainer.rank == 0:
-            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
-                       os.path.join(out_dir, f"{run}-final.pt"))
+            torch.save(weights, os.path.join(out_dir, f"{run}-final.pt"))
 
 
 if __name__ == "__main__":

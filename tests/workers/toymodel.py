@@ -33,6 +33,19 @@ class TinyMLP(torch.nn.Module):
         return self.l2(h).squeeze(-1)
 
 
+class StepCounter:
+    """User state for the checkpoint tests: a count of the steps this job ran, global (the same on every rank)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": torch.tensor(self.count)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.count = int(state_dict["count"])
+
+
 def regression_dataset(n: int) -> torch.utils.data.TensorDataset:
     """``n`` samples of a noisy linear target, the same on every rank and every run."""
     g = torch.Generator().manual_seed(7)
@@ -59,7 +72,8 @@ def step_record(trainer: ElasticTrainer, step: Step) -> dict[str, Any]:
     the dataset indices this rank consumed, the checkpoint it resumed from and the param-group LRs."""
     return {"step": step.index + 1, "rank": trainer.rank, "world": trainer.world_size,
             "global_batch": trainer.plan.global_batch, "indices": step.indices,
-            "resumed_from": trainer.resumed_from, "lrs": [grp["lr"] for grp in trainer.optimizer.param_groups]}
+            "resumed_from": trainer.resumed_from, "lrs": [grp["lr"] for grp in trainer.optimizer.param_groups],
+            "grad_norm": trainer.last_grad_norm, **trainer.precision.scaler_record()}
 
 
 def open_records(out_dir: str, name: str) -> IO[str]:

@@ -164,3 +164,19 @@ def test_load_job_raises_with_every_error():
     with pytest.raises(validation.ManifestError) as caught:
         validation.load_job(pathlib.Path("/nonexistent/job.yaml"))
     assert "<file>" in str(caught.value)
+
+
+def test_an_nproc_per_node_that_differs_from_the_gpu_limit_is_a_warning_naming_both():
+    obj = JobBuilder().set("spec.nprocPerNode", 2).build()
+    obj["spec"]["template"]["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": 4}}
+    obj["spec"]["training"]["globalBatchSize"] = 48
+    [problem] = validation.validate_object(obj)
+    assert problem.severity is validation.Severity.WARNING and problem.path == "spec.nprocPerNode"
+    assert "nprocPerNode 2 differs" in problem.message and "set nprocPerNode: 4" in problem.message
+
+
+def test_an_nproc_per_node_equal_to_the_gpu_limit_is_fine():
+    obj = JobBuilder().set("spec.nprocPerNode", 4).build()
+    obj["spec"]["template"]["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": 4}}
+    obj["spec"]["training"]["globalBatchSize"] = 96
+    assert validation.validate_object(obj) == []

@@ -1,0 +1,190 @@
+"""How the model is spread over the ranks: DDP (every rank holds everything) or FSDP2 (``fully_shard``).
+
+Called once by :meth:`disttrain.trainer.loop.ElasticTrainer.from_env`. Whatever the parallelism, the state-dict
+keys stay the model's own FQNs (DCP's ``get_state_dict`` strips DDP's ``module.``; ``fully_shard`` keeps names),
+so a checkpoint written under one parallelism loads under the other, at any world size.
+
+Mixed precision is decided here too, because each parallelism does it differently: FSDP2 casts at module
+boundaries through its ``MixedPrecisionPolicy``; DDP runs the forward under ``torch.autocast``. Either way the
+floating-point outputs come back in fp32, so the user's loss is computed in full precision, and gradients are
+reduced in fp32.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+
+class Parallelism(str, enum.Enum):
+    """``ddp``: replicate the model, all-reduce gradients. ``fsdp2``: shard parameters, gradients and optimizer
+    state with ``fully_shard`` (for models that do not fit one device)."""
+
+    DDP = "ddp"
+    FSDP2 = "fsdp2"
+
+
+class Precision(str, enum.Enum):
+    """Compute precision. ``bf16`` needs no loss scaling; ``fp16`` gets a GradScaler (see :mod:`.precision`)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        return {Precision.FP32: None, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}[self]
+
+
+class ParallelModel:
+    """The wrapped model (``module``, what ``trainer.model`` is) and what the loop needs from it: gradient sync
+    on or off (accumulation communicates only on the last micro batch), and whether the gradient reduction sums
+    or averages over the ranks.
+
+    Why sums: a loss multiplied by W before a low-precision backward is rounded differently at each world size
+    (a factor 4/12 is not 3/12 times a power of two), so bf16 gradients would differ between W=4 and W=3. With
+    a summing reduction the backward runs on ``loss_sum / global count`` alone, the same at every world size.
+    FSDP2 and mixed-precision DDP sum; fp32 DDP keeps its stock averaging (exact in fp32 anyway).
+    """
+
+    def __init__(self, module: nn.Module, parallelism: Parallelism, sums_gradients: bool) -> None:
+        self.module = module
+        self.parallelism = parallelism
+        self.sums_gradients = sums_gradients
+
+    def loss_factor(self, world_size: int) -> float:
+        """What a loss normalised by the global count is multiplied by before backward: W under an averaging
+        reduction (which divides by W again), 1 under a summing one."""
+        return 1.0 if self.sums_gradients else float(world_size)
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        if isinstance(self.module, DistributedDataParallel):
+            self.module.require_backward_grad_sync = enabled
+        elif isinstance(self.module, FSDPModule):
+            self.module.set_requires_gradient_sync(enabled)
+
+
+class _AutocastDDP(DistributedDataParallel):
+    """DDP whose forward runs under ``torch.autocast`` and returns floating-point outputs in fp32."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, **kwargs: Any) -> None:
+        super().__init__(module, **kwargs)
+        self._autocast_dtype = dtype
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        device_type = "cuda" if self.device_ids else "cpu"
+        with torch.autocast(device_type=device_type, dtype=self._autocast_dtype):
+            out = super().forward(*inputs, **kwargs)
+        return _to_fp32(out)
+
+
+def wrap(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    parallelism: Parallelism,
+    precision: Precision,
+    shard_modules: Optional[Sequence[nn.Module]] = None,
+) -> ParallelModel:
+    """``model`` (already on ``device``) wrapped for ``parallelism``; under FSDP2 the optimizer's param groups are
+    pointed at the sharded parameters, because ``fully_shard`` replaces every parameter object."""
+    if parallelism is Parallelism.DDP:
+        if shard_modules is not None:
+            raise ValueError("shard_modules is an FSDP2 option; it is not allowed with parallelism='ddp'")
+        ddp = _data_parallel(model, device, precision)
+        sums = precision.compute_dtype is not None
+        if sums:
+            ddp.register_comm_hook(None, _sum_allreduce_hook)
+        return ParallelModel(ddp, parallelism, sums_gradients=sums)
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError("parallelism='fsdp2' needs the plain model, not one already wrapped in DDP")
+    _shard(model, optimizer, device, precision, shard_modules)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    return ParallelModel(model, parallelism, sums_gradients=True)
+
+
+def default_shard_modules(model: nn.Module) -> list[nn.Module]:
+    """The blocks TorchTitan shards: every element of the model's ``ModuleList``/``Sequential`` children (the
+    transformer blocks); without such a container, every direct child that holds parameters. The root is
+    sharded after them in any case, so embeddings and heads left over are sharded with the root."""
+    blocks: list[nn.Module] = []
+    for child in model.children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential)):
+            blocks.extend(m for m in child if any(True for _ in m.parameters()))
+    if blocks:
+        return blocks
+    return [c for c in model.children() if any(True for _ in c.parameters())]
+
+
+def _data_parallel(model: nn.Module, device: torch.device, precision: Precision) -> DistributedDataParallel:
+    """``model`` wrapped in DDP (as given when it already is and runs fp32); one device per process on GPUs."""
+    kwargs: dict[str, Any] = {"device_ids": [device.index]} if device.type == "cuda" else {}
+    dtype = precision.compute_dtype
+    if isinstance(model, DistributedDataParallel):
+        if dtype is not None:
+            raise ValueError(f"precision={precision.value!r} needs the plain model, not one already wrapped in DDP")
+        return model
+    if dtype is None:
+        return DistributedDataParallel(model, **kwargs)
+    return _AutocastDDP(model, dtype, **kwargs)
+
+
+def _shard(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    precision: Precision,
+    shard_modules: Optional[Sequence[nn.Module]],
+) -> None:
+    if optimizer.state:
+        raise ValueError(
+            "parallelism='fsdp2' needs a fresh optimizer (no state yet): fully_shard replaces the parameters, "
+            "and the trainer moves the optimizer onto the sharded ones"
+        )
+    names = {id(p): name for name, p in model.named_parameters()}
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    dtype = precision.compute_dtype
+    inner = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    root = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    blocks = list(shard_modules) if shard_modules is not None else default_shard_modules(model)
+    for block in blocks:
+        if block is model:
+            continue
+        fully_shard(block, mesh=mesh, mp_policy=inner)
+    fully_shard(model, mesh=mesh, mp_policy=root)
+    sharded = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        try:
+            group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        except KeyError as exc:
+            raise ValueError(
+                "parallelism='fsdp2': the optimizer holds a parameter that is not one of the model's"
+            ) from exc
+
+
+def _sum_allreduce_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's all-reduce without the division by W (see :class:`ParallelModel`)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    assert work is not None
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _to_fp32(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.float() if out.is_floating_point() else out
+    if isinstance(out, (list, tuple)):
+        return type(out)(_to_fp32(o) for o in out)
+    if isinstance(out, dict):
+        return {k: _to_fp32(v) for k, v in out.items()}
+    return out
