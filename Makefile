@@ -58,4 +58,4 @@ crd: $(STAMP)
 	cp $(CRD) charts/disttrain/crds/
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis build/wheels

@@ -9,6 +9,7 @@ so ``make test`` leaves it out (its tests skip) and ``make test-images``, CI's s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -48,11 +49,9 @@ def images(pytestconfig: pytest.Config) -> Images:
     if proc.returncode != 0:
         pytest.fail(f"scripts/images/build.sh exited {proc.returncode}:\n{proc.stdout}{proc.stderr[-6000:]}")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("images: ")]
-    reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("")
-        for line in [*lines, f"images: build.sh took {time.monotonic() - start:.0f} s"]:
-            reporter.write_line(line)
+    capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        print("\n" + "\n".join([*lines, f"images: build.sh took {time.monotonic() - start:.0f} s"]), flush=True)
     base = next(line.split()[-1] for line in lines if line.startswith("images: base "))
     return Images(base=base, operator=f"localhost/disttrain-operator:{TAG}",
                   trainer=f"localhost/disttrain-trainer:{TAG}")
