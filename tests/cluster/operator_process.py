@@ -18,7 +18,7 @@ from pathlib import Path
 from tests.cluster.controlplane import free_port
 from tests.conftest import REPO_ROOT
 
-FORBIDDEN = re.compile(r"\b403\b|forbidden", re.IGNORECASE)
+FORBIDDEN = re.compile(r"(?<![,.:\d])\b403\b|forbidden", re.IGNORECASE)  # not a log timestamp ",403"
 
 
 class OperatorProcess:
