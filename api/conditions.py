@@ -101,23 +101,25 @@ def set_condition(
 ) -> tuple[list[Condition], bool]:
     """Return (new list, whether the status flipped) with ``type_`` set; the input list is not modified.
 
-    ``lastTransitionTime`` changes only when ``status`` flips; reason and message follow the latest call. A
-    condition that is absent and set to False is recorded too (so ``kubectl get -o yaml`` shows it). When nothing
-    changes, the input list itself is returned.
+    ``lastTransitionTime`` changes only when ``status`` flips; reason and message follow the latest call, and
+    ``lastUpdateTime`` says when they last changed. A condition that is absent and set to False is recorded too
+    (so ``kubectl get -o yaml`` shows it). When nothing changes, the input list itself is returned.
     """
     wanted = "True" if status else "False"
     existing = find_condition(conditions, type_)
+    stamp = timestamps.format_time(now)
     if existing is not None and existing.status == wanted:
         if existing.reason == reason.value and existing.message == message:
             return conditions, False
-        updated = existing.model_copy(update={"reason": reason.value, "message": message})
+        updated = existing.model_copy(update={"reason": reason.value, "message": message, "last_update_time": stamp})
         return [updated if c is existing else c for c in conditions], False
     fresh = Condition(
         type=type_.value,
         status=wanted,
         reason=reason.value,
         message=message,
-        last_transition_time=timestamps.format_time(now),
+        last_transition_time=stamp,
+        last_update_time=stamp,
     )
     if existing is None:
         return [*conditions, fresh], True

@@ -133,6 +133,12 @@ class TrainingSpec(ContractModel):
         """The batch size the base LR refers to."""
         return self.lr.reference_batch_size or self.global_batch_size
 
+    def is_complete(self, step: int, samples_consumed: int) -> bool:
+        """Training reached its length: maxSteps optimizer steps, or maxSamples samples."""
+        if self.max_steps is not None:
+            return step >= self.max_steps
+        return self.max_samples is not None and samples_consumed >= self.max_samples
+
     @property
     def total_samples(self) -> int:
         """Length of the run in samples; the LR schedule is evaluated on samples, so it never depends on the world."""
@@ -208,6 +214,15 @@ class RunPolicySpec(ContractModel):
     """PriorityClass of the worker pods."""
 
 
+class ReportingSpec(ContractModel):
+    progress_interval_seconds: int = Field(10, ge=1, le=3_600)
+    """Seconds between two progress writes of the job agent into the job's status (step, samples, progress time).
+    What the operator acts on is written at once: a new rendezvous round, a checkpoint while a drain is in
+    flight, a worker failure, the end of training. A routine checkpoint goes out with the next progress write.
+    Every step in between is on the workers' /metrics. Bounds the agent's API writes to about 60 / this per
+    minute (Kubernetes only: in local mode the agent writes a local file and relays every report)."""
+
+
 class DistTrainJobSpec(ContractModel):
     template: dict[str, Any] = Field(json_schema_extra={"x-disttrain-pod-template": True})
     """Pod template of a worker node (PodTemplateSpec): image, resources such as nvidia.com/gpu, volumes,
@@ -231,6 +246,8 @@ class DistTrainJobSpec(ContractModel):
     """Suspend, deadlines, TTL, pod cleanup and scheduling."""
     success_policy: SuccessPolicy = SuccessPolicy.ALL_WORKERS
     """When the job has succeeded: every worker finished (AllWorkers) or the node running rank 0 finished (RankZero)."""
+    reporting: ReportingSpec = Field(default_factory=ReportingSpec)
+    """How often the job agent writes training progress into the job's status."""
 
     def trainer_container(self) -> dict[str, Any]:
         """The container that runs the trainer: the one named `trainer`, else the only one."""

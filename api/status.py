@@ -54,6 +54,8 @@ class Condition(ContractModel):
     """Human-readable detail of the last transition."""
     last_transition_time: Optional[str] = None
     """RFC 3339 time the status last changed."""
+    last_update_time: Optional[str] = None
+    """RFC 3339 time the reason or message last changed (as a Deployment's conditions have it)."""
 
 
 class RestartCounts(ContractModel):

@@ -1,10 +1,17 @@
 """The kopf adapter: turns Kubernetes events into ``reconcile`` calls and ``Actions`` into API calls. Thin.
 
-One kopf daemon per DistTrainJob is its reconcile loop: it waits until something about the job changed (the
-job, one of its pods, a node) or the core's nearest timer expired, then reads the job and its pods fresh from
-the API, calls :func:`reconcile.reconcile`, and applies the actions in a crash-safe order: status first (the
-core's memory), then deletions, creations and events. Killing the operator at any point loses nothing: the
-next loop reads the same status and pods, and deterministic names turn a repeated create into 409 Conflict.
+Reads come from watch caches, never from a request per reconcile: kopf watches our jobs, our pods (server-side
+label selector) and the nodes, and the handlers below feed every event into :class:`caches.ClusterCache`,
+waking only the jobs it concerns (a pod's job; for a node, the jobs with pods on it, and only when what policy
+reads of the node changed). :mod:`disttrain.operator.listing` makes the caches complete before a namespace's
+first reconcile and sweeps them after kopf re-listed a watch.
+
+One kopf daemon per DistTrainJob is its reconcile loop: it sleeps until its job is woken or the nearest timer
+the core computed (debounce, waits, backoff, deadlines, TTL) expires, reconciles on the cached state, and
+applies the actions in a crash-safe order: status first (the core's memory), then deletions, creations and
+events. The answers to its writes go into the cache at once, so the next reconcile sees them whatever the
+watch's delay. Killing the operator at any point loses nothing: the next one lists, reads the same status and
+pods, and deterministic names turn a repeated create into 409 Conflict.
 
 No policy lives here; an ``if`` about training belongs in the core.
 """
@@ -12,11 +19,12 @@ No policy lives here; an ``if`` about training belongs in the core.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 import kopf
@@ -24,81 +32,74 @@ from kubernetes import client as k8s
 
 from disttrain.api import constants, timestamps
 from disttrain.api.spec import DistTrainJob
+from disttrain.operator import listing
 from disttrain.operator import pods as builders
-from disttrain.operator import views
+from disttrain.operator.caches import ClusterCache, JobKey
 from disttrain.operator.metrics import OperatorMetrics
 from disttrain.operator.observed import Actions
 from disttrain.operator.reconcile import reconcile
 
 log = logging.getLogger("disttrain.operator")
 MERGE_PATCH = "application/merge-patch+json"
-IDLE_RESYNC_SECONDS = 30.0
-"""Reconcile at least this often even when nothing is heard (a missed watch event must not stall a job)."""
+REQUEST_TIMEOUT_S = 30.0
+"""Client-side timeout of every API call the adapter makes."""
+API_ERROR_RETRY_S = 1.0
+INTERNAL_ERROR_RETRY_S = 5.0
 
 
 class Kube:
-    """The few API calls the adapter makes, with the sync ``kubernetes`` client run in threads."""
+    """The few API calls the adapter makes, with the sync ``kubernetes`` client run in threads; each has a
+    timeout, and each write returns the object the API server answered with (for the cache)."""
 
     def __init__(self, api_client: k8s.ApiClient) -> None:
         self.core = k8s.CoreV1Api(api_client)
         self.rbac = k8s.RbacAuthorizationV1Api(api_client)
         self.custom = k8s.CustomObjectsApi(api_client)
-        self.nodes_allowed = True
 
     @staticmethod
     async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        return await asyncio.to_thread(fn, *args, _request_timeout=REQUEST_TIMEOUT_S, _preload_content=False, **kwargs)
 
-    async def get_job(self, namespace: str, name: str) -> Optional[dict[str, Any]]:
-        try:
-            return await self._call(
-                self.custom.get_namespaced_custom_object,
+    @staticmethod
+    def _body(response: Any) -> dict[str, Any]:
+        document = json.loads(response.data or b"{}")
+        return document if isinstance(document, dict) else {}
+
+    async def list_scope(self, scope: listing.Scope) -> list[dict[str, Any]]:
+        """Every node, or our pods or the jobs of one namespace (the listings of :mod:`listing`)."""
+        kind, namespace = scope
+        if kind == listing.NODES:
+            response = await self._call(self.core.list_node)
+        elif kind == listing.PODS:
+            response = await self._call(
+                self.core.list_namespaced_pod, namespace, label_selector=constants.LABEL_JOB_NAME
+            )
+        else:
+            response = await self._call(
+                self.custom.list_namespaced_custom_object,
+                constants.GROUP,
+                constants.VERSION,
+                namespace,
+                constants.PLURAL,
+            )
+        return list(self._body(response).get("items") or [])
+
+    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        return self._body(
+            await self._call(
+                self.custom.patch_namespaced_custom_object_status,
                 constants.GROUP,
                 constants.VERSION,
                 namespace,
                 constants.PLURAL,
                 name,
+                {"status": patch},
+                _content_type=MERGE_PATCH,
             )
-        except k8s.ApiException as error:
-            if error.status == 404:
-                return None
-            raise
-
-    async def list_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
-        selector = f"{constants.LABEL_JOB_NAME}={job}"
-        result = await self._call(
-            self.core.list_namespaced_pod, namespace, label_selector=selector, _preload_content=False
-        )
-        return json.loads(result.data)["items"]
-
-    async def list_nodes(self) -> Optional[list[dict[str, Any]]]:
-        """All nodes, or None when the operator may not list them (then pods are not judged by node)."""
-        if not self.nodes_allowed:
-            return None
-        try:
-            result = await self._call(self.core.list_node, _preload_content=False)
-        except k8s.ApiException as error:
-            if error.status in (401, 403):
-                self.nodes_allowed = False
-                return None
-            raise
-        return json.loads(result.data)["items"]
-
-    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
-        await self._call(
-            self.custom.patch_namespaced_custom_object_status,
-            constants.GROUP,
-            constants.VERSION,
-            namespace,
-            constants.PLURAL,
-            name,
-            {"status": patch},
-            _content_type=MERGE_PATCH,
-            _preload_content=False,
         )
 
-    async def create(self, obj: dict[str, Any]) -> None:
-        """Create ``obj``; an existing one (409) is fine: names are deterministic."""
+    async def create(self, obj: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """Create ``obj``; an existing one (409) is fine: names are deterministic. Returns what was created."""
         namespace = obj["metadata"]["namespace"]
         kind = obj["kind"]
         creators: dict[str, Callable[..., Any]] = {
@@ -110,23 +111,25 @@ class Kube:
             "Event": self.core.create_namespaced_event,
         }
         try:
-            await self._call(creators[kind], namespace, obj, _preload_content=False)
+            return self._body(await self._call(creators[kind], namespace, obj))
         except k8s.ApiException as error:
             if error.status != 409:
                 raise
+        return None
 
-    async def delete_pod(self, namespace: str, name: str, force: bool) -> None:
+    async def delete_pod(self, namespace: str, name: str, force: bool) -> Optional[dict[str, Any]]:
+        """Delete a pod; returns it as the API server left it (Terminating), None when it was already gone."""
         try:
-            await self._call(
-                self.core.delete_namespaced_pod,
-                name,
-                namespace,
-                grace_period_seconds=0 if force else None,
-                _preload_content=False,
+            answer = self._body(
+                await self._call(
+                    self.core.delete_namespaced_pod, name, namespace, grace_period_seconds=0 if force else None
+                )
             )
         except k8s.ApiException as error:
             if error.status != 404:
                 raise
+            return None
+        return answer if answer.get("kind") == "Pod" else None
 
     async def delete_job(self, namespace: str, name: str) -> None:
         try:
@@ -138,7 +141,6 @@ class Kube:
                 constants.PLURAL,
                 name,
                 propagation_policy="Background",
-                _preload_content=False,
             )
         except k8s.ApiException as error:
             if error.status != 404:
@@ -179,19 +181,23 @@ def event_object(job: DistTrainJob, type_: str, reason: str, message: str, now: 
     }
 
 
-async def apply(kube: Kube, job: DistTrainJob, actions: Actions, now: float) -> None:
-    """Apply in crash-safe order: status (memory) first, then deletions, creations, events, TTL deletion."""
+async def apply(kube: Kube, cache: ClusterCache, job: DistTrainJob, actions: Actions, now: float) -> None:
+    """Apply in crash-safe order: status (memory) first, then deletions, creations, events, TTL deletion. What the
+    API server answers goes into the cache."""
     ns, name = job.metadata.namespace, job.metadata.name
+    seen = time.monotonic()
     if actions.status_patch:
-        await kube.patch_status(ns, name, dict(actions.status_patch))
+        cache.put_job(await kube.patch_status(ns, name, dict(actions.status_patch)), seen)
     for deletion in actions.delete_pods:
-        await kube.delete_pod(ns, deletion.name, deletion.force)
+        deleted = await kube.delete_pod(ns, deletion.name, deletion.force)
+        if deleted is not None:
+            cache.put_pod(deleted, time.monotonic())
     if actions.create_agent:
         for obj in builders.build_support_objects(job):
             await kube.create(obj)
-        await kube.create(builders.build_agent_pod(job))
+        _remember_pod(cache, await kube.create(builders.build_agent_pod(job)))
     for index in actions.create_workers:
-        await kube.create(builders.build_worker_pod(job, index))
+        _remember_pod(cache, await kube.create(builders.build_worker_pod(job, index)))
     for event in actions.events:
         try:
             await kube.create(event_object(job, event.type, event.reason, event.message, now))
@@ -201,31 +207,38 @@ async def apply(kube: Kube, job: DistTrainJob, actions: Actions, now: float) -> 
         await kube.delete_job(ns, name)
 
 
-async def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, name: str) -> Optional[Actions]:
-    """Read fresh, decide, write. Returns the actions (None when the job is gone)."""
+def _remember_pod(cache: ClusterCache, created: Optional[dict[str, Any]]) -> None:
+    if created is not None:
+        cache.put_pod(created, time.monotonic())
+
+
+async def reconcile_once(
+    kube: Kube, cache: ClusterCache, metrics: OperatorMetrics, namespace: str, name: str
+) -> Optional[Actions]:
+    """Decide on the cached state and write. Returns the actions (None when the job is gone)."""
     started = time.perf_counter()
-    raw = await kube.get_job(namespace, name)
+    raw = cache.job(namespace, name)
     if raw is None:
-        metrics.forget_job(namespace, name)
         return None
-    raw.setdefault("metadata", {}).setdefault("namespace", namespace)
+    meta = dict(raw.get("metadata") or {})
+    meta.setdefault("namespace", namespace)
     job = DistTrainJob.model_validate(
-        {k: v for k, v in raw.items() if k in ("apiVersion", "kind", "metadata", "spec", "status")}
+        {**{k: v for k, v in raw.items() if k in ("apiVersion", "kind", "spec", "status")}, "metadata": meta}
     )
-    observed = views.observe(name, await kube.list_pods(namespace, name), await kube.list_nodes())
+    observed = cache.observe(namespace, name)
     now = time.time()
     actions = reconcile(job, observed, now)
-    await apply(kube, job, actions, now)
+    await apply(kube, cache, job, actions, now)
     metrics.reconcile_duration.observe(time.perf_counter() - started)
     metrics.observe_job(namespace, name, actions.status, now, max_restarts=job.spec.restart_policy.max_restarts)
     return actions
 
 
 class Pokes:
-    """One asyncio.Event per job: watch events on pods and nodes wake the job's loop."""
+    """One asyncio.Event per job: a change the job's loop should look at."""
 
     def __init__(self) -> None:
-        self.events: dict[tuple[str, str], asyncio.Event] = {}
+        self.events: dict[JobKey, asyncio.Event] = {}
 
     def get(self, namespace: str, name: str) -> asyncio.Event:
         return self.events.setdefault((namespace, name), asyncio.Event())
@@ -235,9 +248,9 @@ class Pokes:
         if event is not None:
             event.set()
 
-    def poke_all(self) -> None:
-        for event in self.events.values():
-            event.set()
+    def poke_jobs(self, jobs: Iterable[JobKey]) -> None:
+        for namespace, name in jobs:
+            self.poke(namespace, name)
 
 
 def _namespaced(namespace: Optional[str]) -> str:
@@ -247,35 +260,52 @@ def _namespaced(namespace: Optional[str]) -> str:
     return namespace
 
 
+async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, timeout: Optional[float]) -> None:
+    """Until the job is woken, the daemon is stopped, or ``timeout`` seconds (None: no timer) passed."""
+    waiters = {asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stopped.wait())}
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+
+
 def register(
     registry: kopf.OperatorRegistry, api_client_factory: Callable[[], k8s.ApiClient], metrics: OperatorMetrics
 ) -> None:
     """Register every handler on ``registry`` (a fresh one in tests, kopf's default one in ``disttrain operator``)."""
     pokes = Pokes()
-    kube_box: dict[str, Kube] = {}
+    cache = ClusterCache()
+    box: dict[str, Any] = {}
 
     def kube() -> Kube:
-        if "kube" not in kube_box:
-            kube_box["kube"] = Kube(api_client_factory())
-        return kube_box["kube"]
+        if "kube" not in box:
+            box["kube"] = Kube(api_client_factory())
+        return box["kube"]
+
+    async def list_scope(scope: listing.Scope) -> list[dict[str, Any]]:
+        return await kube().list_scope(scope)
+
+    listings = listing.Listings(cache, list_scope, pokes.poke_jobs)
 
     @kopf.daemon(constants.GROUP, constants.VERSION, constants.PLURAL, registry=registry, cancellation_timeout=5.0)
-    async def job_loop(*, name: str, namespace: Optional[str], stopped: kopf.DaemonStopped, **_: Any) -> None:
+    async def job_loop(
+        *, name: str, namespace: Optional[str], body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any
+    ) -> None:
         """The job's reconcile loop (kopf starts it on create and on operator start, stops it on deletion)."""
         namespace = _namespaced(namespace)
         wake = pokes.get(namespace, name)
+        cache.put_job(copy.deepcopy(dict(body)), time.monotonic())
+        delay: Optional[float] = 0.0
         try:
             while not stopped:
                 wake.clear()
-                delay = IDLE_RESYNC_SECONDS
                 try:
-                    actions = await reconcile_once(kube(), metrics, namespace, name)
+                    await listings.ensure_synced(namespace)
+                    actions = await reconcile_once(kube(), cache, metrics, namespace, name)
                     if actions is None:
                         return
-                    if actions.requeue_after is not None:
-                        delay = min(delay, max(0.05, actions.requeue_after))
-                    if actions.status_patch or actions.delete_pods or actions.create_workers or actions.create_agent:
-                        delay = min(delay, 0.2)  # look again soon: our own writes change what we observe
+                    delay = None if actions.requeue_after is None else max(0.05, actions.requeue_after)
                 except k8s.ApiException as error:
                     metrics.errors.labels("api").inc()
                     log.warning(
@@ -286,29 +316,52 @@ def register(
                         error.reason,
                         api_error_message(error),
                     )
-                    delay = 1.0
+                    delay = API_ERROR_RETRY_S
                 except Exception:
                     metrics.errors.labels("internal").inc()
                     log.exception("reconcile of %s/%s failed; retrying", namespace, name)
-                    delay = 5.0
-                try:
-                    await asyncio.wait_for(wake.wait(), timeout=delay)
-                except asyncio.TimeoutError:
-                    pass
+                    delay = INTERNAL_ERROR_RETRY_S
+                await _sleep(wake, stopped, delay)
         finally:
             pokes.events.pop((namespace, name), None)
+            if cache.job(namespace, name) is None:
+                metrics.forget_job(namespace, name)
 
     @kopf.on.event(constants.GROUP, constants.VERSION, constants.PLURAL, registry=registry)
-    async def job_changed(*, name: str, namespace: Optional[str], **_: Any) -> None:
-        pokes.poke(_namespaced(namespace), name)
+    async def job_changed(
+        *, type: Optional[str], body: kopf.Body, name: str, namespace: Optional[str], **_: Any
+    ) -> None:
+        namespace = _namespaced(namespace)
+        now = time.monotonic()
+        if type is None:
+            listings.relisted(listing.JOBS, namespace)
+        if type == "DELETED":
+            cache.remove_job(body, now)
+            metrics.forget_job(namespace, name)
+            pokes.poke(namespace, name)
+        elif cache.put_job(copy.deepcopy(dict(body)), now) is not None:
+            pokes.poke(namespace, name)
 
     @kopf.on.event("v1", "pods", labels={constants.LABEL_JOB_NAME: kopf.PRESENT}, registry=registry)
-    async def pod_changed(*, labels: Mapping[str, str], namespace: Optional[str], **_: Any) -> None:
-        pokes.poke(_namespaced(namespace), labels[constants.LABEL_JOB_NAME])
+    async def pod_changed(*, type: Optional[str], body: kopf.Body, namespace: Optional[str], **_: Any) -> None:
+        namespace = _namespaced(namespace)
+        now = time.monotonic()
+        if type is None:
+            listings.relisted(listing.PODS, namespace)
+        key = cache.remove_pod(body, now) if type == "DELETED" else cache.put_pod(body, now)
+        if key is not None:
+            pokes.poke(*key)
 
     @kopf.on.event("v1", "nodes", registry=registry)
-    async def node_changed(**_: Any) -> None:
-        pokes.poke_all()
+    async def node_changed(*, type: Optional[str], body: kopf.Body, **_: Any) -> None:
+        now = time.monotonic()
+        if type is None:
+            listings.relisted(listing.NODES, None)
+        pokes.poke_jobs(cache.remove_node(body, now) if type == "DELETED" else cache.put_node(body, now))
+
+    @kopf.on.cleanup(registry=registry)
+    async def stop_sweeps(**_: Any) -> None:
+        await listings.close()
 
     @kopf.on.probe(id="jobs", registry=registry)
     def jobs_probe(**_: Any) -> int:
@@ -320,3 +373,5 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.posting.level = logging.WARNING  # our own Events carry the story; kopf posts only its problems
     settings.persistence.finalizer = f"{constants.GROUP}/operator"
     settings.watching.server_timeout = 300
+    # Watch only our pods (server-side): the rest of the cluster's pods never reach the operator.
+    settings.watching.label_selectors["v1", "pods"] = constants.LABEL_JOB_NAME

@@ -140,8 +140,8 @@ class OperatorMetrics:
         if ckpt:
             self.checkpoint_step.labels(*labels).set(ckpt.get("step", 0))
             committed = cond.parse_time(ckpt.get("time"))
-            if committed is not None:
-                self.checkpoint_age.labels(*labels).set(max(0.0, now - committed))
+            if committed is not None:  # computed when scraped: a job that stops progressing is reconciled no more
+                self.checkpoint_age.labels(*labels).set_function(lambda: max(0.0, time.time() - committed))
         previous = self._seen.get(labels)
         by_reason = (status.get("restarts") or {}).get("byReason") or {}
         old_by_reason = ((previous or {}).get("restarts") or {}).get("byReason") or {}

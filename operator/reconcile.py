@@ -37,7 +37,7 @@ from disttrain.api.control import DirectiveAction
 from disttrain.api.exitcodes import ExitCode
 from disttrain.api.plan import valid_node_counts
 from disttrain.api.spec import CleanPodPolicy, DistTrainJob, DistTrainJobSpec, SuccessPolicy
-from disttrain.api.status import DistTrainJobStatus, PendingScale, Phase, ReformRecord
+from disttrain.api.status import CheckpointRef, DistTrainJobStatus, PendingScale, Phase, ReformRecord
 from disttrain.operator import names
 from disttrain.operator.observed import (
     NORMAL,
@@ -65,7 +65,8 @@ LOSS_REASONS = frozenset(
         Reason.AGENT_RESTARTED.value,
     }
 )
-
+CHECKPOINT_MESSAGE_REFRESH_SECONDS = 60.0
+"""How late the Checkpointed condition's message may name an older checkpoint than status.lastCheckpoint."""
 
 # --------------------------------------------------------------------------------------------------------------
 # Small policies (each unit-tested on its own)
@@ -206,10 +207,7 @@ def is_agent_lost(agent: Optional[PodView], nodes: Optional[Mapping[str, NodeVie
 
 def training_complete(spec: DistTrainJobSpec, status: DistTrainJobStatus) -> bool:
     """The agent's relayed progress shows the training length reached."""
-    training = spec.training
-    if training.max_steps is not None:
-        return status.step >= training.max_steps
-    return training.max_samples is not None and status.samples_consumed >= training.max_samples
+    return spec.training.is_complete(status.step, status.samples_consumed)
 
 
 def is_success(spec: DistTrainJobSpec, status: DistTrainJobStatus, members: list[PodView]) -> bool:
@@ -385,19 +383,49 @@ def _ensure_agent(d: _Draft) -> None:
 
 
 def _announce_checkpoint(d: _Draft) -> None:
-    """CheckpointCommitted event each time the agent relays a newer complete checkpoint."""
+    """The Checkpointed condition names the newest complete checkpoint; CheckpointCommitted is an event only on a
+    transition: the first checkpoint, and the first one committed after training resumed from a checkpoint.
+
+    Between transitions the message follows ``status.lastCheckpoint`` at most
+    :data:`CHECKPOINT_MESSAGE_REFRESH_SECONDS` late: each refresh is a status write, and a job committing every
+    few seconds must not cost one per commit (the agent's ``lastCheckpoint`` and the checkpoint metrics are
+    always current).
+    """
     ckpt = d.status.last_checkpoint
     if ckpt is None:
         return
-    message = (
+    message = checkpoint_message(ckpt)
+    previous = conditions.find_condition(d.status.conditions, ConditionType.CHECKPOINTED)
+    if previous is not None and previous.status == "True" and previous.reason == Reason.CHECKPOINT_COMMITTED.value:
+        if previous.message != message:
+            shown_since = timestamps.parse_time(previous.last_update_time or previous.last_transition_time) or 0.0
+            if d.now >= shown_since + CHECKPOINT_MESSAGE_REFRESH_SECONDS:
+                d.condition(ConditionType.CHECKPOINTED, True, Reason.CHECKPOINT_COMMITTED, message)
+            else:
+                d.timer(shown_since + CHECKPOINT_MESSAGE_REFRESH_SECONDS)
+        return
+    if (
+        previous is not None
+        and previous.reason == Reason.RESUMED_FROM_STEP.value
+        and previous.message == resumed_message(ckpt)
+    ):
+        return  # still the checkpoint that training resumed from
+    d.condition(ConditionType.CHECKPOINTED, True, Reason.CHECKPOINT_COMMITTED, message)
+    d.event(NORMAL, Reason.CHECKPOINT_COMMITTED, message)
+
+
+def checkpoint_message(ckpt: CheckpointRef) -> str:
+    """The Checkpointed condition's message while checkpoints are being committed."""
+    return (
         f"checkpoint at step {ckpt.step} is complete ({ckpt.path})"
         if ckpt.path
         else f"checkpoint at step {ckpt.step} is complete"
     )
-    previous = conditions.find_condition(d.status.conditions, ConditionType.CHECKPOINTED)
-    d.condition(ConditionType.CHECKPOINTED, True, Reason.CHECKPOINT_COMMITTED, message)
-    if previous is None or previous.message != message:
-        d.event(NORMAL, Reason.CHECKPOINT_COMMITTED, message)
+
+
+def resumed_message(ckpt: CheckpointRef) -> str:
+    """The Checkpointed condition's message from a resume until the next checkpoint commits."""
+    return f"training resumed from the complete checkpoint at step {ckpt.step}"
 
 
 # -- worker pods: losses and members -----------------------------------------------------------------------------
@@ -902,6 +930,7 @@ def _publish(d: _Draft) -> None:
         ckpt = st.last_checkpoint
         if flipped and ckpt is not None and st.step <= ckpt.step + 1 and ckpt.step > 0:
             d.event(NORMAL, Reason.RESUMED_FROM_STEP, f"training resumed from step {ckpt.step}")
+            d.condition(ConditionType.CHECKPOINTED, True, Reason.RESUMED_FROM_STEP, resumed_message(ckpt))
     else:
         st.phase = Phase.PENDING
         running = sum(1 for p in live if p.is_running)

@@ -10,10 +10,12 @@ of them. The agent
 * relays the trainer's ``PROGRESS_KEY``, ``CHECKPOINT_KEY`` and ``FAILURE_KEY`` into the job's status
   fields it owns (:data:`disttrain.api.status.AGENT_FIELDS`; it writes no other).
 
-Where the job lives is a :class:`JobSource`: :class:`KubeJobSource` reads the DistTrainJob and patches only its
-status subresource (the agent's Role allows nothing else); :class:`FileJobSource` lets the local runtime drive
-the same agent from a state directory. If the agent dies, the operator recreates it; the workers re-join the
-new store and resume from the last complete checkpoint, so nothing is lost.
+Where the job lives is a :class:`JobSource`: :class:`KubeJobSource` follows the DistTrainJob through a watch
+and patches only its status subresource (the agent's Role allows nothing else); :class:`FileJobSource` lets the
+local runtime drive the same agent from a state directory. On Kubernetes the agent writes progress at a bounded
+rate (:mod:`disttrain.trainer.reporting`): what the operator acts on at once, the rest at most every
+``spec.reporting.progressIntervalSeconds``. If the agent dies, the operator recreates it; the workers re-join
+the new store and resume from the last complete checkpoint, so nothing is lost.
 
 It never imports kopf or the operator package.
 """
@@ -26,25 +28,38 @@ import json
 import logging
 import os
 import pathlib
+import random
 import signal
 import tempfile
 import threading
+import time
+from collections.abc import Callable
 from typing import Any, Optional, Protocol, cast
 
-from disttrain.api import constants, env
+from disttrain.api import constants, env, versions
 from disttrain.api import control as keys
 from disttrain.api.contract import job_checkpoint_dir
 from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.spec import CheckpointSpec
 from disttrain.api.status import AGENT_FIELDS
 from disttrain.api.timestamps import format_time
+from disttrain.trainer import reporting
 from disttrain.trainer.commit import step_dir_name
 
 log = logging.getLogger("disttrain.agent")
+REQUEST_TIMEOUT_S = 30.0
+"""Client-side timeout of every API request but the watch (a hung connection must not stall the agent)."""
+WATCH_SECONDS = 300
+"""Server-side length of one watch request; the agent resumes from the last resourceVersion after it."""
+MAX_RETRY_S = 30.0
+"""Longest wait between two rounds after failures (an API server that refuses or times out)."""
 
 
 class JobSource(Protocol):
     """Where the agent reads its job and writes its part of the status."""
+
+    rate_limited: bool
+    """Whether writes cost an API server request (then progress is written at the job's progress interval)."""
 
     def read(self) -> Optional[dict[str, Any]]:
         """The DistTrainJob (wire form, with status), or None when it no longer exists."""
@@ -52,11 +67,16 @@ class JobSource(Protocol):
     def patch_status(self, patch: dict[str, Any]) -> None:
         """Merge-patch (RFC 7386) ``status`` with ``patch``."""
 
+    def wait_for_change(self, timeout: float) -> None:
+        """Return when the job changed, or after ``timeout`` seconds."""
+
 
 class FileJobSource:
     """Local mode: the job is ``<state>/job.json`` (written by the local runtime), and the agent's status fields
     go to ``<state>/agent-status.json`` (written only by the agent, atomically), which the runtime merges into
     the job's status before each reconcile. Two files, one writer each: no lost updates."""
+
+    rate_limited = False  # a local file: relaying every report costs nothing
 
     def __init__(self, state_dir: str | os.PathLike[str]) -> None:
         self.state_dir = pathlib.Path(state_dir)
@@ -92,11 +112,25 @@ class FileJobSource:
             json.dump(current, handle)
         os.replace(tmp, self.status_path)
 
+    def wait_for_change(self, timeout: float) -> None:
+        time.sleep(timeout)  # the runtime rewrites job.json; the next read sees it
+
 
 class KubeJobSource:
-    """Kubernetes: GET the job, PATCH its status subresource (merge patch). Needs only the agent's Role."""
+    """Kubernetes: a watch on the job (GET once, then ``watch`` from its resourceVersion, resumed after every
+    timeout; a 410 Gone starts over with a GET), PATCH of its status subresource (merge patch).
 
-    def __init__(self, namespace: str, name: str, api_client: Any = None) -> None:
+    The agent's Role allows exactly this: get and watch on its job, get and patch on its status. A GET gives the
+    resourceVersion to watch from, so no ``list`` is needed; a watch with the field selector ``metadata.name``
+    is authorized against the job's name. The newest object seen (from the watch or a patch response) is what
+    :meth:`read` returns, so the agent never reads its own write back from the server.
+    """
+
+    rate_limited = True
+
+    def __init__(
+        self, namespace: str, name: str, api_client: Any = None, *, watch_seconds: int = WATCH_SECONDS
+    ) -> None:
         from kubernetes import client, config  # imported here: local mode needs no kubernetes package
 
         if api_client is None:
@@ -107,33 +141,142 @@ class KubeJobSource:
             api_client = client.ApiClient()
         self.api = client.CustomObjectsApi(api_client)
         self.namespace, self.name = namespace, name
-        self._not_found = client.ApiException
+        self.watch_seconds = watch_seconds
+        self._api_error = client.ApiException
+        self._job: Optional[dict[str, Any]] = None
+        self._gone = False
+        self._synced = threading.Event()
+        self._changed = threading.Event()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._follower: Optional[threading.Thread] = None
 
     def read(self) -> Optional[dict[str, Any]]:
-        try:
-            job = self.api.get_namespaced_custom_object(
-                constants.GROUP, constants.VERSION, self.namespace, constants.PLURAL, self.name
-            )
-            return cast("dict[str, Any]", job)
-        except self._not_found as error:
-            if error.status == 404:
-                return None
-            raise
+        """The newest job seen; waits for the first GET (raising TimeoutError after the request timeout)."""
+        if self._follower is None:
+            self._follower = threading.Thread(target=self._follow, name=f"watch-{self.name}", daemon=True)
+            self._follower.start()
+        if not self._synced.wait(REQUEST_TIMEOUT_S):
+            raise TimeoutError(f"no answer from the API server about {self.namespace}/{self.name}")
+        with self._lock:
+            return None if self._gone else self._job
 
     def patch_status(self, patch: dict[str, Any]) -> None:
-        self.api.patch_namespaced_custom_object_status(
-            constants.GROUP, constants.VERSION, self.namespace, constants.PLURAL, self.name, {"status": patch}
+        job = self.api.patch_namespaced_custom_object_status(
+            constants.GROUP,
+            constants.VERSION,
+            self.namespace,
+            constants.PLURAL,
+            self.name,
+            {"status": patch},
+            _request_timeout=REQUEST_TIMEOUT_S,
         )
+        self._remember(cast("dict[str, Any]", job))
+
+    def wait_for_change(self, timeout: float) -> None:
+        self._changed.wait(timeout)
+        self._changed.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _remember(self, job: dict[str, Any]) -> None:
+        """Keep ``job`` unless a newer version is already kept (a patch response and the watch race)."""
+        with self._lock:
+            if self._job is None or not versions.is_older(_version(job), _version(self._job)):
+                self._job = job
+        self._changed.set()
+
+    def _mark_gone(self) -> None:
+        with self._lock:
+            self._gone = True
+        self._synced.set()
+        self._changed.set()
+
+    def _follow(self) -> None:
+        """GET, then watch from its resourceVersion until the job is deleted; reconnect after any error."""
+        from kubernetes import watch
+
+        version: Optional[str] = None
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                if version is None:
+                    job = cast(
+                        "dict[str, Any]",
+                        self.api.get_namespaced_custom_object(
+                            constants.GROUP,
+                            constants.VERSION,
+                            self.namespace,
+                            constants.PLURAL,
+                            self.name,
+                            _request_timeout=REQUEST_TIMEOUT_S,
+                        ),
+                    )
+                    self._remember(job)
+                    self._synced.set()
+                    version = _version(job)
+                stream = watch.Watch().stream(
+                    self.api.list_namespaced_custom_object,
+                    constants.GROUP,
+                    constants.VERSION,
+                    self.namespace,
+                    constants.PLURAL,
+                    field_selector=f"metadata.name={self.name}",
+                    resource_version=version,
+                    allow_watch_bookmarks=True,
+                    timeout_seconds=self.watch_seconds,
+                    _request_timeout=(REQUEST_TIMEOUT_S, self.watch_seconds + REQUEST_TIMEOUT_S),
+                )
+                for event in stream:
+                    obj = event["raw_object"]
+                    version = _version(obj) or version
+                    if event["type"] == "DELETED":
+                        self._mark_gone()
+                        return
+                    if event["type"] in ("ADDED", "MODIFIED"):
+                        self._remember(obj)
+                    if self._stop.is_set():
+                        return
+                backoff = 0.5
+            except self._api_error as error:
+                if self._stop.is_set():
+                    return
+                if error.status == 404:
+                    self._mark_gone()
+                    return
+                if error.status == 410:  # our resourceVersion is too old to watch from: read the job afresh
+                    version = None
+                    continue
+                log.warning(
+                    "watch of %s/%s failed: %s %s; retrying", self.namespace, self.name, error.status, error.reason
+                )
+                self._stop.wait(backoff * random.uniform(0.5, 1.0))
+                backoff = min(backoff * 2, 10.0)
+            except Exception as error:  # noqa: BLE001 (connection reset, timeout: resume from the last version)
+                if self._stop.is_set():
+                    return
+                log.warning("watch of %s/%s interrupted: %r; resuming", self.namespace, self.name, error)
+                self._stop.wait(backoff * random.uniform(0.5, 1.0))
+                backoff = min(backoff * 2, 10.0)
+
+
+def _version(obj: dict[str, Any]) -> Optional[str]:
+    return (obj.get("metadata") or {}).get("resourceVersion")
 
 
 class Agent:
     """One job's agent. ``sync()`` does one round of follow + relay; ``run()`` loops until stopped."""
 
-    def __init__(self, source: JobSource, store: Any, *, poll_seconds: float = 0.25) -> None:
+    def __init__(
+        self, source: JobSource, store: Any, *, poll_seconds: float = 0.25, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.source = source
         self.store = store
         self.poll_seconds = poll_seconds
+        self.clock = clock
         self.stop_event = threading.Event()
+        self.throttle = reporting.ProgressThrottle()
         self._written_signal: Optional[str] = None
         self._written_target: Optional[str] = None
         self._round_key: Optional[tuple[Any, ...]] = None
@@ -148,9 +291,23 @@ class Agent:
         status = job.get("status") or {}
         self._write_directive(status.get("control") or {})
         patch = self._relay(job, status)
-        if patch:
+        if patch and self._is_due(job, status, patch):
             self.source.patch_status(patch)
+            self.throttle.wrote(self.clock())
         return True
+
+    def _is_due(self, job: dict[str, Any], status: dict[str, Any], patch: dict[str, Any]) -> bool:
+        """Now, or with a later periodic write (Kubernetes only; see :mod:`disttrain.trainer.reporting`)."""
+        if not self.source.rate_limited:
+            return True
+        spec = job.get("spec") or {}
+        urgent = reporting.urgent_reason(patch, status, spec)
+        due = self.throttle.is_due(
+            urgent=urgent is not None, interval_s=reporting.progress_interval(spec), now=self.clock()
+        )
+        if due and urgent:
+            log.info("writing status at once: %s", urgent)
+        return due
 
     def _write_directive(self, control: dict[str, Any]) -> None:
         generation = int(control.get("generation", 0))
@@ -214,16 +371,33 @@ class Agent:
         return {k: v for k, v in wanted.items() if k in AGENT_FIELDS and status.get(k) != v}
 
     def run(self) -> int:
-        """Loop until the job is gone or ``stop_event`` is set; transient API errors are logged and retried."""
+        """Loop until the job is gone or ``stop_event`` is set; transient API errors are logged and retried.
+
+        A round runs every ``poll_seconds`` (the store is local: reading it is free) and at once when the job
+        changes, so a new directive reaches the workers without waiting for the next round.
+        """
+        failures = 0
         while not self.stop_event.is_set():
             try:
                 if not self.sync():
                     log.info("job is gone; exiting")
                     return 0
-            except Exception:
-                log.exception("agent round failed; retrying")
-            self.stop_event.wait(self.poll_seconds)
+                failures = 0
+                self.source.wait_for_change(self.poll_seconds)
+            except Exception as error:
+                failures += 1
+                if failures == 1:
+                    log.exception("agent round failed; retrying")
+                else:
+                    log.warning("agent round failed again (%d in a row): %r", failures, error)
+                self.stop_event.wait(retry_delay(self.poll_seconds, failures))
         return 0
+
+
+def retry_delay(poll_seconds: float, failures: int, cap_s: float = MAX_RETRY_S) -> float:
+    """Seconds before the next round after ``failures`` failed ones in a row: doubling from the poll period up to
+    ``cap_s``, jittered, so that the agents of many jobs do not hammer a struggling API server in step."""
+    return min(cap_s, poll_seconds * 2.0 ** min(failures - 1, 16)) * random.uniform(0.5, 1.0)
 
 
 def _checkpoint_dir(job: dict[str, Any]) -> str:
@@ -247,7 +421,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--state-dir", help="local mode: follow <dir>/job.json instead of the Kubernetes API")
     parser.add_argument("--namespace", default=os.environ.get(env.JOB_NAMESPACE, "default"))
     parser.add_argument("--name", default=os.environ.get(env.JOB_NAME))
-    parser.add_argument("--poll-seconds", type=float, default=0.25)
+    parser.add_argument(
+        "--poll-seconds",
+        type=float,
+        default=0.25,
+        help="how often the store is read for progress, checkpoints and failures",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.state_dir:

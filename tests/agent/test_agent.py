@@ -169,3 +169,88 @@ def test_agent_process_serves_the_store_and_exits_on_sigterm(tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+class RateLimited(agent_mod.FileJobSource):
+    """The local source, counting its writes and rate-limited as the Kubernetes one is."""
+
+    rate_limited = True
+
+    def __init__(self, state_dir):
+        super().__init__(state_dir)
+        self.patches = []
+
+    def patch_status(self, patch):
+        self.patches.append(patch)
+        super().patch_status(patch)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def write_spec_job(state, control=None, **status):
+    write_job(state, control, **status)
+    job = json.loads((state / "job.json").read_text())
+    job["spec"]["training"] = {"globalBatchSize": 24, "microBatchSize": 2, "lr": {"base": 0.1}, "maxSteps": 50}
+    job["spec"]["reporting"] = {"progressIntervalSeconds": 10}
+    (state / "job.json").write_text(json.dumps(job))
+
+
+def test_on_kubernetes_progress_is_written_once_an_interval_and_what_the_operator_acts_on_at_once(tmp_path, store_pair):
+    server, client = store_pair
+    write_spec_job(tmp_path)
+    source, clock = RateLimited(tmp_path), Clock()
+    agent = agent_mod.Agent(source, server, clock=clock)
+    client.set(keys.PROGRESS_KEY, progress(1))
+    agent.sync()
+    assert len(source.patches) == 1 and source.patches[0]["rendezvousRound"] == 1, "a new round: at once"
+    for step in range(2, 12):  # steps and a routine checkpoint within one interval: nothing written
+        clock.now += 0.5
+        client.set(keys.PROGRESS_KEY, progress(step))
+        agent.sync()
+    assert len(source.patches) == 1
+    clock.now += 5.0  # the interval is over: the newest progress goes out
+    agent.sync()
+    assert len(source.patches) == 2 and source.patches[1]["step"] == 11
+    clock.now += 1.0
+    client.set(keys.PROGRESS_KEY, progress(12, world=1, process="p2"))  # a new group: at once
+    agent.sync()
+    assert len(source.patches) == 3 and source.patches[2]["rendezvousRound"] == 2
+    clock.now += 1.0
+    client.set(keys.FAILURE_KEY, keys.WorkerFailure(exit_code=85, node="demo-worker-0", message="bad",
+                                                    time=1_700_000_100.0).model_dump_json())
+    agent.sync()
+    assert len(source.patches) == 4 and "workerFailure" in source.patches[3]
+    clock.now += 1.0
+    client.set(keys.PROGRESS_KEY, progress(50, world=1, process="p2"))  # the last step: at once
+    agent.sync()
+    assert len(source.patches) == 5 and source.patches[4]["step"] == 50
+
+
+def test_while_a_drain_is_in_flight_its_checkpoint_is_written_at_once(tmp_path, store_pair):
+    server, client = store_pair
+    write_spec_job(tmp_path, {"generation": 2, "action": "drain", "reason": "ScaledDown", "targetNodes": 1})
+    source, clock = RateLimited(tmp_path), Clock()
+    agent = agent_mod.Agent(source, server, clock=clock)
+    client.set(keys.PROGRESS_KEY, progress(7))
+    agent.sync()
+    manifest = {"step": 8, "samples_consumed": 192, "data_cursor": 192, "world_size": 2, "plan": {}, "lr_scale": 1.0,
+                "dataset": {"length": 1000, "seed": 0}, "metadata_sha256": "x", "files": {},
+                "created_at": "2023-11-14T22:14:00Z", "code_version": "0.1.0", "config_hash": "h"}
+    clock.now += 0.5
+    client.set(keys.CHECKPOINT_KEY, json.dumps(manifest))
+    agent.sync()
+    assert len(source.patches) == 2 and source.patches[1]["lastCheckpoint"]["step"] == 8
+
+
+def test_failed_rounds_back_off_with_jitter_up_to_a_cap():
+    delays = [agent_mod.retry_delay(0.25, failures) for failures in range(1, 12)]
+    assert 0.125 <= delays[0] <= 0.25
+    assert all(0.5 * min(30, 0.25 * 2 ** (n - 1)) <= d <= min(30, 0.25 * 2 ** (n - 1))
+               for n, d in enumerate(delays, start=1))
+    assert max(delays) <= agent_mod.MAX_RETRY_S

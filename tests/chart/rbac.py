@@ -26,13 +26,15 @@ KOPF = (_expand("apiextensions.k8s.io", ["customresourcedefinitions"], ["list", 
 KOPF_NAMESPACE_LIST = _expand("", ["namespaces"], ["list", "watch"])
 """kopf's namespace observer, which runs only when serving a list of namespaces (not --all-namespaces)."""
 
-ADAPTER = (_expand("disttrain.dev", ["disttrainjobs"], ["get", "delete"])  # Kube.get_job, Kube.delete_job (TTL)
+ADAPTER = (_expand("disttrain.dev", ["disttrainjobs"], ["list", "delete"])  # Kube.list_scope, Kube.delete_job (TTL)
            | _expand("disttrain.dev", ["disttrainjobs/status"], ["patch"])  # Kube.patch_status
-           | _expand("", ["pods"], ["list", "create", "delete"])  # list_pods, create, delete_pod
-           | _expand("", ["nodes"], ["list"])  # list_nodes
+           | _expand("", ["pods"], ["list", "create", "delete"])  # Kube.list_scope, create, delete_pod
+           | _expand("", ["nodes"], ["list"])  # Kube.list_scope
            | _expand("", ["services", "serviceaccounts", "events"], ["create"])  # Kube.create
            | _expand("rbac.authorization.k8s.io", ["roles", "rolebindings"], ["create"]))
-"""The API calls of operator/handlers.py's ``Kube``."""
+"""The API calls of operator/handlers.py's ``Kube`` (its lists are operator/listing.py's: once per namespace and
+after a re-list, never per reconcile). ``get`` on disttrainjobs is no call of the operator's: the agent Role
+grants it (see ``needed``)."""
 
 
 def granted(rules: Iterable[dict[str, Any]]) -> set[Permission]:

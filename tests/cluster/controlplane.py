@@ -159,10 +159,12 @@ class ControlPlane:
     """etcd + kube-apiserver started at construction; controller-manager and scheduler on demand.
 
     ``toleration_seconds`` sets the API server's default not-ready/unreachable tolerations, so taint-based
-    eviction after a node loss happens within a test's patience.
+    eviction after a node loss happens within a test's patience. ``service_cidr`` bounds the Services (one
+    ClusterIP each): a /24 holds about 250, enough for tests; the API-load benchmark needs one per job.
     """
 
-    def __init__(self, *, toleration_seconds: int = 10, node_monitor_grace_seconds: int = 20) -> None:
+    def __init__(self, *, toleration_seconds: int = 10, node_monitor_grace_seconds: int = 20,
+                 service_cidr: str = "10.0.0.0/24") -> None:
         self.binaries = resolve_binaries()
         self.dir = Path(tempfile.mkdtemp(prefix="disttrain-k8s-"))
         self.logs = self.dir / "logs"
@@ -170,6 +172,7 @@ class ControlPlane:
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.toleration_seconds = toleration_seconds
         self.node_monitor_grace_seconds = node_monitor_grace_seconds
+        self.service_cidr = service_cidr
         self.pki = _Pki(self.dir)
         self.admin_token = secrets.token_hex(16)
         self.tokens = {
@@ -232,7 +235,7 @@ class ControlPlane:
             f"--client-ca-file={pki.ca_crt}", f"--token-auth-file={self.dir / 'tokens.csv'}",
             "--authorization-mode=RBAC", "--service-account-issuer=https://kubernetes.default.svc",
             f"--service-account-key-file={pki.sa_pub}", f"--service-account-signing-key-file={pki.sa_key}",
-            "--service-cluster-ip-range=10.0.0.0/24",
+            f"--service-cluster-ip-range={self.service_cidr}",
             f"--default-not-ready-toleration-seconds={self.toleration_seconds}",
             f"--default-unreachable-toleration-seconds={self.toleration_seconds}",
             "--enable-priority-and-fairness=false", "--v=1"])

@@ -21,6 +21,7 @@ import yaml
 
 from disttrain.api import constants
 from disttrain.api.conditions import format_time
+from disttrain.trainer.agent import KubeJobSource
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.kubelet import Kubelets
 from tests.cluster.operator_process import OperatorProcess
@@ -294,3 +295,27 @@ def test_an_operator_sigkilled_mid_drain_finishes_it_without_duplicates(cluster,
     assert done["restarts"] == before["restarts"] and done["lastReform"]["to"] == 2
     time.sleep(1.5)  # the restarted operator had time to act on everything it saw
     assert sorted(cluster.pods()) == ["kd-worker-0", "kd-worker-1"] and len(cluster.pods("agent")) == 1
+
+
+def test_the_job_agent_follows_its_job_through_a_watch_under_its_own_role(cluster, tmp_path):
+    """The agent's KubeJobSource with the per-job Role (get and watch on its job, no list): a directive reaches it
+    through the watch, its status patch is allowed and is what it reads next, and the job's deletion ends it."""
+    token = cluster.running("aw", JobBuilder("aw"), tmp_path, replicas=2)
+    source = KubeJobSource(cluster.ns, "aw", cluster.plane.api_client(token))
+    try:
+        assert source.read()["status"]["phase"] == "Running"
+        cluster.plane.kubectl("scale", "-n", cluster.ns, "dtj/aw", "--replicas=1")
+
+        def directive() -> str | None:
+            source.wait_for_change(0.5)
+            action = (source.read()["status"].get("control") or {}).get("action")
+            return action if action == "drain" else None
+
+        eventually(directive, what="the drain directive seen through the watch")
+        source.patch_status({"step": 42})
+        assert source.read()["status"]["step"] == 42, "the answer to its own write is what it reads next"
+        assert cluster.status("aw")["step"] == 42
+        cluster.plane.kubectl("delete", "-n", cluster.ns, "dtj/aw", "--wait=false")
+        eventually(lambda: source.read() is None, timeout=60, what="the deletion seen through the watch")
+    finally:
+        source.close()

@@ -27,7 +27,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{/*
 RBAC, exactly what the operator uses (docs/operator.md, "RBAC"). Cluster-scoped reads, always in the ClusterRole:
   - customresourcedefinitions list/watch: kopf discovers and follows the resources it serves through them;
-  - nodes list/watch: kopf watches nodes and the adapter lists them to judge pods by their node.
+  - nodes list/watch: kopf watches nodes (the adapter judges pods by their node) and the adapter lists them once.
 */}}
 {{- define "disttrain.clusterRules" -}}
 - apiGroups: ["apiextensions.k8s.io"]
@@ -40,9 +40,9 @@ RBAC, exactly what the operator uses (docs/operator.md, "RBAC"). Cluster-scoped 
 
 {{/*
 Namespaced, in the ClusterRole when serving all namespaces, else in a Role per watched namespace:
-  - disttrainjobs: kopf lists/watches them and patches its finalizer; the adapter gets them, deletes finished
-    ones (TTL) and patches their status; get/watch/patch on both also cover the per-job agent Role that the
-    operator creates (RBAC refuses to create a Role granting more than its creator holds);
+  - disttrainjobs: kopf lists/watches them and patches its finalizer; the adapter lists them once, deletes
+    finished ones (TTL) and patches their status; get/watch/patch on both also cover the per-job agent Role that
+    the operator creates (RBAC refuses to create a Role granting more than its creator holds);
   - pods list/watch/create/delete: kopf watches the job's pods, the adapter creates and deletes them;
   - services, serviceaccounts, roles, rolebindings create: the per-job Services and the agent's RBAC;
   - events create: the adapter's Events and kopf's own (core/v1).

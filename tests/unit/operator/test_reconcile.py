@@ -160,7 +160,7 @@ def test_checkpoint_commit_is_announced_once():
     world.step(1)
     assert world.reasons().count("CheckpointCommitted") == 1
     world.checkpoint(20).step(1)
-    assert world.reasons().count("CheckpointCommitted") == 2
+    assert world.reasons().count("CheckpointCommitted") == 1
 
 
 # ---------------------------------------------------------------------------------------------- anchors

@@ -1,0 +1,141 @@
+"""The benchmark's training jobs: the real job agent code, fed by stand-in trainers through its store keys.
+
+Each job runs the real :class:`disttrain.trainer.agent.Agent` with the real :class:`KubeJobSource`, logged in
+with the job's own ServiceAccount token (so the per-job Role the operator creates is what allows its calls),
+in a thread of this process. Only two things are stood in, both below the API: the TCPStore is a dict with
+the three methods the agent uses, and the trainer is a loop that writes exactly what rank 0 writes into it
+(``PROGRESS_KEY`` after every step, ``CHECKPOINT_KEY`` after every commit). So every API request in the count
+is one the real agent makes, in the pattern it makes it, without 2 x J processes importing torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from typing import Any, Union
+
+from disttrain.api import control as keys
+from disttrain.api import timestamps
+from disttrain.trainer import agent as agent_mod
+
+PLAN = {"worldSize": 3, "globalBatch": 24, "microBatch": 2, "accumSteps": 4, "lrScale": 1.0}
+
+
+class DictStore:
+    """The part of a TCPStore the agent uses (``check``, ``get``, ``set``), in memory."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def check(self, names: list[str]) -> bool:
+        with self._lock:
+            return all(name in self._values for name in names)
+
+    def get(self, name: str) -> bytes:
+        with self._lock:
+            return self._values[name]
+
+    def set(self, name: str, value: Union[str, bytes]) -> None:
+        with self._lock:
+            self._values[name] = value.encode() if isinstance(value, str) else value
+
+
+@dataclasses.dataclass
+class SimulatedTrainer:
+    """What global rank 0 of a 3-node group writes into the agent's store: a step's progress, a commit's manifest."""
+
+    store: DictStore
+    world_size: int = 3
+    step: int = 0
+    run_id: str = "bench"
+
+    def advance(self, checkpoint_every: int) -> None:
+        self.step += 1
+        now = time.time()
+        self.store.set(
+            keys.PROGRESS_KEY,
+            json.dumps(
+                {
+                    "step": self.step,
+                    "samples_consumed": self.step * 24,
+                    "world_size": self.world_size,
+                    "plan": PLAN,
+                    "loss": 1.0,
+                    "samples_per_second": 96.0,
+                    "restart_count": 0,
+                    "run_id": self.run_id,
+                    "process_id": f"{self.run_id}-rank0",
+                    "time": now,
+                }
+            ),
+        )
+        if self.step % checkpoint_every == 0:
+            self.store.set(
+                keys.CHECKPOINT_KEY,
+                json.dumps(
+                    {
+                        "step": self.step,
+                        "samples_consumed": self.step * 24,
+                        "data_cursor": self.step * 24,
+                        "world_size": self.world_size,
+                        "plan": PLAN,
+                        "lr_scale": 1.0,
+                        "dataset": {"length": 10**9, "seed": 0},
+                        "metadata_sha256": "0" * 64,
+                        "files": {},
+                        "created_at": timestamps.format_time(now),
+                        "code_version": "bench",
+                        "config_hash": "bench",
+                    }
+                ),
+            )
+
+
+class JobFleet:
+    """J agents (threads) and one loop stepping every stand-in trainer whose agent runs."""
+
+    def __init__(self, step_seconds: float, checkpoint_every: int, poll_seconds: float = 0.25) -> None:
+        self.step_seconds = step_seconds
+        self.checkpoint_every = checkpoint_every
+        self.poll_seconds = poll_seconds
+        self.trainers: list[SimulatedTrainer] = []
+        self.agents: list[Any] = []
+        self._waiting: list[tuple[Any, SimulatedTrainer]] = []
+        self._stop = threading.Event()
+        self._driver = threading.Thread(target=self._drive, name="trainers", daemon=True)
+
+    def add(self, namespace: str, name: str, api_client: Any) -> None:
+        store = DictStore()
+        agent = agent_mod.Agent(
+            agent_mod.KubeJobSource(namespace, name, api_client), store, poll_seconds=self.poll_seconds
+        )
+        self._waiting.append((agent, SimulatedTrainer(store, run_id=name)))
+
+    def start(self, jobs_per_second: float = 25.0) -> None:
+        """Start the jobs a few at a time, as pods start in a cluster (500 first writes at once would be refused
+        with 429 by a small API server): each agent, and its trainer with it."""
+        self._driver.start()
+        for agent, trainer in self._waiting:
+            threading.Thread(target=agent.run, name=f"agent-{agent.source.name}", daemon=True).start()
+            self.agents.append(agent)
+            self.trainers.append(trainer)
+            time.sleep(1.0 / jobs_per_second)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for agent in self.agents:
+            agent.stop_event.set()
+            close = getattr(agent.source, "close", None)  # the watching source (the polling one has none)
+            if close is not None:
+                close()
+
+    def _drive(self) -> None:
+        tick = time.monotonic()
+        while not self._stop.is_set():
+            for trainer in list(self.trainers):
+                trainer.advance(self.checkpoint_every)
+            tick += self.step_seconds
+            self._stop.wait(max(0.0, tick - time.monotonic()))

@@ -1,0 +1,318 @@
+"""API load of running jobs, counted by a real Kubernetes API server (its own ``apiserver_request_total``).
+
+Starts etcd and kube-apiserver (``tests/cluster/controlplane.py``), creates N Nodes that send kubelet
+heartbeats, runs the real operator as a process under the Helm chart's RBAC, applies J three-node jobs whose
+pods the harness keeps Running and whose real job agents relay what stand-in trainers write into their stores
+(``bench/_jobs.py`` says why that is faithful), waits until every job is Running, then measures a steady-state
+window: disttrain's requests (operator and agents; ``bench/_apicount.py`` says how the harness's own are told
+apart), the operator's RSS and CPU time. Last, the directive latency: one job at a time is scaled 3 -> 2
+through its scale subresource while the others train, and the time until the drain directive is in its
+status is taken from a watch.
+
+    python bench/api_load.py [--jobs 50] [--nodes 100] [--window 60] [--step-seconds 0.25] [--checkpoint-every 12]
+                             [--agent-poll-seconds 0.25]
+
+Defaults mirror the issue's measurement: 4 steps/s and a checkpoint every 12 steps (20 a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests.cluster: the control plane and the operator process of the test tier
+
+import _apicount  # noqa: E402
+import _fleet  # noqa: E402
+import _jobs  # noqa: E402
+from kubernetes import client as k8s  # noqa: E402
+from tests.cluster.controlplane import ControlPlane  # noqa: E402
+from tests.cluster.operator_process import OperatorProcess  # noqa: E402
+from tests.cluster.rbac import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, install_operator_rbac  # noqa: E402
+
+from disttrain.api import constants  # noqa: E402
+
+NAMESPACE = "bench"
+TIMEOUT = 30
+
+
+def job_manifest(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": constants.API_VERSION,
+        "kind": constants.KIND,
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "template": {
+                "spec": {
+                    "containers": [{"name": "trainer", "image": "bench/trainer:1", "command": ["python", "train.py"]}]
+                }
+            },
+            "nodes": {"min": 1, "max": 4, "replicas": 3},
+            "training": {"globalBatchSize": 24, "microBatchSize": 2, "lr": {"base": 0.1}, "maxSteps": 10**8},
+            "checkpoint": {"claimName": "ckpt", "intervalSteps": 12},
+            "elastic": {"scaleDebounceSeconds": 0},
+        },
+    }
+
+
+def process_stats(pid: int) -> tuple[float, float]:
+    """(RSS in MiB, user + system CPU seconds) of a process, from /proc."""
+    rss_kb = 0
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss_kb = int(line.split()[1])
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return rss_kb / 1024, (int(fields[11]) + int(fields[12])) / ticks
+
+
+def wait_for(check: Any, timeout: float, what: str, interval: float = 1.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:.0f} s (last: {value!r})")
+        time.sleep(interval)
+
+
+def list_jobs(custom: k8s.CustomObjectsApi) -> list[dict[str, Any]]:
+    response = custom.list_namespaced_custom_object(
+        constants.GROUP,
+        constants.VERSION,
+        NAMESPACE,
+        constants.PLURAL,
+        _preload_content=False,
+        _request_timeout=120,  # 500 jobs are megabytes
+    )
+    return list(json.loads(response.data)["items"])
+
+
+def all_running(custom: k8s.CustomObjectsApi) -> bool:
+    try:
+        return all((j.get("status") or {}).get("phase") == "Running" for j in list_jobs(custom))
+    except Exception:  # noqa: BLE001 (a busy API server: ask again later)
+        return False
+
+
+def agent_client(plane: ControlPlane, core: k8s.CoreV1Api, name: str) -> k8s.ApiClient:
+    """An API client holding a token of the job's own ServiceAccount (created by the operator)."""
+    answer = core.create_namespaced_service_account_token(
+        f"{name}-agent",
+        NAMESPACE,
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 7200}},
+        _request_timeout=TIMEOUT,
+    )
+    return plane.api_client(plane.write_kubeconfig(f"agent-{name}", answer.status.token))
+
+
+class DirectiveClock:
+    """A watch on every job: when a job's ``status.control.generation`` moves past a given value."""
+
+    def __init__(self, api_client: k8s.ApiClient) -> None:
+        self.custom = k8s.CustomObjectsApi(api_client)
+        self.generation: dict[str, int] = {}
+        self.seen_at: dict[tuple[str, int], float] = {}
+        self.changed = threading.Condition()
+        threading.Thread(target=self._watch, name="directive-clock", daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                response = self.custom.list_namespaced_custom_object(
+                    constants.GROUP,
+                    constants.VERSION,
+                    NAMESPACE,
+                    constants.PLURAL,
+                    watch=True,
+                    timeout_seconds=3600,
+                    _preload_content=False,
+                    _request_timeout=(10, 3700),
+                )
+                for event in _fleet.stream_events(response):
+                    job = event.get("object") or {}
+                    name = (job.get("metadata") or {}).get("name", "")
+                    generation = int(((job.get("status") or {}).get("control") or {}).get("generation", 0))
+                    with self.changed:
+                        if generation != self.generation.get(name):
+                            self.generation[name] = generation
+                            self.seen_at.setdefault((name, generation), time.monotonic())
+                            self.changed.notify_all()
+            except Exception:  # noqa: BLE001 (a broken watch: start another)
+                time.sleep(0.5)
+
+    def wait_past(self, name: str, generation: int, timeout: float) -> float:
+        """Monotonic time at which the watch showed a generation above ``generation``."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while self.generation.get(name, 0) <= generation:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no new directive for {name} within {timeout:.0f} s")
+                self.changed.wait(left)
+            return self.seen_at[name, self.generation[name]]
+
+
+def measure_directive_latency(plane: ControlPlane, names: list[str], samples: int, timeout: float) -> list[float]:
+    """Scale ``samples`` jobs 3 -> 2, one at a time: milliseconds from the request to the directive in status."""
+    admin = plane.api_client()
+    custom = k8s.CustomObjectsApi(admin)
+    clock = DirectiveClock(admin)
+    time.sleep(2.0)  # the clock's watch has delivered every job's current generation
+    chosen = names[:: max(1, len(names) // samples)][:samples]
+    latencies = []
+    for name in chosen:
+        with clock.changed:
+            before = clock.generation.get(name, 0)
+        started = time.monotonic()
+        custom.patch_namespaced_custom_object_scale(
+            constants.GROUP,
+            constants.VERSION,
+            NAMESPACE,
+            constants.PLURAL,
+            name,
+            {"spec": {"replicas": 2}},
+            _content_type="application/merge-patch+json",
+            _preload_content=False,
+            _request_timeout=TIMEOUT,
+        )
+        latencies.append((clock.wait_past(name, before, timeout) - started) * 1000)
+        time.sleep(0.5)
+    return latencies
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--jobs", type=int, default=50)
+    parser.add_argument("--nodes", type=int, default=100)
+    parser.add_argument("--window", type=float, default=60.0, help="seconds of steady state measured")
+    parser.add_argument("--warmup", type=float, default=20.0, help="seconds of steady state before the window")
+    parser.add_argument("--step-seconds", type=float, default=0.25, help="one training step of every job")
+    parser.add_argument("--checkpoint-every", type=int, default=12, help="steps between checkpoints")
+    parser.add_argument("--latency-samples", type=int, default=20)
+    parser.add_argument(
+        "--agent-poll-seconds",
+        type=float,
+        default=0.25,
+        help="how often each agent reads its store (the agent's default; no API request depends "
+        "on it, but J agents share this process's CPU)",
+    )
+    args = parser.parse_args()
+    if args.nodes * 110 < args.jobs * 4:
+        parser.error(
+            f"--nodes={args.nodes} hold at most {args.nodes * 110} pods; {args.jobs} jobs need {args.jobs * 4}"
+        )
+
+    plane = ControlPlane(service_cidr="10.0.0.0/16")  # a ClusterIP per job agent Service
+    work = pathlib.Path(tempfile.mkdtemp(prefix="disttrain-apiload-"))
+    operator = None
+    fleet = jobs = None
+    try:
+        print(f"control plane at {plane.server}; logs in {plane.logs}; operator log in {work}", flush=True)
+        plane.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+        plane.wait_established(constants.CRD_NAME)
+        install_operator_rbac(plane)
+        operator = OperatorProcess(
+            plane.service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT), work / "operator.log"
+        )
+        operator.start(timeout=120)
+        admin = plane.api_client()
+        core, custom = k8s.CoreV1Api(admin), k8s.CustomObjectsApi(admin)
+        plane.create_namespace(NAMESPACE)
+        # No controller-manager runs: create the ServiceAccount that its controller would (pods need it).
+        core.create_namespaced_service_account(NAMESPACE, {"metadata": {"name": "default"}}, _request_timeout=TIMEOUT)
+
+        fleet = _fleet.Fleet(admin)
+        fleet.add_nodes(args.nodes)
+        fleet.start()
+        names = [f"job-{i:04d}" for i in range(args.jobs)]
+        started = time.monotonic()
+        for name in names:
+            custom.create_namespaced_custom_object(
+                constants.GROUP,
+                constants.VERSION,
+                NAMESPACE,
+                constants.PLURAL,
+                job_manifest(name),
+                _preload_content=False,
+                _request_timeout=TIMEOUT,
+            )
+        wait_for(
+            lambda: len(fleet.running) >= 4 * args.jobs,
+            timeout=120 + args.jobs * 2,
+            what=f"{4 * args.jobs} pods running",
+        )
+        print(f"{4 * args.jobs} pods running after {time.monotonic() - started:.0f} s", flush=True)
+
+        jobs = _jobs.JobFleet(args.step_seconds, args.checkpoint_every, args.agent_poll_seconds)
+        for name in names:
+            jobs.add(NAMESPACE, name, agent_client(plane, core, name))
+        jobs.start()
+        wait_for(lambda: all_running(custom), timeout=120 + 2 * args.jobs, what="every job Running", interval=5.0)
+        print(
+            f"{args.jobs} jobs Running after {time.monotonic() - started:.0f} s; warming up {args.warmup:.0f} s",
+            flush=True,
+        )
+        time.sleep(args.warmup)
+
+        counts_before = _apicount.read_counts(plane.request("GET", "/metrics", raw=True).decode())
+        _rss, cpu_before = process_stats(operator.proc.pid)
+        window_started = time.monotonic()
+        time.sleep(args.window)
+        elapsed = time.monotonic() - window_started
+        counts_after = _apicount.read_counts(plane.request("GET", "/metrics", raw=True).decode())
+        rss_mb, cpu_after = process_stats(operator.proc.pid)
+        minutes = elapsed / 60
+
+        delta = _apicount.disttrain_delta(counts_before, counts_after)
+        total = sum(delta.values())
+        print(f"\ndisttrain's requests over {elapsed:.0f} s of steady state ({args.jobs} jobs, {args.nodes} nodes):")
+        for key, value in sorted(delta.items(), key=lambda kv: -kv[1]):
+            print(f"  {_apicount.describe(key):40s} {value:8.0f}  ({value / args.jobs / minutes:.2f} per job-minute)")
+        phases = {(j.get("status") or {}).get("phase") for j in list_jobs(custom)}
+        print(f"job phases at the end of the window: {sorted(str(p) for p in phases)}")
+        if fleet.errors:
+            print(f"harness errors: {fleet.errors[:5]}")
+
+        latencies = measure_directive_latency(plane, names, min(args.latency_samples, args.jobs), timeout=60)
+        print(f"directive latencies (ms): {', '.join(f'{v:.0f}' for v in sorted(latencies))}")
+        forbidden = operator.forbidden_lines()
+        if forbidden:
+            print("operator 403s:\n" + "\n".join(forbidden[:10]))
+
+        p99 = statistics.quantiles(latencies, n=100, method="inclusive")[98] if len(latencies) > 1 else latencies[0]
+        print(f"jobs: {args.jobs}")
+        print(f"nodes: {args.nodes}")
+        print(f"window_seconds: {elapsed:.0f}")
+        print(f"requests_per_job_minute: {total / args.jobs / minutes:.1f}")
+        print(f"operator_rss_mb: {rss_mb:.0f}")
+        print(f"operator_cpu_seconds_per_minute: {(cpu_after - cpu_before) / minutes:.2f}")
+        print(f"directive_latency_p99_ms: {p99:.0f}")
+        return 0
+    except Exception as error:  # noqa: BLE001 (any failure: say what, with the operator's last words)
+        print(f"benchmark failed: {error}", file=sys.stderr)
+        if operator is not None:
+            print(operator.log_text()[-3000:], file=sys.stderr)
+        return 1
+    finally:
+        if jobs is not None:
+            jobs.stop()
+        if fleet is not None:
+            fleet.stop()
+        if operator is not None:
+            operator.kill()
+        plane.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""Checkpoint announcements: an event only on a transition, a condition message that follows at a bounded cost."""
+
+from __future__ import annotations
+
+import pytest
+
+from disttrain.operator import reconcile as core
+from tests.unit.operator.world import World, job_manifest
+
+pytestmark = pytest.mark.timeout(30)
+REFRESH = core.CHECKPOINT_MESSAGE_REFRESH_SECONDS
+
+
+def test_the_first_checkpoint_is_an_event_and_names_its_step():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.checkpoint(10).step(1)
+    assert world.reasons().count("CheckpointCommitted") == 1
+    condition = world.condition("Checkpointed")
+    assert condition["status"] == "True" and condition["reason"] == "CheckpointCommitted"
+    assert condition["message"] == "checkpoint at step 10 is complete (/ckpt/step-10)"
+
+
+def test_later_commits_post_no_event_and_refresh_the_message_at_most_once_a_refresh_period():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.checkpoint(10).step(1)
+    for step in (20, 30, 40):
+        world.checkpoint(step)
+        actions = world.step(REFRESH / 4)
+        assert "Checkpointed" not in str(actions.status_patch), "no status write for a commit inside the period"
+        assert actions.requeue_after is not None and actions.requeue_after <= REFRESH
+    assert world.condition("Checkpointed")["message"].startswith("checkpoint at step 10 ")
+    world.checkpoint(50)
+    world.step(REFRESH / 4)  # the period since the last refresh is over
+    assert world.condition("Checkpointed")["message"].startswith("checkpoint at step 50 ")
+    assert world.reasons().count("CheckpointCommitted") == 1
+
+
+def test_the_message_catches_up_when_its_timer_fires_without_a_new_commit():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.checkpoint(10).step(1)
+    world.checkpoint(20)
+    actions = world.step(1)
+    world.step(actions.requeue_after)
+    assert world.condition("Checkpointed")["message"].startswith("checkpoint at step 20 ")
+
+
+def test_the_first_commit_after_a_resume_is_announced_again():
+    world = World(job_manifest(replicas=3)).running_world(3)
+    world.checkpoint(10).step(1)
+    world.vanish(1)
+    world.step(1)
+    world.step(5)  # after the backoff: the replacement
+    world.run_all()
+    world.step(1)
+    world.progress(3, step=11).step(1)  # the new group's first step follows the checkpoint it resumed from
+    assert "ResumedFromStep" in world.reasons()
+    resumed = world.condition("Checkpointed")
+    assert resumed["reason"] == "ResumedFromStep" and "step 10" in resumed["message"]
+    world.step(1)
+    assert world.condition("Checkpointed")["reason"] == "ResumedFromStep", "the same checkpoint is no news"
+    world.checkpoint(20).step(1)
+    assert world.reasons().count("CheckpointCommitted") == 2
+    assert world.condition("Checkpointed")["message"].startswith("checkpoint at step 20 ")

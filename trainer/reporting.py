@@ -1,0 +1,74 @@
+"""When the job agent writes its status fields: at once when the operator acts on what changed, otherwise at most
+every ``spec.reporting.progressIntervalSeconds``.
+
+Why: every status write is a request to the API server and a watch event for the operator, and a trainer steps
+several times a second; relaying each step cost hundreds of writes per job and minute. The operator acts on
+a few things only, and those never wait:
+
+* a new rendezvous round (with its world size and first progress): a directive completes on it (every drain
+  and reform makes the workers exit, so a new round always follows one), and a first round makes the job
+  Running;
+* a checkpoint while a drain is in flight: the drain's victims are deleted once a checkpoint committed after it;
+* a worker failure: a permanent exit code fails the job;
+* the end of training: the success rule reads the final step.
+
+Everything else (steps and samples within a round, a routine checkpoint) goes out with the next periodic
+write; every step is on the workers' /metrics in between. Progress within a round is never urgent, not even
+during a directive: a group that keeps stepping then (a trainer that ignores a drain until the drain timeout)
+would otherwise cost a write per step. Pure: the caller passes the time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from disttrain.api.control import DirectiveAction
+from disttrain.api.spec import TrainingSpec
+
+
+def urgent_reason(changes: Mapping[str, Any], status: Mapping[str, Any], spec: Mapping[str, Any]) -> Optional[str]:
+    """Why the agent-owned ``changes`` (wire names) must be written now; None when they can wait.
+
+    ``status`` is the job's status as last seen (the directive in flight is read there), ``spec`` the job's spec.
+    """
+    if "rendezvousRound" in changes:
+        return "new rendezvous round"
+    action = (status.get("control") or {}).get("action") or DirectiveAction.NONE.value
+    if "lastCheckpoint" in changes and action == DirectiveAction.DRAIN.value:
+        return "checkpoint during a drain"
+    if "workerFailure" in changes:
+        return "worker failure"
+    if is_training_complete({**status, **changes}, spec):
+        return "training complete"
+    return None
+
+
+def is_training_complete(status: Mapping[str, Any], spec: Mapping[str, Any]) -> bool:
+    """The relayed progress reached the training length (the rule of :meth:`TrainingSpec.is_complete`)."""
+    training = spec.get("training")
+    if not training:
+        return False
+    return TrainingSpec.model_validate(training).is_complete(
+        int(status.get("step", 0)), int(status.get("samplesConsumed", 0))
+    )
+
+
+def progress_interval(spec: Mapping[str, Any], default: float = 10.0) -> float:
+    """``spec.reporting.progressIntervalSeconds`` (the CRD defaults it; a job read without defaults gets 10)."""
+    return float((spec.get("reporting") or {}).get("progressIntervalSeconds", default))
+
+
+@dataclasses.dataclass
+class ProgressThrottle:
+    """Remembers the last write; a write is due when urgent, first, or an interval after the last one."""
+
+    last_write: Optional[float] = None
+    """Monotonic time of the last write; None before the first (a restarted agent reports at once)."""
+
+    def is_due(self, *, urgent: bool, interval_s: float, now: float) -> bool:
+        return urgent or self.last_write is None or now - self.last_write >= interval_s
+
+    def wrote(self, now: float) -> None:
+        self.last_write = now
