@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Optional
 
 import kopf
@@ -32,7 +33,7 @@ from kubernetes import client as k8s
 
 from disttrain.api import constants, timestamps
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import listing
+from disttrain.operator import listing, patches
 from disttrain.operator import pods as builders
 from disttrain.operator.caches import ClusterCache, JobKey
 from disttrain.operator.metrics import OperatorMetrics
@@ -181,13 +182,17 @@ def event_object(job: DistTrainJob, type_: str, reason: str, message: str, now: 
     }
 
 
-async def apply(kube: Kube, cache: ClusterCache, job: DistTrainJob, actions: Actions, now: float) -> None:
+async def apply(
+    kube: Kube, cache: ClusterCache, job: DistTrainJob, actions: Actions, now: float
+) -> Optional[dict[str, Any]]:
     """Apply in crash-safe order: status (memory) first, then deletions, creations, events, TTL deletion. What the
-    API server answers goes into the cache."""
+    API server answers goes into the cache. Returns the API server's answer to the status write (None: none)."""
     ns, name = job.metadata.namespace, job.metadata.name
     seen = time.monotonic()
+    answer: Optional[dict[str, Any]] = None
     if actions.status_patch:
-        cache.put_job(await kube.patch_status(ns, name, dict(actions.status_patch)), seen)
+        answer = await kube.patch_status(ns, name, dict(actions.status_patch))
+        cache.put_job(answer, seen)
     for deletion in actions.delete_pods:
         deleted = await kube.delete_pod(ns, deletion.name, deletion.force)
         if deleted is not None:
@@ -205,6 +210,7 @@ async def apply(kube: Kube, cache: ClusterCache, job: DistTrainJob, actions: Act
             log.warning("could not post event %s: %s", event.reason, error.reason)
     if actions.delete_job:
         await kube.delete_job(ns, name)
+    return answer
 
 
 def _remember_pod(cache: ClusterCache, created: Optional[dict[str, Any]]) -> None:
@@ -214,7 +220,7 @@ def _remember_pod(cache: ClusterCache, created: Optional[dict[str, Any]]) -> Non
 
 async def reconcile_once(
     kube: Kube, cache: ClusterCache, metrics: OperatorMetrics, namespace: str, name: str
-) -> Optional[Actions]:
+) -> Optional[Reconciled]:
     """Decide on the cached state and write. Returns the actions (None when the job is gone)."""
     started = time.perf_counter()
     raw = cache.job(namespace, name)
@@ -228,10 +234,38 @@ async def reconcile_once(
     observed = cache.observe(namespace, name)
     now = time.time()
     actions = reconcile(job, observed, now)
-    await apply(kube, cache, job, actions, now)
+    answer = await apply(kube, cache, job, actions, now)
     metrics.reconcile_duration.observe(time.perf_counter() - started)
     metrics.observe_job(namespace, name, actions.status, now, max_restarts=job.spec.restart_policy.max_restarts)
-    return actions
+    return Reconciled(actions, others_wrote=answer is not None and changed_by_others(raw, actions.status_patch, answer))
+
+
+@dataclasses.dataclass(frozen=True)
+class Reconciled:
+    actions: Actions
+    others_wrote: bool
+    """The answer to our status write carried a change made by someone else (a spec edit, an agent report)."""
+
+
+def changed_by_others(
+    reconciled_on: Mapping[str, Any], status_patch: Mapping[str, Any], answer: Mapping[str, Any]
+) -> bool:
+    """Whether the API server's answer to our status patch differs from what we reconciled on plus our patch.
+
+    Why: that answer goes into the cache, and it may already hold a change another writer made just before our
+    patch (a user's ``suspend: false``, a ``/scale``, an agent report). The watch event of that change then comes
+    with an older resourceVersion than the cache holds and is dropped, so nothing else would wake the job: the
+    loop would sleep on a state it never decided on. A false alarm (a field the server normalises) costs one
+    reconcile that writes nothing.
+    """
+    expected = patches.apply_merge_patch(_comparable(reconciled_on), {"status": dict(status_patch)})
+    return bool(_comparable(answer) != expected)
+
+
+def _comparable(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The object without what changes on every write (resourceVersion, managedFields)."""
+    meta = {k: v for k, v in (obj.get("metadata") or {}).items() if k not in ("resourceVersion", "managedFields")}
+    return {**{k: v for k, v in obj.items() if k != "metadata"}, "metadata": meta}
 
 
 class Pokes:
@@ -302,10 +336,13 @@ def register(
                 wake.clear()
                 try:
                     await listings.ensure_synced(namespace)
-                    actions = await reconcile_once(kube(), cache, metrics, namespace, name)
-                    if actions is None:
+                    result = await reconcile_once(kube(), cache, metrics, namespace, name)
+                    if result is None:
                         return
-                    delay = None if actions.requeue_after is None else max(0.05, actions.requeue_after)
+                    requeue = result.actions.requeue_after
+                    delay = None if requeue is None else max(0.05, requeue)
+                    if result.others_wrote:
+                        wake.set()  # the cache holds a change no watch event will announce
                 except k8s.ApiException as error:
                     metrics.errors.labels("api").inc()
                     log.warning(

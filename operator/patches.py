@@ -22,3 +22,16 @@ def merge_patch(old: Any, new: Any) -> Any:
         elif old[key] != value:
             patch[key] = merge_patch(old[key], value)
     return patch
+
+
+def apply_merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386: ``target`` with ``patch`` applied (a new object; None in the patch removes the key)."""
+    if not isinstance(patch, dict):
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = apply_merge_patch(result.get(key), value)
+    return result
