@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, Optional
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.cluster: the control plane and the operator process of the test tier
@@ -39,7 +39,7 @@ from tests.cluster.controlplane import ControlPlane  # noqa: E402
 from tests.cluster.operator_process import OperatorProcess  # noqa: E402
 from tests.cluster.rbac import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, install_operator_rbac  # noqa: E402
 
-from disttrain.api import constants  # noqa: E402
+from disttrain.api import constants, timestamps  # noqa: E402
 
 NAMESPACE = "bench"
 TIMEOUT = 30
@@ -123,6 +123,8 @@ class DirectiveClock:
         self.custom = k8s.CustomObjectsApi(api_client)
         self.generation: dict[str, int] = {}
         self.seen_at: dict[tuple[str, int], float] = {}
+        self.issued_at: dict[tuple[str, int], str] = {}
+        """The operator's own stamp of its decision (``status.control.issuedAt``), per job and generation."""
         self.changed = threading.Condition()
         threading.Thread(target=self._watch, name="directive-clock", daemon=True).start()
 
@@ -142,17 +144,20 @@ class DirectiveClock:
                 for event in _fleet.stream_events(response):
                     job = event.get("object") or {}
                     name = (job.get("metadata") or {}).get("name", "")
-                    generation = int(((job.get("status") or {}).get("control") or {}).get("generation", 0))
+                    control = (job.get("status") or {}).get("control") or {}
+                    generation = int(control.get("generation", 0))
                     with self.changed:
                         if generation != self.generation.get(name):
                             self.generation[name] = generation
                             self.seen_at.setdefault((name, generation), time.monotonic())
+                            if control.get("issuedAt"):
+                                self.issued_at[name, generation] = control["issuedAt"]
                             self.changed.notify_all()
             except Exception:  # noqa: BLE001 (a broken watch: start another)
                 time.sleep(0.5)
 
-    def wait_past(self, name: str, generation: int, timeout: float) -> float:
-        """Monotonic time at which the watch showed a generation above ``generation``."""
+    def wait_past(self, name: str, generation: int, timeout: float) -> tuple[float, Optional[str]]:
+        """Monotonic time at which the watch showed a generation above ``generation``, and its issuedAt."""
         deadline = time.monotonic() + timeout
         with self.changed:
             while self.generation.get(name, 0) <= generation:
@@ -160,21 +165,27 @@ class DirectiveClock:
                 if left <= 0:
                     raise TimeoutError(f"no new directive for {name} within {timeout:.0f} s")
                 self.changed.wait(left)
-            return self.seen_at[name, self.generation[name]]
+            key = (name, self.generation[name])
+            return self.seen_at[key], self.issued_at.get(key)
 
 
-def measure_directive_latency(plane: ControlPlane, names: list[str], samples: int, timeout: float) -> list[float]:
-    """Scale ``samples`` jobs 3 -> 2, one at a time: milliseconds from the request to the directive in status."""
+def measure_directive_latency(
+    plane: ControlPlane, names: list[str], samples: int, timeout: float
+) -> tuple[list[float], list[float]]:
+    """Scale ``samples`` jobs 3 -> 2, one at a time: milliseconds from the request to the directive in status as
+    this process's watch saw it, and to the operator's decision (its ``issuedAt`` stamp, same clock). The first
+    includes this process's own delays (its J agents share one interpreter), the second does not."""
     admin = plane.api_client()
     custom = k8s.CustomObjectsApi(admin)
     clock = DirectiveClock(admin)
     time.sleep(2.0)  # the clock's watch has delivered every job's current generation
     chosen = names[:: max(1, len(names) // samples)][:samples]
-    latencies = []
+    latencies, decisions = [], []
     for name in chosen:
         with clock.changed:
             before = clock.generation.get(name, 0)
         started = time.monotonic()
+        started_wall = time.time()
         custom.patch_namespaced_custom_object_scale(
             constants.GROUP,
             constants.VERSION,
@@ -186,9 +197,17 @@ def measure_directive_latency(plane: ControlPlane, names: list[str], samples: in
             _preload_content=False,
             _request_timeout=TIMEOUT,
         )
-        latencies.append((clock.wait_past(name, before, timeout) - started) * 1000)
+        seen, issued = clock.wait_past(name, before, timeout)
+        latencies.append((seen - started) * 1000)
+        issued_s = timestamps.parse_time(issued)
+        if issued_s is not None:
+            decisions.append((issued_s - started_wall) * 1000)
         time.sleep(0.5)
-    return latencies
+    return latencies, decisions
+
+
+def _p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[98] if len(values) > 1 else values[0]
 
 
 def main() -> int:
@@ -284,8 +303,9 @@ def main() -> int:
         if fleet.errors:
             print(f"harness errors: {fleet.errors[:5]}")
 
-        latencies = measure_directive_latency(plane, names, min(args.latency_samples, args.jobs), timeout=60)
+        latencies, decisions = measure_directive_latency(plane, names, min(args.latency_samples, args.jobs), timeout=60)
         print(f"directive latencies (ms): {', '.join(f'{v:.0f}' for v in sorted(latencies))}")
+        print(f"request -> operator's decision (ms): {', '.join(f'{v:.0f}' for v in sorted(decisions))}")
         forbidden = operator.forbidden_lines()
         if forbidden:
             print("operator 403s:\n" + "\n".join(forbidden[:10]))
@@ -298,6 +318,8 @@ def main() -> int:
         print(f"operator_rss_mb: {rss_mb:.0f}")
         print(f"operator_cpu_seconds_per_minute: {(cpu_after - cpu_before) / minutes:.2f}")
         print(f"directive_latency_p99_ms: {p99:.0f}")
+        if decisions:
+            print(f"decision_latency_p99_ms: {_p99(decisions):.0f}")
         return 0
     except Exception as error:  # noqa: BLE001 (any failure: say what, with the operator's last words)
         print(f"benchmark failed: {error}", file=sys.stderr)
