@@ -13,26 +13,93 @@ of training on the wrong samples.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Optional
+from typing import Any, Optional, Protocol, runtime_checkable
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from disttrain.trainer import sampler as sampler_mod
 
 
-def check_random_access(dataset: Any) -> None:
-    """Refuse a dataset the global cursor cannot drive: it needs samples by index (``len`` and ``[i]``).
+@runtime_checkable
+class SeekableStream(Protocol):
+    """The protocol an ``IterableDataset`` follows to be trained on: a length, and a ``seek`` after which the next
+    ``iter()`` yields the samples at ``index``, ``index + 1``, ... in order.
 
-    An ``IterableDataset`` can only be read in its own order, so resuming at another world size could not
-    give every rank its positions of the global permutation.
+    Why a seek: every sample is read at its position of the global permutation (that is what keeps a resume at
+    any world size exact), so a stream must be able to start anywhere. Record files with an index of offsets,
+    Arrow/Parquet row groups and numbered shards all can. Iteration after a seek must not split itself by
+    DataLoader worker (``get_worker_info``): the trainer decides which process reads which sample.
     """
-    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+
+    def __len__(self) -> int: ...
+
+    def seek(self, index: int) -> None: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+
+class SeekingDataset(Dataset[Any]):
+    """Random access over a :class:`SeekableStream`: a run of consecutive indices costs one seek, any other index
+    a seek of its own (so the cost of a random order is the stream's seek time per sample)."""
+
+    def __init__(self, stream: SeekableStream) -> None:
+        self.stream = stream
+        self._samples: Optional[Iterator[Any]] = None
+        self._next_index = -1
+        self.seeks = 0
+        """How many seeks were made (the cost a stream pays for the global order)."""
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        out = []
+        for index in indices:
+            if self._samples is None or index != self._next_index:
+                self.stream.seek(index)
+                self._samples = iter(self.stream)
+                self.seeks += 1
+            try:
+                out.append(next(self._samples))
+            except StopIteration:
+                self._samples = None
+                raise IndexError(
+                    f"{type(self.stream).__name__} ended before sample {index} although its len() is "
+                    f"{len(self.stream)}: seek({index}) must lead to that sample"
+                ) from None
+            self._next_index = index + 1
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A DataLoader worker gets the stream without the open iterator (generators do not pickle)."""
+        return {**self.__dict__, "_samples": None, "_next_index": -1}
+
+
+def random_access(dataset: Any) -> Any:
+    """The dataset as the global cursor reads it: a map-style dataset as is, a :class:`SeekableStream` through
+    :class:`SeekingDataset`; anything else is refused, saying what the trainer needs."""
+    if isinstance(dataset, IterableDataset):
+        if isinstance(dataset, SeekableStream):
+            return SeekingDataset(dataset)
+        missing = [name for name in ("__len__", "seek") if not callable(getattr(dataset, name, None))]
+        raise TypeError(
+            f"dataset: {type(dataset).__name__} is an IterableDataset without {' and '.join(missing)}; the "
+            "trainer reads every sample at its position of the global permutation, so a stream must follow the "
+            "SeekableStream protocol (disttrain.trainer.data): __len__() and seek(index), after which iter() "
+            "yields the samples from that index on. Otherwise index your samples (for example an array of file "
+            "offsets) and read them in __getitem__ of a map-style dataset"
+        )
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise TypeError(
             f"dataset: {type(dataset).__name__} has no random access; the trainer needs a map-style dataset "
-            "(__len__ and __getitem__, e.g. torch.utils.data.Dataset or TensorDataset), because every sample is "
-            "read at its position of the global permutation. IterableDataset is not supported: index your samples "
-            "(for example an array of file offsets) and read them in __getitem__"
+            "(__len__ and __getitem__, e.g. torch.utils.data.Dataset or TensorDataset) or an IterableDataset "
+            "that follows the SeekableStream protocol (__len__ and seek(index)), because every sample is read at "
+            "its position of the global permutation"
         )
+    return dataset
 
 
 class CursorBatchSampler:

@@ -215,7 +215,7 @@ class ElasticTrainer:
         cls,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        dataset: MapDataset,
+        dataset: MapDataset | data_mod.SeekableStream,
         *,
         scheduler: Any = None,
         collate_fn: Callable[[list[Any]], Any] = default_collate,
@@ -247,6 +247,8 @@ class ElasticTrainer:
         initial scale or growth interval). ``clip_grad_norm``: clip the
         global gradient norm to this value before each optimizer step. ``user_state``: more ``Stateful`` objects
         (an EMA, a curriculum counter) saved and restored with every checkpoint under their names.
+        ``dataset``: map-style, or an ``IterableDataset`` that can seek
+        (:class:`~disttrain.trainer.data.SeekableStream`).
         ``num_workers`` > 0: batches come from a ``DataLoader`` with that many worker processes (and
         ``prefetch_factor`` batches each in flight, pinned memory on GPU), driven by the global cursor.
         ``device``: ``"auto"`` (``cuda:LOCAL_RANK`` when CUDA is available, else the CPU), ``"cuda"`` (refuse to
@@ -256,7 +258,7 @@ class ElasticTrainer:
         parallelism = _option_or_exit("parallelism", parallelism, parallel_mod.Parallelism)
         precision = _option_or_exit("precision", precision, parallel_mod.Precision)
         try:
-            data_mod.check_random_access(dataset)
+            readable: MapDataset = data_mod.random_access(dataset)
         except TypeError as exc:
             exits.exit_permanent(str(exc))
         if num_workers < 0:
@@ -300,7 +302,7 @@ class ElasticTrainer:
             model=on_device,
             parallel=wrapped,
             optimizer=optimizer,
-            dataset=dataset,
+            dataset=readable,
             checkpoints=checkpoints,
             watchdog=watchdog,
             metrics=metrics,

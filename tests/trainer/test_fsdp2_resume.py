@@ -1,8 +1,8 @@
 """FSDP2 (``fully_shard`` on a CPU mesh, gloo): killed runs resume resharded at other world sizes, exactly.
 
 Reference: FSDP2 at W=4 for 10 steps. Interrupted: the same at W=4, SIGKILLed (the whole process tree) once step 5
-ran, then resumed from the newest complete checkpoint at W=2 and, from a copy, at W=3 reading through 2
-DataLoader workers. The final parameters match the reference within float tolerance and the multiset of
+ran, then resumed from the newest complete checkpoint at W=2 reading a seekable IterableDataset and, from a
+copy, at W=3 reading through 2 DataLoader workers. The final parameters match the reference within float tolerance and the multiset of
 consumed sample indices is exactly equal. The same holds with bf16 and gradient clipping on (resumed at W=3).
 Checkpoints written under DDP load under FSDP2 and back (the state-dict keys are the model's own names under
 both), with a user ``Stateful`` carried along; an fp16 GradScaler resumes with the scale and growth tracker it
@@ -26,10 +26,11 @@ VARIANTS = {
     "fp32": {"TOY_PARALLELISM": "fsdp2"},
     "bf16-clip": {"TOY_PARALLELISM": "fsdp2", "TOY_PRECISION": "bf16", "TOY_CLIP": "0.05"},
 }
-# Where each variant resumes after the kill, with the extra env of that resume. DataLoader workers change where
-# samples are read, not the math, so the W=3 fp32 resume reads through 2 workers against the same reference.
+# Where each variant resumes after the kill, with the extra env of that resume. DataLoader workers and the data's
+# form change where samples are read, not the math: the W=2 fp32 resume reads the same samples as a seekable
+# IterableDataset, the W=3 one through 2 DataLoader workers, both against the same reference.
 RESUMES = {
-    "fp32": [(2, {}), (3, {"TOY_NUM_WORKERS": "2"})],
+    "fp32": [(2, {"TOY_STREAM": "1"}), (3, {"TOY_NUM_WORKERS": "2"})],
     "bf16-clip": [(3, {})],
 }
 

@@ -54,6 +54,25 @@ def regression_dataset(n: int) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, y)
 
 
+class RegressionStream(torch.utils.data.IterableDataset):
+    """The regression samples as a stream that can seek (the trainer's ``SeekableStream`` protocol), the way an
+    indexed record file would be read."""
+
+    def __init__(self, samples: torch.utils.data.TensorDataset) -> None:
+        self.samples = samples
+        self.start = 0
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def seek(self, index: int) -> None:
+        self.start = index
+
+    def __iter__(self):
+        for i in range(self.start, len(self.samples)):
+            yield self.samples[i]
+
+
 def train_step(trainer: ElasticTrainer, step: Step) -> tuple[float, int]:
     """Forward and backward of every micro batch of ``step`` (MSE summed over samples, keyed dropout).
     Returns this rank's loss sum and sample count."""

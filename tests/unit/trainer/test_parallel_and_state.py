@@ -64,10 +64,68 @@ class Stream(torch.utils.data.IterableDataset):
         return iter(range(3))
 
 
-def test_an_iterable_dataset_is_refused_saying_what_the_trainer_needs():
-    with pytest.raises(TypeError, match="Stream has no random access; the trainer needs a map-style dataset"):
-        data.check_random_access(Stream())
+def test_an_iterable_dataset_without_seek_is_refused_naming_the_protocol():
+    with pytest.raises(TypeError, match="Stream is an IterableDataset without __len__ and seek;.*SeekableStream"):
+        data.random_access(Stream())
 
 
-def test_a_tensor_dataset_has_random_access():
-    data.check_random_access(torch.utils.data.TensorDataset(torch.zeros(3)))
+def test_an_object_without_random_access_is_refused_saying_what_the_trainer_needs():
+    with pytest.raises(TypeError, match="list_iterator has no random access; the trainer needs a map-style"):
+        data.random_access(iter([1, 2]))
+
+
+class CountingStream(torch.utils.data.IterableDataset):
+    """Samples 100 + i; counts how many samples it produced (a seek is cheap, reading is what costs)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.start, self.produced = n, 0, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def seek(self, index: int) -> None:
+        self.start = index
+
+    def __iter__(self):
+        for i in range(self.start, self.n):
+            self.produced += 1
+            yield 100 + i
+
+
+def test_a_seekable_stream_serves_any_order_and_consecutive_runs_cost_one_seek():
+    stream = CountingStream(10)
+    readable = data.random_access(stream)
+    assert isinstance(readable, data.SeekingDataset) and len(readable) == 10
+    assert readable.__getitems__([3, 4, 5, 9, 0, 1]) == [103, 104, 105, 109, 100, 101]
+    assert readable.seeks == 3 and stream.produced == 6, "a run reads on, it does not seek again"
+    assert readable[2] == 102 and readable.seeks == 3, "index 2 follows index 1"
+    assert readable[7] == 107 and readable.seeks == 4
+
+
+class ShortStream(CountingStream):
+    """Claims 10 samples, holds 5."""
+
+    def __iter__(self):
+        return (100 + i for i in range(self.start, 5))
+
+
+def test_a_stream_shorter_than_its_len_fails_naming_the_sample():
+    readable = data.random_access(ShortStream(10))
+    with pytest.raises(IndexError, match="ShortStream ended before sample 7 although its len\\(\\) is 10"):
+        readable[7]
+
+
+def test_a_seeking_dataset_pickles_without_its_open_iterator():
+    import pickle
+
+    readable = data.random_access(CountingStream(4))
+    readable[0]
+    clone = pickle.loads(pickle.dumps(readable))
+    assert clone[1] == 101 and clone.seeks == 2
+
+
+def test_a_tensor_dataset_passes_through_unchanged():
+    dataset = torch.utils.data.TensorDataset(torch.zeros(3))
+    assert data.random_access(dataset) is dataset
+
+
