@@ -48,7 +48,7 @@ ARG PIP_INSTALL_ARGS=""
 COPY --from=build /wheels /wheels
 # The kubernetes client is for the job agent (it follows its job); kopf is not installed here.
 RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--extra-index-url "${TORCH_INDEX_URL}"} ${PIP_INSTALL_ARGS} \
-        "$(ls /wheels/disttrain-*.whl)[trainer]" "kubernetes>=29"
+        "$(ls /wheels/disttrain-*.whl)[trainer]" "kubernetes>=29,<38"
 
 FROM python AS operator
 COPY --from=operator-venv /opt/venv /opt/venv

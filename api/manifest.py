@@ -4,13 +4,18 @@ A checkpoint directory counts only when this file is present, parses, and the fi
 (sizes and digests, including the hash of DCP's ``.metadata``). Rank 0 writes it last, atomically
 (tmp -> fsync -> rename -> directory fsync), so a crash at any earlier moment leaves a directory that resume
 ignores.
+
+File names are relative names inside the checkpoint directory: an absolute path, ``..``, a backslash or an empty
+part is refused when the manifest is parsed, so validating or loading a checkpoint never opens a file outside
+it. The manifest is no signature: see "What the checkpoint volume is trusted with" in docs/trainer.md.
 """
 
 from __future__ import annotations
 
+import posixpath
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MANIFEST_FILE = "COMPLETE.json"
 MANIFEST_FORMAT_VERSION = 1
@@ -58,3 +63,23 @@ class CheckpointManifest(BaseModel):
     """sha256 of the training contract (spec.training) that wrote it."""
     job: Optional[str] = None
     """namespace/name of the job, when known."""
+    job_uid: Optional[str] = None
+    """metadata.uid of the job that wrote it, when known (a job recreated under the same name has another)."""
+    fence_round: Optional[int] = Field(None, ge=1)
+    """Fence round of the group that committed it (see disttrain.trainer.fence); None before rounds existed."""
+
+    @field_validator("files")
+    @classmethod
+    def _relative_names(cls, files: dict[str, FileDigest]) -> dict[str, FileDigest]:
+        for name in files:
+            check_file_name(name)
+        return files
+
+
+def check_file_name(name: str) -> None:
+    """Refuse a manifest file name that could point outside the checkpoint directory."""
+    parts = name.split("/")
+    if not name or name.startswith("/") or posixpath.isabs(name):
+        raise ValueError(f"files: {name!r} is not a relative file name inside the checkpoint directory")
+    if "\\" in name or "\x00" in name or any(part in ("", ".", "..") for part in parts):
+        raise ValueError(f"files: {name!r} must not contain '..', '.', empty parts, backslashes or NUL")

@@ -15,7 +15,7 @@ from typing import Any, Optional
 from disttrain.api import constants, containers, env
 from disttrain.api.contract import WorkerContract, job_checkpoint_dir
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import names
+from disttrain.operator import names, podsecurity
 
 # torchrun counts every worker-group failure (our drain and reform exits included) against --max-restarts;
 # the operator owns the restart budget, so torchrun's must never run out.
@@ -156,6 +156,8 @@ def build_worker_pod(
     trainer["ports"] = [*ports, *metrics_ports(job.spec.nproc_per_node)]
     _mount_checkpoints(job, pod_spec, trainer)
     pod_spec["restartPolicy"] = "Never"  # a failed node is the operator's to replace, never the kubelet's
+    pod_spec.setdefault("automountServiceAccountToken", False)  # the trainer never calls the API server
+    podsecurity.apply_restricted_defaults(pod_spec)
     pod_spec["hostname"] = name
     pod_spec["subdomain"] = names.headless_service_name(job.metadata.name)
     if job.spec.run_policy.scheduler_name:
@@ -233,9 +235,10 @@ def build_agent_pod(job: DistTrainJob) -> dict[str, Any]:
         "restartPolicy": "Never",  # the operator replaces a failed agent and tells the workers to re-join
         "containers": [container],
     }
-    for key in ("imagePullSecrets", "nodeSelector", "tolerations"):
+    for key in ("imagePullSecrets", "nodeSelector", "tolerations", "securityContext"):
         if template_spec.get(key):
             spec[key] = copy.deepcopy(template_spec[key])
+    podsecurity.apply_restricted_defaults(spec)  # it keeps its token: it watches its job and patches status
     return {"apiVersion": "v1", "kind": "Pod", "metadata": _metadata(job, name, constants.ROLE_AGENT), "spec": spec}
 
 

@@ -6,7 +6,13 @@ is in :mod:`disttrain.trainer.commit`; this module adds the collectives around i
 
 1. rank 0 picks a fresh temp dir name and broadcasts it; every rank writes its DCP files there;
 2. every rank fsyncs and digests the files it wrote (in parallel), and sends the digests to rank 0;
-3. rank 0 writes COMPLETE.json atomically, renames the dir to ``step-N``, fsyncs the parent, applies retention.
+3. rank 0 checks the fence (:mod:`disttrain.trainer.fence`: no newer group took over the directory), writes
+   COMPLETE.json atomically, renames the dir to ``step-N``, fsyncs the parent, applies retention.
+
+Before it resumes, every new group claims the next fence round on the volume; a commit from an older round is
+refused, and retention removes only temporary directories of its own round or older. A failed save removes its
+own temporary directory at once (a full disk must not stay full), and retention counts and deletes only
+checkpoints that validate, never the newest valid one or the one the run loaded.
 
 Async saves (``dcp.async_save`` on a separate gloo group) stage the state (an in-memory copy) in a background
 thread that overlaps the next forward/backward; only the next ``optimizer.step()`` waits for the copy to finish
@@ -26,6 +32,7 @@ import enum
 import json
 import logging
 import random
+import shutil
 import threading
 import time
 import uuid
@@ -36,6 +43,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
@@ -43,7 +51,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.spec import CheckpointSpec
-from disttrain.trainer import commit, storage
+from disttrain.trainer import commit, fence, storage
 from disttrain.trainer.metrics import TrainerMetrics
 
 try:
@@ -191,6 +199,8 @@ class CheckpointManager:
         writer_threads: int = 2,
         on_commit: Optional[Callable[[CheckpointManifest], None]] = None,
         on_phase: Optional[PhaseHook] = None,
+        job_uid: str = "",
+        node: str = "",
     ) -> None:
         self.root = Path(root)
         self.spec = spec
@@ -211,6 +221,10 @@ class CheckpointManager:
         self._staging: Any = None
         self._retention: Optional[threading.Thread] = None
         self._session: Optional[str] = None
+        self.job_uid = job_uid
+        self.node = node
+        self.fence_round: Optional[int] = None  # claimed by rank 0 of this group at its first collective
+        self._validity: dict[str, tuple[tuple[int, int, int], bool]] = {}  # step dir -> (manifest stat, valid)
         self._saves = 0
         self.blocked_s = 0.0  # total seconds training waited for saves (sync saves, async kick-off and staging)
         if rank == 0:
@@ -242,7 +256,8 @@ class CheckpointManager:
         if self.pending is not None:
             self.wait_pending()
         t0 = time.monotonic()
-        tmp = self.root / commit.tmp_dir_name(step, self._nonce())
+        nonce = self._nonce()
+        tmp = self.root / commit.tmp_dir_name(step, nonce, self._round())
         self.last_saved_step = step
         self.last_save_time = time.monotonic()
         if self.spec.async_save and not force_sync:
@@ -277,7 +292,8 @@ class CheckpointManager:
             self._phase(CheckpointPhase.FILES_WRITTEN, step)
             digests = commit.digest_files(tmp, _files_of_rank(tmp, self.rank), known=writer.digests)
             error = None
-        except Exception as exc:  # noqa: BLE001 - reported collectively below
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported collectively below
+            # DCP raises CheckpointException (a BaseException) when a rank's write fails, e.g. on a full disk.
             digests, error = {}, exc
         self._commit_collectively(step, tmp, manifest, digests, error)
         self.blocked_s += time.monotonic() - t0
@@ -343,13 +359,16 @@ class CheckpointManager:
         error: Optional[BaseException],
     ) -> None:
         gathered: list[Any] = [None] * self.world_size
-        payload = {"digests": {k: v.model_dump() for k, v in digests.items()}, "error": repr(error) if error else None}
+        payload = {
+            "digests": {k: v.model_dump() for k, v in digests.items()},
+            "error": self._describe(step, error) if error else None,
+        }
         dist.all_gather_object(gathered, payload, group=self.group)
         errors = [g["error"] for g in gathered if g["error"]]
         if errors:
             self._failed(step, tmp, "; ".join(sorted(set(errors))))
             return
-        committed = True
+        committed, problem = True, ""
         if self.rank == 0:
             try:
                 self._phase(CheckpointPhase.BEFORE_MANIFEST, step)
@@ -358,9 +377,17 @@ class CheckpointManager:
                     files.update({k: commit.FileDigest(**v) for k, v in g["digests"].items()})
                 meta = files[commit.METADATA_FILE].digest.split(":", 1)[1]
                 final_manifest = manifest.model_copy(
-                    update={"files": files, "metadata_sha256": meta, "created_at": _now()}
+                    update={
+                        "files": files,
+                        "metadata_sha256": meta,
+                        "created_at": _now(),
+                        "job_uid": self.job_uid or None,
+                        "fence_round": self._round(),
+                    }
                 )
+                fence.check(self.root, self._round())
                 commit.write_manifest(tmp, final_manifest)
+                fence.check(self.root, self._round())  # again, as close to the rename as it gets
                 commit.publish(self.root, tmp, step)
                 log.info(
                     "checkpoint step-%d committed (%d files, %.1f MB)",
@@ -368,35 +395,67 @@ class CheckpointManager:
                     len(files),
                     sum(f.size for f in files.values()) / 1e6,
                 )
-                self._retain()
+                self._retain(step)
                 if self.on_commit is not None:
                     self.on_commit(final_manifest)
             except Exception as exc:  # noqa: BLE001
                 log.error("checkpoint step-%d could not be committed: %s", step, exc)
-                committed = False
-        flag = [committed]
+                committed, problem = False, self._describe(step, exc)
+        flag: list[Any] = [committed, problem]
         dist.broadcast_object_list(flag, src=0, group=self.group)
         if not flag[0]:
-            self._failed(step, tmp, "rank 0 could not commit")
+            self._failed(step, tmp, f"rank 0 could not commit: {flag[1]}")
             return
         self.consecutive_failures = 0
         if self.metrics is not None:
             self.metrics.last_complete_step.set(step)
 
-    def _retain(self) -> None:
-        """Retention (rank 0): decided now, deleted in a thread, off the critical path. The step just committed
-        is the newest complete one, so it is kept whatever `keep` says; saves never overlap, so no temp dir is
-        live at this moment, and the deletion list is fixed before the next save can create one."""
-        names = commit.plan_retention(self.root, self.spec.keep)
+    def _retain(self, committed: int) -> None:
+        """Retention (rank 0): temporary directories are chosen now, from one listing (so the next save's temp
+        dir, created later, is never among them); checkpoints are validated and deleted in a thread, off the
+        critical path. Only checkpoints that validate count towards ``keep`` or are deleted; the newest valid
+        one, the one just committed and the one this run loaded are always kept. Nothing is deleted once a newer
+        group holds the fence."""
+        self.join_retention()
+        self._remember_valid(self.root / commit.step_dir_name(committed))
+        own_round = self._round()
+        temps = commit.plan_temp_cleanup(self.root, own_round)
+        protected = {committed} | ({self.loaded_step} if self.loaded_step is not None else set())
 
         def run() -> None:
-            deleted = commit.delete(self.root, names)
+            try:
+                fence.check(self.root, own_round)
+                steps = commit.plan_step_deletions(self.root, self.spec.keep, self._is_valid, protected)
+                fence.check(self.root, own_round)
+                deleted = commit.delete(self.root, steps + temps)
+                fence.retire_older(self.root, own_round)
+            except fence.FencedError as exc:
+                log.error("retention skipped: %s", exc)
+                return
             if deleted:
                 log.info("retention removed %s", ", ".join(deleted))
 
-        self.join_retention()
         self._retention = threading.Thread(target=run, name="disttrain-retention", daemon=True)
         self._retention.start()
+
+    def _is_valid(self, path: Path) -> bool:
+        """Full validation, remembered per manifest (a checkpoint is read once per run, not at every commit)."""
+        key = _manifest_key(path)
+        if key is None:
+            return False
+        known = self._validity.get(path.name)
+        if known is not None and known[0] == key:
+            return known[1]
+        ok = commit.validate(path).ok
+        if not ok:
+            log.warning("checkpoint %s does not validate: retention neither counts nor deletes it", path.name)
+        self._validity[path.name] = (key, ok)
+        return ok
+
+    def _remember_valid(self, path: Path) -> None:
+        key = _manifest_key(path)
+        if key is not None:
+            self._validity[path.name] = (key, True)
 
     def join_retention(self) -> None:
         if self._retention is not None:
@@ -408,6 +467,8 @@ class CheckpointManager:
         if self.metrics is not None:
             self.metrics.checkpoint_failures.inc()
         log.error("checkpoint save at step %d FAILED (%d in a row): %s", step, self.consecutive_failures, reason)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # every rank is done with it; a full disk must not stay full
         self.last_saved_step = None
         if self.consecutive_failures >= self.max_consecutive_failures:
             raise CheckpointFailedError(f"{self.consecutive_failures} checkpoint saves in a row failed; last: {reason}")
@@ -420,9 +481,12 @@ class CheckpointManager:
     # ---- load ---------------------------------------------------------------------------------------------
     def find_latest(self) -> Optional[CheckpointManifest]:
         """Rank 0 validates (newest first, reasons logged) and broadcasts the choice."""
+        self._round()  # this group takes the fence before it decides what to resume from
         choice: list[Any] = [None]
         if self.rank == 0:
             found = commit.find_latest(self.root, log=log.warning)
+            if found is not None:
+                self._remember_valid(found.path)
             if found is not None and found.manifest is not None:
                 choice[0] = found.manifest.model_dump_json()
         dist.broadcast_object_list(choice, src=0, group=self.group)
@@ -442,12 +506,37 @@ class CheckpointManager:
     def _nonce(self) -> str:
         """Fresh per save and equal on all ranks: a random session id agreed once, plus a save counter (saves
         are collective, so every rank counts alike). No collective on the per-save path."""
-        if self._session is None:
-            box = [uuid.uuid4().hex[:8] if self.rank == 0 else None]
-            dist.broadcast_object_list(box, src=0, group=self.group)
-            self._session = box[0]
+        self._round()
         self._saves += 1
         return f"{self._session}{self._saves:04d}"
+
+    def _round(self) -> int:
+        """This group's fence round: rank 0 claims it on the volume once and broadcasts it with the session id
+        (collective the first time; every rank reaches it first through :meth:`find_latest` or a save)."""
+        if self.fence_round is None:
+            box: list[Any] = [None]
+            if self.rank == 0:
+                self.root.mkdir(parents=True, exist_ok=True)
+                claimed = fence.claim(self.root, self.job_uid, self.node)
+                log.info("checkpoint fence: this group holds round %d of %s", claimed, self.root)
+                box[0] = (claimed, uuid.uuid4().hex[:8])
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            self.fence_round, self._session = box[0]
+        return self.fence_round
+
+    def _describe(self, step: int, error: BaseException) -> str:
+        """The error a rank reports for its part of a failed save; a full disk says so, with the free space."""
+        if commit.is_disk_full(error):
+            try:
+                usage = shutil.disk_usage(self.root)
+                space = f"{usage.free / 1e6:.1f} MB free of {usage.total / 1e6:.1f} MB"
+            except OSError:
+                space = "free space unknown"
+            return (
+                f"disk full (ENOSPC) writing checkpoint step-{step} under {self.root} ({space}): the partial save "
+                f"is removed and older checkpoints are kept; free space on the checkpoint volume ({error!r:.300})"
+            )
+        return repr(error)
 
     def _barrier(self) -> None:
         dist.barrier(group=self.group)
@@ -467,6 +556,14 @@ class CheckpointManager:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+
+
+def _manifest_key(path: Path) -> Optional[tuple[int, int, int]]:
+    try:
+        st = (path / commit.MANIFEST_FILE).stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def _now() -> str:

@@ -7,13 +7,20 @@ the parent. A crash at any earlier moment leaves a directory resume never consid
 ``step-<N>`` only after the manifest parses and every listed file has its size and digest.
 
 Digests: ``.metadata`` with sha256 (recorded as ``metadata_sha256`` too); shard files with crc32, which catches
-torn and bit-flipped writes at ~4 GB/s, so validating does not double the cost of a save.
+torn and bit-flipped writes at ~4 GB/s, so validating does not double the cost of a save. Digests detect
+accidents (torn writes, bit rot, a half-copied directory), not an adversary: whoever can write the volume can
+rewrite a file and its digest alike (see "What the checkpoint volume is trusted with" in docs/trainer.md).
+
+Temporary directories carry the fence round of the group that writes them (:mod:`disttrain.trainer.fence`), so
+retention can tell its own and older groups' leftovers from a newer group's save in flight.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import dataclasses
+import errno
 import hashlib
 import os
 import re
@@ -29,7 +36,10 @@ from disttrain.api.manifest import MANIFEST_FILE, CheckpointManifest, FileDigest
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_PREFIX = ".tmp-step-"
+TRASH_PREFIX = ".trash-"
+_ROUND_OF = re.compile(r"^(?:\.tmp-step-|\.trash-step-)\d+-r(\d+)-")
 METADATA_FILE = ".metadata"
+KNOWN_ALGORITHMS = frozenset({"crc32", "sha256"})
 _CHUNK = 8 * 2**20
 
 
@@ -37,8 +47,15 @@ def step_dir_name(step: int) -> str:
     return f"step-{step}"
 
 
-def tmp_dir_name(step: int, nonce: str) -> str:
-    return f"{TMP_PREFIX}{step}-{nonce}"
+def tmp_dir_name(step: int, nonce: str, round_: int = 0) -> str:
+    """``.tmp-step-<N>-r<round>-<nonce>``: the fence round tells whose leftover it is."""
+    return f"{TMP_PREFIX}{step}-r{round_}-{nonce}"
+
+
+def round_of(name: str) -> int:
+    """Fence round of a temporary or trash directory name (0 for names written before rounds existed)."""
+    m = _ROUND_OF.match(name)
+    return int(m.group(1)) if m else 0
 
 
 def fsync_path(path: Path) -> None:
@@ -108,16 +125,54 @@ def write_manifest(directory: Path, manifest: CheckpointManifest) -> None:
 
 
 def publish(root: Path, tmp_dir: Path, step: int) -> Path:
-    """Rename a committed temp dir to ``step-N`` and fsync the parent. An existing ``step-N`` (left invalid by a
-    crash and skipped at resume) is moved aside first, since rename cannot replace a non-empty directory."""
+    """Rename a committed temp dir to ``step-N`` and fsync the parent.
+
+    When ``step-N`` exists already (a re-save of the same step, or one left invalid by a crash), the old
+    directory stays in place until the new one is: both are swapped in one atomic ``renameat2(RENAME_EXCHANGE)``
+    and only then is the old one removed. Where the file system cannot exchange, a valid old ``step-N`` is kept
+    and the new copy dropped (both hold the same step), and only an invalid old one is moved aside first.
+    """
     final = root / step_dir_name(step)
-    if final.exists():
-        aside = root / f".trash-{final.name}-{os.getpid()}"
-        os.rename(final, aside)
-        shutil.rmtree(aside, ignore_errors=True)
-    os.rename(tmp_dir, final)
+    try:
+        os.rename(tmp_dir, final)  # replaces nothing but an empty directory
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        _replace_existing(root, tmp_dir, final)
     fsync_path(root)
     return final
+
+
+def _replace_existing(root: Path, tmp_dir: Path, final: Path) -> None:
+    try:
+        exchange(tmp_dir, final)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+            raise
+        if validate(final).ok:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            return
+        aside = root / f"{TRASH_PREFIX}{tmp_dir.name[len('.tmp-') :]}"
+        os.rename(final, aside)
+        os.rename(tmp_dir, final)
+        shutil.rmtree(aside, ignore_errors=True)
+        return
+    shutil.rmtree(tmp_dir, ignore_errors=True)  # the old step-N, now under the temporary name
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def exchange(a: Path, b: Path) -> None:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); OSError(ENOSYS) where unavailable."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available", str(a))
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(a), None, str(b))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +211,10 @@ def validate(path: Path, verify_digests: bool = True) -> Validation:
             return Validation(
                 step, path, manifest, f"file {name} has {size} bytes, {MANIFEST_FILE} says {expected.size}"
             )
+        algorithm = expected.digest.split(":", 1)[0]
+        if algorithm not in KNOWN_ALGORITHMS:
+            return Validation(step, path, manifest, f"file {name} has an unknown digest algorithm {algorithm!r}")
         if verify_digests:
-            algorithm = expected.digest.split(":", 1)[0]
             actual = file_digest(file, algorithm).digest
             if actual != expected.digest:
                 return Validation(
@@ -191,26 +248,68 @@ def find_latest(root: Path, log: Optional[Callable[[str], object]] = None) -> Op
     return None
 
 
-def choose_deletions(complete_steps: list[int], keep: int, protected: Iterable[int] = ()) -> list[int]:
-    """Steps to delete so that ``keep`` complete checkpoints remain. Never the newest complete one, never a
-    protected step (the one just loaded or a save in flight), whatever ``keep`` says."""
-    ordered = sorted(set(complete_steps), reverse=True)
+def choose_deletions(valid_steps: list[int], keep: int, protected: Iterable[int] = ()) -> list[int]:
+    """Steps to delete so that ``keep`` valid checkpoints remain. Never the newest valid one, never a protected
+    step (the one the run loaded), whatever ``keep`` says. Only valid steps may be passed: a step that did not
+    validate neither counts towards ``keep`` nor is deleted here."""
+    ordered = sorted(set(valid_steps), reverse=True)
     keep_set = set(ordered[: max(1, keep)]) | set(protected)
     return sorted(s for s in ordered if s not in keep_set)
 
 
-def plan_retention(root: Path, keep: int, in_flight: Iterable[str] = ()) -> list[str]:
-    """Names to delete: complete checkpoints beyond ``keep`` (never the newest) and temp dirs of crashed saves
-    (never one named in ``in_flight``). Decided from one listing, so deleting the result later (in a thread)
-    cannot touch a directory created after the decision, such as the next save's temp dir."""
-    dirs = step_dirs(root)
-    complete = [s for s, p in dirs if (p / MANIFEST_FILE).is_file()]
-    names = [step_dir_name(step) for step in choose_deletions(complete, keep)]
+def plan_step_deletions(
+    root: Path, keep: int, is_valid: Callable[[Path], bool], protected: Iterable[int] = ()
+) -> list[str]:
+    """``step-N`` names to delete: valid checkpoints beyond the newest ``keep`` valid ones. "Complete" is not
+    enough: after a fallback from a corrupt step-100, the corrupt one must not count towards ``keep``."""
+    protected = set(protected)
+    valid = [step for step, path in step_dirs(root) if step in protected or is_valid(path)]
+    return [step_dir_name(step) for step in choose_deletions(valid, keep, protected)]
+
+
+def plan_temp_cleanup(root: Path, own_round: int, in_flight: Iterable[str] = ()) -> list[str]:
+    """Temporary and trash directories of failed or crashed saves of round ``own_round`` or older, never one
+    named in ``in_flight`` and never a newer round's (a stale group must not delete the new group's save).
+    Decided from one listing, so deleting the result later (in a thread) cannot touch a directory created after
+    the decision, such as the next save's temp dir."""
     keep_names = set(in_flight)
+    names = []
     for entry in sorted(root.iterdir()) if root.is_dir() else []:
-        if entry.name.startswith((TMP_PREFIX, ".trash-")) and entry.name not in keep_names:
+        leftover = entry.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and entry.name not in keep_names
+        if leftover and round_of(entry.name) <= own_round:
             names.append(entry.name)
     return names
+
+
+def plan_retention(
+    root: Path,
+    keep: int,
+    own_round: int = 0,
+    in_flight: Iterable[str] = (),
+    protected: Iterable[int] = (),
+    is_valid: Optional[Callable[[Path], bool]] = None,
+) -> list[str]:
+    """Both plans at once (full validation of every checkpoint unless ``is_valid`` says otherwise)."""
+    check = is_valid if is_valid is not None else (lambda path: validate(path).ok)
+    return plan_step_deletions(root, keep, check, protected) + plan_temp_cleanup(root, own_round, in_flight)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ENOSPC (or EDQUOT) is behind ``exc``: its causes and DCP's per-rank ``failures`` are followed."""
+    seen: set[int] = set()
+    todo: list[object] = [exc]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) and f else f for f in failures.values()]
+    return False
 
 
 def delete(root: Path, names: Iterable[str]) -> list[str]:

@@ -286,6 +286,8 @@ class ElasticTrainer:
             metrics=metrics,
             on_commit=lambda m: watchdog.publish(control_keys.CHECKPOINT_KEY, m.model_dump_json()),
             on_phase=on_checkpoint_phase,
+            job_uid=ctx.job_uid,
+            node=ctx.node_name,
         )
         _open_control_channel(watchdog)
         if scheduler is not None and ctx.contract.training.lr.schedule is not LRSchedule.CONSTANT:
@@ -605,6 +607,10 @@ class ElasticTrainer:
         last = self.done
         agreed = self._agreement.exchange(self._boundary_flags(), read_now=last)
         if agreed is None:
+            # The first boundary of a run has no agreement yet; a save due by step count needs none (every rank
+            # decides alike from the step), so the first interval after a resume is not skipped.
+            if self.checkpoints.should_save(self.state.step, last=last):
+                self._save(force_sync=last)
             return
         pending = self.checkpoints.pending
         if pending is not None and agreed.save_finished_everywhere(pending.step):

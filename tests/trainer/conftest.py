@@ -108,6 +108,10 @@ class Harness:
         rc = p.wait(timeout=timeout)
         return rc, self.log(run)
 
+    def ckpt_names(self, ckpt: Optional[Path] = None) -> list[str]:
+        """What the checkpoint directory holds, sorted, without the fence records (``.fence``)."""
+        return sorted(p.name for p in (ckpt or self.ckpt).iterdir() if p.name != ".fence")
+
     def log(self, run: str) -> str:
         return (self.out / f"{run}.log").read_text()
 

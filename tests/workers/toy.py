@@ -16,11 +16,13 @@ Settings come from the worker contract env like any disttrain program. Test-only
 - ``TOY_FAULT``: a checkpoint fault, injected through the trainer's ``on_checkpoint_phase`` hook.
   ``kill_before_commit:<step>`` makes global rank 0 SIGKILL itself once every rank's files of that save are
   written and synced, just before COMPLETE.json (the worst moment); ``fail_write:<step>`` makes every rank's
-  part of that save fail after DCP wrote its files.
+  part of that save fail after DCP wrote its files; ``enospc_from:<step>`` makes every save from that step on
+  fail as a full disk does (OSError ENOSPC), for where a real small file system cannot be mounted.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -40,11 +42,14 @@ def fault_hook(spec: str) -> Optional[PhaseHook]:
     if not spec:
         return None
     kind, _, at = spec.partition(":")
-    if kind not in ("kill_before_commit", "fail_write") or not at.isdigit():
-        raise ValueError(f"TOY_FAULT={spec!r}: expected kill_before_commit:<step> or fail_write:<step>")
+    if kind not in ("kill_before_commit", "fail_write", "enospc_from") or not at.isdigit():
+        raise ValueError(f"TOY_FAULT={spec!r}: expected kill_before_commit:<step>, fail_write:<step> or "
+                         "enospc_from:<step>")
     at_step = int(at)
 
     def hook(phase: CheckpointPhase, step: int) -> None:
+        if kind == "enospc_from" and step >= at_step and phase is CheckpointPhase.FILES_WRITTEN:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "fault injection")
         if step != at_step:
             return
         if kind == "kill_before_commit" and phase is CheckpointPhase.BEFORE_MANIFEST:

@@ -152,3 +152,38 @@ def test_each_local_ranks_exporter_has_a_named_metrics_port(nproc):
     base = int({e["name"]: e.get("value") for e in container["env"]}[env.METRICS_PORT])
     assert named == {"http": 8000, **{("metrics" if r == 0 else f"metrics-{r}"): base + r for r in range(nproc)}}
     kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
+def test_pods_meet_the_restricted_pod_security_standard_by_default():
+    job = make_job()
+    for pod in (pods.build_worker_pod(job, 0), pods.build_agent_pod(job)):
+        spec = pod["spec"]
+        assert spec["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+        for container in spec["containers"]:
+            assert container["securityContext"] == {"allowPrivilegeEscalation": False,
+                                                    "capabilities": {"drop": ["ALL"]}}
+
+
+def test_what_the_template_says_about_security_is_kept():
+    manifest = job_manifest(replicas=2)
+    template = manifest["spec"]["template"]["spec"]
+    template["securityContext"] = {"runAsNonRoot": False, "runAsUser": 0}
+    template["containers"][0]["securityContext"] = {"capabilities": {"add": ["SYS_PTRACE"]}}
+    template["initContainers"] = [{"name": "fetch", "image": "busybox", "command": ["true"],
+                                   "securityContext": {"allowPrivilegeEscalation": True}}]
+    template["automountServiceAccountToken"] = True
+    spec = pods.build_worker_pod(DistTrainJob.model_validate(manifest), 0)["spec"]
+    assert spec["securityContext"] == {"runAsNonRoot": False, "runAsUser": 0,
+                                       "seccompProfile": {"type": "RuntimeDefault"}}
+    assert spec["containers"][0]["securityContext"] == {"capabilities": {"add": ["SYS_PTRACE"]},
+                                                        "allowPrivilegeEscalation": False}
+    assert spec["initContainers"][0]["securityContext"] == {"allowPrivilegeEscalation": True,
+                                                            "capabilities": {"drop": ["ALL"]}}
+    assert spec["automountServiceAccountToken"] is True
+
+
+def test_workers_do_not_mount_a_service_account_token_and_the_agent_does():
+    job = make_job()
+    assert pods.build_worker_pod(job, 0)["spec"]["automountServiceAccountToken"] is False
+    agent = pods.build_agent_pod(job)["spec"]
+    assert "automountServiceAccountToken" not in agent and agent["serviceAccountName"]

@@ -1,16 +1,19 @@
 """Manifest validation and retention: what resume may trust and what may be deleted."""
 
+import errno
 import json
+import threading
 from pathlib import Path
 
+import pydantic
 import pytest
 
 from disttrain.api.manifest import MANIFEST_FILE, CheckpointManifest, DatasetFingerprint
-from disttrain.trainer import commit
+from disttrain.trainer import commit, fence
 
 
-def make_checkpoint(root: Path, step: int, payload: bytes = b"x" * 1000) -> Path:
-    tmp = root / commit.tmp_dir_name(step, "n")
+def make_checkpoint(root: Path, step: int, payload: bytes = b"x" * 1000, nonce: str = "n") -> Path:
+    tmp = root / commit.tmp_dir_name(step, nonce)
     tmp.mkdir(parents=True)
     (tmp / ".metadata").write_bytes(b"meta" + str(step).encode())
     (tmp / "__0_0.distcp").write_bytes(payload)
@@ -57,6 +60,69 @@ def test_resume_falls_back_to_the_newest_valid_checkpoint_and_says_why(tmp_path)
                         "); falling back to an older checkpoint"]
 
 
+def test_an_unknown_digest_algorithm_falls_back_to_an_older_checkpoint(tmp_path):
+    make_checkpoint(tmp_path, 2)
+    manifest_path = make_checkpoint(tmp_path, 4) / MANIFEST_FILE
+    data = json.loads(manifest_path.read_text())
+    data["files"]["__0_0.distcp"]["digest"] = data["files"]["__0_0.distcp"]["digest"].replace("crc32:", "crc33:")
+    manifest_path.write_text(json.dumps(data))
+    messages: list[str] = []
+    found = commit.find_latest(tmp_path, log=messages.append)
+    assert found is not None and found.step == 2
+    assert messages == ["checkpoint step-4 is not usable (file __0_0.distcp has an unknown digest algorithm "
+                        "'crc33'); falling back to an older checkpoint"]
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../step-2/.metadata", "a/../../b", "./x", "a//b", "a\\..\\b", ""])
+def test_a_manifest_refuses_file_names_outside_the_checkpoint(tmp_path, name):
+    data = json.loads((make_checkpoint(tmp_path, 4) / MANIFEST_FILE).read_text())
+    data["files"][name] = {"size": 1, "digest": "crc32:00000000"}
+    with pytest.raises(pydantic.ValidationError, match="files"):
+        CheckpointManifest.model_validate(data)
+
+
+def test_a_manifest_naming_a_file_outside_the_checkpoint_is_rejected_at_resume(tmp_path):
+    make_checkpoint(tmp_path, 2)
+    manifest_path = make_checkpoint(tmp_path, 4) / MANIFEST_FILE
+    data = json.loads(manifest_path.read_text())
+    data["files"]["../step-2/.metadata"] = data["files"][".metadata"]
+    manifest_path.write_text(json.dumps(data))
+    found = commit.find_latest(tmp_path)
+    assert found is not None and found.step == 2
+
+
+def test_re_saving_a_step_replaces_it_in_place(tmp_path):
+    make_checkpoint(tmp_path, 4, payload=b"old" * 100)
+    make_checkpoint(tmp_path, 4, payload=b"new" * 100, nonce="again")
+    assert (tmp_path / "step-4" / "__0_0.distcp").read_bytes() == b"new" * 100
+    assert commit.validate(tmp_path / "step-4").ok
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4"]
+
+
+def test_a_failed_re_save_leaves_the_existing_step_in_place(tmp_path):
+    make_checkpoint(tmp_path, 4)
+    with pytest.raises(FileNotFoundError):  # the new directory never arrives (its rename fails)
+        commit.publish(tmp_path, tmp_path / commit.tmp_dir_name(4, "vanished"), 4)
+    assert commit.validate(tmp_path / "step-4").ok
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4"]
+
+
+def test_retention_after_a_fallback_from_a_corrupt_checkpoint_keeps_the_valid_ones(tmp_path):
+    """The reported loss: step-100 corrupt, the run fell back to step-90 and committed step-95 with keep 1."""
+    make_checkpoint(tmp_path, 90)
+    (make_checkpoint(tmp_path, 100) / "__0_0.distcp").write_bytes(b"z" * 1000)
+    make_checkpoint(tmp_path, 95)
+    assert commit.plan_retention(tmp_path, keep=1, protected=[90, 95]) == []
+    assert commit.plan_retention(tmp_path, keep=1, protected=[95]) == ["step-90"]  # step-100 is neither kept nor counted
+
+
+def test_retention_never_counts_or_deletes_a_checkpoint_without_a_manifest(tmp_path):
+    make_checkpoint(tmp_path, 2)
+    make_checkpoint(tmp_path, 4)
+    (make_checkpoint(tmp_path, 6) / MANIFEST_FILE).unlink()
+    assert commit.plan_retention(tmp_path, keep=1) == ["step-2"]
+
+
 @pytest.mark.parametrize(("steps", "keep", "protected", "deleted"), [
     ([2, 4, 6], 3, [], []),
     ([2, 4, 6, 8], 2, [], [2, 4]),
@@ -72,7 +138,55 @@ def test_retention_choice(steps, keep, protected, deleted):
 def test_retention_removes_torn_saves_but_not_the_one_in_flight(tmp_path):
     make_checkpoint(tmp_path, 2)
     make_checkpoint(tmp_path, 4)
-    (tmp_path / ".tmp-step-6-dead").mkdir()
-    (tmp_path / ".tmp-step-8-live").mkdir()
-    commit.delete(tmp_path, commit.plan_retention(tmp_path, keep=1, in_flight=[".tmp-step-8-live"]))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-step-8-live", "step-4"]
+    (tmp_path / commit.tmp_dir_name(6, "dead", 3)).mkdir()
+    (tmp_path / commit.tmp_dir_name(8, "live", 3)).mkdir()
+    live = commit.tmp_dir_name(8, "live", 3)
+    commit.delete(tmp_path, commit.plan_retention(tmp_path, keep=1, own_round=3, in_flight=[live]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live, "step-4"]
+
+
+def test_retention_removes_its_own_and_older_rounds_temp_dirs_never_a_newer_rounds(tmp_path):
+    names = [commit.tmp_dir_name(6, "a", 1), commit.tmp_dir_name(6, "b", 2), commit.tmp_dir_name(8, "c", 3),
+             ".tmp-step-4-legacy", ".trash-step-4-r3-d"]
+    for name in names:
+        (tmp_path / name).mkdir()
+    assert commit.plan_temp_cleanup(tmp_path, own_round=2) == sorted(
+        [commit.tmp_dir_name(6, "a", 1), commit.tmp_dir_name(6, "b", 2), ".tmp-step-4-legacy"])
+
+
+def test_each_new_group_claims_a_higher_fence_round_and_older_rounds_are_refused(tmp_path):
+    first = fence.claim(tmp_path, "uid-1", "node-a")
+    second = fence.claim(tmp_path, "uid-1", "node-b")
+    assert (first, second) == (1, 2)
+    fence.check(tmp_path, second)
+    with pytest.raises(fence.FencedError, match="holds round 1, a newer group holds round 2 .claimed by node node-b"):
+        fence.check(tmp_path, first)
+    fence.retire_older(tmp_path, second)
+    assert fence.current_round(tmp_path) == 2 and fence.read(tmp_path, 1) is None
+
+
+def test_concurrent_claims_never_share_a_round(tmp_path):
+    rounds: list[int] = []
+    threads = [threading.Thread(target=lambda i=i: rounds.append(fence.claim(tmp_path, "u", f"n{i}")))
+               for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(rounds) == list(range(1, 9))
+
+
+def test_disk_full_is_recognised_through_dcp_wrapping():
+    class Wrapped(BaseException):  # the shape of DCP's CheckpointException: per-rank (exception, traceback)
+        def __init__(self, failures):
+            super().__init__("wrapped")
+            self.failures = failures
+
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as inner:
+            raise RuntimeError("write failed") from inner
+    except RuntimeError as exc:
+        assert commit.is_disk_full(Wrapped({1: (exc, None)}))
+    assert not commit.is_disk_full(Wrapped({0: (OSError(errno.EIO, "I/O error"), None)}))
