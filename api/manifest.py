@@ -58,3 +58,6 @@ class CheckpointManifest(BaseModel):
     """sha256 of the training contract (spec.training) that wrote it."""
     job: Optional[str] = None
     """namespace/name of the job, when known."""
+    job_uid: Optional[str] = None
+    """metadata.uid of the job that wrote it, when known: a job recreated under the same name resumes from it
+    but does not take its saved directive generation for its own."""

@@ -44,6 +44,8 @@ class ElasticContext:
     agent_endpoint: Optional[str]
     metrics_port: int
     job: Optional[str]
+    job_uid: str = ""
+    """metadata.uid of the job ("" when unknown): directive generations count within one uid."""
 
     @classmethod
     def from_env(cls, environ: Optional[dict[str, str]] = None) -> ElasticContext:
@@ -75,6 +77,7 @@ class ElasticContext:
             agent_endpoint=e.get(env_names.AGENT_ENDPOINT) or None,
             metrics_port=int(e.get(env_names.METRICS_PORT, "0") or 0),
             job=f"{namespace}/{name}" if name else None,
+            job_uid=e.get(env_names.JOB_UID, ""),
         )
 
     @property
