@@ -30,9 +30,9 @@ from typing import Any, Optional
 import kopf
 from kubernetes import client as k8s
 
-from disttrain.api import constants, timestamps
+from disttrain.api import constants, storeauth, timestamps
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import listing
+from disttrain.operator import access, listing
 from disttrain.operator import pods as builders
 from disttrain.operator.caches import ClusterCache, JobKey
 from disttrain.operator.metrics import OperatorMetrics
@@ -54,6 +54,7 @@ class Kube:
     def __init__(self, api_client: k8s.ApiClient) -> None:
         self.core = k8s.CoreV1Api(api_client)
         self.rbac = k8s.RbacAuthorizationV1Api(api_client)
+        self.networking = k8s.NetworkingV1Api(api_client)
         self.custom = k8s.CustomObjectsApi(api_client)
 
     @staticmethod
@@ -108,6 +109,8 @@ class Kube:
             "ServiceAccount": self.core.create_namespaced_service_account,
             "Role": self.rbac.create_namespaced_role,
             "RoleBinding": self.rbac.create_namespaced_role_binding,
+            "Secret": self.core.create_namespaced_secret,
+            "NetworkPolicy": self.networking.create_namespaced_network_policy,
             "Event": self.core.create_namespaced_event,
         }
         try:
@@ -193,6 +196,7 @@ async def apply(kube: Kube, cache: ClusterCache, job: DistTrainJob, actions: Act
         if deleted is not None:
             cache.put_pod(deleted, time.monotonic())
     if actions.create_agent:
+        await kube.create(access.build_store_secret(job, storeauth.new_secret()))  # 409: the first one stays
         for obj in builders.build_support_objects(job):
             await kube.create(obj)
         _remember_pod(cache, await kube.create(builders.build_agent_pod(job)))

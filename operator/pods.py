@@ -15,7 +15,7 @@ from typing import Any, Optional
 from disttrain.api import constants, containers, env
 from disttrain.api.contract import WorkerContract, job_checkpoint_dir
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import names
+from disttrain.operator import access, names
 
 # torchrun counts every worker-group failure (our drain and reform exits included) against --max-restarts;
 # the operator owns the restart budget, so torchrun's must never run out.
@@ -155,6 +155,7 @@ def build_worker_pod(
     ports = [p for p in trainer.get("ports") or [] if not _is_metrics_port_name(p.get("name", ""))]
     trainer["ports"] = [*ports, *metrics_ports(job.spec.nproc_per_node)]
     _mount_checkpoints(job, pod_spec, trainer)
+    access.mount_store_secret(job, pod_spec, trainer)
     pod_spec["restartPolicy"] = "Never"  # a failed node is the operator's to replace, never the kubelet's
     pod_spec["hostname"] = name
     pod_spec["subdomain"] = names.headless_service_name(job.metadata.name)
@@ -236,6 +237,7 @@ def build_agent_pod(job: DistTrainJob) -> dict[str, Any]:
     for key in ("imagePullSecrets", "nodeSelector", "tolerations"):
         if template_spec.get(key):
             spec[key] = copy.deepcopy(template_spec[key])
+    access.mount_store_secret(job, spec, container)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": _metadata(job, name, constants.ROLE_AGENT), "spec": spec}
 
 
@@ -317,8 +319,10 @@ def build_role_binding(job: DistTrainJob) -> dict[str, Any]:
 
 
 def build_support_objects(job: DistTrainJob) -> list[dict[str, Any]]:
-    """Everything but pods, in creation order (RBAC before the agent needs it)."""
+    """Everything but pods and the store Secret (random: see handlers), in creation order (RBAC before the agent
+    needs it; the NetworkPolicy before the agent listens)."""
     return [
+        access.build_network_policy(job),
         build_service_account(job),
         build_role(job),
         build_role_binding(job),

@@ -8,6 +8,7 @@ the whole module the operator's log must show no 403.
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 import urllib.error
@@ -164,6 +165,8 @@ def test_created_objects_are_owned_and_collected_by_the_garbage_collector(cluste
         f"/api/v1/namespaces/{cluster.ns}/serviceaccounts/gc-agent",
         f"/apis/rbac.authorization.k8s.io/v1/namespaces/{cluster.ns}/roles/gc-agent",
         f"/apis/rbac.authorization.k8s.io/v1/namespaces/{cluster.ns}/rolebindings/gc-agent",
+        f"/api/v1/namespaces/{cluster.ns}/secrets/gc-store",
+        f"/apis/networking.k8s.io/v1/namespaces/{cluster.ns}/networkpolicies/gc-agent",
         *(f"/api/v1/namespaces/{cluster.ns}/pods/{name}" for name in ("gc-agent", "gc-worker-0", "gc-worker-1")),
     }
     for path in owned:
@@ -177,6 +180,41 @@ def test_created_objects_are_owned_and_collected_by_the_garbage_collector(cluste
         return all(_gone(cluster.plane, path) for path in owned) and _gone(cluster.plane, cluster.jobs("gc"))
 
     eventually(collected, timeout=60, what="dependents garbage-collected")
+
+
+def test_only_the_jobs_pods_mount_its_store_secret_and_only_its_workers_may_reach_the_agent(cluster, tmp_path):
+    """The two fences of docs/operator.md ("Who can reach the job agent"), as the real API server stores them."""
+    for name in ("fence-a", "fence-b"):
+        cluster.apply(JobBuilder(name), tmp_path)
+    eventually(lambda: len(cluster.pods("agent")) == 2 and len(cluster.pods()) == 4, what="pods created")
+    secrets = {}
+    for name in ("fence-a", "fence-b"):
+        secret = eventually(lambda: _try(lambda: cluster.plane.request(
+            "GET", f"/api/v1/namespaces/{cluster.ns}/secrets/{name}-store")), what=f"{name}-store")
+        secrets[name] = base64.b64decode(secret["data"]["secret"]).decode()
+        assert len(secrets[name]) == 64 and secret["immutable"] is True
+        job_pods = [p for p in [*cluster.pods().values(), *cluster.pods("agent").values()]
+                    if p["metadata"]["labels"][constants.LABEL_JOB_NAME] == name]
+        assert len(job_pods) == 3
+        for pod in job_pods:
+            [volume] = [v for v in pod["spec"]["volumes"] if "secret" in v]
+            assert volume["secret"]["secretName"] == f"{name}-store", pod["metadata"]["name"]
+            container = pod["spec"]["containers"][0]
+            assert {"name": volume["name"], "mountPath": "/var/run/secrets/disttrain.dev/store",
+                    "readOnly": True} in container["volumeMounts"]
+            assert {"name": "DISTTRAIN_STORE_SECRET_FILE",
+                    "value": "/var/run/secrets/disttrain.dev/store/secret"} in container["env"]
+        policy = cluster.plane.request(
+            "GET", f"/apis/networking.k8s.io/v1/namespaces/{cluster.ns}/networkpolicies/{name}-agent")["spec"]
+        agent_labels = cluster.pods("agent")[f"{name}-agent"]["metadata"]["labels"]
+        assert policy["podSelector"]["matchLabels"].items() <= agent_labels.items()
+        assert policy["policyTypes"] == ["Ingress"]
+        [rule] = policy["ingress"]
+        [peer] = rule["from"]
+        assert peer == {"podSelector": {"matchLabels": {constants.LABEL_JOB_NAME: name,
+                                                        constants.LABEL_ROLE: constants.ROLE_WORKER}}}
+        assert rule["ports"] == [{"protocol": "TCP", "port": 29400}]
+    assert secrets["fence-a"] != secrets["fence-b"]
 
 
 def _gone(plane: ControlPlane, path: str) -> bool:
