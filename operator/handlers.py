@@ -234,7 +234,9 @@ async def reconcile_once(
     actions = reconcile(job, observed, now)
     await apply(kube, cache, job, actions, now)
     metrics.reconcile_duration.observe(time.perf_counter() - started)
-    metrics.observe_job(namespace, name, actions.status, now, max_restarts=job.spec.restart_policy.max_restarts)
+    metrics.observe_job(
+        namespace, name, actions.status, now, max_restarts=job.spec.restart_policy.max_restarts, uid=job.metadata.uid
+    )
     return actions
 
 
@@ -339,9 +341,10 @@ def register(
         now = time.monotonic()
         if type is None:
             listings.relisted(listing.JOBS, namespace)
+        if type == "DELETED" or body.get("metadata", {}).get("deletionTimestamp"):
+            metrics.forget_job(namespace, name, body.get("metadata", {}).get("uid"))  # deleting: no series
         if type == "DELETED":
             cache.remove_job(body, now)
-            metrics.forget_job(namespace, name)
             pokes.poke(namespace, name)
         elif cache.put_job(copy.deepcopy(dict(body)), now) is not None:
             pokes.poke(namespace, name)

@@ -12,6 +12,7 @@ import base64
 import json
 import time
 import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -357,3 +358,40 @@ def test_the_job_agent_follows_its_job_through_a_watch_under_its_own_role(cluste
         eventually(lambda: source.read() is None, timeout=60, what="the deletion seen through the watch")
     finally:
         source.close()
+
+
+def _scrape(operator: OperatorProcess) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+def test_metric_labels_come_from_our_enums(cluster, operator, tmp_path):
+    """A byReason key or reform reason that is not ours never becomes a label (nor injects text into /metrics)."""
+    agent = cluster.running("mx", JobBuilder("mx"), tmp_path, replicas=1)
+    cluster.agent_reports("mx", agent, restarts={"total": 0, "byReason": {"PodFailed": 0, 'x"} 1\nevil': 3}},
+                          reforms=1, lastReform={"reason": "made-up", "start": format_time(time.time()), "from": 1,
+                                                 "to": 1})
+    eventually(lambda: 'reason="Other"} 3.0' in _scrape(operator), what="the unknown reason counted as Other")
+    text = _scrape(operator)
+    assert "evil" not in text and "made-up" not in text, [line for line in text.splitlines() if "mx" in line]
+
+
+def test_a_deleted_jobs_series_go_when_its_deletion_begins(cluster, operator, tmp_path):
+    """On a real control plane a deleted job's series were still exported minutes later: a deletion can take that
+    long (foreground deletion waiting for pods on a lost node; here a finalizer of our own), and the series must
+    go when it begins, not when the object is finally gone, and no late reconcile may bring them back."""
+    cluster.running("dx", JobBuilder("dx"), tmp_path, replicas=1)
+    series = f'job="dx",namespace="{cluster.ns}"'
+    eventually(lambda: series in _scrape(operator), what="the job's series")
+    finalizers = [*cluster.job("dx")["metadata"].get("finalizers", []), "test.disttrain.dev/hold"]
+    cluster.plane.request("PATCH", cluster.jobs("dx"), {"metadata": {"finalizers": finalizers}},
+                          content_type="application/merge-patch+json")
+    cluster.plane.kubectl("delete", "-n", cluster.ns, "dtj/dx", "--wait=false")
+    eventually(lambda: series not in _scrape(operator), timeout=20, what="the deleting job's series removed")
+    time.sleep(1.0)
+    assert series not in _scrape(operator), "a late reconcile brought them back"
+    left = [f for f in cluster.job("dx")["metadata"].get("finalizers", []) if f != "test.disttrain.dev/hold"]
+    cluster.plane.request("PATCH", cluster.jobs("dx"), {"metadata": {"finalizers": left or None}},
+                          content_type="application/merge-patch+json")
+    eventually(lambda: _gone(cluster.plane, cluster.jobs("dx")), timeout=60, what="job deleted")
+    assert series not in _scrape(operator)
