@@ -32,7 +32,7 @@ from kubernetes import client as k8s
 
 from disttrain.api import constants, storeauth, timestamps
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import access, listing
+from disttrain.operator import access, agentfields, listing
 from disttrain.operator import pods as builders
 from disttrain.operator.caches import ClusterCache, JobKey
 from disttrain.operator.metrics import OperatorMetrics
@@ -184,7 +184,9 @@ def event_object(job: DistTrainJob, type_: str, reason: str, message: str, now: 
     }
 
 
-async def apply(kube: Kube, cache: ClusterCache, job: DistTrainJob, actions: Actions, now: float) -> None:
+async def apply(
+    kube: Kube, cache: ClusterCache, job: DistTrainJob, actions: Actions, now: float, agent_image: Optional[str] = None
+) -> None:
     """Apply in crash-safe order: status (memory) first, then deletions, creations, events, TTL deletion. What the
     API server answers goes into the cache."""
     ns, name = job.metadata.namespace, job.metadata.name
@@ -199,7 +201,7 @@ async def apply(kube: Kube, cache: ClusterCache, job: DistTrainJob, actions: Act
         await kube.create(access.build_store_secret(job, storeauth.new_secret()))  # 409: the first one stays
         for obj in builders.build_support_objects(job):
             await kube.create(obj)
-        _remember_pod(cache, await kube.create(builders.build_agent_pod(job)))
+        _remember_pod(cache, await kube.create(builders.build_agent_pod(job, agent_image)))
     for index in actions.create_workers:
         _remember_pod(cache, await kube.create(builders.build_worker_pod(job, index)))
     for event in actions.events:
@@ -217,13 +219,19 @@ def _remember_pod(cache: ClusterCache, created: Optional[dict[str, Any]]) -> Non
 
 
 async def reconcile_once(
-    kube: Kube, cache: ClusterCache, metrics: OperatorMetrics, namespace: str, name: str
+    kube: Kube,
+    cache: ClusterCache,
+    metrics: OperatorMetrics,
+    namespace: str,
+    name: str,
+    agent_image: Optional[str] = None,
 ) -> Optional[Actions]:
     """Decide on the cached state and write. Returns the actions (None when the job is gone)."""
     started = time.perf_counter()
     raw = cache.job(namespace, name)
     if raw is None:
         return None
+    raw = agentfields.sanitized_job(raw, namespace, name)
     meta = dict(raw.get("metadata") or {})
     meta.setdefault("namespace", namespace)
     job = DistTrainJob.model_validate(
@@ -232,7 +240,7 @@ async def reconcile_once(
     observed = cache.observe(namespace, name)
     now = time.time()
     actions = reconcile(job, observed, now)
-    await apply(kube, cache, job, actions, now)
+    await apply(kube, cache, job, actions, now, agent_image)
     metrics.reconcile_duration.observe(time.perf_counter() - started)
     metrics.observe_job(
         namespace, name, actions.status, now, max_restarts=job.spec.restart_policy.max_restarts, uid=job.metadata.uid
@@ -277,9 +285,13 @@ async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, timeout: Opti
 
 
 def register(
-    registry: kopf.OperatorRegistry, api_client_factory: Callable[[], k8s.ApiClient], metrics: OperatorMetrics
+    registry: kopf.OperatorRegistry,
+    api_client_factory: Callable[[], k8s.ApiClient],
+    metrics: OperatorMetrics,
+    agent_image: Optional[str] = None,
 ) -> None:
-    """Register every handler on ``registry`` (a fresh one in tests, kopf's default one in ``disttrain operator``)."""
+    """Register every handler on ``registry`` (a fresh one in tests, kopf's default one in ``disttrain operator``);
+    ``agent_image`` is the image of every job agent (None: :func:`disttrain.operator.pods.default_agent_image`)."""
     pokes = Pokes()
     cache = ClusterCache()
     box: dict[str, Any] = {}
@@ -308,7 +320,7 @@ def register(
                 wake.clear()
                 try:
                     await listings.ensure_synced(namespace)
-                    actions = await reconcile_once(kube(), cache, metrics, namespace, name)
+                    actions = await reconcile_once(kube(), cache, metrics, namespace, name, agent_image)
                     if actions is None:
                         return
                     delay = None if actions.requeue_after is None else max(0.05, actions.requeue_after)

@@ -22,6 +22,7 @@ from disttrain.operator import access, names
 TORCHRUN_MAX_RESTARTS = 1_000_000
 CHECKPOINT_VOLUME = "disttrain-checkpoints"
 METRICS_PORT = 9400
+AGENT_IMAGE_REPOSITORY = "ghcr.io/disttrain/trainer"
 AGENT_CPU = "250m"
 AGENT_MEMORY = "512Mi"
 
@@ -208,15 +209,28 @@ def agent_command(job: DistTrainJob) -> list[str]:
     return ["python", "-m", "disttrain.trainer.agent", "--port", str(job.spec.rendezvous.port)]
 
 
-def build_agent_pod(job: DistTrainJob) -> dict[str, Any]:
-    """The job agent: hosts the TCPStore, follows the job, relays progress (image: the trainer's)."""
-    trainer = job.spec.trainer_container()
+def default_agent_image() -> str:
+    """The disttrain trainer image of this operator's own version (the chart passes its own choice instead)."""
+    try:
+        from importlib.metadata import version
+
+        return f"{AGENT_IMAGE_REPOSITORY}:{version('disttrain')}"
+    except Exception:  # noqa: BLE001 - not installed as a package: the repository's image, unpinned
+        return f"{AGENT_IMAGE_REPOSITORY}:latest"
+
+
+def build_agent_pod(job: DistTrainJob, image: Optional[str] = None) -> dict[str, Any]:
+    """The job agent: hosts the TCPStore, follows the job, relays progress.
+
+    Its image is the operator's choice (``--agent-image``, default :func:`default_agent_image`), never the user's
+    template image: the agent holds a token that may patch the job's status, and no code of the user's image may
+    run with it."""
     template_spec = job.spec.template.get("spec") or {}
     name = names.agent_name(job.metadata.name)
     port = job.spec.rendezvous.port
     container: dict[str, Any] = {
         "name": constants.AGENT_CONTAINER,
-        "image": trainer.get("image", ""),
+        "image": image or default_agent_image(),
         "command": agent_command(job),
         "env": [
             {"name": env.JOB_NAME, "value": job.metadata.name},
@@ -227,8 +241,6 @@ def build_agent_pod(job: DistTrainJob) -> dict[str, Any]:
         "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 2},
         "resources": {"requests": {"cpu": AGENT_CPU, "memory": AGENT_MEMORY}, "limits": {"memory": AGENT_MEMORY}},
     }
-    if trainer.get("imagePullPolicy"):
-        container["imagePullPolicy"] = trainer["imagePullPolicy"]
     spec: dict[str, Any] = {
         "serviceAccountName": names.service_account_name(job.metadata.name),
         "restartPolicy": "Never",  # the operator replaces a failed agent and tells the workers to re-join

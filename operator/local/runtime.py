@@ -19,7 +19,7 @@ from typing import Any, Optional
 from disttrain.api import constants, storeauth
 from disttrain.api.ports import free_port
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import names, pods, reconcile
+from disttrain.operator import agentfields, names, pods, reconcile
 from disttrain.operator.local import agentlink, proctree, translate
 from disttrain.operator.local.chaos import ChaosEvent
 from disttrain.operator.local.logtail import LogTail
@@ -291,6 +291,7 @@ class LocalRuntime:
         relayed = agentlink.read_relayed(self.state, self.cluster_checkpoint_dir)
         if relayed:
             self.obj["status"] = {**self.obj["status"], **relayed}
+            self.obj = agentfields.sanitized_job(self.obj, self.obj["metadata"].get("namespace", ""), self.name)
         facts = self.logs.poll(now)
         self.recorder.on_status(self.obj["status"], facts, now)
         began = time.perf_counter()

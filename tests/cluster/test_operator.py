@@ -367,10 +367,12 @@ def _scrape(operator: OperatorProcess) -> str:
 
 def test_metric_labels_come_from_our_enums(cluster, operator, tmp_path):
     """A byReason key or reform reason that is not ours never becomes a label (nor injects text into /metrics)."""
-    agent = cluster.running("mx", JobBuilder("mx"), tmp_path, replicas=1)
-    cluster.agent_reports("mx", agent, restarts={"total": 0, "byReason": {"PodFailed": 0, 'x"} 1\nevil': 3}},
-                          reforms=1, lastReform={"reason": "made-up", "start": format_time(time.time()), "from": 1,
-                                                 "to": 1})
+    cluster.running("mx", JobBuilder("mx"), tmp_path, replicas=1)
+    # As a cluster admin: the status guard keeps the agent's token off these fields (see the test below).
+    cluster.plane.request("PATCH", cluster.jobs("mx", "status"), {"status": {
+        "restarts": {"total": 0, "byReason": {"PodFailed": 0, 'x"} 1\nevil': 3}},
+        "reforms": 1, "lastReform": {"reason": "made-up", "start": format_time(time.time()), "from": 1, "to": 1}}},
+        content_type="application/merge-patch+json")
     eventually(lambda: 'reason="Other"} 3.0' in _scrape(operator), what="the unknown reason counted as Other")
     text = _scrape(operator)
     assert "evil" not in text and "made-up" not in text, [line for line in text.splitlines() if "mx" in line]
@@ -395,3 +397,27 @@ def test_a_deleted_jobs_series_go_when_its_deletion_begins(cluster, operator, tm
                           content_type="application/merge-patch+json")
     eventually(lambda: _gone(cluster.plane, cluster.jobs("dx")), timeout=60, what="job deleted")
     assert series not in _scrape(operator)
+
+
+def test_the_agent_may_report_progress_but_never_change_what_the_operator_remembers(cluster, tmp_path):
+    """The agent's token may patch the status subresource (RBAC cannot narrow it to fields); the chart's status
+    guard refuses every change it would make to the operator's fields: the restart budget, the pods already
+    counted, the directive, the phase."""
+    agent = cluster.running("sg", JobBuilder("sg"), tmp_path, replicas=1)
+    spent = {"total": 3, "byReason": {"PodFailed": 3}}  # three restarts counted (written here as the admin)
+    cluster.plane.request("PATCH", cluster.jobs("sg", "status"), {"status": {"restarts": spent}},
+                          content_type="application/merge-patch+json")
+    before = eventually(lambda: (lambda st: st if st.get("restarts") == spent else None)(cluster.status("sg")))
+    forged = {"restarts": {"total": 0, "byReason": {}}, "handledPods": ["uid-x"], "phase": "Succeeded",
+              "trackedPods": {"sg-worker-0": "forged"}, "control": {"generation": 99, "action": "reform"},
+              "consecutiveFailures": 7}
+    for field, value in forged.items():
+        result = cluster.plane.kubectl("patch", "-n", cluster.ns, f"{constants.PLURAL}/sg", "--subresource=status",
+                                       "--type=merge", "-p", json.dumps({"status": {field: value, "step": 9}}),
+                                       kubeconfig=agent, check=False)
+        assert result.returncode != 0 and f"status.{field} is the operator's" in result.stderr, (field, result)
+    after = cluster.status("sg")
+    assert {k: after.get(k) for k in forged} == {k: before.get(k) for k in forged}
+    assert after.get("step") == before.get("step"), "a refused update changes nothing, not even the agent's part"
+    cluster.agent_reports("sg", agent, step=11, lastProgressTime=format_time(time.time()))
+    assert cluster.status("sg")["step"] == 11, "progress is still the agent's to report"

@@ -175,3 +175,12 @@ def test_each_local_ranks_exporter_has_a_named_metrics_port(nproc):
     base = int({e["name"]: e.get("value") for e in container["env"]}[env.METRICS_PORT])
     assert named == {"http": 8000, **{("metrics" if r == 0 else f"metrics-{r}"): base + r for r in range(nproc)}}
     kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
+def test_the_agent_runs_the_operators_image_never_the_users():
+    job = DistTrainJob.model_validate(job_manifest())
+    user_image = job.spec.trainer_container()["image"]
+    default = pods.build_agent_pod(job)["spec"]["containers"][0]["image"]
+    assert default.startswith(pods.AGENT_IMAGE_REPOSITORY + ":") and default != user_image
+    chosen = pods.build_agent_pod(job, "registry.example/disttrain-trainer:9")["spec"]["containers"][0]
+    assert chosen["image"] == "registry.example/disttrain-trainer:9" and "imagePullPolicy" not in chosen
