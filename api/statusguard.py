@@ -4,7 +4,7 @@ The job agent may write only :data:`~disttrain.api.status.AGENT_FIELDS`. Everyth
 restart totals and ``byReason``, ``handledPods``, ``control``, ...) is what the operator remembers between
 reconciles, and no other writer may change it. RBAC cannot say that (it grants ``patch`` on the whole status
 subresource), so the chart installs a ValidatingAdmissionPolicy (``templates/statusguard.yaml``): an update of
-``disttrainjobs/status`` by anyone but the operator's ServiceAccount (and cluster admins, for repairs) is refused
+``disttrainjobs/status`` by the job's own agent (ServiceAccount ``<job>-agent`` in the job's namespace) is refused
 when it changes one of :func:`operator_fields`. The chart lists the fields literally; a test keeps that list equal
 to this one, so a new status field is guarded from the day it is added.
 """

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from disttrain.api.status import AGENT_FIELDS
 from disttrain.api.statusguard import operator_fields, unchanged_rule
-from disttrain.operator import cli
-from tests.chart.helm import NAMESPACE, NON_DEFAULT_VALUES, SERVICE_ACCOUNT, by_kind, render
+from disttrain.operator import cli, names
+from tests.chart.helm import NON_DEFAULT_VALUES, by_kind, render
 
 
 def test_every_status_field_but_the_agents_is_guarded_with_the_same_rule():
@@ -18,8 +18,12 @@ def test_every_status_field_but_the_agents_is_guarded_with_the_same_rule():
     assert {"restarts", "handledPods", "control", "phase"} <= set(operator_fields())
     resources = policy["spec"]["matchConstraints"]["resourceRules"][0]["resources"]
     assert resources == ["disttrainjobs/status"]
-    conditions = " ".join(c["expression"] for c in policy["spec"]["matchConditions"])
-    assert f"system:serviceaccount:{NAMESPACE}:{SERVICE_ACCOUNT}" in conditions
+    [condition] = policy["spec"]["matchConditions"]
+    job = "demo"
+    agent_account = names.service_account_name(job)
+    assert condition["expression"] == ('request.userInfo.username == "system:serviceaccount:" + request.namespace'
+                                       ' + ":" + request.name + "-agent"')
+    assert agent_account == f"{job}-agent", "the rule's spelling of the agent's ServiceAccount"
     [binding] = by_kind(render(), "ValidatingAdmissionPolicyBinding")
     assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
 
