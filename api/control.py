@@ -3,6 +3,11 @@
 The job agent hosts the c10d rendezvous store; the same store carries these keys under ``disttrain/`` (torch's
 rendezvous uses its own ``torch.rendezvous.*`` prefix). Values are JSON documents of the models below.
 The operator never touches the store: it writes ``status.control`` and the agent copies it here.
+
+Everything read from the store is untrusted input: each model bounds its numbers, string lengths and list sizes,
+times must be finite Unix times a timestamp can be made of, and :func:`read_model` skips (and logs) any value
+over :data:`MAX_VALUE_BYTES` or that does not validate. Who may write these keys at all is the business of
+:mod:`disttrain.api.storeauth` (the keys live under a per-job secret namespace).
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ import enum
 import logging
 from typing import Optional, Protocol, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from disttrain.api import timestamps
 
 log = logging.getLogger("disttrain.control")
 
@@ -29,6 +36,21 @@ CHECKPOINT_KEY = PREFIX + "checkpoint"
 # code cannot carry the trainer's; this key can.
 FAILURE_KEY = PREFIX + "failure"
 
+MAX_VALUE_BYTES = 64 * 1024
+"""Largest value :func:`read_model` parses; the biggest legitimate one (a ProgressReport) is under 2 KiB. The
+store's own cap is the libuv server's 8 MiB per value, so one read never holds more than that in memory."""
+MAX_GENERATION = 2**31 - 1
+"""Directive generations count directives (one per drain or reform); anything above this is forged or broken."""
+MAX_TIME = 253402300799.0
+"""9999-12-31T23:59:59Z: the last Unix time an RFC 3339 timestamp can be made of."""
+MAX_COUNT = 2**53
+"""Steps, samples: integers a JSON reader (the API server, kubectl) still holds exactly."""
+MAX_NODES = 100_000
+MAX_TEXT = 4096
+"""Longest message or reason kept from the store (the status is not a log)."""
+MAX_NAME = 253
+"""Longest node name, run id or process id (a DNS subdomain)."""
+
 
 class DirectiveAction(str, enum.Enum):
     """What the operator asks of the workers (``status.control.action``, relayed as :class:`ControlSignal`)."""
@@ -43,44 +65,66 @@ class DirectiveAction(str, enum.Enum):
 
 class ControlSignal(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    generation: int
+    generation: int = Field(ge=0, le=MAX_GENERATION)
     action: DirectiveAction
-    reason: str = ""
+    reason: str = Field("", max_length=MAX_TEXT)
+    job_uid: str = Field("", max_length=MAX_NAME)
+    """metadata.uid of the job that issued it: a worker of another job (one recreated under the same name, or
+    resumed from an old job's checkpoint) ignores it, and generations are compared only within one uid."""
 
 
 class TargetPlan(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    generation: int
-    nodes: int
-    exclude: list[str] = []
+    generation: int = Field(ge=0, le=MAX_GENERATION)
+    nodes: int = Field(ge=0, le=MAX_NODES)
+    exclude: list[str] = Field(default=[], max_length=MAX_NODES)
     """DISTTRAIN_NODE_NAMEs that must not join the next round (scale-down victims waiting to be deleted)."""
+    job_uid: str = Field("", max_length=MAX_NAME)
+    """As :attr:`ControlSignal.job_uid`."""
 
 
 class WorkerFailure(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    exit_code: int
-    node: str = ""
-    message: str = ""
-    time: float
+    exit_code: int = Field(ge=-255, le=255)
+    node: str = Field("", max_length=MAX_NAME)
+    message: str = Field("", max_length=MAX_TEXT)
+    time: float = Field(ge=0.0, le=MAX_TIME, allow_inf_nan=False)
     """Unix time of the report."""
 
 
 class ProgressReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    step: int
-    samples_consumed: int
-    world_size: int
-    plan: dict[str, float | int]
+    step: int = Field(ge=0, le=MAX_COUNT)
+    samples_consumed: int = Field(ge=0, le=MAX_COUNT)
+    world_size: int = Field(ge=1, le=MAX_NODES * 1024)
+    plan: dict[str, float | int] = Field(max_length=32)
     loss: Optional[float] = None
-    samples_per_second: Optional[float] = None
-    restart_count: int = 0
-    run_id: str = ""
-    resumed_from_step: Optional[int] = None
-    process_id: str = ""
+    samples_per_second: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)
+    restart_count: int = Field(0, ge=0, le=MAX_COUNT)
+    run_id: str = Field("", max_length=MAX_NAME)
+    resumed_from_step: Optional[int] = Field(None, ge=0, le=MAX_COUNT)
+    process_id: str = Field("", max_length=MAX_NAME)
     """Unique id of the reporting worker process. torchrun starts new worker processes after every completed
     rendezvous round, so a new id means a new group even when run id, restart count and world size repeat."""
-    time: float
+    time: float = Field(ge=0.0, le=MAX_TIME, allow_inf_nan=False)
     """Unix time of the report."""
+
+    @field_validator("plan")
+    @classmethod
+    def _finite_plan(cls, plan: dict[str, float | int]) -> dict[str, float | int]:
+        for key, value in plan.items():
+            if len(key) > 64 or not abs(value) <= MAX_COUNT:  # also refuses NaN
+                raise ValueError(f"plan[{key[:64]!r}]={value!r} is not a plan entry")
+        return plan
+
+
+def is_valid_time(value: str) -> bool:
+    """Whether ``value`` is an RFC 3339 time the operator and the agent can parse and format again."""
+    try:
+        parsed = timestamps.parse_time(value)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return parsed is not None and 0.0 <= parsed <= MAX_TIME
 
 
 class StoreReader(Protocol):
@@ -97,17 +141,24 @@ Model = TypeVar("Model", bound=BaseModel)
 def read_model(store: StoreReader, key: str, model: type[Model]) -> Optional[Model]:
     """The ``model`` stored under ``key``; None when the key is absent or empty, or its value does not parse.
 
-    ``check`` comes first because ``get`` blocks until the key exists. A value that does not parse is logged and
-    skipped, never raised: a half-upgraded peer or a torn write must not stop the reader (the agent, the
-    rendezvous handler, the watchdog), which simply tries again on its next round.
+    ``check`` comes first because ``get`` blocks until the key exists. A value that is too large or does not
+    validate is logged and skipped, never raised: a half-upgraded peer, a torn write or a hostile one must not
+    stop the reader (the agent, the rendezvous handler, the watchdog), which simply tries again on its next round.
     """
     if not store.check([key]):
         return None
     raw = store.get(key)
     if not raw:
         return None
+    if len(raw) > MAX_VALUE_BYTES:
+        log.warning("ignoring a %d-byte %s under %s (limit %d)", len(raw), model.__name__, key, MAX_VALUE_BYTES)
+        return None
     try:
         return model.model_validate_json(raw)
-    except ValueError:
-        log.warning("ignoring an unparsable %s under %s: %r", model.__name__, key, raw[:200])
+    except ValueError as error:
+        log.warning("ignoring an invalid %s under %s: %s: %r", model.__name__, key, _first_error(error), raw[:200])
         return None
+
+
+def _first_error(error: ValueError) -> str:
+    return str(error).splitlines()[1] if len(str(error).splitlines()) > 1 else str(error)

@@ -18,3 +18,7 @@ CHECKPOINT_DIR: Final = "DISTTRAIN_CHECKPOINT_DIR"
 AGENT_ENDPOINT: Final = "DISTTRAIN_AGENT_ENDPOINT"
 # First Prometheus port of this node; local rank r serves on port + r. 0 disables the exporter.
 METRICS_PORT: Final = "DISTTRAIN_METRICS_PORT"
+# The job's store secret (see disttrain.api.storeauth): a file holding it (the mounted Secret on Kubernetes), or
+# the secret itself (local mode). Every client of the agent's store needs it; without it the keys cannot be found.
+STORE_SECRET_FILE: Final = "DISTTRAIN_STORE_SECRET_FILE"
+STORE_SECRET: Final = "DISTTRAIN_STORE_SECRET"

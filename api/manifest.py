@@ -64,7 +64,8 @@ class CheckpointManifest(BaseModel):
     job: Optional[str] = None
     """namespace/name of the job, when known."""
     job_uid: Optional[str] = None
-    """metadata.uid of the job that wrote it, when known (a job recreated under the same name has another)."""
+    """metadata.uid of the job that wrote it, when known: a job recreated under the same name has another, resumes
+    from it but does not take its saved directive generation for its own."""
     fence_round: Optional[int] = Field(None, ge=1)
     """Fence round of the group that committed it (see disttrain.trainer.fence); None before rounds existed."""
 

@@ -126,7 +126,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
         return client.ApiClient(configuration)
 
     registry = kopf.get_default_registry()  # carries kopf's own login handlers (in-cluster, kubeconfig)
-    handlers.register(registry, api_client, OperatorMetrics())
+    handlers.register(registry, api_client, OperatorMetrics(), agent_image=args.agent_image or None)
 
     @kopf.on.startup(registry=registry)
     def startup(settings: kopf.OperatorSettings, **_: object) -> None:
@@ -203,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--kubeconfig", help="kubeconfig file (default: in-cluster, else $KUBECONFIG or ~/.kube/config)"
     )
     p_operator.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p_operator.add_argument(
+        "--agent-image",
+        default="",
+        metavar="IMAGE",
+        help="image of every job agent pod, a disttrain trainer image (default: ghcr.io/disttrain/trainer at this "
+        "operator's version); never the user's template image",
+    )
     p_operator.set_defaults(func=cmd_operator)
 
     from disttrain.operator.local import cli as local_cli  # light: argparse wiring only

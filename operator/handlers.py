@@ -31,9 +31,9 @@ from typing import Any, Optional
 import kopf
 from kubernetes import client as k8s
 
-from disttrain.api import constants, timestamps
+from disttrain.api import constants, storeauth, timestamps
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import listing, patches
+from disttrain.operator import access, agentfields, listing, patches
 from disttrain.operator import pods as builders
 from disttrain.operator.caches import ClusterCache, JobKey
 from disttrain.operator.metrics import OperatorMetrics
@@ -55,6 +55,7 @@ class Kube:
     def __init__(self, api_client: k8s.ApiClient) -> None:
         self.core = k8s.CoreV1Api(api_client)
         self.rbac = k8s.RbacAuthorizationV1Api(api_client)
+        self.networking = k8s.NetworkingV1Api(api_client)
         self.custom = k8s.CustomObjectsApi(api_client)
 
     @staticmethod
@@ -109,6 +110,8 @@ class Kube:
             "ServiceAccount": self.core.create_namespaced_service_account,
             "Role": self.rbac.create_namespaced_role,
             "RoleBinding": self.rbac.create_namespaced_role_binding,
+            "Secret": self.core.create_namespaced_secret,
+            "NetworkPolicy": self.networking.create_namespaced_network_policy,
             "Event": self.core.create_namespaced_event,
         }
         try:
@@ -183,7 +186,7 @@ def event_object(job: DistTrainJob, type_: str, reason: str, message: str, now: 
 
 
 async def apply(
-    kube: Kube, cache: ClusterCache, job: DistTrainJob, actions: Actions, now: float
+    kube: Kube, cache: ClusterCache, job: DistTrainJob, actions: Actions, now: float, agent_image: Optional[str] = None
 ) -> Optional[dict[str, Any]]:
     """Apply in crash-safe order: status (memory) first, then deletions, creations, events, TTL deletion. What the
     API server answers goes into the cache. Returns the API server's answer to the status write (None: none)."""
@@ -198,9 +201,10 @@ async def apply(
         if deleted is not None:
             cache.put_pod(deleted, time.monotonic())
     if actions.create_agent:
+        await kube.create(access.build_store_secret(job, storeauth.new_secret()))  # 409: the first one stays
         for obj in builders.build_support_objects(job):
             await kube.create(obj)
-        _remember_pod(cache, await kube.create(builders.build_agent_pod(job)))
+        _remember_pod(cache, await kube.create(builders.build_agent_pod(job, agent_image)))
     for index in actions.create_workers:
         _remember_pod(cache, await kube.create(builders.build_worker_pod(job, index)))
     for event in actions.events:
@@ -219,13 +223,19 @@ def _remember_pod(cache: ClusterCache, created: Optional[dict[str, Any]]) -> Non
 
 
 async def reconcile_once(
-    kube: Kube, cache: ClusterCache, metrics: OperatorMetrics, namespace: str, name: str
+    kube: Kube,
+    cache: ClusterCache,
+    metrics: OperatorMetrics,
+    namespace: str,
+    name: str,
+    agent_image: Optional[str] = None,
 ) -> Optional[Reconciled]:
     """Decide on the cached state and write. Returns the actions (None when the job is gone)."""
     started = time.perf_counter()
     raw = cache.job(namespace, name)
     if raw is None:
         return None
+    raw = agentfields.sanitized_job(raw, namespace, name)
     meta = dict(raw.get("metadata") or {})
     meta.setdefault("namespace", namespace)
     job = DistTrainJob.model_validate(
@@ -234,9 +244,11 @@ async def reconcile_once(
     observed = cache.observe(namespace, name)
     now = time.time()
     actions = reconcile(job, observed, now)
-    answer = await apply(kube, cache, job, actions, now)
+    answer = await apply(kube, cache, job, actions, now, agent_image)
     metrics.reconcile_duration.observe(time.perf_counter() - started)
-    metrics.observe_job(namespace, name, actions.status, now, max_restarts=job.spec.restart_policy.max_restarts)
+    metrics.observe_job(
+        namespace, name, actions.status, now, max_restarts=job.spec.restart_policy.max_restarts, uid=job.metadata.uid
+    )
     return Reconciled(actions, others_wrote=answer is not None and changed_by_others(raw, actions.status_patch, answer))
 
 
@@ -305,9 +317,13 @@ async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, timeout: Opti
 
 
 def register(
-    registry: kopf.OperatorRegistry, api_client_factory: Callable[[], k8s.ApiClient], metrics: OperatorMetrics
+    registry: kopf.OperatorRegistry,
+    api_client_factory: Callable[[], k8s.ApiClient],
+    metrics: OperatorMetrics,
+    agent_image: Optional[str] = None,
 ) -> None:
-    """Register every handler on ``registry`` (a fresh one in tests, kopf's default one in ``disttrain operator``)."""
+    """Register every handler on ``registry`` (a fresh one in tests, kopf's default one in ``disttrain operator``);
+    ``agent_image`` is the image of every job agent (None: :func:`disttrain.operator.pods.default_agent_image`)."""
     pokes = Pokes()
     cache = ClusterCache()
     box: dict[str, Any] = {}
@@ -336,7 +352,7 @@ def register(
                 wake.clear()
                 try:
                     await listings.ensure_synced(namespace)
-                    result = await reconcile_once(kube(), cache, metrics, namespace, name)
+                    result = await reconcile_once(kube(), cache, metrics, namespace, name, agent_image)
                     if result is None:
                         return
                     requeue = result.actions.requeue_after
@@ -372,9 +388,10 @@ def register(
         now = time.monotonic()
         if type is None:
             listings.relisted(listing.JOBS, namespace)
+        if type == "DELETED" or body.get("metadata", {}).get("deletionTimestamp"):
+            metrics.forget_job(namespace, name, body.get("metadata", {}).get("uid"))  # deleting: no series
         if type == "DELETED":
             cache.remove_job(body, now)
-            metrics.forget_job(namespace, name)
             pokes.poke(namespace, name)
         elif cache.put_job(copy.deepcopy(dict(body)), now) is not None:
             pokes.poke(namespace, name)

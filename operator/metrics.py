@@ -38,6 +38,15 @@ RESTART_REASONS = tuple(
 """Causes of an unplanned loss: the keys of status.restarts.byReason (the reconcile core's LOSS_REASONS)."""
 REFORM_REASONS = (*RESTART_REASONS, Reason.SCALED_DOWN.value, Reason.SCALED_UP.value)
 """Reasons a reform starts with: every restart cause, and the planned scale-down and scale-up."""
+MAX_DELETED_REMEMBERED = 10_000
+OTHER_REASON = "Other"
+"""The label of any reason that is not one of ours: label values come only from our enums, never from a status
+value as such (a status field is no place to mint new time series, nor to inject text into /metrics)."""
+
+
+def reason_label(reason: Any, known: tuple[str, ...]) -> str:
+    """``reason`` when it is one of ``known``, else :data:`OTHER_REASON`."""
+    return reason if isinstance(reason, str) and reason in known else OTHER_REASON
 
 
 class OperatorMetrics:
@@ -112,6 +121,9 @@ class OperatorMetrics:
             "disttrain_operator_reconcile_errors", "Reconciles that failed (retried).", ["kind"], registry=registry
         )
         self._seen: dict[tuple[str, str], dict[str, Any]] = {}
+        self._deleted: dict[str, None] = {}
+        """uids of jobs whose deletion began (insertion-ordered, bounded): a late reconcile of one of them must
+        not bring its series back."""
 
     def observe_job(
         self,
@@ -121,9 +133,12 @@ class OperatorMetrics:
         now: Optional[float] = None,
         *,
         max_restarts: Optional[int] = None,
+        uid: Optional[str] = None,
     ) -> None:
         """Update the job's series from its status (call after every reconcile); ``max_restarts`` is the spec's
-        restart budget, which the status does not carry."""
+        restart budget, which the status does not carry. Nothing happens for a job (``uid``) being deleted."""
+        if uid and uid in self._deleted:
+            return
         now = time.time() if now is None else now
         labels = (namespace, name)
         if labels not in self._seen:
@@ -145,8 +160,8 @@ class OperatorMetrics:
         previous = self._seen.get(labels)
         by_reason = (status.get("restarts") or {}).get("byReason") or {}
         old_by_reason = ((previous or {}).get("restarts") or {}).get("byReason") or {}
-        for reason, count in by_reason.items():
-            delta = count - old_by_reason.get(reason, 0) if previous is not None else 0
+        for reason, count in _by_label(by_reason, RESTART_REASONS).items():
+            delta = count - _by_label(old_by_reason, RESTART_REASONS).get(reason, 0) if previous is not None else 0
             self.restarts.labels(*labels, reason)  # the series exists from the first sight
             if delta > 0:
                 self.restarts.labels(*labels, reason).inc(delta)
@@ -154,7 +169,7 @@ class OperatorMetrics:
         old_reform = (previous or {}).get("lastReform") or {}
         if previous is not None and status.get("reforms", 0) > previous.get("reforms", 0):
             added = status["reforms"] - previous.get("reforms", 0)
-            self.reforms.labels(*labels, reform.get("reason", "Unknown")).inc(added)
+            self.reforms.labels(*labels, reason_label(reform.get("reason"), REFORM_REASONS)).inc(added)
         if reform.get("durationSeconds") is not None and (reform.get("start"), reform.get("durationSeconds")) != (
             old_reform.get("start"),
             old_reform.get("durationSeconds"),
@@ -170,13 +185,20 @@ class OperatorMetrics:
         """Every reason's counter and the reform-duration histogram at 0, so that increase() sees the first
         restart, reform and reform duration of each kind."""
         self.reform_duration.labels(*labels)
-        for reason in RESTART_REASONS:
+        for reason in (*RESTART_REASONS, OTHER_REASON):
             self.restarts.labels(*labels, reason)
-        for reason in REFORM_REASONS:
+        for reason in (*REFORM_REASONS, OTHER_REASON):
             self.reforms.labels(*labels, reason)
 
-    def forget_job(self, namespace: str, name: str) -> None:
-        """Drop a deleted job's series so /metrics does not grow without bound."""
+    def forget_job(self, namespace: str, name: str, uid: Optional[str] = None) -> None:
+        """Drop a deleted job's series so /metrics does not grow without bound. Call it as soon as the deletion
+        begins: a job can stay in deletion for minutes (foreground deletion waiting for pods on a lost node), and
+        its frozen series would claim it still runs. With ``uid``, later :meth:`observe_job` calls for that job
+        (a reconcile that was already under way) are ignored."""
+        if uid:
+            self._deleted[uid] = None
+            while len(self._deleted) > MAX_DELETED_REMEMBERED:
+                del self._deleted[next(iter(self._deleted))]
         labels = (namespace, name)
         self._seen.pop(labels, None)
         for metric in (
@@ -197,3 +219,13 @@ class OperatorMetrics:
             for sample_labels in list(family._metrics):  # prometheus-client has no public lister
                 if sample_labels[:2] == labels:
                     family.remove(*sample_labels)
+
+
+def _by_label(by_reason: Mapping[str, Any], known: tuple[str, ...]) -> dict[str, int]:
+    """Counts per label: unknown reasons summed under :data:`OTHER_REASON`, counts that are no integer skipped."""
+    out: dict[str, int] = {}
+    for reason, count in by_reason.items():
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+            label = reason_label(reason, known)
+            out[label] = out.get(label, 0) + count
+    return out

@@ -29,3 +29,11 @@ def service_account_name(job: str) -> str:
 
 def role_name(job: str) -> str:
     return f"{job}-agent"
+
+
+def store_secret_name(job: str) -> str:
+    return f"{job}-store"
+
+
+def network_policy_name(job: str) -> str:
+    return f"{job}-agent"

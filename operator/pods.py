@@ -15,13 +15,14 @@ from typing import Any, Optional
 from disttrain.api import constants, containers, env
 from disttrain.api.contract import WorkerContract, job_checkpoint_dir
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import names, podsecurity
+from disttrain.operator import access, names, podsecurity
 
 # torchrun counts every worker-group failure (our drain and reform exits included) against --max-restarts;
 # the operator owns the restart budget, so torchrun's must never run out.
 TORCHRUN_MAX_RESTARTS = 1_000_000
 CHECKPOINT_VOLUME = "disttrain-checkpoints"
 METRICS_PORT = 9400
+AGENT_IMAGE_REPOSITORY = "ghcr.io/disttrain/trainer"
 AGENT_CPU = "250m"
 AGENT_MEMORY = "512Mi"
 
@@ -155,6 +156,7 @@ def build_worker_pod(
     ports = [p for p in trainer.get("ports") or [] if not _is_metrics_port_name(p.get("name", ""))]
     trainer["ports"] = [*ports, *metrics_ports(job.spec.nproc_per_node)]
     _mount_checkpoints(job, pod_spec, trainer)
+    access.mount_store_secret(job, pod_spec, trainer)
     pod_spec["restartPolicy"] = "Never"  # a failed node is the operator's to replace, never the kubelet's
     pod_spec.setdefault("automountServiceAccountToken", False)  # the trainer never calls the API server
     podsecurity.apply_restricted_defaults(pod_spec)
@@ -209,15 +211,28 @@ def agent_command(job: DistTrainJob) -> list[str]:
     return ["python", "-m", "disttrain.trainer.agent", "--port", str(job.spec.rendezvous.port)]
 
 
-def build_agent_pod(job: DistTrainJob) -> dict[str, Any]:
-    """The job agent: hosts the TCPStore, follows the job, relays progress (image: the trainer's)."""
-    trainer = job.spec.trainer_container()
+def default_agent_image() -> str:
+    """The disttrain trainer image of this operator's own version (the chart passes its own choice instead)."""
+    try:
+        from importlib.metadata import version
+
+        return f"{AGENT_IMAGE_REPOSITORY}:{version('disttrain')}"
+    except Exception:  # noqa: BLE001 - not installed as a package: the repository's image, unpinned
+        return f"{AGENT_IMAGE_REPOSITORY}:latest"
+
+
+def build_agent_pod(job: DistTrainJob, image: Optional[str] = None) -> dict[str, Any]:
+    """The job agent: hosts the TCPStore, follows the job, relays progress.
+
+    Its image is the operator's choice (``--agent-image``, default :func:`default_agent_image`), never the user's
+    template image: the agent holds a token that may patch the job's status, and no code of the user's image may
+    run with it."""
     template_spec = job.spec.template.get("spec") or {}
     name = names.agent_name(job.metadata.name)
     port = job.spec.rendezvous.port
     container: dict[str, Any] = {
         "name": constants.AGENT_CONTAINER,
-        "image": trainer.get("image", ""),
+        "image": image or default_agent_image(),
         "command": agent_command(job),
         "env": [
             {"name": env.JOB_NAME, "value": job.metadata.name},
@@ -228,8 +243,6 @@ def build_agent_pod(job: DistTrainJob) -> dict[str, Any]:
         "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 2},
         "resources": {"requests": {"cpu": AGENT_CPU, "memory": AGENT_MEMORY}, "limits": {"memory": AGENT_MEMORY}},
     }
-    if trainer.get("imagePullPolicy"):
-        container["imagePullPolicy"] = trainer["imagePullPolicy"]
     spec: dict[str, Any] = {
         "serviceAccountName": names.service_account_name(job.metadata.name),
         "restartPolicy": "Never",  # the operator replaces a failed agent and tells the workers to re-join
@@ -238,6 +251,7 @@ def build_agent_pod(job: DistTrainJob) -> dict[str, Any]:
     for key in ("imagePullSecrets", "nodeSelector", "tolerations", "securityContext"):
         if template_spec.get(key):
             spec[key] = copy.deepcopy(template_spec[key])
+    access.mount_store_secret(job, spec, container)
     podsecurity.apply_restricted_defaults(spec)  # it keeps its token: it watches its job and patches status
     return {"apiVersion": "v1", "kind": "Pod", "metadata": _metadata(job, name, constants.ROLE_AGENT), "spec": spec}
 
@@ -320,8 +334,10 @@ def build_role_binding(job: DistTrainJob) -> dict[str, Any]:
 
 
 def build_support_objects(job: DistTrainJob) -> list[dict[str, Any]]:
-    """Everything but pods, in creation order (RBAC before the agent needs it)."""
+    """Everything but pods and the store Secret (random: see handlers), in creation order (RBAC before the agent
+    needs it; the NetworkPolicy before the agent listens)."""
     return [
+        access.build_network_policy(job),
         build_service_account(job),
         build_role(job),
         build_role_binding(job),

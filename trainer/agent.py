@@ -4,7 +4,8 @@ Why it exists: the c10d rendezvous store must outlive every worker (if it lives 
 kills the job, pytorch/elastic#115), and the operator needs a channel to the workers that does not depend on any
 of them. The agent
 
-* hosts the TCPStore that torchrun's rendezvous (``is_host=false``) and the trainer's control channel use;
+* hosts the TCPStore that torchrun's rendezvous (``is_host=false``) and the trainer's control channel use, and
+  uses it, as they do, only inside the job's secret key namespace (:mod:`disttrain.api.storeauth`);
 * follows its job's ``status.control`` (the operator's directive) and writes it into ``SIGNAL_KEY`` and
   ``TARGET_KEY``;
 * relays the trainer's ``PROGRESS_KEY``, ``CHECKPOINT_KEY`` and ``FAILURE_KEY`` into the job's status
@@ -289,7 +290,7 @@ class Agent:
         if job is None:
             return False
         status = job.get("status") or {}
-        self._write_directive(status.get("control") or {})
+        self._write_directive(status.get("control") or {}, str((job.get("metadata") or {}).get("uid") or ""))
         patch = self._relay(job, status)
         if patch and self._is_due(job, status, patch):
             self.source.patch_status(patch)
@@ -309,26 +310,45 @@ class Agent:
             log.info("writing status at once: %s", urgent)
         return due
 
-    def _write_directive(self, control: dict[str, Any]) -> None:
-        generation = int(control.get("generation", 0))
-        signal_value = keys.ControlSignal(
-            generation=generation, action=control.get("action", "none"), reason=control.get("reason", "")
-        ).model_dump_json()
+    def _write_directive(self, control: dict[str, Any], job_uid: str) -> None:
+        try:
+            generation = int(control.get("generation", 0))
+            signal_value = keys.ControlSignal(
+                generation=generation,
+                action=control.get("action", "none"),
+                reason=str(control.get("reason", ""))[: keys.MAX_TEXT],
+                job_uid=job_uid,
+            ).model_dump_json()
+            target_nodes = int(control.get("targetNodes", 0))
+            target_value = keys.TargetPlan(
+                generation=generation, nodes=target_nodes, exclude=list(control.get("exclude") or []), job_uid=job_uid
+            ).model_dump_json()
+        except (TypeError, ValueError) as error:
+            log.warning("ignoring an invalid status.control %r: %s", control, error)
+            return
         if signal_value != self._written_signal:
             self.store.set(keys.SIGNAL_KEY, signal_value)
             self._written_signal = signal_value
             log.info("directive %s", signal_value)
-        target_nodes = int(control.get("targetNodes", 0))
-        if target_nodes > 0:
-            target_value = keys.TargetPlan(
-                generation=generation, nodes=target_nodes, exclude=list(control.get("exclude") or [])
-            ).model_dump_json()
-            if target_value != self._written_target:
-                self.store.set(keys.TARGET_KEY, target_value)
-                self._written_target = target_value
+        if target_nodes > 0 and target_value != self._written_target:
+            self.store.set(keys.TARGET_KEY, target_value)
+            self._written_target = target_value
 
     def _relay(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
-        """Agent-owned status fields that differ from what the job's status holds."""
+        """Agent-owned status fields that differ from what the job's status holds.
+
+        Each record is relayed on its own: one that cannot be (a value that passed the model but not the status,
+        a store error) is logged and skipped, and the others still go out. A bad value must never stop the
+        status updates for good, as it did when one exception ended the whole round every time."""
+        wanted: dict[str, Any] = {}
+        for relay in (self._relay_progress, self._relay_checkpoint, self._relay_failure):
+            try:
+                wanted.update(relay(job, status))
+            except Exception as error:  # noqa: BLE001 - skip this record, keep the others flowing
+                log.warning("not relaying %s: %r", relay.__name__.removeprefix("_relay_"), error)
+        return {k: v for k, v in wanted.items() if k in AGENT_FIELDS and status.get(k) != v}
+
+    def _relay_progress(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
         wanted: dict[str, Any] = {}
         report = keys.read_model(self.store, keys.PROGRESS_KEY, keys.ProgressReport)
         if report is not None:
@@ -350,7 +370,13 @@ class Agent:
                 rendezvousRound=self._rounds,
                 roundStartTime=self._round_start,
             )
+        return wanted
+
+    def _relay_checkpoint(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+        wanted: dict[str, Any] = {}
         manifest = keys.read_model(self.store, keys.CHECKPOINT_KEY, CheckpointManifest)
+        if manifest is not None and not keys.is_valid_time(manifest.created_at):
+            raise ValueError(f"checkpoint step {manifest.step} has createdAt={manifest.created_at[:64]!r}, no time")
         if manifest is not None:
             path = f"{_checkpoint_dir(job)}/{step_dir_name(manifest.step)}"
             wanted["lastCheckpoint"] = {
@@ -360,6 +386,10 @@ class Agent:
                 "time": manifest.created_at,
                 "worldSize": manifest.world_size,
             }
+        return wanted
+
+    def _relay_failure(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+        wanted: dict[str, Any] = {}
         failure = keys.read_model(self.store, keys.FAILURE_KEY, keys.WorkerFailure)
         if failure is not None:
             wanted["workerFailure"] = {
@@ -368,7 +398,7 @@ class Agent:
                 "message": failure.message,
                 "time": format_time(failure.time),
             }
-        return {k: v for k, v in wanted.items() if k in AGENT_FIELDS and status.get(k) != v}
+        return wanted
 
     def run(self) -> int:
         """Loop until the job is gone or ``stop_event`` is set; transient API errors are logged and retried.
@@ -408,10 +438,27 @@ def _checkpoint_dir(job: dict[str, Any]) -> str:
 
 
 def start_store(port: int, host: str = "0.0.0.0", timeout_s: float = 60.0) -> Any:
-    """The TCPStore server the c10d rendezvous and the control channel share (torch imported here only)."""
+    """The TCPStore server the c10d rendezvous and the control channel share (torch imported here only).
+
+    The libuv server, chosen explicitly: it refuses a value over 8 MiB (the other one takes any size), which bounds
+    what one client can make the agent hold per key."""
     from torch.distributed import TCPStore
 
-    return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+    return TCPStore(
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        use_libuv=True,
+    )
+
+
+def scoped_store(server: Any) -> Any:
+    """The agent's own view of its store: inside the job's secret key namespace, as every worker sees it."""
+    from disttrain.trainer import channel  # imports torch
+
+    return channel.scoped(server)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -435,7 +482,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         source = KubeJobSource(args.namespace, args.name)
     else:
         parser.error(f"--name (or ${env.JOB_NAME}) or --state-dir is required")
-    store = start_store(args.port, args.host)
+    store = scoped_store(start_store(args.port, args.host))
     agent = Agent(source, store, poll_seconds=args.poll_seconds)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop_event.set())
     log.info("agent for %s serving the store on %s:%d", args.name or args.state_dir, args.host, args.port)

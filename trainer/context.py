@@ -45,7 +45,8 @@ class ElasticContext:
     metrics_port: int
     job: Optional[str]
     job_uid: str = ""
-    """metadata.uid of the job (``$DISTTRAIN_JOB_UID``): recorded in the fence and in every manifest."""
+    """metadata.uid of the job (``$DISTTRAIN_JOB_UID``, "" when unknown): recorded in the fence and in every
+    manifest; directive generations count within one uid."""
 
     @classmethod
     def from_env(cls, environ: Optional[dict[str, str]] = None) -> ElasticContext:

@@ -4,7 +4,11 @@
 ``ExitCode.DRAINED``. ``reform`` cannot wait for a boundary (a collective may be stuck on a dead peer), so the
 watchdog thread calls ``os._exit(ExitCode.REFORM)`` itself. Each signal generation is acted on once: the
 generation present when this process started, or the one recorded in the checkpoint, is history and ignored,
-so a worker restarted after a reform does not reform again.
+so a worker restarted after a reform does not reform again. Generations count within one job (its
+``metadata.uid``): a signal of another job is ignored, and a checkpoint written by another job (one deleted and
+recreated under the same name) records nothing this job's directives are compared with.
+
+The store is reached through :mod:`disttrain.trainer.channel`, inside the job's secret key namespace.
 """
 
 from __future__ import annotations
@@ -15,12 +19,12 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from datetime import timedelta
 from typing import TYPE_CHECKING, Optional
 
 from disttrain.api import control as keys
 from disttrain.api import env
 from disttrain.api.exitcodes import ExitCode
+from disttrain.trainer import channel
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -44,9 +48,14 @@ class Watchdog:
     """Follows SIGTERM and the control channel. ``drain_requested`` is read by the loop at step boundaries."""
 
     def __init__(
-        self, endpoint: Optional[str], poll_seconds: float = 0.2, exit_fn: Callable[[int], None] = os._exit
+        self,
+        endpoint: Optional[str],
+        poll_seconds: float = 0.2,
+        exit_fn: Callable[[int], None] = os._exit,
+        job_uid: Optional[str] = None,
     ) -> None:
         self.endpoint = endpoint
+        self.job_uid = os.environ.get(env.JOB_UID, "") if job_uid is None else job_uid
         self.poll_seconds = poll_seconds
         self._exit = exit_fn
         self._drain = threading.Event()
@@ -78,18 +87,24 @@ class Watchdog:
     def connect(self, timeout_s: float = 30.0) -> None:
         if not self.endpoint:
             return
-        import torch.distributed as dist
-
         host, port = parse_endpoint(self.endpoint)
-        self.store = dist.TCPStore(
-            host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-        )
+        self.store = channel.connect(host, port, timeout_s)
         current = read_signal(self.store)
-        self.seen_generation = current.generation if current else -1
+        self.seen_generation = current.generation if current and self._is_ours(current) else -1
 
-    def start(self, recorded_generation: int = -1) -> None:
-        """Start polling; generations up to max(seen at connect, recorded in the checkpoint) are history."""
-        self.seen_generation = max(self.seen_generation, recorded_generation)
+    def start(self, recorded_generation: int = -1, recorded_uid: Optional[str] = None) -> None:
+        """Start polling; generations up to max(seen at connect, recorded in the checkpoint) are history.
+
+        ``recorded_uid`` is the job that wrote the checkpoint: another job's generation means nothing here."""
+        if recorded_uid is None or recorded_uid == self.job_uid:
+            self.seen_generation = max(self.seen_generation, recorded_generation)
+        elif recorded_generation >= 0:
+            log.info(
+                "checkpoint written by job uid %s, not this one (%s): its directive generation %d is not ours",
+                recorded_uid,
+                self.job_uid,
+                recorded_generation,
+            )
         if self.store is None:
             return
         self._thread = threading.Thread(target=self._run, name="disttrain-watchdog", daemon=True)
@@ -102,7 +117,7 @@ class Watchdog:
         if self.store is None:
             return  # no control channel: only SIGTERM
         current = read_signal(self.store)
-        if current is None or current.generation <= self.seen_generation:
+        if current is None or not self._is_ours(current) or current.generation <= self.seen_generation:
             return
         self.seen_generation = current.generation
         if current.action == "reform":
@@ -116,6 +131,10 @@ class Watchdog:
             self._exit(int(ExitCode.REFORM))
         elif current.action == "drain":
             self.request_drain(f"drain signal generation {current.generation}: {current.reason}")
+
+    def _is_ours(self, current: keys.ControlSignal) -> bool:
+        """Whether ``current`` was issued for this job (a signal or worker without a uid predates uids)."""
+        return not current.job_uid or not self.job_uid or current.job_uid == self.job_uid
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_seconds):
@@ -143,14 +162,12 @@ def report_failure(exit_code: int, message: str, endpoint: Optional[str] = None,
     """
     import time
 
-    from torch.distributed import TCPStore
-
     endpoint = endpoint if endpoint is not None else os.environ.get(env.AGENT_ENDPOINT)
     if not endpoint:
         return False
     try:
         host, port = parse_endpoint(endpoint)
-        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        store = channel.connect(host, port, timeout_s)
         record = keys.WorkerFailure(
             exit_code=exit_code, node=os.environ.get(env.NODE_NAME, ""), message=message[:2000], time=time.time()
         )

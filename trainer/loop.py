@@ -276,7 +276,7 @@ class ElasticTrainer:
             precision_state = precision_mod.PrecisionState(precision, groups.device, grad_scaler)
         except ValueError as exc:
             exits.exit_permanent(str(exc))
-        watchdog = Watchdog(ctx.agent_endpoint)
+        watchdog = Watchdog(ctx.agent_endpoint, job_uid=ctx.job_uid)
         checkpoints = ckpt_mod.CheckpointManager(
             ctx.checkpoint_dir,
             ctx.contract.checkpoint,
@@ -465,6 +465,7 @@ class ElasticTrainer:
             code_version=CODE_VERSION,
             config_hash=training_config_hash(self.training),
             job=self.ctx.job,
+            job_uid=self.ctx.job_uid or None,
         )
 
     def _save(self, force_sync: bool) -> None:
@@ -521,7 +522,7 @@ class ElasticTrainer:
             self.lr_state.target_scale,
             ramp,
         )
-        self.watchdog.start(recorded_generation=s.control_generation)
+        self.watchdog.start(recorded_generation=s.control_generation, recorded_uid=manifest.job_uid)
 
     def _apply_lr(self) -> None:
         scale = self.lr_state.scale_at(self.state.step, self.training.lr.ramp_steps)

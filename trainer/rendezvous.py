@@ -51,6 +51,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousPa
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
 from disttrain.api import constants, control, env
+from disttrain.trainer import channel
 
 log = logging.getLogger("disttrain.rendezvous")
 
@@ -166,8 +167,12 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """Build the handler from torchrun's parameters, exactly as ``c10d`` reads them."""
-    backend, store = c10d_rendezvous_backend.create_backend(params)
+    """Build the handler from torchrun's parameters, exactly as ``c10d`` reads them, over the agent's store seen
+    through the job's secret key namespace (:mod:`disttrain.trainer.channel`): torch's own rendezvous state is
+    as out of reach of a client without the secret as the control keys."""
+    _, tcp_store = c10d_rendezvous_backend.create_backend(params)
+    store = channel.scoped(tcp_store)
+    backend = c10d_rendezvous_backend.C10dRendezvousBackend(store, params.run_id)
 
     def seconds(key: str) -> Optional[timedelta]:
         value = params.get_as_int(f"{key}_timeout")

@@ -16,10 +16,10 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-from disttrain.api import constants
+from disttrain.api import constants, storeauth
 from disttrain.api.ports import free_port
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import names, pods, reconcile
+from disttrain.operator import agentfields, names, pods, reconcile
 from disttrain.operator.local import agentlink, proctree, translate
 from disttrain.operator.local.chaos import ChaosEvent
 from disttrain.operator.local.logtail import LogTail
@@ -88,6 +88,7 @@ class LocalRuntime:
         self.lost_machines: list[LocalPod] = []
         self.machine_count = 0
         self.store_port = free_port()
+        self.store_secret = storeauth.new_secret()
         self.started = time.time()
         self.events: list[dict[str, Any]] = []
         self.logs = LogTail(state.logs_dir)
@@ -147,6 +148,7 @@ class LocalRuntime:
             workdir=self.workdir,
             base_env=dict(os.environ),
             rdzv_backend=self.rdzv_fallback,
+            store_secret=self.store_secret,
         )
 
     def _spawn(self, pod: dict[str, Any], index: int, metrics_port: int) -> LocalPod:
@@ -289,6 +291,7 @@ class LocalRuntime:
         relayed = agentlink.read_relayed(self.state, self.cluster_checkpoint_dir)
         if relayed:
             self.obj["status"] = {**self.obj["status"], **relayed}
+            self.obj = agentfields.sanitized_job(self.obj, self.obj["metadata"].get("namespace", ""), self.name)
         facts = self.logs.poll(now)
         self.recorder.on_status(self.obj["status"], facts, now)
         began = time.perf_counter()

@@ -45,6 +45,8 @@ class LocalSite:
     """Environment every local process starts from (the user's, so PATH and the venv work as in an image)."""
     rdzv_backend: Optional[str] = None
     """torchrun rendezvous backend to use instead of the pod's (when its handler is not installed here)."""
+    store_secret: str = ""
+    """The job's store secret: what the mounted Secret holds on Kubernetes, given in the env here."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +156,8 @@ def to_process(pod: Mapping[str, Any], site: LocalSite, node_name: str, metrics_
         env[env_names.CHECKPOINT_DIR] = site.checkpoint_dir
     if env_names.METRICS_PORT in env:
         env[env_names.METRICS_PORT] = str(metrics_port)
+    if env.pop(env_names.STORE_SECRET_FILE, None) is not None:  # no Secret volume here: the secret itself
+        env[env_names.STORE_SECRET] = site.store_secret
     workdir = container.get("workingDir")
     cwd = site.workdir if not workdir or not _exists(workdir) else workdir
     return ProcessSpec(tuple(argv), env, cwd)

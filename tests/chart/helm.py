@@ -36,6 +36,8 @@ NON_DEFAULT_VALUES: dict[str, Any] = {
     "imagePullSecrets": [{"name": "pull"}],
     "watchNamespaces": ["team-a", "team-b"],
     "logLevel": "debug",
+    "agent": {"image": "registry.example/disttrain-trainer:1.2.3"},
+    "statusGuard": {"enabled": False},
     "serviceAccount": {"annotations": {"example.com/role": "operator"}},
     "metrics": {"port": 9191},
     "liveness": {"port": 8181},

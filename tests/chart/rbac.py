@@ -30,7 +30,8 @@ ADAPTER = (_expand("disttrain.dev", ["disttrainjobs"], ["list", "delete"])  # Ku
            | _expand("disttrain.dev", ["disttrainjobs/status"], ["patch"])  # Kube.patch_status
            | _expand("", ["pods"], ["list", "create", "delete"])  # Kube.list_scope, create, delete_pod
            | _expand("", ["nodes"], ["list"])  # Kube.list_scope
-           | _expand("", ["services", "serviceaccounts", "events"], ["create"])  # Kube.create
+           | _expand("", ["services", "serviceaccounts", "events", "secrets"], ["create"])  # Kube.create
+           | _expand("networking.k8s.io", ["networkpolicies"], ["create"])  # Kube.create (operator/access.py)
            | _expand("rbac.authorization.k8s.io", ["roles", "rolebindings"], ["create"]))
 """The API calls of operator/handlers.py's ``Kube`` (its lists are operator/listing.py's: once per namespace and
 after a re-list, never per reconcile). ``get`` on disttrainjobs is no call of the operator's: the agent Role

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import pods
+from disttrain.operator import access, pods
 from tests.chart.helm import NAMESPACE, SERVICE_ACCOUNT, by_kind, render
 from tests.chart.rbac import CLUSTER_SCOPED, granted, needed
 from tests.unit.operator.world import job_manifest
@@ -66,10 +66,13 @@ def test_watch_namespaces_roles_are_exactly_what_is_needed():
 def test_operator_may_create_every_object_it_builds():
     """The per-job support objects, pods and Events are all creatable (the chart's create verbs)."""
     job = DistTrainJob.model_validate(job_manifest("x"))
-    created = {obj["kind"] for obj in pods.build_support_objects(job)} | {"Pod", "Event"}
+    built = [*pods.build_support_objects(job), access.build_store_secret(job, "s")]
+    created = {obj["kind"] for obj in built} | {"Pod", "Event"}
     plural = {"ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings",
-              "Service": "services", "Pod": "pods", "Event": "events"}
+              "Service": "services", "Pod": "pods", "Event": "events", "Secret": "secrets",
+              "NetworkPolicy": "networkpolicies"}
+    groups = {"Role": "rbac.authorization.k8s.io", "RoleBinding": "rbac.authorization.k8s.io",
+              "NetworkPolicy": "networking.k8s.io"}
     assert created <= set(plural), created - set(plural)
     held = granted(_only(render(), "ClusterRole")["rules"])
-    assert {("rbac.authorization.k8s.io" if kind.startswith("Role") else "", plural[kind], "create")
-            for kind in created} <= held
+    assert {(groups.get(kind, ""), plural[kind], "create") for kind in created} <= held

@@ -12,11 +12,13 @@ from tests.cluster.controlplane import ControlPlane
 OPERATOR_NAMESPACE = NAMESPACE
 OPERATOR_SERVICE_ACCOUNT = object_name()
 RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+GUARD_KINDS = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+"""The status guard (templates/statusguard.yaml): who may change the operator's status fields."""
 
 
 def operator_rbac_documents() -> list[dict[str, Any]]:
     """The chart's RBAC objects (default values: the operator watches all namespaces)."""
-    return [obj for obj in render() if obj["kind"] in RBAC_KINDS]
+    return [obj for obj in render() if obj["kind"] in RBAC_KINDS | GUARD_KINDS]
 
 
 def install_operator_rbac(plane: ControlPlane) -> None:

@@ -8,9 +8,11 @@ the whole module the operator's log must show no 403.
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -164,6 +166,8 @@ def test_created_objects_are_owned_and_collected_by_the_garbage_collector(cluste
         f"/api/v1/namespaces/{cluster.ns}/serviceaccounts/gc-agent",
         f"/apis/rbac.authorization.k8s.io/v1/namespaces/{cluster.ns}/roles/gc-agent",
         f"/apis/rbac.authorization.k8s.io/v1/namespaces/{cluster.ns}/rolebindings/gc-agent",
+        f"/api/v1/namespaces/{cluster.ns}/secrets/gc-store",
+        f"/apis/networking.k8s.io/v1/namespaces/{cluster.ns}/networkpolicies/gc-agent",
         *(f"/api/v1/namespaces/{cluster.ns}/pods/{name}" for name in ("gc-agent", "gc-worker-0", "gc-worker-1")),
     }
     for path in owned:
@@ -177,6 +181,41 @@ def test_created_objects_are_owned_and_collected_by_the_garbage_collector(cluste
         return all(_gone(cluster.plane, path) for path in owned) and _gone(cluster.plane, cluster.jobs("gc"))
 
     eventually(collected, timeout=60, what="dependents garbage-collected")
+
+
+def test_only_the_jobs_pods_mount_its_store_secret_and_only_its_workers_may_reach_the_agent(cluster, tmp_path):
+    """The two fences of docs/operator.md ("Who can reach the job agent"), as the real API server stores them."""
+    for name in ("fence-a", "fence-b"):
+        cluster.apply(JobBuilder(name), tmp_path)
+    eventually(lambda: len(cluster.pods("agent")) == 2 and len(cluster.pods()) == 4, what="pods created")
+    secrets = {}
+    for name in ("fence-a", "fence-b"):
+        secret = eventually(lambda: _try(lambda: cluster.plane.request(
+            "GET", f"/api/v1/namespaces/{cluster.ns}/secrets/{name}-store")), what=f"{name}-store")
+        secrets[name] = base64.b64decode(secret["data"]["secret"]).decode()
+        assert len(secrets[name]) == 64 and secret["immutable"] is True
+        job_pods = [p for p in [*cluster.pods().values(), *cluster.pods("agent").values()]
+                    if p["metadata"]["labels"][constants.LABEL_JOB_NAME] == name]
+        assert len(job_pods) == 3
+        for pod in job_pods:
+            [volume] = [v for v in pod["spec"]["volumes"] if "secret" in v]
+            assert volume["secret"]["secretName"] == f"{name}-store", pod["metadata"]["name"]
+            container = pod["spec"]["containers"][0]
+            assert {"name": volume["name"], "mountPath": "/var/run/secrets/disttrain.dev/store",
+                    "readOnly": True} in container["volumeMounts"]
+            assert {"name": "DISTTRAIN_STORE_SECRET_FILE",
+                    "value": "/var/run/secrets/disttrain.dev/store/secret"} in container["env"]
+        policy = cluster.plane.request(
+            "GET", f"/apis/networking.k8s.io/v1/namespaces/{cluster.ns}/networkpolicies/{name}-agent")["spec"]
+        agent_labels = cluster.pods("agent")[f"{name}-agent"]["metadata"]["labels"]
+        assert policy["podSelector"]["matchLabels"].items() <= agent_labels.items()
+        assert policy["policyTypes"] == ["Ingress"]
+        [rule] = policy["ingress"]
+        [peer] = rule["from"]
+        assert peer == {"podSelector": {"matchLabels": {constants.LABEL_JOB_NAME: name,
+                                                        constants.LABEL_ROLE: constants.ROLE_WORKER}}}
+        assert rule["ports"] == [{"protocol": "TCP", "port": 29400}]
+    assert secrets["fence-a"] != secrets["fence-b"]
 
 
 def _gone(plane: ControlPlane, path: str) -> bool:
@@ -319,3 +358,66 @@ def test_the_job_agent_follows_its_job_through_a_watch_under_its_own_role(cluste
         eventually(lambda: source.read() is None, timeout=60, what="the deletion seen through the watch")
     finally:
         source.close()
+
+
+def _scrape(operator: OperatorProcess) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+def test_metric_labels_come_from_our_enums(cluster, operator, tmp_path):
+    """A byReason key or reform reason that is not ours never becomes a label (nor injects text into /metrics)."""
+    cluster.running("mx", JobBuilder("mx"), tmp_path, replicas=1)
+    # As a cluster admin: the status guard keeps the agent's token off these fields (see the test below).
+    cluster.plane.request("PATCH", cluster.jobs("mx", "status"), {"status": {
+        "restarts": {"total": 0, "byReason": {"PodFailed": 0, 'x"} 1\nevil': 3}},
+        "reforms": 1, "lastReform": {"reason": "made-up", "start": format_time(time.time()), "from": 1, "to": 1}}},
+        content_type="application/merge-patch+json")
+    eventually(lambda: 'reason="Other"} 3.0' in _scrape(operator), what="the unknown reason counted as Other")
+    text = _scrape(operator)
+    assert "evil" not in text and "made-up" not in text, [line for line in text.splitlines() if "mx" in line]
+
+
+def test_a_deleted_jobs_series_go_when_its_deletion_begins(cluster, operator, tmp_path):
+    """On a real control plane a deleted job's series were still exported minutes later: a deletion can take that
+    long (foreground deletion waiting for pods on a lost node; here a finalizer of our own), and the series must
+    go when it begins, not when the object is finally gone, and no late reconcile may bring them back."""
+    cluster.running("dx", JobBuilder("dx"), tmp_path, replicas=1)
+    series = f'job="dx",namespace="{cluster.ns}"'
+    eventually(lambda: series in _scrape(operator), what="the job's series")
+    finalizers = [*cluster.job("dx")["metadata"].get("finalizers", []), "test.disttrain.dev/hold"]
+    cluster.plane.request("PATCH", cluster.jobs("dx"), {"metadata": {"finalizers": finalizers}},
+                          content_type="application/merge-patch+json")
+    cluster.plane.kubectl("delete", "-n", cluster.ns, "dtj/dx", "--wait=false")
+    eventually(lambda: series not in _scrape(operator), timeout=20, what="the deleting job's series removed")
+    time.sleep(1.0)
+    assert series not in _scrape(operator), "a late reconcile brought them back"
+    left = [f for f in cluster.job("dx")["metadata"].get("finalizers", []) if f != "test.disttrain.dev/hold"]
+    cluster.plane.request("PATCH", cluster.jobs("dx"), {"metadata": {"finalizers": left or None}},
+                          content_type="application/merge-patch+json")
+    eventually(lambda: _gone(cluster.plane, cluster.jobs("dx")), timeout=60, what="job deleted")
+    assert series not in _scrape(operator)
+
+
+def test_the_agent_may_report_progress_but_never_change_what_the_operator_remembers(cluster, tmp_path):
+    """The agent's token may patch the status subresource (RBAC cannot narrow it to fields); the chart's status
+    guard refuses every change it would make to the operator's fields: the restart budget, the pods already
+    counted, the directive, the phase."""
+    agent = cluster.running("sg", JobBuilder("sg"), tmp_path, replicas=1)
+    spent = {"total": 3, "byReason": {"PodFailed": 3}}  # three restarts counted (written here as the admin)
+    cluster.plane.request("PATCH", cluster.jobs("sg", "status"), {"status": {"restarts": spent}},
+                          content_type="application/merge-patch+json")
+    before = eventually(lambda: (lambda st: st if st.get("restarts") == spent else None)(cluster.status("sg")))
+    forged = {"restarts": {"total": 0, "byReason": {}}, "handledPods": ["uid-x"], "phase": "Succeeded",
+              "trackedPods": {"sg-worker-0": "forged"}, "control": {"generation": 99, "action": "reform"},
+              "consecutiveFailures": 7}
+    for field, value in forged.items():
+        result = cluster.plane.kubectl("patch", "-n", cluster.ns, f"{constants.PLURAL}/sg", "--subresource=status",
+                                       "--type=merge", "-p", json.dumps({"status": {field: value, "step": 9}}),
+                                       kubeconfig=agent, check=False)
+        assert result.returncode != 0 and f"status.{field} is the operator's" in result.stderr, (field, result)
+    after = cluster.status("sg")
+    assert {k: after.get(k) for k in forged} == {k: before.get(k) for k in forged}
+    assert after.get("step") == before.get("step"), "a refused update changes nothing, not even the agent's part"
+    cluster.agent_reports("sg", agent, step=11, lastProgressTime=format_time(time.time()))
+    assert cluster.status("sg")["step"] == 11, "progress is still the agent's to report"

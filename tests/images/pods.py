@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from disttrain.api import constants
+from disttrain.api import constants, storeauth
 from disttrain.api import env as env_names
 from disttrain.api.ports import free_port
 from disttrain.api.spec import DistTrainJob
@@ -67,11 +67,15 @@ def run_job(image: str, job: DistTrainJob, tmp: Path, timeout: float = 180) -> J
     worker_pod = pods.build_worker_pod(job, 0, endpoint=f"127.0.0.1:{port}")
     worker_env = pods.worker_env_dict(worker_pod)
     worker_env[env_names.METRICS_PORT] = str(free_port())  # pods have their own IPs; these share the host's
+    # No Secret volume here: the job's store secret goes into both containers' env instead of the mounted file.
+    secret_env = {env_names.STORE_SECRET: storeauth.new_secret()}
+    worker_env.pop(env_names.STORE_SECRET_FILE, None)
+    worker_env.update(secret_env)
     volumes = {checkpoints: job.spec.checkpoint.path}
 
     hostnames = (agent_pod["metadata"]["name"], worker_pod["spec"]["hostname"])
     with container(image, hostnames[0]) as agent_ctr, container(image, hostnames[1]) as worker_ctr:
-        agent_proc = agent_ctr.start(agent_argv, tmp / "agent.log", volumes={state: STATE})
+        agent_proc = agent_ctr.start(agent_argv, tmp / "agent.log", env=secret_env, volumes={state: STATE})
         try:
             wait_for_port(agent_ctr, port, agent_proc, tmp / "agent.log")
             worker = worker_ctr.start(pods.worker_command(worker_pod), tmp / "worker.log", env=worker_env,

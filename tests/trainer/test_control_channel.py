@@ -12,6 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from disttrain.api import control
+from disttrain.trainer import channel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -86,3 +87,42 @@ def test_a_seconds_interval_checkpoints_on_rank_zeros_clock(harness):
     assert rc == 0, log[-3000:]
     steps = sorted(int(p.name.split("-")[1]) for p in harness.ckpt.glob("step-*"))
     assert len(steps) >= 3 and steps[-1] == 24, steps  # >= 2 by time in ~3.6 s of training, plus the last
+
+
+def test_a_job_recreated_under_the_same_name_obeys_its_own_directives_after_resuming_the_old_checkpoint(harness):
+    """The old job drained at directive generation 3, and its checkpoint records it. A new job of the same name
+    (another uid, a new agent store) resumes that checkpoint: its own generation 1 drain is obeyed, not taken for
+    history. The old job's signal, still in a store the new workers reach, is not obeyed. Everything goes
+    through the job's secret key namespace, as on Kubernetes."""
+    secret = {"DISTTRAIN_STORE_SECRET": "a" * 64}
+    contract = harness.contract(global_batch=4, micro=1, max_steps=1000, interval=5)
+
+    def connect(port):
+        raw = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+        return channel.scoped(raw, secret["DISTTRAIN_STORE_SECRET"])
+
+    def drain(store, generation, uid):
+        store.set(control.SIGNAL_KEY, control.ControlSignal(generation=generation, action="drain", reason="t",
+                                                            job_uid=uid).model_dump_json())
+
+    old_port = harness.start_store()
+    old = harness.start(2, contract, "old", DISTTRAIN_AGENT_ENDPOINT=f"127.0.0.1:{old_port}",
+                        DISTTRAIN_JOB_UID="uid-old", TOY_STEP_SLEEP="0.05", **secret)
+    harness.wait_for_step("old", 3)
+    drain(connect(old_port), 3, "uid-old")
+    old.wait(timeout=60)
+    assert "exitcode  : 83" in harness.log("old"), harness.log("old")[-3000:]
+
+    new_port = harness.start_store()
+    new_store = connect(new_port)
+    drain(new_store, 2, "uid-old")  # a stale signal of the old job where the new workers read
+    new = harness.start(2, contract, "new", DISTTRAIN_AGENT_ENDPOINT=f"127.0.0.1:{new_port}",
+                        DISTTRAIN_JOB_UID="uid-new", TOY_STEP_SLEEP="0.05", **secret)
+    drained = int(re.search(r"drained at step (\d+)", harness.log("old")).group(1))
+    harness.wait_for_step("new", drained + 3)
+    assert new.poll() is None, "the old job's signal was not obeyed"
+    drain(new_store, 1, "uid-new")
+    new.wait(timeout=60)
+    log = harness.log("new")
+    assert f"resumed from checkpoint step-{drained}" in log and "exitcode  : 83" in log, log[-3000:]
+    assert "drain signal generation 1" in log

@@ -17,6 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from disttrain.api import control
+from disttrain.trainer import channel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -25,13 +26,14 @@ LAST_CALL_S = 30
 STATE_KEY = "torch.rendezvous.probe"  # C10dRendezvousBackend keeps the round state under torch.rendezvous.<run id>
 
 
-def start_node(harness, port: int, name: str, out: Path, last_call: int = LAST_CALL_S) -> subprocess.Popen:
+def start_node(harness, port: int, name: str, out: Path, last_call: int = LAST_CALL_S,
+               **extra_env: str) -> subprocess.Popen:
     conf = f"is_host=false,join_timeout=60,last_call_timeout={last_call},keep_alive_interval=1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:3", "--nproc-per-node=1",
            "--rdzv-backend=disttrain", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=probe", f"--rdzv-conf={conf}",
            "--max-restarts=3", "--monitor-interval=0.2", str(PROBE)]
     env = {**os.environ, "DISTTRAIN_NODE_NAME": name, "PROBE_OUT": str(out), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", **extra_env}
     with open(out / f"{name}.log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     harness.procs.append(proc)
@@ -81,6 +83,25 @@ def test_round_completes_once_the_target_joined_without_waiting_out_last_call(ha
     # Stock c10d with --nnodes=1:3 completes only last_call_timeout (30 s) after min_nodes (1) joined.
     assert max(r["time"] for r in records.values()) - started < 10, logs_of(harness.out, nodes)
     assert {r["WORLD_SIZE"] for r in records.values()} == {"2"}
+    assert all(p.wait(timeout=30) == 0 for p in nodes.values()), logs_of(harness.out, nodes)
+
+
+def test_with_a_store_secret_the_rendezvous_and_the_target_live_in_the_secret_namespace(harness):
+    """Workers holding the job's store secret rendezvous through a PrefixStore derived from it: the round state
+    and the target they follow are out of reach of a client without the secret."""
+    secret = "f" * 64
+    port = harness.start_store()
+    raw = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    scoped = channel.scoped(raw, secret)
+    raw.set(control.TARGET_KEY, control.TargetPlan(generation=1, nodes=3).model_dump_json())  # an outsider's
+    scoped.set(control.TARGET_KEY, control.TargetPlan(generation=1, nodes=2).model_dump_json())
+    nodes = {name: start_node(harness, port, name, harness.out, DISTTRAIN_STORE_SECRET=secret)
+             for name in ("node-0", "node-1")}
+    records = wait_for(harness.out, set(nodes), 30)
+    assert set(nodes) <= records.keys(), logs_of(harness.out, nodes)
+    assert {r["WORLD_SIZE"] for r in records.values()} == {"2"}, "the job's target, not the outsider's"
+    assert scoped.check([STATE_KEY]), "the round state is in the secret namespace"
+    assert raw.get(STATE_KEY) != scoped.get(STATE_KEY), "and not where an outsider can write it"
     assert all(p.wait(timeout=30) == 0 for p in nodes.values()), logs_of(harness.out, nodes)
 
 

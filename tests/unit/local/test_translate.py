@@ -59,3 +59,13 @@ def test_agent_service_names_are_rewritten_only_as_whole_host_names():
     assert translate.translate_text("tcp://a-agent:29400/x", site) == "tcp://127.0.0.1:5/x"
     assert translate.translate_text("a-agent-old:29400", site) == "a-agent-old:29400"
     assert translate.translate_text("/c/ns/a/step-3", site) == "/l/step-3"
+
+
+def test_worker_and_agent_get_the_local_jobs_store_secret_in_their_env(make_job):
+    """No Secret volume locally: the runtime's secret goes into the env, and the pod's file path is dropped (a
+    process told to read a file that does not exist would refuse to start)."""
+    job = _job(make_job)
+    site = translate.LocalSite(**{**_site(job).__dict__, "store_secret": "local-secret"})
+    for pod in (pods.build_worker_pod(job, 0), pods.build_agent_pod(job)):
+        spec = translate.to_process(pod, site, "local-1", metrics_port=0)
+        assert spec.env[env.STORE_SECRET] == "local-secret" and env.STORE_SECRET_FILE not in spec.env

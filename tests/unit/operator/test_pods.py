@@ -10,7 +10,7 @@ import pytest
 from disttrain.api import env
 from disttrain.api.contract import WorkerContract
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import pods
+from disttrain.operator import access, pods
 from tests.unit.operator.world import job_manifest
 
 pytestmark = pytest.mark.timeout(60)
@@ -105,8 +105,31 @@ def test_checkpoint_claim_is_mounted_and_a_template_volume_can_be_used_instead()
     manifest["spec"]["checkpoint"] = {"volumeName": "shared", "path": "/ckpt"}
     manifest["spec"]["template"]["spec"]["volumes"] = [{"name": "shared", "nfs": {"server": "nfs", "path": "/x"}}]
     pod = pods.build_worker_pod(DistTrainJob.model_validate(manifest), 0)
-    assert pod["spec"]["containers"][0]["volumeMounts"] == [{"name": "shared", "mountPath": "/ckpt"}]
+    mounts = pod["spec"]["containers"][0]["volumeMounts"]
+    assert [m for m in mounts if m["name"] != access.VOLUME] == [{"name": "shared", "mountPath": "/ckpt"}]
     kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
+def test_worker_and_agent_pods_mount_the_jobs_store_secret_and_nothing_else_of_that_name():
+    manifest = job_manifest()
+    trainer = manifest["spec"]["template"]["spec"]["containers"][0]
+    trainer["env"] = [{"name": env.STORE_SECRET, "value": "chosen-by-the-user"}]
+    job = DistTrainJob.model_validate(manifest)
+    for pod in (pods.build_worker_pod(job, 0), pods.build_agent_pod(job)):
+        [volume] = [v for v in pod["spec"]["volumes"] if v["name"] == access.VOLUME]
+        assert volume == {"name": access.VOLUME, "secret": {"secretName": f"{job.metadata.name}-store"}}
+        container = pod["spec"]["containers"][0]
+        assert {"name": access.VOLUME, "mountPath": access.MOUNT_PATH, "readOnly": True} in container["volumeMounts"]
+        secret_env = [e for e in container["env"] if e["name"].startswith("DISTTRAIN_STORE_SECRET")]
+        assert secret_env == [{"name": env.STORE_SECRET_FILE, "value": access.SECRET_FILE}]
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    secret = access.build_store_secret(job, "s" * 64)
+    policy = access.build_network_policy(job)
+    for obj in (secret, policy):
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pods.build_agent_pod(job)["metadata"]["labels"].items()
+    [peer] = policy["spec"]["ingress"][0]["from"]
+    assert peer["podSelector"]["matchLabels"].items() <= pods.build_worker_pod(job, 1)["metadata"]["labels"].items()
 
 
 def test_a_template_volume_name_that_does_not_exist_is_refused_with_the_field():
@@ -187,3 +210,12 @@ def test_workers_do_not_mount_a_service_account_token_and_the_agent_does():
     assert pods.build_worker_pod(job, 0)["spec"]["automountServiceAccountToken"] is False
     agent = pods.build_agent_pod(job)["spec"]
     assert "automountServiceAccountToken" not in agent and agent["serviceAccountName"]
+
+
+def test_the_agent_runs_the_operators_image_never_the_users():
+    job = DistTrainJob.model_validate(job_manifest())
+    user_image = job.spec.trainer_container()["image"]
+    default = pods.build_agent_pod(job)["spec"]["containers"][0]["image"]
+    assert default.startswith(pods.AGENT_IMAGE_REPOSITORY + ":") and default != user_image
+    chosen = pods.build_agent_pod(job, "registry.example/disttrain-trainer:9")["spec"]["containers"][0]
+    assert chosen["image"] == "registry.example/disttrain-trainer:9" and "imagePullPolicy" not in chosen

@@ -1,0 +1,61 @@
+"""The operator's check of what the job agent wrote into the status, before the reconcile core reads it.
+
+The agent validates what it reads from the store (:mod:`disttrain.api.control`), but the operator does not take
+that on trust: the CRD schema gives these fields their types and nothing more, and one unparsable time in them
+would make every reconcile of the job fail until someone repairs the status by hand. A value that fails here is
+dropped from the core's view (as if the agent had not reported it yet) and named in the log; the status itself is
+the agent's to correct with its next report.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+from disttrain.api import control
+
+log = logging.getLogger("disttrain.operator")
+
+TIME_FIELDS = ("roundStartTime", "lastProgressTime")
+"""Top-level agent fields that hold an RFC 3339 time."""
+NESTED_TIME_FIELDS = ("lastCheckpoint", "workerFailure")
+"""Agent fields that are objects with a ``time``."""
+COUNT_FIELDS = ("step", "samplesConsumed", "worldSize", "rendezvousRound")
+
+
+def sanitize(status: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``status`` without the agent values that fail their checks, and a description of each one dropped."""
+    clean = copy.deepcopy(status)
+    problems: list[str] = []
+    for field in TIME_FIELDS:
+        value = clean.get(field)
+        if value is not None and not (isinstance(value, str) and control.is_valid_time(value)):
+            problems.append(f"status.{field}={_show(value)} is no RFC 3339 time")
+            del clean[field]
+    for field in NESTED_TIME_FIELDS:
+        value = clean.get(field)
+        if not isinstance(value, dict) or value.get("time") is None:
+            continue
+        if not (isinstance(value["time"], str) and control.is_valid_time(value["time"])):
+            problems.append(f"status.{field}.time={_show(value['time'])} is no RFC 3339 time")
+            del clean[field]
+    for field in COUNT_FIELDS:
+        value = clean.get(field)
+        if value is not None and not (isinstance(value, int) and 0 <= value <= control.MAX_COUNT):
+            problems.append(f"status.{field}={_show(value)} is out of range [0, {control.MAX_COUNT}]")
+            del clean[field]
+    return clean, problems
+
+
+def sanitized_job(raw: dict[str, Any], namespace: str, name: str) -> dict[str, Any]:
+    """``raw`` (a job in wire form) with :func:`sanitize` applied to its status; every problem is logged."""
+    status, problems = sanitize(raw.get("status") or {})
+    for problem in problems:
+        log.warning("%s/%s: ignoring what the job agent reported: %s", namespace, name, problem)
+    return {**raw, "status": status}
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

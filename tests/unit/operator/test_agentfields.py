@@ -1,0 +1,46 @@
+"""What the job agent wrote is checked before the reconcile core reads it: a value that is no time (or out of
+range) is ignored, as if not reported yet, instead of failing every reconcile of the job."""
+
+from __future__ import annotations
+
+import pytest
+
+from disttrain.api.spec import DistTrainJob
+from disttrain.operator import agentfields
+from disttrain.operator.reconcile import reconcile
+from tests.unit.operator.world import World, job_manifest
+
+
+def draining_world() -> World:
+    world = World(job_manifest(replicas=3)).running_world(3)
+    world.spec("nodes.replicas", 2)
+    world.step(1)
+    world.step(10)
+    assert world.control["action"] == "drain"
+    return world
+
+
+@pytest.mark.parametrize("field,value", [
+    ("lastCheckpoint", {"step": 6, "samples": 144, "path": "/ckpt/step-6", "time": "yesterday", "worldSize": 3}),
+    ("lastCheckpoint", {"step": 6, "samples": 144, "path": "/ckpt/step-6", "time": "99999-01-01T00:00:00Z",
+                        "worldSize": 3}),
+    ("lastProgressTime", "NaN"),
+])
+def test_an_unparsable_agent_time_is_ignored_not_fatal(field, value):
+    world = draining_world()
+    world.status[field] = value
+    with pytest.raises(ValueError):  # what the core does with it unchecked: every reconcile fails
+        reconcile(DistTrainJob.model_validate(world.manifest), world.observed(), world.now + 1)
+    job = agentfields.sanitized_job(world.manifest, "default", "demo")
+    assert field not in job["status"] and world.status[field] == value, "only the core's view is cleaned"
+    actions = reconcile(DistTrainJob.model_validate(job), world.observed(), world.now + 1)
+    assert actions.delete_pods == (), "no checkpoint was reported: the victim is not deleted yet"
+
+
+def test_good_values_pass_untouched_and_each_problem_is_named():
+    world = draining_world().checkpoint(6).progress(3, step=6, same_round=True)
+    clean, problems = agentfields.sanitize(world.status)
+    assert clean == world.status and problems == []
+    _, problems = agentfields.sanitize({**world.status, "step": 2**60, "roundStartTime": 5})
+    assert problems == ["status.roundStartTime=5 is no RFC 3339 time",
+                        f"status.step={2**60} is out of range [0, {2**53}]"]
