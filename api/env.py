@@ -18,3 +18,6 @@ CHECKPOINT_DIR: Final = "DISTTRAIN_CHECKPOINT_DIR"
 AGENT_ENDPOINT: Final = "DISTTRAIN_AGENT_ENDPOINT"
 # First Prometheus port of this node; local rank r serves on port + r. 0 disables the exporter.
 METRICS_PORT: Final = "DISTTRAIN_METRICS_PORT"
+# File the worker's launcher writes the root cause of a failure to (exit code, the traceback's last line): the
+# trainer container's terminationMessagePath on Kubernetes, a file of the node's own in local mode.
+TERMINATION_LOG: Final = "DISTTRAIN_TERMINATION_LOG"

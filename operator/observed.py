@@ -43,6 +43,9 @@ class PodView:
     reason: str = ""
     """pod.status.reason, e.g. Evicted."""
     message: str = ""
+    termination_message: str = ""
+    """The trainer container's termination message: the launcher's root cause of a failure (exit code, the last
+    line of the user's traceback)."""
 
     @property
     def is_terminating(self) -> bool:

@@ -449,11 +449,12 @@ def _handle_workers(d: _Draft) -> None:
             d.members.append(pod)
             d.status.tracked_pods[pod.name] = pod.uid
         elif pod.phase == "Failed" and is_permanent_exit(d.spec, pod.exit_code):
+            cause = failure_cause(pod)
             _fail(
                 d,
                 Reason.PERMANENT_EXIT_CODE,
                 f"worker pod {pod.name} exited with code {pod.exit_code}, listed as permanent in "
-                f"spec.restartPolicy.exitCodes.permanent",
+                f"spec.restartPolicy.exitCodes.permanent" + (f": {cause}" if cause else ""),
             )
             return
         else:
@@ -506,6 +507,9 @@ def _count_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
         detail += f" (node {pod.node_name})"
     if pod.exit_code is not None:
         detail += f", exit code {pod.exit_code}"
+    cause = failure_cause(pod)
+    if cause:
+        detail += f": {cause}"
     _count_loss(d, reason, detail)
 
 
@@ -517,6 +521,13 @@ def _remove_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
     elif pod.deleting_since is not None:
         d.timer(pod.deleting_since + d.spec.elastic.stuck_pod_timeout_seconds)
     d.delete(pod, reason, force=force or reason is Reason.NODE_DELETED)
+
+
+def failure_cause(pod: PodView) -> str:
+    """The last line of a failed pod's termination message (the launcher writes the exit code and the last line
+    of the user's traceback there), at most 512 characters; '' when there is none."""
+    lines = [line.strip() for line in pod.termination_message.splitlines() if line.strip()]
+    return lines[-1][:512] if lines else ""
 
 
 def _failed_with_the_agent(st: DistTrainJobStatus, pod: PodView) -> bool:
@@ -538,6 +549,7 @@ def _count_restart(d: _Draft, reason: Reason, message: str) -> bool:
         return False
     st.restarts.total += 1
     st.restarts.by_reason[reason.value] = st.restarts.by_reason.get(reason.value, 0) + 1
+    st.last_failure = message[:1024]
     st.consecutive_failures += 1
     delay = backoff_seconds(d.spec, st.consecutive_failures)
     st.next_restart_time = timestamps.format_time(d.now + delay) if delay > 0 else None
@@ -940,4 +952,9 @@ def _publish(d: _Draft) -> None:
         else:
             st.message = f"waiting for the first rendezvous round with {ctl.target_nodes} nodes"
             reason = Reason.PODS_PENDING
+        if st.consecutive_failures and st.last_failure:
+            st.message += (
+                f"; {st.restarts.total} of spec.restartPolicy.maxRestarts={d.spec.restart_policy.max_restarts} "
+                f"restarts used, last: {st.last_failure}"
+            )
         d.condition(ConditionType.RUNNING, False, reason, st.message)

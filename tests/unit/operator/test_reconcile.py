@@ -438,6 +438,48 @@ def test_the_restart_budget_fails_the_job_when_exhausted():
     assert world.condition("Failed")["reason"] == "RestartBudgetExhausted"
 
 
+def test_a_crash_loop_of_user_code_spends_the_budget_and_fails_with_the_traceback_line():
+    # The launcher ends the pod with the user's real exit code and writes the traceback's last line as the
+    # container's termination message: each failure is one restart, with backoff, until the budget is spent.
+    world = World(job_manifest(replicas=1, restartPolicy__maxRestarts=2, restartPolicy__backoffSeconds=5)).running_world(1)
+    crash = "worker rank 0 failed with exit code 1: RuntimeError: injected bug at step 5"
+    for attempt in range(3):
+        world.set_worker(0, phase="Failed", exit_code=1, termination_message=f"{crash}\n").step(0)
+        assert world.status["restarts"]["total"] == attempt + 1
+        assert crash in world.status["lastFailure"]
+        if attempt < 2:
+            assert world.status["phase"] != "Failed"
+            world.finish_terminations()
+            assert world.step(0).create_workers == (), "the replacement waits out the backoff"
+            world.step(5 * 2 ** attempt)
+            world.run_all()
+    assert world.status["phase"] == "Failed"
+    failed = world.condition("Failed")
+    assert failed["reason"] == "RestartBudgetExhausted"
+    assert "RuntimeError: injected bug at step 5" in failed["message"]
+    assert "RuntimeError: injected bug at step 5" in world.status["message"]
+    assert any(e.reason == "RestartBudgetExhausted" and "injected bug" in e.message for e in world.last.events)
+
+
+def test_a_failure_before_any_group_formed_shows_in_the_pending_message():
+    world = World(job_manifest(replicas=1, restartPolicy__backoffSeconds=30))
+    world.step(0)
+    world.run_all()
+    world.set_worker(0, phase="Failed", exit_code=3, termination_message="worker rank 0 failed with exit code 3").step(1)
+    assert world.status["phase"] == "Pending" and world.status["restarts"]["byReason"] == {"PodFailed": 1}
+    assert "last: worker pod demo-worker-0 lost: PodFailed, exit code 3" in world.status["message"]
+
+
+def test_the_exit_code_classes_apply_to_the_users_code_and_name_the_cause():
+    world = World(job_manifest(replicas=2, restartPolicy__exitCodes={"permanent": [3]})).running_world(2)
+    world.set_worker(1, phase="Failed", exit_code=3,
+                     termination_message="worker rank 1 failed with exit code 3: SystemExit: 3").step(1)
+    assert world.status["phase"] == "Failed"
+    failed = world.condition("Failed")
+    assert failed["reason"] == "PermanentExitCode" and failed["message"].endswith("SystemExit: 3")
+    assert world.status["restarts"]["total"] == 0
+
+
 def test_backoff_delays_replacements_and_doubles_with_consecutive_failures():
     world = World(job_manifest(replicas=2)).running_world(2)
     world.set_worker(1, phase="Failed", exit_code=1).step(0)
