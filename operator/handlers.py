@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 import logging
 import time
@@ -181,10 +182,48 @@ def event_object(job: DistTrainJob, type_: str, reason: str, message: str, now: 
     }
 
 
-async def apply(kube: Kube, cache: ClusterCache, job: DistTrainJob, actions: Actions, now: float) -> None:
+Refusals = dict[JobKey, str]
+"""The API server's answer to the last refused pod creation of each job (see :class:`Observed.refused`)."""
+
+
+def is_refusal(error: k8s.ApiException) -> bool:
+    """An answer that retrying the same request will not change by itself: admission (Pod Security, quota,
+    webhooks: 403, 422, 400); not a conflict (409), throttling (429) or a server error."""
+    return error.status in (400, 403, 422)
+
+
+async def _create_pod(
+    kube: Kube, refusals: Refusals, job: DistTrainJob, pod: dict[str, Any]
+) -> Optional[dict[str, Any]]:
+    """Create a pod. A refusal is not raised: it is remembered for the next reconcile, which names it in the
+    status and an Event and retries the creation on its own timer; the rest of this apply (events) goes on."""
+    key = (job.metadata.namespace, job.metadata.name)
+    try:
+        created = await kube.create(pod)
+    except k8s.ApiException as error:
+        if not is_refusal(error):
+            raise
+        answer = api_error_message(error)
+        if refusals.get(key) != answer:
+            log.warning("the API server refused pod %s of %s/%s: %s", pod["metadata"]["name"], *key, answer)
+        refusals[key] = answer
+        return None
+    refusals.pop(key, None)
+    return created
+
+
+async def apply(
+    kube: Kube,
+    cache: ClusterCache,
+    job: DistTrainJob,
+    actions: Actions,
+    now: float,
+    refusals: Optional[Refusals] = None,
+) -> None:
     """Apply in crash-safe order: status (memory) first, then deletions, creations, events, TTL deletion. What the
     API server answers goes into the cache."""
     ns, name = job.metadata.namespace, job.metadata.name
+    refusals = {} if refusals is None else refusals
     seen = time.monotonic()
     if actions.status_patch:
         cache.put_job(await kube.patch_status(ns, name, dict(actions.status_patch)), seen)
@@ -195,9 +234,9 @@ async def apply(kube: Kube, cache: ClusterCache, job: DistTrainJob, actions: Act
     if actions.create_agent:
         for obj in builders.build_support_objects(job):
             await kube.create(obj)
-        _remember_pod(cache, await kube.create(builders.build_agent_pod(job)))
+        _remember_pod(cache, await _create_pod(kube, refusals, job, builders.build_agent_pod(job)))
     for index in actions.create_workers:
-        _remember_pod(cache, await kube.create(builders.build_worker_pod(job, index)))
+        _remember_pod(cache, await _create_pod(kube, refusals, job, builders.build_worker_pod(job, index)))
     for event in actions.events:
         try:
             await kube.create(event_object(job, event.type, event.reason, event.message, now))
@@ -213,7 +252,12 @@ def _remember_pod(cache: ClusterCache, created: Optional[dict[str, Any]]) -> Non
 
 
 async def reconcile_once(
-    kube: Kube, cache: ClusterCache, metrics: OperatorMetrics, namespace: str, name: str
+    kube: Kube,
+    cache: ClusterCache,
+    metrics: OperatorMetrics,
+    namespace: str,
+    name: str,
+    refusals: Optional[Refusals] = None,
 ) -> Optional[Actions]:
     """Decide on the cached state and write. Returns the actions (None when the job is gone)."""
     started = time.perf_counter()
@@ -225,10 +269,11 @@ async def reconcile_once(
     job = DistTrainJob.model_validate(
         {**{k: v for k, v in raw.items() if k in ("apiVersion", "kind", "spec", "status")}, "metadata": meta}
     )
-    observed = cache.observe(namespace, name)
+    refusals = {} if refusals is None else refusals
+    observed = dataclasses.replace(cache.observe(namespace, name), refused=refusals.get((namespace, name)))
     now = time.time()
     actions = reconcile(job, observed, now)
-    await apply(kube, cache, job, actions, now)
+    await apply(kube, cache, job, actions, now, refusals)
     metrics.reconcile_duration.observe(time.perf_counter() - started)
     metrics.observe_job(namespace, name, actions.status, now, max_restarts=job.spec.restart_policy.max_restarts)
     return actions
@@ -276,6 +321,7 @@ def register(
     """Register every handler on ``registry`` (a fresh one in tests, kopf's default one in ``disttrain operator``)."""
     pokes = Pokes()
     cache = ClusterCache()
+    refusals: Refusals = {}
     box: dict[str, Any] = {}
 
     def kube() -> Kube:
@@ -302,10 +348,13 @@ def register(
                 wake.clear()
                 try:
                     await listings.ensure_synced(namespace)
-                    actions = await reconcile_once(kube(), cache, metrics, namespace, name)
+                    refused = refusals.get((namespace, name))
+                    actions = await reconcile_once(kube(), cache, metrics, namespace, name, refusals)
                     if actions is None:
                         return
                     delay = None if actions.requeue_after is None else max(0.05, actions.requeue_after)
+                    if refusals.get((namespace, name)) != refused:
+                        delay = 0.05  # a new refusal (or its end): the status says so at once
                 except k8s.ApiException as error:
                     metrics.errors.labels("api").inc()
                     log.warning(
@@ -324,6 +373,7 @@ def register(
                 await _sleep(wake, stopped, delay)
         finally:
             pokes.events.pop((namespace, name), None)
+            refusals.pop((namespace, name), None)
             if cache.job(namespace, name) is None:
                 metrics.forget_job(namespace, name)
 

@@ -31,7 +31,7 @@ import copy
 from collections.abc import Callable, Iterable, Mapping
 from typing import Optional, TypedDict
 
-from disttrain.api import conditions, constants, timestamps
+from disttrain.api import conditions, constants, containers, timestamps
 from disttrain.api.conditions import ConditionType, Reason
 from disttrain.api.control import DirectiveAction
 from disttrain.api.exitcodes import ExitCode
@@ -65,6 +65,8 @@ LOSS_REASONS = frozenset(
         Reason.AGENT_RESTARTED.value,
     }
 )
+REFUSED_RETRY_SECONDS = 10.0
+"""How often a pod creation the API server refused (Pod Security, quota) is tried again."""
 CHECKPOINT_MESSAGE_REFRESH_SECONDS = 60.0
 """How late the Checkpointed condition's message may name an older checkpoint than status.lastCheckpoint."""
 
@@ -322,6 +324,7 @@ def _steps(spec: DistTrainJobSpec) -> tuple[Step, ...]:
     if spec.run_policy.suspend:
         return (_suspend,)
     return (
+        _refuse_unrunnable,
         _resume_if_suspended,
         _bootstrap,
         _ensure_agent,
@@ -331,6 +334,28 @@ def _steps(spec: DistTrainJobSpec) -> tuple[Step, ...]:
         _size,
         _publish,
     )
+
+
+def unrunnable(spec: DistTrainJobSpec) -> Optional[str]:
+    """Why no worker pod can be built from ``spec`` although it was admitted (stored before the CRD had the rule,
+    or a CRD installed without it); None when it can run. The same rules as api/rules.py's template rules."""
+    pod_containers = (spec.template.get("spec") or {}).get("containers") or []
+    index = containers.find_trainer_index(pod_containers)
+    if index is None:
+        return containers.NO_TRAINER_MESSAGE
+    if not pod_containers[index].get("command"):
+        return (
+            f"spec.template.spec.containers[{index}].command: the trainer container needs a command: the operator "
+            "runs it under torchrun and cannot read the image's entrypoint"
+        )
+    return None
+
+
+def _refuse_unrunnable(d: _Draft) -> None:
+    """A spec no pod can be built from fails at once (InvalidSpec), instead of a pod creation retried forever."""
+    problem = unrunnable(d.spec)
+    if problem is not None:
+        _fail(d, Reason.INVALID_SPEC, problem)
 
 
 def _bootstrap(d: _Draft) -> None:
@@ -904,6 +929,22 @@ def _choose_target(d: _Draft, live: list[PodView], group_nodes: int) -> None:
 # -- what the status says -------------------------------------------------------------------------------------------
 
 
+def refusal_message(answer: str) -> str:
+    """Scheduled=False's message while the API server refuses the job's pods."""
+    return f"the API server refuses to create the job's pods: {answer}"[:1024]
+
+
+def _announce_refusal(d: _Draft, answer: str) -> None:
+    """Scheduled=False (PodRejected) names the API server's answer; a Warning event whenever the answer changes.
+    The adapter keeps retrying the creation: an administrator may relabel the namespace or raise the quota."""
+    message = refusal_message(answer)
+    previous = conditions.find_condition(d.status.conditions, ConditionType.SCHEDULED)
+    if previous is None or previous.reason != Reason.POD_REJECTED.value or previous.message != message:
+        d.event(WARNING, Reason.POD_REJECTED, message)
+    d.condition(ConditionType.SCHEDULED, False, Reason.POD_REJECTED, message)
+    d.timer(d.now + REFUSED_RETRY_SECONDS)
+
+
 def _publish(d: _Draft) -> None:
     """Counts, phase and conditions from what was decided."""
     st = d.status
@@ -911,7 +952,9 @@ def _publish(d: _Draft) -> None:
     st.replicas = len(d.seen.workers)
     st.ready_replicas = sum(1 for p in d.seen.workers if p.is_running and p.ready)
     unscheduled = [p.name for p in live if not p.is_scheduled]
-    if live and not unscheduled and len(live) >= st.desired_nodes:
+    if d.seen.refused:
+        _announce_refusal(d, d.seen.refused)
+    elif live and not unscheduled and len(live) >= st.desired_nodes:
         d.condition(
             ConditionType.SCHEDULED,
             True,
@@ -952,7 +995,9 @@ def _publish(d: _Draft) -> None:
         else:
             st.message = f"waiting for the first rendezvous round with {ctl.target_nodes} nodes"
             reason = Reason.PODS_PENDING
-        if st.consecutive_failures and st.last_failure:
+        if d.seen.refused:
+            st.message = refusal_message(d.seen.refused)
+        elif st.consecutive_failures and st.last_failure:
             st.message += (
                 f"; {st.restarts.total} of spec.restartPolicy.maxRestarts={d.spec.restart_policy.max_restarts} "
                 f"restarts used, last: {st.last_failure}"

@@ -480,6 +480,37 @@ def test_the_exit_code_classes_apply_to_the_users_code_and_name_the_cause():
     assert world.status["restarts"]["total"] == 0
 
 
+def test_a_trainer_without_a_command_fails_at_once_instead_of_retrying_forever():
+    # Admitted before the CRD had the rule (or by a CRD without it): no pod can be built from it.
+    manifest = job_manifest(replicas=2)
+    del manifest["spec"]["template"]["spec"]["containers"][0]["command"]
+    world = World(manifest)
+    actions = world.step()
+    assert world.status["phase"] == "Failed"
+    failed = world.condition("Failed")
+    assert failed["reason"] == "InvalidSpec" and "containers[0].command" in failed["message"]
+    assert actions.create_workers == () and not actions.create_agent
+    assert any(e.reason == "InvalidSpec" and "needs a command" in e.message for e in actions.events)
+
+
+def test_a_pod_the_api_server_refuses_is_named_in_a_condition_and_one_event():
+    world = World(job_manifest(replicas=2))
+    world.step()
+    answer = ('pods "demo-worker-0" is forbidden: violates PodSecurity "baseline:latest": privileged '
+              '(container "trainer" must not set securityContext.privileged=true)')
+    world.refused = answer
+    actions = world.step(1)
+    scheduled = world.condition("Scheduled")
+    assert scheduled["status"] == "False" and scheduled["reason"] == "PodRejected" and answer in scheduled["message"]
+    assert answer in world.status["message"]
+    assert [e.reason for e in actions.events if e.type == "Warning"] == ["PodRejected"]
+    assert actions.requeue_after is not None and actions.requeue_after <= core.REFUSED_RETRY_SECONDS
+    assert not [e for e in world.step(10).events if e.reason == "PodRejected"], "one event per answer"
+    world.refused = None
+    world.run_all().step(1)
+    assert world.condition("Scheduled")["reason"] == "Scheduled"
+
+
 def test_backoff_delays_replacements_and_doubles_with_consecutive_failures():
     world = World(job_manifest(replicas=2)).running_world(2)
     world.set_worker(1, phase="Failed", exit_code=1).step(0)
