@@ -207,6 +207,15 @@ def is_agent_lost(agent: Optional[PodView], nodes: Optional[Mapping[str, NodeVie
     )
 
 
+DEAD_NODE_REASONS = frozenset({Reason.NODE_NOT_READY, Reason.NODE_UNREACHABLE, Reason.NODE_DELETED})
+"""Node states in which no kubelet runs the node's pods or confirms their deletion."""
+
+
+def is_on_dead_node(pod: PodView, nodes: Optional[Mapping[str, NodeView]]) -> bool:
+    """The pod's node is NotReady, unreachable or deleted, or the pod's phase is Unknown (its node went silent)."""
+    return pod.phase == "Unknown" or node_loss_reason(pod.node_name, nodes) in DEAD_NODE_REASONS
+
+
 def training_complete(spec: DistTrainJobSpec, status: DistTrainJobStatus) -> bool:
     """The agent's relayed progress shows the training length reached."""
     return spec.training.is_complete(status.step, status.samples_consumed)
@@ -252,6 +261,8 @@ class _Draft:
         self.deletions: dict[str, PodDeletion] = {}
         self.timers: list[float] = []
         self.delete_job = False
+        self.agent_lost_node: Optional[str] = None
+        """The dead node the job agent was lost with in this reconcile: the workers lost with it are that loss."""
 
     @property
     def is_finished(self) -> bool:
@@ -381,9 +392,16 @@ def _ensure_agent(d: _Draft) -> None:
     tracked = d.status.tracked_pods
     lost = is_agent_lost(agent, d.seen.nodes)
     if agent is not None and lost:
-        force = agent.is_terminating and is_force_delete_due(agent, d.spec, d.seen.nodes, d.now)
+        # No kubelet will confirm the deletion of a pod on a dead node: force it at once so that the replacement
+        # (same name) starts now, not after stuckPodTimeoutSeconds while the workers have no store.
+        force = is_on_dead_node(agent, d.seen.nodes) or (
+            agent.is_terminating and is_force_delete_due(agent, d.spec, d.seen.nodes, d.now)
+        )
         d.delete(agent, Reason.AGENT_RESTARTED, force=force)
-        if agent.is_terminating and not force:
+        if force:
+            d.agent_lost_node = agent.node_name
+            d.create_agent = True  # applied after the deletion; a 409 is retried by the next reconcile
+        elif agent.is_terminating:
             d.timer((agent.deleting_since or d.now) + d.spec.elastic.stuck_pod_timeout_seconds)
     if agent is None:
         d.create_agent = True
@@ -525,6 +543,14 @@ def _count_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
             Reason.AGENT_RESTARTED,
             f"worker pod {pod.name} exited (code {pod.exit_code}) after the job agent was lost; "
             f"restarting it as part of that restart",
+        )
+        return
+    if d.agent_lost_node is not None and pod.node_name == d.agent_lost_node:
+        d.event(
+            NORMAL,
+            Reason.AGENT_RESTARTED,
+            f"worker pod {pod.name} was lost with the job agent's node {pod.node_name}; replacing it as part of "
+            "that restart",
         )
         return
     detail = f"worker pod {pod.name} lost: {reason.value}"

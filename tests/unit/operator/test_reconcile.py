@@ -12,6 +12,8 @@ Anchors (the failures other operators are known for, which must not happen here)
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from disttrain.api import conditions as cond
@@ -276,6 +278,41 @@ def test_anchor_elastic_115_losing_the_agent_recreates_it_and_keeps_the_workers(
     assert world.status["restarts"] == {"total": 1, "byReason": {"AgentRestarted": 1}}
     assert {n: p.uid for n, p in world.workers.items()} == uids
     assert "AgentRestarted" in world.reasons()
+
+
+@pytest.mark.parametrize("node", [NodeView("node-agent", ready=False), NodeView("node-agent", ready=None), None],
+                         ids=["notready", "unreachable", "deleted"])
+def test_an_agent_on_a_dead_node_is_force_deleted_and_recreated_at_once(node):
+    # No kubelet confirms the deletion: waiting for it (stuckPodTimeoutSeconds) left the workers without a store.
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.nodes = {"node-0": NodeView("node-0"), "node-1": NodeView("node-1")}
+    if node is not None:
+        world.nodes["node-agent"] = node
+    old = world.agent.uid
+    actions = world.step(1)
+    assert [(d.name, d.force) for d in actions.delete_pods] == [("demo-agent", True)]
+    assert actions.create_agent and world.agent.uid != old
+    assert world.status["restarts"] == {"total": 1, "byReason": {"AgentRestarted": 1}}
+    assert world.control["action"] == "reform"
+
+
+def test_an_agent_on_a_draining_node_is_deleted_gracefully():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.nodes = {"node-0": NodeView("node-0"), "node-1": NodeView("node-1"),
+                   "node-agent": NodeView("node-agent", unschedulable=True, draining=True)}
+    actions = world.step(1)
+    assert [(d.name, d.force) for d in actions.delete_pods] == [("demo-agent", False)]
+    assert not actions.create_agent
+
+
+def test_a_worker_lost_with_the_agents_node_is_part_of_that_one_restart():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.agent = dataclasses.replace(world.agent, node_name="node-1")  # the agent shares worker 1's node
+    world.nodes = {"node-0": NodeView("node-0"), "node-1": NodeView("node-1", ready=None)}
+    actions = world.step(1)
+    assert world.status["restarts"] == {"total": 1, "byReason": {"AgentRestarted": 1}}
+    assert actions.create_agent and "demo-worker-1" in {d.name for d in actions.delete_pods}
+    assert "NodeLost" not in world.reasons()
 
 
 def test_a_lost_agent_is_one_restart_even_when_every_worker_then_fails():
