@@ -192,6 +192,10 @@ def is_refusal(error: k8s.ApiException) -> bool:
     return error.status in (400, 403, 422)
 
 
+REFUSED: dict[str, Any] = {}
+"""What :func:`_create_pod` returns for a refused pod (compared by identity)."""
+
+
 async def _create_pod(
     kube: Kube, refusals: Refusals, job: DistTrainJob, pod: dict[str, Any]
 ) -> Optional[dict[str, Any]]:
@@ -207,7 +211,7 @@ async def _create_pod(
         if refusals.get(key) != answer:
             log.warning("the API server refused pod %s of %s/%s: %s", pod["metadata"]["name"], *key, answer)
         refusals[key] = answer
-        return None
+        return REFUSED
     refusals.pop(key, None)
     return created
 
@@ -234,9 +238,13 @@ async def apply(
     if actions.create_agent:
         for obj in builders.build_support_objects(job):
             await kube.create(obj)
-        _remember_pod(cache, await _create_pod(kube, refusals, job, builders.build_agent_pod(job)))
+        created = await _create_pod(kube, refusals, job, builders.build_agent_pod(job))
+        _remember_pod(cache, None if created is REFUSED else created)
     for index in actions.create_workers:
-        _remember_pod(cache, await _create_pod(kube, refusals, job, builders.build_worker_pod(job, index)))
+        created = await _create_pod(kube, refusals, job, builders.build_worker_pod(job, index))
+        if created is REFUSED:
+            break  # the next pods would be refused too: one answer per reconcile, retried on the core's timer
+        _remember_pod(cache, created)
     for event in actions.events:
         try:
             await kube.create(event_object(job, event.type, event.reason, event.message, now))
