@@ -75,6 +75,7 @@ class Reason(str, enum.Enum):
     RESTART_BUDGET_EXHAUSTED = "RestartBudgetExhausted"
     DEADLINE_EXCEEDED = "DeadlineExceeded"
     INVALID_SPEC = "InvalidSpec"
+    POD_REJECTED = "PodRejected"
 
 
 def find_condition(conditions: Sequence[Condition], type_: ConditionType) -> Optional[Condition]:

@@ -22,3 +22,6 @@ METRICS_PORT: Final = "DISTTRAIN_METRICS_PORT"
 # the secret itself (local mode). Every client of the agent's store needs it; without it the keys cannot be found.
 STORE_SECRET_FILE: Final = "DISTTRAIN_STORE_SECRET_FILE"
 STORE_SECRET: Final = "DISTTRAIN_STORE_SECRET"
+# File the worker's launcher writes the root cause of a failure to (exit code, the traceback's last line): the
+# trainer container's terminationMessagePath on Kubernetes, a file of the node's own in local mode.
+TERMINATION_LOG: Final = "DISTTRAIN_TERMINATION_LOG"

@@ -84,6 +84,12 @@ def _checkpoint_volume_declared(spec: Node) -> bool:
     return any(v.get("name") == name for v in spec["template"].get("spec", {}).get("volumes", []))
 
 
+def _trainer_has_command(pod_containers: list[Node]) -> bool:
+    """The trainer container (when there is one: another rule requires it) has a non-empty command."""
+    index = containers.find_trainer_index(pod_containers)
+    return index is None or bool(pod_containers[index].get("command"))
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         node="spec.nodes",
@@ -154,6 +160,23 @@ RULES: tuple[Rule, ...] = (
         cel_args=(),
         holds=lambda t: containers.find_trainer_index(t.get("spec", {}).get("containers", [])) is not None,
         field_path=".spec",
+    ),
+    Rule(
+        node="spec.template",
+        cel=(
+            "!has(self.spec) || (self.spec.containers.exists(c, has(c.name) && c.name == 'trainer') ? "
+            "self.spec.containers.exists(c, has(c.name) && c.name == 'trainer' && has(c.command) && "
+            "size(c.command) > 0) : "
+            "size(self.spec.containers) != 1 || "
+            "(has(self.spec.containers[0].command) && size(self.spec.containers[0].command) > 0))"
+        ),
+        message=(
+            "the trainer container needs a command: the operator runs it under torchrun and cannot read the "
+            "image's entrypoint"
+        ),
+        cel_args=(),
+        holds=lambda t: _trainer_has_command(t.get("spec", {}).get("containers", [])),
+        field_path=".spec.containers",
     ),
     Rule(
         node="spec.restartPolicy",

@@ -209,5 +209,8 @@ class DistTrainJobStatus(ContractModel):
     """Operator memory: worker pods seen alive (name -> uid); one that vanishes from here was lost."""
     handled_pods: list[str] = Field(default_factory=list)
     """Operator memory: uids of lost pods already counted, so a restarted operator never counts one twice."""
+    last_failure: Optional[str] = Field(None, max_length=1024)
+    """The newest failure counted as a restart: which pod, why, its exit code and the last line of the user's
+    traceback (from the trainer container's termination message)."""
     consecutive_failures: int = Field(0, ge=0)
     """Failures since training last progressed; the restart backoff doubles with each."""

@@ -185,12 +185,53 @@ def event_object(job: DistTrainJob, type_: str, reason: str, message: str, now: 
     }
 
 
+Refusals = dict[JobKey, str]
+"""The API server's answer to the last refused pod creation of each job (see :class:`Observed.refused`)."""
+
+
+def is_refusal(error: k8s.ApiException) -> bool:
+    """An answer that retrying the same request will not change by itself: admission (Pod Security, quota,
+    webhooks: 403, 422, 400); not a conflict (409), throttling (429) or a server error."""
+    return error.status in (400, 403, 422)
+
+
+REFUSED: dict[str, Any] = {}
+"""What :func:`_create_pod` returns for a refused pod (compared by identity)."""
+
+
+async def _create_pod(
+    kube: Kube, refusals: Refusals, job: DistTrainJob, pod: dict[str, Any]
+) -> Optional[dict[str, Any]]:
+    """Create a pod. A refusal is not raised: it is remembered for the next reconcile, which names it in the
+    status and an Event and retries the creation on its own timer; the rest of this apply (events) goes on."""
+    key = (job.metadata.namespace, job.metadata.name)
+    try:
+        created = await kube.create(pod)
+    except k8s.ApiException as error:
+        if not is_refusal(error):
+            raise
+        answer = api_error_message(error)
+        if refusals.get(key) != answer:
+            log.warning("the API server refused pod %s of %s/%s: %s", pod["metadata"]["name"], *key, answer)
+        refusals[key] = answer
+        return REFUSED
+    refusals.pop(key, None)
+    return created
+
+
 async def apply(
-    kube: Kube, cache: ClusterCache, job: DistTrainJob, actions: Actions, now: float, agent_image: Optional[str] = None
+    kube: Kube,
+    cache: ClusterCache,
+    job: DistTrainJob,
+    actions: Actions,
+    now: float,
+    refusals: Optional[Refusals] = None,
+    agent_image: Optional[str] = None,
 ) -> Optional[dict[str, Any]]:
     """Apply in crash-safe order: status (memory) first, then deletions, creations, events, TTL deletion. What the
     API server answers goes into the cache. Returns the API server's answer to the status write (None: none)."""
     ns, name = job.metadata.namespace, job.metadata.name
+    refusals = {} if refusals is None else refusals
     seen = time.monotonic()
     answer: Optional[dict[str, Any]] = None
     if actions.status_patch:
@@ -204,9 +245,13 @@ async def apply(
         await kube.create(access.build_store_secret(job, storeauth.new_secret()))  # 409: the first one stays
         for obj in builders.build_support_objects(job):
             await kube.create(obj)
-        _remember_pod(cache, await kube.create(builders.build_agent_pod(job, agent_image)))
+        created = await _create_pod(kube, refusals, job, builders.build_agent_pod(job, agent_image))
+        _remember_pod(cache, None if created is REFUSED else created)
     for index in actions.create_workers:
-        _remember_pod(cache, await kube.create(builders.build_worker_pod(job, index)))
+        created = await _create_pod(kube, refusals, job, builders.build_worker_pod(job, index))
+        if created is REFUSED:
+            break  # the next pods would be refused too: one answer per reconcile, retried on the core's timer
+        _remember_pod(cache, created)
     for event in actions.events:
         try:
             await kube.create(event_object(job, event.type, event.reason, event.message, now))
@@ -228,6 +273,7 @@ async def reconcile_once(
     metrics: OperatorMetrics,
     namespace: str,
     name: str,
+    refusals: Optional[Refusals] = None,
     agent_image: Optional[str] = None,
 ) -> Optional[Reconciled]:
     """Decide on the cached state and write. Returns the actions (None when the job is gone)."""
@@ -241,10 +287,11 @@ async def reconcile_once(
     job = DistTrainJob.model_validate(
         {**{k: v for k, v in raw.items() if k in ("apiVersion", "kind", "spec", "status")}, "metadata": meta}
     )
-    observed = cache.observe(namespace, name)
+    refusals = {} if refusals is None else refusals
+    observed = dataclasses.replace(cache.observe(namespace, name), refused=refusals.get((namespace, name)))
     now = time.time()
     actions = reconcile(job, observed, now)
-    answer = await apply(kube, cache, job, actions, now, agent_image)
+    answer = await apply(kube, cache, job, actions, now, refusals, agent_image)
     metrics.reconcile_duration.observe(time.perf_counter() - started)
     metrics.observe_job(
         namespace, name, actions.status, now, max_restarts=job.spec.restart_policy.max_restarts, uid=job.metadata.uid
@@ -326,6 +373,7 @@ def register(
     ``agent_image`` is the image of every job agent (None: :func:`disttrain.operator.pods.default_agent_image`)."""
     pokes = Pokes()
     cache = ClusterCache()
+    refusals: Refusals = {}
     box: dict[str, Any] = {}
 
     def kube() -> Kube:
@@ -352,13 +400,16 @@ def register(
                 wake.clear()
                 try:
                     await listings.ensure_synced(namespace)
-                    result = await reconcile_once(kube(), cache, metrics, namespace, name, agent_image)
+                    refused = refusals.get((namespace, name))
+                    result = await reconcile_once(kube(), cache, metrics, namespace, name, refusals, agent_image)
                     if result is None:
                         return
                     requeue = result.actions.requeue_after
                     delay = None if requeue is None else max(0.05, requeue)
                     if result.others_wrote:
                         wake.set()  # the cache holds a change no watch event will announce
+                    if refusals.get((namespace, name)) != refused:
+                        delay = 0.05  # a new refusal (or its end): the status says so at once
                 except k8s.ApiException as error:
                     metrics.errors.labels("api").inc()
                     log.warning(
@@ -377,6 +428,7 @@ def register(
                 await _sleep(wake, stopped, delay)
         finally:
             pokes.events.pop((namespace, name), None)
+            refusals.pop((namespace, name), None)
             if cache.job(namespace, name) is None:
                 metrics.forget_job(namespace, name)
 

@@ -43,6 +43,9 @@ class PodView:
     reason: str = ""
     """pod.status.reason, e.g. Evicted."""
     message: str = ""
+    termination_message: str = ""
+    """The trainer container's termination message: the launcher's root cause of a failure (exit code, the last
+    line of the user's traceback)."""
 
     @property
     def is_terminating(self) -> bool:
@@ -83,6 +86,9 @@ class Observed:
     agent: Optional[PodView] = None
     nodes: Optional[Mapping[str, NodeView]] = None
     """Known nodes by name; None when the caller cannot see nodes (then no pod is judged by its node)."""
+    refused: Optional[str] = None
+    """The API server's answer when it last refused to create a pod of the job (Pod Security admission, a quota,
+    a webhook), until a creation succeeds; the adapter remembers it between reconciles."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,11 @@ from disttrain.operator import access, names, podsecurity
 
 # torchrun counts every worker-group failure (our drain and reform exits included) against --max-restarts;
 # the operator owns the restart budget, so torchrun's must never run out.
+# The launcher (trainer/launch.py) still ends the pod at the first failure of user code, with the user's exit code.
 TORCHRUN_MAX_RESTARTS = 1_000_000
+LAUNCHER = "disttrain.trainer.launch"
+"""torchrun with the user's exit code (``python -m`` module of the trainer container's command)."""
+TERMINATION_LOG = "/dev/termination-log"
 CHECKPOINT_VOLUME = "disttrain-checkpoints"
 METRICS_PORT = 9400
 AGENT_IMAGE_REPOSITORY = "ghcr.io/disttrain/trainer"
@@ -148,11 +152,17 @@ def build_worker_pod(
             "runs it under torchrun and cannot read the image's entrypoint"
         )
     endpoint = endpoint or agent_endpoint(job)
-    trainer["command"] = ["python", "-m", "torch.distributed.run", *torchrun_args(job, endpoint), *user_command]
+    trainer["command"] = ["python", "-m", LAUNCHER, *torchrun_args(job, endpoint), *user_command]
     trainer.pop("args", None)
+    # The launcher writes the root cause of a failure here; the operator reads it from the container's status.
+    termination_log = trainer.setdefault("terminationMessagePath", TERMINATION_LOG)
     reserved = constants.RESERVED_ENV_PREFIXES
     user_env = [e for e in trainer.get("env") or [] if not e.get("name", "").startswith(reserved)]
-    trainer["env"] = [*user_env, *worker_env(job, name, endpoint=endpoint, checkpoint_directory=checkpoint_directory)]
+    trainer["env"] = [
+        *user_env,
+        *worker_env(job, name, endpoint=endpoint, checkpoint_directory=checkpoint_directory),
+        {"name": env.TERMINATION_LOG, "value": termination_log},
+    ]
     ports = [p for p in trainer.get("ports") or [] if not _is_metrics_port_name(p.get("name", ""))]
     trainer["ports"] = [*ports, *metrics_ports(job.spec.nproc_per_node)]
     _mount_checkpoints(job, pod_spec, trainer)
@@ -198,7 +208,7 @@ def trainer_container(pod: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker_command(pod: dict[str, Any]) -> list[str]:
-    """argv of a worker pod's trainer container (``python -m torch.distributed.run ... <training command>``)."""
+    """argv of a worker pod's trainer container (``python -m disttrain.trainer.launch ... <training command>``)."""
     return list(trainer_container(pod)["command"])
 
 

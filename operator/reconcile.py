@@ -31,7 +31,7 @@ import copy
 from collections.abc import Callable, Iterable, Mapping
 from typing import Optional, TypedDict
 
-from disttrain.api import conditions, constants, timestamps
+from disttrain.api import conditions, constants, containers, timestamps
 from disttrain.api.conditions import ConditionType, Reason
 from disttrain.api.control import DirectiveAction
 from disttrain.api.exitcodes import ExitCode
@@ -65,6 +65,8 @@ LOSS_REASONS = frozenset(
         Reason.AGENT_RESTARTED.value,
     }
 )
+REFUSED_RETRY_SECONDS = 10.0
+"""How often a pod creation the API server refused (Pod Security, quota) is tried again."""
 CHECKPOINT_MESSAGE_REFRESH_SECONDS = 60.0
 """How late the Checkpointed condition's message may name an older checkpoint than status.lastCheckpoint."""
 
@@ -205,6 +207,15 @@ def is_agent_lost(agent: Optional[PodView], nodes: Optional[Mapping[str, NodeVie
     )
 
 
+DEAD_NODE_REASONS = frozenset({Reason.NODE_NOT_READY, Reason.NODE_UNREACHABLE, Reason.NODE_DELETED})
+"""Node states in which no kubelet runs the node's pods or confirms their deletion."""
+
+
+def is_on_dead_node(pod: PodView, nodes: Optional[Mapping[str, NodeView]]) -> bool:
+    """The pod's node is NotReady, unreachable or deleted, or the pod's phase is Unknown (its node went silent)."""
+    return pod.phase == "Unknown" or node_loss_reason(pod.node_name, nodes) in DEAD_NODE_REASONS
+
+
 def training_complete(spec: DistTrainJobSpec, status: DistTrainJobStatus) -> bool:
     """The agent's relayed progress shows the training length reached."""
     return spec.training.is_complete(status.step, status.samples_consumed)
@@ -250,6 +261,8 @@ class _Draft:
         self.deletions: dict[str, PodDeletion] = {}
         self.timers: list[float] = []
         self.delete_job = False
+        self.agent_lost_node: Optional[str] = None
+        """The dead node the job agent was lost with in this reconcile: the workers lost with it are that loss."""
 
     @property
     def is_finished(self) -> bool:
@@ -322,6 +335,7 @@ def _steps(spec: DistTrainJobSpec) -> tuple[Step, ...]:
     if spec.run_policy.suspend:
         return (_suspend,)
     return (
+        _refuse_unrunnable,
         _resume_if_suspended,
         _bootstrap,
         _ensure_agent,
@@ -331,6 +345,28 @@ def _steps(spec: DistTrainJobSpec) -> tuple[Step, ...]:
         _size,
         _publish,
     )
+
+
+def unrunnable(spec: DistTrainJobSpec) -> Optional[str]:
+    """Why no worker pod can be built from ``spec`` although it was admitted (stored before the CRD had the rule,
+    or a CRD installed without it); None when it can run. The same rules as api/rules.py's template rules."""
+    pod_containers = (spec.template.get("spec") or {}).get("containers") or []
+    index = containers.find_trainer_index(pod_containers)
+    if index is None:
+        return containers.NO_TRAINER_MESSAGE
+    if not pod_containers[index].get("command"):
+        return (
+            f"spec.template.spec.containers[{index}].command: the trainer container needs a command: the operator "
+            "runs it under torchrun and cannot read the image's entrypoint"
+        )
+    return None
+
+
+def _refuse_unrunnable(d: _Draft) -> None:
+    """A spec no pod can be built from fails at once (InvalidSpec), instead of a pod creation retried forever."""
+    problem = unrunnable(d.spec)
+    if problem is not None:
+        _fail(d, Reason.INVALID_SPEC, problem)
 
 
 def _bootstrap(d: _Draft) -> None:
@@ -356,9 +392,16 @@ def _ensure_agent(d: _Draft) -> None:
     tracked = d.status.tracked_pods
     lost = is_agent_lost(agent, d.seen.nodes)
     if agent is not None and lost:
-        force = agent.is_terminating and is_force_delete_due(agent, d.spec, d.seen.nodes, d.now)
+        # No kubelet will confirm the deletion of a pod on a dead node: force it at once so that the replacement
+        # (same name) starts now, not after stuckPodTimeoutSeconds while the workers have no store.
+        force = is_on_dead_node(agent, d.seen.nodes) or (
+            agent.is_terminating and is_force_delete_due(agent, d.spec, d.seen.nodes, d.now)
+        )
         d.delete(agent, Reason.AGENT_RESTARTED, force=force)
-        if agent.is_terminating and not force:
+        if force:
+            d.agent_lost_node = agent.node_name
+            d.create_agent = True  # applied after the deletion; a 409 is retried by the next reconcile
+        elif agent.is_terminating:
             d.timer((agent.deleting_since or d.now) + d.spec.elastic.stuck_pod_timeout_seconds)
     if agent is None:
         d.create_agent = True
@@ -449,11 +492,12 @@ def _handle_workers(d: _Draft) -> None:
             d.members.append(pod)
             d.status.tracked_pods[pod.name] = pod.uid
         elif pod.phase == "Failed" and is_permanent_exit(d.spec, pod.exit_code):
+            cause = failure_cause(pod)
             _fail(
                 d,
                 Reason.PERMANENT_EXIT_CODE,
                 f"worker pod {pod.name} exited with code {pod.exit_code}, listed as permanent in "
-                f"spec.restartPolicy.exitCodes.permanent",
+                f"spec.restartPolicy.exitCodes.permanent" + (f": {cause}" if cause else ""),
             )
             return
         else:
@@ -501,11 +545,22 @@ def _count_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
             f"restarting it as part of that restart",
         )
         return
+    if d.agent_lost_node is not None and pod.node_name == d.agent_lost_node:
+        d.event(
+            NORMAL,
+            Reason.AGENT_RESTARTED,
+            f"worker pod {pod.name} was lost with the job agent's node {pod.node_name}; replacing it as part of "
+            "that restart",
+        )
+        return
     detail = f"worker pod {pod.name} lost: {reason.value}"
     if pod.node_name and reason.value.startswith("Node"):
         detail += f" (node {pod.node_name})"
     if pod.exit_code is not None:
         detail += f", exit code {pod.exit_code}"
+    cause = failure_cause(pod)
+    if cause:
+        detail += f": {cause}"
     _count_loss(d, reason, detail)
 
 
@@ -517,6 +572,13 @@ def _remove_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
     elif pod.deleting_since is not None:
         d.timer(pod.deleting_since + d.spec.elastic.stuck_pod_timeout_seconds)
     d.delete(pod, reason, force=force or reason is Reason.NODE_DELETED)
+
+
+def failure_cause(pod: PodView) -> str:
+    """The last line of a failed pod's termination message (the launcher writes the exit code and the last line
+    of the user's traceback there), at most 512 characters; '' when there is none."""
+    lines = [line.strip() for line in pod.termination_message.splitlines() if line.strip()]
+    return lines[-1][:512] if lines else ""
 
 
 def _failed_with_the_agent(st: DistTrainJobStatus, pod: PodView) -> bool:
@@ -538,6 +600,7 @@ def _count_restart(d: _Draft, reason: Reason, message: str) -> bool:
         return False
     st.restarts.total += 1
     st.restarts.by_reason[reason.value] = st.restarts.by_reason.get(reason.value, 0) + 1
+    st.last_failure = message[:1024]
     st.consecutive_failures += 1
     delay = backoff_seconds(d.spec, st.consecutive_failures)
     st.next_restart_time = timestamps.format_time(d.now + delay) if delay > 0 else None
@@ -892,6 +955,22 @@ def _choose_target(d: _Draft, live: list[PodView], group_nodes: int) -> None:
 # -- what the status says -------------------------------------------------------------------------------------------
 
 
+def refusal_message(answer: str) -> str:
+    """Scheduled=False's message while the API server refuses the job's pods."""
+    return f"the API server refuses to create the job's pods: {answer}"[:1024]
+
+
+def _announce_refusal(d: _Draft, answer: str) -> None:
+    """Scheduled=False (PodRejected) names the API server's answer; a Warning event whenever the answer changes.
+    The adapter keeps retrying the creation: an administrator may relabel the namespace or raise the quota."""
+    message = refusal_message(answer)
+    previous = conditions.find_condition(d.status.conditions, ConditionType.SCHEDULED)
+    if previous is None or previous.reason != Reason.POD_REJECTED.value or previous.message != message:
+        d.event(WARNING, Reason.POD_REJECTED, message)
+    d.condition(ConditionType.SCHEDULED, False, Reason.POD_REJECTED, message)
+    d.timer(d.now + REFUSED_RETRY_SECONDS)
+
+
 def _publish(d: _Draft) -> None:
     """Counts, phase and conditions from what was decided."""
     st = d.status
@@ -899,7 +978,9 @@ def _publish(d: _Draft) -> None:
     st.replicas = len(d.seen.workers)
     st.ready_replicas = sum(1 for p in d.seen.workers if p.is_running and p.ready)
     unscheduled = [p.name for p in live if not p.is_scheduled]
-    if live and not unscheduled and len(live) >= st.desired_nodes:
+    if d.seen.refused:
+        _announce_refusal(d, d.seen.refused)
+    elif live and not unscheduled and len(live) >= st.desired_nodes:
         d.condition(
             ConditionType.SCHEDULED,
             True,
@@ -940,4 +1021,11 @@ def _publish(d: _Draft) -> None:
         else:
             st.message = f"waiting for the first rendezvous round with {ctl.target_nodes} nodes"
             reason = Reason.PODS_PENDING
+        if d.seen.refused:
+            st.message = refusal_message(d.seen.refused)
+        elif st.consecutive_failures and st.last_failure:
+            st.message += (
+                f"; {st.restarts.total} of spec.restartPolicy.maxRestarts={d.spec.restart_policy.max_restarts} "
+                f"restarts used, last: {st.last_failure}"
+            )
         d.condition(ConditionType.RUNNING, False, reason, st.message)

@@ -36,11 +36,13 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         index = -1
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
     exit_code: Optional[int] = None
+    termination_message = ""
     ours = (constants.TRAINER_CONTAINER, constants.AGENT_CONTAINER)  # their exit code wins over a sidecar's
     for container in status.get("containerStatuses") or []:
         terminated = (container.get("state") or {}).get("terminated")
         if terminated is not None and (container.get("name") in ours or exit_code is None):
             exit_code = terminated.get("exitCode")
+            termination_message = str(terminated.get("message") or "")
     return PodView(
         name=meta.get("name", ""),
         uid=meta.get("uid") or f"{meta.get('name')}@{meta.get('creationTimestamp')}",
@@ -53,6 +55,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         exit_code=exit_code,
         reason=status.get("reason") or "",
         message=status.get("message") or "",
+        termination_message=termination_message,
     )
 
 

@@ -11,6 +11,8 @@ import os
 import sys
 from typing import NoReturn
 
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
 from disttrain.api.exitcodes import ExitCode
 from disttrain.trainer.control import report_failure
 
@@ -31,3 +33,18 @@ def exit_permanent(message: str) -> NoReturn:
     log.error("%s (exit %d: a restart cannot fix this)", message, int(ExitCode.PERMANENT))
     report_failure(int(ExitCode.PERMANENT), message)
     hard_exit(ExitCode.PERMANENT)
+
+
+def record_error(exc: BaseException) -> None:
+    """Write ``exc`` to torchrun's error file (``TORCHELASTIC_ERROR_FILE``), as ``@record`` does for a ``main``.
+
+    torchrun reads it into the failure it reports (``ProcessFailure.message``: ``"ValueError: ..."``, the last
+    line of the traceback), and the launcher puts that line in the pod's termination message. Without torchrun
+    (no error file set) nothing is written; a failure to write is only logged.
+    """
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    try:
+        get_error_handler().record_exception(exc)
+    except OSError as error:
+        log.warning("could not write torchrun's error file: %s", error)

@@ -326,7 +326,8 @@ class ElasticTrainer:
         self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
     ) -> None:
         """Success closes; a user error exits PERMANENT and a failed collective REFORM, without Python's
-        shutdown (it can block on a dead peer); anything else propagates (exit 1, retryable)."""
+        shutdown (it can block on a dead peer); anything else is written to torchrun's error file (the launcher
+        puts its last line in the pod's termination message) and propagates (exit 1, retryable)."""
         if exc is None:
             self.close()
             return
@@ -340,6 +341,7 @@ class ElasticTrainer:
                 int(ExitCode.REFORM),
             )
             exits.hard_exit(ExitCode.REFORM)
+        exits.record_error(exc)
 
     @property
     def step(self) -> int:

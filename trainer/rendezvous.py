@@ -148,6 +148,7 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
     ) -> None:
         super().__init__(node, settings, backend_name, store, state_holder)
         self._target_store = store
+        self._leave_open = False
         self._op_executor = _TargetAwareOpExecutor(
             node, state_holder, settings, self.target, os.environ.get(env.NODE_NAME, "")
         )
@@ -157,6 +158,19 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
 
     def get_backend(self) -> str:
         return constants.RDZV_BACKEND  # torchrun checks that the handler reports the backend it asked for
+
+    def leave_open(self) -> None:
+        """Make :meth:`shutdown` leave the rendezvous open: this node ends with a failure of its own (the launcher
+        ends the pod so that the operator counts it) and the job goes on with a replacement, which must be able to
+        join. Stock torchrun closes the rendezvous when an agent fails, which ends every other node too."""
+        self._leave_open = True
+
+    def shutdown(self) -> bool:
+        """Stop heartbeating; close the rendezvous only when this node finished training (see :meth:`leave_open`)."""
+        if self._leave_open:
+            self._stop_heartbeats()
+            return True
+        return super().shutdown()
 
     def num_nodes_waiting(self) -> int:
         """0 while the operator steers (it re-forms the group by a drain at a checkpoint); else c10d's count."""

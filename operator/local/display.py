@@ -51,6 +51,8 @@ def _progress(snapshot: Snapshot, max_steps: Optional[int]) -> Table:
     table.add_row("checkpoint", f"step {ckpt['step']}" if ckpt else "-", "reforms", str(st.get("reforms", 0)))
     restarts = (st.get("restarts") or {}).get("byReason") or {}
     table.add_row("restarts", ", ".join(f"{k} {v}" for k, v in restarts.items()) or "0", "", "")
+    if st.get("lastFailure"):
+        table.add_row("last failure", Text(st["lastFailure"], style="red"), "", "")
     return table
 
 
@@ -128,7 +130,8 @@ class Display:
                 f"[{snapshot.elapsed:7.1f}s] step {st.get('step', 0)}"
                 + (f"/{self.max_steps}" if self.max_steps else "")
                 + f" loss {_fmt(snapshot.loss)} samples/s {_fmt(snapshot.samples_per_second, '.0f')} "
-                f"world {st.get('worldSize', 0)} checkpoint {ckpt} phase {st.get('phase', 'Pending')}",
+                f"world {st.get('worldSize', 0)} checkpoint {ckpt} phase {st.get('phase', 'Pending')}"
+                + (f" restarts {st['restarts'].get('total', 0)}" if (st.get("restarts") or {}).get("total") else ""),
                 highlight=False,
                 soft_wrap=True,
             )

@@ -41,6 +41,8 @@ class LocalPod:
     ready_port: int = 0
     """Running only once the tree connected to this port (the store); 0: Running as soon as it started."""
     started: bool = False
+    termination_log: str = ""
+    """The file the worker's launcher writes its failure to (terminationMessagePath on Kubernetes)."""
 
     def poll(self) -> Optional[int]:
         if self.exit_code is None:
@@ -78,7 +80,18 @@ class LocalPod:
             created_at=self.created_at,
             deleting_since=self.deleting_since,
             exit_code=None if phase == "Running" else code,
+            termination_message=self._termination_message() if phase == "Failed" else "",
         )
+
+    def _termination_message(self) -> str:
+        """What the launcher wrote on failure, as the kubelet reads terminationMessagePath (capped at 4096 bytes)."""
+        if not self.termination_log:
+            return ""
+        try:
+            with open(self.termination_log, "rb") as source:
+                return source.read(4096).decode("utf-8", "replace")
+        except OSError:
+            return ""
 
     def node_view(self) -> NodeView:
         return NodeView(name=self.node, ready=not self.node_lost)

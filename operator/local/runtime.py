@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from disttrain.api import constants, storeauth
+from disttrain.api import env as env_names
 from disttrain.api.ports import free_port
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import agentfields, names, pods, reconcile
@@ -159,6 +160,10 @@ class LocalRuntime:
         pod = copy.deepcopy(pod)
         pod["metadata"]["uid"] = uid
         spec = translate.to_process(pod, self.site(), machine, metrics_port)
+        termination_log = ""
+        if env_names.TERMINATION_LOG in spec.env:  # a worker: its launcher's failure report, one file per pod
+            termination_log = str(self.state.logs_dir / f"{name}.{uid}.termination")
+            spec = dataclasses.replace(spec, env={**spec.env, env_names.TERMINATION_LOG: termination_log})
         log = self.state.log_file(name).open("ab")
         log.write(f"==== {time.strftime('%H:%M:%S')} {name} (uid {uid}) on {machine}: {' '.join(spec.argv)}\n".encode())
         log.flush()
@@ -174,6 +179,7 @@ class LocalRuntime:
             log=log,
             created_at=time.time(),
             metrics_port=metrics_port,
+            termination_log=termination_log,
         )
 
     def create_worker(self, index: int) -> None:

@@ -62,8 +62,8 @@ def job_store(monkeypatch):
     monkeypatch.setenv(env.STORE_SECRET, SECRET)
     monkeypatch.setenv(env.JOB_UID, "uid-1")
     port = free_port()
-    server = agent_mod.start_store(port, "127.0.0.1", timeout_s=5)
-    outsider = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    server = agent_mod.start_store(port, "127.0.0.1", timeout_s=30)
+    outsider = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
     yield port, agent_mod.scoped_store(server), outsider
 
 
@@ -95,7 +95,7 @@ def test_a_client_without_the_secret_cannot_reform_or_drain_the_workers(tmp_path
     agent.sync()
     exits: list[int] = []
     watchdog = Watchdog(f"127.0.0.1:{port}", exit_fn=exits.append)
-    watchdog.connect(timeout_s=5)
+    watchdog.connect(timeout_s=30)
     watchdog.start()
     watchdog.stop()  # polled by hand below
     forged = keys.ControlSignal(generation=99, action=keys.DirectiveAction.REFORM, job_uid="uid-1").model_dump_json()
@@ -119,7 +119,7 @@ def test_a_signal_with_generation_2_62_does_not_disable_later_directives(tmp_pat
     agent.sync()
     exits: list[int] = []
     watchdog = Watchdog(f"127.0.0.1:{port}", exit_fn=exits.append)
-    watchdog.connect(timeout_s=5)
+    watchdog.connect(timeout_s=30)
     store.set(keys.SIGNAL_KEY, json.dumps({"generation": 2**62, "action": "none", "reason": "", "job_uid": "uid-1"}))
     watchdog.poll_once()
     assert watchdog.seen_generation < 2**31
@@ -138,7 +138,7 @@ def test_directives_count_within_one_job_uid(tmp_path, job_store):
     agent.sync()
     exits: list[int] = []
     watchdog = Watchdog(f"127.0.0.1:{port}", exit_fn=exits.append)  # $DISTTRAIN_JOB_UID is uid-1
-    watchdog.connect(timeout_s=5)
+    watchdog.connect(timeout_s=30)
     watchdog.start(recorded_generation=7, recorded_uid="old-uid")
     watchdog.stop()
     watchdog.poll_once()

@@ -68,7 +68,8 @@ class Kubelets:
             self.alive.discard(name)
 
     def finish(self, pod: str, exit_code: int) -> None:
-        """The pod's container exits with ``exit_code`` (reported at the next sync)."""
+        """The pod's container exits with ``exit_code`` (reported at the next sync; a later pod of the same name
+        runs normally)."""
         with self._lock:
             self.exit_codes[pod] = exit_code
 
@@ -115,6 +116,8 @@ class Kubelets:
                                                         "preconditions": {"uid": meta["uid"]}})
                 elif meta["name"] in exits and pod["status"].get("phase") == "Running":
                     self._report(path, pod, exit_code=exits[meta["name"]])
+                    with self._lock:  # once: a replacement that reuses the name runs on
+                        self.exit_codes.pop(meta["name"], None)
                 elif pod["status"].get("phase", "Pending") == "Pending":
                     self._report(path, pod, exit_code=None)
             except urllib.error.HTTPError as error:

@@ -421,3 +421,80 @@ def test_the_agent_may_report_progress_but_never_change_what_the_operator_rememb
     assert after.get("step") == before.get("step"), "a refused update changes nothing, not even the agent's part"
     cluster.agent_reports("sg", agent, step=11, lastProgressTime=format_time(time.time()))
     assert cluster.status("sg")["step"] == 11, "progress is still the agent's to report"
+
+
+def test_losing_the_agents_node_replaces_the_agent_in_seconds_and_is_one_restart(cluster, tmp_path):
+    """The agent pod on a powered-off node: no kubelet confirms its deletion, so it used to stay Terminating until
+    stuckPodTimeoutSeconds (300 s) while the workers, without their store, failed again and again."""
+    agent_token = cluster.running("agentloss", JobBuilder("agentloss"), tmp_path, replicas=2)
+    old = cluster.pods("agent")["agentloss-agent"]
+    node = old["spec"]["nodeName"]
+    powered_off = time.monotonic()
+    cluster.kubelets.power_off(node)
+
+    def node_ready_status() -> str:
+        conditions = cluster.plane.request("GET", f"/api/v1/nodes/{node}")["status"].get("conditions", [])
+        return next((c["status"] for c in conditions if c["type"] == "Ready"), "")
+
+    eventually(lambda: node_ready_status() != "True", timeout=60, interval=0.1,
+               what="the node-lifecycle controller marks the node unreachable")
+    node_lost = time.monotonic()
+
+    def new_agent_running() -> bool:
+        agent = cluster.pods("agent").get("agentloss-agent")
+        return bool(agent and agent["metadata"]["uid"] != old["metadata"]["uid"]
+                    and agent["status"].get("phase") == "Running")
+
+    eventually(new_agent_running, timeout=60, interval=0.1, what="a new agent pod running")
+    agent_replaced = time.monotonic() - node_lost
+    # The workers' torchrun exits 1 when its store vanishes: part of the same incident, not restarts of their own.
+    survivors = {n: p["metadata"]["uid"] for n, p in cluster.live_workers().items() if p["spec"].get("nodeName") != node}
+    for pod in survivors:
+        cluster.kubelets.finish(pod, 1)
+
+    def group_back() -> bool:
+        workers = cluster.live_workers()
+        return (len(workers) == 2 and not {p["metadata"]["uid"] for p in workers.values()} & set(survivors.values())
+                and all(p["status"].get("phase") == "Running" for p in workers.values()))
+
+    eventually(group_back, timeout=60, what="every worker recreated and running")
+    cluster.agent_reports("agentloss", agent_token, worldSize=2, step=4, rendezvousRound=2,
+                          lastProgressTime=format_time(time.time()))
+    try:
+        status = eventually(lambda: cluster.phase("agentloss", "Running"), what="back to Running")
+    except AssertionError:
+        print(json.dumps(cluster.status("agentloss"), indent=1))
+        raise
+    resumed = time.monotonic() - powered_off
+    assert status["restarts"] == {"total": 1, "byReason": {"AgentRestarted": 1}}, status
+    print(f"agent node NotReady -> new agent Running: {agent_replaced:.1f} s; "
+          f"power-off -> training resumed: {resumed:.1f} s (node detected lost after {node_lost - powered_off:.1f} s)")
+
+
+def test_pods_refused_by_pod_security_admission_are_named_in_the_status_and_an_event(cluster, tmp_path):
+    cluster.plane.request("PATCH", f"/api/v1/namespaces/{cluster.ns}", {"metadata": {"labels": {
+        "pod-security.kubernetes.io/enforce": "baseline"}}}, content_type="application/merge-patch+json")
+    cluster.nodes(2)
+    builder = JobBuilder("psa").set("spec.template.spec.containers", [{
+        "name": "trainer", "image": "example/trainer:1", "command": ["python", "train.py"],
+        "securityContext": {"capabilities": {"add": ["NET_ADMIN"]}}}])
+    cluster.apply(builder, tmp_path)
+
+    def rejected() -> dict[str, Any] | None:
+        status = cluster.status("psa")
+        scheduled = next((c for c in status.get("conditions", []) if c["type"] == "Scheduled"), {})
+        return status if scheduled.get("reason") == "PodRejected" else None
+
+    status = eventually(rejected, timeout=60, what="Scheduled=False PodRejected")
+    scheduled = next(c for c in status["conditions"] if c["type"] == "Scheduled")
+    assert scheduled["status"] == "False" and "violates PodSecurity" in scheduled["message"], scheduled
+    assert "NET_ADMIN" in status["message"]
+
+    def events() -> list[dict[str, Any]]:
+        items = cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/events")["items"]
+        return [e for e in items if e["reason"] == "PodRejected" and e["involvedObject"]["name"] == "psa"]
+
+    [event] = eventually(events, what="a PodRejected event")
+    assert event["type"] == "Warning" and "violates PodSecurity" in event["message"]
+    time.sleep(12)  # one more retry of the creation (every 10 s): the same answer is no new event
+    assert len(events()) == 1

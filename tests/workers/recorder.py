@@ -5,7 +5,8 @@ appends JSON lines to its own file: step, world size, global batch, the dataset 
 this rank's loss sum and sample count, and the param-group LRs (:func:`toymodel.step_record` plus the loss,
 time, load time and group). ``E2E_STEP_SLEEP`` slows steps down so chaos lands mid-run; ``E2E_HOLD_SAVE_STEP``
 holds that step's commit open after every rank's files are written, before COMPLETE.json, so a node kill lands
-inside the checkpoint write.
+inside the checkpoint write. ``E2E_RAISE_AT_STEP`` raises a RuntimeError after that step on every rank (a
+deterministic bug), with ``E2E_RAISE_ONCE=1`` on the first process only; ``E2E_EXIT_AT_START`` exits with that code before anything else.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from disttrain.trainer.loop import ElasticTrainer
 
 
 def main() -> None:
+    if os.environ.get("E2E_EXIT_AT_START"):
+        raise SystemExit(int(os.environ["E2E_EXIT_AT_START"]))
+    raise_at = int(os.environ.get("E2E_RAISE_AT_STEP", "0"))
+    once = os.environ.get("E2E_RAISE_ONCE") == "1"
     dataset = toymodel.regression_dataset(int(os.environ.get("E2E_DATASET", "480")))
     model = toymodel.TinyMLP()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -42,6 +47,19 @@ def main() -> None:
                 load_seconds=load_seconds[0], group=f"{group}:{trainer.resumed_from}"))
             if sleep:
                 time.sleep(sleep)
+            if raise_at and step.index + 1 == raise_at and _first_to_claim(out_dir, once):
+                raise RuntimeError(f"injected bug at step {raise_at}")
+
+
+def _first_to_claim(out_dir: str, once: bool) -> bool:
+    """True for every process, or with ``once`` for the first process of the whole job only."""
+    if not once:
+        return True
+    try:
+        os.close(os.open(os.path.join(out_dir, "raised-once"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _time_loads(trainer: ElasticTrainer) -> list[float]:

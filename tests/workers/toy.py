@@ -69,6 +69,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
     drain_at = int(os.environ.get("TOY_DRAIN_AT", "0"))
     hang_at = int(os.environ.get("TOY_HANG_RANK1_AT", "0"))
+    raise_at = int(os.environ.get("TOY_RAISE_RANK1_AT", "0"))
     sleep = float(os.environ.get("TOY_STEP_SLEEP", "0"))
     out_dir, run = os.environ["TOY_OUT"], os.environ.get("TOY_RUN", "run")
     hook = fault_hook(os.environ.get("TOY_FAULT", ""))
@@ -91,6 +92,8 @@ def main() -> None:
         for step in trainer.steps():
             if hang_at and step.index + 1 == hang_at and trainer.rank == 1:
                 time.sleep(600)
+            if raise_at and step.index + 1 == raise_at and trainer.rank == 1:
+                raise RuntimeError(f"injected bug at step {raise_at}")
             toymodel.train_step(trainer, step)
             counter.count += 1
             record = toymodel.step_record(trainer, step)

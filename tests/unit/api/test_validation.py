@@ -13,7 +13,7 @@ from tests.conftest import REPO_ROOT, JobBuilder
 
 
 def container(**extra):
-    return {"name": "trainer", "image": "example/trainer:1", **extra}
+    return {"name": "trainer", "image": "example/trainer:1", "command": ["python", "train.py"], **extra}
 
 
 # (id, builder, field path that must be named, text the message must contain)
@@ -80,7 +80,10 @@ MALFORMED = [
         "spec.template.spec",
         "container named 'trainer'",
     ),
-    ("container-without-name", lambda b: b.set("spec.template.spec.containers", [{"image": "x"}]),
+    ("trainer-without-command", lambda b: b.set("spec.template.spec.containers", [
+        {"name": "trainer", "image": "x", "args": ["train.py"]}]), "spec.template.spec.containers",
+     "the trainer container needs a command"),
+    ("container-without-name", lambda b: b.set("spec.template.spec.containers", [{"image": "x", "command": ["t"]}]),
      "spec.template.spec.containers[0]", "'name' is a required property"),
     ("template-typo", lambda b: b.set("spec.template.spec.nodeSelectr", {"a": "b"}), "spec.template.spec.nodeSelectr",
      "unknown field"),

@@ -30,7 +30,7 @@ def test_the_cluster_pod_becomes_the_same_command_on_localhost(make_job):
     pod = pods.build_worker_pod(job, 1)
     spec = translate.to_process(pod, _site(job), "local-7", metrics_port=45000)
     argv = list(spec.argv)
-    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert argv[:3] == [sys.executable, "-m", "disttrain.trainer.launch"]
     assert "--rdzv-endpoint=127.0.0.1:41234" in argv
     assert argv[-5:] == [sys.executable, "-u", "train.py", "--ckpt", "/tmp/state/ckpt/extra"]
     # Everything else torchrun gets is the builder's, untouched.

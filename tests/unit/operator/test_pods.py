@@ -49,7 +49,7 @@ def test_worker_pod_runs_the_training_command_under_torchrun():
     job = make_job()
     pod = pods.build_worker_pod(job, 1)
     argv = pods.worker_command(pod)
-    assert argv[:3] == ["python", "-m", "torch.distributed.run"]
+    assert argv[:3] == ["python", "-m", "disttrain.trainer.launch"]  # torchrun, ending with the user's exit code
     assert "--nnodes=1:4" in argv and "--nproc-per-node=1" in argv
     assert "--rdzv-backend=disttrain" in argv
     assert "--rdzv-endpoint=demo-agent.default.svc:29400" in argv
@@ -61,6 +61,9 @@ def test_worker_pod_runs_the_training_command_under_torchrun():
     no_python = argv.index("--no-python")
     assert argv[no_python + 1:] == ["python", "train.py", "--epochs", "3"]
     assert "args" not in pod["spec"]["containers"][0]
+    trainer = pod["spec"]["containers"][0]
+    assert trainer["terminationMessagePath"] == "/dev/termination-log"
+    assert {"name": "DISTTRAIN_TERMINATION_LOG", "value": "/dev/termination-log"} in trainer["env"]
 
 
 def test_worker_pod_identity_labels_and_owner():

@@ -12,6 +12,8 @@ Anchors (the failures other operators are known for, which must not happen here)
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from disttrain.api import conditions as cond
@@ -278,6 +280,41 @@ def test_anchor_elastic_115_losing_the_agent_recreates_it_and_keeps_the_workers(
     assert "AgentRestarted" in world.reasons()
 
 
+@pytest.mark.parametrize("node", [NodeView("node-agent", ready=False), NodeView("node-agent", ready=None), None],
+                         ids=["notready", "unreachable", "deleted"])
+def test_an_agent_on_a_dead_node_is_force_deleted_and_recreated_at_once(node):
+    # No kubelet confirms the deletion: waiting for it (stuckPodTimeoutSeconds) left the workers without a store.
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.nodes = {"node-0": NodeView("node-0"), "node-1": NodeView("node-1")}
+    if node is not None:
+        world.nodes["node-agent"] = node
+    old = world.agent.uid
+    actions = world.step(1)
+    assert [(d.name, d.force) for d in actions.delete_pods] == [("demo-agent", True)]
+    assert actions.create_agent and world.agent.uid != old
+    assert world.status["restarts"] == {"total": 1, "byReason": {"AgentRestarted": 1}}
+    assert world.control["action"] == "reform"
+
+
+def test_an_agent_on_a_draining_node_is_deleted_gracefully():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.nodes = {"node-0": NodeView("node-0"), "node-1": NodeView("node-1"),
+                   "node-agent": NodeView("node-agent", unschedulable=True, draining=True)}
+    actions = world.step(1)
+    assert [(d.name, d.force) for d in actions.delete_pods] == [("demo-agent", False)]
+    assert not actions.create_agent
+
+
+def test_a_worker_lost_with_the_agents_node_is_part_of_that_one_restart():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.agent = dataclasses.replace(world.agent, node_name="node-1")  # the agent shares worker 1's node
+    world.nodes = {"node-0": NodeView("node-0"), "node-1": NodeView("node-1", ready=None)}
+    actions = world.step(1)
+    assert world.status["restarts"] == {"total": 1, "byReason": {"AgentRestarted": 1}}
+    assert actions.create_agent and "demo-worker-1" in {d.name for d in actions.delete_pods}
+    assert "NodeLost" not in world.reasons()
+
+
 def test_a_lost_agent_is_one_restart_even_when_every_worker_then_fails():
     """torchrun exits 1 when its store vanishes: N worker failures after an agent loss are that one loss."""
     world = World(job_manifest(replicas=3)).running_world(3)
@@ -436,6 +473,79 @@ def test_the_restart_budget_fails_the_job_when_exhausted():
             assert world.status["phase"] != "Failed"
     assert world.status["phase"] == "Failed"
     assert world.condition("Failed")["reason"] == "RestartBudgetExhausted"
+
+
+def test_a_crash_loop_of_user_code_spends_the_budget_and_fails_with_the_traceback_line():
+    # The launcher ends the pod with the user's real exit code and writes the traceback's last line as the
+    # container's termination message: each failure is one restart, with backoff, until the budget is spent.
+    world = World(job_manifest(replicas=1, restartPolicy__maxRestarts=2, restartPolicy__backoffSeconds=5)).running_world(1)
+    crash = "worker rank 0 failed with exit code 1: RuntimeError: injected bug at step 5"
+    for attempt in range(3):
+        world.set_worker(0, phase="Failed", exit_code=1, termination_message=f"{crash}\n").step(0)
+        assert world.status["restarts"]["total"] == attempt + 1
+        assert crash in world.status["lastFailure"]
+        if attempt < 2:
+            assert world.status["phase"] != "Failed"
+            world.finish_terminations()
+            assert world.step(0).create_workers == (), "the replacement waits out the backoff"
+            world.step(5 * 2 ** attempt)
+            world.run_all()
+    assert world.status["phase"] == "Failed"
+    failed = world.condition("Failed")
+    assert failed["reason"] == "RestartBudgetExhausted"
+    assert "RuntimeError: injected bug at step 5" in failed["message"]
+    assert "RuntimeError: injected bug at step 5" in world.status["message"]
+    assert any(e.reason == "RestartBudgetExhausted" and "injected bug" in e.message for e in world.last.events)
+
+
+def test_a_failure_before_any_group_formed_shows_in_the_pending_message():
+    world = World(job_manifest(replicas=1, restartPolicy__backoffSeconds=30))
+    world.step(0)
+    world.run_all()
+    world.set_worker(0, phase="Failed", exit_code=3, termination_message="worker rank 0 failed with exit code 3").step(1)
+    assert world.status["phase"] == "Pending" and world.status["restarts"]["byReason"] == {"PodFailed": 1}
+    assert "last: worker pod demo-worker-0 lost: PodFailed, exit code 3" in world.status["message"]
+
+
+def test_the_exit_code_classes_apply_to_the_users_code_and_name_the_cause():
+    world = World(job_manifest(replicas=2, restartPolicy__exitCodes={"permanent": [3]})).running_world(2)
+    world.set_worker(1, phase="Failed", exit_code=3,
+                     termination_message="worker rank 1 failed with exit code 3: SystemExit: 3").step(1)
+    assert world.status["phase"] == "Failed"
+    failed = world.condition("Failed")
+    assert failed["reason"] == "PermanentExitCode" and failed["message"].endswith("SystemExit: 3")
+    assert world.status["restarts"]["total"] == 0
+
+
+def test_a_trainer_without_a_command_fails_at_once_instead_of_retrying_forever():
+    # Admitted before the CRD had the rule (or by a CRD without it): no pod can be built from it.
+    manifest = job_manifest(replicas=2)
+    del manifest["spec"]["template"]["spec"]["containers"][0]["command"]
+    world = World(manifest)
+    actions = world.step()
+    assert world.status["phase"] == "Failed"
+    failed = world.condition("Failed")
+    assert failed["reason"] == "InvalidSpec" and "containers[0].command" in failed["message"]
+    assert actions.create_workers == () and not actions.create_agent
+    assert any(e.reason == "InvalidSpec" and "needs a command" in e.message for e in actions.events)
+
+
+def test_a_pod_the_api_server_refuses_is_named_in_a_condition_and_one_event():
+    world = World(job_manifest(replicas=2))
+    world.step()
+    answer = ('pods "demo-worker-0" is forbidden: violates PodSecurity "baseline:latest": privileged '
+              '(container "trainer" must not set securityContext.privileged=true)')
+    world.refused = answer
+    actions = world.step(1)
+    scheduled = world.condition("Scheduled")
+    assert scheduled["status"] == "False" and scheduled["reason"] == "PodRejected" and answer in scheduled["message"]
+    assert answer in world.status["message"]
+    assert [e.reason for e in actions.events if e.type == "Warning"] == ["PodRejected"]
+    assert actions.requeue_after is not None and actions.requeue_after <= core.REFUSED_RETRY_SECONDS
+    assert not [e for e in world.step(10).events if e.reason == "PodRejected"], "one event per answer"
+    world.refused = None
+    world.run_all().step(1)
+    assert world.condition("Scheduled")["reason"] == "Scheduled"
 
 
 def test_backoff_delays_replacements_and_doubles_with_consecutive_failures():

@@ -71,6 +71,8 @@ class World:
     events: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     uid_counter: int = 0
     auto_schedule: bool = True
+    refused: Optional[str] = None
+    """What the API server answered the last refused pod creation (the adapter's memory)."""
 
     @property
     def name(self) -> str:
@@ -81,7 +83,7 @@ class World:
         return self.manifest.setdefault("status", {})
 
     def observed(self) -> Observed:
-        return Observed(workers=tuple(self.workers.values()), agent=self.agent, nodes=self.nodes)
+        return Observed(workers=tuple(self.workers.values()), agent=self.agent, nodes=self.nodes, refused=self.refused)
 
     def step(self, seconds: float = 0.0) -> Actions:
         self.now += seconds

@@ -1,0 +1,65 @@
+"""The worker launcher (``python -m disttrain.trainer.launch``): real torchrun, real worker exits.
+
+torchrun alone, with the huge ``--max-restarts`` the operator passes, restarts a failing worker forever and exits 1
+when it gives up. The launcher must end at the first failure of user code with the user's real exit code and the
+last line of the traceback in the termination message, while the protocol exits (drain, reform) still restart
+the workers in place.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.trainer.conftest import REPO, TOY
+
+pytestmark = pytest.mark.timeout(240)
+
+LAUNCH = [sys.executable, "-m", "disttrain.trainer.launch", "--standalone", "--max-restarts=1000000",
+          "--monitor-interval=0.2", "--no-python"]
+
+
+def launch(harness, nproc: int, command: list[str], run: str, **env: str) -> tuple[int, str, str]:
+    termination = harness.tmp / f"{run}.termination"
+    with open(harness.out / f"{run}.log", "w") as log:
+        proc = subprocess.Popen([*LAUNCH, f"--nproc-per-node={nproc}", *command], stdout=log, stderr=subprocess.STDOUT,
+                                env=harness.env(harness.contract(max_steps=8), run, DISTTRAIN_TERMINATION_LOG=str(termination),
+                                                **env), cwd=REPO)
+        harness.procs.append(proc)
+        try:
+            rc = proc.wait(timeout=150)
+        except subprocess.TimeoutExpired:
+            harness.kill_tree(proc.pid)
+            raise AssertionError(f"the launcher kept restarting:\n{harness.log(run)[-3000:]}") from None
+    return rc, termination.read_text() if termination.exists() else "", harness.log(run)
+
+
+def test_a_users_exit_code_ends_the_launcher_with_that_code(harness, tmp_path):
+    script = tmp_path / "exit3.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    rc, message, log = launch(harness, 1, [sys.executable, str(script)], "exit3")
+    assert rc == 3, log[-3000:]
+    assert message.strip() == "worker rank 0 failed with exit code 3"
+    assert log.count("failed with exit code 3; not restarting in place") == 1
+
+
+def test_a_raise_mid_training_ends_with_the_traceback_line_while_the_peer_reform_is_no_failure(harness):
+    # Rank 1 raises at step 3; rank 0's collective then fails and it exits REFORM (84), a protocol exit. The root
+    # cause reported is rank 1's exception, from the error file ElasticTrainer writes.
+    rc, message, log = launch(harness, 2, [sys.executable, str(TOY)], "raise", TOY_RAISE_RANK1_AT="3")
+    assert rc == 1, log[-3000:]
+    assert message.strip() == "worker rank 1 failed with exit code 1: RuntimeError: injected bug at step 3"
+    assert max(r["step"] for r in harness.records("raise")) < 3
+
+
+def test_a_drain_exit_restarts_the_workers_in_place(harness):
+    # A drain (exit 83) is the elastic protocol: torchrun restarts the workers, they resume and finish.
+    rc, message, log = launch(harness, 2, [sys.executable, str(TOY)], "drain", TOY_DRAIN_AT="3",
+                             TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # as the pod builder sets it
+    assert rc == 0, log[-3000:]
+    assert message == ""
+    steps = {r["step"] for r in harness.records("drain")}
+    assert steps == set(range(1, 9)), "resumed after the drain and finished"
+    assert "resumed from checkpoint step-4" in log and "not restarting in place" not in log

@@ -1,0 +1,189 @@
+"""The worker pod's launcher: torchrun, except that a failure of the user's code ends the pod with the user's code.
+
+Worker pods run ``python -m disttrain.trainer.launch <torchrun args> <training command>``. Everything is torchrun
+(:func:`torch.distributed.run.run`, the same arguments, the same elastic agent), with one difference in when the
+agent restarts its workers by itself:
+
+* **Exits of the elastic protocol restart in place**, as before: ``DRAINED`` (83) and ``REFORM`` (84) are how the
+  operator re-forms a group (a drain, a lost peer, a failed collective); torchrun restarts the workers and they
+  re-join the rendezvous. These are not failures, and the operator's directives count them.
+* **Any other worker failure ends the agent at once** (an exception, ``sys.exit(3)``, an OOM kill): torchrun's own
+  restart loop would retry it forever, invisibly (the operator passes a huge ``--max-restarts`` so that drains and
+  reforms never run out). The pod then exits with the **user's real exit code** (not torchrun's 1; a signal ``-N``
+  becomes ``128+N`` as a container reports it), so ``restartPolicy.exitCodes`` classes apply to it, and the
+  operator counts the failure against ``restartPolicy.maxRestarts`` with backoff when it replaces the pod.
+
+The real code and message come from torchrun's own failure report: the agent's ``RunResult.failures``, raised by
+the launcher as :class:`ChildFailedError`. Each :class:`ProcessFailure` reads the worker's error file
+(``TORCHELASTIC_ERROR_FILE``, written by ``@record`` or by :class:`~disttrain.trainer.loop.ElasticTrainer` when
+user code raises), whose message is the last line of the traceback (``ValueError: ...``). That line, with the
+exit code, is written to the container's termination message (``terminationMessagePath``; the local runtime
+gives each node its own file through ``DISTTRAIN_TERMINATION_LOG``), where the operator reads it into the status.
+
+The agent class cannot be chosen through a torchrun option, so :func:`run` makes
+``torch.distributed.launcher.api`` build :class:`CountingAgent`, a :class:`LocalElasticAgent` whose only changes
+are :meth:`CountingAgent._monitor_workers` and that a failed agent leaves the rendezvous open. This module imports
+torch and never kopf or the operator.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.launcher import api as launcher_api
+
+from disttrain.api import env
+from disttrain.api.exitcodes import ExitCode
+from disttrain.trainer.rendezvous import DisttrainRendezvousHandler
+
+log = logging.getLogger("disttrain.launch")
+
+PROTOCOL_EXITS = frozenset({int(ExitCode.DRAINED), int(ExitCode.REFORM)})
+"""Worker exits that are the elastic protocol, not failures: torchrun restarts the workers in place."""
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+"""Kubernetes' default ``terminationMessagePath`` (the pod builder sets it explicitly)."""
+MAX_MESSAGE_CHARS = 1024
+"""A termination message is capped at 4096 bytes by the kubelet; the status message needs one line."""
+
+
+def raised(failure: ProcessFailure) -> bool:
+    """The worker's code raised: it wrote torchrun's error file (``@record``, or ElasticTrainer on an exception)."""
+    return os.path.isfile(failure.error_file)
+
+
+def is_user_failure(failure: ProcessFailure) -> bool:
+    """A failure of the user's code: it raised, or exited with a code that is no protocol exit. A SIGTERM without
+    an error file is torchrun stopping the other workers of a group that already failed (collateral)."""
+    if raised(failure):
+        return True
+    return failure.exitcode not in PROTOCOL_EXITS and failure.exitcode != -signal.SIGTERM
+
+
+def user_failures(failures: Mapping[int, ProcessFailure]) -> dict[int, ProcessFailure]:
+    """The failures that are the user's code failing (not the protocol exits, not torchrun's own SIGTERMs)."""
+    return {rank: f for rank, f in failures.items() if is_user_failure(f)}
+
+
+def first_failure(failures: Mapping[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
+    """The root cause: a user failure that raised, else one that exited by itself, earliest first (among all
+    failures when none is the user's)."""
+    pool = user_failures(failures) or dict(failures)
+    rank = min(pool, key=lambda r: (not raised(pool[r]), pool[r].exitcode < 0, pool[r].timestamp, r))
+    return rank, pool[rank]
+
+
+def exit_code(failure: ProcessFailure) -> int:
+    """The pod's exit code for a failure, as a container reports one: a worker that raised and was then stopped
+    (it hung in shutdown after the exception) exits 1 like any uncaught Python exception; a signal -N is 128+N."""
+    if failure.exitcode < 0 and raised(failure):
+        return 1
+    return container_exit_code(failure.exitcode)
+
+
+def container_exit_code(exitcode: int) -> int:
+    """A worker's exit status as a container would report it: a signal -N becomes 128+N; 0 never (it failed)."""
+    if exitcode < 0:
+        return 128 - exitcode
+    return exitcode if 0 < exitcode < 256 else 1
+
+
+def failure_line(failure: ProcessFailure) -> str:
+    """The last line of the worker's traceback from its error file, or '' when it wrote none."""
+    message: Any = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    if not os.path.isfile(failure.error_file) or not isinstance(message, str):
+        return ""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def describe(rank: int, failure: ProcessFailure) -> str:
+    """One line for the pod's termination message: exit code, rank and the traceback's last line."""
+    code = exit_code(failure)
+    if failure.exitcode >= 0 or raised(failure):
+        what = f"exit code {code}"
+    else:
+        what = f"signal {failure.signal_name()} (exit code {code})"
+    line = failure_line(failure)
+    text = f"worker rank {rank} failed with {what}" + (f": {line}" if line else "")
+    return text[:MAX_MESSAGE_CHARS]
+
+
+def write_termination_message(text: str, path: Optional[str] = None) -> None:
+    """Write the container's termination message (best effort: a read-only or absent path is only logged)."""
+    path = path or os.environ.get(env.TERMINATION_LOG) or DEFAULT_TERMINATION_LOG
+    try:
+        with open(path, "w", encoding="utf-8") as out:
+            out.write(text + "\n")
+    except OSError as exc:
+        log.warning("could not write the termination message to %s: %s", path, exc)
+
+
+class CountingAgent(LocalElasticAgent):
+    """torchrun's agent, giving up at the first failure of user code so that the operator counts it.
+
+    Whenever it ends without success (a failure of user code, a rendezvous error), the rendezvous stays open:
+    torchrun would close it on its way out, and the replacement node the operator starts could never join.
+    """
+
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        try:
+            result = super().run(role)
+        except BaseException:
+            self._leave_rendezvous_open()
+            raise
+        if result.is_failed():
+            self._leave_rendezvous_open()
+        return result
+
+    def _leave_rendezvous_open(self) -> None:
+        handler = self._worker_group.spec.rdzv_handler
+        if isinstance(handler, DisttrainRendezvousHandler):
+            handler.leave_open()
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.is_failed():
+            failed = user_failures(result.failures)
+            if failed:
+                rank, failure = first_failure(failed)
+                log.error(
+                    "%s; not restarting in place: the pod exits with this code and the operator counts the "
+                    "restart against spec.restartPolicy.maxRestarts",
+                    describe(rank, failure),
+                )
+                self._remaining_restarts = 0  # torchrun stops the workers and returns this result
+        return result
+
+
+def run(argv: Sequence[str]) -> int:
+    """Run torchrun with ``argv``; the exit code the pod should end with."""
+    args = torchrun.parse_args(list(argv))
+    launcher_api.LocalElasticAgent = CountingAgent  # type: ignore[misc]  # what launch_agent builds
+    try:
+        torchrun.run(args)
+    except ChildFailedError as error:
+        rank, failure = first_failure(error.failures)
+        text = describe(rank, failure)
+        write_termination_message(text)
+        return exit_code(failure)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.exit(run(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    main()
