@@ -196,8 +196,8 @@ async def apply(kube: Kube, cache: ClusterCache, job: DistTrainJob, actions: Act
         for obj in builders.build_support_objects(job):
             await kube.create(obj)
         _remember_pod(cache, await kube.create(builders.build_agent_pod(job)))
-    for index in actions.create_workers:
-        _remember_pod(cache, await kube.create(builders.build_worker_pod(job, index)))
+    for worker in actions.create_workers:
+        _remember_pod(cache, await kube.create(builders.build_worker_pod(job, worker.node_index, name=worker.name)))
     for event in actions.events:
         try:
             await kube.create(event_object(job, event.type, event.reason, event.message, now))
