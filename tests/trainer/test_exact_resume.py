@@ -1,9 +1,9 @@
 """Fixed mode: an interrupted run resumed at another world size ends where the uninterrupted one does.
 
 Reference: W=4 for 10 steps. Interrupted: W=4 drained at step 4 (checkpoint committed, exit DRAINED), then
-resumed, each from a copy of the same checkpoint, at W=4 (final parameters bitwise equal to the reference: DDP's
-bucket layout is fixed, trainer/parallel.py), at W=2 and at W=3 (final parameters within float tolerance: gloo
-sums in another order). The multiset of consumed sample indices is exactly equal.
+resumed, each from a copy of the same checkpoint, at W=4 (final parameters and optimizer state bitwise equal to
+the reference: DDP's bucket layout is fixed, trainer/parallel.py), at W=2 and at W=3 (final parameters within
+float tolerance: gloo sums in another order). The multiset of consumed sample indices is exactly equal.
 The toy model uses dropout keyed by (seed, step, sample), so this holds with randomness in the model too.
 The dataset (97 samples) is not a multiple of the global batch (12), so steps straddle epoch boundaries.
 """
@@ -13,6 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
+from tests.checkpoint_tensors import differing, load_tensors
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -57,6 +58,10 @@ def test_a_resume_at_four_ranks_is_bitwise_exact_and_at_two_or_three_within_tole
         if world == 4:
             differ = [name for name, value in reference.items() if not torch.equal(final[name], value)]
             assert differ == [], "a resume at the same world size must be bitwise exact"
+            # And so is everything it committed at the end: parameters and AdamW state (exp_avg, exp_avg_sq, step).
+            tensors = load_tensors(ckpt / "step-10")
+            assert any(key.startswith("app.optim.") for key in tensors), sorted(tensors)
+            assert differing(tensors, load_tensors(ref_ckpt / "step-10")) == {}
             continue
         for name, value in reference.items():
             torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6, msg=f"{name} at W={world}")
