@@ -3,7 +3,7 @@
 Reference: W=4 for 10 steps. Interrupted: W=4 drained at step 4 (checkpoint committed, exit DRAINED), then
 resumed, each from a copy of the same checkpoint, at W=4 (final parameters and optimizer state bitwise equal to
 the reference: DDP's bucket layout is fixed, trainer/parallel.py), at W=2 and at W=3 (final parameters within
-float tolerance: gloo sums in another order). The multiset of consumed sample indices is exactly equal.
+the drift docs/trainer.md publishes for this scenario, times the stated headroom: gloo sums in another order). The multiset of consumed sample indices is exactly equal.
 The toy model uses dropout keyed by (seed, step, sample), so this holds with randomness in the model too.
 The dataset (97 samples) is not a multiple of the global batch (12), so steps straddle epoch boundaries.
 """
@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 import torch
 from tests.checkpoint_tensors import differing, load_tensors
+from tests.trainer import drift
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -26,7 +27,7 @@ def consumed(records: list[dict], steps: range) -> Counter:
     return out
 
 
-def test_a_resume_at_four_ranks_is_bitwise_exact_and_at_two_or_three_within_tolerance(harness):
+def test_a_resume_at_four_ranks_is_bitwise_exact_and_at_two_or_three_within_the_published_drift(harness):
     contract = harness.contract(global_batch=12, micro=1, max_steps=10, interval=2)
     ref_ckpt = harness.tmp / "ref-ckpt"
     rc, log = harness.run(4, contract, "ref", ckpt=ref_ckpt)
@@ -44,6 +45,8 @@ def test_a_resume_at_four_ranks_is_bitwise_exact_and_at_two_or_three_within_tole
     reference = torch.load(harness.out / "ref-final.pt")
     expected = consumed(harness.records("ref"), range(1, 11))
     assert sum(expected.values()) == 120 and len(expected) == 97  # every sample once, 23 of them twice
+    bounds = drift.published("toy AdamW")
+    assert set(bounds) == {(4, 2), (4, 3)}, "docs/trainer.md lacks a figure"
 
     for world, run, ckpt in ((4, "w4", ckpt4), (2, "w2", harness.ckpt), (3, "w3", ckpt3)):
         rc, log = harness.run(world, contract, run, ckpt=ckpt)
@@ -63,5 +66,6 @@ def test_a_resume_at_four_ranks_is_bitwise_exact_and_at_two_or_three_within_tole
             assert any(key.startswith("app.optim.") for key in tensors), sorted(tensors)
             assert differing(tensors, load_tensors(ref_ckpt / "step-10")) == {}
             continue
+        bound = drift.HEADROOM * bounds[(4, world)].max_param_diff
         for name, value in reference.items():
-            torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6, msg=f"{name} at W={world}")
+            torch.testing.assert_close(final[name], value, rtol=0, atol=bound, msg=f"{name} at W={world}")
