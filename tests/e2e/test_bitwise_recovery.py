@@ -7,7 +7,8 @@ compared with its first execution, before the kill: every rank read the same sam
 loss, to the bit (the recorder writes exact JSON floats). The first replayed step runs on a freshly built DDP
 and the rest depend on its gradient reduction, which is where the drift of issue 14 began. (The uninterrupted
 run is the reference at the trainer level: ``tests/trainer/test_exact_resume.py`` resumes at the same world
-size and compares every parameter and optimizer tensor with ``torch.equal``.)
+size and compares every parameter and optimizer tensor with ``torch.equal``. That test is also the one that
+catches DDP's bucket rebuild: with it turned back on, it fails, while this 3-node replay still matched.)
 
 Drain path: planned scale-down 3 -> 2, then, as soon as the drain is issued, scale-up back to 3: two drains
 (checkpoint at a step boundary) and two reforms. The steps at 2 nodes sum the gradient over other ranks, which
