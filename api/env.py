@@ -12,6 +12,11 @@ JOB_NAMESPACE: Final = "DISTTRAIN_JOB_NAMESPACE"
 JOB_UID: Final = "DISTTRAIN_JOB_UID"
 # Stable identity of this node (pod name on Kubernetes, "node-3" in local mode); never a rank.
 NODE_NAME: Final = "DISTTRAIN_NODE_NAME"
+# Stable node index of this node (the pod's ``disttrain.dev/node-index`` label). The ``disttrain`` rendezvous
+# handler orders ranks by it, and a replacement pod takes the index of the node it replaces, so every rank
+# lands on the same node slot after a reform. Never a rank itself (indices may have gaps after a scale-down:
+# ranks follow the order of the indices present).
+NODE_INDEX: Final = "DISTTRAIN_NODE_INDEX"
 # Directory holding this job's checkpoints (shared by all nodes).
 CHECKPOINT_DIR: Final = "DISTTRAIN_CHECKPOINT_DIR"
 # host:port of the job agent's TCPStore (the c10d rendezvous store, also the control channel).

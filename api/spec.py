@@ -39,6 +39,11 @@ class BatchPolicy(str, enum.Enum):
     SCALED = "scaled"
 
 
+class GradientReduction(str, enum.Enum):
+    DDP = "ddp"
+    ORDERED = "ordered"
+
+
 class LRScaling(str, enum.Enum):
     LINEAR = "linear"
     SQRT = "sqrt"
@@ -127,6 +132,13 @@ class TrainingSpec(ContractModel):
     """Stop after this many samples. Exactly one of maxSteps and maxSamples."""
     seed: int = Field(0, ge=0, le=2**31 - 1)
     """Seed of the data permutation and of model randomness (dropout is keyed by sample and step, never by rank)."""
+    gradient_reduction: GradientReduction = GradientReduction.DDP
+    """ddp: DistributedDataParallel's all-reduce. A recovery at the same world size is bitwise exact; after a
+    world-size change the sum runs in another order (drift measured in docs/trainer.md). ordered: each micro
+    batch's gradient is kept apart and the step's gradient is their sum in a fixed order of micro-batch index,
+    the same at every world size, so in fixed mode a resume at another world size is bitwise exact too. Needs
+    the trainer's parallelism ddp in fp32; costs memory (2 x accumulation steps x parameters) and
+    communication that grow with gradient accumulation (docs/trainer.md)."""
 
     @property
     def reference_batch(self) -> int:

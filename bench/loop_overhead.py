@@ -1,7 +1,7 @@
 """Throughput of the disttrain loop vs a plain DDP loop, and vs a plain FSDP2 loop, on the same model and data
 (2 processes, gloo, CPU).
 
-    python bench/loop_overhead.py [--steps 60] [--batch 1280] [--case ddp|fsdp2|loader|all]
+    python bench/loop_overhead.py [--steps 60] [--batch 1280] [--accum 1] [--case ddp|ordered|fsdp2|loader|all]
 
 Runs itself under ``torch.distributed.run --nproc-per-node=2``. In the same processes it interleaves, step by
 step, a plain DDP loop (batches sliced from a tensor by a random permutation; forward, backward, AdamW step) and
@@ -9,7 +9,11 @@ step, a plain DDP loop (batches sliced from a tensor by a random permutation; fo
 agreement, metrics). Interleaving makes both see the same machine load, which matters on a shared 2-core box.
 Each disttrain step is timed from asking the loop for the step to the end of the body, so everything the loop
 does after the body (optimizer step, LR, boundary all-reduce, checkpoint decision) lands in the next step's time.
-Prints the ratio of median step times as ``throughput_vs_plain_ddp``. The FSDP2 case (its own torchrun) shards
+Prints the ratio of median step times as ``throughput_vs_plain_ddp``. The ordered case is the same against the
+trainer with ``spec.training.gradientReduction: ordered`` (gradients summed in a fixed order of micro-batch index,
+:mod:`disttrain.trainer.ordered_reduction`; its reduction runs before the optimizer step, so it lands in the next
+step's time) and prints ``ordered_throughput_vs_plain_ddp``. ``--accum N`` splits each process's batch into N
+micro batches (DDP's ``no_sync`` for all but the last in the plain loop). The FSDP2 case (its own torchrun) shards
 each Linear and then the root in the hand-written loop (``fully_shard``, optimizer built afterwards) and runs
 the trainer with ``parallelism="fsdp2"``, which picks the same units by default; it prints
 ``throughput_vs_plain_fsdp2``. The loader case reads a dataset whose ``__getitem__`` costs 1 ms (a sleep, as
@@ -21,6 +25,7 @@ workers would otherwise prefetch during each other's steps). It prints ``loader_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -146,27 +151,34 @@ def worker(args) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model, x, y = model_and_data()
-    plain = plain_model(model, args.case)
+    parallelism = "fsdp2" if args.case == "fsdp2" else "ddp"
+    plain = plain_model(model, parallelism)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
     perm = torch.randperm(N_SAMPLES, generator=torch.Generator().manual_seed(2))
+    micro = args.batch // args.accum
+    reduction = "ordered" if args.case == "ordered" else "ddp"
 
     ours_model, _, _ = model_and_data()
     ours_opt = torch.optim.AdamW(ours_model.parameters(), lr=1e-3)
     tmp = tempfile.mkdtemp(prefix="loop-bench-")
     os.environ["DISTTRAIN_CONTRACT"] = json.dumps({
-        "training": {"globalBatchSize": args.batch * world, "microBatchSize": args.batch, "lr": {"base": 1e-3},
-                     "maxSteps": args.steps + 1, "seed": 0},
+        "training": {"globalBatchSize": args.batch * world, "microBatchSize": micro, "lr": {"base": 1e-3},
+                     "maxSteps": args.steps + 1, "seed": 0, "gradientReduction": reduction},
         "checkpoint": {"path": tmp, "intervalSteps": 1_000_000, "keep": 1}})
     os.environ["DISTTRAIN_CHECKPOINT_DIR"] = tmp
     trainer = ElasticTrainer.from_env(ours_model, ours_opt, torch.utils.data.TensorDataset(x, y), log_every=1_000_000,
-                                      parallelism=args.case)
+                                      parallelism=parallelism)
     steps = trainer.steps()
 
     plain_s, ours_s = [], []
     for k in range(args.steps):
         t0 = time.perf_counter()
         idx = perm[(torch.arange(args.batch) + (k * world + rank) * args.batch) % N_SAMPLES]
-        torch.nn.functional.cross_entropy(plain(x[idx]), y[idx]).backward()
+        for a in range(args.accum):
+            sub = idx[a * micro:(a + 1) * micro]
+            sync = a == args.accum - 1 or parallelism != "ddp"
+            with contextlib.nullcontext() if sync else plain.no_sync():
+                torch.nn.functional.cross_entropy(plain(x[sub]), y[sub]).backward()
         plain_opt.step()
         plain_opt.zero_grad(set_to_none=True)
         t1 = time.perf_counter()
@@ -180,11 +192,13 @@ def worker(args) -> None:
             ours_s.append(t2 - t1)
     if rank == 0:
         p, o = statistics.median(plain_s), statistics.median(ours_s)
-        name = args.case.upper()
+        name, ours = parallelism.upper(), args.case.upper() if args.case == "ordered" else parallelism.upper()
+        print(f"{args.accum} micro batch(es) of {micro} per process and step", flush=True)
         print(f"plain {name}: median step {p * 1000:.1f} ms ({args.batch * world / p:.0f} samples/s)", flush=True)
-        print(f"disttrain loop ({name}): median step {o * 1000:.1f} ms ({args.batch * world / o:.0f} samples/s)",
+        print(f"disttrain loop ({ours}): median step {o * 1000:.1f} ms ({args.batch * world / o:.0f} samples/s)",
               flush=True)
-        print(f"throughput_vs_plain_{args.case}: {p / o:.3f}", flush=True)
+        prefix = "ordered_" if args.case == "ordered" else ""
+        print(f"{prefix}throughput_vs_plain_{parallelism}: {p / o:.3f}", flush=True)
     for _ in steps:  # the last step ends the run (final checkpoint) outside the measurement
         pass
     trainer.close()
@@ -194,7 +208,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=1280)
-    parser.add_argument("--case", choices=["ddp", "fsdp2", "loader", "all"], default="all")
+    parser.add_argument("--accum", type=int, default=1, help="micro batches per process and step (divides --batch)")
+    parser.add_argument("--case", choices=["ddp", "ordered", "fsdp2", "loader", "all"], default="all")
     parser.add_argument("--loader-batch", type=int, default=32, help="per rank, in the loader case")
     args = parser.parse_args()
     if "RANK" in os.environ:
@@ -202,16 +217,16 @@ def main() -> None:
         return
     env = dict(os.environ, OMP_NUM_THREADS="1")
     lines = []
-    for case in (["ddp", "fsdp2", "loader"] if args.case == "all" else [args.case]):
+    for case in (["ddp", "ordered", "fsdp2", "loader"] if args.case == "all" else [args.case]):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
                "--steps", str(args.steps), "--batch", str(args.batch), "--loader-batch", str(args.loader_batch),
-               "--case", case]
+               "--accum", str(args.accum), "--case", case]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.stderr.write(proc.stderr[-5000:])
             raise SystemExit(proc.returncode)
         lines += [ln for ln in proc.stdout.splitlines() if ln.strip()]
-    ratios = ("throughput_vs_", "loader_samples_per_second_vs_")
+    ratios = ("throughput_vs_", "ordered_throughput_vs_", "loader_samples_per_second_vs_")
     details = [ln for ln in lines if not ln.startswith(ratios)]
     print("\n".join(details + [ln for ln in lines if ln.startswith(ratios)]))
 

@@ -247,8 +247,10 @@ async def apply(
             await kube.create(obj)
         created = await _create_pod(kube, refusals, job, builders.build_agent_pod(job, agent_image))
         _remember_pod(cache, None if created is REFUSED else created)
-    for index in actions.create_workers:
-        created = await _create_pod(kube, refusals, job, builders.build_worker_pod(job, index))
+    for worker in actions.create_workers:
+        created = await _create_pod(
+            kube, refusals, job, builders.build_worker_pod(job, worker.node_index, name=worker.name)
+        )
         if created is REFUSED:
             break  # the next pods would be refused too: one answer per reconcile, retried on the core's timer
         _remember_pod(cache, created)

@@ -6,9 +6,21 @@ gets 409 Conflict instead of a duplicate.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 
-def worker_name(job: str, index: int) -> str:
-    return f"{job}-worker-{index}"
+
+def worker_name(job: str, index: int, incarnation: int = 0) -> str:
+    """``<job>-worker-<index>`` for the first pod of a node index, ``<job>-worker-<index>-<n>`` for the n-th
+    replacement created while an older pod (Terminating on a dead node, say) still holds the plain name."""
+    return f"{job}-worker-{index}" if incarnation == 0 else f"{job}-worker-{index}-{incarnation}"
+
+
+def unused_worker_name(job: str, index: int, taken: Collection[str]) -> str:
+    """The first :func:`worker_name` of ``index`` that no existing pod holds (deterministic: idempotent creates)."""
+    incarnation = 0
+    while worker_name(job, index, incarnation) in taken:
+        incarnation += 1
+    return worker_name(job, index, incarnation)
 
 
 def agent_name(job: str) -> str:

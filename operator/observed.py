@@ -29,7 +29,8 @@ class PodView:
     name: str
     uid: str
     node_index: int = -1
-    """Value of the node-index label; -1 for the agent."""
+    """Value of the node-index label (the node's slot in rank order, see ``reconcile.free_indices``); -1 for the
+    agent. Not always the number in the pod's name: a replacement takes the index of the pod it replaces."""
     phase: PodPhase = "Pending"
     """Pending, Running, Succeeded, Failed or Unknown (pod.status.phase)."""
     ready: bool = False
@@ -108,11 +109,21 @@ class PodDeletion:
 
 
 @dataclasses.dataclass(frozen=True)
+class WorkerCreation:
+    """A worker pod to create (build it with ``pods.build_worker_pod(job, node_index, name=name)``)."""
+
+    node_index: int
+    """The stable node index: the rendezvous handler orders ranks by it."""
+    name: str
+    """``<job>-worker-<index>``, with a suffix while an older pod still holds that name (``names.worker_name``)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Actions:
     """The decision of one reconcile; the caller applies it in this order: status, deletions, creations, events."""
 
-    create_workers: tuple[int, ...] = ()
-    """Node indices of worker pods to create (build them with ``pods.build_worker_pod``)."""
+    create_workers: tuple[WorkerCreation, ...] = ()
+    """Worker pods to create, by node index."""
     create_agent: bool = False
     delete_pods: tuple[PodDeletion, ...] = ()
     status_patch: Mapping[str, Any] = dataclasses.field(default_factory=dict)

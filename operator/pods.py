@@ -97,6 +97,7 @@ def torchrun_args(job: DistTrainJob, endpoint: str) -> list[str]:
 def worker_env(
     job: DistTrainJob,
     node_name: str,
+    node_index: int,
     *,
     endpoint: Optional[str] = None,
     checkpoint_directory: Optional[str] = None,
@@ -110,6 +111,7 @@ def worker_env(
         {"name": env.JOB_NAMESPACE, "value": meta.namespace},
         {"name": env.JOB_UID, "value": meta.uid or ""},
         {"name": env.NODE_NAME, "value": node_name},
+        {"name": env.NODE_INDEX, "value": str(node_index)},
         {"name": env.CHECKPOINT_DIR, "value": checkpoint_directory or checkpoint_dir(job)},
         {"name": env.AGENT_ENDPOINT, "value": endpoint or agent_endpoint(job)},
         {"name": env.METRICS_PORT, "value": str(metrics_port)},
@@ -133,14 +135,22 @@ def _is_metrics_port_name(name: str) -> bool:
 
 
 def build_worker_pod(
-    job: DistTrainJob, node_index: int, *, endpoint: Optional[str] = None, checkpoint_directory: Optional[str] = None
+    job: DistTrainJob,
+    node_index: int,
+    *,
+    name: Optional[str] = None,
+    endpoint: Optional[str] = None,
+    checkpoint_directory: Optional[str] = None,
 ) -> dict[str, Any]:
-    """Worker pod ``<job>-worker-<index>``: the user's template plus our launcher, env, labels and volume.
+    """Worker pod of node index ``node_index`` (named ``name``, by default ``<job>-worker-<index>``): the user's
+    template plus our launcher, env, labels and volume.
 
     The trainer container's ``command + args`` become the training command that torchrun runs with
     ``--no-python``; a container without a ``command`` is refused (the image entrypoint cannot be known here).
+    The node index travels as the ``disttrain.dev/node-index`` label (for the operator) and as
+    ``DISTTRAIN_NODE_INDEX`` (for the rendezvous handler, which orders ranks by it).
     """
-    name = names.worker_name(job.metadata.name, node_index)
+    name = name or names.worker_name(job.metadata.name, node_index)
     template = copy.deepcopy(job.spec.template)
     pod_spec: dict[str, Any] = template.get("spec") or {}
     pod_containers: list[dict[str, Any]] = pod_spec.setdefault("containers", [])
@@ -160,7 +170,7 @@ def build_worker_pod(
     user_env = [e for e in trainer.get("env") or [] if not e.get("name", "").startswith(reserved)]
     trainer["env"] = [
         *user_env,
-        *worker_env(job, name, endpoint=endpoint, checkpoint_directory=checkpoint_directory),
+        *worker_env(job, name, node_index, endpoint=endpoint, checkpoint_directory=checkpoint_directory),
         {"name": env.TERMINATION_LOG, "value": termination_log},
     ]
     ports = [p for p in trainer.get("ports") or [] if not _is_metrics_port_name(p.get("name", ""))]

@@ -8,8 +8,11 @@ The group protocol, in short:
 
 * ``status.desiredNodes`` is what we work towards: ``spec.nodes.replicas`` clamped to [min, max], snapped
   to a node count valid for the batch contract, after the scale debounce.
-* Worker pods are named ``<job>-worker-<index>``; a new pod takes the lowest index no existing pod holds, so
-  a replacement never waits for a stuck Terminating pod to free its name.
+* A new worker pod takes the lowest node index that no live pod holds. A lost pod releases its index at once,
+  even while its object lingers Terminating on a dead node, so a replacement takes the index of the node it
+  replaces; the rendezvous handler orders ranks by node index, so the replacement also takes its ranks and
+  every survivor keeps its own. The pod is named ``<job>-worker-<index>``, or ``<job>-worker-<index>-<n>``
+  while an older pod still holds that name, so a replacement never waits for a stuck pod to free its name.
 * Unplanned loss (pod deleted, Failed, evicted, node NotReady/unreachable/deleted/draining) -> directive
   ``reform`` (survivors exit at once; torchrun re-rendezvouses), a counted restart with backoff, a
   replacement; if the replacement is not Running within ``replacementWaitSeconds`` the rendezvous target
@@ -49,6 +52,7 @@ from disttrain.operator.observed import (
     Observed,
     PodDeletion,
     PodView,
+    WorkerCreation,
 )
 from disttrain.operator.patches import merge_patch
 
@@ -173,9 +177,13 @@ def choose_victims(live: Iterable[PodView], count: int) -> list[PodView]:
     return ordered[:count]
 
 
-def free_indices(existing: Iterable[PodView], count: int) -> list[int]:
-    """The ``count`` lowest node indices that no existing worker pod (Terminating ones included) holds."""
-    taken = {p.node_index for p in existing}
+def free_indices(existing: Iterable[PodView], count: int, nodes: Optional[Mapping[str, NodeView]] = None) -> list[int]:
+    """The ``count`` lowest node indices that no live worker pod holds.
+
+    A lost pod (:func:`loss_reason`) frees its index even while the pod still exists, so its replacement takes
+    that index and, through the rendezvous handler's rank order, the lost node's ranks.
+    """
+    taken = {p.node_index for p in existing if loss_reason(p, nodes) is None}
     found: list[int] = []
     index = 0
     while len(found) < count:
@@ -256,7 +264,7 @@ class _Draft:
         self.members: list[PodView] = []
         """Worker pods that exist, are not lost and are not scale-down victims (set by :func:`_handle_workers`)."""
         self.events: list[Event] = []
-        self.create: list[int] = []
+        self.create: list[WorkerCreation] = []
         self.create_agent = False
         self.deletions: dict[str, PodDeletion] = {}
         self.timers: list[float] = []
@@ -297,7 +305,7 @@ class _Draft:
     def freeze(self) -> Actions:
         new = self.status.to_wire()
         return Actions(
-            create_workers=tuple(sorted(self.create)),
+            create_workers=tuple(sorted(self.create, key=lambda w: w.node_index)),
             create_agent=self.create_agent,
             delete_pods=tuple(self.deletions.values()),
             status_patch=merge_patch(self.old, new),
@@ -832,7 +840,9 @@ def _size(d: _Draft) -> None:
                 f"restarting {missing} node(s) after backoff at {st.next_restart_time}",
             )
         else:
-            d.create.extend(free_indices(d.seen.workers, missing))
+            taken = {p.name for p in d.seen.workers}
+            for index in free_indices(d.seen.workers, missing, d.seen.nodes):
+                d.create.append(WorkerCreation(index, names.unused_worker_name(d.job.metadata.name, index, taken)))
             if previous and desired > previous:
                 d.event(NORMAL, Reason.SCALED_UP, f"scaling up from {previous} to {desired} nodes")
 

@@ -45,7 +45,7 @@ from disttrain.api.spec import LRSchedule, TrainingSpec
 from disttrain.trainer import checkpoint as ckpt_mod
 from disttrain.trainer import context as ctx_mod
 from disttrain.trainer import data as data_mod
-from disttrain.trainer import exits
+from disttrain.trainer import exits, ordered_reduction
 from disttrain.trainer import lr as lr_mod
 from disttrain.trainer import parallel as parallel_mod
 from disttrain.trainer import precision as precision_mod
@@ -104,7 +104,10 @@ class Step:
         self.index = index
         self.indices = indices
         p = trainer.plan
-        self.micro_indices = [indices[i * p.micro_batch : (i + 1) * p.micro_batch] for i in range(p.accum_steps)]
+        if trainer.ordered is not None:
+            self.micro_indices = ordered_reduction.micro_indices(indices, p.accum_steps)
+        else:
+            self.micro_indices = [indices[i * p.micro_batch : (i + 1) * p.micro_batch] for i in range(p.accum_steps)]
         self.loss_sum = 0.0
         self.loss_count = 0
 
@@ -114,11 +117,14 @@ class Step:
 
     def __iter__(self) -> Iterator[MicroBatch]:
         parallel = self.trainer.parallel
+        ordered = self.trainer.ordered
         last = len(self.micro_indices) - 1
         seed = self.trainer.training.seed
         try:
             for i, idx in enumerate(self.micro_indices):
-                parallel.set_gradient_sync(i == last)
+                parallel.set_gradient_sync(i == last and ordered is None)  # ordered: reduced before the step
+                if ordered is not None:
+                    ordered.before_backward(i)
                 yield MicroBatch(self.trainer.fetch(idx), idx, seed, self.index)
         finally:
             parallel.set_gradient_sync(True)
@@ -142,7 +148,7 @@ class Step:
         and micro batches. Under fp16 the loss is scaled by the GradScaler first.
         """
         denom = float(denominator if denominator is not None else self.global_batch)
-        factor = self.trainer.parallel.loss_factor(self.trainer.world_size)
+        factor = 1.0 if self.trainer.ordered is not None else self.trainer.parallel.loss_factor(self.trainer.world_size)
         self.trainer.precision.scale(loss_sum * (factor / denom)).backward()
         self.loss_sum += float(loss_sum.detach())
         self.loss_count += int(count if count is not None else len(self.micro_indices[0]) if self.micro_indices else 0)
@@ -177,6 +183,7 @@ class ElasticTrainer:
         user_state: Optional[Mapping[str, Stateful]] = None,
         num_workers: int = 0,
         prefetch_factor: Optional[int] = None,
+        ordered: Optional[ordered_reduction.OrderedReducer] = None,
     ) -> None:
         self.ctx = context
         self.training: TrainingSpec = context.contract.training
@@ -188,6 +195,8 @@ class ElasticTrainer:
         self.raw_model = model
         self.parallel = parallel
         self.model = parallel.module
+        self.ordered = ordered
+        """The gradient reducer of ``spec.training.gradientReduction: ordered`` (None: DDP's all-reduce)."""
         self.precision = precision or precision_mod.PrecisionState(parallel_mod.Precision.FP32, groups.device)
         self.clip_grad_norm = clip_grad_norm
         self.last_grad_norm: Optional[float] = None
@@ -274,6 +283,9 @@ class ElasticTrainer:
         try:
             wrapped = parallel_mod.wrap(on_device, optimizer, groups.device, parallelism, precision, shard_modules)
             precision_state = precision_mod.PrecisionState(precision, groups.device, grad_scaler)
+            ordered = ordered_reduction.for_training(
+                ctx.contract.training, on_device, parallelism, precision, training_plan
+            )
         except ValueError as exc:
             exits.exit_permanent(str(exc))
         watchdog = Watchdog(ctx.agent_endpoint, job_uid=ctx.job_uid)
@@ -316,6 +328,7 @@ class ElasticTrainer:
             user_state=user_state,
             num_workers=num_workers,
             prefetch_factor=prefetch_factor,
+            ordered=ordered,
         )
 
     # ---- user-facing -------------------------------------------------------------------------------------
@@ -540,6 +553,8 @@ class ElasticTrainer:
         self.metrics.lr_scale.set(scale)
 
     def _optimizer_step(self) -> None:
+        if self.ordered is not None:
+            self.ordered.reduce()
         self.checkpoints.before_optimizer_step()
         self.precision.unscale(self.optimizer)
         if self.clip_grad_norm is not None:

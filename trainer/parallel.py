@@ -128,8 +128,19 @@ def default_shard_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def _data_parallel(model: nn.Module, device: torch.device, precision: Precision) -> DistributedDataParallel:
-    """``model`` wrapped in DDP (as given when it already is and runs fp32); one device per process on GPUs."""
+    """``model`` wrapped in DDP (as given when it already is and runs fp32); one device per process on GPUs.
+
+    ``find_unused_parameters=True`` is there for exact resumes, not for unused parameters. Plain DDP reduces its
+    first iteration with one bucket in reverse parameter order, then rebuilds its buckets in the order gradients
+    became ready. An all-reduce sums each element in an order set by its offset in the bucket (gloo's ring starts
+    each chunk's sum at another rank), so the first step of a run resumed from step k's checkpoint was summed in
+    another order than step k+1 of the uninterrupted run: 1.5e-8 apart after that one step on the toy model at
+    W=3, drifting from there. With this switch torch lays the buckets out once, at construction (reverse parameter
+    order, the usual 1 MiB / 25 MiB caps), and never rebuilds them; communication still overlaps the backward.
+    Cost: one autograd-graph traversal per synchronised backward (docs/trainer.md, "Same world size, same bits").
+    """
     kwargs: dict[str, Any] = {"device_ids": [device.index]} if device.type == "cuda" else {}
+    kwargs["find_unused_parameters"] = True
     dtype = precision.compute_dtype
     if isinstance(model, DistributedDataParallel):
         if dtype is not None:

@@ -28,6 +28,11 @@ under ``TARGET_KEY`` (without one the handler is plain c10d):
   re-forms the group with a ``drain`` directive (checkpoint at the step boundary, then exit), so a scale-up
   loses no step.
 
+One change holds with or without a target: **ranks follow the nodes' stable node indices**
+(``DISTTRAIN_NODE_INDEX``), not the order in which nodes arrived, so survivors keep their ranks and a replacement
+takes the ranks of the node it replaces (:mod:`disttrain.trainer.rank_order`; the executor re-orders the ranks
+right after the stock assignment when it marks a round complete).
+
 The changes are made by wrapping the stock join operation (:class:`_TargetAwareOpExecutor`), not by copying it.
 Workers must run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (the pod builder sets it): with a shared store a
 scale-up deadlocks whenever the running node sorts first and keeps rank 0. It reuses its cached store address, so
@@ -51,7 +56,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousPa
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
 from disttrain.api import constants, control, env
-from disttrain.trainer import channel
+from disttrain.trainer import channel, rank_order
 
 log = logging.getLogger("disttrain.rendezvous")
 
@@ -62,7 +67,8 @@ def read_target(store: Store) -> Optional[control.TargetPlan]:
 
 
 class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
-    """The stock executor, with the join operation wrapped by :meth:`_join_with_target`."""
+    """The stock executor, with the join operation wrapped by :meth:`_join_with_target` and ranks assigned by
+    node index (:meth:`_mark_rendezvous_complete`)."""
 
     def __init__(
         self,
@@ -71,10 +77,14 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
         settings: dyn.RendezvousSettings,
         target: Callable[[], Optional[control.TargetPlan]],
         node_name: str,
+        store: Store,
+        node_index: Optional[int],
     ) -> None:
         super().__init__(node, state_holder, settings)
         self._target = target
         self._node_name = node_name
+        self._store = store
+        self._node_index = node_index
         self._floor_logged_round = -1
 
     def run(
@@ -85,6 +95,8 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
     ) -> None:
         if isinstance(state_handler, dyn._RendezvousJoinOp):
             join = state_handler
+            # Before this node can appear among the participants, so whoever completes the round can read it.
+            rank_order.publish_index(self._store, self._settings.run_id, self._node, self._node_index)
 
             def state_handler(ctx: dyn._RendezvousContext, deadline: float) -> dyn._Action:
                 return self._join_with_target(join, ctx, deadline)
@@ -139,6 +151,21 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
             return dyn._Action.KEEP_ALIVE if dyn._should_keep_alive(ctx) else dyn._Action.SYNC
         return action
 
+    def _mark_rendezvous_complete(self) -> None:
+        """The stock completion (ranks by node descriptor), then the ranks re-assigned by node index."""
+        super()._mark_rendezvous_complete()
+        state = self._state
+        indices = rank_order.read_indices(self._store, self._settings.run_id, list(state.participants))
+        ordered = rank_order.rank_order(list(state.participants), indices)
+        for rank, node in enumerate(ordered):
+            state.participants[node] = rank
+        log.info(
+            "rendezvous %s round %d complete: group ranks by node index: %s",
+            self._settings.run_id,
+            state.round,
+            ", ".join(f"{rank}=index {indices[node]} ({node!r})" for rank, node in enumerate(ordered)),
+        )
+
 
 class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
     """A :class:`DynamicRendezvousHandler` that follows the operator's target plan (see the module docstring)."""
@@ -150,7 +177,13 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
         self._target_store = store
         self._leave_open = False
         self._op_executor = _TargetAwareOpExecutor(
-            node, state_holder, settings, self.target, os.environ.get(env.NODE_NAME, "")
+            node,
+            state_holder,
+            settings,
+            self.target,
+            os.environ.get(env.NODE_NAME, ""),
+            store,
+            rank_order.node_index_from_env(os.environ),
         )
 
     def target(self) -> Optional[control.TargetPlan]:

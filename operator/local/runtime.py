@@ -28,7 +28,7 @@ from disttrain.operator.local.metrics import LocalMetrics
 from disttrain.operator.local.nodes import LocalPod
 from disttrain.operator.local.statedir import StateDir
 from disttrain.operator.local.summary import Recorder, Summary
-from disttrain.operator.observed import Actions, Observed
+from disttrain.operator.observed import Actions, Observed, WorkerCreation
 
 TICK_SECONDS = 0.2
 # Frequent events the display leaves out (the panel's checkpoint row shows the newest; events.jsonl keeps all).
@@ -182,13 +182,17 @@ class LocalRuntime:
             termination_log=termination_log,
         )
 
-    def create_worker(self, index: int) -> None:
+    def create_worker(self, worker: WorkerCreation) -> None:
         job = self.job()
         pod = pods.build_worker_pod(
-            job, index, endpoint=f"127.0.0.1:{self.store_port}", checkpoint_directory=str(self.state.checkpoints_dir)
+            job,
+            worker.node_index,
+            name=worker.name,
+            endpoint=f"127.0.0.1:{self.store_port}",
+            checkpoint_directory=str(self.state.checkpoints_dir),
         )
         port = free_port()
-        local = self._spawn(pod, index, port)
+        local = self._spawn(pod, worker.node_index, port)
         local.ready_port = self.store_port
         self.workers[local.name] = local
         self.record_event(
@@ -282,10 +286,9 @@ class LocalRuntime:
         self.finish_deletions(now)
         if actions.create_agent and self.agent is None:
             self.create_agent()
-        for index in actions.create_workers:
-            name = names.worker_name(self.name, index)
-            if name not in self.workers:
-                self.create_worker(index)
+        for worker in actions.create_workers:
+            if worker.name not in self.workers:
+                self.create_worker(worker)
         for event in actions.events:
             self.record_event(event.type, event.reason, event.message, source="reconcile")
 

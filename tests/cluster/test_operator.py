@@ -249,6 +249,9 @@ def test_a_node_lost_to_the_node_lifecycle_controller_is_replaced(cluster, tmp_p
         return fresh[0] if fresh and fresh[0]["spec"].get("nodeName") not in (None, node) else None
 
     replacement = eventually(replaced, timeout=30, what="a replacement scheduled on another node")
+    # It takes the lost pod's node index, and with it the lost node's ranks, under a name of its own.
+    assert replacement["metadata"]["name"] == "lost-worker-1-1"
+    assert replacement["metadata"]["labels"]["disttrain.dev/node-index"] == "1"
     lost = cluster.pods()["lost-worker-1"]  # no kubelet confirms its deletion: Terminating, as in a real cluster
     assert lost["metadata"].get("deletionTimestamp") and lost["metadata"]["uid"] == victim["metadata"]["uid"]
     assert {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",

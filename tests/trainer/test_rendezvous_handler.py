@@ -1,7 +1,8 @@
 """The ``disttrain`` torchrun rendezvous handler with real torchrun agents on localhost and the store in a
 separate process (the job agent's role, ``is_host=false``): a round completes as soon as the target node count
 joined, without waiting out ``last_call_timeout``; it never completes below the target (no split brain); a node
-listed in ``exclude`` stays out of the round; without a target it is stock c10d."""
+listed in ``exclude`` stays out of the round; without a target it is stock c10d, except that ranks follow the
+nodes' stable indices."""
 
 from __future__ import annotations
 
@@ -26,14 +27,17 @@ LAST_CALL_S = 30
 STATE_KEY = "torch.rendezvous.probe"  # C10dRendezvousBackend keeps the round state under torch.rendezvous.<run id>
 
 
-def start_node(harness, port: int, name: str, out: Path, last_call: int = LAST_CALL_S,
-               **extra_env: str) -> subprocess.Popen:
+def start_node(harness, port: int, name: str, out: Path, last_call: int = LAST_CALL_S, *, index: int | None = None,
+               nnodes: str = "1:3", **extra_env: str) -> subprocess.Popen:
     conf = f"is_host=false,join_timeout=60,last_call_timeout={last_call},keep_alive_interval=1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:3", "--nproc-per-node=1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
            "--rdzv-backend=disttrain", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=probe", f"--rdzv-conf={conf}",
            "--max-restarts=3", "--monitor-interval=0.2", str(PROBE)]
     env = {**os.environ, "DISTTRAIN_NODE_NAME": name, "PROBE_OUT": str(out), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
            "PYTHONUNBUFFERED": "1", **extra_env}
+    env.pop("DISTTRAIN_NODE_INDEX", None)
+    if index is not None:
+        env["DISTTRAIN_NODE_INDEX"] = str(index)
     with open(out / f"{name}.log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     harness.procs.append(proc)
@@ -163,3 +167,27 @@ def test_without_a_target_it_is_stock_c10d_min_nodes_after_the_last_call(harness
     assert "node-0" in records, logs_of(harness.out, nodes)
     assert records["node-0"]["WORLD_SIZE"] == "1"
     assert nodes["node-0"].wait(timeout=30) == 0, logs_of(harness.out, nodes)
+
+
+def test_ranks_follow_node_indices_and_a_replacement_takes_the_lost_nodes_rank(harness):
+    """Issue "bitwise-identical recovery": ranks by node index, not arrival. Nodes start in reverse index order
+    (c10d alone would rank them by agent pid, i.e. by arrival); then node index 0 dies (its whole tree) and a
+    replacement with index 0 joins: it gets rank 0 back and the survivors keep ranks 1 and 2."""
+    port = harness.start_store()
+    out = harness.out
+    nodes = {}
+    for index in (2, 1, 0):
+        name = f"node-{index}"
+        nodes[name] = start_node(harness, port, name, out, index=index, nnodes="3:3", PROBE_SLEEP="120")
+        time.sleep(0.5)
+    records = wait_for(out, set(nodes), 30)
+    assert set(nodes) <= records.keys(), logs_of(out, nodes)
+    assert {n: records[n]["GROUP_RANK"] for n in nodes} == {"node-0": "0", "node-1": "1", "node-2": "2"}
+
+    harness.kill_tree(nodes.pop("node-0").pid)
+    for path in out.glob("*.json"):
+        path.unlink()
+    nodes["node-0-1"] = start_node(harness, port, "node-0-1", out, index=0, nnodes="3:3", PROBE_SLEEP="120")
+    records = wait_for(out, set(nodes), 45)
+    assert set(nodes) <= records.keys(), logs_of(out, nodes)
+    assert {n: records[n]["GROUP_RANK"] for n in nodes} == {"node-0-1": "0", "node-1": "1", "node-2": "2"}

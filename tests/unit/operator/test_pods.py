@@ -79,11 +79,18 @@ def test_worker_pod_identity_labels_and_owner():
     assert pod["spec"]["subdomain"] == "demo-workers"
 
 
+def test_a_replacement_pod_keeps_the_node_index_it_takes_under_another_name():
+    pod = pods.build_worker_pod(make_job(), 1, name="demo-worker-1-1")
+    values = pods.worker_env_dict(pod)
+    assert pod["metadata"]["name"] == pod["spec"]["hostname"] == values[env.NODE_NAME] == "demo-worker-1-1"
+    assert pod["metadata"]["labels"]["disttrain.dev/node-index"] == values[env.NODE_INDEX] == "1"
+
+
 def test_worker_env_carries_the_contract_and_drops_user_spoofing():
     job = make_job()
     values = pods.worker_env_dict(pods.build_worker_pod(job, 0))
     assert values["USER_VAR"] == "1"
-    assert values[env.NODE_NAME] == "demo-worker-0"
+    assert values[env.NODE_NAME] == "demo-worker-0" and values[env.NODE_INDEX] == "0"
     assert values[env.CHECKPOINT_DIR] == "/var/lib/disttrain/checkpoints/default/demo"
     assert values[env.AGENT_ENDPOINT] == "demo-agent.default.svc:29400"
     assert values[env.JOB_UID] == "job-uid-1"

@@ -18,6 +18,7 @@ import pytest
 
 from disttrain.api import conditions as cond
 from disttrain.api.spec import DistTrainJob
+from disttrain.operator import names
 from disttrain.operator import reconcile as core
 from disttrain.operator.observed import NodeView, Observed, PodView
 from tests.unit.operator.world import T0, World, job_manifest
@@ -27,6 +28,11 @@ pytestmark = pytest.mark.timeout(30)
 
 def spec_of(**kw):
     return DistTrainJob.model_validate(job_manifest(**kw)).spec
+
+
+def created(actions) -> list[int]:
+    """Node indices of the worker pods an action set creates."""
+    return [w.node_index for w in actions.create_workers]
 
 
 # ---------------------------------------------------------------------------------------------- small policies
@@ -109,9 +115,28 @@ def test_victims_prefer_pods_that_are_not_running_then_the_highest_index():
     assert [p.name for p in core.choose_victims(pods, 2)] == ["w2", "w3"]
 
 
-def test_new_pods_take_the_lowest_free_index_even_past_a_terminating_one():
-    pods = [PodView("w0", "a", 0), PodView("w1", "b", 1, deleting_since=T0), PodView("w3", "d", 3)]
-    assert core.free_indices(pods, 2) == [2, 4]
+@pytest.mark.parametrize("lost, expected", [
+    (PodView("w1", "b", 1, "Running", deleting_since=T0), [1, 2]),
+    (PodView("w1", "b", 1, "Failed"), [1, 2]),
+    (PodView("w1", "b", 1, "Unknown"), [1, 2]),
+    (PodView("w1", "b", 1, "Running", True, node_name="dead"), [1, 2]),
+    (PodView("w1", "b", 1, "Running", True, node_name="fine"), [2, 4]),
+    (PodView("w1", "b", 1, "Pending"), [2, 4]),
+], ids=["terminating", "failed", "unknown", "on-a-notready-node", "healthy", "pending"])
+def test_a_lost_pod_frees_its_node_index_at_once_a_live_one_keeps_it(lost, expected):
+    nodes = {"dead": NodeView("dead", ready=False), "fine": NodeView("fine")}
+    pods = [PodView("w0", "a", 0), lost, PodView("w3", "d", 3)]
+    assert core.free_indices(pods, 2, nodes) == expected
+
+
+@pytest.mark.parametrize("taken, expected", [
+    ((), "demo-worker-1"),
+    (("demo-worker-1",), "demo-worker-1-1"),
+    (("demo-worker-1", "demo-worker-1-1"), "demo-worker-1-2"),
+    (("demo-worker-1-1",), "demo-worker-1"),
+], ids=["free", "held-by-a-lingering-pod", "two-lingering", "only-an-older-replacement-left"])
+def test_a_replacement_gets_a_name_no_existing_pod_holds(taken, expected):
+    assert names.unused_worker_name("demo", 1, taken) == expected
 
 
 def test_merge_patch_removes_keys_with_null():
@@ -125,7 +150,7 @@ def test_a_new_job_gets_its_agent_and_replicas_workers():
     world = World(job_manifest(replicas=3))
     actions = world.step()
     assert actions.create_agent
-    assert actions.create_workers == (0, 1, 2)
+    assert created(actions) == [0, 1, 2]
     assert world.status["desiredNodes"] == 3
     assert world.status["phase"] == "Pending"
     assert world.status["selector"] == "disttrain.dev/job-name=demo,disttrain.dev/role=worker"
@@ -137,7 +162,7 @@ def test_reconcile_is_idempotent_once_applied():
     world = World(job_manifest(replicas=2)).running_world(2)
     again = world.step()
     assert again.status_patch == {}
-    assert again.create_workers == () and not again.create_agent and again.delete_pods == ()
+    assert created(again) == [] and not again.create_agent and again.delete_pods == ()
     assert again.events == ()
 
 
@@ -178,9 +203,9 @@ def test_anchor_1638_deleting_one_worker_replaces_only_that_worker_and_reforms_o
     assert world.control["action"] == "reform" and world.control["generation"] == generation + 1
     assert world.status["restarts"] == {"total": 1, "byReason": {"PodDeleted": 1}}
     # Backoff first, then exactly one replacement; the survivors are never touched.
-    assert actions.create_workers == ()
+    assert created(actions) == []
     actions = world.step(5)
-    assert actions.create_workers == (1,)
+    assert created(actions) == [1]
     for _ in range(3):
         world.step(1)
     assert world.status["restarts"]["total"] == 1
@@ -255,8 +280,9 @@ def test_anchor_2072_a_dead_node_loses_its_pod_force_deletes_it_and_reforms_with
     assert world.workers["demo-worker-1"].is_terminating  # the kubelet is dead: it stays Terminating
     world.step(5)
     replacement = [n for n in world.workers if n not in ("demo-worker-0", "demo-worker-1", "demo-worker-2")]
-    assert replacement == ["demo-worker-3"], "the replacement must not wait for the stuck pod's name"
-    world.nodes["node-3"] = NodeView("node-3", ready=False)  # the replacement cannot start either
+    assert replacement == ["demo-worker-1-1"], "the replacement must not wait for the stuck pod's name"
+    assert world.workers["demo-worker-1-1"].node_index == 1, "it takes the lost node's index (and so its ranks)"
+    # The replacement is never scheduled (it stays Pending).
     world.step(25)
     assert world.control["targetNodes"] == 2, "after replacementWaitSeconds the survivors re-form"
     world.progress(2, step=6).step(1)
@@ -267,13 +293,29 @@ def test_anchor_2072_a_dead_node_loses_its_pod_force_deletes_it_and_reforms_with
     assert world.status["restarts"]["byReason"]["NodeNotReady"] == 1
 
 
+@pytest.mark.parametrize("lost", [0, 1, 2])
+def test_a_replacement_takes_the_lost_nodes_index_while_the_lost_pod_lingers(lost):
+    """The rendezvous orders ranks by node index: every survivor keeps its ranks, the replacement takes the lost
+    node's (issue: worker-1 became rank 0 when worker-0 was replaced by a worker-3)."""
+    world = World(job_manifest(replicas=3, min=2))
+    world.nodes = {f"node-{i}": NodeView(f"node-{i}") for i in range(3)} | {"node-agent": NodeView("node-agent")}
+    world.running_world(3)
+    survivors = {n: p.node_index for n, p in world.workers.items() if p.node_index != lost}
+    world.nodes[f"node-{lost}"] = NodeView(f"node-{lost}", ready=False)
+    world.step(1)
+    actions = world.step(5)
+    assert [(w.node_index, w.name) for w in actions.create_workers] == [(lost, f"demo-worker-{lost}-1")]
+    assert world.workers[f"demo-worker-{lost}"].is_terminating
+    assert {n: world.workers[n].node_index for n in survivors} == survivors
+
+
 def test_anchor_elastic_115_losing_the_agent_recreates_it_and_keeps_the_workers():
     world = World(job_manifest(replicas=2)).running_world(2)
     uids = {n: p.uid for n, p in world.workers.items()}
     world.agent = None
     actions = world.step(1)
     assert actions.create_agent
-    assert actions.delete_pods == () and actions.create_workers == ()
+    assert actions.delete_pods == () and created(actions) == []
     assert world.control["action"] == "reform" and world.control["reason"] == "AgentRestarted"
     assert world.status["restarts"] == {"total": 1, "byReason": {"AgentRestarted": 1}}
     assert {n: p.uid for n, p in world.workers.items()} == uids
@@ -552,12 +594,12 @@ def test_backoff_delays_replacements_and_doubles_with_consecutive_failures():
     world = World(job_manifest(replicas=2)).running_world(2)
     world.set_worker(1, phase="Failed", exit_code=1).step(0)
     world.finish_terminations()
-    assert world.step(4).create_workers == ()
-    assert world.step(1).create_workers == (1,)
+    assert created(world.step(4)) == []
+    assert created(world.step(1)) == [1]
     world.run_all().set_worker(1, phase="Failed", exit_code=1).step(0)
     world.finish_terminations()
-    assert world.step(9).create_workers == ()
-    assert world.step(1).create_workers == (1,)
+    assert created(world.step(9)) == []
+    assert created(world.step(1)) == [1]
 
 
 def test_evicted_pods_are_counted_by_reason():
@@ -601,7 +643,7 @@ def test_scale_up_adds_pods_then_drains_so_the_group_reforms_with_them():
     world = World(job_manifest(replicas=2)).running_world(2)
     world.spec("nodes.replicas", 3).step(0)
     actions = world.step(10)
-    assert actions.create_workers == (2,)
+    assert created(actions) == [2]
     assert world.control["action"] == "none"  # the new pod is not running yet
     world.run_all().step(1)
     assert world.control["action"] == "drain" and world.control["reason"] == "ScaledUp"
@@ -634,11 +676,11 @@ def test_suspend_deletes_all_pods_keeps_status_and_resume_continues_from_the_che
     assert world.status["phase"] == "Suspended"
     assert world.status["lastCheckpoint"]["step"] == 40 and world.status["restarts"]["total"] == 1
     world.finish_terminations().step(1)
-    assert world.last.create_workers == () and not world.last.create_agent
+    assert created(world.last) == [] and not world.last.create_agent
     assert world.status["restarts"]["total"] == 1, "suspending is not a failure"
     world.spec("runPolicy.suspend", False)
     actions = world.step(1)
-    assert actions.create_agent and actions.create_workers == (0, 1)
+    assert actions.create_agent and created(actions) == [0, 1]
     assert world.status["phase"] == "Pending"
     assert "Resumed" in world.reasons() and "ResumedFromStep" in world.reasons()
     assert world.condition("Suspended")["status"] == "False"
@@ -678,7 +720,7 @@ def test_a_restarted_operator_mid_reform_changes_nothing():
     before = dict(world.status)
     # A fresh operator: nothing but the job (with its status) and the pods. Same decision, no duplicates.
     again = core.reconcile(DistTrainJob.model_validate(world.manifest), world.observed(), world.now)
-    assert again.status_patch == {} and again.create_workers == () and not again.create_agent
+    assert again.status_patch == {} and created(again) == [] and not again.create_agent
     assert world.status == before
 
 
@@ -691,4 +733,4 @@ def test_requeue_after_reports_the_nearest_timer():
 
 def test_observed_without_nodes_defaults():
     actions = core.reconcile(DistTrainJob.model_validate(job_manifest()), Observed(), T0)
-    assert actions.create_agent and actions.create_workers == (0, 1)
+    assert actions.create_agent and created(actions) == [0, 1]

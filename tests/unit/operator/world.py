@@ -98,10 +98,10 @@ class World:
                 self._remove(deletion.name)
             else:
                 self._replace(pod, deleting_since=self.now)
-        for index in actions.create_workers:
-            name = names.worker_name(self.name, index)
-            assert name not in self.workers, f"reconcile asked to create {name} which exists"
-            self.workers[name] = PodView(name=name, uid=self._uid(), node_index=index, created_at=self.now)
+        for worker in actions.create_workers:
+            assert worker.name not in self.workers, f"reconcile asked to create {worker.name} which exists"
+            self.workers[worker.name] = PodView(name=worker.name, uid=self._uid(), node_index=worker.node_index,
+                                                created_at=self.now)
         if actions.create_agent:
             assert self.agent is None
             self.agent = PodView(name=names.agent_name(self.name), uid=self._uid(), created_at=self.now)
@@ -137,14 +137,17 @@ class World:
         return self
 
     def worker(self, index: int) -> PodView:
-        return self.workers[names.worker_name(self.name, index)]
+        """The live pod of node ``index`` (the newest, when a lost one still lingers with the same index)."""
+        pods = [p for p in self.workers.values() if p.node_index == index]
+        live = [p for p in pods if not p.is_terminating and p.phase not in ("Failed", "Succeeded")]
+        return max(live or pods, key=lambda p: int(p.uid.split("-")[-1]))
 
     def set_worker(self, index: int, **changes: Any) -> "World":
         self._replace(self.worker(index), **changes)
         return self
 
     def vanish(self, index: int) -> "World":
-        self.workers.pop(names.worker_name(self.name, index))
+        self.workers.pop(self.worker(index).name)
         return self
 
     def finish_terminations(self) -> "World":
