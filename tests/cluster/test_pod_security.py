@@ -31,7 +31,9 @@ def test_worker_and_agent_pods_are_admitted_where_restricted_is_enforced(control
     manifest = job_manifest("pss")
     manifest["metadata"]["namespace"] = namespace
     job = DistTrainJob.model_validate(manifest)
-    control_plane.kubectl("create", "-f", "-", input=json.dumps(pods.build_service_account(job)))
+    account = pods.build_service_account(job)
+    del account["metadata"]["ownerReferences"]  # no such job exists: the garbage collector would delete it at once
+    control_plane.kubectl("create", "-f", "-", input=json.dumps(account))
     # The controller-manager creates it when another module of this run started the controllers; else we do.
     made = control_plane.kubectl("create", "serviceaccount", "default", "-n", namespace, check=False)
     assert made.returncode == 0 or "already exists" in made.stderr, made.stderr
