@@ -192,19 +192,59 @@ def _spec_schema() -> dict[str, Any]:
 
 PRINTER_COLUMNS: tuple[dict[str, Any], ...] = (
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Job phase"},
-    {"name": "World", "type": "integer", "jsonPath": ".status.worldSize", "description": "Processes in the group"},
+    {
+        "name": "World",
+        "type": "string",
+        "jsonPath": ".status.world",
+        "description": "World size of the running group / desired world size",
+    },
     {"name": "Step", "type": "integer", "jsonPath": ".status.step", "description": "Last completed step"},
     {
+        "name": "Samples/s",
+        "type": "number",
+        "jsonPath": ".status.samplesPerSecond",
+        "description": "Global training throughput at the newest progress report",
+    },
+    {
         "name": "Checkpoint",
-        "type": "integer",
-        "jsonPath": ".status.lastCheckpoint.step",
-        "description": "Step of the newest complete checkpoint",
+        "type": "date",
+        "jsonPath": ".status.lastCheckpoint.time",
+        "description": "Age of the newest complete checkpoint",
     },
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts.total", "description": "Failures restarted"},
+    {
+        "name": "Last Reform",
+        "type": "string",
+        "jsonPath": ".status.lastReform.reason",
+        "description": "Why the group last re-formed",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {
+        "name": "Reformed",
+        "type": "date",
+        "jsonPath": ".status.lastReform.start",
+        "priority": 1,
+        "description": "When the last reform began",
+    },
+    {
+        "name": "Reform Seconds",
+        "type": "number",
+        "jsonPath": ".status.lastReform.durationSeconds",
+        "priority": 1,
+        "description": "How long the last reform took (empty while it is in progress)",
+    },
+    {
+        "name": "Checkpoint Step",
+        "type": "integer",
+        "jsonPath": ".status.lastCheckpoint.step",
+        "priority": 1,
+        "description": "Step of the newest complete checkpoint",
+    },
     {"name": "Nodes", "type": "integer", "jsonPath": ".status.desiredNodes", "priority": 1, "description": "Target"},
     {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
 )
+"""`kubectl get dtj` answers "is it healthy": phase, world, step, throughput, checkpoint age, restarts and the last
+reform; `-o wide` adds when the last reform began and took, the checkpoint's step, the target and the message."""
 
 
 def _metadata_schema() -> dict[str, Any]:

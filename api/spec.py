@@ -226,6 +226,29 @@ class RunPolicySpec(ContractModel):
     """PriorityClass of the worker pods."""
 
 
+class GangScheduler(str, enum.Enum):
+    VOLCANO = "volcano"
+    SCHEDULER_PLUGINS = "scheduler-plugins"
+
+
+class GangSpec(ContractModel):
+    """Gang scheduling by a PodGroup: no worker pod is bound before nodes.min of them can be placed together."""
+
+    scheduler: GangScheduler
+    """volcano (PodGroup scheduling.volcano.sh/v1beta1, pod annotation scheduling.k8s.io/group-name) or
+    scheduler-plugins (coscheduling: PodGroup scheduling.x-k8s.io/v1alpha1, pod label
+    scheduling.x-k8s.io/pod-group). The operator creates the PodGroup (minMember = nodes.min) and keeps it in
+    step with nodes.min; the scheduler itself is installed by the cluster's administrator."""
+    scheduler_name: Optional[str] = Field(None, min_length=1, max_length=253)
+    """schedulerName of the worker pods; default `volcano`, or `scheduler-plugins-scheduler` (the name the
+    scheduler-plugins chart gives its second scheduler). runPolicy.schedulerName, when set, wins."""
+    queue: Optional[str] = Field(None, min_length=1, max_length=253)
+    """Volcano queue of the PodGroup (spec.queue); unset: Volcano's default queue. Volcano only."""
+    schedule_timeout_seconds: Optional[int] = Field(None, ge=1, le=86_400)
+    """How long the coscheduling plugin waits for the whole gang (PodGroup spec.scheduleTimeoutSeconds);
+    unset: the plugin's default. scheduler-plugins only."""
+
+
 class ReportingSpec(ContractModel):
     progress_interval_seconds: int = Field(10, ge=1, le=3_600)
     """Seconds between two progress writes of the job agent into the job's status (step, samples, progress time).
@@ -260,6 +283,9 @@ class DistTrainJobSpec(ContractModel):
     """When the job has succeeded: every worker finished (AllWorkers) or the node running rank 0 finished (RankZero)."""
     reporting: ReportingSpec = Field(default_factory=ReportingSpec)
     """How often the job agent writes training progress into the job's status."""
+    gang: Optional[GangSpec] = None
+    """Gang scheduling through a Volcano or scheduler-plugins PodGroup. Unset: pods are scheduled one by one
+    (for Kueue, label the job with kueue.x-k8s.io/queue-name instead; see docs/operator.md)."""
 
     def trainer_container(self) -> dict[str, Any]:
         """The container that runs the trainer: the one named `trainer`, else the only one."""

@@ -24,6 +24,7 @@ AGENT_FIELDS: Final = (
     "rendezvousRound",
     "roundStartTime",
     "lastProgressTime",
+    "samplesPerSecond",
     "lastCheckpoint",
     "workerFailure",
 )
@@ -167,6 +168,11 @@ class DistTrainJobStatus(ContractModel):
     """Node count the operator is working towards (spec.nodes.replicas clamped, limited to valid sizes)."""
     world_size: int = 0
     """Processes in the current group."""
+    world: str = ""
+    """World size of the running group / the desired world size (desired nodes x nprocPerNode), e.g. `6/8`:
+    the WORLD column of `kubectl get`."""
+    samples_per_second: Optional[float] = None
+    """Global training throughput at the newest progress report (the job agent relays rank 0's figure)."""
     rendezvous_round: int = 0
     """Completed rendezvous rounds (counted by the job agent: a new group's first progress report bumps it)."""
     round_start_time: Optional[str] = None
@@ -193,6 +199,10 @@ class DistTrainJobStatus(ContractModel):
     """RFC 3339 time before which no failed node is restarted (backoff)."""
     start_time: Optional[str] = None
     """RFC 3339 time the job first ran."""
+    suspended_seconds: float = Field(0.0, ge=0)
+    """Seconds the job spent suspended since startTime; runPolicy.activeDeadlineSeconds does not count them."""
+    suspended_since: Optional[str] = None
+    """RFC 3339 time the current suspension began (unset while not suspended)."""
     completion_time: Optional[str] = None
     """RFC 3339 time the job succeeded or failed."""
     observed_generation: int = 0
@@ -212,5 +222,7 @@ class DistTrainJobStatus(ContractModel):
     last_failure: Optional[str] = Field(None, max_length=1024)
     """The newest failure counted as a restart: which pod, why, its exit code and the last line of the user's
     traceback (from the trainer container's termination message)."""
+    pod_group_min_member: int = Field(0, ge=0)
+    """Operator memory: the minMember last written to the job's PodGroup (spec.gang); 0: none written yet."""
     consecutive_failures: int = Field(0, ge=0)
     """Failures since training last progressed; the restart backoff doubles with each."""

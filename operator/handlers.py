@@ -33,7 +33,7 @@ from kubernetes import client as k8s
 
 from disttrain.api import constants, storeauth, timestamps
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import access, agentfields, listing, patches
+from disttrain.operator import access, agentfields, eventrate, listing, patches, scheduling
 from disttrain.operator import pods as builders
 from disttrain.operator.caches import ClusterCache, JobKey
 from disttrain.operator.metrics import OperatorMetrics
@@ -42,6 +42,8 @@ from disttrain.operator.reconcile import reconcile
 
 log = logging.getLogger("disttrain.operator")
 MERGE_PATCH = "application/merge-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"  # a JSON body is YAML too
+FIELD_MANAGER = "disttrain-operator"
 REQUEST_TIMEOUT_S = 30.0
 """Client-side timeout of every API call the adapter makes."""
 API_ERROR_RETRY_S = 1.0
@@ -97,6 +99,25 @@ class Kube:
                 name,
                 {"status": patch},
                 _content_type=MERGE_PATCH,
+            )
+        )
+
+    async def apply_pod_group(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Create or update a PodGroup with one server-side apply (the operator owns every field it sets)."""
+        group, version = obj["apiVersion"].split("/")
+        meta = obj["metadata"]
+        return self._body(
+            await self._call(
+                self.custom.patch_namespaced_custom_object,
+                group,
+                version,
+                meta["namespace"],
+                scheduling.POD_GROUP_PLURAL,
+                meta["name"],
+                obj,
+                field_manager=FIELD_MANAGER,
+                force=True,
+                _content_type=APPLY_PATCH,
             )
         )
 
@@ -227,13 +248,19 @@ async def apply(
     now: float,
     refusals: Optional[Refusals] = None,
     agent_image: Optional[str] = None,
+    events: Optional[eventrate.EventFilter] = None,
 ) -> Optional[dict[str, Any]]:
-    """Apply in crash-safe order: status (memory) first, then deletions, creations, events, TTL deletion. What the
-    API server answers goes into the cache. Returns the API server's answer to the status write (None: none)."""
+    """Apply in crash-safe order: the PodGroup (idempotent, so before the status that records it), status
+    (memory), then deletions, creations, events (those ``events`` admits), TTL deletion. What the API server
+    answers goes into the cache. Returns the API server's answer to the status write (None: none)."""
     ns, name = job.metadata.namespace, job.metadata.name
     refusals = {} if refusals is None else refusals
     seen = time.monotonic()
     answer: Optional[dict[str, Any]] = None
+    if actions.apply_pod_group:
+        pod_group = builders.build_pod_group(job)
+        if pod_group is not None:
+            await kube.apply_pod_group(pod_group)
     if actions.status_patch:
         answer = await kube.patch_status(ns, name, dict(actions.status_patch))
         cache.put_job(answer, seen)
@@ -255,6 +282,8 @@ async def apply(
             break  # the next pods would be refused too: one answer per reconcile, retried on the core's timer
         _remember_pod(cache, created)
     for event in actions.events:
+        if events is not None and not events.admit((ns, name, event.type, event.reason, event.message), now):
+            continue
         try:
             await kube.create(event_object(job, event.type, event.reason, event.message, now))
         except k8s.ApiException as error:  # events are best effort
@@ -277,6 +306,7 @@ async def reconcile_once(
     name: str,
     refusals: Optional[Refusals] = None,
     agent_image: Optional[str] = None,
+    events: Optional[eventrate.EventFilter] = None,
 ) -> Optional[Reconciled]:
     """Decide on the cached state and write. Returns the actions (None when the job is gone)."""
     started = time.perf_counter()
@@ -293,7 +323,7 @@ async def reconcile_once(
     observed = dataclasses.replace(cache.observe(namespace, name), refused=refusals.get((namespace, name)))
     now = time.time()
     actions = reconcile(job, observed, now)
-    answer = await apply(kube, cache, job, actions, now, refusals, agent_image)
+    answer = await apply(kube, cache, job, actions, now, refusals, agent_image, events)
     metrics.reconcile_duration.observe(time.perf_counter() - started)
     metrics.observe_job(
         namespace, name, actions.status, now, max_restarts=job.spec.restart_policy.max_restarts, uid=job.metadata.uid
@@ -376,6 +406,7 @@ def register(
     pokes = Pokes()
     cache = ClusterCache()
     refusals: Refusals = {}
+    events = eventrate.EventFilter()
     box: dict[str, Any] = {}
 
     def kube() -> Kube:
@@ -403,7 +434,9 @@ def register(
                 try:
                     await listings.ensure_synced(namespace)
                     refused = refusals.get((namespace, name))
-                    result = await reconcile_once(kube(), cache, metrics, namespace, name, refusals, agent_image)
+                    result = await reconcile_once(
+                        kube(), cache, metrics, namespace, name, refusals, agent_image, events
+                    )
                     if result is None:
                         return
                     requeue = result.actions.requeue_after
@@ -446,6 +479,7 @@ def register(
             metrics.forget_job(namespace, name, body.get("metadata", {}).get("uid"))  # deleting: no series
         if type == "DELETED":
             cache.remove_job(body, now)
+            events.forget_job(namespace, name)
             pokes.poke(namespace, name)
         elif cache.put_job(copy.deepcopy(dict(body)), now) is not None:
             pokes.poke(namespace, name)

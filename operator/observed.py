@@ -135,3 +135,6 @@ class Actions:
     """Seconds until a timer in the policy expires (debounce, waits, backoff, deadline, TTL); None: no timer."""
     delete_job: bool = False
     """TTL after finish expired: delete the DistTrainJob itself."""
+    apply_pod_group: bool = False
+    """Create or update the job's PodGroup (``spec.gang``; build it with ``pods.build_pod_group``), before the
+    status write and before any pod is created: the scheduler must know the gang before it sees a member."""

@@ -15,7 +15,7 @@ from typing import Any, Optional
 from disttrain.api import constants, containers, env
 from disttrain.api.contract import WorkerContract, job_checkpoint_dir
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import access, names, podsecurity
+from disttrain.operator import access, names, podsecurity, scheduling
 
 # torchrun counts every worker-group failure (our drain and reform exits included) against --max-restarts;
 # the operator owns the restart budget, so torchrun's must never run out.
@@ -191,7 +191,9 @@ def build_worker_pod(
     annotations = (template.get("metadata") or {}).get("annotations")
     if annotations:
         meta["annotations"] = dict(annotations)
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+    scheduling.apply_to_worker_pod(job, pod)  # Kueue's pod group, the gang scheduler's PodGroup and name
+    return pod
 
 
 def _mount_checkpoints(job: DistTrainJob, pod_spec: dict[str, Any], trainer: dict[str, Any]) -> None:
@@ -364,6 +366,12 @@ def build_support_objects(job: DistTrainJob) -> list[dict[str, Any]]:
         build_agent_service(job),
         build_headless_service(job),
     ]
+
+
+def build_pod_group(job: DistTrainJob) -> Optional[dict[str, Any]]:
+    """The PodGroup of ``spec.gang`` (Volcano or scheduler-plugins), owned by the job; None without a gang."""
+    name = scheduling.pod_group_name(job)
+    return scheduling.build_pod_group(job, _metadata(job, name, constants.ROLE_WORKER))
 
 
 def describe_command(pod: dict[str, Any]) -> str:

@@ -271,6 +271,7 @@ class _Draft:
         self.delete_job = False
         self.agent_lost_node: Optional[str] = None
         """The dead node the job agent was lost with in this reconcile: the workers lost with it are that loss."""
+        self.apply_pod_group = False
 
     @property
     def is_finished(self) -> bool:
@@ -313,6 +314,7 @@ class _Draft:
             events=tuple(self.events),
             requeue_after=min(self.timers) if self.timers else None,
             delete_job=self.delete_job,
+            apply_pod_group=self.apply_pod_group,
         )
 
 
@@ -351,6 +353,7 @@ def _steps(spec: DistTrainJobSpec) -> tuple[Step, ...]:
         _handle_workers,
         _check_terminal,
         _size,
+        _gang,
         _publish,
     )
 
@@ -708,10 +711,11 @@ def _check_terminal(d: _Draft) -> None:
         return
     deadline = spec.run_policy.active_deadline_seconds
     if deadline is not None:
-        if d.now - started >= deadline:
+        ends = started + st.suspended_seconds + deadline  # time spent suspended does not count
+        if d.now >= ends:
             _fail(d, Reason.DEADLINE_EXCEEDED, f"job ran longer than spec.runPolicy.activeDeadlineSeconds={deadline}")
             return
-        d.timer(started + deadline)
+        d.timer(ends)
     if is_success(spec, st, d.members):
         _succeed(d)
 
@@ -750,9 +754,12 @@ def _suspend(d: _Draft) -> None:
     st.control.action = DirectiveAction.NONE
     st.control.exclude = []
     st.world_size = 0
+    st.world = world_column(0, st.desired_nodes * d.spec.nproc_per_node)
     st.replicas = len(d.seen.workers)
     st.ready_replicas = 0
     st.phase = Phase.SUSPENDED
+    if st.start_time is not None and st.suspended_since is None:
+        st.suspended_since = timestamps.format_time(d.now)
     message = "suspended: no pods run; resuming continues from the last complete checkpoint"
     st.message = message
     d.condition(ConditionType.SUSPENDED, True, Reason.SUSPENDED, message, announce=NORMAL)
@@ -767,6 +774,10 @@ def _resume_if_suspended(d: _Draft) -> None:
     st.phase = Phase.PENDING
     st.consecutive_failures = 0
     st.next_restart_time = None
+    since = timestamps.parse_time(st.suspended_since)
+    if since is not None:
+        st.suspended_seconds = round(st.suspended_seconds + max(0.0, d.now - since), 3)
+    st.suspended_since = None
     d.condition(ConditionType.SUSPENDED, False, Reason.RESUMED, "resumed")
     d.event(NORMAL, Reason.RESUMED, "job resumed")
     if st.last_checkpoint is not None:
@@ -962,6 +973,22 @@ def _choose_target(d: _Draft, live: list[PodView], group_nodes: int) -> None:
         ctl.target_nodes = target
 
 
+def world_column(world_size: int, desired_world_size: int) -> str:
+    """``status.world``, the WORLD column of ``kubectl get dtj``: the running group's world size / the desired."""
+    return f"{world_size}/{desired_world_size}"
+
+
+def _gang(d: _Draft) -> None:
+    """The PodGroup of ``spec.gang``: written before the first pod of a gang is created (and again whenever pods
+    are created, so one deleted by hand comes back) and whenever ``spec.nodes.min`` moved."""
+    if d.spec.gang is None:
+        return
+    minimum = d.spec.nodes.min
+    if d.create or d.create_agent or d.status.pod_group_min_member != minimum:
+        d.apply_pod_group = True
+        d.status.pod_group_min_member = minimum
+
+
 # -- what the status says -------------------------------------------------------------------------------------------
 
 
@@ -1007,6 +1034,7 @@ def _publish(d: _Draft) -> None:
         )
     ctl = st.control
     nproc = d.spec.nproc_per_node
+    st.world = world_column(st.world_size, st.desired_nodes * nproc)
     if ctl.in_flight:
         st.phase = Phase.REFORMING
         st.message = f"{ctl.action.value} for {ctl.reason}: re-forming with {ctl.target_nodes} nodes"

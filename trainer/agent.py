@@ -370,6 +370,8 @@ class Agent:
                 rendezvousRound=self._rounds,
                 roundStartTime=self._round_start,
             )
+            if report.samples_per_second is not None:
+                wanted["samplesPerSecond"] = round(report.samples_per_second, 1)
         return wanted
 
     def _relay_checkpoint(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:

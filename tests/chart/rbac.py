@@ -32,7 +32,10 @@ ADAPTER = (_expand("disttrain.dev", ["disttrainjobs"], ["list", "delete"])  # Ku
            | _expand("", ["nodes"], ["list"])  # Kube.list_scope
            | _expand("", ["services", "serviceaccounts", "events", "secrets"], ["create"])  # Kube.create
            | _expand("networking.k8s.io", ["networkpolicies"], ["create"])  # Kube.create (operator/access.py)
-           | _expand("rbac.authorization.k8s.io", ["roles", "rolebindings"], ["create"]))
+           | _expand("rbac.authorization.k8s.io", ["roles", "rolebindings"], ["create"])
+           # Kube.apply_pod_group: a server-side apply, authorized as create while the PodGroup does not exist
+           | _expand("scheduling.volcano.sh", ["podgroups"], ["create", "patch"])
+           | _expand("scheduling.x-k8s.io", ["podgroups"], ["create", "patch"]))
 """The API calls of operator/handlers.py's ``Kube`` (its lists are operator/listing.py's: once per namespace and
 after a re-list, never per reconcile). ``get`` on disttrainjobs is no call of the operator's: the agent Role
 grants it (see ``needed``)."""

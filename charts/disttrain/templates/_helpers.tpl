@@ -45,7 +45,9 @@ Namespaced, in the ClusterRole when serving all namespaces, else in a Role per w
     the operator creates (RBAC refuses to create a Role granting more than its creator holds);
   - pods list/watch/create/delete: kopf watches the job's pods, the adapter creates and deletes them;
   - services, serviceaccounts, roles, rolebindings create: the per-job Services and the agent's RBAC;
-  - events create: the adapter's Events and kopf's own (core/v1).
+  - events create: the adapter's Events and kopf's own (core/v1);
+  - podgroups patch (Volcano's and scheduler-plugins'): the PodGroup of a job with spec.gang, created and kept in
+    step with one server-side apply (a PATCH, also when it creates the object).
 */}}
 {{- define "disttrain.namespacedRules" -}}
 - apiGroups: ["disttrain.dev"]
@@ -69,4 +71,7 @@ Namespaced, in the ClusterRole when serving all namespaces, else in a Role per w
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+- apiGroups: ["scheduling.volcano.sh", "scheduling.x-k8s.io"]
+  resources: ["podgroups"]
+  verbs: ["patch"]
 {{- end -}}

@@ -61,7 +61,16 @@ def test_scale_subresource_points_at_replicas_and_selector():
 def test_printer_columns_and_names():
     spec = crd.build_crd()["spec"]
     columns = [c["name"] for c in spec["versions"][0]["additionalPrinterColumns"]]
-    assert columns[:6] == ["Phase", "World", "Step", "Checkpoint", "Restarts", "Age"]
+    assert columns[:8] == ["Phase", "World", "Step", "Samples/s", "Checkpoint", "Restarts", "Last Reform", "Age"]
+    by_name = {c["name"]: c for c in spec["versions"][0]["additionalPrinterColumns"]}
+    assert by_name["Checkpoint"] == {**by_name["Checkpoint"], "type": "date", "jsonPath": ".status.lastCheckpoint.time"}
+    status = spec["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    for column in by_name.values():  # every column reads a field the schema declares
+        path = column["jsonPath"].split(".")[1:]
+        if path[0] == "status":
+            node = {"properties": status}
+            for part in path[1:]:
+                node = node["properties"][part]
     assert spec["names"]["shortNames"] == ["dtj"] and spec["group"] == "disttrain.dev"
 
 

@@ -693,6 +693,64 @@ def test_active_deadline_fails_the_job():
     assert world.status["phase"] == "Failed" and world.condition("Failed")["reason"] == "DeadlineExceeded"
 
 
+@pytest.mark.parametrize("suspended_for, run_after_resume, failed", [
+    (0, 59, False),
+    (0, 60, True),
+    (500, 59, False),
+    (500, 60, True),
+    (5000, 59, False),
+], ids=["no-suspension-before-deadline", "no-suspension-at-deadline", "suspended-time-not-counted",
+        "deadline-after-suspension", "long-suspension-not-counted"])
+def test_active_deadline_does_not_count_time_spent_suspended(suspended_for, run_after_resume, failed):
+    """Deadline 100 s: 40 s running, suspended ``suspended_for`` s, then ``run_after_resume`` s more."""
+    world = World(job_manifest(replicas=2, runPolicy={"activeDeadlineSeconds": 100})).running_world(2)
+    world.step(40)
+    world.spec("runPolicy.suspend", True)
+    world.step(0)
+    world.finish_terminations()
+    assert world.status["phase"] == "Suspended"
+    world.step(suspended_for)
+    assert world.status["phase"] == "Suspended", "a suspended job never fails its deadline"
+    world.spec("runPolicy.suspend", False)
+    world.step(0)
+    assert world.status["suspendedSeconds"] == suspended_for and "suspendedSince" not in world.status
+    world.run_all().step(0)
+    world.progress(2, step=6).step(0)
+    assert world.status["phase"] == "Running"
+    assert world.last.requeue_after is not None and world.last.requeue_after <= 60
+    world.step(run_after_resume)
+    assert (world.status["phase"] == "Failed") is failed, world.status["phase"]
+    if failed:
+        assert world.condition("Failed")["reason"] == "DeadlineExceeded"
+
+
+def test_the_world_column_shows_the_group_against_the_desired_world():
+    world = World(job_manifest(replicas=2, nprocPerNode=2)).running_world(2)
+    world.progress(2, step=6, nproc=2).step(0)
+    assert world.status["world"] == "4/4"
+    world.spec("nodes.replicas", 3).step(0)
+    world.step(10)
+    assert world.status["world"] == "4/6"
+
+
+def test_a_gang_job_writes_its_pod_group_before_its_pods_and_follows_nodes_min():
+    world = World(job_manifest(replicas=2, gang={"scheduler": "volcano"}))
+    first = world.step()
+    assert first.apply_pod_group and first.create_workers == (0, 1)
+    assert world.status["podGroupMinMember"] == 1
+    world.run_all()
+    assert not world.step().apply_pod_group, "nothing changed: no write"
+    world.spec("nodes.min", 2)
+    assert world.step().apply_pod_group and world.status["podGroupMinMember"] == 2
+    assert not world.step().apply_pod_group
+
+
+def test_a_job_without_gang_writes_no_pod_group():
+    world = World(job_manifest(replicas=2))
+    assert not world.step().apply_pod_group
+    assert "podGroupMinMember" not in world.status or world.status["podGroupMinMember"] == 0
+
+
 def test_ttl_after_finish_deletes_the_job():
     world = World(job_manifest(replicas=1, runPolicy={"ttlSecondsAfterFinished": 60})).running_world(1)
     world.set_worker(0, phase="Succeeded", exit_code=0).step(1)

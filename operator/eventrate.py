@@ -1,0 +1,73 @@
+"""Which Events about a job are posted: repeats are dropped and each job has a budget, as client-go's recorder does.
+
+Why: an Event is an API write and a line in ``kubectl describe``; the core emits one for every state change it
+decides, and a few decisions repeat while a state lasts (a drain timeout is seen again on each reconcile until
+its victims are gone). Two rules, after client-go's EventCorrelator (``tools/record/events_cache.go``):
+
+* the same Event (job, type, reason, message) within :data:`REPEAT_WINDOW_S` of the last one posted is dropped;
+* each job may post :data:`BURST` Events at once, then one per :data:`REFILL_S` (a token bucket), so no
+  sequence of distinct messages floods the Events API either.
+
+Pure: the caller passes the time.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Final
+
+REPEAT_WINDOW_S: Final = 600.0
+BURST: Final = 25
+REFILL_S: Final = 10.0
+MAX_REMEMBERED: Final = 10_000
+"""Repeats remembered across all jobs; the oldest are forgotten first."""
+
+EventKey = tuple[str, str, str, str, str]
+"""(namespace, job, type, reason, message)"""
+
+
+@dataclasses.dataclass
+class _Bucket:
+    tokens: float
+    updated: float
+
+
+class EventFilter:
+    """Decides, Event by Event, whether to post it."""
+
+    def __init__(
+        self, *, repeat_window_s: float = REPEAT_WINDOW_S, burst: int = BURST, refill_s: float = REFILL_S
+    ) -> None:
+        self.repeat_window_s = repeat_window_s
+        self.burst = burst
+        self.refill_s = refill_s
+        self._posted: collections.OrderedDict[EventKey, float] = collections.OrderedDict()
+        self._buckets: dict[tuple[str, str], _Bucket] = {}
+        self.dropped = 0
+        """Events dropped so far (repeats and over budget)."""
+
+    def admit(self, key: EventKey, now: float) -> bool:
+        """Whether to post the Event ``key`` at ``now``; a True answer counts it as posted."""
+        last = self._posted.get(key)
+        if last is not None and now - last < self.repeat_window_s:
+            self.dropped += 1
+            return False
+        job = (key[0], key[1])
+        bucket = self._buckets.get(job) or _Bucket(tokens=float(self.burst), updated=now)
+        bucket.tokens = min(float(self.burst), bucket.tokens + max(0.0, now - bucket.updated) / self.refill_s)
+        bucket.updated = now
+        self._buckets[job] = bucket
+        if bucket.tokens < 1.0:
+            self.dropped += 1
+            return False
+        bucket.tokens -= 1.0
+        self._posted[key] = now
+        self._posted.move_to_end(key)
+        while len(self._posted) > MAX_REMEMBERED:
+            self._posted.popitem(last=False)
+        return True
+
+    def forget_job(self, namespace: str, name: str) -> None:
+        """A deleted job's budget goes (its remembered repeats age out on their own)."""
+        self._buckets.pop((namespace, name), None)
