@@ -18,6 +18,7 @@ from tests.cluster.controlplane import ControlPlane, start_or_skip
 from tests.conftest import REPO_ROOT
 
 CRD_DIR = REPO_ROOT / "crds"
+POD_GROUP_CRDS = REPO_ROOT / "tests" / "data" / "podgroups"
 
 
 @pytest.fixture(scope="session")
@@ -46,3 +47,12 @@ def crd(control_plane: ControlPlane) -> ControlPlane:
 @pytest.fixture
 def namespace(control_plane: ControlPlane) -> str:
     return control_plane.create_namespace(f"t-{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture(scope="session")
+def pod_group_crds(control_plane: ControlPlane) -> ControlPlane:
+    """Volcano's and scheduler-plugins' PodGroup CRDs (minimal copies of the published schemas, tests/data)."""
+    control_plane.kubectl("apply", "--server-side", "-f", str(POD_GROUP_CRDS))
+    for name in ("podgroups.scheduling.volcano.sh", "podgroups.scheduling.x-k8s.io"):
+        control_plane.wait_established(name)
+    return control_plane

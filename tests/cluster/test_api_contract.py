@@ -8,6 +8,7 @@ validation, subresources); ``disttrain validate`` must give the same verdict bef
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ import pytest
 import yaml
 
 from disttrain.api import constants, rules, validation
+from disttrain.api.timestamps import format_time
 from disttrain.api.spec import DistTrainJob, NodesSpec
 from tests.cluster.controlplane import ControlPlane
 from tests.conftest import REPO_ROOT, JobBuilder
@@ -176,16 +178,53 @@ def test_kubectl_explain_shows_the_models_descriptions(control_plane):
     assert "nodes" in control_plane.kubectl("explain", "dtj.spec").stdout
 
 
-def test_kubectl_get_prints_the_columns(control_plane, namespace):
+def _table(text: str) -> list[dict[str, str]]:
+    """kubectl's aligned table as rows of {COLUMN: cell}; cells are cut at the header's column starts (names such
+    as LAST REFORM hold a space)."""
+    header, *rows = text.splitlines()
+    starts = [m.start() for m in re.finditer(r"(?<!\S)\S+(?: \S+)*", header)]
+    names = [header[a:b].strip() for a, b in zip(starts, [*starts[1:], None])]
+    return [{name: row[a:b].strip() for name, a, b in zip(names, starts, [*starts[1:], None])} for row in rows]
+
+
+def test_kubectl_get_answers_is_it_healthy(control_plane, namespace):
+    """Phase, world/desired, step, samples/s, checkpoint age, restarts, last reform; -o wide adds the reform's
+    time and duration, the checkpoint's step, the target and the message."""
     _create(control_plane, namespace, JobBuilder("cols"))
-    _set_status(control_plane, namespace, "cols", {"phase": "Running", "worldSize": 2, "step": 17,
-                                                   "lastCheckpoint": {"step": 10}, "desiredNodes": 2,
-                                                   "message": "training"})
-    table = control_plane.kubectl("get", "dtj", "-n", namespace).stdout.splitlines()
-    assert table[0].split() == ["NAME", "PHASE", "WORLD", "STEP", "CHECKPOINT", "RESTARTS", "AGE"]
-    assert table[1].split()[:5] == ["cols", "Running", "2", "17", "10"]
-    wide = control_plane.kubectl("get", "dtj", "-n", namespace, "-o", "wide").stdout.splitlines()
-    assert wide[0].split()[-2:] == ["NODES", "MESSAGE"] and wide[1].split()[-2:] == ["2", "training"]
+    now = time.time()
+    _set_status(control_plane, namespace, "cols", {
+        "phase": "Running", "worldSize": 4, "world": "4/6", "step": 17, "samplesPerSecond": 812.5,
+        "lastCheckpoint": {"step": 10, "time": format_time(now - 300)}, "restarts": {"total": 2},
+        "lastReform": {"reason": "NodeLost", "from": 3, "to": 2, "start": format_time(now - 7200),
+                       "durationSeconds": 12.5},
+        "desiredNodes": 3, "message": "training"})
+    out = control_plane.kubectl("get", "dtj", "-n", namespace).stdout
+    [row] = _table(out)
+    assert list(row) == ["NAME", "PHASE", "WORLD", "STEP", "SAMPLES/S", "CHECKPOINT", "RESTARTS", "LAST REFORM", "AGE"]
+    assert row["PHASE"] == "Running" and row["WORLD"] == "4/6" and row["STEP"] == "17"
+    assert row["SAMPLES/S"] == "812.5" and row["RESTARTS"] == "2" and row["LAST REFORM"] == "NodeLost"
+    assert re.fullmatch(r"(4m5\d s|5m\d*s?)".replace(" ", ""), row["CHECKPOINT"]), row  # an age, not a step
+    [wide] = _table(control_plane.kubectl("get", "dtj", "-n", namespace, "-o", "wide").stdout)
+    assert list(wide)[9:] == ["REFORMED", "REFORM SECONDS", "CHECKPOINT STEP", "NODES", "MESSAGE"]
+    assert wide["REFORMED"] in ("119m", "120m", "2h") and wide["REFORM SECONDS"] == "12.5"
+    assert wide["CHECKPOINT STEP"] == "10" and wide["NODES"] == "3" and wide["MESSAGE"] == "training"
+
+
+def test_kubectl_describe_shows_conditions_the_last_reform_and_the_checkpoint(control_plane, namespace):
+    """kubectl sorts a custom resource's fields by name (printUnstructuredContent), so the model's field order
+    plays no part: Conditions, Last Checkpoint, Last Reform, each with its parts readable."""
+    _create(control_plane, namespace, JobBuilder("desc"))
+    _set_status(control_plane, namespace, "desc", {
+        "phase": "Running", "conditions": [{"type": "Running", "status": "True", "reason": "RendezvousComplete",
+                                            "message": "training with 2 nodes", "lastTransitionTime": format_time(0)}],
+        "lastReform": {"reason": "ScaleDown", "from": 3, "to": 2, "start": format_time(0), "durationSeconds": 8.25},
+        "lastCheckpoint": {"step": 40, "samples": 960, "path": "/ckpt/step-40", "time": format_time(0),
+                           "worldSize": 2}})
+    text = control_plane.kubectl("describe", "dtj", "-n", namespace, "desc").stdout
+    for pattern in (r"Conditions:\n(\s+\S.*\n)*\s+Reason:\s+RendezvousComplete\n", r"Last Checkpoint:\n\s+Path:\s+/ckpt/step-40\n",
+                    r"Last Reform:\n\s+Duration Seconds:\s+8.25\n\s+From:\s+3\n\s+Reason:\s+ScaleDown\n"):
+        assert re.search(pattern, text), (pattern, text)
+    assert text.index("Conditions:") < text.index("Last Checkpoint:") < text.index("Last Reform:")
 
 
 def test_an_hpa_reads_and_writes_the_scale_subresource(controllers, namespace):

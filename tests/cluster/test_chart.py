@@ -93,6 +93,7 @@ def _assert_may_create_agent_role(plane: ControlPlane, user: str, namespace: str
     assert refused.returncode != 0 and "grant RBAC permissions not currently held" in refused.stderr, refused.stderr
 
 
+@pytest.mark.usefixtures("pod_group_crds")  # kubectl auth can-i resolves podgroups by discovery
 def test_default_values_on_the_server(control_plane: ControlPlane):
     plane = control_plane
     namespace, user, objects = _release(plane, None)
@@ -105,6 +106,7 @@ def test_default_values_on_the_server(control_plane: ControlPlane):
     _assert_operator_pod_is_admitted(plane, namespace, objects)
 
 
+@pytest.mark.usefixtures("pod_group_crds")  # kubectl auth can-i resolves podgroups by discovery
 def test_watch_namespaces_on_the_server(control_plane: ControlPlane, namespace: str):
     plane = control_plane
     watched = [plane.create_namespace(f"team-{uuid.uuid4().hex[:6]}") for _ in range(2)]

@@ -46,8 +46,9 @@ Namespaced, in the ClusterRole when serving all namespaces, else in a Role per w
   - pods list/watch/create/delete: kopf watches the job's pods, the adapter creates and deletes them;
   - services, serviceaccounts, roles, rolebindings create: the per-job Services and the agent's RBAC;
   - events create: the adapter's Events and kopf's own (core/v1);
-  - podgroups patch (Volcano's and scheduler-plugins'): the PodGroup of a job with spec.gang, created and kept in
-    step with one server-side apply (a PATCH, also when it creates the object).
+  - podgroups create/patch (Volcano's and scheduler-plugins'): the PodGroup of a job with spec.gang, created and
+    kept in step with one server-side apply (a PATCH, which the API server authorizes as create when the object
+    does not exist yet).
 */}}
 {{- define "disttrain.namespacedRules" -}}
 - apiGroups: ["disttrain.dev"]
@@ -73,5 +74,5 @@ Namespaced, in the ClusterRole when serving all namespaces, else in a Role per w
   verbs: ["create"]
 - apiGroups: ["scheduling.volcano.sh", "scheduling.x-k8s.io"]
   resources: ["podgroups"]
-  verbs: ["patch"]
+  verbs: ["create", "patch"]
 {{- end -}}
