@@ -43,8 +43,8 @@ def store_pair():
     yield server, client
 
 
-def progress(step, world=2, run="r1", restart=0, process="p1"):
-    return keys.ProgressReport(step=step, samples_consumed=step * 24, world_size=world,
+def progress(step, world=2, run="r1", restart=0, process="p1", rate=None):
+    return keys.ProgressReport(step=step, samples_consumed=step * 24, world_size=world, samples_per_second=rate,
                                plan={"worldSize": world, "globalBatch": 24, "microBatch": 2, "accumSteps": 6,
                                      "lrScale": 1.0},
                                restart_count=restart, run_id=run, process_id=process,
@@ -254,3 +254,17 @@ def test_failed_rounds_back_off_with_jitter_up_to_a_cap():
     assert all(0.5 * min(30, 0.25 * 2 ** (n - 1)) <= d <= min(30, 0.25 * 2 ** (n - 1))
                for n, d in enumerate(delays, start=1))
     assert max(delays) <= agent_mod.MAX_RETRY_S
+
+
+def test_the_throughput_of_rank_0_is_relayed_with_the_progress(tmp_path, store_pair):
+    """status.samplesPerSecond (the SAMPLES/S column of kubectl get) is the trainer's own figure, rounded."""
+    server, client = store_pair
+    write_job(tmp_path)
+    source = agent_mod.FileJobSource(tmp_path)
+    agent = agent_mod.Agent(source, server)
+    client.set(keys.PROGRESS_KEY, progress(3))
+    agent.sync()
+    assert "samplesPerSecond" not in source.read()["status"], "no figure yet: nothing invented"
+    client.set(keys.PROGRESS_KEY, progress(4, rate=812.4567))
+    agent.sync()
+    assert source.read()["status"]["samplesPerSecond"] == 812.5

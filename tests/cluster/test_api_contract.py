@@ -22,6 +22,7 @@ from disttrain.api import constants, rules, validation
 from disttrain.api.timestamps import format_time
 from disttrain.api.spec import DistTrainJob, NodesSpec
 from tests.cluster.controlplane import ControlPlane
+from tests.cluster.tables import kubectl_table
 from tests.conftest import REPO_ROOT, JobBuilder
 from tests.unit.api.test_validation import MALFORMED
 
@@ -178,15 +179,6 @@ def test_kubectl_explain_shows_the_models_descriptions(control_plane):
     assert "nodes" in control_plane.kubectl("explain", "dtj.spec").stdout
 
 
-def _table(text: str) -> list[dict[str, str]]:
-    """kubectl's aligned table as rows of {COLUMN: cell}; cells are cut at the header's column starts (names such
-    as LAST REFORM hold a space)."""
-    header, *rows = text.splitlines()
-    starts = [m.start() for m in re.finditer(r"(?<!\S)\S+(?: \S+)*", header)]
-    names = [header[a:b].strip() for a, b in zip(starts, [*starts[1:], None])]
-    return [{name: row[a:b].strip() for name, a, b in zip(names, starts, [*starts[1:], None])} for row in rows]
-
-
 def test_kubectl_get_answers_is_it_healthy(control_plane, namespace):
     """Phase, world/desired, step, samples/s, checkpoint age, restarts, last reform; -o wide adds the reform's
     time and duration, the checkpoint's step, the target and the message."""
@@ -199,12 +191,12 @@ def test_kubectl_get_answers_is_it_healthy(control_plane, namespace):
                        "durationSeconds": 12.5},
         "desiredNodes": 3, "message": "training"})
     out = control_plane.kubectl("get", "dtj", "-n", namespace).stdout
-    [row] = _table(out)
+    [row] = kubectl_table(out)
     assert list(row) == ["NAME", "PHASE", "WORLD", "STEP", "SAMPLES/S", "CHECKPOINT", "RESTARTS", "LAST REFORM", "AGE"]
     assert row["PHASE"] == "Running" and row["WORLD"] == "4/6" and row["STEP"] == "17"
     assert row["SAMPLES/S"] == "812.5" and row["RESTARTS"] == "2" and row["LAST REFORM"] == "NodeLost"
     assert re.fullmatch(r"(4m5\d s|5m\d*s?)".replace(" ", ""), row["CHECKPOINT"]), row  # an age, not a step
-    [wide] = _table(control_plane.kubectl("get", "dtj", "-n", namespace, "-o", "wide").stdout)
+    [wide] = kubectl_table(control_plane.kubectl("get", "dtj", "-n", namespace, "-o", "wide").stdout)
     assert list(wide)[9:] == ["REFORMED", "REFORM SECONDS", "CHECKPOINT STEP", "NODES", "MESSAGE"]
     assert wide["REFORMED"] in ("119m", "120m", "2h") and wide["REFORM SECONDS"] == "12.5"
     assert wide["CHECKPOINT STEP"] == "10" and wide["NODES"] == "3" and wide["MESSAGE"] == "training"

@@ -21,6 +21,7 @@ import pytest
 from disttrain.api import constants
 from disttrain.api.conditions import format_time
 from tests.chart.helm import helm_binary, object_name
+from tests.cluster.tables import kubectl_table
 from tests.cluster.controlplane import ControlPlane, start_or_skip
 from tests.cluster.kubelet import Kubelets
 from tests.cluster.operator_process import OperatorProcess
@@ -91,7 +92,7 @@ def test_the_readme_kubernetes_walkthrough(fresh_cluster: ControlPlane, tmp_path
         report(worldSize=2, step=40, rendezvousRound=1, lastProgressTime=format_time(time.time()),
                lastCheckpoint={"step": 0, "time": format_time(time.time())})
         table = eventually(lambda: _row(plane.kubectl(*get[1:]).stdout, "Running"), what="kubectl get: Running")
-        assert table[:4] == ["tinylm", "Running", "2", "40"], table
+        assert [table[c] for c in ("NAME", "PHASE", "WORLD", "STEP")] == ["tinylm", "Running", "2/2", "40"], table
 
         assert "scaled" in plane.kubectl(*scale[1:]).stdout
         watcher = subprocess.Popen(["kubectl", f"--kubeconfig={plane.kubeconfig}", *watch[1:]],
@@ -110,10 +111,11 @@ def test_the_readme_kubernetes_walkthrough(fresh_cluster: ControlPlane, tmp_path
             watcher.terminate()
             watched, errors = watcher.communicate(timeout=10)
         lines = [line.split() for line in watched.splitlines()]
-        assert lines[0][:6] == ["NAME", "PHASE", "WORLD", "STEP", "CHECKPOINT", "RESTARTS"], watched + errors
+        assert lines[0][:7] == ["NAME", "PHASE", "WORLD", "STEP", "SAMPLES/S", "CHECKPOINT", "RESTARTS"], watched + errors
         phases = [line[1] for line in lines[1:]]
         assert "Reforming" in phases and phases[-1] == "Running", watched
-        assert lines[-1][2] == "3" and lines[-1][7] == "3", watched  # world size and desired nodes (NODES)
+        # WORLD, LAST REFORM, and -o wide's NODES (the desired node count); a --watch stream re-aligns each row
+        assert re.search(r"Running\s+3/3\s+51\s.*\sScaledUp\s.*\s3\s+training with 3 nodes", watched.splitlines()[-1]), watched
         # And back down, as a user trying the elastic range would: a drain, the victim deleted, Running at 1.
         assert "scaled" in plane.kubectl("scale", "dtj/tinylm", "--replicas=1").stdout
         drain = eventually(lambda: _phase_status(plane, "Reforming"), what="the scale-down drain")
@@ -122,7 +124,7 @@ def test_the_readme_kubernetes_walkthrough(fresh_cluster: ControlPlane, tmp_path
         eventually(lambda: len(_workers(plane)) == 1, what="victims deleted after the drain checkpoint")
         report(worldSize=1, step=61, rendezvousRound=3, lastProgressTime=format_time(time.time() + 4))
         row = eventually(lambda: _row(plane.kubectl(*get[1:]).stdout, "Running"), what="Running at 1")
-        assert row[2] == "1" and row[4] == "60", row
+        assert row["WORLD"] == "1/1" and row["LAST REFORM"] == "ScaledDown", row
         assert not operator.forbidden_lines(), operator.forbidden_lines()
     finally:
         if operator is not None:
@@ -150,6 +152,6 @@ def _agent_running(plane: ControlPlane) -> bool:
     return len(pods) == 3 and all(p["status"].get("phase") == "Running" for p in pods)
 
 
-def _row(table: str, phase: str) -> list[str] | None:
-    rows = [line.split() for line in table.splitlines()[1:]]
-    return rows[0] if rows and rows[0][1] == phase else None
+def _row(table: str, phase: str) -> dict[str, str] | None:
+    rows = kubectl_table(table)
+    return rows[0] if rows and rows[0]["PHASE"] == phase else None

@@ -40,3 +40,23 @@ def test_a_reconcile_loop_repeating_one_decision_posts_it_once():
     events = EventFilter()
     posted = [events.admit(key("no checkpoint within drainTimeoutSeconds; deleting w-3"), t * 0.5) for t in range(100)]
     assert posted.count(True) == 1
+
+
+def test_the_cores_repeated_drain_timeout_reaches_the_events_api_once():
+    """The gap the filter closes: the core decides DrainTimeout again on every reconcile while its victim is still
+    Terminating; the adapter's filter lets the first through."""
+    from tests.unit.operator.world import World, job_manifest
+
+    world = World(job_manifest(replicas=3)).running_world(3)
+    world.spec("nodes.replicas", 2).step(0)
+    world.step(10)  # the debounce stood: drain
+    events = EventFilter()
+    posted = []
+    for _ in range(5):
+        world.step(60)
+        for event in world.last.events:
+            if events.admit(("default", "demo", event.type, event.reason, event.message), world.now):
+                posted.append(event.reason)
+    decided = [reason for reason, _ in world.events].count("DrainTimeout")
+    assert decided >= 2, world.events
+    assert posted.count("DrainTimeout") == 1
