@@ -48,3 +48,6 @@ LOCAL_AGENT_STATUS_FILE: Final = "agent-status.json"
 
 GPU_RESOURCE: Final = "nvidia.com/gpu"
 """The extended resource a trainer container's GPUs are requested by (one process per GPU: ``nprocPerNode``)."""
+
+KUEUE_QUEUE_LABEL: Final = "kueue.x-k8s.io/queue-name"
+"""Label of a job (copied to its worker pods) naming the Kueue LocalQueue, as Kueue's job integrations read it."""

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from disttrain.api import constants, crd, rules
 from disttrain.api import containers as containers_mod
 from disttrain.api.plan import valid_node_counts
-from disttrain.api.spec import DistTrainJob
+from disttrain.api.spec import DistTrainJob, GangScheduler
 
 
 class Severity(str, enum.Enum):
@@ -152,6 +152,36 @@ def _gpu_problems(job: DistTrainJob, wire: dict[str, Any]) -> list[Problem]:
     ]
 
 
+def _scheduling_problems(job: DistTrainJob) -> list[Problem]:
+    """Queue and gang settings that cannot do what they seem to (docs/operator.md, "Queueing and gang scheduling")."""
+    spec, problems = job.spec, []
+    nodes = spec.nodes
+    if job.metadata.labels.get(constants.KUEUE_QUEUE_LABEL) and nodes.min != nodes.max:
+        problems.append(
+            Problem(
+                "spec.nodes",
+                f"Kueue (label {constants.KUEUE_QUEUE_LABEL}) admits a pod group of a fixed size "
+                f"(spec.nodes.replicas={nodes.replicas}): kubectl scale and an HPA cannot resize it within "
+                f"[{nodes.min}, {nodes.max}]; resize by suspend, edit spec.nodes.replicas, resume",
+                Severity.WARNING,
+            )
+        )
+    gang = spec.gang
+    if gang is not None and gang.queue and gang.scheduler is GangScheduler.SCHEDULER_PLUGINS:
+        problems.append(
+            Problem("spec.gang.queue", "is a Volcano setting; scheduler-plugins ignores it", Severity.WARNING)
+        )
+    if gang is not None and gang.schedule_timeout_seconds and gang.scheduler is GangScheduler.VOLCANO:
+        problems.append(
+            Problem(
+                "spec.gang.scheduleTimeoutSeconds",
+                "is a scheduler-plugins setting; Volcano ignores it",
+                Severity.WARNING,
+            )
+        )
+    return problems
+
+
 def validate_object(obj: Any) -> list[Problem]:
     """Every problem of one DistTrainJob object (already parsed from YAML/JSON)."""
     if not isinstance(obj, dict):
@@ -172,7 +202,7 @@ def validate_object(obj: Any) -> list[Problem]:
     wire = job.model_dump(mode="json", by_alias=True, exclude_none=True)
     problems += [Problem(v.path, v.message) for v in rules.check_rules(wire)]
     if not problems:
-        problems += _plan_problems(job) + _gpu_problems(job, obj)
+        problems += _plan_problems(job) + _gpu_problems(job, obj) + _scheduling_problems(job)
     return problems
 
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from typing import Any, Final, Optional
 
+from disttrain.api import constants
 from disttrain.api.spec import DistTrainJob, GangScheduler
 
-KUEUE_QUEUE_LABEL: Final = "kueue.x-k8s.io/queue-name"
+KUEUE_QUEUE_LABEL: Final = constants.KUEUE_QUEUE_LABEL
 """Label (on the job, copied to its worker pods): the Kueue LocalQueue."""
 KUEUE_GROUP_NAME_LABEL: Final = "kueue.x-k8s.io/pod-group-name"
 """Label: the pods with one value form one Kueue Workload (named after it)."""

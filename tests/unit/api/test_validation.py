@@ -183,3 +183,26 @@ def test_an_nproc_per_node_equal_to_the_gpu_limit_is_fine():
     obj["spec"]["template"]["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": 4}}
     obj["spec"]["training"]["globalBatchSize"] = 96
     assert validation.validate_object(obj) == []
+
+
+def test_an_elastic_range_under_kueue_is_a_warning_saying_how_to_resize():
+    obj = JobBuilder().nodes(1, 4, 2).set("metadata.labels", {"kueue.x-k8s.io/queue-name": "team-a"}).build()
+    [problem] = validation.validate_object(obj)
+    assert problem.severity is validation.Severity.WARNING and problem.path == "spec.nodes"
+    assert "fixed size" in problem.message and "suspend" in problem.message
+    fixed = JobBuilder().nodes(2, 2, 2).set("metadata.labels", {"kueue.x-k8s.io/queue-name": "team-a"}).build()
+    assert validation.validate_object(fixed) == []
+
+
+@pytest.mark.parametrize("gang, path", [
+    ({"scheduler": "scheduler-plugins", "queue": "q"}, "spec.gang.queue"),
+    ({"scheduler": "volcano", "scheduleTimeoutSeconds": 60}, "spec.gang.scheduleTimeoutSeconds"),
+], ids=["queue-on-coscheduling", "timeout-on-volcano"])
+def test_a_gang_setting_the_chosen_scheduler_ignores_is_a_warning(gang, path):
+    [problem] = validation.validate_object(JobBuilder().set("spec.gang", gang).build())
+    assert problem.severity is validation.Severity.WARNING and problem.path == path
+
+
+def test_an_unknown_gang_scheduler_is_an_error_naming_the_field():
+    problems = validation.validate_object(JobBuilder().set("spec.gang", {"scheduler": "yunikorn"}).build())
+    assert [p.path for p in problems if p.severity is validation.Severity.ERROR] == ["spec.gang.scheduler"]
