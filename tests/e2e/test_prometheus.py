@@ -181,16 +181,18 @@ def test_checkpoint_step_and_age_are_the_status_checkpoint(observed):
     for at, age in ages:
         step = int(steps[at])
         assert step in committed, (at, step, sorted(committed))
-        # The gauge is (time of the tick that set it) - (commit time): a tick before the scrape (under load the
-        # scrape can read a value set several ticks earlier, so not only the ticks next to it).
-        expected = [tick - committed[step] for tick in observed.ticks if committed[step] <= tick <= at + 1.0]
-        assert any(abs(age - e) < 1e-3 for e in expected), (at, age, step, expected)
+        # The age is computed when scraped (a job that stops progressing is reconciled no more, and its age must
+        # still grow): the scrape's own time minus the commit time, within the scrape's latency.
+        assert abs(age - (at - committed[step])) < 0.5, (at, age, step, at - committed[step])
         checked.add(step)
     assert len(ages) >= 10 and len(checked) >= 3, (len(ages), checked)
     assert int(steps[max(steps)]) == observed.statuses[-1]["lastCheckpoint"]["step"]
     announced = {int(re.search(r"step (\d+)", e["message"]).group(1))
                  for e in observed.run.events if e["reason"] == "CheckpointCommitted"}
-    assert checked <= announced
+    # Events only on transitions (the first checkpoint, the first after a resume), never one per commit: the
+    # metrics carry every commit.
+    assert min(committed) in announced and announced <= set(committed), (announced, sorted(committed))
+    assert len(announced) < len(checked), (announced, checked)
 
 
 @pytest.mark.timeout(300)
