@@ -210,10 +210,18 @@ Refusals = dict[JobKey, str]
 """The API server's answer to the last refused pod creation of each job (see :class:`Observed.refused`)."""
 
 
+TRANSIENT_ADMISSION = ("error looking up service account",)
+"""403 answers that go away by themselves within seconds: ServiceAccount admission refuses pods until the
+controller has created the namespace's account (a new namespace, a fresh cluster)."""
+
+
 def is_refusal(error: k8s.ApiException) -> bool:
     """An answer that retrying the same request will not change by itself: admission (Pod Security, quota,
-    webhooks: 403, 422, 400); not a conflict (409), throttling (429) or a server error."""
-    return error.status in (400, 403, 422)
+    webhooks: 403, 422, 400); not a conflict (409), throttling (429), a server error, or a wait for the namespace's
+    ServiceAccount (retried at once, like any failed API call)."""
+    if error.status not in (400, 403, 422):
+        return False
+    return not any(sign in api_error_message(error) for sign in TRANSIENT_ADMISSION)
 
 
 REFUSED: dict[str, Any] = {}

@@ -1,4 +1,5 @@
-"""The job loop wakes itself when the answer to its own status write carries someone else's change.
+"""How the adapter reads the API server's answers: the job loop wakes itself when the answer to its own status
+write carries someone else's change, and a transient 403 is retried, not remembered as a refusal.
 
 The race it closes (seen as pods never recreated after a resume, about 1 run in 8 of the kmock suspend test):
 the user's ``suspend: false`` lands between our read and our status patch; the patch's answer (newer) goes into
@@ -56,3 +57,23 @@ def test_apply_merge_patch_inverts_merge_patch():
     assert apply_merge_patch({"a": {"b": 1}}, {"a": {"b": None, "c": 3}}) == {"a": {"c": 3}}
     assert apply_merge_patch({"a": 1}, {"a": {"x": 1}}) == {"a": {"x": 1}}
     assert old == {"a": {"b": 1, "c": [1, 2]}, "d": "x"}, "the target is not changed in place"
+
+
+def _api_error(status: int, message: str):
+    import json
+
+    from kubernetes import client as k8s
+
+    error = k8s.ApiException(status=status, reason="Forbidden")
+    error.body = json.dumps({"kind": "Status", "message": message})
+    return error
+
+
+def test_a_pod_security_refusal_is_remembered_but_a_missing_service_account_is_retried_at_once():
+    from disttrain.operator.handlers import is_refusal
+
+    assert is_refusal(_api_error(403, 'pods "w-0" is forbidden: violates PodSecurity "restricted:latest"'))
+    assert is_refusal(_api_error(403, 'pods "w-0" is forbidden: exceeded quota: compute'))
+    assert not is_refusal(_api_error(403, 'pods "w-0" is forbidden: error looking up service account default/default: '
+                                          'serviceaccount "default" not found'))
+    assert not is_refusal(_api_error(409, "already exists")) and not is_refusal(_api_error(429, "slow down"))
