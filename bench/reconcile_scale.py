@@ -8,7 +8,6 @@ Prints the p99 time of one job's reconcile and the process's peak RSS as the las
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import resource
 import statistics
@@ -16,6 +15,7 @@ import time
 
 from disttrain.api import timestamps
 from disttrain.api.spec import DistTrainJob
+from disttrain.operator import patches
 from disttrain.operator.observed import NodeView, Observed, PodView
 from disttrain.operator.reconcile import reconcile
 
@@ -31,18 +31,6 @@ def manifest(i: int, nodes: int) -> dict:
             "checkpoint": {"claimName": "ckpt"},
         },
     }
-
-
-def apply_patch(target, patch):
-    if not isinstance(patch, dict):
-        return patch
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = apply_patch(result.get(key), value)
-    return result
 
 
 def main() -> None:
@@ -78,7 +66,7 @@ def main() -> None:
             started = time.perf_counter()
             actions = reconcile(job, seen, now)
             timings.append((time.perf_counter() - started) * 1000)
-            m["status"] = apply_patch(m.get("status") or {}, dict(actions.status_patch))
+            m["status"] = patches.apply_merge_patch(m.get("status") or {}, dict(actions.status_patch))
     timings.sort()
     p99 = timings[int(len(timings) * 0.99) - 1]
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from disttrain.api import timestamps
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import names
+from disttrain.operator import names, patches
 from disttrain.operator.observed import Actions, NodeView, Observed, PodView
 from disttrain.operator.reconcile import reconcile
 
@@ -47,15 +47,8 @@ def job_manifest(name: str = "demo", *, min: int = 1, max: int = 4, replicas: in
 
 
 def apply_merge_patch(target: Any, patch: Any) -> Any:
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = apply_merge_patch(result.get(key), value)
-    return result
+    """RFC 7386 as the API server applies it, on a copy of ``patch`` (the world never shares the core's objects)."""
+    return patches.apply_merge_patch(target, copy.deepcopy(patch))
 
 
 @dataclasses.dataclass
