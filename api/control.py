@@ -35,6 +35,11 @@ CHECKPOINT_KEY = PREFIX + "checkpoint"
 # torchrun turns every worker failure into its own exit code 1 (or restarts the worker), so the pod's exit
 # code cannot carry the trainer's; this key can.
 FAILURE_KEY = PREFIX + "failure"
+# ReliabilityReport JSON, written by the agent from the job's status: what the trainer's automatic checkpoint
+# interval (spec.checkpoint.intervalSteps: auto) needs to know about failures, which only the operator sees.
+RELIABILITY_KEY = PREFIX + "reliability"
+# IntervalReport JSON, written by global rank 0 when its automatic checkpoint interval changes.
+INTERVAL_KEY = PREFIX + "interval"
 
 MAX_VALUE_BYTES = 64 * 1024
 """Largest value :func:`read_model` parses; the biggest legitimate one (a ProgressReport) is under 2 KiB. The
@@ -116,6 +121,36 @@ class ProgressReport(BaseModel):
             if len(key) > 64 or not abs(value) <= MAX_COUNT:  # also refuses NaN
                 raise ValueError(f"plan[{key[:64]!r}]={value!r} is not a plan entry")
         return plan
+
+
+class ReliabilityReport(BaseModel):
+    """The job's failure history as the operator counted it (status.startTime, restarts, suspensions)."""
+
+    model_config = ConfigDict(extra="forbid")
+    started_at: float = Field(ge=0.0, le=MAX_TIME, allow_inf_nan=False)
+    """Unix time of status.startTime (the job first ran)."""
+    suspended_seconds: float = Field(0.0, ge=0.0, le=MAX_TIME, allow_inf_nan=False)
+    """Seconds spent suspended since then (no failure can happen while suspended)."""
+    failures: int = Field(0, ge=0, le=MAX_COUNT)
+    """status.restarts.total: failures restarted so far."""
+
+    def age_seconds(self, now: float) -> float:
+        """Running time of the job at Unix time ``now``."""
+        return max(0.0, now - self.started_at - self.suspended_seconds)
+
+
+class IntervalReport(BaseModel):
+    """The automatic checkpoint interval rank 0 chose, and what it chose it from (relayed to
+    status.checkpointInterval)."""
+
+    model_config = ConfigDict(extra="forbid")
+    steps: int = Field(ge=1, le=MAX_COUNT)
+    save_seconds: float = Field(ge=0.0, le=MAX_TIME, allow_inf_nan=False)
+    step_seconds: float = Field(ge=0.0, le=MAX_TIME, allow_inf_nan=False)
+    mtbf_seconds: float = Field(ge=0.0, le=MAX_TIME, allow_inf_nan=False)
+    failures: int = Field(0, ge=0, le=MAX_COUNT)
+    time: float = Field(ge=0.0, le=MAX_TIME, allow_inf_nan=False)
+    """Unix time of the choice."""
 
 
 def is_valid_time(value: str) -> bool:

@@ -125,6 +125,9 @@ class _SchemaConverter:
             if "default" in node:
                 out["default"] = node["default"]
             return out
+        if node.get("x-kubernetes-int-or-string") and "anyOf" in node:
+            # int or a keyword (intervalSteps: auto): the schema's own minimum/pattern apply to each kind
+            return self._node({k: v for k, v in node.items() if k != "anyOf"}, path, def_name)
         if "anyOf" in node:  # Optional[X]: the absent field is how Kubernetes says "unset"
             branches = [b for b in node["anyOf"] if b.get("type") != "null"]
             if len(branches) != 1:

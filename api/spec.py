@@ -9,9 +9,9 @@ snake_case in Python. Cross-field rules live in :mod:`disttrain.api.rules` so th
 from __future__ import annotations
 
 import enum
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 from disttrain.api import constants, containers
@@ -168,14 +168,33 @@ class CheckpointSpec(ContractModel):
     """Name of a volume declared in the pod template, mounted at `path`. Exactly one of claimName and volumeName."""
     path: str = Field("/var/lib/disttrain/checkpoints", min_length=1, max_length=4096, pattern=r"^/")
     """Absolute mount path in the trainer container; checkpoints go to <path>/<namespace>/<job name>."""
-    interval_steps: Optional[int] = Field(100, ge=1)
-    """Save every this many optimizer steps. At least one of intervalSteps and intervalSeconds."""
+    interval_steps: Optional[Union[int, Literal["auto"]]] = Field(
+        100, json_schema_extra={"x-kubernetes-int-or-string": True, "minimum": 1, "pattern": "^auto$"}
+    )
+    """Save every this many optimizer steps, or `auto`: the Young/Daly optimum sqrt(2 x save cost x MTBF) from the
+    measured save cost, step time and the job's failures so far, re-estimated as the job runs (see
+    docs/trainer.md). At least one of intervalSteps and intervalSeconds."""
     interval_seconds: Optional[int] = Field(None, ge=1)
     """Save when this many seconds passed since the last save (checked at step boundaries)."""
     keep: int = Field(3, ge=1, le=1_000)
     """Complete checkpoints kept; the newest complete one and a save in flight are never deleted."""
     async_save: bool = Field(False, alias="async")
     """Write in the background (dcp.async_save); training blocks only for the in-memory staging copy."""
+
+    @field_validator("interval_steps", mode="before")
+    @classmethod
+    def _int_or_auto(cls, value: Any) -> Any:
+        """One clear message for both halves of the union (pydantic would report each branch)."""
+        if value is None or value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"intervalSteps must be an integer >= 1 or 'auto', got {value!r}")
+        return value
+
+    @property
+    def auto_interval(self) -> bool:
+        """Whether the step interval is chosen by the trainer (:mod:`disttrain.api.interval`)."""
+        return self.interval_steps == "auto"
 
 
 class ElasticSpec(ContractModel):

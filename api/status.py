@@ -27,6 +27,7 @@ AGENT_FIELDS: Final = (
     "samplesPerSecond",
     "lastCheckpoint",
     "workerFailure",
+    "checkpointInterval",
 )
 """Wire names of the status fields the job agent owns; it writes no other, and the operator never writes these."""
 
@@ -144,6 +145,23 @@ class WorkerFailureStatus(ContractModel):
     """RFC 3339 time of the report."""
 
 
+class CheckpointIntervalStatus(ContractModel):
+    """The interval `spec.checkpoint.intervalSteps: auto` chose (relayed by the job agent from rank 0)."""
+
+    steps: int = Field(ge=1)
+    """Optimizer steps between two saves: Young/Daly sqrt(2 x saveSeconds x mtbfSeconds) / stepSeconds, bounded."""
+    save_seconds: float = Field(ge=0)
+    """Seconds the newest save stopped training (its blocking part)."""
+    step_seconds: float = Field(ge=0)
+    """Seconds of one optimizer step."""
+    mtbf_seconds: float = Field(ge=0)
+    """Mean time between failures: running time / status.restarts.total (a prior while there is none)."""
+    failures: int = Field(0, ge=0)
+    """Failures the estimate counted."""
+    time: Optional[str] = None
+    """RFC 3339 time of the choice."""
+
+
 class PendingScale(ContractModel):
     replicas: int
     """Requested node count (after clamping)."""
@@ -215,6 +233,8 @@ class DistTrainJobStatus(ContractModel):
     one loss (counted once, as AgentRestarted), not each as a PodFailed."""
     worker_failure: Optional[WorkerFailureStatus] = None
     """The newest failure a worker reported through the job agent (e.g. a permanent user error)."""
+    checkpoint_interval: Optional[CheckpointIntervalStatus] = None
+    """The checkpoint interval chosen by `spec.checkpoint.intervalSteps: auto`, and its inputs."""
     tracked_pods: dict[str, str] = Field(default_factory=dict)
     """Operator memory: worker pods seen alive (name -> uid); one that vanishes from here was lost."""
     handled_pods: list[str] = Field(default_factory=list)

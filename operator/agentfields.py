@@ -19,7 +19,7 @@ log = logging.getLogger("disttrain.operator")
 
 TIME_FIELDS = ("roundStartTime", "lastProgressTime")
 """Top-level agent fields that hold an RFC 3339 time."""
-NESTED_TIME_FIELDS = ("lastCheckpoint", "workerFailure")
+NESTED_TIME_FIELDS = ("lastCheckpoint", "workerFailure", "checkpointInterval")
 """Agent fields that are objects with a ``time``."""
 COUNT_FIELDS = ("step", "samplesConsumed", "worldSize", "rendezvousRound")
 
@@ -45,7 +45,25 @@ def sanitize(status: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if value is not None and not (isinstance(value, int) and 0 <= value <= control.MAX_COUNT):
             problems.append(f"status.{field}={_show(value)} is out of range [0, {control.MAX_COUNT}]")
             del clean[field]
+    interval = clean.get("checkpointInterval")
+    if interval is not None and (reason := _interval_problem(interval)):
+        problems.append(f"status.checkpointInterval{reason}")
+        del clean["checkpointInterval"]
     return clean, problems
+
+
+def _interval_problem(value: Any) -> str:
+    """Why ``value`` is no checkpoint interval report ("" when it is one)."""
+    if not isinstance(value, dict):
+        return f"={_show(value)} is no object"
+    steps = value.get("steps")
+    if not (isinstance(steps, int) and not isinstance(steps, bool) and 1 <= steps <= control.MAX_COUNT):
+        return f".steps={_show(steps)} is out of range [1, {control.MAX_COUNT}]"
+    for key in ("saveSeconds", "stepSeconds", "mtbfSeconds"):
+        number = value.get(key)
+        if not (isinstance(number, (int, float)) and not isinstance(number, bool) and 0 <= number <= control.MAX_TIME):
+            return f".{key}={_show(number)} is no number of seconds"
+    return ""
 
 
 def sanitized_job(raw: dict[str, Any], namespace: str, name: str) -> dict[str, Any]:

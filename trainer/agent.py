@@ -7,9 +7,10 @@ of them. The agent
 * hosts the TCPStore that torchrun's rendezvous (``is_host=false``) and the trainer's control channel use, and
   uses it, as they do, only inside the job's secret key namespace (:mod:`disttrain.api.storeauth`);
 * follows its job's ``status.control`` (the operator's directive) and writes it into ``SIGNAL_KEY`` and
-  ``TARGET_KEY``;
-* relays the trainer's ``PROGRESS_KEY``, ``CHECKPOINT_KEY`` and ``FAILURE_KEY`` into the job's status
-  fields it owns (:data:`disttrain.api.status.AGENT_FIELDS`; it writes no other).
+  ``TARGET_KEY``, and what the operator counted of failures into ``RELIABILITY_KEY`` (for the trainer's
+  ``intervalSteps: auto``);
+* relays the trainer's ``PROGRESS_KEY``, ``CHECKPOINT_KEY``, ``FAILURE_KEY`` and ``INTERVAL_KEY`` into the job's
+  status fields it owns (:data:`disttrain.api.status.AGENT_FIELDS`; it writes no other).
 
 Where the job lives is a :class:`JobSource`: :class:`KubeJobSource` follows the DistTrainJob through a watch
 and patches only its status subresource (the agent's Role allows nothing else); :class:`FileJobSource` lets the
@@ -44,7 +45,7 @@ from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.spec import CheckpointSpec
 from disttrain.api.status import AGENT_FIELDS
 from disttrain.api.timestamps import format_time
-from disttrain.trainer import reporting
+from disttrain.trainer import autointerval, reporting
 from disttrain.trainer.commit import step_dir_name
 
 log = logging.getLogger("disttrain.agent")
@@ -280,6 +281,7 @@ class Agent:
         self.throttle = reporting.ProgressThrottle()
         self._written_signal: Optional[str] = None
         self._written_target: Optional[str] = None
+        self._written_reliability: Optional[str] = None
         self._round_key: Optional[tuple[Any, ...]] = None
         self._rounds: Optional[int] = None
         self._round_start: Optional[str] = None
@@ -291,6 +293,7 @@ class Agent:
             return False
         status = job.get("status") or {}
         self._write_directive(status.get("control") or {}, str((job.get("metadata") or {}).get("uid") or ""))
+        self._write_reliability(status)
         patch = self._relay(job, status)
         if patch and self._is_due(job, status, patch):
             self.source.patch_status(patch)
@@ -334,6 +337,13 @@ class Agent:
             self.store.set(keys.TARGET_KEY, target_value)
             self._written_target = target_value
 
+    def _write_reliability(self, status: dict[str, Any]) -> None:
+        """Tell the trainer what the operator knows of failures (for ``intervalSteps: auto``), when it changes."""
+        value = autointerval.reliability_from_status(status)
+        if value is not None and value != self._written_reliability:
+            self.store.set(keys.RELIABILITY_KEY, value)
+            self._written_reliability = value
+
     def _relay(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
         """Agent-owned status fields that differ from what the job's status holds.
 
@@ -341,7 +351,7 @@ class Agent:
         a store error) is logged and skipped, and the others still go out. A bad value must never stop the
         status updates for good, as it did when one exception ended the whole round every time."""
         wanted: dict[str, Any] = {}
-        for relay in (self._relay_progress, self._relay_checkpoint, self._relay_failure):
+        for relay in (self._relay_progress, self._relay_checkpoint, self._relay_failure, self._relay_interval):
             try:
                 wanted.update(relay(job, status))
             except Exception as error:  # noqa: BLE001 - skip this record, keep the others flowing
@@ -401,6 +411,10 @@ class Agent:
                 "time": format_time(failure.time),
             }
         return wanted
+
+    def _relay_interval(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+        report = keys.read_model(self.store, keys.INTERVAL_KEY, keys.IntervalReport)
+        return {} if report is None else {"checkpointInterval": autointerval.interval_status(report)}
 
     def run(self) -> int:
         """Loop until the job is gone or ``stop_event`` is set; transient API errors are logged and retried.

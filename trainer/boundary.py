@@ -1,6 +1,6 @@
 """The step-boundary agreement: every rank acts on a drain or a finished async save at the same step.
 
-Each rank packs what it knows into :class:`BoundaryFlags`, six int64s reduced with MAX in one tiny all-reduce.
+Each rank packs what it knows into :class:`BoundaryFlags`, seven int64s reduced with MAX in one tiny all-reduce.
 :class:`BoundaryAgreement` starts that all-reduce at one boundary and reads it at the next, so it overlaps the
 next step's compute instead of adding a synchronisation point; a decision lands one step after the earliest
 rank saw its cause, or at once at the last step.
@@ -38,12 +38,22 @@ class BoundaryFlags:
     """Step of the save in flight, :data:`NO_SAVE` if none."""
     oldest_pending_step: int
     """Equal to ``newest_pending_step`` on one rank; the lowest of them after the reduction."""
+    interval_steps: int = 0
+    """``intervalSteps: auto``: the checkpoint interval rank 0 proposes (0 on the other ranks and without auto),
+    so every rank saves at the same steps with rank 0's estimate."""
 
     @classmethod
     def of_rank(
-        cls, *, drain: bool, save_in_progress: bool, save_failed: bool, seconds_due: bool, pending_step: int
+        cls,
+        *,
+        drain: bool,
+        save_in_progress: bool,
+        save_failed: bool,
+        seconds_due: bool,
+        pending_step: int,
+        interval_steps: int = 0,
     ) -> BoundaryFlags:
-        return cls(drain, save_in_progress, save_failed, seconds_due, pending_step, pending_step)
+        return cls(drain, save_in_progress, save_failed, seconds_due, pending_step, pending_step, interval_steps)
 
     def to_tensor(self) -> torch.Tensor:
         return torch.tensor(
@@ -54,14 +64,15 @@ class BoundaryFlags:
                 int(self.seconds_due),
                 self.newest_pending_step,
                 -self.oldest_pending_step,
+                self.interval_steps,
             ],
             dtype=torch.int64,
         )
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> BoundaryFlags:
-        drain, in_progress, failed, seconds_due, newest, neg_oldest = (int(x) for x in tensor.tolist())
-        return cls(bool(drain), bool(in_progress), bool(failed), bool(seconds_due), newest, -neg_oldest)
+        drain, in_progress, failed, seconds_due, newest, neg_oldest, interval = (int(x) for x in tensor.tolist())
+        return cls(bool(drain), bool(in_progress), bool(failed), bool(seconds_due), newest, -neg_oldest, interval)
 
     def save_finished_everywhere(self, step: int) -> bool:
         """Every rank had finished its part of the save of ``step`` when the flags were taken."""

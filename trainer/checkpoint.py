@@ -227,6 +227,8 @@ class CheckpointManager:
         self._validity: dict[str, tuple[tuple[int, int, int], bool]] = {}  # step dir -> (manifest stat, valid)
         self._saves = 0
         self.blocked_s = 0.0  # total seconds training waited for saves (sync saves, async kick-off and staging)
+        self.last_save_blocking_s: Optional[float] = None  # the newest save's blocking part (intervalSteps: auto)
+        self.agreed_interval: Optional[int] = None  # intervalSteps: auto, rank 0's interval as the group agreed it
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
 
@@ -239,8 +241,13 @@ class CheckpointManager:
             return False
         if last:
             return True
+        if self.spec.auto_interval:
+            if self.agreed_interval is None:
+                return False  # no agreement yet (the first boundary of a process)
+            since = self.last_saved_step if self.last_saved_step is not None else (self.loaded_step or 0)
+            return step - since >= self.agreed_interval
         interval = self.spec.interval_steps
-        if not interval:
+        if not isinstance(interval, int) or not interval:
             return False
         return step % interval == 0
 
@@ -253,6 +260,7 @@ class CheckpointManager:
     # ---- save ---------------------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], manifest: CheckpointManifest, force_sync: bool = False) -> None:
         """Start (async) or do (sync) a save of ``state`` at ``step``. Collective: every rank calls it."""
+        t_call = time.monotonic()  # waiting for the previous save is this save's cost when they come too often
         if self.pending is not None:
             self.wait_pending()
         t0 = time.monotonic()
@@ -283,6 +291,7 @@ class CheckpointManager:
                 target=self._finish_in_background, args=(pending,), daemon=True, name="disttrain-ckpt-finish"
             ).start()
             self.pending = pending
+            self.last_save_blocking_s = time.monotonic() - t_call
             self.blocked_s += pending.blocking_s
             self._observe("blocking", pending.blocking_s)
             return
@@ -296,6 +305,7 @@ class CheckpointManager:
             # DCP raises CheckpointException (a BaseException) when a rank's write fails, e.g. on a full disk.
             digests, error = {}, exc
         self._commit_collectively(step, tmp, manifest, digests, error)
+        self.last_save_blocking_s = time.monotonic() - t0
         self.blocked_s += time.monotonic() - t0
         self._observe("blocking", time.monotonic() - t0)
 
@@ -309,6 +319,7 @@ class CheckpointManager:
         finally:
             self._staging = None
         blocked = time.monotonic() - t0
+        self.last_save_blocking_s = (self.last_save_blocking_s or 0.0) + blocked  # staging is the save's cost too
         self.blocked_s += blocked
         self._observe("blocking", blocked)
         return blocked

@@ -42,10 +42,10 @@ from disttrain.api.exitcodes import ExitCode
 from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.plan import InvalidWorldSizeError, Plan, plan
 from disttrain.api.spec import LRSchedule, TrainingSpec
+from disttrain.trainer import autointerval, exits, ordered_reduction
 from disttrain.trainer import checkpoint as ckpt_mod
 from disttrain.trainer import context as ctx_mod
 from disttrain.trainer import data as data_mod
-from disttrain.trainer import exits, ordered_reduction
 from disttrain.trainer import lr as lr_mod
 from disttrain.trainer import parallel as parallel_mod
 from disttrain.trainer import precision as precision_mod
@@ -218,6 +218,12 @@ class ElasticTrainer:
         self.resumed_from: Optional[int] = None
         self.process_id = uuid.uuid4().hex  # tells the agent a new group from the old one (ProgressReport.process_id)
         self._agreement = BoundaryAgreement()
+        self._planner = (  # intervalSteps: auto: rank 0 estimates, the boundary agreement carries it to all ranks
+            autointerval.IntervalPlanner(self._read_reliability)
+            if rank == 0 and checkpoints.spec.auto_interval
+            else None
+        )
+        self._blocked_seen = 0.0
 
     @classmethod
     def from_env(
@@ -573,6 +579,9 @@ class ElasticTrainer:
         s.control_generation = self.watchdog.seen_generation
 
     def _after_step(self, step: Step, seconds: float) -> None:
+        if self._planner is not None:  # the step time without what saves blocked it
+            blocked, self._blocked_seen = self.checkpoints.blocked_s - self._blocked_seen, self.checkpoints.blocked_s
+            self._planner.observe_step(seconds - blocked)
         m = self.metrics
         m.step.set(self.state.step)
         m.world_size.set(self.world_size)
@@ -617,7 +626,24 @@ class ElasticTrainer:
             save_failed=bool(save_failed),
             seconds_due=self.rank == 0 and self.checkpoints.seconds_due(),
             pending_step=pending.step if pending is not None else NO_SAVE,
+            interval_steps=self._propose_interval(),
         )
+
+    def _propose_interval(self) -> int:
+        """Rank 0's automatic checkpoint interval for the boundary agreement (0: none), published when it changes."""
+        if self._planner is None:
+            return 0
+        steps = self._planner.propose(self.checkpoints.last_save_blocking_s)
+        report = self._planner.report()
+        if report is not None:
+            self.watchdog.publish(control_keys.INTERVAL_KEY, report.model_dump_json())
+        return steps
+
+    def _read_reliability(self) -> Optional[control_keys.ReliabilityReport]:
+        store = self.watchdog.store
+        if store is None:
+            return None
+        return control_keys.read_model(store, control_keys.RELIABILITY_KEY, control_keys.ReliabilityReport)
 
     def _boundary(self) -> None:
         """Agree on drain / save state with every rank (:mod:`disttrain.trainer.boundary`), then complete a save
@@ -630,6 +656,9 @@ class ElasticTrainer:
             if self.checkpoints.should_save(self.state.step, last=last):
                 self._save(force_sync=last)
             return
+        if agreed.interval_steps > 0:
+            self.checkpoints.agreed_interval = agreed.interval_steps
+            self.metrics.checkpoint_interval_steps.set(agreed.interval_steps)
         pending = self.checkpoints.pending
         if pending is not None and agreed.save_finished_everywhere(pending.step):
             self.checkpoints.poll(all_done=True)

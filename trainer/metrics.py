@@ -51,6 +51,11 @@ class TrainerMetrics:
         self.samples_skipped = prom.Counter(
             "disttrain_trainer_samples_skipped", "Samples never read across a resume (0 by construction)", registry=r
         )
+        self.checkpoint_interval_steps = prom.Gauge(
+            "disttrain_trainer_checkpoint_interval_steps",
+            "Steps between checkpoints chosen by intervalSteps: auto (as the group agreed it)",
+            registry=r,
+        )
         self.restart_count = prom.Gauge(
             "disttrain_trainer_restart_count", "torchrun restarts of this worker", registry=r
         )

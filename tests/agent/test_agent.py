@@ -268,3 +268,27 @@ def test_the_throughput_of_rank_0_is_relayed_with_the_progress(tmp_path, store_p
     client.set(keys.PROGRESS_KEY, progress(4, rate=812.4567))
     agent.sync()
     assert source.read()["status"]["samplesPerSecond"] == 812.5
+
+
+def test_failure_history_goes_to_the_trainer_and_its_interval_comes_back_to_status(tmp_path, store_pair):
+    """intervalSteps: auto: the operator's failure count reaches the trainer through the store, and rank 0's
+    choice reaches status.checkpointInterval."""
+    server, client = store_pair
+    write_job(tmp_path, startTime="2026-01-01T00:00:00Z", restarts={"total": 3, "byReason": {"NodeLost": 3}},
+              suspendedSeconds=10.0)
+    agent = agent_mod.Agent(agent_mod.FileJobSource(tmp_path), server)
+    assert agent.sync()
+    history = keys.read_model(client, keys.RELIABILITY_KEY, keys.ReliabilityReport)
+    assert history is not None and history.failures == 3 and history.suspended_seconds == 10.0
+    assert history.age_seconds(history.started_at + 610.0) == 600.0
+    assert "checkpointInterval" not in agent_mod.FileJobSource(tmp_path).agent_status()
+
+    client.set(keys.INTERVAL_KEY, keys.IntervalReport(steps=40, save_seconds=0.25, step_seconds=0.05,
+                                                      mtbf_seconds=200.0, failures=3,
+                                                      time=1_767_225_600.0).model_dump_json())
+    write_job(tmp_path, startTime="2026-01-01T00:00:00Z", restarts={"total": 4, "byReason": {"NodeLost": 4}})
+    assert agent.sync()
+    assert keys.read_model(client, keys.RELIABILITY_KEY, keys.ReliabilityReport).failures == 4
+    written = json.loads((tmp_path / "agent-status.json").read_text())
+    assert written["checkpointInterval"] == {"steps": 40, "saveSeconds": 0.25, "stepSeconds": 0.05,
+                                             "mtbfSeconds": 200.0, "failures": 3, "time": "2026-01-01T00:00:00.000Z"}

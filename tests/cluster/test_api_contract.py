@@ -71,7 +71,8 @@ def rule_violations(obj: dict[str, Any]) -> list[rules.RuleViolation]:
     return rules.check_rules(wire)
 
 
-TABLE = [("valid", lambda b: b, None, None), *MALFORMED]
+TABLE = [("valid", lambda b: b, None, None),
+         ("valid-auto-interval", lambda b: b.set("spec.checkpoint.intervalSteps", "auto"), None, None), *MALFORMED]
 
 
 @pytest.mark.parametrize(("build", "path", "text"), [case[1:] for case in TABLE], ids=[case[0] for case in TABLE])

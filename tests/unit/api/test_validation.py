@@ -73,6 +73,12 @@ MALFORMED = [
     ("relative-checkpoint-path", lambda b: b.set("spec.checkpoint.path", "ckpt"), "spec.checkpoint.path",
      "should match pattern"),
     ("keep-zero", lambda b: b.set("spec.checkpoint.keep", 0), "spec.checkpoint.keep", "greater than or equal to 1"),
+    ("interval-steps-zero", lambda b: b.set("spec.checkpoint.intervalSteps", 0), "spec.checkpoint.intervalSteps",
+     "intervalSteps must be an integer >= 1 or 'auto', got 0"),
+    ("interval-steps-bad-word", lambda b: b.set("spec.checkpoint.intervalSteps", "often"),
+     "spec.checkpoint.intervalSteps", "intervalSteps must be an integer >= 1 or 'auto', got 'often'"),
+    ("interval-steps-numeric-string", lambda b: b.set("spec.checkpoint.intervalSteps", "50"),
+     "spec.checkpoint.intervalSteps", "got '50'"),
     (
         "two-containers-none-named-trainer",
         lambda b: b.set("spec.template.spec.containers", [

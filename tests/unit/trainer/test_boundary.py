@@ -17,11 +17,21 @@ def reduced(*ranks: BoundaryFlags) -> BoundaryFlags:
     return BoundaryFlags.from_tensor(torch.stack([r.to_tensor() for r in ranks]).max(dim=0).values)
 
 
-def test_the_tensor_is_six_int64s_and_round_trips():
+def test_the_tensor_is_seven_int64s_and_round_trips():
     f = flags(drain=True, failed=True, pending=8)
     t = f.to_tensor()
-    assert t.dtype == torch.int64 and t.tolist() == [1, 0, 1, 0, 8, -8]
+    assert t.dtype == torch.int64 and t.tolist() == [1, 0, 1, 0, 8, -8, 0]
     assert BoundaryFlags.from_tensor(t) == f
+    g = BoundaryFlags.of_rank(drain=False, save_in_progress=False, save_failed=False, seconds_due=False,
+                              pending_step=NO_SAVE, interval_steps=17)
+    assert BoundaryFlags.from_tensor(g.to_tensor()) == g
+
+
+def test_rank_zeros_interval_proposal_reaches_every_rank():
+    """Only rank 0 proposes (the others send 0), so MAX hands its interval to all."""
+    proposal = BoundaryFlags.of_rank(drain=False, save_in_progress=False, save_failed=False, seconds_due=False,
+                                     pending_step=NO_SAVE, interval_steps=23)
+    assert reduced(proposal, flags(), flags()).interval_steps == 23
 
 
 @pytest.mark.parametrize(("ranks", "finished"), [
