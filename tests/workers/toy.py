@@ -98,6 +98,7 @@ def main() -> None:
             counter.count += 1
             record = toymodel.step_record(trainer, step)
             record["counter"] = counter.count
+            record["interval"] = trainer.checkpoints.agreed_interval  # intervalSteps: auto, in force at this step
             toymodel.write_record(records, record)
             if sleep:
                 time.sleep(sleep)
