@@ -1,10 +1,11 @@
-"""P5 of the local-mode issue: goodput under failures.
+"""P5 of the local-mode issue, and issue 12 item 3: goodput under failures, fixed vs automatic checkpoint interval.
 
-Two runs of the tiny LM demo job on 3 nodes, the same wall-clock window measured from the first completed step:
-one without failures, one where a node's machine is killed every ``--period`` seconds (the runtime re-adds a
-node each time, as a cluster would replace a machine). goodput_ratio = samples whose work was kept (status
-samplesConsumed at the end of the window: redone steps are not counted twice) with failures / without.
-Goal: >= 0.90 at one kill per 60 s.
+Runs of the tiny LM demo job on 3 nodes, the same wall-clock window measured from the first completed step: one
+without failures, then two where a node's machine is killed every ``--period`` seconds (the runtime re-adds a
+node each time, as a cluster would replace a machine): one with the demo's fixed ``intervalSteps`` (20), one with
+``intervalSteps: auto`` (Young/Daly from the measured save cost and the failures the operator counted).
+goodput_ratio = samples whose work was kept (status samplesConsumed at the end of the window: redone steps are
+not counted twice) with failures / without. Goal: >= 0.95 at one kill per 60 s.
 
     python bench/goodput.py [--window 130] [--period 60]
 """
@@ -18,14 +19,18 @@ import time
 import _localbench as lb
 
 
-def measure(window: float, period: float | None) -> tuple[float, int, dict]:
+def measure(window: float, period: float | None, interval: int | str | None = None) -> tuple[float, int, dict, dict]:
+    """(kept samples per second, kills, restarts by reason, the last status.checkpointInterval)."""
     base = lb.workdir("goodput")
     marks: dict[str, float] = {}
     kills: list[float] = []
+    chosen: dict = {}
 
     def on_tick(runtime, snapshot):
         status = snapshot.status
         now = time.time()
+        if status.get("checkpointInterval"):
+            chosen.update(status["checkpointInterval"])
         if "start" not in marks and status.get("step", 0) > 0:
             marks["start"] = now
         if "start" not in marks:
@@ -40,11 +45,13 @@ def measure(window: float, period: float | None) -> tuple[float, int, dict]:
             marks["steps"] = status.get("step", 0)
             runtime.stop(f"window of {window:.0f}s elapsed")
 
-    runtime = lb.run(lb.tinylm_job("goodput", replicas=3, max_steps=1_000_000), base / "state", on_tick=on_tick,
-                     timeout_s=window + 300)
+    job = lb.tinylm_job("goodput", replicas=3, max_steps=1_000_000)
+    if interval is not None:
+        job["spec"]["checkpoint"]["intervalSteps"] = interval
+    runtime = lb.run(job, base / "state", on_tick=on_tick, timeout_s=window + 300)
     restarts = dict(runtime.summary.restarts_by_reason)
     shutil.rmtree(base, ignore_errors=True)
-    return marks.get("samples", 0) / window, len(kills), restarts
+    return marks.get("samples", 0) / window, len(kills), restarts, chosen
 
 
 def main() -> None:
@@ -53,12 +60,16 @@ def main() -> None:
     parser.add_argument("--period", type=float, default=60.0, help="seconds between node kills")
     args = parser.parse_args()
     backend = lb.use_registered_backend()
-    clean, _, _ = measure(args.window, None)
-    faulty, kills, restarts = measure(args.window, args.period)
+    clean, _, _, _ = measure(args.window, None)
+    fixed, kills, restarts, _ = measure(args.window, args.period)
+    auto, auto_kills, auto_restarts, chosen = measure(args.window, args.period, "auto")
     print(f"rendezvous backend: {backend}; {kills} node kills in {args.window:.0f}s; restarts {restarts}")
+    print(f"auto run: {auto_kills} node kills; restarts {auto_restarts}; last status.checkpointInterval {chosen}")
     print(f"samples_per_second_clean: {clean:.1f}")
-    print(f"samples_per_second_with_failures: {faulty:.1f}")
-    print(f"goodput_ratio: {faulty / clean:.3f}")
+    print(f"samples_per_second_with_failures: {fixed:.1f}")
+    print(f"samples_per_second_with_failures_auto_interval: {auto:.1f}")
+    print(f"goodput_ratio: {fixed / clean:.3f}")
+    print(f"goodput_ratio_auto_interval: {auto / clean:.3f}")
 
 
 if __name__ == "__main__":
