@@ -71,6 +71,8 @@ class Reason(str, enum.Enum):
     NODE_UNREACHABLE = "NodeUnreachable"
     NODE_DELETED = "NodeDeleted"
     NODE_DRAINING = "NodeDraining"
+    HEARTBEAT_LOST = "HeartbeatLost"
+    """The job agent found the node silent in the rendezvous heartbeats (before Kubernetes marks it NotReady)."""
     PERMANENT_EXIT_CODE = "PermanentExitCode"
     RESTART_BUDGET_EXHAUSTED = "RestartBudgetExhausted"
     DEADLINE_EXCEEDED = "DeadlineExceeded"

@@ -12,6 +12,9 @@ JOB_NAMESPACE: Final = "DISTTRAIN_JOB_NAMESPACE"
 JOB_UID: Final = "DISTTRAIN_JOB_UID"
 # Stable identity of this node (pod name on Kubernetes, "node-3" in local mode); never a rank.
 NODE_NAME: Final = "DISTTRAIN_NODE_NAME"
+# The worker pod's uid (downward API ``metadata.uid``): with the node name it tells the operator which pod the job
+# agent found silent in the rendezvous heartbeats, and never a later pod of the same name.
+POD_UID: Final = "DISTTRAIN_POD_UID"
 # Stable node index of this node (the pod's ``disttrain.dev/node-index`` label). The ``disttrain`` rendezvous
 # handler orders ranks by it, and a replacement pod takes the index of the node it replaces, so every rank
 # lands on the same node slot after a reform. Never a rank itself (indices may have gaps after a scale-down:

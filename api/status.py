@@ -28,6 +28,7 @@ AGENT_FIELDS: Final = (
     "lastCheckpoint",
     "workerFailure",
     "checkpointInterval",
+    "silentNodes",
 )
 """Wire names of the status fields the job agent owns; it writes no other, and the operator never writes these."""
 
@@ -162,6 +163,17 @@ class CheckpointIntervalStatus(ContractModel):
     """RFC 3339 time of the choice."""
 
 
+class SilentNode(ContractModel):
+    """A worker node the job agent found silent in the rendezvous heartbeats (the operator treats it as lost)."""
+
+    node: str = Field(max_length=253)
+    """DISTTRAIN_NODE_NAME (the worker pod's name)."""
+    pod_uid: str = Field("", max_length=64)
+    """The pod's uid; a pod of the same name with another uid (a replacement) is not the silent one."""
+    last_heartbeat: Optional[str] = None
+    """RFC 3339 time of its last heartbeat (the worker's clock)."""
+
+
 class PendingScale(ContractModel):
     replicas: int
     """Requested node count (after clamping)."""
@@ -235,6 +247,9 @@ class DistTrainJobStatus(ContractModel):
     """The newest failure a worker reported through the job agent (e.g. a permanent user error)."""
     checkpoint_interval: Optional[CheckpointIntervalStatus] = None
     """The checkpoint interval chosen by `spec.checkpoint.intervalSteps: auto`, and its inputs."""
+    silent_nodes: Optional[list[SilentNode]] = Field(None, max_length=1024)
+    """Worker nodes silent in the rendezvous heartbeats for keepAliveMaxAttempts x keepAliveIntervalSeconds, as
+    the job agent sees them (unset when none): the operator reforms without them before Kubernetes notices."""
     tracked_pods: dict[str, str] = Field(default_factory=dict)
     """Operator memory: worker pods seen alive (name -> uid); one that vanishes from here was lost."""
     handled_pods: list[str] = Field(default_factory=list)

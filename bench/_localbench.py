@@ -67,7 +67,8 @@ def tinylm_job(name: str, *, replicas: int, max_steps: int) -> dict[str, Any]:
 
 
 def run(obj: dict[str, Any], state_dir: pathlib.Path, *, chaos: str = "",
-        on_tick: Optional[Callable[[LocalRuntime, Snapshot], None]] = None, timeout_s: float = 600) -> LocalRuntime:
+        on_tick: Optional[Callable[[LocalRuntime, Snapshot], None]] = None, timeout_s: float = 600,
+        not_ready_delay_s: float = 0.0) -> LocalRuntime:
     job = DistTrainJob.model_validate(obj)
     holder: dict[str, LocalRuntime] = {}
 
@@ -75,7 +76,8 @@ def run(obj: dict[str, Any], state_dir: pathlib.Path, *, chaos: str = "",
         if on_tick is not None:
             on_tick(holder["runtime"], snapshot)
 
-    runtime = LocalRuntime(job, StateDir(state_dir), chaos=parse_chaos(chaos), workdir=str(REPO), on_tick=tick)
+    runtime = LocalRuntime(job, StateDir(state_dir), chaos=parse_chaos(chaos), workdir=str(REPO), on_tick=tick,
+                           not_ready_delay_s=not_ready_delay_s)
     holder["runtime"] = runtime
     runtime.summary = runtime.run(timeout_s=timeout_s)
     return runtime

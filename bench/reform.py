@@ -6,6 +6,10 @@ completed at the new size, minus the checkpoint load time. floor_seconds, measur
 group started directly at 2 nodes from the same checkpoint, from starting its nodes to its first step, minus
 the load time. Goal: reform <= 5 s and <= 2x the floor.
 
+detect_seconds: 3 nodes train; one node's machine dies, and its node reads NotReady only 20 s later (as
+Kubernetes' node-monitor-grace-period), so the figure is independent of it: from the kill to the operator's reform
+directive in the job's status, found from the rendezvous heartbeats. Goal: <= 4 s.
+
 P2, lost work on planned scale-down (3 -> 2) and scale-up (2 -> 3): optimizer steps executed twice. Goal: 0.
 
     python bench/reform.py [--steps N]
@@ -67,6 +71,33 @@ def p1(steps: int) -> tuple[float, float]:
     return reform, floor
 
 
+NOT_READY_DELAY_S = 20.0
+
+
+def detect(steps: int) -> tuple[float, str]:
+    """Seconds from a node's death to the reform directive in status, and the directive's reason."""
+    base = lb.workdir("detect")
+    seen: dict[str, object] = {}
+
+    def kill_and_watch(runtime, snapshot):
+        status = snapshot.status
+        if "kill" not in seen and status.get("phase") == "Running" and status.get("step", 0) >= 12:
+            victim = max(runtime.workers.values(), key=lambda p: p.index)
+            seen["kill"] = time.time()
+            runtime.apply_chaos(lb.parse_chaos(f"kill-node:{victim.index}@0s")[0])
+        control = status.get("control") or {}
+        if "kill" in seen and "directive" not in seen and control.get("action") == "reform":
+            seen["directive"], seen["reason"] = time.time(), control.get("reason", "")
+            runtime.stop("detection measured")
+
+    lb.run(lb.recorder_job("detect", base / "records", replicas=3, max_steps=steps, step_sleep=0.05), base / "state",
+           on_tick=kill_and_watch, not_ready_delay_s=NOT_READY_DELAY_S)
+    shutil.rmtree(base, ignore_errors=True)
+    if "directive" not in seen:
+        raise SystemExit("no reform directive after the kill; raise --steps")
+    return float(seen["directive"]) - float(seen["kill"]), str(seen["reason"])
+
+
 def p2(steps: int) -> tuple[int, int]:
     base = lb.workdir("planned")
     out = base / "records"
@@ -105,9 +136,11 @@ def main() -> None:
     args = parser.parse_args()
     backend = lb.use_registered_backend()
     began = time.time()
+    detected, detect_reason = detect(args.steps)
     reform, floor = p1(args.steps)
     down, up = p2(args.steps)
     print(f"rendezvous backend: {backend}; bench wall time {time.time() - began:.0f}s")
+    print(f"detect_seconds: {detected:.2f} (reason {detect_reason}; NotReady after {NOT_READY_DELAY_S:.0f} s)")
     print(f"reform_seconds: {reform:.2f}")
     print(f"floor_seconds: {floor:.2f}")
     print(f"reform_vs_floor: {reform / floor:.2f}")

@@ -13,7 +13,10 @@ import copy
 import logging
 from typing import Any
 
+import pydantic
+
 from disttrain.api import control
+from disttrain.api.status import SilentNode
 
 log = logging.getLogger("disttrain.operator")
 
@@ -22,6 +25,8 @@ TIME_FIELDS = ("roundStartTime", "lastProgressTime")
 NESTED_TIME_FIELDS = ("lastCheckpoint", "workerFailure", "checkpointInterval")
 """Agent fields that are objects with a ``time``."""
 COUNT_FIELDS = ("step", "samplesConsumed", "worldSize", "rendezvousRound")
+MAX_SILENT_NODES = 1024
+_SILENT_NODES = pydantic.TypeAdapter(list[SilentNode])
 
 
 def sanitize(status: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -49,6 +54,12 @@ def sanitize(status: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if interval is not None and (reason := _interval_problem(interval)):
         problems.append(f"status.checkpointInterval{reason}")
         del clean["checkpointInterval"]
+    silent = clean.get("silentNodes")
+    if silent is not None:
+        problem = _silent_nodes_problem(silent)
+        if problem:
+            problems.append(f"status.silentNodes: {problem}")
+            del clean["silentNodes"]
     return clean, problems
 
 
@@ -63,6 +74,22 @@ def _interval_problem(value: Any) -> str:
         number = value.get(key)
         if not (isinstance(number, (int, float)) and not isinstance(number, bool) and 0 <= number <= control.MAX_TIME):
             return f".{key}={_show(number)} is no number of seconds"
+    return ""
+
+
+def _silent_nodes_problem(value: Any) -> str:
+    """Why ``status.silentNodes`` cannot be used ('' when it can): the whole report goes, never a part of it."""
+    if not isinstance(value, list) or len(value) > MAX_SILENT_NODES:
+        return f"{_show(value)} is no list of at most {MAX_SILENT_NODES} entries"
+    try:
+        entries = _SILENT_NODES.validate_python(value)
+    except pydantic.ValidationError as error:
+        return f"{_show(value)}: {error.errors()[0].get('loc')} {error.errors()[0].get('msg')}"
+    for entry in entries:
+        if not entry.node:
+            return "an entry has an empty node"
+        if entry.last_heartbeat is not None and not control.is_valid_time(entry.last_heartbeat):
+            return f"lastHeartbeat={_show(entry.last_heartbeat)} is no RFC 3339 time"
     return ""
 
 

@@ -32,6 +32,7 @@ RESTART_REASONS = tuple(
         Reason.NODE_UNREACHABLE,
         Reason.NODE_DELETED,
         Reason.NODE_DRAINING,
+        Reason.HEARTBEAT_LOST,
         Reason.AGENT_RESTARTED,
     )
 )

@@ -102,7 +102,7 @@ def worker_env(
     endpoint: Optional[str] = None,
     checkpoint_directory: Optional[str] = None,
     metrics_port: int = METRICS_PORT,
-) -> list[dict[str, str]]:
+) -> list[dict[str, Any]]:
     """The DISTTRAIN_* contract env of one node (the local runtime overrides endpoint/dir/port)."""
     meta = job.metadata
     return [
@@ -111,6 +111,7 @@ def worker_env(
         {"name": env.JOB_NAMESPACE, "value": meta.namespace},
         {"name": env.JOB_UID, "value": meta.uid or ""},
         {"name": env.NODE_NAME, "value": node_name},
+        {"name": env.POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
         {"name": env.NODE_INDEX, "value": str(node_index)},
         {"name": env.CHECKPOINT_DIR, "value": checkpoint_directory or checkpoint_dir(job)},
         {"name": env.AGENT_ENDPOINT, "value": endpoint or agent_endpoint(job)},

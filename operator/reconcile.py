@@ -41,7 +41,7 @@ from disttrain.api.exitcodes import ExitCode
 from disttrain.api.plan import valid_node_counts
 from disttrain.api.spec import CleanPodPolicy, DistTrainJob, DistTrainJobSpec, SuccessPolicy
 from disttrain.api.status import CheckpointRef, DistTrainJobStatus, PendingScale, Phase, ReformRecord
-from disttrain.operator import names
+from disttrain.operator import heartbeat, names
 from disttrain.operator.observed import (
     NORMAL,
     WARNING,
@@ -66,6 +66,7 @@ LOSS_REASONS = frozenset(
         Reason.NODE_UNREACHABLE.value,
         Reason.NODE_DELETED.value,
         Reason.NODE_DRAINING.value,
+        Reason.HEARTBEAT_LOST.value,
         Reason.AGENT_RESTARTED.value,
     }
 )
@@ -177,13 +178,20 @@ def choose_victims(live: Iterable[PodView], count: int) -> list[PodView]:
     return ordered[:count]
 
 
-def free_indices(existing: Iterable[PodView], count: int, nodes: Optional[Mapping[str, NodeView]] = None) -> list[int]:
+def free_indices(
+    existing: Iterable[PodView],
+    count: int,
+    nodes: Optional[Mapping[str, NodeView]] = None,
+    lost: Iterable[str] = (),
+) -> list[int]:
     """The ``count`` lowest node indices that no live worker pod holds.
 
-    A lost pod (:func:`loss_reason`) frees its index even while the pod still exists, so its replacement takes
-    that index and, through the rendezvous handler's rank order, the lost node's ranks.
+    A lost pod (:func:`loss_reason`, or named in ``lost``: silent in the heartbeats) frees its index even while
+    the pod still exists, so its replacement takes that index and, through the rendezvous handler's rank order,
+    the lost node's ranks.
     """
-    taken = {p.node_index for p in existing if loss_reason(p, nodes) is None}
+    gone = frozenset(lost)
+    taken = {p.node_index for p in existing if loss_reason(p, nodes) is None and p.name not in gone}
     found: list[int] = []
     index = 0
     while len(found) < count:
@@ -272,6 +280,8 @@ class _Draft:
         self.agent_lost_node: Optional[str] = None
         """The dead node the job agent was lost with in this reconcile: the workers lost with it are that loss."""
         self.apply_pod_group = False
+        self.silent = heartbeat.silent_pods(self.status.silent_nodes, seen.workers)
+        """Worker pods the job agent reports silent in the rendezvous heartbeats (set once, from the inputs)."""
 
     @property
     def is_finished(self) -> bool:
@@ -497,6 +507,8 @@ def _handle_workers(d: _Draft) -> None:
     handled = set(d.status.handled_pods)
     for pod in sorted(d.seen.workers, key=lambda p: p.node_index):
         reason = loss_reason(pod, d.seen.nodes)
+        if reason is None and pod.name in d.silent:
+            reason = Reason.HEARTBEAT_LOST
         if pod.name in victims:
             _remove_exited_victim(d, pod, reason)
         elif reason is None:
@@ -512,6 +524,8 @@ def _handle_workers(d: _Draft) -> None:
             )
             return
         else:
+            if reason is Reason.HEARTBEAT_LOST:
+                _fence(d, pod)
             if pod.uid not in handled:
                 handled.add(pod.uid)
                 _count_lost_pod(d, pod, reason)
@@ -519,6 +533,13 @@ def _handle_workers(d: _Draft) -> None:
     # Forget handled uids whose pods are gone: the list stays as short as the set of lingering pods.
     present = {p.uid for p in d.seen.workers}
     d.status.handled_pods = sorted(uid for uid in handled if uid in present)
+
+
+def _fence(d: _Draft, pod: PodView) -> None:
+    """A silent pod may be alive behind a partition: keep it out of the next round (the rendezvous ``exclude``)
+    until it is gone. It is deleted too, and the checkpoint fence refuses its commits (docs/operator.md)."""
+    if pod.name not in d.status.control.exclude:
+        d.status.control.exclude = sorted({*d.status.control.exclude, pod.name})
 
 
 def _count_vanished_pods(d: _Draft, victims: frozenset[str]) -> None:
@@ -852,7 +873,7 @@ def _size(d: _Draft) -> None:
             )
         else:
             taken = {p.name for p in d.seen.workers}
-            for index in free_indices(d.seen.workers, missing, d.seen.nodes):
+            for index in free_indices(d.seen.workers, missing, d.seen.nodes, lost=d.silent):
                 d.create.append(WorkerCreation(index, names.unused_worker_name(d.job.metadata.name, index, taken)))
             if previous and desired > previous:
                 d.event(NORMAL, Reason.SCALED_UP, f"scaling up from {previous} to {desired} nodes")

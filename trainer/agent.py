@@ -45,7 +45,7 @@ from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.spec import CheckpointSpec
 from disttrain.api.status import AGENT_FIELDS
 from disttrain.api.timestamps import format_time
-from disttrain.trainer import autointerval, reporting
+from disttrain.trainer import autointerval, heartbeats, reporting
 from disttrain.trainer.commit import step_dir_name
 
 log = logging.getLogger("disttrain.agent")
@@ -285,6 +285,7 @@ class Agent:
         self._round_key: Optional[tuple[Any, ...]] = None
         self._rounds: Optional[int] = None
         self._round_start: Optional[str] = None
+        self.heartbeats = heartbeats.HeartbeatWatch(store)
 
     def sync(self) -> bool:
         """Follow the directive and relay progress once. False when the job is gone (the agent should exit)."""
@@ -351,7 +352,14 @@ class Agent:
         a store error) is logged and skipped, and the others still go out. A bad value must never stop the
         status updates for good, as it did when one exception ended the whole round every time."""
         wanted: dict[str, Any] = {}
-        for relay in (self._relay_progress, self._relay_checkpoint, self._relay_failure, self._relay_interval):
+        relays = (
+            self._relay_progress,
+            self._relay_checkpoint,
+            self._relay_failure,
+            self._relay_interval,
+            self._relay_silent,
+        )
+        for relay in relays:
             try:
                 wanted.update(relay(job, status))
             except Exception as error:  # noqa: BLE001 - skip this record, keep the others flowing
@@ -415,6 +423,13 @@ class Agent:
     def _relay_interval(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
         report = keys.read_model(self.store, keys.INTERVAL_KEY, keys.IntervalReport)
         return {} if report is None else {"checkpointInterval": autointerval.interval_status(report)}
+
+    def _relay_silent(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+        """Nodes silent in the rendezvous heartbeats (:mod:`disttrain.trainer.heartbeats`); None clears the field."""
+        report = self.heartbeats.report(job, self.clock())
+        if report and report != status.get("silentNodes"):
+            log.warning("silent in the rendezvous heartbeats: %s", report)
+        return {"silentNodes": report or None}
 
     def run(self) -> int:
         """Loop until the job is gone or ``stop_event`` is set; transient API errors are logged and retried.

@@ -56,7 +56,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousPa
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
 from disttrain.api import constants, control, env
-from disttrain.trainer import channel, rank_order
+from disttrain.trainer import channel, heartbeats, rank_order
 
 log = logging.getLogger("disttrain.rendezvous")
 
@@ -79,8 +79,10 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
         node_name: str,
         store: Store,
         node_index: Optional[int],
+        pod_uid: str = "",
     ) -> None:
         super().__init__(node, state_holder, settings)
+        self._pod_uid = pod_uid
         self._target = target
         self._node_name = node_name
         self._store = store
@@ -97,6 +99,10 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
             join = state_handler
             # Before this node can appear among the participants, so whoever completes the round can read it.
             rank_order.publish_index(self._store, self._settings.run_id, self._node, self._node_index)
+            # Which pod this node is, for the job agent's silence report (disttrain.trainer.heartbeats).
+            if self._node_name:
+                identity = heartbeats.NodeIdentity(self._node_name, self._pod_uid)
+                self._store.set(heartbeats.identity_key(self._settings.run_id, self._node), identity.to_json())
 
             def state_handler(ctx: dyn._RendezvousContext, deadline: float) -> dyn._Action:
                 return self._join_with_target(join, ctx, deadline)
@@ -184,6 +190,7 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
             os.environ.get(env.NODE_NAME, ""),
             store,
             rank_order.node_index_from_env(os.environ),
+            os.environ.get(env.POD_UID, ""),
         )
 
     def target(self) -> Optional[control.TargetPlan]:

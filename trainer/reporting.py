@@ -10,6 +10,7 @@ a few things only, and those never wait:
   Running;
 * a checkpoint while a drain is in flight: the drain's victims are deleted once a checkpoint committed after it;
 * a worker failure: a permanent exit code fails the job;
+* a node silent in the rendezvous heartbeats (or no longer silent): the operator treats it as lost;
 * the end of training: the success rule reads the final step.
 
 Everything else (steps and samples within a round, a routine checkpoint) goes out with the next periodic
@@ -40,6 +41,8 @@ def urgent_reason(changes: Mapping[str, Any], status: Mapping[str, Any], spec: M
         return "checkpoint during a drain"
     if "workerFailure" in changes:
         return "worker failure"
+    if "silentNodes" in changes:
+        return "silent node in the rendezvous heartbeats"
     if is_training_complete({**status, **changes}, spec):
         return "training complete"
     return None

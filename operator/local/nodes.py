@@ -4,7 +4,9 @@ A :class:`LocalPod` turns its process into the :class:`~disttrain.operator.obser
 reads, exactly as the kube adapter turns a Pod object into one: Running while the root process lives,
 Succeeded / Failed with the exit code once it exited, Terminating while a deletion is in progress. Each pod
 runs on its own local "machine" (a :class:`NodeView`); killing the machine SIGKILLs the whole tree and marks
-the node NotReady, which reconcile treats as a lost node.
+the node NotReady, which reconcile treats as a lost node: at once by default, or after a delay, as Kubernetes'
+node controller does after ``node-monitor-grace-period`` (until then the dead pod still looks Running and
+Ready, and only the rendezvous heartbeats tell that it is gone).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class LocalPod:
     metrics_port: int = 0
     deleting_since: Optional[float] = None
     node_lost: bool = False
+    """The machine died (its processes are killed); see :attr:`is_marked_lost` for when anyone is told."""
+    not_ready_at: float = 0.0
+    """Wall time from which a lost machine's node reads NotReady (kill time + the runtime's NotReady delay)."""
     exit_code: Optional[int] = None
     ready_port: int = 0
     """Running only once the tree connected to this port (the store); 0: Running as soon as it started."""
@@ -61,13 +66,18 @@ class LocalPod:
             self.started = not self.ready_port or proctree.is_connected_to(self.marker, self.proc.pid, self.ready_port)
         return self.started
 
+    @property
+    def is_marked_lost(self) -> bool:
+        """The machine died and its NotReady delay has passed: the node reads NotReady, the pod unready."""
+        return self.node_lost and time.time() >= self.not_ready_at
+
     def view(self) -> PodView:
         phase: PodPhase
         code = self.poll()
         if code is None and not self.node_lost and not self.is_started():
             phase, ready = "Pending", False
         elif self.node_lost or code is None:
-            phase, ready = "Running", not self.node_lost
+            phase, ready = "Running", not self.is_marked_lost
         else:
             phase, ready = ("Succeeded" if code == 0 else "Failed"), False
         return PodView(
@@ -94,11 +104,13 @@ class LocalPod:
             return ""
 
     def node_view(self) -> NodeView:
-        return NodeView(name=self.node, ready=not self.node_lost)
+        return NodeView(name=self.node, ready=not self.is_marked_lost)
 
-    def kill_machine(self) -> None:
-        """The machine dies: every process of the pod gets SIGKILL, the node turns NotReady."""
+    def kill_machine(self, not_ready_after: float = 0.0) -> None:
+        """The machine dies: every process of the pod gets SIGKILL; the node turns NotReady ``not_ready_after``
+        seconds later (a dead kubelet stops renewing its Lease; the node controller notices after its grace)."""
         self.node_lost = True
+        self.not_ready_at = time.time() + not_ready_after
         proctree.kill_tree(self.marker, self.proc.pid)
         self.poll()
 

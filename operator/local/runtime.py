@@ -72,7 +72,10 @@ class LocalRuntime:
         metrics_port: int = 0,
         on_tick: Optional[Callable[[Snapshot], None]] = None,
         on_event: Optional[Callable[[dict[str, Any]], None]] = None,
+        not_ready_delay_s: float = 0.0,
     ) -> None:
+        """``not_ready_delay_s``: how long after a chaos ``kill-node`` its machine reads NotReady (0: at once; 40 is
+        Kubernetes' default ``node-monitor-grace-period``). Meanwhile only the rendezvous heartbeats tell."""
         self.state = state
         obj = job.model_dump(mode="json", by_alias=True, exclude_none=True)
         obj["metadata"]["uid"] = obj["metadata"].get("uid") or str(uuid.uuid4())
@@ -84,6 +87,7 @@ class LocalRuntime:
         self.metrics_port = metrics_port
         self.on_tick = on_tick
         self.on_event = on_event
+        self.not_ready_delay_s = not_ready_delay_s
         self.workers: dict[str, LocalPod] = {}
         self.agent: Optional[LocalPod] = None
         self.lost_machines: list[LocalPod] = []
@@ -237,7 +241,7 @@ class LocalRuntime:
                 "ChaosKillNode",
                 f"{event}: SIGKILL of machine {victim.node} ({victim.name}: torchrun and all its workers)",
             )
-            victim.kill_machine()
+            victim.kill_machine(self.not_ready_delay_s)
         elif event.action == "kill-agent":
             if self.agent is None or not self.agent.is_alive:
                 self.record_event("Warning", "ChaosSkipped", f"{event}: no running agent")

@@ -84,7 +84,8 @@ class Run:
 
 
 def run_job(tmp_path: pathlib.Path, builder: JobBuilder, *, chaos: str = "",
-            on_tick: Optional[Callable[[LocalRuntime, Snapshot], None]] = None, timeout_s: float = 150) -> Run:
+            on_tick: Optional[Callable[[LocalRuntime, Snapshot], None]] = None, timeout_s: float = 150,
+            not_ready_delay_s: float = 0.0) -> Run:
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump(builder.build()))
     job = validation.load_job(manifest)
@@ -96,7 +97,8 @@ def run_job(tmp_path: pathlib.Path, builder: JobBuilder, *, chaos: str = "",
         if on_tick is not None:
             on_tick(holder["runtime"], snapshot)
 
-    runtime = LocalRuntime(job, state, chaos=chaos_mod.parse_chaos(chaos), workdir=str(REPO_ROOT), on_tick=tick)
+    runtime = LocalRuntime(job, state, chaos=chaos_mod.parse_chaos(chaos), workdir=str(REPO_ROOT), on_tick=tick,
+                           not_ready_delay_s=not_ready_delay_s)
     holder["runtime"] = runtime
     summary = runtime.run(timeout_s=timeout_s)
     return Run(summary, runtime, state, out)

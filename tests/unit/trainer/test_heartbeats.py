@@ -1,0 +1,125 @@
+"""The job agent's silence detection: the restricted decoder of torch's rendezvous state and the silence rule."""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
+
+from disttrain.trainer import heartbeats as hb
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def encoded(state: object) -> bytes:
+    """As C10dRendezvousBackend stores it: base64 of the pickle."""
+    return base64.b64encode(pickle.dumps(state))
+
+
+def torch_state(round_: int = 1, beats: dict[dyn._NodeDesc, float] | None = None, **extra: object) -> dyn._RendezvousState:
+    state = dyn._RendezvousState()
+    state.round, state.complete = round_, True
+    for rank, (node, seconds) in enumerate((beats or {}).items()):
+        state.participants[node] = rank
+        state.last_heartbeats[node] = T0 + timedelta(seconds=seconds)
+    state.wait_list.add(dyn._NodeDesc("waiting", 9, 0))
+    for key, value in extra.items():
+        setattr(state, key, value)
+    return state
+
+
+A, B, C = dyn._NodeDesc("a", 1, 0), dyn._NodeDesc("b", 2, 0), dyn._NodeDesc("c", 3, 0)
+
+
+def test_decodes_torchs_own_state() -> None:
+    view = hb.decode_state(encoded(torch_state(4, {A: 0.0, B: 1.5})))
+    assert view is not None
+    assert view.round == 4 and view.complete and not view.closed
+    assert view.participants == {repr(A), repr(B)}
+    assert view.heartbeats[repr(B)] == T0 + timedelta(seconds=1.5)
+
+
+def test_null_sentinel_is_no_state() -> None:
+    assert hb.decode_state(b"Y2FuaW1hZGFt") is None
+
+
+class Boom:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, ("echo pwned",))
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        Boom(),  # a classic code-execution pickle
+        {"participants": {}, "last_heartbeats": {}},  # not a rendezvous state
+        torch_state(1, {A: 0.0}, participants=Boom()),  # the right class wrapping a foreign object
+    ],
+)
+def test_refuses_a_foreign_pickle(payload: object) -> None:
+    with pytest.raises(hb.StateRefused):
+        hb.decode_state(encoded(payload))
+
+
+def test_refuses_garbage() -> None:
+    with pytest.raises(hb.StateRefused):
+        hb.decode_state(b"!!! not base64")
+    with pytest.raises(hb.StateRefused):
+        hb.decode_state(base64.b64encode(b"\x80\x04not a pickle"))
+
+
+def view(round_: int, beats: dict[dyn._NodeDesc, float], *, complete: bool = True) -> hb.RendezvousView:
+    return hb.RendezvousView(
+        round=round_,
+        complete=complete,
+        closed=False,
+        participants=frozenset(repr(n) for n in beats),
+        heartbeats={repr(n): T0 + timedelta(seconds=s) for n, s in beats.items()},
+    )
+
+
+def test_a_participant_three_intervals_behind_the_newest_heartbeat_is_silent() -> None:
+    tracker = hb.SilenceTracker(interval_s=1, max_attempts=3)
+    assert tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0) == {}
+    assert tracker.observe(view(1, {A: 12, B: 12, C: 10}), now=2) == {}  # 2 s behind: not yet
+    assert tracker.observe(view(1, {A: 13, B: 13, C: 10}), now=3) == {repr(C): T0 + timedelta(seconds=10)}
+
+
+def test_a_node_torch_dropped_for_silence_stays_reported() -> None:
+    tracker = hb.SilenceTracker(interval_s=1, max_attempts=3)
+    tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0)
+    tracker.observe(view(1, {A: 12, B: 12, C: 10}), now=2)
+    # A survivor's write removed C (expired) before the agent saw it 3 s behind.
+    assert tracker.observe(view(1, {A: 12.5, B: 12.5}), now=2.5) == {repr(C): T0 + timedelta(seconds=10)}
+    assert repr(C) in tracker.observe(view(2, {A: 14, B: 14}, complete=False), now=4)
+
+
+def test_a_node_that_leaves_with_a_fresh_heartbeat_is_not_silent() -> None:
+    tracker = hb.SilenceTracker(interval_s=1, max_attempts=3)
+    tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0)
+    assert tracker.observe(view(1, {A: 11, B: 11}), now=1) == {}  # C left to re-join (or exited)
+    assert tracker.observe(view(2, {A: 15, B: 15}), now=5) == {}
+
+
+def test_a_closed_rendezvous_reports_nobody() -> None:
+    tracker = hb.SilenceTracker(interval_s=1, max_attempts=3)
+    tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0)
+    closed = hb.RendezvousView(1, True, True, frozenset({repr(A), repr(C)}), {repr(A): T0 + timedelta(seconds=20)})
+    assert tracker.observe(closed, now=10) == {}
+
+
+def test_report_names_pods_and_skips_unknown_nodes() -> None:
+    silent = {repr(C): T0, repr(B): T0}
+    report = hb.silent_report(silent, {repr(C): hb.NodeIdentity("job-worker-2", "uid-2"), repr(B): None})
+    assert report == [{"node": "job-worker-2", "podUid": "uid-2", "lastHeartbeat": "2026-01-01T00:00:00.000Z"}]
+
+
+def test_a_silence_report_is_written_at_once_not_with_the_periodic_progress() -> None:
+    from disttrain.trainer import reporting
+
+    assert reporting.urgent_reason({"silentNodes": [{"node": "w"}]}, {}, {}) is not None
+    assert reporting.urgent_reason({"silentNodes": None}, {"silentNodes": [{"node": "w"}]}, {}) is not None

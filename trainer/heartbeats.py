@@ -1,0 +1,277 @@
+"""Silent nodes, seen by the job agent in the rendezvous heartbeats it hosts: a node loss in seconds, not when
+Kubernetes marks the node NotReady (``node-monitor-grace-period``: 20-50 s).
+
+Every torchrun agent writes a heartbeat time into the c10d rendezvous state (``_RendezvousState.last_heartbeats``,
+pickled and base64-encoded under ``torch.rendezvous.<run id>``) every ``keepAliveIntervalSeconds``. The agent hosts
+that store, so it reads the state and reports a participant of the round as silent when its heartbeat is
+``keepAliveMaxAttempts x keepAliveIntervalSeconds`` older than the newest one in the state. Times are compared
+with each other, never with the agent's clock: they all come from the workers, whose clocks torch's own expiry
+already compares. torch's sanitizer removes an expired node from the state at its next write, so a node that
+vanished from the participants with a heartbeat that old is silent too (one that leaves on its own, to re-join
+or to exit, has a fresh heartbeat when it goes). A node that is missed is still caught by Kubernetes' signals;
+a healthy node reported silent would be fenced for nothing, so every rule errs towards missing.
+
+Safety: workers write this store, so the state is decoded by :class:`RestrictedUnpickler`, which admits only the
+rendezvous state, node descriptors, datetimes and the builtin containers, and builds them as inert stand-ins
+(no torch class is instantiated); anything else is refused. The node's pod comes from :func:`identity_key`, which
+the ``disttrain`` rendezvous handler writes before the node joins a round (:mod:`disttrain.trainer.rendezvous`).
+
+Pure but for :func:`read_state` and :func:`read_identity` (a store); no torch import.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import datetime
+import io
+import json
+import pickle
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from disttrain.api.timestamps import format_time
+
+STATE_CLASS = ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState")
+NODE_CLASS = ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc")
+NULL_SENTINEL = b"Y2FuaW1hZGFt"
+"""What the c10d backend stores before the first state (``C10dRendezvousBackend._NULL_SENTINEL``)."""
+MAX_STATE_BYTES = 1 << 20
+"""A larger state is refused unread: hundreds of nodes fit in a few KiB."""
+MIN_RETENTION_S = 30.0
+"""How long a node dropped for silence stays reported at least (the operator acts on it within a reconcile)."""
+
+
+class StateRefused(ValueError):
+    """The bytes under the rendezvous key are not a rendezvous state this module accepts."""
+
+
+class _Inert:
+    """A stand-in object: attributes set by unpickling (BUILD) and nothing else; no methods run."""
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots) form
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if not isinstance(state, dict):
+            raise StateRefused(f"{type(self).__name__}: state is {type(state).__name__}, not a dict")
+        self.__dict__.update(state)
+
+
+class _StateStub(_Inert):
+    pass
+
+
+class _NodeStub(_Inert):
+    def __hash__(self) -> int:
+        return hash((self.__dict__.get("addr"), self.__dict__.get("pid"), self.__dict__.get("local_id")))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _NodeStub) and self.__dict__ == other.__dict__
+
+
+_ALLOWED: Mapping[tuple[str, str], Any] = {
+    STATE_CLASS: _StateStub,
+    NODE_CLASS: _NodeStub,
+    ("datetime", "datetime"): datetime.datetime,
+    ("datetime", "timezone"): datetime.timezone,
+    ("datetime", "timedelta"): datetime.timedelta,
+}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickles a ``_RendezvousState`` and refuses every other global (the pickle docs' "restricting globals")."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _ALLOWED.get((module, name))
+        if found is None:
+            raise StateRefused(f"the rendezvous state names {module}.{name}, which is not allowed")
+        return found
+
+
+@dataclasses.dataclass(frozen=True)
+class RendezvousView:
+    """What the silence rule needs from one rendezvous state; nodes are named by ``repr(_NodeDesc)``."""
+
+    round: int
+    complete: bool
+    closed: bool
+    participants: frozenset[str]
+    heartbeats: Mapping[str, datetime.datetime]
+
+
+def node_name(node: Any) -> str:
+    """``repr`` of a torch ``_NodeDesc`` (``addr_pid_localid``), from a stand-in or the real thing."""
+    fields = node.__dict__ if isinstance(node, _NodeStub) else vars(node)
+    return f"{fields.get('addr')}_{fields.get('pid')}_{fields.get('local_id')}"
+
+
+def decode_state(raw: bytes) -> Optional[RendezvousView]:
+    """The state as stored by ``C10dRendezvousBackend`` (base64 of a pickle); None before the first round.
+
+    Raises :class:`StateRefused` for anything but a rendezvous state of the expected shape."""
+    if raw == NULL_SENTINEL:
+        return None
+    if len(raw) > MAX_STATE_BYTES:
+        raise StateRefused(f"the rendezvous state is {len(raw)} bytes, over {MAX_STATE_BYTES}")
+    try:
+        bits = base64.b64decode(raw, validate=True)
+        state = RestrictedUnpickler(io.BytesIO(bits)).load()
+    except StateRefused:
+        raise
+    except (binascii.Error, pickle.UnpicklingError, EOFError, TypeError, ValueError, AttributeError) as error:
+        raise StateRefused(f"the rendezvous state cannot be decoded: {error!r}") from error
+    if not isinstance(state, _StateStub):
+        raise StateRefused(f"the rendezvous state is a {type(state).__name__}, not a _RendezvousState")
+    fields = state.__dict__
+    participants, beats = fields.get("participants"), fields.get("last_heartbeats")
+    if not isinstance(participants, dict) or not isinstance(beats, dict):
+        raise StateRefused("the rendezvous state has no participants / last_heartbeats dicts")
+    heartbeats: dict[str, datetime.datetime] = {}
+    for node, when in beats.items():
+        if not isinstance(node, _NodeStub) or not isinstance(when, datetime.datetime) or when.tzinfo is None:
+            raise StateRefused("a heartbeat is not (node, aware datetime)")
+        heartbeats[node_name(node)] = when
+    if not all(isinstance(node, _NodeStub) for node in participants):
+        raise StateRefused("a participant is not a node descriptor")
+    return RendezvousView(
+        round=int(fields.get("round", 0)),
+        complete=bool(fields.get("complete", False)),
+        closed=bool(fields.get("closed", False)),
+        participants=frozenset(node_name(node) for node in participants),
+        heartbeats=heartbeats,
+    )
+
+
+def state_key(run_id: str) -> str:
+    """The c10d backend's key of the rendezvous state (``C10dRendezvousBackend._key``)."""
+    return "torch.rendezvous." + run_id
+
+
+def identity_key(run_id: str, node: object) -> str:
+    """Store key of a participant's pod (name and uid), beside the node index of :mod:`rank_order`."""
+    return f"torch.rendezvous.{run_id}/disttrain.node-identity/{node}"  # str(_NodeDesc) is its repr
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeIdentity:
+    name: str
+    """DISTTRAIN_NODE_NAME (the pod name)."""
+    uid: str = ""
+    """The pod's uid (DISTTRAIN_POD_UID), so the operator never takes a replacement of that name for it."""
+
+    def to_json(self) -> str:
+        return json.dumps({"name": self.name, "uid": self.uid})
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Optional[NodeIdentity]:
+        try:
+            value = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return None
+        if not isinstance(value, dict):
+            return None
+        name, uid = value.get("name"), value.get("uid", "")
+        if not isinstance(name, str) or not isinstance(uid, str) or not 0 < len(name) <= 253 or len(uid) > 64:
+            return None
+        return cls(name, uid)
+
+
+@dataclasses.dataclass
+class _Silent:
+    heartbeat: datetime.datetime
+    round: int
+    dropped_at: Optional[float] = None
+    """Agent monotonic time it vanished from the state (None: still there)."""
+
+
+class SilenceTracker:
+    """The silence rule over successive states (see the module docstring). ``observe`` returns the silent nodes
+    with their last heartbeat; ``now`` (the agent's monotonic clock) only bounds how long a dropped node stays
+    reported."""
+
+    def __init__(self, interval_s: float, max_attempts: int) -> None:
+        self.expiry = datetime.timedelta(seconds=interval_s * max_attempts)
+        # A node torch dropped was expired when dropped; the write that dropped it may carry a heartbeat of the
+        # dropper up to one interval old. One that left on its own had a heartbeat within about one interval.
+        self.vanish = datetime.timedelta(seconds=max(interval_s * (max_attempts - 1), 1.5 * interval_s))
+        self._last: dict[str, tuple[datetime.datetime, int]] = {}
+        self._dropped: dict[str, _Silent] = {}
+
+    def observe(self, view: Optional[RendezvousView], now: float) -> dict[str, datetime.datetime]:
+        if view is None or view.closed:
+            self._last.clear()
+            self._dropped.clear()
+            return {}
+        newest = max(view.heartbeats.values(), default=None)
+        current = {n: view.heartbeats[n] for n in view.participants if n in view.heartbeats}
+        for node, (beat, round_) in self._last.items():
+            if node in current or newest is None:
+                continue
+            if newest - beat >= self.vanish:
+                self._dropped.setdefault(node, _Silent(beat, round_, now))
+        self._last = {node: (beat, view.round) for node, beat in current.items()}
+        for node, silent in list(self._dropped.items()):
+            newer_round = view.round > silent.round and view.complete
+            if node in current or (newer_round and now - (silent.dropped_at or now) >= MIN_RETENTION_S):
+                del self._dropped[node]
+        found = {node: s.heartbeat for node, s in self._dropped.items()}
+        if newest is not None:
+            found.update({node: beat for node, beat in current.items() if newest - beat >= self.expiry})
+        return found
+
+
+def silent_report(
+    silent: Mapping[str, datetime.datetime], identities: Mapping[str, Optional[NodeIdentity]]
+) -> list[dict[str, str]]:
+    """``status.silentNodes``: one entry per silent node whose pod is known, sorted, in wire form."""
+    entries = []
+    for node, beat in silent.items():
+        who = identities.get(node)
+        if who is not None:
+            entries.append({"node": who.name, "podUid": who.uid, "lastHeartbeat": format_time(beat.timestamp())})
+    return sorted(entries, key=lambda e: (e["node"], e["podUid"]))
+
+
+def read_state(store: Any, run_id: str) -> Optional[RendezvousView]:
+    """The rendezvous state in ``store`` (``check`` first: ``get`` blocks on a missing key)."""
+    key = state_key(run_id)
+    if not store.check([key]):
+        return None
+    return decode_state(bytes(store.get(key)))
+
+
+def read_identity(store: Any, run_id: str, node: str) -> Optional[NodeIdentity]:
+    key = identity_key(run_id, node)
+    if not store.check([key]):
+        return None
+    return NodeIdentity.from_json(bytes(store.get(key)))
+
+
+class HeartbeatWatch:
+    """The agent's side: read the state each round, keep the tracker, remember identities (a node's key may be
+    gone by the time it is reported). ``report`` is what ``status.silentNodes`` should hold."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self._tracker: Optional[SilenceTracker] = None
+        self._settings: Optional[tuple[str, float, int]] = None
+        self._identities: dict[str, Optional[NodeIdentity]] = {}
+
+    def report(self, job: Mapping[str, Any], now: float) -> list[dict[str, str]]:
+        meta, spec = job.get("metadata") or {}, job.get("spec") or {}
+        run_id = str(meta.get("uid") or meta.get("name") or "")
+        rdzv = spec.get("rendezvous") or {}
+        settings = (run_id, float(rdzv.get("keepAliveIntervalSeconds", 5)), int(rdzv.get("keepAliveMaxAttempts", 3)))
+        if self._tracker is None or settings != self._settings:
+            self._tracker, self._settings, self._identities = SilenceTracker(settings[1], settings[2]), settings, {}
+        view = read_state(self.store, run_id) if run_id else None
+        if view is not None:
+            for node in view.participants:
+                if self._identities.get(node) is None:
+                    self._identities[node] = read_identity(self.store, run_id, node)
+        silent = self._tracker.observe(view, now)
+        self._identities = {
+            n: i for n, i in self._identities.items() if view is None or n in view.participants or n in silent
+        }
+        return silent_report(silent, self._identities)
