@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
@@ -226,6 +227,7 @@ class CheckpointManager:
         self.fence_round: Optional[int] = None  # claimed by rank 0 of this group at its first collective
         self._validity: dict[str, tuple[tuple[int, int, int], bool]] = {}  # step dir -> (manifest stat, valid)
         self._saves = 0
+        self._plan_key = f"disttrain-{uuid.uuid4().hex}"  # DCP's plan cache is per process: one key each
         self.blocked_s = 0.0  # total seconds training waited for saves (sync saves, async kick-off and staging)
         self.last_save_blocking_s: Optional[float] = None  # the newest save's blocking part (intervalSteps: auto)
         self.agreed_interval: Optional[int] = None  # intervalSteps: auto, rank 0's interval as the group agreed it
@@ -279,7 +281,13 @@ class CheckpointManager:
                     )
                 )
             writer = self._writer(tmp)
-            response = dcp.async_save(state, storage_writer=writer, process_group=self.group, async_stager=self._stager)
+            response = dcp.async_save(
+                state,
+                storage_writer=writer,
+                process_group=self.group,
+                async_stager=self._stager,
+                planner=self._planner(),
+            )
             if isinstance(response, AsyncSaveResponse):
                 future, self._staging = response.upload_completion, response.staging_completion
             else:
@@ -297,7 +305,7 @@ class CheckpointManager:
             return
         try:
             writer = self._writer(tmp)
-            dcp.save(state, storage_writer=writer, process_group=self.group)
+            dcp.save(state, storage_writer=writer, process_group=self.group, planner=self._planner())
             self._phase(CheckpointPhase.FILES_WRITTEN, step)
             digests = commit.digest_files(tmp, _files_of_rank(tmp, self.rank), known=writer.digests)
             error = None
@@ -513,6 +521,14 @@ class CheckpointManager:
     def _writer(self, tmp: Path) -> storage.RawFileSystemWriter:
         # Two writer threads per rank: on the disks measured here one stream leaves ~25% of dd on the table.
         return storage.RawFileSystemWriter(str(tmp), thread_count=self.writer_threads)
+
+    def _planner(self) -> DefaultSavePlanner:
+        """DCP's planner with its plan cache on, under a key of this manager's own: from the second save on,
+        an unchanged local plan is not sent, deduplicated and validated again (~8% of a 100 MB save here).
+        DCP compares every new local plan with the cached one and replans when the state's layout changed."""
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner._cached_plans_key = self._plan_key
+        return planner
 
     def _nonce(self) -> str:
         """Fresh per save and equal on all ranks: a random session id agreed once, plus a save counter (saves

@@ -108,12 +108,18 @@ class Step:
             self.micro_indices = ordered_reduction.micro_indices(indices, p.accum_steps)
         else:
             self.micro_indices = [indices[i * p.micro_batch : (i + 1) * p.micro_batch] for i in range(p.accum_steps)]
-        self.loss_sum = 0.0
+        self._losses: list[torch.Tensor] = []  # detached, read once when reported (no device sync per backward)
         self.loss_count = 0
 
     @property
     def global_batch(self) -> int:
         return self.trainer.plan.global_batch
+
+    @property
+    def loss_sum(self) -> float:
+        """This rank's summed loss of the step so far. Read lazily: on an accelerator ``float()`` waits for the
+        device, so the loop only reads it when a value is reported (rank 0's log and progress record)."""
+        return sum(float(t) for t in self._losses)
 
     def __iter__(self) -> Iterator[MicroBatch]:
         parallel = self.trainer.parallel
@@ -150,7 +156,7 @@ class Step:
         denom = float(denominator if denominator is not None else self.global_batch)
         factor = 1.0 if self.trainer.ordered is not None else self.trainer.parallel.loss_factor(self.trainer.world_size)
         self.trainer.precision.scale(loss_sum * (factor / denom)).backward()
-        self.loss_sum += float(loss_sum.detach())
+        self._losses.append(loss_sum.detach())
         self.loss_count += int(count if count is not None else len(self.micro_indices[0]) if self.micro_indices else 0)
 
 
@@ -199,7 +205,7 @@ class ElasticTrainer:
         """The gradient reducer of ``spec.training.gradientReduction: ordered`` (None: DDP's all-reduce)."""
         self.precision = precision or precision_mod.PrecisionState(parallel_mod.Precision.FP32, groups.device)
         self.clip_grad_norm = clip_grad_norm
-        self.last_grad_norm: Optional[float] = None
+        self._grad_norm: Optional[torch.Tensor] = None  # the last step's, read only when asked (a device sync)
         self.user_state: dict[str, Stateful] = dict(user_state or {})
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
@@ -224,6 +230,14 @@ class ElasticTrainer:
             else None
         )
         self._blocked_seen = 0.0
+        if clip_grad_norm is not None:
+            metrics.grad_norm.set_function(lambda: self.last_grad_norm or 0.0)  # read when scraped
+
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """Global gradient norm before clipping at the last step (None before the first step or without
+        clipping). Kept as a tensor and read here, so clipping adds no device sync to the step."""
+        return float(self._grad_norm) if self._grad_norm is not None else None
 
     @classmethod
     def from_env(
@@ -564,8 +578,7 @@ class ElasticTrainer:
         self.checkpoints.before_optimizer_step()
         self.precision.unscale(self.optimizer)
         if self.clip_grad_norm is not None:
-            self.last_grad_norm = precision_mod.clip_global_grad_norm(self.raw_model, self.clip_grad_norm)
-            self.metrics.grad_norm.set(self.last_grad_norm)
+            self._grad_norm = precision_mod.clip_global_grad_norm(self.raw_model, self.clip_grad_norm)
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
@@ -590,8 +603,11 @@ class ElasticTrainer:
         m.samples_per_second.set(rate)
         if self.rank != 0:
             return
+        logging_due = self.state.step % self.log_every == 0 or self.state.step == 1
+        if not logging_due and self.watchdog.store is None:
+            return  # nothing reads the loss this step: do not wait for the device to produce it
         loss = step.loss_sum / step.loss_count if step.loss_count else None
-        if self.state.step % self.log_every == 0 or self.state.step == 1:
+        if logging_due:
             log.info(
                 "step %d loss %s lr %.4g world %d samples/s %.0f",
                 self.state.step,

@@ -72,8 +72,9 @@ class GradScalerState(Stateful):
         self.scaler.load_state_dict(dict(state_dict))
 
 
-def clip_global_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Clip the gradients of ``model`` to a global norm of ``max_norm``; returns the norm before clipping.
+def clip_global_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the gradients of ``model`` to a global norm of ``max_norm``; returns the norm before clipping, as a
+    (detached, plain) tensor on the gradients' device, so the caller decides when to wait for its value.
 
     Under FSDP2 the gradients are DTensor shards and their norm is a partial DTensor; ``full_tensor()`` is the
     all-reduce that makes it the norm of the whole gradient, the same on every rank, before any gradient is
@@ -85,4 +86,4 @@ def clip_global_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return float(norm)
+    return norm.detach()

@@ -51,7 +51,7 @@ def rank_positions(cursor: int, global_batch: int, world_size: int, rank: int) -
     """Global stream positions rank ``rank`` reads for the step starting at ``cursor`` (in micro-batch order)."""
     if global_batch % world_size:
         raise ValueError(f"global batch {global_batch} is not a multiple of world size {world_size}")
-    return [cursor + i * world_size + rank for i in range(global_batch // world_size)]
+    return list(range(cursor + rank, cursor + global_batch, world_size))
 
 
 class GlobalSampler:

@@ -11,6 +11,7 @@ and shape come from DCP's own metadata.
 from __future__ import annotations
 
 import io
+import os
 import queue
 import threading
 from typing import Any, cast
@@ -35,9 +36,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from disttrain.trainer import writeback
 from disttrain.trainer.digesting import DigestingFileSystem
 
 FORMAT = "disttrain-raw-1"
+WRITEBACK_SLICE = 8 * 2**20
+"""Bytes written (and digested) between two writeback kicks (:mod:`disttrain.trainer.writeback`)."""
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -93,20 +97,25 @@ class RawFileSystemWriter(FileSystemWriter):
         return fut
 
     def _write_file(self, name: str, items: list, planner: SavePlanner) -> list[WriteResult]:
-        import os
-
         out = []
         path = self.fs.concat_path(self.path, name)
         with self.fs.create_stream(path, "wb") as stream:
             offset = 0
+            flushed = 0  # bytes whose writeback has been started
             for item in items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     payload = cast(io.BytesIO, data).getbuffer()
                 else:
                     payload = _byte_view(cast(torch.Tensor, data))
-                stream.write(payload)
                 length = len(payload)
+                for start in range(0, length, WRITEBACK_SLICE):
+                    stream.write(payload[start : start + WRITEBACK_SLICE])
+                    written = offset + min(length, start + WRITEBACK_SLICE)
+                    if written - flushed >= WRITEBACK_SLICE:
+                        stream.flush()
+                        writeback.start_writeback(stream.fileno(), flushed, written - flushed)
+                        flushed = written
                 out.append(
                     WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
                 )

@@ -4,6 +4,7 @@ re-estimates it after a failure."""
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -61,7 +62,15 @@ def test_auto_interval_follows_the_failure_history_and_re_estimates_after_a_fail
     extra = {"DISTTRAIN_AGENT_ENDPOINT": f"127.0.0.1:{port}", "TOY_STEP_SLEEP": "0.02"}
 
     first = harness.start(2, contract, "calm", **extra)
-    harness.wait_until("three saves", lambda: len(committed_steps(harness)) >= 3, timeout=180)
+
+    def three_saves_and_the_step_after() -> bool:  # the rule below reads the interval recorded one step later
+        commits = committed_steps(harness)
+        try:
+            return len(commits) >= 3 and commits[2] + 1 in intervals_by_step(harness, "calm")
+        except json.JSONDecodeError:  # a record line still being written
+            return False
+
+    harness.wait_until("three saves", three_saves_and_the_step_after, timeout=180)
     calm = report(store)
     harness.kill_tree(first.pid)  # the node is lost
     first.wait(timeout=30)

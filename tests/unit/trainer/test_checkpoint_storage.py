@@ -1,0 +1,101 @@
+"""The checkpoint write path: tensors larger than a writeback slice come back bit for bit with digests that match
+the files, and DCP's plan cache replans when the saved state's layout changes between two saves."""
+
+from __future__ import annotations
+
+import socket
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from disttrain.api.manifest import CheckpointManifest
+from disttrain.api.spec import CheckpointSpec
+from disttrain.trainer import checkpoint as ckpt_mod
+from disttrain.trainer import commit, sampler, storage, writeback
+from tests.checkpoint_tensors import load_tensors
+
+
+@pytest.fixture
+def one_process_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_starting_writeback_of_a_written_range_is_accepted_on_linux(tmp_path):
+    path = tmp_path / "f"
+    with open(path, "wb") as f:
+        f.write(b"x" * 65536)
+        f.flush()
+        started = writeback.start_writeback(f.fileno(), 0, 65536)
+    assert started == (writeback._sync_file_range is not None)
+    assert not writeback.start_writeback(0, 0, 0)  # nothing to write back
+
+
+def test_tensors_spanning_several_writeback_slices_round_trip_with_digests_of_the_files(tmp_path, one_process_group):
+    g = torch.Generator().manual_seed(0)
+    n = storage.WRITEBACK_SLICE // 4  # float32: one slice of bytes
+    state = {
+        "big": torch.randn(2 * n + 123, generator=g),  # three slices, the last one partial
+        "exact": torch.randn(n, generator=g),  # exactly one slice
+        "small": torch.randn(7, generator=g),
+        "empty": torch.empty(0),
+        "meta": {"note": "not a tensor"},
+    }
+    writer = storage.RawFileSystemWriter(str(tmp_path), thread_count=2)
+    dcp.save(state, storage_writer=writer)
+    shards = sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".distcp"))
+    assert shards and sorted(writer.digests) == shards
+    for name in shards:
+        data = (tmp_path / name).read_bytes()
+        assert writer.digests[name] == (len(data), f"crc32:{zlib.crc32(data):08x}")
+        assert commit.file_digest(tmp_path / name, "crc32").digest == writer.digests[name][1]
+    loaded = load_tensors(tmp_path, prefix="")
+    for key in ("big", "exact", "small", "empty"):
+        assert torch.equal(loaded[key], state[key]), key
+
+
+def _manifest(step: int) -> CheckpointManifest:
+    return CheckpointManifest(
+        step=step,
+        samples_consumed=0,
+        data_cursor=0,
+        world_size=1,
+        plan={},
+        lr_scale=1.0,
+        dataset=sampler.fingerprint(1, 0),
+        metadata_sha256="-",
+        files={},
+        created_at="-",
+        code_version="test",
+        config_hash="-",
+    )
+
+
+def test_a_save_after_the_state_gained_tensors_holds_them_despite_the_cached_plan(tmp_path, one_process_group):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    state = {"app": ckpt_mod.ModelOptimState(model, opt), "trainer": ckpt_mod.TrainerState()}
+    manager = ckpt_mod.CheckpointManager(tmp_path, CheckpointSpec(keep=3), 0, 1, dist.group.WORLD)
+    manager.save(1, state, _manifest(1))  # no optimizer state yet: the plan DCP caches has none
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    manager.save(2, state, _manifest(2))  # the moments exist now
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    manager.save(3, state, _manifest(3))  # same layout: the cached plan, new values
+    manager.close()
+    second, third = load_tensors(tmp_path / "step-2"), load_tensors(tmp_path / "step-3")
+    moments = [k for k in second if k.startswith("app.optim.state.")]
+    assert moments, sorted(second)
+    assert torch.equal(third["app.model.weight"], model.weight.detach())
+    assert torch.equal(second["app.model.weight"] + 1.0, third["app.model.weight"])
+    for path in (tmp_path / "step-2", tmp_path / "step-3"):
+        assert commit.validate(path).ok
