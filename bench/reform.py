@@ -60,7 +60,9 @@ def p1(steps: int) -> tuple[float, float]:
             started["t"] = min(p.created_at for p in runtime.workers.values())
 
     state = lb.StateDir(floor_base / "state")
-    job = lb.recorder_job("floor", floor_out, replicas=2, max_steps=resumed_from + 3, step_sleep=0.05)
+    # The same dataset as the run it resumes (the trainer refuses a checkpoint of another dataset stream).
+    job = lb.recorder_job("floor", floor_out, replicas=2, max_steps=resumed_from + 3, step_sleep=0.05,
+                          dataset=12 * steps)
     runtime = lb.LocalRuntime(lb.DistTrainJob.model_validate(job), state, workdir=str(lb.REPO),
                               on_tick=lambda snap: note_start(runtime, snap))
     runtime.run(timeout_s=300)

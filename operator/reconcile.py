@@ -938,6 +938,8 @@ def _remove_drained_victims(d: _Draft) -> None:
                 f"deleting {', '.join(p.name for p in victims)}",
             )
         for pod in victims:
+            if pod.name in d.deletions:
+                continue  # already deleted as lost in this reconcile (a fenced silent pod): keep that reason
             st.tracked_pods.pop(pod.name, None)
             d.delete(pod, Reason.SCALED_DOWN, force=is_force_delete_due(pod, spec, d.seen.nodes, d.now))
     else:

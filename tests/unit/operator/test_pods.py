@@ -97,6 +97,9 @@ def test_worker_env_carries_the_contract_and_drops_user_spoofing():
     assert WorkerContract.from_env_value(values[env.CONTRACT]) == WorkerContract.from_spec(job.spec)
     names = [e["name"] for e in pods.build_worker_pod(job, 0)["spec"]["containers"][0]["env"]]
     assert names.count(env.NODE_NAME) == 1
+    # The pod's own uid, from the downward API: the heartbeat report names the pod by it (never a replacement).
+    uid = next(e for e in pods.build_worker_pod(job, 0)["spec"]["containers"][0]["env"] if e["name"] == env.POD_UID)
+    assert uid["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
 
 
 def test_local_runtime_can_override_endpoint_and_checkpoint_dir():

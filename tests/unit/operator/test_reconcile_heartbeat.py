@@ -32,7 +32,7 @@ def test_a_silent_node_is_lost_before_its_node_is_notready():
     actions = report(world, silent).step(1)
     assert world.control["action"] == "reform" and world.control["reason"] == "HeartbeatLost"
     assert silent.name in world.control["exclude"], "fenced: kept out of the next rendezvous round"
-    assert [d.name for d in actions.delete_pods] == [silent.name]
+    assert [(d.name, d.reason) for d in actions.delete_pods] == [(silent.name, "HeartbeatLost")]
     actions = world.step(5)  # after the restart backoff
     assert [(w.node_index, w.name) for w in actions.create_workers] == [(1, "demo-worker-1-1")], (
         "a replacement, with the silent node's index (and so its ranks)"
