@@ -1,9 +1,10 @@
 """FSDP2 (``fully_shard`` on a CPU mesh, gloo): killed runs resume resharded at other world sizes, exactly.
 
 Reference: FSDP2 at W=4 for 10 steps. Interrupted: the same at W=4, SIGKILLed (the whole process tree) once step 5
-ran, then resumed from the newest complete checkpoint at W=2 reading a seekable IterableDataset and, from a
-copy, at W=3 reading through 2 DataLoader workers. The final parameters match the reference within float tolerance and the multiset of
-consumed sample indices is exactly equal. The same holds with bf16 and gradient clipping on (resumed at W=3).
+ran, then resumed from the newest complete checkpoint at W=2 reading a seekable IterableDataset and, from a copy,
+at W=3 reading through 2 DataLoader workers. The final parameters match the reference within float tolerance and
+the multiset of consumed sample indices is exactly equal. The same holds with bf16 and gradient clipping on, and
+with checkpoints saved asynchronously (both resumed at W=3).
 Checkpoints written under DDP load under FSDP2 and back (the state-dict keys are the model's own names under
 both), with a user ``Stateful`` carried along; an fp16 GradScaler resumes with the scale and growth tracker it
 had.
@@ -25,14 +26,21 @@ STEPS = 10
 VARIANTS = {
     "fp32": {"TOY_PARALLELISM": "fsdp2"},
     "bf16-clip": {"TOY_PARALLELISM": "fsdp2", "TOY_PRECISION": "bf16", "TOY_CLIP": "0.05"},
+    "fp32-async": {"TOY_PARALLELISM": "fsdp2"},
 }
+ASYNC_SAVES = {"fp32-async"}
+"""Variants whose interrupted run saves with ``checkpoint.async`` (DCP's async_save of sharded DTensor state)."""
+SAME_MATH_AS = {"fp32-async": "fp32"}
+"""Variants whose reference is another's: saving in the background changes when files are written, not the math."""
 # Where each variant resumes after the kill, with the extra env of that resume. DataLoader workers and the data's
 # form change where samples are read, not the math: the W=2 fp32 resume reads the same samples as a seekable
 # IterableDataset, the W=3 one through 2 DataLoader workers, both against the same reference.
 RESUMES = {
     "fp32": [(2, {"TOY_STREAM": "1"}), (3, {"TOY_NUM_WORKERS": "2"})],
     "bf16-clip": [(3, {})],
+    "fp32-async": [(3, {})],
 }
+
 
 def consumed(records: list[dict], steps: range) -> Counter:
     out: Counter = Counter()
@@ -62,6 +70,7 @@ def references(tmp_path_factory: pytest.TempPathFactory):
     cache: dict[str, tuple[dict, Counter]] = {}
 
     def get(variant: str) -> tuple[dict, Counter]:
+        variant = SAME_MATH_AS.get(variant, variant)
         if variant not in cache:
             run = f"ref-{variant}"
             rc, log = harness.run(4, contract, run, ckpt=harness.tmp / run, **VARIANTS[variant])
@@ -78,11 +87,15 @@ def references(tmp_path_factory: pytest.TempPathFactory):
 def test_a_killed_fsdp2_run_resumes_at_other_world_sizes_like_the_four_rank_run(harness, references, variant):
     reference, expected = references(variant)
     assert sum(expected.values()) == 120 and len(expected) == 97
-    contract = harness.contract(global_batch=12, micro=1, max_steps=STEPS, interval=2)
+    contract = harness.contract(
+        global_batch=12, micro=1, max_steps=STEPS, interval=2, async_save=variant in ASYNC_SAVES
+    )
     options = VARIANTS[variant]
 
     first = harness.start(4, contract, "first", TOY_STEP_SLEEP="0.2", **options)
     harness.wait_for_step("first", 5)
+    # An async save commits in the background: kill once step 4's is complete, so every variant resumes past it.
+    harness.wait_until("step 4 committed", lambda: "step-4" in harness.ckpt_names(), timeout=120)
     harness.kill_tree(first.pid)
     first.wait(timeout=30)
     before_kill = harness.records("first")
