@@ -20,13 +20,16 @@ import time
 import _localbench as lb
 
 
-def p1(steps: int) -> tuple[float, float]:
+def p1(steps: int) -> tuple[float, float, dict[str, float]]:
     base = lb.workdir("reform")
     out = base / "records"
     kill_at: dict[str, float] = {}
+    phases: dict[str, float] = {}
 
     def kill_and_shrink(runtime, snapshot):
         status = snapshot.status
+        if kill_at and not phases:
+            phases.update((status.get("lastReform") or {}).get("phases") or {})
         if not kill_at and status.get("phase") == "Running" and status.get("step", 0) >= 12:
             runtime.set_replicas(2, "the machine is gone for good")
             kill_at["t"] = time.time()
@@ -56,7 +59,9 @@ def p1(steps: int) -> tuple[float, float]:
             started["t"] = min(p.created_at for p in runtime.workers.values())
 
     state = lb.StateDir(floor_base / "state")
-    job = lb.recorder_job("floor", floor_out, replicas=2, max_steps=resumed_from + 3, step_sleep=0.05)
+    # The same dataset as the reform run (its length is part of the checkpoint's dataset fingerprint).
+    job = lb.recorder_job("floor", floor_out, replicas=2, max_steps=resumed_from + 3, step_sleep=0.05,
+                          dataset=12 * steps)
     runtime = lb.LocalRuntime(lb.DistTrainJob.model_validate(job), state, workdir=str(lb.REPO),
                               on_tick=lambda snap: note_start(runtime, snap))
     runtime.run(timeout_s=300)
@@ -64,7 +69,7 @@ def p1(steps: int) -> tuple[float, float]:
     floor = first_floor["time"] - started["t"] - first_floor["load_seconds"]
     shutil.rmtree(base, ignore_errors=True)
     shutil.rmtree(floor_base, ignore_errors=True)
-    return reform, floor
+    return reform, floor, phases
 
 
 def p2(steps: int) -> tuple[int, int]:
@@ -105,10 +110,12 @@ def main() -> None:
     args = parser.parse_args()
     backend = lb.use_registered_backend()
     began = time.time()
-    reform, floor = p1(args.steps)
+    reform, floor, phases = p1(args.steps)
     down, up = p2(args.steps)
     print(f"rendezvous backend: {backend}; bench wall time {time.time() - began:.0f}s")
     print(f"reform_seconds: {reform:.2f}")
+    for phase, seconds in phases.items():  # status.lastReform.phases: from the first sign of the loss
+        print(f"reform_seconds.{phase}: {seconds:.2f}")
     print(f"floor_seconds: {floor:.2f}")
     print(f"reform_vs_floor: {reform / floor:.2f}")
     print(f"lost_steps_scale_down: {down}")

@@ -20,6 +20,7 @@ from torch.distributed import Store
 
 from disttrain.api import control as keys
 from disttrain.api.reformphases import WorkerStartup
+from disttrain.trainer.warmstart import HANDOVER_ENV
 
 log = logging.getLogger("disttrain.trainer")
 
@@ -28,7 +29,14 @@ EXIT_NOTE_TIMEOUT_S = 0.5
 
 
 def process_start_time() -> Optional[float]:
-    """Unix time this process was created (Linux ``/proc``), None where unknown."""
+    """Unix time this process became a worker: its hand-over time when it was a warm interpreter
+    (:mod:`disttrain.trainer.warmstart`), else its creation (Linux ``/proc``); None where unknown."""
+    handover = os.environ.get(HANDOVER_ENV)
+    if handover:
+        try:
+            return float(handover)
+        except ValueError:
+            pass
     try:
         with open("/proc/self/stat", encoding="ascii") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()
