@@ -110,8 +110,9 @@ def test_the_reform_reports_its_phases_and_they_add_up(node_loss):
     parts = sum(phases[p.value] for p in ReformPhase)
     assert parts == pytest.approx(phases["total"], abs=0.01)
     assert phases["total"] - phases["detection"] == pytest.approx(reform["durationSeconds"], abs=0.5)
-    # The workers really restarted: a new process imported torch and loaded the checkpoint.
-    assert phases["imports"] > 0 and phases["checkpointLoad"] > 0 and phases["restart"] > 0, phases
+    # The stamps come from a real restart: a new rendezvous round, a new process group, a checkpoint load. (imports
+    # may be 0: a warm interpreter imported before the hand-over, disttrain.trainer.warmstart.)
+    assert phases["restart"] > 0 and phases["processGroup"] > 0 and phases["checkpointLoad"] > 0, phases
     for phase in ReformPhase:
         assert node_loss.scrapes[0][f'disttrain_job_reform_phase_seconds_count{{job="loss",namespace="default",phase="{phase.value}"}}'] == 1
     assert any(e["reason"] == "Reformed" and "phases: detection" in e["message"] for e in node_loss.events)
