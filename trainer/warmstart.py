@@ -112,6 +112,11 @@ class _Warm:
             start_new_session=True,  # as torchrun starts its workers
         )
         os.close(ready_w)
+        if idle:  # from its first instruction (its own module imports pydantic): later threads inherit it
+            try:
+                os.sched_setscheduler(self.proc.pid, os.SCHED_IDLE, os.sched_param(0))
+            except OSError as exc:
+                log.info("warm interpreter %d keeps normal priority: %s", self.proc.pid, exc)
 
     def is_ready(self) -> bool:
         """Its imports are done (checked without waiting)."""
@@ -207,6 +212,8 @@ def _set_idle(idle: bool) -> None:
     """Every thread of this process to ``SCHED_IDLE`` or back to ``SCHED_OTHER`` (allowed unprivileged since
     Linux 2.6.39); best effort."""
     policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
+    if not idle and os.sched_getscheduler(0) != os.SCHED_IDLE:
+        return
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setscheduler(int(tid), policy, os.sched_param(0))
@@ -216,9 +223,7 @@ def _set_idle(idle: bool) -> None:
 
 def main() -> None:
     """A warm interpreter: import, say it is ready, wait for the worker's command, become the worker."""
-    idle = IDLE_ARG in sys.argv[1:]
-    if idle:
-        _set_idle(True)
+    idle = IDLE_ARG in sys.argv[1:]  # the pool set SCHED_IDLE as it started this process
     for name in PRELOAD:
         importlib.import_module(name)
     ready_fd = int(os.environ.pop(READY_FD_ENV, "-1"))

@@ -8,6 +8,7 @@ the workers in place.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -69,7 +70,7 @@ WARM_PROBE = """
 import json, os, sys
 json.dump({"handover": os.environ.get("DISTTRAIN_WARM_HANDOVER_TIME"), "argv": sys.argv, "name": __name__,
            "path0": sys.path[0], "preloaded": "torch._dynamo" in sys.modules, "rank": os.environ.get("RANK"),
-           "cwd": os.getcwd()}, open(sys.argv[1], "w"))
+           "cwd": os.getcwd(), "policy": os.sched_getscheduler(0)}, open(sys.argv[1], "w"))
 sys.exit(int(sys.argv[2]))
 """
 
@@ -91,3 +92,4 @@ def test_a_worker_runs_in_a_warm_interpreter_exactly_as_python_would_run_it(harn
     assert seen["argv"] == [str(script), str(out), "3"]
     assert (seen["name"], seen["path0"], seen["rank"], seen["cwd"]) == ("__main__", str(tmp_path), "0", str(REPO))
     assert (seen["handover"] is not None) is warm and seen["preloaded"] is warm, (seen, log[-3000:])
+    assert seen["policy"] == os.SCHED_OTHER  # a warm interpreter that imported on idle CPU runs the worker normally
