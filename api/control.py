@@ -19,6 +19,7 @@ from typing import Optional, Protocol, TypeVar, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from disttrain.api import timestamps
+from disttrain.api.reformphases import WorkerStartup
 
 log = logging.getLogger("disttrain.control")
 
@@ -31,6 +32,10 @@ TARGET_KEY = PREFIX + "target"
 PROGRESS_KEY = PREFIX + "progress"
 # CheckpointManifest JSON of the newest commit, written by global rank 0 after each commit.
 CHECKPOINT_KEY = PREFIX + "checkpoint"
+# Unix time (text) the first and the last worker of a group exited on a reform or drain; the next group's rank 0
+# reads them into its WorkerStartup and deletes them.
+EXIT_FIRST_KEY = PREFIX + "exit-first"
+EXIT_LAST_KEY = PREFIX + "exit-last"
 # WorkerFailure JSON, written by a worker just before it exits with a permanent (or other notable) code.
 # torchrun turns every worker failure into its own exit code 1 (or restarts the worker), so the pod's exit
 # code cannot carry the trainer's; this key can.
@@ -113,6 +118,8 @@ class ProgressReport(BaseModel):
     rendezvous round, so a new id means a new group even when run id, restart count and world size repeat."""
     time: float = Field(ge=0.0, le=MAX_TIME, allow_inf_nan=False)
     """Unix time of the report."""
+    startup: Optional[WorkerStartup] = None
+    """When this process started, phase by phase (the agent relays it into ``status.workerStartup``)."""
 
     @field_validator("plan")
     @classmethod

@@ -33,3 +33,5 @@ STORE_SECRET: Final = "DISTTRAIN_STORE_SECRET"
 # File the worker's launcher writes the root cause of a failure to (exit code, the traceback's last line): the
 # trainer container's terminationMessagePath on Kubernetes, a file of the node's own in local mode.
 TERMINATION_LOG: Final = "DISTTRAIN_TERMINATION_LOG"
+# "0" turns off warm worker interpreters (disttrain.trainer.warmstart): every worker then starts a cold Python.
+WARM_WORKERS: Final = "DISTTRAIN_WARM_WORKERS"

@@ -14,6 +14,7 @@ from typing import Final, Optional
 from pydantic import Field
 
 from disttrain.api.control import DirectiveAction
+from disttrain.api.reformphases import ReformPhases, WorkerStartup
 from disttrain.api.spec import ContractModel
 
 AGENT_FIELDS: Final = (
@@ -29,6 +30,7 @@ AGENT_FIELDS: Final = (
     "workerFailure",
     "checkpointInterval",
     "silentNodes",
+    "workerStartup",
 )
 """Wire names of the status fields the job agent owns; it writes no other, and the operator never writes these."""
 
@@ -105,6 +107,8 @@ class ReformRecord(ContractModel):
     """RFC 3339 time the reform began."""
     duration_seconds: Optional[float] = None
     """Seconds from the start to the first completed step at the new size."""
+    phases: Optional[ReformPhases] = None
+    """Where those seconds went, per phase (see ``disttrain.api.reformphases``), from the first sign of the loss."""
 
 
 class ControlDirective(ContractModel):
@@ -250,6 +254,9 @@ class DistTrainJobStatus(ContractModel):
     silent_nodes: Optional[list[SilentNode]] = Field(None, max_length=1024)
     """Worker nodes silent in the rendezvous heartbeats for keepAliveMaxAttempts x keepAliveIntervalSeconds, as
     the job agent sees them (unset when none): the operator reforms without them before Kubernetes notices."""
+    worker_startup: Optional[WorkerStartup] = None
+    """When the current group's rank 0 started, phase by phase, and when the previous group exited (relayed by
+    the job agent); the operator computes ``lastReform.phases`` from it."""
     tracked_pods: dict[str, str] = Field(default_factory=dict)
     """Operator memory: worker pods seen alive (name -> uid); one that vanishes from here was lost."""
     handled_pods: list[str] = Field(default_factory=list)

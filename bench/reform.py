@@ -24,13 +24,16 @@ import time
 import _localbench as lb
 
 
-def p1(steps: int) -> tuple[float, float]:
+def p1(steps: int) -> tuple[float, float, dict[str, float]]:
     base = lb.workdir("reform")
     out = base / "records"
     kill_at: dict[str, float] = {}
+    phases: dict[str, float] = {}
 
     def kill_and_shrink(runtime, snapshot):
         status = snapshot.status
+        if kill_at and not phases:
+            phases.update((status.get("lastReform") or {}).get("phases") or {})
         if not kill_at and status.get("phase") == "Running" and status.get("step", 0) >= 12:
             runtime.set_replicas(2, "the machine is gone for good")
             kill_at["t"] = time.time()
@@ -70,7 +73,7 @@ def p1(steps: int) -> tuple[float, float]:
     floor = first_floor["time"] - started["t"] - first_floor["load_seconds"]
     shutil.rmtree(base, ignore_errors=True)
     shutil.rmtree(floor_base, ignore_errors=True)
-    return reform, floor
+    return reform, floor, phases
 
 
 NOT_READY_DELAY_S = 20.0
@@ -139,11 +142,13 @@ def main() -> None:
     backend = lb.use_registered_backend()
     began = time.time()
     detected, detect_reason = detect(args.steps)
-    reform, floor = p1(args.steps)
+    reform, floor, phases = p1(args.steps)
     down, up = p2(args.steps)
     print(f"rendezvous backend: {backend}; bench wall time {time.time() - began:.0f}s")
     print(f"detect_seconds: {detected:.2f} (reason {detect_reason}; NotReady after {NOT_READY_DELAY_S:.0f} s)")
     print(f"reform_seconds: {reform:.2f}")
+    for phase, seconds in phases.items():  # status.lastReform.phases: from the first sign of the loss
+        print(f"reform_seconds.{phase}: {seconds:.2f}")
     print(f"floor_seconds: {floor:.2f}")
     print(f"reform_vs_floor: {reform / floor:.2f}")
     print(f"lost_steps_scale_down: {down}")

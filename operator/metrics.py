@@ -19,9 +19,12 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from disttrain.api import conditions as cond
 from disttrain.api.conditions import Reason
+from disttrain.api.reformphases import ReformPhase
 from disttrain.api.status import Phase
 
 PHASES = [p.value for p in Phase]
+REFORM_PHASES = tuple(p.value for p in ReformPhase)
+"""The ``phase`` label of the reform-phase histogram: the keys of status.lastReform.phases."""
 RESTART_REASONS = tuple(
     r.value
     for r in (
@@ -95,6 +98,14 @@ class OperatorMetrics:
             "Seconds from a drain/reform directive to the first step at the new size.",
             job,
             buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
+            registry=registry,
+        )
+        self.reform_phase = Histogram(
+            "disttrain_job_reform_phase_seconds",
+            "Seconds of each phase of a reform (status.lastReform.phases): detection, directive, restart, "
+            "imports, modelBuild, processGroup, checkpointLoad, firstStep.",
+            [*job, "phase"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
             registry=registry,
         )
         self.checkpoint_step = Gauge(
@@ -176,6 +187,10 @@ class OperatorMetrics:
             old_reform.get("durationSeconds"),
         ):
             self.reform_duration.labels(*labels).observe(reform["durationSeconds"])
+            phases = reform.get("phases") or {}
+            for phase in REFORM_PHASES:
+                if isinstance(phases.get(phase), (int, float)):
+                    self.reform_phase.labels(*labels, phase).observe(phases[phase])
         self._seen[labels] = {
             "restarts": status.get("restarts"),
             "reforms": status.get("reforms", 0),
@@ -186,6 +201,8 @@ class OperatorMetrics:
         """Every reason's counter and the reform-duration histogram at 0, so that increase() sees the first
         restart, reform and reform duration of each kind."""
         self.reform_duration.labels(*labels)
+        for phase in REFORM_PHASES:
+            self.reform_phase.labels(*labels, phase)
         for reason in (*RESTART_REASONS, OTHER_REASON):
             self.restarts.labels(*labels, reason)
         for reason in (*REFORM_REASONS, OTHER_REASON):
@@ -216,7 +233,7 @@ class OperatorMetrics:
                 metric.remove(*labels)
             except KeyError:
                 pass
-        for family in (self.phase, self.restarts, self.reforms):
+        for family in (self.phase, self.restarts, self.reforms, self.reform_phase):
             for sample_labels in list(family._metrics):  # prometheus-client has no public lister
                 if sample_labels[:2] == labels:
                     family.remove(*sample_labels)

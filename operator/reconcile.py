@@ -39,6 +39,7 @@ from disttrain.api.conditions import ConditionType, Reason
 from disttrain.api.control import DirectiveAction
 from disttrain.api.exitcodes import ExitCode
 from disttrain.api.plan import valid_node_counts
+from disttrain.api.reformphases import reform_phases
 from disttrain.api.spec import CleanPodPolicy, DistTrainJob, DistTrainJobSpec, SuccessPolicy
 from disttrain.api.status import CheckpointRef, DistTrainJobStatus, PendingScale, Phase, ReformRecord
 from disttrain.operator import heartbeat, names
@@ -899,6 +900,7 @@ def _complete_directive(d: _Draft, group_nodes: int) -> None:
     new_round = ctl.issued_round is None or st.rendezvous_round > ctl.issued_round
     if new_round and group_nodes == ctl.target_nodes and progressed is not None and progressed > issued:
         reason = ctl.reason
+        planned = ctl.action is DirectiveAction.DRAIN
         ctl.action = DirectiveAction.NONE
         st.agent_lost_at = None
         # Victims still shutting down stay excluded so they are not mistaken for members again.
@@ -912,10 +914,13 @@ def _complete_directive(d: _Draft, group_nodes: int) -> None:
             first = progressed if first is None or first < start else first
             st.last_reform.to = group_nodes
             st.last_reform.duration_seconds = round(max(0.0, first - start), 3)
+            st.last_reform.phases = reform_phases(start, st.worker_startup, planned=planned)
+        phases = st.last_reform.phases if st.last_reform is not None else None
         d.event(
             NORMAL,
             Reason.REFORMED,
-            f"group re-formed with {group_nodes} nodes after {reason} (world size {st.world_size})",
+            f"group re-formed with {group_nodes} nodes after {reason} (world size {st.world_size})"
+            + (f"; phases: {phases.describe()}" if phases is not None else ""),
         )
 
 

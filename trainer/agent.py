@@ -390,6 +390,11 @@ class Agent:
             )
             if report.samples_per_second is not None:
                 wanted["samplesPerSecond"] = round(report.samples_per_second, 1)
+            startup = report.startup
+            if startup is not None and status.get("workerStartup") != startup.model_dump(
+                by_alias=True, exclude_none=True
+            ):
+                wanted["workerStartup"] = startup.model_dump(by_alias=True)  # nulls remove an older group's stamps
         return wanted
 
     def _relay_checkpoint(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Optional
 from disttrain.api import control as keys
 from disttrain.api import env
 from disttrain.api.exitcodes import ExitCode
-from disttrain.trainer import channel
+from disttrain.trainer import channel, startup
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -128,6 +128,7 @@ class Watchdog:
                 int(ExitCode.REFORM),
             )
             sys.stderr.flush()
+            startup.note_exit(self.store)
             self._exit(int(ExitCode.REFORM))
         elif current.action == "drain":
             self.request_drain(f"drain signal generation {current.generation}: {current.reason}")

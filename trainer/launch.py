@@ -36,14 +36,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from torch.distributed import run as torchrun
-from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
 from torch.distributed.launcher import api as launcher_api
 
 from disttrain.api import env
 from disttrain.api.exitcodes import ExitCode
 from disttrain.trainer.rendezvous import DisttrainRendezvousHandler
+from disttrain.trainer.warmstart import WarmPool
 
 log = logging.getLogger("disttrain.launch")
 
@@ -146,6 +148,13 @@ class CountingAgent(LocalElasticAgent):
             self._leave_rendezvous_open()
         return result
 
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        """Warm the next workers' interpreters while the rendezvous runs (:mod:`disttrain.trainer.warmstart`)."""
+        spec = worker_group.spec
+        if isinstance(spec.entrypoint, str):
+            WARM_POOL.fill(spec.local_world_size, [spec.entrypoint, *map(str, spec.args)])
+        super()._initialize_workers(worker_group)
+
     def _leave_rendezvous_open(self) -> None:
         handler = self._worker_group.spec.rdzv_handler
         if isinstance(handler, DisttrainRendezvousHandler):
@@ -153,6 +162,10 @@ class CountingAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
+        spec = worker_group.spec
+        if result.state is WorkerState.HEALTHY and isinstance(spec.entrypoint, str):
+            # The workers run: warm the next ones now, on idle CPU, so a reform finds them ready.
+            WARM_POOL.fill(spec.local_world_size, [spec.entrypoint, *map(str, spec.args)], idle=True)
         if result.is_failed():
             failed = user_failures(result.failures)
             if failed:
@@ -166,10 +179,25 @@ class CountingAgent(LocalElasticAgent):
         return result
 
 
+WARM_POOL = WarmPool()
+"""This agent's warm worker interpreters."""
+_cold_popen = SubprocessHandler._popen
+
+
+def _warm_popen(self: SubprocessHandler, args: tuple[str, ...], env: dict[str, str]) -> Any:
+    """torchrun's worker start, in a warm interpreter when one fits (output not redirected to files)."""
+    if getattr(self, "_stdout", None) is None and getattr(self, "_stderr", None) is None:
+        proc = WARM_POOL.take(args, env)
+        if proc is not None:
+            return proc
+    return _cold_popen(self, args, env)
+
+
 def run(argv: Sequence[str]) -> int:
     """Run torchrun with ``argv``; the exit code the pod should end with."""
     args = torchrun.parse_args(list(argv))
     launcher_api.LocalElasticAgent = CountingAgent  # type: ignore[misc]  # what launch_agent builds
+    SubprocessHandler._popen = _warm_popen  # type: ignore[method-assign]  # where torchrun starts a worker
     try:
         torchrun.run(args)
     except ChildFailedError as error:
@@ -177,6 +205,8 @@ def run(argv: Sequence[str]) -> int:
         text = describe(rank, failure)
         write_termination_message(text)
         return exit_code(failure)
+    finally:
+        WARM_POOL.close()
     return 0
 
 

@@ -50,6 +50,7 @@ from disttrain.trainer import lr as lr_mod
 from disttrain.trainer import parallel as parallel_mod
 from disttrain.trainer import precision as precision_mod
 from disttrain.trainer import sampler as sampler_mod
+from disttrain.trainer import startup as startup_mod
 from disttrain.trainer.boundary import NO_SAVE, BoundaryAgreement, BoundaryFlags
 from disttrain.trainer.control import Watchdog
 from disttrain.trainer.failures import is_collective_failure
@@ -58,6 +59,7 @@ from disttrain.trainer.randomness import sample_seed
 
 log = logging.getLogger("disttrain.trainer")
 _PROCESS_START = time.monotonic()
+_IMPORTED_AT = time.time()  # the reform phase "imports" ends here (disttrain.trainer.startup)
 
 try:
     from importlib.metadata import version as _pkg_version
@@ -230,6 +232,8 @@ class ElasticTrainer:
             else None
         )
         self._blocked_seen = 0.0
+        self.startup = startup_mod.StartupClock(_IMPORTED_AT)
+        """This process's startup stamps, sent with rank 0's progress (``from_env`` starts them earlier)."""
         if clip_grad_norm is not None:
             metrics.grad_norm.set_function(lambda: self.last_grad_norm or 0.0)  # read when scraped
 
@@ -283,6 +287,8 @@ class ElasticTrainer:
         ``device``: ``"auto"`` (``cuda:LOCAL_RANK`` when CUDA is available, else the CPU), ``"cuda"`` (refuse to
         start, ``PERMANENT``, when CUDA is absent) or ``"cpu"``.
         """
+        clock = startup_mod.StartupClock(_IMPORTED_AT)
+        clock.mark("setup_begin")
         _configure_logging()
         parallelism = _option_or_exit("parallelism", parallelism, parallel_mod.Parallelism)
         precision = _option_or_exit("precision", precision, parallel_mod.Precision)
@@ -328,7 +334,10 @@ class ElasticTrainer:
                 "applies on top of base LR x world-size factor",
                 ctx.contract.training.lr.schedule.value,
             )
-        return cls(
+        if rank == 0:
+            clock.stamps["old_exit_first"], clock.stamps["old_exit_last"] = startup_mod.take_exit_times(watchdog.store)
+        clock.mark("group_ready")
+        trainer = cls(
             context=ctx,
             groups=groups,
             rank=rank,
@@ -350,6 +359,8 @@ class ElasticTrainer:
             prefetch_factor=prefetch_factor,
             ordered=ordered,
         )
+        trainer.startup = clock
+        return trainer
 
     # ---- user-facing -------------------------------------------------------------------------------------
     def __enter__(self) -> ElasticTrainer:
@@ -373,6 +384,7 @@ class ElasticTrainer:
                 str(exc).splitlines()[0] if str(exc) else "",
                 int(ExitCode.REFORM),
             )
+            startup_mod.note_exit(self.watchdog.store)
             exits.hard_exit(ExitCode.REFORM)
         exits.record_error(exc)
 
@@ -415,6 +427,7 @@ class ElasticTrainer:
     def steps(self) -> Iterator[Step]:
         """Resume, then yield one :class:`Step` per optimizer step until maxSteps/maxSamples, a drain or a failure."""
         self._resume()
+        self.startup.mark("resumed")
         if self.num_workers > 0:
             self._feed = self._start_feed()
         first = True
@@ -429,6 +442,7 @@ class ElasticTrainer:
             self._optimizer_step()
             now = time.monotonic()
             if first:
+                self.startup.mark("first_step")
                 self.metrics.resume_seconds.set(now - _PROCESS_START)
                 first = False
             self._after_step(step, now - t_prev)
@@ -629,6 +643,7 @@ class ElasticTrainer:
                 resumed_from_step=self.resumed_from,
                 process_id=self.process_id,
                 time=time.time(),
+                startup=self.startup.report(),
             )
             self.watchdog.publish(control_keys.PROGRESS_KEY, report.model_dump_json())
 
@@ -697,6 +712,7 @@ class ElasticTrainer:
         )
         self.watchdog.stop()
         self.checkpoints.join_retention()
+        startup_mod.note_exit(self.watchdog.store)
         exits.hard_exit(ExitCode.DRAINED)
 
 

@@ -34,18 +34,21 @@ def node_loss(tmp_path_factory):
     """
     tmp = tmp_path_factory.mktemp("node-loss")
     scrapes = []
+    reforms = []
 
     def on_tick(runtime, snapshot):
         status = snapshot.status
         reformed = (status.get("lastReform") or {}).get("durationSeconds") is not None
         if reformed and not scrapes:
             scrapes.append(scrape(runtime.metrics_url))
+            reforms.append(status["lastReform"])
         if status.get("phase") == "Succeeded" and len(scrapes) == 1:
             scrapes.append(scrape(runtime.metrics_url))
 
     run = run_job(tmp, e2e_job("loss", tmp / "records", replicas=3, step_sleep=0.05), chaos="kill-node@step=8",
                   on_tick=on_tick)
     run.scrapes = scrapes
+    run.first_reform = reforms[0] if reforms else None
     return run
 
 
@@ -91,3 +94,25 @@ def test_the_operator_metrics_show_restarts_by_reason_reform_duration_and_last_c
     assert end[f"disttrain_job_last_complete_checkpoint_step{{{labels}}}"] == 20.0 or \
         end[f"disttrain_job_last_complete_checkpoint_step{{{labels}}}"] == 24.0
     assert end[f'disttrain_job_phase{{{labels},phase="Succeeded"}}'] == 1
+
+
+@pytest.mark.timeout(240)
+def test_the_reform_reports_its_phases_and_they_add_up(node_loss):
+    """status.lastReform.phases: every phase present and non-negative, adding up to the reform's total, which
+    is the directive-to-first-step duration plus the detection before it; the metric and the Event say the same."""
+    from disttrain.api.reformphases import ReformPhase
+
+    reform = node_loss.first_reform
+    assert reform is not None, "the reform never completed"
+    phases = reform["phases"]
+    assert set(phases) == {p.value for p in ReformPhase} | {"total"}
+    assert all(seconds >= 0 for seconds in phases.values()), phases
+    parts = sum(phases[p.value] for p in ReformPhase)
+    assert parts == pytest.approx(phases["total"], abs=0.01)
+    assert phases["total"] - phases["detection"] == pytest.approx(reform["durationSeconds"], abs=0.5)
+    # The stamps come from a real restart: a new rendezvous round, a new process group, a checkpoint load. (imports
+    # may be 0: a warm interpreter imported before the hand-over, disttrain.trainer.warmstart.)
+    assert phases["restart"] > 0 and phases["processGroup"] > 0 and phases["checkpointLoad"] > 0, phases
+    for phase in ReformPhase:
+        assert node_loss.scrapes[0][f'disttrain_job_reform_phase_seconds_count{{job="loss",namespace="default",phase="{phase.value}"}}'] == 1
+    assert any(e["reason"] == "Reformed" and "phases: detection" in e["message"] for e in node_loss.events)

@@ -8,6 +8,7 @@ the workers in place.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -63,3 +64,32 @@ def test_a_drain_exit_restarts_the_workers_in_place(harness):
     steps = {r["step"] for r in harness.records("drain")}
     assert steps == set(range(1, 9)), "resumed after the drain and finished"
     assert "resumed from checkpoint step-4" in log and "not restarting in place" not in log
+
+
+WARM_PROBE = """
+import json, os, sys
+json.dump({"handover": os.environ.get("DISTTRAIN_WARM_HANDOVER_TIME"), "argv": sys.argv, "name": __name__,
+           "path0": sys.path[0], "preloaded": "torch._dynamo" in sys.modules, "rank": os.environ.get("RANK"),
+           "cwd": os.getcwd(), "policy": os.sched_getscheduler(0)}, open(sys.argv[1], "w"))
+sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_worker_runs_in_a_warm_interpreter_exactly_as_python_would_run_it(harness, tmp_path, warm):
+    """The worker's script runs as ``__main__`` with its argv, its directory first on sys.path, torchrun's env and
+    its exit code; warm, it finds torch's compiler stack already imported, cold (turned off) it does not."""
+    import json
+
+    script = tmp_path / "probe.py"
+    script.write_text(WARM_PROBE)
+    out = tmp_path / "probe.json"
+    rc, message, log = launch(harness, 1, [sys.executable, "-u", str(script), str(out), "3"], f"warm-{warm}",
+                              DISTTRAIN_WARM_WORKERS="1" if warm else "0")
+    assert rc == 3, log[-3000:]
+    assert message.strip() == "worker rank 0 failed with exit code 3"
+    seen = json.loads(out.read_text())
+    assert seen["argv"] == [str(script), str(out), "3"]
+    assert (seen["name"], seen["path0"], seen["rank"], seen["cwd"]) == ("__main__", str(tmp_path), "0", str(REPO))
+    assert (seen["handover"] is not None) is warm and seen["preloaded"] is warm, (seen, log[-3000:])
+    assert seen["policy"] == os.SCHED_OTHER  # a warm interpreter that imported on idle CPU runs the worker normally

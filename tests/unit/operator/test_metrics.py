@@ -67,3 +67,22 @@ def test_every_operator_metric_is_documented():
     for doc in ("README.md", "docs/operator.md"):
         text = (REPO_ROOT / doc).read_text()
         assert not [name for name in names if f"`{name}`" not in text], doc
+
+
+def test_each_reform_phase_is_observed_once_per_reform():
+    """The phase histogram exists at 0 for every phase, then gets each phase of a completed reform, once."""
+    from disttrain.operator.metrics import REFORM_PHASES
+
+    registry = CollectorRegistry()
+    metrics = OperatorMetrics(registry)
+    metrics.observe_job("team-a", "demo", {"phase": "Running"}, now=100)
+    for phase in REFORM_PHASES:
+        assert _value(registry, "disttrain_job_reform_phase_seconds_count", phase=phase) == 0, phase
+    phases = {phase: 0.5 for phase in REFORM_PHASES} | {"checkpointLoad": 2.0, "total": 5.5}
+    done = {"phase": "Running", "reforms": 1, "lastReform": {"reason": "NodeNotReady", "start": "x",
+                                                             "durationSeconds": 5.0, "phases": phases}}
+    metrics.observe_job("team-a", "demo", done, now=101)
+    metrics.observe_job("team-a", "demo", done, now=102)  # the same reform seen again: not counted again
+    assert _value(registry, "disttrain_job_reform_phase_seconds_count", phase="imports") == 1
+    assert _value(registry, "disttrain_job_reform_phase_seconds_sum", phase="checkpointLoad") == 2.0
+    assert _value(registry, "disttrain_job_reform_phase_seconds_count", phase="total") is None

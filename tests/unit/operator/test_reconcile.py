@@ -425,6 +425,28 @@ def test_progress_of_the_old_group_after_a_directive_does_not_complete_it():
     assert world.status["lastReform"]["durationSeconds"] == pytest.approx(4.5, abs=0.002)
 
 
+def test_a_completed_reform_reports_its_phases_from_the_new_groups_startup():
+    """lastReform.phases and the Reformed Event come from the startup stamps the agent relayed with the round."""
+    world = World(job_manifest(replicas=3)).running_world(3)
+    world.set_worker(2, phase="Failed", exit_code=1)
+    world.step(1)
+    issued = cond.parse_time(world.control["issuedAt"])
+    world.step(10)
+    world.run_all().step(1)
+    world.now = issued + 4.5
+    world.progress(3, step=6)
+    world.status["workerStartup"] = {"oldExitFirst": issued - 0.5, "oldExitLast": issued + 0.5,
+                                     "spawned": issued + 1.5, "imported": issued + 2.5, "setupBegin": issued + 3.0,
+                                     "groupReady": issued + 3.5, "resumed": issued + 4.0, "firstStep": issued + 4.5}
+    world.step(0.5)
+    assert world.control["action"] == "none"
+    phases = world.status["lastReform"]["phases"]
+    assert phases == {"detection": 0.5, "directive": 0.5, "restart": 1.0, "imports": 1.0, "modelBuild": 0.5,
+                      "processGroup": 0.5, "checkpointLoad": 0.5, "firstStep": 0.5, "total": 5.0}
+    [message] = [message for reason, message in world.events if reason == "Reformed"]
+    assert "phases: detection 0.50s, directive 0.50s, restart 1.00s" in message
+
+
 def test_a_new_round_at_the_wrong_size_does_not_complete_a_directive():
     world = World(job_manifest(replicas=3)).running_world(3)
     world.set_worker(2, phase="Failed", exit_code=1).step(1)
