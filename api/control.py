@@ -89,6 +89,8 @@ class TargetPlan(BaseModel):
     nodes: int = Field(ge=0, le=MAX_NODES)
     exclude: list[str] = Field(default=[], max_length=MAX_NODES)
     """DISTTRAIN_NODE_NAMEs that must not join the next round (scale-down victims waiting to be deleted)."""
+    lost: list[str] = Field(default=[], max_length=MAX_NODES)
+    """DISTTRAIN_NODE_NAMEs the operator declared lost: dropped from the finished round by the survivors."""
     job_uid: str = Field("", max_length=MAX_NAME)
     """As :attr:`ControlSignal.job_uid`."""
 

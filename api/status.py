@@ -130,6 +130,9 @@ class ControlDirective(ContractModel):
     directive) never completes it."""
     exclude: list[str] = Field(default_factory=list)
     """Worker pods that must not join the next rendezvous round (scale-down victims being drained)."""
+    lost: list[str] = Field(default_factory=list, max_length=1024)
+    """Worker pods declared lost that still exist (a dead node's pod lingers Terminating): the survivors drop them
+    from the finished rendezvous round at once, instead of waiting for their heartbeats to expire."""
 
     @property
     def in_flight(self) -> bool:

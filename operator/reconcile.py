@@ -527,6 +527,8 @@ def _handle_workers(d: _Draft) -> None:
         else:
             if reason is Reason.HEARTBEAT_LOST:
                 _fence(d, pod)
+            if pod.name not in d.status.control.lost:
+                d.status.control.lost = sorted({*d.status.control.lost, pod.name})
             if pod.uid not in handled:
                 handled.add(pod.uid)
                 _count_lost_pod(d, pod, reason)
@@ -554,8 +556,10 @@ def _count_vanished_pods(d: _Draft, victims: frozenset[str]) -> None:
 
 
 def _forget_gone_victims(d: _Draft) -> None:
+    """Victims and lost pods that are gone need no more keeping out of the rendezvous."""
     seen = {p.name for p in d.seen.workers}
     d.status.control.exclude = [name for name in d.status.control.exclude if name in seen]
+    d.status.control.lost = [name for name in d.status.control.lost if name in seen]
 
 
 def _remove_exited_victim(d: _Draft, pod: PodView, reason: Optional[Reason]) -> None:
@@ -775,6 +779,7 @@ def _suspend(d: _Draft) -> None:
     st.agent_lost_at = None
     st.control.action = DirectiveAction.NONE
     st.control.exclude = []
+    st.control.lost = []
     st.world_size = 0
     st.world = world_column(0, st.desired_nodes * d.spec.nproc_per_node)
     st.replicas = len(d.seen.workers)

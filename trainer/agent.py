@@ -325,7 +325,11 @@ class Agent:
             ).model_dump_json()
             target_nodes = int(control.get("targetNodes", 0))
             target_value = keys.TargetPlan(
-                generation=generation, nodes=target_nodes, exclude=list(control.get("exclude") or []), job_uid=job_uid
+                generation=generation,
+                nodes=target_nodes,
+                exclude=list(control.get("exclude") or []),
+                lost=list(control.get("lost") or []),
+                job_uid=job_uid,
             ).model_dump_json()
         except (TypeError, ValueError) as error:
             log.warning("ignoring an invalid status.control %r: %s", control, error)

@@ -23,6 +23,9 @@ under ``TARGET_KEY`` (without one the handler is plain c10d):
 * **Nodes listed in ``exclude``** (``DISTTRAIN_NODE_NAME`` of scale-down victims) stay out of the round: such a
   node leaves any list it is in and waits outside until it is no longer excluded or ``join_timeout`` passes
   (then torchrun fails as on any rendezvous timeout; the operator is deleting that pod anyway).
+* **Nodes listed in ``lost``** (pods the operator declared lost: a dead node's pod lingers Terminating) are dropped
+  from the finished round by the survivors re-joining it, as torch's sanitizer does only once their heartbeats
+  expired (``keep_alive_interval`` x ``keep_alive_max_attempt``, about 3 s): the next round opens at once.
 * **Waiting nodes do not restart a healthy group** (``num_nodes_waiting`` answers 0). Stock torchrun restarts
   the workers the moment a new node waits, which loses every step since the last checkpoint; here the operator
   re-forms the group with a ``drain`` directive (checkpoint at the step boundary, then exit), so a scale-up
@@ -88,6 +91,7 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
         self._store = store
         self._node_index = node_index
         self._floor_logged_round = -1
+        self._names: dict[Any, str] = {}  # participant -> DISTTRAIN_NODE_NAME, from its identity key
 
     def run(
         self,
@@ -118,6 +122,22 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
         target = self._target()
         if target is None:
             return join(ctx, deadline)
+        if state.complete and target.lost:
+            gone = self._lost_participants(state, target, ctx.node)
+            if gone:
+                # As torch's own sanitizer does once their heartbeats expire (keep_alive_interval x
+                # keep_alive_max_attempt later): with no participant left the next round opens.
+                for node in gone:
+                    del state.participants[node]
+                    state.last_heartbeats.pop(node, None)
+                dyn._remove_participant_epilogue(state, ctx.settings)
+                log.info(
+                    "rendezvous %s round %d: dropping %s, declared lost by the operator",
+                    ctx.settings.run_id,
+                    state.round,
+                    ", ".join(self._names[node] for node in gone),
+                )
+                return dyn._Action.KEEP_ALIVE  # marks the state dirty: the next sync writes it (or rereads it)
         if self._node_name and self._node_name in target.exclude:
             if ctx.node in state.participants and not state.complete:
                 return dyn._Action.REMOVE_FROM_PARTICIPANTS
@@ -156,6 +176,20 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
                 )
             return dyn._Action.KEEP_ALIVE if dyn._should_keep_alive(ctx) else dyn._Action.SYNC
         return action
+
+    def _lost_participants(self, state: Any, target: control.TargetPlan, me: Any) -> list[Any]:
+        """Participants of the finished round whose pod the operator declared lost (``TargetPlan.lost``)."""
+        lost = set(target.lost)
+        return [node for node in state.participants if node != me and self._name_of(node) in lost]
+
+    def _name_of(self, node: Any) -> str:
+        """The pod name a participant published with its identity ("" while unknown; misses are not cached)."""
+        if node not in self._names:
+            identity = heartbeats.read_identity(self._store, self._settings.run_id, str(node))
+            if identity is None:
+                return ""
+            self._names[node] = identity.name
+        return self._names[node]
 
     def _mark_rendezvous_complete(self) -> None:
         """The stock completion (ranks by node descriptor), then the ranks re-assigned by node index."""

@@ -28,8 +28,8 @@ STATE_KEY = "torch.rendezvous.probe"  # C10dRendezvousBackend keeps the round st
 
 
 def start_node(harness, port: int, name: str, out: Path, last_call: int = LAST_CALL_S, *, index: int | None = None,
-               nnodes: str = "1:3", **extra_env: str) -> subprocess.Popen:
-    conf = f"is_host=false,join_timeout=60,last_call_timeout={last_call},keep_alive_interval=1"
+               nnodes: str = "1:3", keep_alive: int = 1, **extra_env: str) -> subprocess.Popen:
+    conf = f"is_host=false,join_timeout=60,last_call_timeout={last_call},keep_alive_interval={keep_alive}"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
            "--rdzv-backend=disttrain", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=probe", f"--rdzv-conf={conf}",
            "--max-restarts=3", "--monitor-interval=0.2", str(PROBE)]
@@ -191,3 +191,30 @@ def test_ranks_follow_node_indices_and_a_replacement_takes_the_lost_nodes_rank(h
     records = wait_for(out, set(nodes), 45)
     assert set(nodes) <= records.keys(), logs_of(out, nodes)
     assert {n: records[n]["GROUP_RANK"] for n in nodes} == {"node-0-1": "0", "node-1": "1", "node-2": "2"}
+
+
+def test_survivors_drop_a_node_declared_lost_from_the_finished_round_without_waiting_for_its_heartbeats(harness):
+    """A node dies (its whole tree) while the group runs; the operator declares its pod lost and lowers the target.
+    The survivors' workers fail and their agents re-join: they drop the dead participant from the finished round
+    at once. Without that, torch keeps it a participant until its heartbeats expire (keep_alive_interval 20 s x 3
+    attempts = 60 s here), and the survivors could not open the next round before this test gives up."""
+    port = harness.start_store()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store.set(control.TARGET_KEY, control.TargetPlan(generation=1, nodes=3).model_dump_json())
+    out = harness.out
+    nodes = {name: start_node(harness, port, name, out, index=i, keep_alive=20, PROBE_SLEEP="120")
+             for i, name in enumerate(("node-0", "node-1", "node-2"))}
+    records = wait_for(out, set(nodes), 30)
+    assert set(nodes) <= records.keys(), logs_of(out, nodes)
+    assert {r["WORLD_SIZE"] for r in records.values()} == {"3"}
+
+    harness.kill_tree(nodes.pop("node-2").pid)
+    for path in out.glob("*.json"):
+        path.unlink()
+    store.set(control.TARGET_KEY, control.TargetPlan(generation=2, nodes=2, lost=["node-2"]).model_dump_json())
+    for proc in nodes.values():  # the survivors' collectives fail: their workers exit and torchrun restarts them
+        subprocess.run(["pkill", "-KILL", "-P", str(proc.pid)], check=False)
+    records = wait_for(out, set(nodes), 40)
+    assert set(nodes) <= records.keys(), logs_of(out, nodes)
+    assert {records[n]["WORLD_SIZE"] for n in nodes} == {"2"}
+    assert {records[n]["GROUP_RANK"] for n in nodes} == {"0", "1"}
