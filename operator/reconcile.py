@@ -527,8 +527,7 @@ def _handle_workers(d: _Draft) -> None:
         else:
             if reason is Reason.HEARTBEAT_LOST:
                 _fence(d, pod)
-            if pod.name not in d.status.control.lost:
-                d.status.control.lost = sorted({*d.status.control.lost, pod.name})
+            _mark_lost(d, pod)
             if pod.uid not in handled:
                 handled.add(pod.uid)
                 _count_lost_pod(d, pod, reason)
@@ -556,14 +555,28 @@ def _count_vanished_pods(d: _Draft, victims: frozenset[str]) -> None:
 
 
 def _forget_gone_victims(d: _Draft) -> None:
-    """Victims and lost pods that are gone need no more keeping out of the rendezvous."""
     seen = {p.name for p in d.seen.workers}
     d.status.control.exclude = [name for name in d.status.control.exclude if name in seen]
-    d.status.control.lost = [name for name in d.status.control.lost if name in seen]
+
+
+def _mark_lost(d: _Draft, pod: PodView) -> None:
+    """List a lost pod in ``control.lost``: the survivors drop it from the finished rendezvous round at once
+    instead of waiting for its heartbeats to expire. Kept until the next group runs even if the pod is gone
+    first (pod names are never reused), so the survivors see it whenever they re-join."""
+    if pod.name not in d.status.control.lost:
+        d.status.control.lost = sorted({*d.status.control.lost, pod.name})
+
+
+def _forget_lost(d: _Draft) -> None:
+    """Once a group runs again, only the lost pods still lingering stay listed."""
+    present = {p.name for p in d.seen.workers}
+    d.status.control.lost = [name for name in d.status.control.lost if name in present]
 
 
 def _remove_exited_victim(d: _Draft, pod: PodView, reason: Optional[Reason]) -> None:
     """A scale-down victim that exited or was lost anyway is deleted now (a planned removal, never counted)."""
+    if reason is not None:
+        _mark_lost(d, pod)
     if pod.is_finished or reason is not None:
         d.delete(pod, Reason.SCALED_DOWN, force=is_force_delete_due(pod, d.spec, d.seen.nodes, d.now))
 
@@ -899,6 +912,7 @@ def _complete_directive(d: _Draft, group_nodes: int) -> None:
     if not ctl.in_flight:
         if st.world_size > 0:
             st.agent_lost_at = None  # a group runs with the new agent: later failures are failures of their own
+            _forget_lost(d)
         return
     issued = timestamps.parse_time(ctl.issued_at) or d.now
     progressed = timestamps.parse_time(st.last_progress_time)
@@ -911,6 +925,7 @@ def _complete_directive(d: _Draft, group_nodes: int) -> None:
         # Victims still shutting down stay excluded so they are not mistaken for members again.
         present = {p.name for p in d.seen.workers}
         ctl.exclude = [name for name in ctl.exclude if name in present]
+        _forget_lost(d)
         st.consecutive_failures = 0
         st.next_restart_time = None
         if st.last_reform is not None:

@@ -122,7 +122,7 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
         target = self._target()
         if target is None:
             return join(ctx, deadline)
-        if state.complete and target.lost:
+        if state.complete and (target.lost or target.exclude):
             gone = self._lost_participants(state, target, ctx.node)
             if gone:
                 # As torch's own sanitizer does once their heartbeats expire (keep_alive_interval x
@@ -132,7 +132,7 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
                     state.last_heartbeats.pop(node, None)
                 dyn._remove_participant_epilogue(state, ctx.settings)
                 log.info(
-                    "rendezvous %s round %d: dropping %s, declared lost by the operator",
+                    "rendezvous %s round %d: dropping %s, declared lost or excluded by the operator",
                     ctx.settings.run_id,
                     state.round,
                     ", ".join(self._names[node] for node in gone),
@@ -178,8 +178,9 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
         return action
 
     def _lost_participants(self, state: Any, target: control.TargetPlan, me: Any) -> list[Any]:
-        """Participants of the finished round whose pod the operator declared lost (``TargetPlan.lost``)."""
-        lost = set(target.lost)
+        """Participants of the finished round whose pod the operator declared lost or excluded (a scale-down victim
+        that died, or was picked as the victim of a scale-down issued with the loss): neither comes back to it."""
+        lost = {*target.lost, *target.exclude}
         return [node for node in state.participants if node != me and self._name_of(node) in lost]
 
     def _name_of(self, node: Any) -> str:

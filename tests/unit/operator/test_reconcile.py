@@ -814,3 +814,21 @@ def test_requeue_after_reports_the_nearest_timer():
 def test_observed_without_nodes_defaults():
     actions = core.reconcile(DistTrainJob.model_validate(job_manifest()), Observed(), T0)
     assert actions.create_agent and created(actions) == [0, 1]
+
+
+def test_a_lost_pod_is_listed_for_the_survivors_rendezvous_until_the_next_group_runs():
+    """``control.lost`` lets the survivors drop a dead node from the finished rendezvous round at once. It must stay
+    listed while they re-join, even once the pod is gone, and be forgotten once the new group runs."""
+    world = World(job_manifest(replicas=3, min=2))
+    world.nodes = {f"node-{i}": NodeView(f"node-{i}") for i in range(3)} | {"node-agent": NodeView("node-agent")}
+    world.running_world(3)
+    assert world.control.get("lost", []) == []
+    world.nodes["node-1"] = NodeView("node-1", ready=False)
+    world.step(1)
+    assert world.control["action"] == "reform" and world.control["lost"] == ["demo-worker-1"]
+    world.finish_terminations().step(1)
+    assert "demo-worker-1" not in world.workers
+    assert world.control["lost"] == ["demo-worker-1"], "gone, but the survivors may not have re-joined yet"
+    world.run_all().progress(3, step=6).step(1)
+    assert world.status["phase"] == "Running" and world.control["action"] == "none"
+    assert world.control.get("lost", []) == []
