@@ -3,29 +3,17 @@ the files, and DCP's plan cache replans when the saved state's layout changes be
 
 from __future__ import annotations
 
-import socket
 import zlib
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from tests.checkpoint_tensors import load_tensors
 
 from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer import checkpoint as ckpt_mod
 from disttrain.trainer import commit, sampler, storage, writeback
-from tests.checkpoint_tensors import load_tensors
-
-
-@pytest.fixture
-def one_process_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_starting_writeback_of_a_written_range_is_accepted_on_linux(tmp_path):

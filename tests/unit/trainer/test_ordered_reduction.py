@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -31,16 +28,6 @@ def test_every_world_size_forms_the_same_micro_batches(cursor, micro, m):
             for k, batch in enumerate(ordered_reduction.micro_indices(positions, accum)):
                 got[ordered_reduction.global_micro_batch(k, world, rank)] = batch
         assert got == expected, f"world size {world}"
-
-
-@pytest.fixture
-def one_process_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_each_micro_batch_lands_in_its_own_slot_and_the_sum_runs_in_order(one_process_group):
