@@ -26,6 +26,10 @@ CHECKPOINT_DIR: Final = "DISTTRAIN_CHECKPOINT_DIR"
 AGENT_ENDPOINT: Final = "DISTTRAIN_AGENT_ENDPOINT"
 # First Prometheus port of this node; local rank r serves on port + r. 0 disables the exporter.
 METRICS_PORT: Final = "DISTTRAIN_METRICS_PORT"
+# TCP port the worker's launcher listens on once the node can start its workers without waiting for imports (their
+# warm interpreters are ready): the worker pod's readinessProbe. The operator brings a new node into a running group
+# only once it is Ready, so the group never stops training while a newcomer imports torch. Unset or 0: none.
+READY_PORT: Final = "DISTTRAIN_READY_PORT"
 # The job's store secret (see disttrain.api.storeauth): a file holding it (the mounted Secret on Kubernetes), or
 # the secret itself (local mode). Every client of the agent's store needs it; without it the keys cannot be found.
 STORE_SECRET_FILE: Final = "DISTTRAIN_STORE_SECRET_FILE"

@@ -11,8 +11,11 @@ Kubernetes' node-monitor-grace-period), so the figure is independent of it: from
 directive in the job's status, found from the rendezvous heartbeats. Goal: <= 4 s.
 
 P2, lost work on planned scale-down (3 -> 2) and scale-up (2 -> 3): optimizer steps executed twice. Goal: 0.
+scale_up_stall_seconds, same run: how long the running 2-node group stops training for the joining node, from its
+last step to the first step at 3 nodes. The joining node starts cold (a new pod), so this shows whether the group
+waits for its imports (it should not: the drain comes only once the node is Ready, its workers' interpreters warm).
 
-    python bench/reform.py [--steps N]
+    python bench/reform.py [--steps N] [--only detect|p1|p2]
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ def detect(steps: int) -> tuple[float, str]:
     return float(seen["directive"]) - float(seen["kill"]), str(seen["reason"])
 
 
-def p2(steps: int) -> tuple[int, int]:
+def p2(steps: int) -> tuple[int, int, float]:
     base = lb.workdir("planned")
     out = base / "records"
     plan = [2, 3]
@@ -131,28 +134,37 @@ def p2(steps: int) -> tuple[int, int]:
         raise SystemExit(f"the run ended before every scale request was made (left: {plan}); raise --steps")
     down = [r for r in found if r["time"] < split[3]]
     up = [r for r in found if r["time"] >= split[2]]
+    at_3 = [r["time"] for r in up if r["world"] == 3 and r["time"] > split[3]]
+    if not at_3:
+        raise SystemExit("the run ended before a step at 3 nodes; raise --steps")
+    first_at_3 = min(at_3)
+    last_at_2 = max(r["time"] for r in up if r["world"] == 2 and r["time"] < first_at_3)
     shutil.rmtree(base, ignore_errors=True)
-    return lb.lost_steps(down), lb.lost_steps(up)
+    return lb.lost_steps(down), lb.lost_steps(up), first_at_3 - last_at_2
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--only", choices=("detect", "p1", "p2"), help="run one part (default: all)")
     args = parser.parse_args()
     backend = lb.use_registered_backend()
     began = time.time()
-    detected, detect_reason = detect(args.steps)
-    reform, floor, phases = p1(args.steps)
-    down, up = p2(args.steps)
+    lines: list[str] = []
+    if args.only in (None, "detect"):
+        detected, detect_reason = detect(args.steps)
+        lines.append(f"detect_seconds: {detected:.2f} (reason {detect_reason}; NotReady after {NOT_READY_DELAY_S:.0f} s)")
+    if args.only in (None, "p1"):
+        reform, floor, phases = p1(args.steps)
+        lines.append(f"reform_seconds: {reform:.2f}")
+        for phase, seconds in phases.items():  # status.lastReform.phases: from the first sign of the loss
+            lines.append(f"reform_seconds.{phase}: {seconds:.2f}")
+        lines += [f"floor_seconds: {floor:.2f}", f"reform_vs_floor: {reform / floor:.2f}"]
+    if args.only in (None, "p2"):
+        down, up, stall = p2(args.steps)
+        lines += [f"lost_steps_scale_down: {down}", f"lost_steps_scale_up: {up}", f"scale_up_stall_seconds: {stall:.2f}"]
     print(f"rendezvous backend: {backend}; bench wall time {time.time() - began:.0f}s")
-    print(f"detect_seconds: {detected:.2f} (reason {detect_reason}; NotReady after {NOT_READY_DELAY_S:.0f} s)")
-    print(f"reform_seconds: {reform:.2f}")
-    for phase, seconds in phases.items():  # status.lastReform.phases: from the first sign of the loss
-        print(f"reform_seconds.{phase}: {seconds:.2f}")
-    print(f"floor_seconds: {floor:.2f}")
-    print(f"reform_vs_floor: {reform / floor:.2f}")
-    print(f"lost_steps_scale_down: {down}")
-    print(f"lost_steps_scale_up: {up}")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ LAUNCHER = "disttrain.trainer.launch"
 TERMINATION_LOG = "/dev/termination-log"
 CHECKPOINT_VOLUME = "disttrain-checkpoints"
 METRICS_PORT = 9400
+READY_PORT = 9399
+"""The launcher listens here once the node's workers can start warm (``disttrain.trainer.readiness``)."""
 AGENT_IMAGE_REPOSITORY = "ghcr.io/disttrain/trainer"
 AGENT_CPU = "250m"
 AGENT_MEMORY = "512Mi"
@@ -116,6 +118,7 @@ def worker_env(
         {"name": env.CHECKPOINT_DIR, "value": checkpoint_directory or checkpoint_dir(job)},
         {"name": env.AGENT_ENDPOINT, "value": endpoint or agent_endpoint(job)},
         {"name": env.METRICS_PORT, "value": str(metrics_port)},
+        {"name": env.READY_PORT, "value": str(READY_PORT)},
         # With a store shared between torchrun and the workers, a scale-up deadlocks when the running node keeps
         # rank 0: it never publishes MASTER_ADDR/PORT for the new round (see trainer/rendezvous.py).
         {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"},
@@ -176,6 +179,9 @@ def build_worker_pod(
     ]
     ports = [p for p in trainer.get("ports") or [] if not _is_metrics_port_name(p.get("name", ""))]
     trainer["ports"] = [*ports, *metrics_ports(job.spec.nproc_per_node)]
+    # Ready once the workers can start without import delay: the operator brings a node into a running group only
+    # then, so the group never waits for a newcomer's imports. A probe of the user's own is kept.
+    trainer.setdefault("readinessProbe", {"tcpSocket": {"port": READY_PORT}, "periodSeconds": 1})
     _mount_checkpoints(job, pod_spec, trainer)
     access.mount_store_secret(job, pod_spec, trainer)
     pod_spec["restartPolicy"] = "Never"  # a failed node is the operator's to replace, never the kubelet's

@@ -974,15 +974,17 @@ def _remove_drained_victims(d: _Draft) -> None:
 def _choose_target(d: _Draft, live: list[PodView], group_nodes: int) -> None:
     """The node count the next rendezvous round completes with, and a ScaleUp drain when new nodes run.
 
-    While some desired pods are not Running yet, the target stays at the desired size until their wait
+    While some desired pods are not Running and Ready yet, the target stays at the desired size until their wait
     expires (replacementWaitSeconds after a loss, pendingTimeoutSeconds for a new pod); then it drops to the
     Running pods when they are a valid count >= min, so the job never waits forever on a Pending pod.
+    A worker pod is Ready once its workers can start without import delay (``disttrain.trainer.readiness``): a
+    running group is drained for a newcomer only then, so it never stops to wait for a newcomer's imports.
     """
     st, spec, now = d.status, d.spec, d.now
     ctl = st.control
     desired = st.desired_nodes
-    running = [p for p in live if p.is_running]
-    waiting = [p for p in live if not p.is_running]
+    running = [p for p in live if p.is_running and p.ready]
+    waiting = [p for p in live if not (p.is_running and p.ready)]
     missing = max(0, desired - len(live))
     target = desired
     if waiting or missing:

@@ -44,6 +44,7 @@ from torch.distributed.launcher import api as launcher_api
 
 from disttrain.api import env
 from disttrain.api.exitcodes import ExitCode
+from disttrain.trainer.readiness import Readiness
 from disttrain.trainer.rendezvous import DisttrainRendezvousHandler
 from disttrain.trainer.warmstart import WarmPool
 
@@ -153,6 +154,7 @@ class CountingAgent(LocalElasticAgent):
         spec = worker_group.spec
         if isinstance(spec.entrypoint, str):
             WARM_POOL.fill(spec.local_world_size, [spec.entrypoint, *map(str, spec.args)])
+        READINESS.arm(WARM_POOL.is_warm)  # the pod reads Ready once they are (disttrain.trainer.readiness)
         super()._initialize_workers(worker_group)
 
     def _leave_rendezvous_open(self) -> None:
@@ -181,6 +183,8 @@ class CountingAgent(LocalElasticAgent):
 
 WARM_POOL = WarmPool()
 """This agent's warm worker interpreters."""
+READINESS = Readiness()
+"""The pod's readiness port (``DISTTRAIN_READY_PORT``)."""
 _cold_popen = SubprocessHandler._popen
 
 
@@ -206,6 +210,7 @@ def run(argv: Sequence[str]) -> int:
         write_termination_message(text)
         return exit_code(failure)
     finally:
+        READINESS.close()
         WARM_POOL.close()
     return 0
 

@@ -28,6 +28,7 @@ import runpy
 import select
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Optional
@@ -144,14 +145,26 @@ class _Warm:
 
 
 class WarmPool:
-    """Warm interpreters of one agent, by interpreter flags."""
+    """Warm interpreters of one agent, by interpreter flags. Thread-safe: the pod's readiness
+    (:mod:`disttrain.trainer.readiness`) asks :meth:`is_warm` from a thread of its own."""
 
     def __init__(self) -> None:
         self._ready: list[_Warm] = []
+        self._lock = threading.RLock()
+
+    def is_warm(self) -> bool:
+        """Every interpreter warming at normal priority has finished its imports: the workers this node starts
+        next start without import delay (also true when the pool is empty: the workers took them, or none fit)."""
+        with self._lock:
+            return all(warm.is_ready() for warm in self._ready if not warm.idle and warm.proc.poll() is None)
 
     def fill(self, count: int, args: Sequence[str], *, idle: bool = False) -> None:
         """Have ``count`` interpreters warming for workers started with ``args`` (no-op when those cannot be
         warm); ``idle``: they import only on otherwise idle CPU."""
+        with self._lock:
+            self._fill(count, args, idle)
+
+    def _fill(self, count: int, args: Sequence[str], idle: bool) -> None:
         command = warm_command(args)
         if command is None or not enabled():
             return
@@ -165,6 +178,10 @@ class WarmPool:
     def take(self, args: Sequence[str], environ: Mapping[str, str]) -> Optional[subprocess.Popen[bytes]]:
         """A warm interpreter now running the worker ``args`` with ``environ``; None: start it cold. One still
         importing at normal priority is taken too (it is ahead of a cold start), one importing on idle CPU not."""
+        with self._lock:
+            return self._take(args, environ)
+
+    def _take(self, args: Sequence[str], environ: Mapping[str, str]) -> Optional[subprocess.Popen[bytes]]:
         command = warm_command(args)
         if command is None:
             return None
@@ -191,9 +208,10 @@ class WarmPool:
 
     def close(self) -> None:
         """End the interpreters nobody took (closing stdin ends them; the kill is for one still importing)."""
-        for warm in self._ready:
-            warm.end()
-        self._ready = []
+        with self._lock:
+            for warm in self._ready:
+                warm.end()
+            self._ready = []
 
 
 def _run(argv: list[str]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import socket
 import subprocess
 import time
 from typing import IO, Optional
@@ -46,6 +47,9 @@ class LocalPod:
     ready_port: int = 0
     """Running only once the tree connected to this port (the store); 0: Running as soon as it started."""
     started: bool = False
+    readiness_port: int = 0
+    """The pod's readinessProbe: Ready once its launcher listens here (its workers start warm); 0: no probe."""
+    probed_ready: bool = False
     termination_log: str = ""
     """The file the worker's launcher writes its failure to (terminationMessagePath on Kubernetes)."""
 
@@ -66,6 +70,20 @@ class LocalPod:
             self.started = not self.ready_port or proctree.is_connected_to(self.marker, self.proc.pid, self.ready_port)
         return self.started
 
+    def passes_readiness_probe(self) -> bool:
+        """The readinessProbe (a TCP connect, as the kubelet's ``tcpSocket`` check); once passed, it stays passed
+        (the launcher keeps the port open for its life)."""
+        if not self.probed_ready:
+            if not self.readiness_port:
+                self.probed_ready = True
+            else:
+                try:
+                    socket.create_connection(("127.0.0.1", self.readiness_port), timeout=0.2).close()
+                    self.probed_ready = True
+                except OSError:
+                    pass
+        return self.probed_ready
+
     @property
     def is_marked_lost(self) -> bool:
         """The machine died and its NotReady delay has passed: the node reads NotReady, the pod unready."""
@@ -76,8 +94,10 @@ class LocalPod:
         code = self.poll()
         if code is None and not self.node_lost and not self.is_started():
             phase, ready = "Pending", False
-        elif self.node_lost or code is None:
+        elif self.node_lost:
             phase, ready = "Running", not self.is_marked_lost
+        elif code is None:
+            phase, ready = "Running", self.passes_readiness_probe()
         else:
             phase, ready = ("Succeeded" if code == 0 else "Failed"), False
         return PodView(

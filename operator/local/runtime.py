@@ -156,14 +156,14 @@ class LocalRuntime:
             store_secret=self.store_secret,
         )
 
-    def _spawn(self, pod: dict[str, Any], index: int, metrics_port: int) -> LocalPod:
+    def _spawn(self, pod: dict[str, Any], index: int, metrics_port: int, readiness_port: int = 0) -> LocalPod:
         name = pod["metadata"]["name"]
         self.machine_count += 1
         machine = f"local-{self.machine_count}"
         uid = str(uuid.uuid4())
         pod = copy.deepcopy(pod)
         pod["metadata"]["uid"] = uid
-        spec = translate.to_process(pod, self.site(), machine, metrics_port)
+        spec = translate.to_process(pod, self.site(), machine, metrics_port, readiness_port)
         termination_log = ""
         if env_names.TERMINATION_LOG in spec.env:  # a worker: its launcher's failure report, one file per pod
             termination_log = str(self.state.logs_dir / f"{name}.{uid}.termination")
@@ -183,6 +183,7 @@ class LocalRuntime:
             log=log,
             created_at=time.time(),
             metrics_port=metrics_port,
+            readiness_port=readiness_port,
             termination_log=termination_log,
         )
 
@@ -196,7 +197,7 @@ class LocalRuntime:
             checkpoint_directory=str(self.state.checkpoints_dir),
         )
         port = free_port()
-        local = self._spawn(pod, worker.node_index, port)
+        local = self._spawn(pod, worker.node_index, port, free_port())
         local.ready_port = self.store_port
         self.workers[local.name] = local
         self.record_event(

@@ -6,7 +6,8 @@ machine is translated here:
 * the agent Service's DNS name and port in args and env become ``127.0.0.1:<local port>`` (several jobs and
   tests share one machine, so the runtime picks a free port for each job's store);
 * the checkpoint mount path becomes the state directory's ``checkpoints/``;
-* ``DISTTRAIN_METRICS_PORT`` gets a free local port per node (pods each have their own IP; processes do not);
+* ``DISTTRAIN_METRICS_PORT`` and ``DISTTRAIN_READY_PORT`` get free local ports per node (pods each have their own
+  IP; processes do not);
 * ``python``/``python3`` and ``torchrun`` resolve to the interpreter running disttrain (the image's
   interpreter on Kubernetes), so the venv's torch is used;
 * ``env[].valueFrom.fieldRef`` is resolved from the local pod's name, namespace, uid and node.
@@ -139,8 +140,11 @@ def container_env(container: Mapping[str, Any], pod: Mapping[str, Any], node_nam
     return resolved
 
 
-def to_process(pod: Mapping[str, Any], site: LocalSite, node_name: str, metrics_port: int) -> ProcessSpec:
-    """The local process for ``pod``: the trainer container's command and env, translated to this machine."""
+def to_process(
+    pod: Mapping[str, Any], site: LocalSite, node_name: str, metrics_port: int, ready_port: int = 0
+) -> ProcessSpec:
+    """The local process for ``pod``: the trainer container's command and env, translated to this machine
+    (``ready_port``: where its launcher signals readiness, the local stand-in for the pod's readinessProbe)."""
     container = trainer_container(pod)
     argv = translate_argv([*container.get("command", []), *container.get("args", [])], site)
     if not argv:
@@ -156,6 +160,8 @@ def to_process(pod: Mapping[str, Any], site: LocalSite, node_name: str, metrics_
         env[env_names.CHECKPOINT_DIR] = site.checkpoint_dir
     if env_names.METRICS_PORT in env:
         env[env_names.METRICS_PORT] = str(metrics_port)
+    if env_names.READY_PORT in env:
+        env[env_names.READY_PORT] = str(ready_port)
     if env.pop(env_names.STORE_SECRET_FILE, None) is not None:  # no Secret volume here: the secret itself
         env[env_names.STORE_SECRET] = site.store_secret
     workdir = container.get("workingDir")

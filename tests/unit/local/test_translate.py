@@ -28,7 +28,7 @@ def _site(job: DistTrainJob) -> translate.LocalSite:
 def test_the_cluster_pod_becomes_the_same_command_on_localhost(make_job):
     job = _job(make_job)
     pod = pods.build_worker_pod(job, 1)
-    spec = translate.to_process(pod, _site(job), "local-7", metrics_port=45000)
+    spec = translate.to_process(pod, _site(job), "local-7", metrics_port=45000, ready_port=45001)
     argv = list(spec.argv)
     assert argv[:3] == [sys.executable, "-m", "disttrain.trainer.launch"]
     assert "--rdzv-endpoint=127.0.0.1:41234" in argv
@@ -39,7 +39,7 @@ def test_the_cluster_pod_becomes_the_same_command_on_localhost(make_job):
     assert all(a in argv for a in same)
     assert spec.env[env.AGENT_ENDPOINT] == "127.0.0.1:41234"
     assert spec.env[env.CHECKPOINT_DIR] == "/tmp/state/ckpt"
-    assert spec.env[env.METRICS_PORT] == "45000"
+    assert spec.env[env.METRICS_PORT] == "45000" and spec.env[env.READY_PORT] == "45001"
     assert spec.env[env.NODE_NAME] == "tr-worker-1"
     assert spec.env[env.CONTRACT] == pods.worker_env_dict(pod)[env.CONTRACT]
     assert spec.env["POD"] == "tr-worker-1" and spec.env["GREETING"] == "hello tr-worker-1"

@@ -190,6 +190,19 @@ def test_each_local_ranks_exporter_has_a_named_metrics_port(nproc):
     kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
 
 
+def test_a_worker_reads_ready_when_its_launcher_listens_and_a_probe_of_the_users_is_kept():
+    """The readiness port is how the operator knows a newcomer's workers start warm (disttrain.trainer.readiness)."""
+    [container] = pods.build_worker_pod(make_job(), 0)["spec"]["containers"]
+    port = int(pods.worker_env_dict({"spec": {"containers": [container]}})[env.READY_PORT])
+    assert container["readinessProbe"] == {"tcpSocket": {"port": port}, "periodSeconds": 1}
+    assert port not in {p["containerPort"] for p in container["ports"]}  # never one of the metrics ports
+    manifest = job_manifest(replicas=2)
+    own = {"httpGet": {"path": "/ready", "port": 8000}}
+    manifest["spec"]["template"]["spec"]["containers"][0]["readinessProbe"] = own
+    [container] = pods.build_worker_pod(DistTrainJob.model_validate(manifest), 0)["spec"]["containers"]
+    assert container["readinessProbe"] == own
+
+
 def test_pods_meet_the_restricted_pod_security_standard_by_default():
     job = make_job()
     for pod in (pods.build_worker_pod(job, 0), pods.build_agent_pod(job)):

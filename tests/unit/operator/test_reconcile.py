@@ -677,6 +677,30 @@ def test_scale_up_adds_pods_then_drains_so_the_group_reforms_with_them():
     assert "ScaledUp" in world.reasons()
 
 
+def test_a_running_newcomer_is_drained_in_only_once_ready_so_the_group_never_waits_for_its_imports():
+    """Ready = its workers start warm (disttrain.trainer.readiness); before that the group trains on."""
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.spec("nodes.replicas", 3).step(0)
+    world.step(10)
+    world.run_all().set_worker(2, ready=False).step(1)  # its container runs, its workers' imports do not
+    assert world.control["action"] == "none" and world.status["readyReplicas"] == 2
+    world.step(5)
+    assert world.control["action"] == "none"
+    world.set_worker(2, ready=True).step(1)
+    assert world.control["action"] == "drain" and world.control["reason"] == "ScaledUp"
+    assert world.control["targetNodes"] == 3
+
+
+def test_a_newcomer_never_ready_is_given_up_after_the_pending_timeout():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.spec("elastic.pendingTimeoutSeconds", 30).spec("nodes.replicas", 3).step(0)
+    world.step(10)
+    world.run_all().set_worker(2, ready=False).step(1)
+    world.step(31)
+    assert world.control["action"] == "none" and world.control["targetNodes"] == 2
+    assert "PendingTimeout" in world.reasons()
+
+
 def test_scale_requests_above_max_are_clamped():
     world = World(job_manifest(replicas=4, max=3))
     world.step()
