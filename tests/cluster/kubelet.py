@@ -124,12 +124,12 @@ class Kubelets:
                 if error.code not in (404, 409):
                     raise
 
-    def _report(self, path: str, pod: dict[str, Any], exit_code: int | None) -> None:
+    def _report(self, path: str, pod: dict[str, Any], exit_code: int | None, ready_when_running: bool = True) -> None:
         stamp = _now()[:19] + "Z"
         containers = pod["spec"]["containers"]
         if exit_code is None:
             state: dict[str, Any] = {"running": {"startedAt": stamp}}
-            phase, ready = "Running", "True"
+            phase, ready = "Running", "True" if ready_when_running else "False"
         else:
             state = {"terminated": {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
                                     "startedAt": stamp, "finishedAt": stamp}}

@@ -13,38 +13,24 @@ import json
 import time
 import urllib.error
 import urllib.request
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
-import yaml
 
 from disttrain.api import constants
 from disttrain.api.conditions import format_time
 from disttrain.trainer.agent import KubeJobSource
 from tests.cluster.controlplane import ControlPlane
+from tests.cluster.harness import PHASES, Cluster, _try, checkpoint_claim, eventually, silent_node_reform
 from tests.cluster.kubelet import Kubelets
 from tests.cluster.operator_process import OperatorProcess
+from tests.cluster.process_kubelet import ProcessKubelets
 from tests.conftest import JobBuilder
 from tests.cluster.rbac import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, install_operator_rbac
 
 pytestmark = [pytest.mark.usefixtures("crd"), pytest.mark.timeout(180)]
-T = TypeVar("T")
-
-
-def eventually(check: Callable[[], T], timeout: float = 30, interval: float = 0.2, what: str = "") -> T:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"{what or 'condition'} not met within {timeout:.0f} s; last value: {last!r}")
-
-
 @pytest.fixture(scope="module")
 def operator(controllers: ControlPlane, crd: ControlPlane, tmp_path_factory) -> Iterator[OperatorProcess]:
     install_operator_rbac(controllers)
@@ -64,97 +50,28 @@ def kubelets(controllers: ControlPlane) -> Iterator[Kubelets]:
     sim.stop()
 
 
-class Cluster:
-    """kubectl and REST helpers for one test's namespace and job."""
-
-    def __init__(self, plane: ControlPlane, namespace: str, kubelets: Kubelets) -> None:
-        self.plane, self.ns, self.kubelets = plane, namespace, kubelets
-        self.tag = uuid.uuid4().hex[:6]
-
-    def jobs(self, name: str = "", sub: str = "") -> str:
-        path = f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/{self.ns}/{constants.PLURAL}"
-        return path + (f"/{name}" if name else "") + (f"/{sub}" if sub else "")
-
-    def apply(self, builder: JobBuilder, tmp: Path) -> dict[str, Any]:
-        obj = builder.build()
-        obj["metadata"]["namespace"] = self.ns
-        manifest = tmp / f"{obj['metadata']['name']}.yaml"
-        manifest.write_text(yaml.safe_dump(obj))
-        self.plane.kubectl("apply", "--server-side", "-f", str(manifest))
-        return self.job(obj["metadata"]["name"])
-
-    def job(self, name: str) -> dict[str, Any]:
-        return self.plane.request("GET", self.jobs(name))
-
-    def status(self, name: str) -> dict[str, Any]:
-        return self.job(name).get("status") or {}
-
-    def pods(self, role: str = "worker") -> dict[str, dict[str, Any]]:
-        items = self.plane.request("GET", f"/api/v1/namespaces/{self.ns}/pods")["items"]
-        return {p["metadata"]["name"]: p for p in items if p["metadata"].get("labels", {}).get(constants.LABEL_ROLE) == role}
-
-    def live_workers(self) -> dict[str, dict[str, Any]]:
-        return {n: p for n, p in self.pods().items() if not p["metadata"].get("deletionTimestamp")}
-
-    def phase(self, name: str, phase: str) -> dict[str, Any] | None:
-        status = self.status(name)
-        return status if status.get("phase") == phase else None
-
-    def nodes(self, count: int) -> list[str]:
-        names = [f"{self.tag}-n{i}" for i in range(count)]
-        for node in names:
-            self.kubelets.add_node(node)
-        return names
-
-    def agent_kubeconfig(self, job: str) -> Path:
-        return self.plane.service_account_kubeconfig(self.ns, f"{job}-agent")
-
-    def agent_reports(self, job: str, token_config: Path, **status: Any) -> None:
-        """What the job agent relays, with the agent's own token (the per-job Role allows only this)."""
-        self.plane.kubectl("patch", "-n", self.ns, f"{constants.PLURAL}/{job}", "--subresource=status",
-                           "--type=merge", "-p", json.dumps({"status": status}), kubeconfig=token_config)
-
-    def running(self, job: str, builder: JobBuilder, tmp: Path, replicas: int) -> Path:
-        """Apply, let the scheduler and the kubelets run every pod, report a first group: phase Running."""
-        self.nodes(replicas + 2)
-        self.apply(builder.nodes(1, 4, replicas).set("spec.elastic", {"scaleDebounceSeconds": 0, "replacementWaitSeconds": 30})
-                   .set("spec.restartPolicy", {"maxRestarts": 5, "backoffSeconds": 0}), tmp)
-        eventually(lambda: len(self.pods("agent")) == 1 and len(self.live_workers()) == replicas, what="pods created")
-        eventually(lambda: all(p["status"].get("phase") == "Running" for p in [*self.pods().values(),
-                                                                                  *self.pods("agent").values()]),
-                   what="pods scheduled and running")
-        agent = eventually(lambda: _try(lambda: self.agent_kubeconfig(job)), what="agent ServiceAccount")
-        self.agent_reports(job, agent, worldSize=replicas, step=3, rendezvousRound=1,
-                           lastProgressTime=format_time(time.time()))
-        eventually(lambda: self.phase(job, "Running"), what="phase Running")
-        return agent
-
-
-def _try(fn: Callable[[], T]) -> T | None:
-    try:
-        return fn()
-    except urllib.error.HTTPError:
-        return None
+@pytest.fixture
+def cluster(controllers, namespace, kubelets, operator) -> Cluster:
+    """A namespace with the checkpoint claim the jobs name; the kubelets only report pods Running."""
+    checkpoint_claim(controllers, namespace, Path(f"/tmp/pv-{namespace}"))
+    return Cluster(controllers, namespace, kubelets)
 
 
 @pytest.fixture
-def cluster(controllers, namespace, kubelets, operator) -> Cluster:
-    """A namespace with the checkpoint claim the jobs name (bound to a PersistentVolume by the real PV controller,
-    or the real scheduler would not place the workers)."""
-    # ServiceAccount admission refuses pods (403) until the controller created the namespace's "default" account.
-    eventually(lambda: _try(lambda: controllers.request("GET", f"/api/v1/namespaces/{namespace}/serviceaccounts/default")),
-               what="the namespace's default ServiceAccount")
-    volume = f"pv-{namespace}"
-    controllers.request("POST", "/api/v1/persistentvolumes", {
-        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
-        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "manual",
-                 "hostPath": {"path": f"/tmp/{volume}"},
-                 "claimRef": {"namespace": namespace, "name": "ckpt"}}})
-    controllers.request("POST", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", {
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "ckpt"},
-        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "manual", "volumeName": volume,
-                 "resources": {"requests": {"storage": "1Gi"}}}})
-    return Cluster(controllers, namespace, kubelets)
+def process_cluster(controllers, namespace, operator, tmp_path) -> Iterator[Cluster]:
+    """The same, with kubelets that run every pod: the real job agent, torchrun and trainer as local processes."""
+    volume_root = tmp_path / "volume"
+    volume_root.mkdir()
+    checkpoint_claim(controllers, namespace, volume_root)
+    sim = ProcessKubelets(controllers, volume_root, tmp_path / "pods")
+    try:
+        yield Cluster(controllers, namespace, sim)
+    finally:
+        # Jobs go first, so that the operator does not replace the pods of nodes this test's kubelets take along.
+        path = f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/{namespace}/{constants.PLURAL}"
+        controllers.request("DELETE", path)
+        eventually(lambda: not controllers.request("GET", path)["items"], timeout=60, what="jobs deleted")
+        sim.stop()
 
 
 def test_created_objects_are_owned_and_collected_by_the_garbage_collector(cluster, tmp_path):
@@ -501,3 +418,21 @@ def test_pods_refused_by_pod_security_admission_are_named_in_the_status_and_an_e
     assert event["type"] == "Warning" and "violates PodSecurity" in event["message"]
     time.sleep(12)  # one more retry of the creation (every 10 s): the same answer is no new event
     assert len(events()) == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_silent_node_is_reformed_from_its_heartbeats_before_kubernetes_marks_it_not_ready(process_cluster, tmp_path):
+    """Real processes on a real control plane: the agent, torchrun and the trainer of every pod run. A machine dies
+    (its processes SIGKILLed, its Lease no longer renewed); the job agent finds the node silent in the rendezvous
+    heartbeats and the operator reforms at once, long before the node-lifecycle controller (grace period 20 s) marks
+    the node NotReady. The replacement joins, the group trains at 3 nodes again, and the reform's phases are in the
+    status."""
+    seen = silent_node_reform(process_cluster, tmp_path)
+    assert seen.control["reason"] == "HeartbeatLost", seen.control
+    assert seen.victim in seen.control["exclude"]
+    assert seen.node_ready_at_directive == ["True"], "the directive must come before Kubernetes marks the node NotReady"
+    assert seen.status["restarts"]["byReason"] == {"HeartbeatLost": 1}, seen.status["restarts"]
+    phases = seen.status["lastReform"]["phases"]
+    assert all(phases[p] >= 0 for p in PHASES) and abs(sum(phases[p] for p in PHASES) - phases["total"]) < 0.01, phases
+    print(f"real control plane: node power-off -> reform directive {seen.detect_seconds:.1f} s (HeartbeatLost); "
+          + ", ".join(f"{p} {phases[p]:.2f}" for p in (*PHASES, "total")))

@@ -25,7 +25,7 @@ from tests.cluster.tables import kubectl_table
 from tests.cluster.controlplane import ControlPlane, start_or_skip
 from tests.cluster.kubelet import Kubelets
 from tests.cluster.operator_process import OperatorProcess
-from tests.cluster.test_operator import eventually
+from tests.cluster.harness import eventually
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(240)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.test_operator import Cluster, cluster, eventually, kubelets, operator  # noqa: F401 (fixtures)
+from tests.cluster.harness import Cluster, eventually  # noqa: F401
+from tests.cluster.test_operator import cluster, kubelets, operator  # noqa: F401 (fixtures)
 from tests.conftest import JobBuilder
 
 pytestmark = [pytest.mark.usefixtures("crd", "pod_group_crds"), pytest.mark.timeout(180)]

@@ -1,0 +1,83 @@
+"""Issue 12 on the real-control-plane tier: where a reform's seconds go when a machine dies under a running job.
+
+Starts etcd, kube-apiserver, kube-controller-manager (node-monitor-grace-period 20 s) and kube-scheduler from
+``../shared/k8s`` (``tests/cluster/controlplane.py``), the real operator as a process under the chart's RBAC, and
+kubelets that run every pod as local processes (``tests/cluster/process_kubelet.py``: the real job agent with its
+own ServiceAccount token, real torchrun and trainer). A 3-node job of the e2e recorder trains; the machine of one
+worker dies (its processes SIGKILLed, its Lease no longer renewed). Printed, per run:
+
+* ``detect_seconds``: the machine's death -> the reform directive in the job's status (reason ``HeartbeatLost``,
+  from the rendezvous heartbeats; goal <= 4 s, independent of Kubernetes' grace period, which is 20 s here);
+* ``reform_seconds.<phase>``: ``status.lastReform.phases`` once the group trains at 3 nodes again with the
+  replacement that the real scheduler placed.
+
+    python bench/reform_cluster.py [--runs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests.cluster: the control plane, operator process and kubelets of the test tier
+
+from disttrain.api import constants  # noqa: E402
+from tests.cluster.controlplane import ControlPlane  # noqa: E402
+from tests.cluster.harness import PHASES, Cluster, checkpoint_claim, silent_node_reform  # noqa: E402
+from tests.cluster.operator_process import OperatorProcess  # noqa: E402
+from tests.cluster.process_kubelet import ProcessKubelets  # noqa: E402
+from tests.cluster.rbac import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, install_operator_rbac  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=2)
+    args = parser.parse_args()
+    work = pathlib.Path(tempfile.mkdtemp(prefix="disttrain-reform-cluster-"))
+    began = time.time()
+    with ControlPlane() as plane:
+        plane.start_controllers()
+        plane.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+        plane.wait_established(constants.CRD_NAME)
+        install_operator_rbac(plane)
+        operator = OperatorProcess(
+            plane.service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT), work / "operator.log"
+        )
+        operator.start(timeout=120)
+        results = []
+        try:
+            for run in range(args.runs):
+                namespace = plane.create_namespace(f"reform-{run}")
+                run_dir = work / namespace
+                (run_dir / "volume").mkdir(parents=True)
+                checkpoint_claim(plane, namespace, run_dir / "volume")
+                kubelets = ProcessKubelets(plane, run_dir / "volume", run_dir / "pods")
+                try:
+                    seen = silent_node_reform(Cluster(plane, namespace, kubelets), run_dir)
+                finally:
+                    kubelets.stop()
+                phases = seen.status["lastReform"]["phases"]
+                results.append(seen)
+                print(
+                    f"run {run}: detect {seen.detect_seconds:.2f} s ({seen.control.get('reason')}; node Ready "
+                    f"{seen.node_ready_at_directive} at the directive); "
+                    + ", ".join(f"{p} {phases[p]:.2f}" for p in (*PHASES, "total")),
+                    flush=True,
+                )
+        finally:
+            operator.kill()
+    print(f"control plane v1.36.2, node-monitor-grace-period 20 s; bench wall time {time.time() - began:.0f}s")
+    print(f"detect_seconds: {', '.join(f'{r.detect_seconds:.2f}' for r in results)}")
+    for phase in (*PHASES, "total"):
+        values = [r.status["lastReform"]["phases"][phase] for r in results]
+        print(f"reform_seconds.{phase}: {statistics.median(values):.2f} (runs: {', '.join(f'{v:.2f}' for v in values)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

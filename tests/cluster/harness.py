@@ -1,0 +1,188 @@
+"""What the real-control-plane tests (and ``bench/reform_cluster.py``) share: waiting, a namespace's helpers,
+the checkpoint claim, and the silent-node scenario run on pods whose processes really run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import urllib.error
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from disttrain.api import constants
+from disttrain.api.conditions import format_time
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.kubelet import Kubelets
+from tests.conftest import JobBuilder
+from tests.e2e.conftest import e2e_job
+
+T = TypeVar("T")
+
+
+def eventually(check: Callable[[], T], timeout: float = 30, interval: float = 0.2, what: str = "") -> T:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"{what or 'condition'} not met within {timeout:.0f} s; last value: {last!r}")
+
+
+class Cluster:
+    """kubectl and REST helpers for one test's namespace and job."""
+
+    def __init__(self, plane: ControlPlane, namespace: str, kubelets: Kubelets) -> None:
+        self.plane, self.ns, self.kubelets = plane, namespace, kubelets
+        self.tag = uuid.uuid4().hex[:6]
+
+    def jobs(self, name: str = "", sub: str = "") -> str:
+        path = f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/{self.ns}/{constants.PLURAL}"
+        return path + (f"/{name}" if name else "") + (f"/{sub}" if sub else "")
+
+    def apply(self, builder: JobBuilder, tmp: Path) -> dict[str, Any]:
+        obj = builder.build()
+        obj["metadata"]["namespace"] = self.ns
+        manifest = tmp / f"{obj['metadata']['name']}.yaml"
+        manifest.write_text(yaml.safe_dump(obj))
+        self.plane.kubectl("apply", "--server-side", "-f", str(manifest))
+        return self.job(obj["metadata"]["name"])
+
+    def job(self, name: str) -> dict[str, Any]:
+        return self.plane.request("GET", self.jobs(name))
+
+    def status(self, name: str) -> dict[str, Any]:
+        return self.job(name).get("status") or {}
+
+    def pods(self, role: str = "worker") -> dict[str, dict[str, Any]]:
+        items = self.plane.request("GET", f"/api/v1/namespaces/{self.ns}/pods")["items"]
+        return {p["metadata"]["name"]: p for p in items if p["metadata"].get("labels", {}).get(constants.LABEL_ROLE) == role}
+
+    def live_workers(self) -> dict[str, dict[str, Any]]:
+        return {n: p for n, p in self.pods().items() if not p["metadata"].get("deletionTimestamp")}
+
+    def phase(self, name: str, phase: str) -> dict[str, Any] | None:
+        status = self.status(name)
+        return status if status.get("phase") == phase else None
+
+    def nodes(self, count: int) -> list[str]:
+        names = [f"{self.tag}-n{i}" for i in range(count)]
+        for node in names:
+            self.kubelets.add_node(node)
+        return names
+
+    def agent_kubeconfig(self, job: str) -> Path:
+        return self.plane.service_account_kubeconfig(self.ns, f"{job}-agent")
+
+    def agent_reports(self, job: str, token_config: Path, **status: Any) -> None:
+        """What the job agent relays, with the agent's own token (the per-job Role allows only this)."""
+        self.plane.kubectl("patch", "-n", self.ns, f"{constants.PLURAL}/{job}", "--subresource=status",
+                           "--type=merge", "-p", json.dumps({"status": status}), kubeconfig=token_config)
+
+    def running(self, job: str, builder: JobBuilder, tmp: Path, replicas: int) -> Path:
+        """Apply, let the scheduler and the kubelets run every pod, report a first group: phase Running."""
+        self.nodes(replicas + 2)
+        self.apply(builder.nodes(1, 4, replicas).set("spec.elastic", {"scaleDebounceSeconds": 0, "replacementWaitSeconds": 30})
+                   .set("spec.restartPolicy", {"maxRestarts": 5, "backoffSeconds": 0}), tmp)
+        eventually(lambda: len(self.pods("agent")) == 1 and len(self.live_workers()) == replicas, what="pods created")
+        eventually(lambda: all(p["status"].get("phase") == "Running" for p in [*self.pods().values(),
+                                                                                  *self.pods("agent").values()]),
+                   what="pods scheduled and running")
+        agent = eventually(lambda: _try(lambda: self.agent_kubeconfig(job)), what="agent ServiceAccount")
+        self.agent_reports(job, agent, worldSize=replicas, step=3, rendezvousRound=1,
+                           lastProgressTime=format_time(time.time()))
+        eventually(lambda: self.phase(job, "Running"), what="phase Running")
+        return agent
+
+
+def _try(fn: Callable[[], T]) -> T | None:
+    try:
+        return fn()
+    except urllib.error.HTTPError:
+        return None
+
+
+def checkpoint_claim(controllers: ControlPlane, namespace: str, volume_root: Path) -> None:
+    """The checkpoint claim the jobs name (``ckpt``), bound to a hostPath PersistentVolume at ``volume_root`` by the
+    real PV controller, or the real scheduler would not place the workers."""
+    # ServiceAccount admission refuses pods (403) until the controller created the namespace's "default" account.
+    eventually(lambda: _try(lambda: controllers.request("GET", f"/api/v1/namespaces/{namespace}/serviceaccounts/default")),
+               what="the namespace's default ServiceAccount")
+    volume = f"pv-{namespace}"
+    controllers.request("POST", "/api/v1/persistentvolumes", {
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "manual",
+                 "hostPath": {"path": str(volume_root)},
+                 "claimRef": {"namespace": namespace, "name": "ckpt"}}})
+    controllers.request("POST", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "ckpt"},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "manual", "volumeName": volume,
+                 "resources": {"requests": {"storage": "1Gi"}}}})
+
+
+
+
+PHASES = ("detection", "directive", "restart", "imports", "modelBuild", "processGroup", "checkpointLoad", "firstStep")
+"""``status.lastReform.phases`` in order (they add up to ``total``)."""
+
+
+@dataclasses.dataclass
+class SilentNodeReform:
+    """What the silent-node scenario saw."""
+
+    victim: str
+    detect_seconds: float
+    """From the machine's death to the reform directive in the job's status."""
+    control: dict[str, Any]
+    """``status.control`` when the directive was first seen."""
+    node_ready_at_directive: list[str]
+    """The dead node's Ready condition status then (``["True"]``: Kubernetes had not noticed yet)."""
+    status: dict[str, Any]
+    """The status once the group trains at full size again (``lastReform.phases`` filled in)."""
+
+
+def silent_node_reform(cluster: Cluster, tmp_path: Path, name: str = "hb") -> SilentNodeReform:
+    """A 3-node job of the e2e recorder trains on pods whose processes run (``ProcessKubelets``); the machine of a
+    worker that does not host the agent dies (processes SIGKILLed, Lease no longer renewed); wait for the reform
+    directive, then for training at 3 nodes again with the replacement."""
+    cluster.nodes(5)
+    job = (e2e_job(name, tmp_path / "records", replicas=3, max_steps=5000, dataset=60_000, step_sleep=0.05)
+           .set("spec.checkpoint", {"claimName": "ckpt", "path": "/ckpt", "intervalSteps": 5, "keep": 3})
+           .set("spec.elastic", {"scaleDebounceSeconds": 0, "replacementWaitSeconds": 60,
+                                 "drainTimeoutSeconds": 60, "collectiveTimeoutSeconds": 20})
+           .set("spec.restartPolicy", {"backoffSeconds": 0, "maxRestarts": 5}))
+    cluster.apply(job, tmp_path)
+
+    def training(step: int) -> dict[str, Any] | None:
+        status = cluster.status(name)
+        return status if status.get("phase") == "Running" and status.get("step", 0) >= step else None
+
+    eventually(lambda: training(10), timeout=180, what="3 nodes training (real agent progress)")
+    agent_node = cluster.pods("agent")[f"{name}-agent"]["spec"]["nodeName"]
+    victim = next(p for p in cluster.live_workers().values() if p["spec"]["nodeName"] != agent_node)
+    node = victim["spec"]["nodeName"]
+    killed = time.monotonic()
+    cluster.kubelets.power_off(node)
+
+    def directive() -> dict[str, Any] | None:
+        control = cluster.status(name).get("control") or {}
+        return control if control.get("action") == "reform" else None
+
+    control = eventually(directive, timeout=60, interval=0.1, what="a reform directive")
+    detected = time.monotonic() - killed
+    conditions = cluster.plane.request("GET", f"/api/v1/nodes/{node}")["status"]["conditions"]
+    ready = [c["status"] for c in conditions if c["type"] == "Ready"]
+
+    def reformed() -> dict[str, Any] | None:
+        status = cluster.status(name)
+        last = status.get("lastReform") or {}
+        return status if status.get("phase") == "Running" and last.get("to") == 3 and last.get("phases") else None
+
+    back = eventually(reformed, timeout=120, what="training at 3 nodes again, with the replacement")
+    return SilentNodeReform(victim["metadata"]["name"], detected, control, ready, back)

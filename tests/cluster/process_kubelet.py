@@ -1,0 +1,167 @@
+"""Kubelets that run the pods: each pod the real scheduler binds to a live node runs as local processes.
+
+:class:`tests.cluster.kubelet.Kubelets` only reports pods Running; this one starts what each pod's container says,
+translated to this machine exactly as local mode does (:mod:`disttrain.operator.local.translate`: the agent
+Service's name becomes ``127.0.0.1:<port of that job>``, the checkpoint volume a directory, ports free local
+ones), with what a kubelet provides: the downward API, the mounted store Secret (read from the API server), and
+for a pod that keeps its ServiceAccount token a kubeconfig with a token of that account (the TokenRequest API, as
+a projected token). So the real job agent follows its job and patches its status under its own Role, and real
+torchrun and trainer processes train and reform. The kubelet reports what the processes do: Running, Ready once
+the container's readinessProbe port accepts, Failed or Succeeded with the exit code, and a graceful deletion
+(SIGTERM, then SIGKILL after the grace period) before it confirms it. :meth:`power_off` is a machine dying: every
+process of its pods is SIGKILLed, and its kubelet stops renewing the Lease and reporting.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import os
+import signal
+import socket
+import time
+import urllib.error
+import uuid
+from pathlib import Path
+from typing import IO, Any
+
+from disttrain.api import constants, env, storeauth
+from disttrain.api.ports import free_port
+from disttrain.api.spec import DistTrainJob
+from disttrain.operator import names, pods
+from disttrain.operator.local import proctree, translate
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.kubelet import Kubelets
+
+GRACE_SECONDS = 5.0
+"""terminationGracePeriodSeconds, shortened: SIGTERM, then SIGKILL this long after."""
+
+
+@dataclasses.dataclass
+class _Container:
+    pod: str
+    namespace: str
+    uid: str
+    node: str
+    marker: str
+    proc: Any
+    log: IO[bytes]
+    readiness_port: int
+    ready_reported: bool = False
+    exit_reported: bool = False
+    term_sent_at: float | None = None
+
+
+class ProcessKubelets(Kubelets):
+    """Nodes whose pods run as local process trees (one tree per pod, like a container)."""
+
+    def __init__(self, plane: ControlPlane, volume_root: Path, logs: Path) -> None:
+        self.volume_root, self.logs = volume_root, logs
+        self.containers: dict[str, _Container] = {}
+        self._store_ports: dict[str, int] = {}
+        logs.mkdir(parents=True, exist_ok=True)
+        super().__init__(plane)
+
+    # --- what a dying machine and the end of a test do -------------------------------------------------
+
+    def power_off(self, name: str) -> None:
+        super().power_off(name)
+        for container in [c for c in self.containers.values() if c.node == name]:
+            proctree.kill_tree(container.marker, container.proc.pid)
+
+    def stop(self) -> None:
+        super().stop()
+        for container in self.containers.values():
+            proctree.kill_tree(container.marker, container.proc.pid)
+            container.proc.wait(timeout=10)
+            container.log.close()
+
+    def log_of(self, pod: str) -> str:
+        path = self.logs / f"{pod}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    # --- the sync loop -----------------------------------------------------------------------------------
+
+    def _sync_pods(self, alive: set[str], exits: dict[str, int]) -> None:
+        for pod in self.plane.request("GET", "/api/v1/pods")["items"]:
+            meta, status = pod["metadata"], pod["status"]
+            if pod["spec"].get("nodeName") not in alive:
+                continue
+            path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+            container = self.containers.get(meta["uid"])
+            try:
+                if meta.get("deletionTimestamp"):
+                    self._terminate(path, meta, container)
+                elif container is None and status.get("phase", "Pending") == "Pending":
+                    self.containers[meta["uid"]] = container = self._start(pod)
+                    self._report(path, pod, exit_code=None, ready_when_running=container.readiness_port == 0)
+                elif container is not None and not container.exit_reported:
+                    code = container.proc.poll()
+                    if code is not None:
+                        self._report(path, pod, exit_code=128 - code if code < 0 else code)
+                        container.exit_reported = True
+                    elif not container.ready_reported and _accepts(container.readiness_port):
+                        self._report(path, pod, exit_code=None)
+                        container.ready_reported = True
+            except urllib.error.HTTPError as error:
+                if error.code not in (404, 409):
+                    raise
+
+    def _terminate(self, path: str, meta: dict[str, Any], container: _Container | None) -> None:
+        if container is not None and container.proc.poll() is None:
+            if container.term_sent_at is None:
+                container.term_sent_at = time.monotonic()
+                proctree.signal_tree(container.marker, container.proc.pid, signal.SIGTERM)
+                return
+            if time.monotonic() - container.term_sent_at < GRACE_SECONDS:
+                return
+            proctree.kill_tree(container.marker, container.proc.pid)
+        self.plane.request("DELETE", path, {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
+                                            "preconditions": {"uid": meta["uid"]}})
+
+    # --- starting a pod's container ----------------------------------------------------------------------
+
+    def _start(self, pod: dict[str, Any]) -> _Container:
+        meta = pod["metadata"]
+        ns = meta["namespace"]
+        job_name = meta["labels"][constants.LABEL_JOB_NAME]
+        job = DistTrainJob.model_validate(self.plane.request(
+            "GET", f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/{ns}/{constants.PLURAL}/{job_name}"))
+        base_env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "PYTEST_CURRENT_TEST")}
+        if pod["spec"].get("automountServiceAccountToken", True):  # the agent: its account's token, projected
+            account = pod["spec"].get("serviceAccountName", "default")
+            base_env["KUBECONFIG"] = str(self.plane.service_account_kubeconfig(ns, account))
+        secret = self.plane.request("GET", f"/api/v1/namespaces/{ns}/secrets/{names.store_secret_name(job_name)}")
+        host = names.agent_service_name(job_name)
+        store_port = self._store_ports.setdefault(job.metadata.uid or job_name, free_port())
+        cluster_dir = pods.checkpoint_dir(job)
+        site = translate.LocalSite(
+            agent_hosts=(f"{host}.{ns}.svc.cluster.local", f"{host}.{ns}.svc", f"{host}.{ns}", host),
+            cluster_port=job.spec.rendezvous.port,
+            local_port=store_port,
+            cluster_checkpoint_dir=cluster_dir,
+            checkpoint_dir=str(self.volume_root / os.path.relpath(cluster_dir, job.spec.checkpoint.path)),
+            workdir=str(Path(__file__).resolve().parents[2]),
+            base_env=base_env,
+            store_secret=base64.b64decode(secret["data"][storeauth.SECRET_KEY]).decode(),
+        )
+        is_worker = meta["labels"].get(constants.LABEL_ROLE) == constants.ROLE_WORKER
+        readiness_port = free_port() if is_worker else 0
+        spec = translate.to_process(pod, site, pod["spec"]["nodeName"], free_port() if is_worker else 0,
+                                    readiness_port)
+        if env.TERMINATION_LOG in spec.env:  # the container's terminationMessagePath: a file of its own here
+            spec = dataclasses.replace(spec, env={**spec.env, env.TERMINATION_LOG: str(self.logs / f"{meta['name']}.termination")})
+        log = (self.logs / f"{meta['name']}.log").open("ab")
+        marker = f"cluster-{uuid.uuid4().hex}"
+        proc = proctree.spawn(spec.argv, spec.env, spec.cwd, log, marker)
+        return _Container(meta["name"], ns, meta["uid"], pod["spec"]["nodeName"], marker, proc, log, readiness_port)
+
+
+def _accepts(port: int) -> bool:
+    if not port:
+        return False
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
