@@ -7,7 +7,10 @@ node each time, as a cluster would replace a machine): one with the demo's fixed
 goodput_ratio = samples whose work was kept (status samplesConsumed at the end of the window: redone steps are
 not counted twice) with failures / without. Goal: >= 0.95 at one kill per 60 s.
 
-    python bench/goodput.py [--window 130] [--period 60]
+``--replacement-wait S`` sets the job's ``spec.elastic.replacementWaitSeconds`` in every run (the demo's is 30: the
+survivors wait for the replacement's cold start; 0: they re-form at once and the replacement joins once Ready).
+
+    python bench/goodput.py [--window 130] [--period 60] [--replacement-wait S]
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import time
 import _localbench as lb
 
 
-def measure(window: float, period: float | None, interval: int | str | None = None) -> tuple[float, int, dict, dict]:
+def measure(
+    window: float, period: float | None, interval: int | str | None = None, replacement_wait: int | None = None
+) -> tuple[float, int, dict, dict]:
     """(kept samples per second, kills, restarts by reason, the last status.checkpointInterval)."""
     base = lb.workdir("goodput")
     marks: dict[str, float] = {}
@@ -48,6 +53,8 @@ def measure(window: float, period: float | None, interval: int | str | None = No
     job = lb.tinylm_job("goodput", replicas=3, max_steps=1_000_000)
     if interval is not None:
         job["spec"]["checkpoint"]["intervalSteps"] = interval
+    if replacement_wait is not None:
+        job["spec"]["elastic"]["replacementWaitSeconds"] = replacement_wait
     runtime = lb.run(job, base / "state", on_tick=on_tick, timeout_s=window + 300)
     restarts = dict(runtime.summary.restarts_by_reason)
     shutil.rmtree(base, ignore_errors=True)
@@ -58,11 +65,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--window", type=float, default=130.0, help="seconds measured in each run")
     parser.add_argument("--period", type=float, default=60.0, help="seconds between node kills")
+    parser.add_argument("--replacement-wait", type=int, help="spec.elastic.replacementWaitSeconds (default: the demo's)")
     args = parser.parse_args()
     backend = lb.use_registered_backend()
-    clean, _, _, _ = measure(args.window, None)
-    fixed, kills, restarts, _ = measure(args.window, args.period)
-    auto, auto_kills, auto_restarts, chosen = measure(args.window, args.period, "auto")
+    wait = args.replacement_wait
+    clean, _, _, _ = measure(args.window, None, replacement_wait=wait)
+    fixed, kills, restarts, _ = measure(args.window, args.period, replacement_wait=wait)
+    auto, auto_kills, auto_restarts, chosen = measure(args.window, args.period, "auto", replacement_wait=wait)
     print(f"rendezvous backend: {backend}; {kills} node kills in {args.window:.0f}s; restarts {restarts}")
     print(f"auto run: {auto_kills} node kills; restarts {auto_restarts}; last status.checkpointInterval {chosen}")
     print(f"samples_per_second_clean: {clean:.1f}")

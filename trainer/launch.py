@@ -35,18 +35,26 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from torch.distributed import run as torchrun
-from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
-from torch.distributed.launcher import api as launcher_api
-
-from disttrain.api import env
-from disttrain.api.exitcodes import ExitCode
-from disttrain.trainer.readiness import Readiness
-from disttrain.trainer.rendezvous import DisttrainRendezvousHandler
 from disttrain.trainer.warmstart import WarmPool
+
+WARM_POOL = WarmPool()
+"""This agent's warm worker interpreters."""
+if __name__ == "__main__":  # before this process imports torch: the workers' interpreters import it meanwhile
+    WARM_POOL.prestart(sys.argv[1:])
+
+from torch.distributed import run as torchrun  # noqa: E402 (after the prestart, on purpose)
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerState  # noqa: E402
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure  # noqa: E402
+from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import (  # noqa: E402
+    SubprocessHandler,
+)
+from torch.distributed.launcher import api as launcher_api  # noqa: E402
+
+from disttrain.api import env  # noqa: E402
+from disttrain.api.exitcodes import ExitCode  # noqa: E402
+from disttrain.trainer.readiness import Readiness  # noqa: E402
+from disttrain.trainer.rendezvous import DisttrainRendezvousHandler  # noqa: E402
 
 log = logging.getLogger("disttrain.launch")
 
@@ -181,8 +189,6 @@ class CountingAgent(LocalElasticAgent):
         return result
 
 
-WARM_POOL = WarmPool()
-"""This agent's warm worker interpreters."""
 READINESS = Readiness()
 """The pod's readiness port (``DISTTRAIN_READY_PORT``)."""
 _cold_popen = SubprocessHandler._popen

@@ -26,6 +26,7 @@ import logging
 import os
 import runpy
 import select
+import shutil
 import subprocess
 import sys
 import threading
@@ -70,10 +71,29 @@ def enabled(environ: Mapping[str, str] = os.environ) -> bool:
     return environ.get(env_names.WARM_WORKERS, "1") != "0"
 
 
-def warm_command(args: Sequence[str]) -> Optional[tuple[list[str], list[str]]]:
-    """``(interpreter flags, script argv)`` when ``args`` (torchrun's worker command) can run in a warm
-    interpreter: this Python, at most ``-u``, then a script or ``-m module``; None otherwise."""
-    if not args or not os.path.isabs(args[0]) or os.path.realpath(args[0]) != os.path.realpath(sys.executable):
+def is_this_python(program: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """``program`` starts this interpreter with this environment's packages: this file, or the same binary reached
+    from the same directory (``python`` / ``python3`` of one venv; a base interpreter reached through another
+    directory has other packages). A bare name is looked up on ``environ``'s PATH, as starting the worker would
+    (``subprocess`` searches the child's PATH): on Kubernetes the container's command is plain ``python``."""
+    if os.path.isabs(program):
+        path: Optional[str] = program
+    elif os.sep in program:
+        return False  # relative to a working directory that may differ
+    else:
+        path = shutil.which(program, path=os.pathsep.join(os.get_exec_path(dict(environ))))
+    if path is None:
+        return False
+    if path == sys.executable:
+        return True
+    same_binary = os.path.realpath(path) == os.path.realpath(sys.executable)
+    return same_binary and os.path.dirname(os.path.abspath(path)) == os.path.dirname(os.path.abspath(sys.executable))
+
+
+def warm_command(args: Sequence[str], environ: Mapping[str, str] = os.environ) -> Optional[tuple[list[str], list[str]]]:
+    """``(interpreter flags, script argv)`` when ``args`` (torchrun's worker command, started with ``environ``) can
+    run in a warm interpreter: this Python, at most ``-u``, then a script or ``-m module``; None otherwise."""
+    if not args or not is_this_python(args[0], environ):
         return None
     rest = list(args[1:])
     flags: list[str] = []
@@ -158,6 +178,17 @@ class WarmPool:
         with self._lock:
             return all(warm.is_ready() for warm in self._ready if not warm.idle and warm.proc.poll() is None)
 
+    def prestart(self, launcher_argv: Sequence[str]) -> None:
+        """Start the first workers' interpreters from the launcher's own command line, before the launcher imports
+        torch itself: on a node's first start the two imports then overlap instead of following each other. Only
+        the operator's form is read (``--nproc-per-node=N ... --no-python <command>``); anything else waits for
+        :meth:`fill` from the agent, as before."""
+        argv = list(launcher_argv)
+        counts = [a.split("=", 1)[1] for a in argv if a.startswith(("--nproc-per-node=", "--nproc_per_node="))]
+        if "--no-python" not in argv or len(counts) != 1 or not counts[0].isdigit():
+            return
+        self.fill(int(counts[0]), argv[argv.index("--no-python") + 1 :])
+
     def fill(self, count: int, args: Sequence[str], *, idle: bool = False) -> None:
         """Have ``count`` interpreters warming for workers started with ``args`` (no-op when those cannot be
         warm); ``idle``: they import only on otherwise idle CPU."""
@@ -182,7 +213,7 @@ class WarmPool:
             return self._take(args, environ)
 
     def _take(self, args: Sequence[str], environ: Mapping[str, str]) -> Optional[subprocess.Popen[bytes]]:
-        command = warm_command(args)
+        command = warm_command(args, environ)
         if command is None:
             return None
         flags, argv = tuple(command[0]), command[1]

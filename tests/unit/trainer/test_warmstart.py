@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
-from disttrain.trainer.warmstart import env_is_compatible, warm_command
+from disttrain.trainer.warmstart import WarmPool, env_is_compatible, warm_command
 
 
 def test_this_python_with_a_script_or_module_is_warm_startable() -> None:
@@ -29,3 +30,32 @@ def test_only_torchruns_per_worker_variables_may_differ() -> None:
     assert not env_is_compatible(base, {**worker, "OMP_NUM_THREADS": "4"})  # read when torch is imported
     assert not env_is_compatible(base, {**worker, "PYTHONHASHSEED": "0"})  # read when Python starts
     assert not env_is_compatible(base, {k: v for k, v in worker.items() if k != "PATH"})
+
+
+def test_a_bare_interpreter_name_is_looked_up_on_the_workers_path(tmp_path) -> None:
+    """On Kubernetes the container command is plain ``python``: it is this interpreter when the worker's PATH
+    finds this interpreter's directory first, and not when it finds another Python."""
+    here = os.path.dirname(sys.executable)
+    name = os.path.basename(sys.executable)
+    assert warm_command([name, "-u", "train.py"], {"PATH": here}) == (["-u"], ["train.py"])
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / name).symlink_to(os.path.realpath(sys.executable))  # the same binary reached from elsewhere: a
+    assert warm_command([name, "train.py"], {"PATH": str(other)}) is None  # base install, not this venv
+    assert warm_command([name, "train.py"], {"PATH": str(tmp_path / "nothing")}) is None
+    assert warm_command(["bin/python", "train.py"], {"PATH": here}) is None  # relative to some working directory
+
+
+def test_the_first_workers_interpreters_start_from_the_launchers_own_command_line(tmp_path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    pool = WarmPool()
+    try:
+        pool.prestart(["--nnodes=1:4", "--nproc-per-node=2", "--rdzv-backend=disttrain", "--no-python",
+                       sys.executable, "-u", str(script)])
+        assert len(pool._ready) == 2 and all(w.flags == ("-u",) for w in pool._ready)
+        pool.prestart(["--nproc-per-node", "2", "--no-python", sys.executable, str(script)])  # not the operator's
+        pool.prestart(["--nproc-per-node=2", sys.executable, str(script)])  # form: left to the agent's fill
+        assert len(pool._ready) == 2
+    finally:
+        pool.close()
