@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))  # tests.cluster: the control plane, operator proc
 
 from disttrain.api import constants  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
-from tests.cluster.harness import PHASES, Cluster, checkpoint_claim, silent_node_reform  # noqa: E402
+from tests.cluster.harness import PHASES, Cluster, checkpoint_claim, delete_jobs, silent_node_reform  # noqa: E402
 from tests.cluster.operator_process import OperatorProcess  # noqa: E402
 from tests.cluster.process_kubelet import ProcessKubelets  # noqa: E402
 from tests.cluster.rbac import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, install_operator_rbac  # noqa: E402
@@ -56,10 +56,11 @@ def main() -> int:
                 run_dir = work / namespace
                 (run_dir / "volume").mkdir(parents=True)
                 checkpoint_claim(plane, namespace, run_dir / "volume")
-                kubelets = ProcessKubelets(plane, run_dir / "volume", run_dir / "pods")
+                kubelets = ProcessKubelets(plane, run_dir / "volume", run_dir / "pods", namespaces={namespace})
                 try:
                     seen = silent_node_reform(Cluster(plane, namespace, kubelets), run_dir)
                 finally:
+                    delete_jobs(plane, namespace)
                     kubelets.stop()
                 phases = seen.status["lastReform"]["phases"]
                 results.append(seen)

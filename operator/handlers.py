@@ -284,7 +284,10 @@ async def apply(
         _remember_pod(cache, None if created is REFUSED else created)
     for worker in actions.create_workers:
         created = await _create_pod(
-            kube, refusals, job, builders.build_worker_pod(job, worker.node_index, name=worker.name)
+            kube,
+            refusals,
+            job,
+            builders.build_worker_pod(job, worker.node_index, name=worker.name, avoid_nodes=worker.avoid_nodes),
         )
         if created is REFUSED:
             break  # the next pods would be refused too: one answer per reconcile, retried on the core's timer

@@ -116,6 +116,9 @@ class WorkerCreation:
     """The stable node index: the rendezvous handler orders ranks by it."""
     name: str
     """``<job>-worker-<index>``, with a suffix while an older pod still holds that name (``names.worker_name``)."""
+    avoid_nodes: tuple[str, ...] = ()
+    """Nodes the pod must not be scheduled on: those of pods lost there while Kubernetes still thinks the node is
+    fine (silent in the heartbeats, or stuck Terminating), where the scheduler would otherwise place it."""
 
 
 @dataclasses.dataclass(frozen=True)

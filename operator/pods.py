@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import shlex
+from collections.abc import Sequence
 from typing import Any, Optional
 
 from disttrain.api import constants, containers, env
@@ -145,9 +146,10 @@ def build_worker_pod(
     name: Optional[str] = None,
     endpoint: Optional[str] = None,
     checkpoint_directory: Optional[str] = None,
+    avoid_nodes: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Worker pod of node index ``node_index`` (named ``name``, by default ``<job>-worker-<index>``): the user's
-    template plus our launcher, env, labels and volume.
+    template plus our launcher, env, labels and volume; never scheduled on ``avoid_nodes`` (node affinity).
 
     The trainer container's ``command + args`` become the training command that torchrun runs with
     ``--no-python``; a container without a ``command`` is refused (the image entrypoint cannot be known here).
@@ -198,9 +200,24 @@ def build_worker_pod(
     annotations = (template.get("metadata") or {}).get("annotations")
     if annotations:
         meta["annotations"] = dict(annotations)
+    if avoid_nodes:
+        _avoid_nodes(pod_spec, avoid_nodes)
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
     scheduling.apply_to_worker_pod(job, pod)  # Kueue's pod group, the gang scheduler's PodGroup and name
     return pod
+
+
+def _avoid_nodes(pod_spec: dict[str, Any], nodes: Sequence[str]) -> None:
+    """Add ``metadata.name NotIn nodes`` to every required node-selector term of the template (terms are ORed, the
+    requirements of one term ANDed), or one term with only it: the template's own placement rules still hold."""
+    requirement = {"key": "metadata.name", "operator": "NotIn", "values": sorted(nodes)}
+    affinity = pod_spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
+    required = affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.setdefault("nodeSelectorTerms", [])
+    if not terms:
+        terms.append({})
+    for term in terms:
+        term.setdefault("matchFields", []).append(requirement)
 
 
 def _mount_checkpoints(job: DistTrainJob, pod_spec: dict[str, Any], trainer: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ The group protocol, in short:
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Optional, TypedDict
 
 from disttrain.api import conditions, constants, containers, timestamps
@@ -892,12 +892,31 @@ def _size(d: _Draft) -> None:
             )
         else:
             taken = {p.name for p in d.seen.workers}
+            avoid = nodes_to_avoid(d.seen.workers, silent=d.silent, lost=st.control.lost)
             for index in free_indices(d.seen.workers, missing, d.seen.nodes, lost=d.silent):
-                d.create.append(WorkerCreation(index, names.unused_worker_name(d.job.metadata.name, index, taken)))
+                name = names.unused_worker_name(d.job.metadata.name, index, taken)
+                d.create.append(WorkerCreation(index, name, avoid_nodes=avoid))
             if previous and desired > previous:
                 d.event(NORMAL, Reason.SCALED_UP, f"scaling up from {previous} to {desired} nodes")
 
     _choose_target(d, live, group_nodes)
+
+
+def nodes_to_avoid(workers: Sequence[PodView], *, silent: Collection[str], lost: Collection[str]) -> tuple[str, ...]:
+    """Nodes a new worker must not land on: where a pod went silent in the rendezvous heartbeats, or where a pod
+    declared lost lingers Terminating (no kubelet confirms its deletion). Kubernetes may still read such a node
+    Ready for its whole grace period, and the scheduler would place the replacement there, to be lost again (seen
+    on the real control plane: the replacement of a HeartbeatLost pod went to the dead node, and its NodeUnreachable
+    loss 20 s later cost a second restart)."""
+    return tuple(
+        sorted(
+            {
+                p.node_name
+                for p in workers
+                if p.node_name and (p.name in silent or (p.is_terminating and p.name in lost))
+            }
+        )
+    )
 
 
 def _complete_directive(d: _Draft, group_nodes: int) -> None:

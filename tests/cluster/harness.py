@@ -128,6 +128,14 @@ def checkpoint_claim(controllers: ControlPlane, namespace: str, volume_root: Pat
 
 
 
+def delete_jobs(plane: ControlPlane, namespace: str) -> None:
+    """Delete every DistTrainJob of ``namespace`` and wait until they are gone (before the test's kubelets stop, so
+    that the operator does not go on replacing their pods on the next test's nodes)."""
+    path = f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/{namespace}/{constants.PLURAL}"
+    plane.request("DELETE", path)
+    eventually(lambda: not plane.request("GET", path)["items"], timeout=60, what="jobs deleted")
+
+
 PHASES = ("detection", "directive", "restart", "imports", "modelBuild", "processGroup", "checkpointLoad", "firstStep")
 """``status.lastReform.phases`` in order (they add up to ``total``)."""
 

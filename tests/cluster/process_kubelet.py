@@ -55,8 +55,10 @@ class _Container:
 class ProcessKubelets(Kubelets):
     """Nodes whose pods run as local process trees (one tree per pod, like a container)."""
 
-    def __init__(self, plane: ControlPlane, volume_root: Path, logs: Path) -> None:
-        self.volume_root, self.logs = volume_root, logs
+    def __init__(self, plane: ControlPlane, volume_root: Path, logs: Path, namespaces: set[str]) -> None:
+        """``namespaces``: whose pods run here. A pod of another namespace bound to these nodes stays Pending (the
+        jobs of earlier tests, replaced by the operator when their nodes went away, must not run in this one)."""
+        self.volume_root, self.logs, self.namespaces = volume_root, logs, namespaces
         self.containers: dict[str, _Container] = {}
         self._store_ports: dict[str, int] = {}
         logs.mkdir(parents=True, exist_ok=True)
@@ -85,7 +87,7 @@ class ProcessKubelets(Kubelets):
     def _sync_pods(self, alive: set[str], exits: dict[str, int]) -> None:
         for pod in self.plane.request("GET", "/api/v1/pods")["items"]:
             meta, status = pod["metadata"], pod["status"]
-            if pod["spec"].get("nodeName") not in alive:
+            if pod["spec"].get("nodeName") not in alive or meta["namespace"] not in self.namespaces:
                 continue
             path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
             container = self.containers.get(meta["uid"])

@@ -23,7 +23,15 @@ from disttrain.api import constants
 from disttrain.api.conditions import format_time
 from disttrain.trainer.agent import KubeJobSource
 from tests.cluster.controlplane import ControlPlane
-from tests.cluster.harness import PHASES, Cluster, _try, checkpoint_claim, eventually, silent_node_reform
+from tests.cluster.harness import (
+    PHASES,
+    Cluster,
+    _try,
+    checkpoint_claim,
+    delete_jobs,
+    eventually,
+    silent_node_reform,
+)
 from tests.cluster.kubelet import Kubelets
 from tests.cluster.operator_process import OperatorProcess
 from tests.cluster.process_kubelet import ProcessKubelets
@@ -63,14 +71,11 @@ def process_cluster(controllers, namespace, operator, tmp_path) -> Iterator[Clus
     volume_root = tmp_path / "volume"
     volume_root.mkdir()
     checkpoint_claim(controllers, namespace, volume_root)
-    sim = ProcessKubelets(controllers, volume_root, tmp_path / "pods")
+    sim = ProcessKubelets(controllers, volume_root, tmp_path / "pods", namespaces={namespace})
     try:
         yield Cluster(controllers, namespace, sim)
     finally:
-        # Jobs go first, so that the operator does not replace the pods of nodes this test's kubelets take along.
-        path = f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/{namespace}/{constants.PLURAL}"
-        controllers.request("DELETE", path)
-        eventually(lambda: not controllers.request("GET", path)["items"], timeout=60, what="jobs deleted")
+        delete_jobs(controllers, namespace)
         sim.stop()
 
 

@@ -203,6 +203,26 @@ def test_a_worker_reads_ready_when_its_launcher_listens_and_a_probe_of_the_users
     assert container["readinessProbe"] == own
 
 
+def test_a_replacement_avoids_the_dead_nodes_and_keeps_the_templates_placement_rules():
+    plain = pods.build_worker_pod(make_job(), 0, avoid_nodes=["node-b", "node-a"])
+    avoid = {"key": "metadata.name", "operator": "NotIn", "values": ["node-a", "node-b"]}
+    assert plain["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == {
+        "nodeSelectorTerms": [{"matchFields": [avoid]}]}
+    manifest = job_manifest(replicas=2)
+    gpu = {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["a100"]}]}
+    arm = {"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["arm64"]}]}
+    manifest["spec"]["template"]["spec"]["affinity"] = {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [gpu, arm]}}}
+    job = DistTrainJob.model_validate(manifest)
+    pod = pods.build_worker_pod(job, 0, avoid_nodes=["node-a"])
+    terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    one = {**avoid, "values": ["node-a"]}
+    assert terms == [{**gpu, "matchFields": [one]}, {**arm, "matchFields": [one]}]  # ANDed into each ORed term
+    assert "matchFields" not in str(job.spec.template), "the job's own template is left alone"
+    assert "affinity" not in pods.build_worker_pod(make_job(), 0)["spec"]
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
 def test_pods_meet_the_restricted_pod_security_standard_by_default():
     job = make_job()
     for pod in (pods.build_worker_pod(job, 0), pods.build_agent_pod(job)):

@@ -33,10 +33,13 @@ def test_a_silent_node_is_lost_before_its_node_is_notready():
     assert world.control["action"] == "reform" and world.control["reason"] == "HeartbeatLost"
     assert silent.name in world.control["exclude"], "fenced: kept out of the next rendezvous round"
     assert [(d.name, d.reason) for d in actions.delete_pods] == [(silent.name, "HeartbeatLost")]
+    world.status["silentNodes"] = []  # the agent's report may be gone by now; the pod lingers Terminating
     actions = world.step(5)  # after the restart backoff
     assert [(w.node_index, w.name) for w in actions.create_workers] == [(1, "demo-worker-1-1")], (
         "a replacement, with the silent node's index (and so its ranks)"
     )
+    # Kubernetes still reads that node Ready: the scheduler must not put the replacement on the dead machine.
+    assert actions.create_workers[0].avoid_nodes == (silent.node_name,)
     assert world.status["restarts"] == {"total": 1, "byReason": {"HeartbeatLost": 1}}
     assert world.status["lastReform"]["reason"] == "HeartbeatLost"
 

@@ -17,9 +17,9 @@ from disttrain.trainer.warmstart import WarmPool
 pytestmark = pytest.mark.timeout(120)
 
 
-def accepts(port: int) -> bool:
+def accepts(port: int, timeout: float = 1.0) -> bool:
     try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        socket.create_connection(("127.0.0.1", port), timeout=timeout).close()
         return True
     except OSError:
         return False
@@ -43,7 +43,7 @@ def test_the_port_opens_only_once_the_condition_holds_and_answers_every_probe() 
         warm.set()
         assert readiness.listening.wait(10)
         # A kubelet probes every second for the pod's whole life: far more connections than a listen backlog.
-        assert all(accepts(readiness.port) for _ in range(300))
+        assert all(accepts(readiness.port, timeout=10) for _ in range(300))  # (a dropped SYN is retried after 1 s)
         warm.clear()
         assert accepts(readiness.port), "once ready, the pod stays ready"
     finally:
