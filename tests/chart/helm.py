@@ -38,6 +38,7 @@ NON_DEFAULT_VALUES: dict[str, Any] = {
     "logLevel": "debug",
     "agent": {"image": "registry.example/disttrain-trainer:1.2.3"},
     "statusGuard": {"enabled": False},
+    "flowControl": {"enabled": True, "priorityLevel": "workload-low", "matchingPrecedence": 2000},
     "serviceAccount": {"annotations": {"example.com/role": "operator"}},
     "metrics": {"port": 9191},
     "liveness": {"port": 8181},

@@ -34,14 +34,27 @@ def _operator_args(objects: list[dict[str, Any]]):
 
 def test_default_objects():
     kinds = sorted(obj["kind"] for obj in render())
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount",
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "FlowSchema", "Service", "ServiceAccount",
                      "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+
+
+def test_the_operators_requests_get_a_priority_level_apart_from_the_job_agents(rendered):
+    values, objects = rendered
+    [schema] = by_kind(objects, "FlowSchema")
+    [account] = by_kind(objects, "ServiceAccount")
+    wanted = values.get("flowControl", {})
+    assert schema["spec"]["priorityLevelConfiguration"]["name"] == wanted.get("priorityLevel", "workload-high")
+    assert schema["spec"]["matchingPrecedence"] == wanted.get("matchingPrecedence", 1000) < 9000  # service-accounts
+    [rule] = schema["spec"]["rules"]
+    assert rule["subjects"] == [{"kind": "ServiceAccount", "serviceAccount": {
+        "name": account["metadata"]["name"], "namespace": account["metadata"]["namespace"]}}]
+    assert not by_kind(render({"flowControl": {"enabled": False}}), "FlowSchema")
 
 
 def test_non_default_objects():
     objects = render(NON_DEFAULT_VALUES)
     kinds = sorted(obj["kind"] for obj in objects)
-    assert kinds == sorted(["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount",
+    assert kinds == sorted(["ClusterRole", "ClusterRoleBinding", "Deployment", "FlowSchema", "Service", "ServiceAccount",
                             "ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap", "Role", "Role",
                             "RoleBinding", "RoleBinding"])
     assert {(obj["kind"], obj["metadata"]["namespace"]) for obj in objects if obj["kind"].startswith("Role")} == {

@@ -238,7 +238,7 @@ class ControlPlane:
             f"--service-cluster-ip-range={self.service_cidr}",
             f"--default-not-ready-toleration-seconds={self.toleration_seconds}",
             f"--default-unreachable-toleration-seconds={self.toleration_seconds}",
-            "--enable-priority-and-fairness=false", "--v=1"])
+            "--v=1"])  # API Priority and Fairness on, as in every real cluster (the chart ships a FlowSchema)
         self._wait("kube-apiserver", lambda: self.request("GET", "/readyz", raw=True) == b"ok", timeout=90)
 
     def start_controllers(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -104,6 +105,39 @@ def test_default_values_on_the_server(control_plane: ControlPlane):
         assert not _can_i(plane, user, forbidden, None), forbidden
     _assert_may_create_agent_role(plane, user, plane.create_namespace(f"jobs-{uuid.uuid4().hex[:6]}"))
     _assert_operator_pod_is_admitted(plane, namespace, objects)
+    _assert_operator_requests_have_their_own_priority_level(plane, namespace, user, objects)
+
+
+def _flow_schema_of(plane: ControlPlane, namespace: str, account: str) -> tuple[str, str]:
+    """(FlowSchema uid, PriorityLevelConfiguration uid) the API server's priority and fairness gave a request made
+    with a token of ServiceAccount ``namespace/account`` (the response headers say which)."""
+    token = plane.request("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token",
+                          {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                           "spec": {"expirationSeconds": 600}})["status"]["token"]
+    context = ssl.create_default_context(cafile=str(plane.pki.ca_crt))
+    request = urllib.request.Request(plane.server + "/version", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, context=context, timeout=30) as response:
+        return (response.headers["X-Kubernetes-PF-FlowSchema-UID"],
+                response.headers["X-Kubernetes-PF-PriorityLevel-UID"])
+
+
+def _assert_operator_requests_have_their_own_priority_level(plane: ControlPlane, namespace: str, user: str,
+                                                            objects: list[dict[str, Any]]) -> None:
+    """The chart's FlowSchema takes the operator's requests out of the level every job agent shares."""
+    [schema] = by_kind(objects, "FlowSchema")
+    ours = plane.request("GET", f"/apis/flowcontrol.apiserver.k8s.io/v1/flowschemas/{schema['metadata']['name']}")
+    level = plane.request("GET", "/apis/flowcontrol.apiserver.k8s.io/v1/prioritylevelconfigurations/workload-high")
+    operator = user.rsplit(":", 1)[1]
+    deadline = time.monotonic() + 30  # the API server reloads its FlowSchemas asynchronously
+    while _flow_schema_of(plane, namespace, operator)[0] != ours["metadata"]["uid"]:
+        assert time.monotonic() < deadline, "the operator's requests never matched the chart's FlowSchema"
+        time.sleep(0.5)
+    assert _flow_schema_of(plane, namespace, operator)[1] == level["metadata"]["uid"]
+    jobs = plane.create_namespace(f"jobs-{uuid.uuid4().hex[:6]}")
+    plane.request("POST", f"/api/v1/namespaces/{jobs}/serviceaccounts",
+                  {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "job-agent"}})
+    agent_schema, agent_level = _flow_schema_of(plane, jobs, "job-agent")  # a job agent's account, as the operator
+    assert agent_schema != ours["metadata"]["uid"] and agent_level != level["metadata"]["uid"]  # names them
 
 
 @pytest.mark.usefixtures("pod_group_crds")  # kubectl auth can-i resolves podgroups by discovery
