@@ -14,11 +14,14 @@ OPERATOR_SERVICE_ACCOUNT = object_name()
 RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
 GUARD_KINDS = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
 """The status guard (templates/statusguard.yaml): who may change the operator's status fields."""
+FLOW_KINDS = {"FlowSchema"}
+"""The operator's own priority level (templates/flowschema.yaml): its requests do not queue behind the agents'."""
 
 
 def operator_rbac_documents() -> list[dict[str, Any]]:
-    """The chart's RBAC objects (default values: the operator watches all namespaces)."""
-    return [obj for obj in render() if obj["kind"] in RBAC_KINDS | GUARD_KINDS]
+    """The chart's RBAC objects, its status guard and its FlowSchema (default values: the operator watches all
+    namespaces)."""
+    return [obj for obj in render() if obj["kind"] in RBAC_KINDS | GUARD_KINDS | FLOW_KINDS]
 
 
 def install_operator_rbac(plane: ControlPlane) -> None:
