@@ -36,8 +36,7 @@ import _fleet  # noqa: E402
 import _jobs  # noqa: E402
 from kubernetes import client as k8s  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
-from tests.cluster.operator_process import OperatorProcess  # noqa: E402
-from tests.cluster.rbac import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, install_operator_rbac  # noqa: E402
+from tests.cluster.harness import start_operator  # noqa: E402
 
 from disttrain.api import constants, timestamps  # noqa: E402
 
@@ -238,13 +237,7 @@ def main() -> int:
     fleet = jobs = None
     try:
         print(f"control plane at {plane.server}; logs in {plane.logs}; operator log in {work}", flush=True)
-        plane.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-        plane.wait_established(constants.CRD_NAME)
-        install_operator_rbac(plane)
-        operator = OperatorProcess(
-            plane.service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT), work / "operator.log"
-        )
-        operator.start(timeout=120)
+        operator = start_operator(plane, work / "operator.log")
         admin = plane.api_client()
         core, custom = k8s.CoreV1Api(admin), k8s.CustomObjectsApi(admin)
         plane.create_namespace(NAMESPACE)

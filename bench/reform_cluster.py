@@ -26,12 +26,16 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.cluster: the control plane, operator process and kubelets of the test tier
 
-from disttrain.api import constants  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
-from tests.cluster.harness import PHASES, Cluster, checkpoint_claim, delete_jobs, silent_node_reform  # noqa: E402
-from tests.cluster.operator_process import OperatorProcess  # noqa: E402
+from tests.cluster.harness import (  # noqa: E402
+    PHASES,
+    Cluster,
+    checkpoint_claim,
+    delete_jobs,
+    silent_node_reform,
+    start_operator,
+)
 from tests.cluster.process_kubelet import ProcessKubelets  # noqa: E402
-from tests.cluster.rbac import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, install_operator_rbac  # noqa: E402
 
 
 def main() -> int:
@@ -42,13 +46,7 @@ def main() -> int:
     began = time.time()
     with ControlPlane() as plane:
         plane.start_controllers()
-        plane.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-        plane.wait_established(constants.CRD_NAME)
-        install_operator_rbac(plane)
-        operator = OperatorProcess(
-            plane.service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT), work / "operator.log"
-        )
-        operator.start(timeout=120)
+        operator = start_operator(plane, work / "operator.log")
         results = []
         try:
             for run in range(args.runs):

@@ -16,8 +16,10 @@ import yaml
 
 from disttrain.api import constants
 from disttrain.api.conditions import format_time
-from tests.cluster.controlplane import ControlPlane
+from tests.cluster.controlplane import REPO_ROOT, ControlPlane
 from tests.cluster.kubelet import Kubelets
+from tests.cluster.operator_process import OperatorProcess
+from tests.cluster.rbac import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, install_operator_rbac
 from tests.conftest import JobBuilder
 from tests.e2e.conftest import e2e_job
 
@@ -126,6 +128,17 @@ def checkpoint_claim(controllers: ControlPlane, namespace: str, volume_root: Pat
                  "resources": {"requests": {"storage": "1Gi"}}}})
 
 
+
+
+def start_operator(plane: ControlPlane, log: Path) -> OperatorProcess:
+    """The CRD as users apply it, the chart's RBAC and FlowSchema, and ``disttrain operator`` as a process logged in
+    as the chart's ServiceAccount (what the benchmarks run against)."""
+    plane.kubectl("apply", "--server-side", "-f", str(REPO_ROOT / "crds"))
+    plane.wait_established(constants.CRD_NAME)
+    install_operator_rbac(plane)
+    operator = OperatorProcess(plane.service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT), log)
+    operator.start(timeout=120)
+    return operator
 
 
 def delete_jobs(plane: ControlPlane, namespace: str) -> None:
