@@ -936,7 +936,11 @@ def _complete_directive(d: _Draft, group_nodes: int) -> None:
     issued = timestamps.parse_time(ctl.issued_at) or d.now
     progressed = timestamps.parse_time(st.last_progress_time)
     new_round = ctl.issued_round is None or st.rendezvous_round > ctl.issued_round
-    if new_round and group_nodes == ctl.target_nodes and progressed is not None and progressed > issued:
+    # At least the target: a late replacement can join the round in the instant its wait ran out and the target was
+    # lowered (the handler completes a round at the target or more, never fewer); that group runs, so the directive
+    # is done. Before, it stayed in flight for good (seen under load in tests/e2e/test_node_loss.py).
+    reached = group_nodes >= ctl.target_nodes > 0
+    if new_round and reached and progressed is not None and progressed > issued:
         reason = ctl.reason
         planned = ctl.action is DirectiveAction.DRAIN
         ctl.action = DirectiveAction.NONE

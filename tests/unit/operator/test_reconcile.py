@@ -701,6 +701,20 @@ def test_a_newcomer_never_ready_is_given_up_after_the_pending_timeout():
     assert "PendingTimeout" in world.reasons()
 
 
+def test_a_replacement_that_makes_the_round_as_its_wait_runs_out_completes_the_reform():
+    """The target drops to the survivors when the replacement's wait expires; if the replacement joined the round in
+    that instant, the group runs at the full size, and the reform is done all the same."""
+    world = World(job_manifest(replicas=3, min=2)).running_world(3)
+    world.spec("elastic.replacementWaitSeconds", 5)
+    world.set_worker(2, phase="Failed", exit_code=137).step(1)
+    assert world.control["action"] == "reform"
+    world.finish_terminations().step(6)  # the replacement is not running yet: the wait expires
+    assert world.control["targetNodes"] == 2
+    world.run_all().progress(3, step=7).step(1)  # ... but it had joined: the new round runs at 3 nodes
+    assert world.control["action"] == "none" and world.status["phase"] == "Running"
+    assert "Reformed" in world.reasons() and world.status["lastReform"]["to"] == 3
+
+
 def test_scale_requests_above_max_are_clamped():
     world = World(job_manifest(replicas=4, max=3))
     world.step()
