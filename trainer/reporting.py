@@ -22,7 +22,8 @@ would otherwise cost a write per step. Pure: the caller passes the time.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import random
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 from disttrain.api.control import DirectiveAction
@@ -63,15 +64,34 @@ def progress_interval(spec: Mapping[str, Any], default: float = 10.0) -> float:
     return float((spec.get("reporting") or {}).get("progressIntervalSeconds", default))
 
 
+JITTER = 0.1
+"""A periodic write comes 0-10 % later than the interval (and the first one 0-100 % later), never sooner."""
+
+
 @dataclasses.dataclass
 class ProgressThrottle:
-    """Remembers the last write; a write is due when urgent, first, or an interval after the last one."""
+    """Remembers the last write; a write is due when urgent, first, or an interval (stretched at random) after it.
+
+    Why the stretch: jobs started together (a sweep, an operator restart, the benchmark) would otherwise write in
+    step, every agent in the same second of each interval, and the operator would take each burst as one queue of
+    hundreds of reconciles: a scale request arriving behind it waits for all of them. The first periodic write
+    after a start lands anywhere in a second interval, which spreads the agents' phases over the whole interval;
+    later ones add up to 10 % (client-go's ``JitterUntil`` habit), so they do not fall back in step. The interval
+    stays a floor: no agent writes progress more often than ``progressIntervalSeconds``.
+    """
 
     last_write: Optional[float] = None
     """Monotonic time of the last write; None before the first (a restarted agent reports at once)."""
+    draw: Callable[[], float] = random.random
+    """Uniform in [0, 1): how far into its jitter range the next periodic write falls."""
+    stretch: float = 1.0
+    """The next periodic write is due ``interval x stretch`` after the last write."""
+    writes: int = 0
 
     def is_due(self, *, urgent: bool, interval_s: float, now: float) -> bool:
-        return urgent or self.last_write is None or now - self.last_write >= interval_s
+        return urgent or self.last_write is None or now - self.last_write >= interval_s * self.stretch
 
     def wrote(self, now: float) -> None:
         self.last_write = now
+        self.writes += 1
+        self.stretch = 1.0 + (1.0 if self.writes == 1 else JITTER) * self.draw()

@@ -117,6 +117,17 @@ def env_is_compatible(warm: Mapping[str, str], worker: Mapping[str, str]) -> boo
     return True
 
 
+def workers_environment(nproc_per_node: int, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The environment torchrun will give its workers, known before torchrun has parsed its arguments: the
+    launcher's, plus ``OMP_NUM_THREADS=1`` when more than one worker runs per node and it is unset (torchrun's own
+    default, ``torch/distributed/run.py``). torch reads it at import, so an interpreter prestarted without it could
+    never be taken (:func:`env_is_compatible`): every worker of a multi-GPU node would start cold."""
+    workers = dict(environ)
+    if nproc_per_node > 1 and "OMP_NUM_THREADS" not in workers:
+        workers["OMP_NUM_THREADS"] = "1"
+    return workers
+
+
 class _Warm:
     """One warm interpreter: its flags, the environment it started with, its process and readiness pipe."""
 
@@ -172,6 +183,11 @@ class WarmPool:
         self._ready: list[_Warm] = []
         self._lock = threading.RLock()
 
+    def __len__(self) -> int:
+        """Interpreters waiting to become workers (warm or still importing)."""
+        with self._lock:
+            return len(self._ready)
+
     def is_warm(self) -> bool:
         """Every interpreter warming at normal priority has finished its imports: the workers this node starts
         next start without import delay (also true when the pool is empty: the workers took them, or none fit)."""
@@ -187,24 +203,27 @@ class WarmPool:
         counts = [a.split("=", 1)[1] for a in argv if a.startswith(("--nproc-per-node=", "--nproc_per_node="))]
         if "--no-python" not in argv or len(counts) != 1 or not counts[0].isdigit():
             return
-        self.fill(int(counts[0]), argv[argv.index("--no-python") + 1 :])
+        nproc = int(counts[0])
+        with self._lock:
+            self._fill(nproc, argv[argv.index("--no-python") + 1 :], False, workers_environment(nproc))
+
 
     def fill(self, count: int, args: Sequence[str], *, idle: bool = False) -> None:
         """Have ``count`` interpreters warming for workers started with ``args`` (no-op when those cannot be
         warm); ``idle``: they import only on otherwise idle CPU."""
         with self._lock:
-            self._fill(count, args, idle)
+            self._fill(count, args, idle, os.environ.copy())
 
-    def _fill(self, count: int, args: Sequence[str], idle: bool) -> None:
-        command = warm_command(args)
-        if command is None or not enabled():
+    def _fill(self, count: int, args: Sequence[str], idle: bool, environ: dict[str, str]) -> None:
+        command = warm_command(args, environ)
+        if command is None or not enabled(environ):
             return
         flags = tuple(command[0])
         for dead in [w for w in self._ready if w.proc.poll() is not None]:
             dead.end()
             self._ready.remove(dead)
         while sum(1 for w in self._ready if w.flags == flags) < count:
-            self._ready.append(_Warm(flags, os.environ.copy(), idle))
+            self._ready.append(_Warm(flags, dict(environ), idle))
 
     def take(self, args: Sequence[str], environ: Mapping[str, str]) -> Optional[subprocess.Popen[bytes]]:
         """A warm interpreter now running the worker ``args`` with ``environ``; None: start it cold. One still

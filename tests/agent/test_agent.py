@@ -206,6 +206,7 @@ def test_on_kubernetes_progress_is_written_once_an_interval_and_what_the_operato
     write_spec_job(tmp_path)
     source, clock = RateLimited(tmp_path), Clock()
     agent = agent_mod.Agent(source, server, clock=clock)
+    agent.throttle.draw = lambda: 0.0  # no jitter: the periodic write is due exactly an interval later
     client.set(keys.PROGRESS_KEY, progress(1))
     agent.sync()
     assert len(source.patches) == 1 and source.patches[0]["rendezvousRound"] == 1, "a new round: at once"

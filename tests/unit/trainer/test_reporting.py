@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 
 from disttrain.trainer import reporting
@@ -40,9 +43,30 @@ def test_progress_interval_comes_from_the_spec_with_the_crd_default():
 
 
 def test_throttle_writes_first_then_once_an_interval_and_urgent_at_once():
-    throttle = reporting.ProgressThrottle()
+    throttle = reporting.ProgressThrottle(draw=lambda: 0.0)
     assert throttle.is_due(urgent=False, interval_s=10, now=100.0), "a restarted agent reports at once"
     throttle.wrote(100.0)
     assert not throttle.is_due(urgent=False, interval_s=10, now=109.9)
     assert throttle.is_due(urgent=True, interval_s=10, now=100.1)
     assert throttle.is_due(urgent=False, interval_s=10, now=110.0)
+
+
+def test_agents_started_together_spread_their_writes_over_the_interval_and_never_write_sooner():
+    """500 agents started in the same second: their periodic writes must not come in one burst (the operator
+    would take it as one queue of reconciles), and none may write more often than the interval."""
+    rng = random.Random(7)
+    throttles = [reporting.ProgressThrottle(draw=rng.random) for _ in range(500)]
+    writes: list[list[float]] = [[] for _ in throttles]
+    now = 0.0
+    while now < 120.0:  # the agents' 0.25 s poll, 2 minutes
+        for throttle, times in zip(throttles, writes, strict=True):
+            if throttle.is_due(urgent=False, interval_s=10, now=now):
+                throttle.wrote(now)
+                times.append(now)
+        now = round(now + 0.25, 2)
+    gaps = [b - a for times in writes for a, b in itertools.pairwise(times)]
+    assert min(gaps) >= 10.0
+    assert max(gaps) <= 20.25 and sum(gaps) / len(gaps) < 11.5  # the rate stays about one write an interval
+    late = [t for times in writes for t in times if t >= 60.0]
+    busiest = max(sum(1 for t in late if s <= t < s + 1.0) for s in range(60, 119))
+    assert busiest < 0.25 * len(throttles)  # in step, every agent would write within the same second

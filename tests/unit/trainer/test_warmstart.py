@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-from disttrain.trainer.warmstart import WarmPool, env_is_compatible, warm_command
+import pytest
+
+from disttrain.trainer.warmstart import WarmPool, env_is_compatible, warm_command, workers_environment
 
 
 def test_this_python_with_a_script_or_module_is_warm_startable() -> None:
@@ -53,9 +55,34 @@ def test_the_first_workers_interpreters_start_from_the_launchers_own_command_lin
     try:
         pool.prestart(["--nnodes=1:4", "--nproc-per-node=2", "--rdzv-backend=disttrain", "--no-python",
                        sys.executable, "-u", str(script)])
-        assert len(pool._ready) == 2 and all(w.flags == ("-u",) for w in pool._ready)
+        assert len(pool) == 2
         pool.prestart(["--nproc-per-node", "2", "--no-python", sys.executable, str(script)])  # not the operator's
         pool.prestart(["--nproc-per-node=2", sys.executable, str(script)])  # form: left to the agent's fill
-        assert len(pool._ready) == 2
+        assert len(pool) == 2
+    finally:
+        pool.close()
+
+
+def test_prestarted_interpreters_get_the_thread_count_torchrun_gives_several_workers_per_node(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun sets ``OMP_NUM_THREADS=1`` for ``nproc-per-node > 1`` when it is unset, after the launcher prestarted
+    its interpreters; torch reads it at import, so without the same value in the prestart no worker of a multi-GPU
+    node could be taken warm."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert workers_environment(2)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in workers_environment(1)
+    assert workers_environment(2, {"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "8"  # the user's value stays
+    script = tmp_path / "train.py"
+    script.write_text("import os, sys; sys.exit(0 if os.environ['RANK'] == '1' else 3)\n")
+    command = [sys.executable, "-u", str(script)]
+    pool = WarmPool()
+    try:
+        pool.prestart(["--nproc-per-node=2", "--rdzv-backend=disttrain", "--no-python", *command])
+        assert len(pool) == 2
+        worker_env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
+        proc = pool.take(command, worker_env)  # the environment torchrun's worker gets
+        assert proc is not None and proc.wait(timeout=120) == 0
+        assert len(pool) == 1
     finally:
         pool.close()
