@@ -18,7 +18,9 @@ Defaults mirror the issue's measurement: 4 steps/s and a checkpoint every 12 ste
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import pathlib
 import statistics
@@ -35,6 +37,7 @@ import _apicount  # noqa: E402
 import _fleet  # noqa: E402
 import _jobs  # noqa: E402
 from kubernetes import client as k8s  # noqa: E402
+from kubernetes import config as kube_config  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
 from tests.cluster.harness import start_operator  # noqa: E402
 
@@ -169,12 +172,13 @@ class DirectiveClock:
 
 
 def measure_directive_latency(
-    plane: ControlPlane, names: list[str], samples: int, timeout: float
+    kubeconfig: str, names: list[str], samples: int, timeout: float
 ) -> tuple[list[float], list[float]]:
     """Scale ``samples`` jobs 3 -> 2, one at a time: milliseconds from the request to the directive in status as
-    this process's watch saw it, and to the operator's decision (its ``issuedAt`` stamp, same clock). The first
-    includes this process's own delays (its J agents share one interpreter), the second does not."""
-    admin = plane.api_client()
+    this process's watch saw it, and to the operator's decision (its ``issuedAt`` stamp, same clock). Runs in a
+    process of its own (:func:`probe_directive_latency`): in the benchmark's process the J agents' threads would
+    delay the request and the watch (one interpreter, one GIL), which a user's ``kubectl scale`` never shares."""
+    admin = kube_config.new_client_from_config(config_file=kubeconfig)
     custom = k8s.CustomObjectsApi(admin)
     clock = DirectiveClock(admin)
     time.sleep(2.0)  # the clock's watch has delivered every job's current generation
@@ -205,6 +209,29 @@ def measure_directive_latency(
     return latencies, decisions
 
 
+def probe_directive_latency(
+    plane: ControlPlane, names: list[str], samples: int, timeout: float
+) -> tuple[list[float], list[float]]:
+    """:func:`measure_directive_latency` in a fresh interpreter."""
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as probe:
+        return probe.submit(measure_directive_latency, str(plane.kubeconfig), names, samples, timeout).result()
+
+
+class CpuShares:
+    """CPU seconds per wall second of the processes that share this machine, over a window."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.started = time.monotonic()
+        self.before = {name: process_stats(pid)[1] for name, pid in pids.items()}
+
+    def lines(self) -> list[str]:
+        elapsed = time.monotonic() - self.started
+        shares = {name: (process_stats(pid)[1] - self.before[name]) / elapsed for name, pid in self.pids.items()}
+        return [f"  {name:28s} {share:5.2f} cores" for name, share in sorted(shares.items(), key=lambda kv: -kv[1])]
+
+
 def _p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98] if len(values) > 1 else values[0]
 
@@ -217,7 +244,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=20.0, help="seconds of steady state before the window")
     parser.add_argument("--step-seconds", type=float, default=0.25, help="one training step of every job")
     parser.add_argument("--checkpoint-every", type=int, default=12, help="steps between checkpoints")
-    parser.add_argument("--latency-samples", type=int, default=20)
+    parser.add_argument("--latency-samples", type=int, default=60)
     parser.add_argument(
         "--agent-poll-seconds",
         type=float,
@@ -279,12 +306,21 @@ def main() -> int:
 
         counts_before = _apicount.read_counts(plane.request("GET", "/metrics", raw=True).decode())
         _rss, cpu_before = process_stats(operator.proc.pid)
+        shares = CpuShares(
+            {
+                **{name: proc.pid for name, proc in plane.processes.items()},
+                "operator": operator.proc.pid,
+                "benchmark (agents, nodes)": os.getpid(),
+            }
+        )
         window_started = time.monotonic()
         time.sleep(args.window)
         elapsed = time.monotonic() - window_started
         counts_after = _apicount.read_counts(plane.request("GET", "/metrics", raw=True).decode())
         rss_mb, cpu_after = process_stats(operator.proc.pid)
         minutes = elapsed / 60
+        print(f"CPU over the window (load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores):")
+        print("\n".join(shares.lines()))
 
         delta = _apicount.disttrain_delta(counts_before, counts_after)
         total = sum(delta.values())
@@ -296,7 +332,7 @@ def main() -> int:
         if fleet.errors:
             print(f"harness errors: {fleet.errors[:5]}")
 
-        latencies, decisions = measure_directive_latency(plane, names, min(args.latency_samples, args.jobs), timeout=60)
+        latencies, decisions = probe_directive_latency(plane, names, min(args.latency_samples, args.jobs), timeout=60)
         print(f"directive latencies (ms): {', '.join(f'{v:.0f}' for v in sorted(latencies))}")
         print(f"request -> operator's decision (ms): {', '.join(f'{v:.0f}' for v in sorted(decisions))}")
         forbidden = operator.forbidden_lines()

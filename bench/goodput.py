@@ -22,8 +22,43 @@ import time
 import _localbench as lb
 
 
+class Losses:
+    """Where a run's seconds went at each loss: every reform's record (``status.lastReform``) and the steps redone
+    (the relayed step falling back to the checkpoint the group resumed from)."""
+
+    def __init__(self) -> None:
+        self.reforms: dict[str, dict] = {}
+        self.redone: list[int] = []
+        self._highest = 0
+
+    def observe(self, status: dict) -> None:
+        record = status.get("lastReform") or {}
+        if record.get("start") and record.get("durationSeconds") is not None:
+            self.reforms[record["start"]] = record
+        step = int(status.get("step", 0))
+        if 0 < step < self._highest:
+            self.redone.append(self._highest - step)
+        if step > 0:
+            self._highest = step
+
+    def lines(self) -> list[str]:
+        out = []
+        for record in sorted(self.reforms.values(), key=lambda r: r["start"]):
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in (record.get("phases") or {}).items() if v)
+            out.append(
+                f"  reform {record['reason']} {record.get('from')}->{record.get('to')}: "
+                f"{record['durationSeconds']:.2f} s ({phases})"
+            )
+        out.append(f"  steps redone after each loss: {self.redone}")
+        return out
+
+
 def measure(
-    window: float, period: float | None, interval: int | str | None = None, replacement_wait: int | None = None
+    window: float,
+    period: float | None,
+    interval: int | str | None = None,
+    replacement_wait: int | None = None,
+    losses: Losses | None = None,
 ) -> tuple[float, int, dict, dict]:
     """(kept samples per second, kills, restarts by reason, the last status.checkpointInterval)."""
     base = lb.workdir("goodput")
@@ -34,6 +69,8 @@ def measure(
     def on_tick(runtime, snapshot):
         status = snapshot.status
         now = time.time()
+        if losses is not None:
+            losses.observe(status)
         if status.get("checkpointInterval"):
             chosen.update(status["checkpointInterval"])
         if "start" not in marks and status.get("step", 0) > 0:
@@ -65,15 +102,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--window", type=float, default=130.0, help="seconds measured in each run")
     parser.add_argument("--period", type=float, default=60.0, help="seconds between node kills")
-    parser.add_argument("--replacement-wait", type=int, help="spec.elastic.replacementWaitSeconds (default: the demo's)")
+    parser.add_argument(
+        "--replacement-wait", type=int, help="spec.elastic.replacementWaitSeconds (default: the demo's)"
+    )
     args = parser.parse_args()
     backend = lb.use_registered_backend()
     wait = args.replacement_wait
     clean, _, _, _ = measure(args.window, None, replacement_wait=wait)
-    fixed, kills, restarts, _ = measure(args.window, args.period, replacement_wait=wait)
-    auto, auto_kills, auto_restarts, chosen = measure(args.window, args.period, "auto", replacement_wait=wait)
+    fixed_losses, auto_losses = Losses(), Losses()
+    fixed, kills, restarts, _ = measure(args.window, args.period, replacement_wait=wait, losses=fixed_losses)
+    auto, auto_kills, auto_restarts, chosen = measure(
+        args.window, args.period, "auto", replacement_wait=wait, losses=auto_losses
+    )
     print(f"rendezvous backend: {backend}; {kills} node kills in {args.window:.0f}s; restarts {restarts}")
+    print("\n".join(fixed_losses.lines()))
     print(f"auto run: {auto_kills} node kills; restarts {auto_restarts}; last status.checkpointInterval {chosen}")
+    print("\n".join(auto_losses.lines()))
     print(f"samples_per_second_clean: {clean:.1f}")
     print(f"samples_per_second_with_failures: {fixed:.1f}")
     print(f"samples_per_second_with_failures_auto_interval: {auto:.1f}")

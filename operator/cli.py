@@ -106,7 +106,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
     from kubernetes import client, config
     from prometheus_client import start_http_server
 
-    from disttrain.operator import handlers
+    from disttrain.operator import gcpolicy, handlers
     from disttrain.operator.metrics import OperatorMetrics
 
     logging.basicConfig(
@@ -134,6 +134,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_address)
+    gcpolicy.start()
     kopf.run(
         registry=registry,
         clusterwide=args.all_namespaces,

@@ -100,11 +100,11 @@ class OperatorMetrics:
             buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
             registry=registry,
         )
-        self.reform_phase = Histogram(
+        self.reform_phase = Histogram(  # by namespace, not by job: a job's own phases are in its status
             "disttrain_job_reform_phase_seconds",
-            "Seconds of each phase of a reform (status.lastReform.phases): detection, directive, restart, "
-            "imports, modelBuild, processGroup, checkpointLoad, firstStep.",
-            [*job, "phase"],
+            "Seconds of each phase of a reform (status.lastReform.phases), over the namespace's jobs: detection, "
+            "directive, restart, imports, modelBuild, processGroup, checkpointLoad, firstStep.",
+            ["namespace", "phase"],
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
             registry=registry,
         )
@@ -190,7 +190,7 @@ class OperatorMetrics:
             phases = reform.get("phases") or {}
             for phase in REFORM_PHASES:
                 if isinstance(phases.get(phase), (int, float)):
-                    self.reform_phase.labels(*labels, phase).observe(phases[phase])
+                    self.reform_phase.labels(namespace, phase).observe(phases[phase])
         self._seen[labels] = {
             "restarts": status.get("restarts"),
             "reforms": status.get("reforms", 0),
@@ -202,7 +202,7 @@ class OperatorMetrics:
         restart, reform and reform duration of each kind."""
         self.reform_duration.labels(*labels)
         for phase in REFORM_PHASES:
-            self.reform_phase.labels(*labels, phase)
+            self.reform_phase.labels(labels[0], phase)
         for reason in (*RESTART_REASONS, OTHER_REASON):
             self.restarts.labels(*labels, reason)
         for reason in (*REFORM_REASONS, OTHER_REASON):
@@ -233,7 +233,7 @@ class OperatorMetrics:
                 metric.remove(*labels)
             except KeyError:
                 pass
-        for family in (self.phase, self.restarts, self.reforms, self.reform_phase):
+        for family in (self.phase, self.restarts, self.reforms):
             for sample_labels in list(family._metrics):  # prometheus-client has no public lister
                 if sample_labels[:2] == labels:
                     family.remove(*sample_labels)

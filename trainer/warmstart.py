@@ -207,7 +207,6 @@ class WarmPool:
         with self._lock:
             self._fill(nproc, argv[argv.index("--no-python") + 1 :], False, workers_environment(nproc))
 
-
     def fill(self, count: int, args: Sequence[str], *, idle: bool = False) -> None:
         """Have ``count`` interpreters warming for workers started with ``args`` (no-op when those cannot be
         warm); ``idle``: they import only on otherwise idle CPU."""

@@ -114,5 +114,5 @@ def test_the_reform_reports_its_phases_and_they_add_up(node_loss):
     # may be 0: a warm interpreter imported before the hand-over, disttrain.trainer.warmstart.)
     assert phases["restart"] > 0 and phases["processGroup"] > 0 and phases["checkpointLoad"] > 0, phases
     for phase in ReformPhase:
-        assert node_loss.scrapes[0][f'disttrain_job_reform_phase_seconds_count{{job="loss",namespace="default",phase="{phase.value}"}}'] == 1
+        assert node_loss.scrapes[0][f'disttrain_job_reform_phase_seconds_count{{namespace="default",phase="{phase.value}"}}'] == 1
     assert any(e["reason"] == "Reformed" and "phases: detection" in e["message"] for e in node_loss.events)

@@ -70,19 +70,30 @@ def test_every_operator_metric_is_documented():
 
 
 def test_each_reform_phase_is_observed_once_per_reform():
-    """The phase histogram exists at 0 for every phase, then gets each phase of a completed reform, once."""
+    """The phase histogram (by namespace: a job's own phases are in its status) exists at 0 for every phase, then
+    gets each phase of a completed reform, once; a deleted job leaves the namespace's figures alone."""
     from disttrain.operator.metrics import REFORM_PHASES
 
     registry = CollectorRegistry()
     metrics = OperatorMetrics(registry)
     metrics.observe_job("team-a", "demo", {"phase": "Running"}, now=100)
     for phase in REFORM_PHASES:
-        assert _value(registry, "disttrain_job_reform_phase_seconds_count", phase=phase) == 0, phase
+        assert phase_sample(registry, "count", phase) == 0, phase
     phases = {phase: 0.5 for phase in REFORM_PHASES} | {"checkpointLoad": 2.0, "total": 5.5}
     done = {"phase": "Running", "reforms": 1, "lastReform": {"reason": "NodeNotReady", "start": "x",
                                                              "durationSeconds": 5.0, "phases": phases}}
     metrics.observe_job("team-a", "demo", done, now=101)
     metrics.observe_job("team-a", "demo", done, now=102)  # the same reform seen again: not counted again
-    assert _value(registry, "disttrain_job_reform_phase_seconds_count", phase="imports") == 1
-    assert _value(registry, "disttrain_job_reform_phase_seconds_sum", phase="checkpointLoad") == 2.0
-    assert _value(registry, "disttrain_job_reform_phase_seconds_count", phase="total") is None
+    assert phase_sample(registry, "count", "imports") == 1
+    assert phase_sample(registry, "sum", "checkpointLoad") == 2.0
+    assert phase_sample(registry, "count", "total") is None
+    metrics.observe_job("team-a", "other", done, now=103)  # another job of the namespace: its reform counts too
+    assert phase_sample(registry, "count", "imports") == 2
+    metrics.forget_job("team-a", "demo")
+    assert phase_sample(registry, "count", "imports") == 2
+    assert registry.get_sample_value("disttrain_job_reform_phase_seconds_count", {**JOB, "phase": "imports"}) is None
+
+
+def phase_sample(registry: CollectorRegistry, kind: str, phase: str) -> float | None:
+    labels = {"namespace": "team-a", "phase": phase}
+    return registry.get_sample_value(f"disttrain_job_reform_phase_seconds_{kind}", labels)
