@@ -72,3 +72,34 @@ def disttrain_delta(before: Mapping[RequestKey, float], after: Mapping[RequestKe
 def describe(key: RequestKey) -> str:
     verb, resource, subresource = key
     return f"{verb} {resource}{'/' + subresource if subresource else ''}"
+
+
+Buckets = dict[RequestKey, dict[float, float]]
+"""Cumulative counts of ``apiserver_request_duration_seconds`` by request kind and upper bound ``le``."""
+
+
+def read_durations(metrics_text: str) -> Buckets:
+    """The API server's own latency histogram, by (verb, resource, subresource), summed over scopes."""
+    buckets: Buckets = collections.defaultdict(lambda: collections.defaultdict(float))
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != "apiserver_request_duration_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                labels = sample.labels
+                key = (labels.get("verb", ""), labels.get("resource", ""), labels.get("subresource", ""))
+                buckets[key][float(labels["le"])] += sample.value
+    return {key: dict(by_le) for key, by_le in buckets.items()}
+
+
+def duration_quantile(before: Buckets, after: Buckets, key: RequestKey, q: float) -> float | None:
+    """The ``q`` quantile (seconds, the bucket's upper bound) of the requests of ``key`` between two readings."""
+    now, then = after.get(key) or {}, before.get(key) or {}
+    bounds = sorted(now)
+    counts = [now[le] - then.get(le, 0.0) for le in bounds]
+    if not counts or counts[-1] <= 0:
+        return None
+    for le, count in zip(bounds, counts, strict=True):
+        if count >= q * counts[-1]:
+            return le
+    return None

@@ -332,7 +332,12 @@ def main() -> int:
         if fleet.errors:
             print(f"harness errors: {fleet.errors[:5]}")
 
+        durations_before = _apicount.read_durations(plane.request("GET", "/metrics", raw=True).decode())
         latencies, decisions = probe_directive_latency(plane, names, min(args.latency_samples, args.jobs), timeout=60)
+        durations = (durations_before, _apicount.read_durations(plane.request("GET", "/metrics", raw=True).decode()))
+        for key in (("PATCH", "disttrainjobs", "scale"), ("PATCH", "disttrainjobs", "status")):
+            p50, p99 = (_apicount.duration_quantile(*durations, key, q) for q in (0.5, 0.99))
+            print(f"API server's own latency of {_apicount.describe(key)} meanwhile: p50 <= {p50} s, p99 <= {p99} s")
         print(f"directive latencies (ms): {', '.join(f'{v:.0f}' for v in sorted(latencies))}")
         print(f"request -> operator's decision (ms): {', '.join(f'{v:.0f}' for v in sorted(decisions))}")
         forbidden = operator.forbidden_lines()
