@@ -140,7 +140,8 @@ def main() -> None:
                 kills[kind] += killed
                 for reason, count in by_reason.items():
                     restarts[kind][reason] = restarts[kind].get(reason, 0) + count
-                chosen.update(last if kind == "auto" else {})
+                if kind == "auto":
+                    chosen.update(last)
             rates[kind].append(rate)
             print(f"round {round_ + 1} {kind}: {rate:.1f} samples/s", flush=True)
     clean, fixed, auto = (sum(rates[kind]) / len(rates[kind]) for kind in kinds)

@@ -86,12 +86,11 @@ class ProgressThrottle:
     """Uniform in [0, 1): how far into its jitter range the next periodic write falls."""
     stretch: float = 1.0
     """The next periodic write is due ``interval x stretch`` after the last write."""
-    writes: int = 0
 
     def is_due(self, *, urgent: bool, interval_s: float, now: float) -> bool:
         return urgent or self.last_write is None or now - self.last_write >= interval_s * self.stretch
 
     def wrote(self, now: float) -> None:
+        first = self.last_write is None
         self.last_write = now
-        self.writes += 1
-        self.stretch = 1.0 + (1.0 if self.writes == 1 else JITTER) * self.draw()
+        self.stretch = 1.0 + (1.0 if first else JITTER) * self.draw()

@@ -204,14 +204,15 @@ class WarmPool:
         if "--no-python" not in argv or len(counts) != 1 or not counts[0].isdigit():
             return
         nproc = int(counts[0])
-        with self._lock:
-            self._fill(nproc, argv[argv.index("--no-python") + 1 :], False, workers_environment(nproc))
+        self.fill(nproc, argv[argv.index("--no-python") + 1 :], environ=workers_environment(nproc))
 
-    def fill(self, count: int, args: Sequence[str], *, idle: bool = False) -> None:
-        """Have ``count`` interpreters warming for workers started with ``args`` (no-op when those cannot be
-        warm); ``idle``: they import only on otherwise idle CPU."""
+    def fill(
+        self, count: int, args: Sequence[str], *, idle: bool = False, environ: Optional[Mapping[str, str]] = None
+    ) -> None:
+        """Have ``count`` interpreters warming for workers started with ``args`` and ``environ`` (default: this
+        process's; no-op when those cannot be warm); ``idle``: they import only on otherwise idle CPU."""
         with self._lock:
-            self._fill(count, args, idle, os.environ.copy())
+            self._fill(count, args, idle, dict(os.environ if environ is None else environ))
 
     def _fill(self, count: int, args: Sequence[str], idle: bool, environ: dict[str, str]) -> None:
         command = warm_command(args, environ)

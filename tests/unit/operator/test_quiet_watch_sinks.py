@@ -7,7 +7,8 @@ import logging
 import kopf
 import pytest
 
-from disttrain.operator.handlers import configure
+from disttrain.operator.handlers import WATCH_SINKS, configure, register
+from disttrain.operator.metrics import OperatorMetrics
 
 
 def test_a_watch_sinks_success_is_not_logged_and_its_failure_and_other_handlers_are(
@@ -28,3 +29,14 @@ def test_a_watch_sinks_success_is_not_logged_and_its_failure_and_other_handlers_
         "Handler 'register.<locals>.job_loop' succeeded.",
         "Daemon 'register.<locals>.job_loop' has exited on its own. Stopping it.",
     ]
+
+
+def test_the_quieted_names_are_the_handlers_that_feed_the_caches() -> None:
+    """A renamed handler would make the filter match nothing: the names must be registered event handlers."""
+    from prometheus_client import CollectorRegistry
+
+    registry = kopf.OperatorRegistry()
+    register(registry, lambda: None, OperatorMetrics(CollectorRegistry()))  # type: ignore[arg-type, return-value]
+    handler_ids = {str(h.id) for h in registry._watching.get_all_handlers()}
+    for sink in WATCH_SINKS:
+        assert any(i.endswith(f".{sink}") for i in handler_ids), (sink, handler_ids)
