@@ -17,9 +17,17 @@ from disttrain.trainer import channel
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        return r.read().decode()
+def scrape(port: int, attempts: int = 3) -> str:
+    """The worker's /metrics; a scrape that times out is tried again (a loaded machine can stall the exporter's
+    thread for seconds, as a real Prometheus would retry at its next interval)."""
+    for attempt in range(attempts):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                return r.read().decode()
+        except TimeoutError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def test_drain_reform_progress_and_metrics_through_the_agent_store(harness):
