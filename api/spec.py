@@ -74,6 +74,11 @@ class NodesSpec(ContractModel):
     """Most nodes the job may run with; scale requests above it are clamped."""
     replicas: int = Field(ge=1, le=10_000)
     """Desired node count; the scale subresource (`kubectl scale`, HPA) writes this field."""
+    spares: int = Field(0, ge=0, le=100)
+    """Hot spares: worker pods kept running beyond the group, warm (imports done) and waiting in the rendezvous.
+    A lost node's place is taken by a spare at once, so the reform never waits for a replacement pod to be
+    created, scheduled, pulled and started; the replacement becomes the next spare. Each spare holds a node's
+    resources while it waits. Not part of the world size: `replicas` and the scale subresource count without them."""
 
 
 class RendezvousSpec(ContractModel):

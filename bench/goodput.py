@@ -7,16 +7,22 @@ node each time, as a cluster would replace a machine): one with the demo's fixed
 goodput_ratio = samples whose work was kept (status samplesConsumed at the end of the window: redone steps are
 not counted twice) with failures / without. Goal: >= 0.95 at one kill per 60 s.
 
+A fourth run, ``spare``, is the fixed interval with ``spec.nodes.spares: 1``: a hot spare waits warm in the
+rendezvous, takes the lost node's place at once, and the replacement becomes the next spare. Its victims are
+members of the group (a pod whose worker serves its metrics), never the idle spare.
+
 ``--replacement-wait S`` sets the job's ``spec.elastic.replacementWaitSeconds`` in every run (the demo's is 30: the
 survivors wait for the replacement's cold start; 0: they re-form at once and the replacement joins once Ready).
 
-    python bench/goodput.py [--window 130] [--period 60] [--replacement-wait S] [--rounds 3]
+    python bench/goodput.py [--window 130] [--period 60] [--replacement-wait S] [--rounds 3] [--spares 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
+import socket
 import time
 
 import _localbench as lb
@@ -57,12 +63,21 @@ class Losses:
         return out
 
 
+def is_training(pod) -> bool:
+    """The pod's worker serves its metrics: a member of the group (a hot spare has started no worker)."""
+    with contextlib.suppress(OSError):
+        socket.create_connection(("127.0.0.1", pod.metrics_port), timeout=0.5).close()
+        return True
+    return False
+
+
 def measure(
     window: float,
     period: float | None,
     interval: int | str | None = None,
     replacement_wait: int | None = None,
     losses: Losses | None = None,
+    spares: int = 0,
 ) -> tuple[float, int, dict, dict]:
     """(kept samples per second, kills, restarts by reason, the last status.checkpointInterval)."""
     base = lb.workdir("goodput")
@@ -79,13 +94,16 @@ def measure(
             losses.observe(status)
         if status.get("checkpointInterval"):
             chosen.update(status["checkpointInterval"])
-        if "start" not in marks and status.get("step", 0) > 0:
-            marks["start"] = now
+        if "start" not in marks and status.get("step", 0) > 0 and all(
+            p.probed_ready for p in runtime.workers.values() if p.is_alive
+        ):
+            marks["start"] = now  # once every pod is up: a hot spare's first start is not part of the window
         if "start" not in marks:
             return
         if period and now - marks["start"] >= period * (len(kills) + 1) - period / 2:
             kills.append(now)
             alive = [p for p in runtime.workers.values() if p.is_alive and not p.node_lost and p.index != 0]
+            alive = [p for p in alive if is_training(p)] if spares else alive
             if alive:
                 runtime.apply_chaos(lb.parse_chaos(f"kill-node:{max(p.index for p in alive)}@0s")[0])
         if now - marks["start"] >= window:
@@ -98,6 +116,7 @@ def measure(
         job["spec"]["checkpoint"]["intervalSteps"] = interval
     if replacement_wait is not None:
         job["spec"]["elastic"]["replacementWaitSeconds"] = replacement_wait
+    job["spec"]["nodes"]["spares"] = spares
     runtime = lb.run(job, base / "state", on_tick=on_tick, timeout_s=window + 300)
     restarts = dict(runtime.summary.restarts_by_reason)
     shutil.rmtree(base, ignore_errors=True)
@@ -111,6 +130,7 @@ def main() -> None:
     parser.add_argument(
         "--replacement-wait", type=int, help="spec.elastic.replacementWaitSeconds (default: the demo's)"
     )
+    parser.add_argument("--spares", type=int, default=1, help="spec.nodes.spares of the spare run")
     parser.add_argument(
         "--rounds",
         type=int,
@@ -121,21 +141,22 @@ def main() -> None:
     args = parser.parse_args()
     backend = lb.use_registered_backend()
     wait = args.replacement_wait
-    fixed_losses, auto_losses = Losses(), Losses()
-    kinds = ["clean", "fixed", "auto"]
+    kinds = ["clean", "fixed", "auto", "spare"]
+    losses_of = {kind: Losses() for kind in kinds[1:]}
     rates: dict[str, list[float]] = {kind: [] for kind in kinds}
-    kills: dict[str, int] = {"fixed": 0, "auto": 0}
-    restarts: dict[str, dict] = {"fixed": {}, "auto": {}}
+    kills: dict[str, int] = {kind: 0 for kind in kinds[1:]}
+    restarts: dict[str, dict] = {kind: {} for kind in kinds[1:]}
     chosen: dict = {}
     for round_ in range(args.rounds):
-        for kind in kinds[round_ % 3 :] + kinds[: round_ % 3]:
+        turn = round_ % len(kinds)
+        for kind in kinds[turn:] + kinds[:turn]:
             if kind == "clean":
                 rate, _, _, _ = measure(args.window, None, replacement_wait=wait)
             else:
                 interval = "auto" if kind == "auto" else None
-                losses = auto_losses if kind == "auto" else fixed_losses
+                spares = args.spares if kind == "spare" else 0
                 rate, killed, by_reason, last = measure(
-                    args.window, args.period, interval, replacement_wait=wait, losses=losses
+                    args.window, args.period, interval, replacement_wait=wait, losses=losses_of[kind], spares=spares
                 )
                 kills[kind] += killed
                 for reason, count in by_reason.items():
@@ -144,18 +165,20 @@ def main() -> None:
                     chosen.update(last)
             rates[kind].append(rate)
             print(f"round {round_ + 1} {kind}: {rate:.1f} samples/s", flush=True)
-    clean, fixed, auto = (sum(rates[kind]) / len(rates[kind]) for kind in kinds)
+    clean, fixed, auto, spare = (sum(rates[kind]) / len(rates[kind]) for kind in kinds)
     print(f"rendezvous backend: {backend}; {kills['fixed']} node kills in {args.rounds} x {args.window:.0f}s")
-    print(f"fixed runs: restarts {restarts['fixed']}")
-    print("\n".join(fixed_losses.lines()))
-    print(f"auto runs: {kills['auto']} node kills; restarts {restarts['auto']}")
-    print(f"last status.checkpointInterval of an auto run: {chosen}")
-    print("\n".join(auto_losses.lines()))
+    for kind in kinds[1:]:
+        print(f"{kind} runs: {kills[kind]} node kills; restarts {restarts[kind]}")
+        if kind == "auto":
+            print(f"last status.checkpointInterval of an auto run: {chosen}")
+        print("\n".join(losses_of[kind].lines()))
     print(f"samples_per_second_clean: {clean:.1f}")
     print(f"samples_per_second_with_failures: {fixed:.1f}")
     print(f"samples_per_second_with_failures_auto_interval: {auto:.1f}")
+    print(f"samples_per_second_with_failures_spare: {spare:.1f}")
     print(f"goodput_ratio: {fixed / clean:.3f}")
     print(f"goodput_ratio_auto_interval: {auto / clean:.3f}")
+    print(f"goodput_ratio_spare: {spare / clean:.3f}")
 
 
 if __name__ == "__main__":

@@ -243,14 +243,16 @@ def is_success(spec: DistTrainJobSpec, status: DistTrainJobStatus, members: list
     """The success rule. Never "any worker succeeded" alone.
 
     AllWorkers: every member pod Succeeded. RankZero: a pod Succeeded and the trainer's progress (written by
-    global rank 0) reached the training length.
+    global rank 0) reached the training length. Hot spares never train: up to ``nodes.spares`` members may still
+    be waiting (or starting) once the training length is reached.
     """
     succeeded = [p for p in members if p.phase == "Succeeded"]
     if not succeeded:
         return False
     if spec.success_policy is SuccessPolicy.RANK_ZERO:
         return training_complete(spec, status)
-    return len(succeeded) == len(members)
+    unfinished = len(members) - len(succeeded)
+    return unfinished == 0 or (unfinished <= spec.nodes.spares and training_complete(spec, status))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -863,8 +865,9 @@ def _size(d: _Draft) -> None:
     _complete_directive(d, group_nodes)
 
     live = list(d.members)
-    # Scale-down: more live pods than desired.
-    surplus = len(live) - desired
+    wanted = desired + spec.nodes.spares  # the group's nodes and the hot spares waiting beside it
+    # Scale-down: more live pods than wanted.
+    surplus = len(live) - wanted
     if surplus > 0:
         if previous and desired < previous:
             d.event(NORMAL, Reason.SCALED_DOWN, f"scaling down from {previous} to {desired} nodes")
@@ -893,7 +896,7 @@ def _size(d: _Draft) -> None:
         _remove_drained_victims(d)
 
     # Create what is missing (after the restart backoff).
-    missing = desired - len(live)
+    missing = wanted - len(live)
     if missing > 0 and not any(p.phase == "Succeeded" for p in d.seen.workers):
         resume_at = timestamps.parse_time(st.next_restart_time)
         if resume_at is not None and now < resume_at:
@@ -1016,15 +1019,18 @@ def _choose_target(d: _Draft, live: list[PodView], group_nodes: int) -> None:
     Running pods when they are a valid count >= min, so the job never waits forever on a Pending pod.
     A worker pod is Ready once its workers can start without import delay (``disttrain.trainer.readiness``): a
     running group is drained for a newcomer only then, so it never stops to wait for a newcomer's imports.
+    Hot spares (``spec.nodes.spares``) are the Ready pods beyond the desired size: they wait in the rendezvous
+    outside the group, so a lost node is replaced from them at once and no wait starts while they suffice.
     """
     st, spec, now = d.status, d.spec, d.now
     ctl = st.control
     desired = st.desired_nodes
     running = [p for p in live if p.is_running and p.ready]
     waiting = [p for p in live if not (p.is_running and p.ready)]
-    missing = max(0, desired - len(live))
+    missing = max(0, desired + spec.nodes.spares - len(live))
+    enough = len(running) >= desired  # Ready pods for the whole group, spares among them if need be
     target = desired
-    if waiting or missing:
+    if not enough and (waiting or missing):
         if ctl.action is DirectiveAction.REFORM and ctl.reason in LOSS_REASONS:
             expiry = (timestamps.parse_time(ctl.issued_at) or now) + spec.elastic.replacement_wait_seconds
             timeout_reason = Reason.REPLACEMENT_TIMEOUT
@@ -1039,13 +1045,13 @@ def _choose_target(d: _Draft, live: list[PodView], group_nodes: int) -> None:
                 d.event(
                     WARNING,
                     timeout_reason,
-                    f"{len(waiting) + missing} node(s) not running after the wait; continuing with {target} nodes",
+                    f"{desired - len(running)} node(s) not running after the wait; continuing with {target} nodes",
                 )
         else:
             d.timer(expiry)
     if not ctl.in_flight and group_nodes > 0:
-        grown = snap_to_valid(spec, len(running), allow_up=False) or 0
-        if not waiting and not missing and grown > group_nodes:
+        grown = snap_to_valid(spec, min(len(running), desired), allow_up=False) or 0
+        if (enough or not (waiting or missing)) and grown > group_nodes:
             _issue(d, DirectiveAction.DRAIN, Reason.SCALED_UP, grown)
             target = grown
         elif target < group_nodes and not ctl.exclude:
@@ -1099,17 +1105,22 @@ def _publish(d: _Draft) -> None:
     """Counts, phase and conditions from what was decided."""
     st = d.status
     live = [p for p in d.members if p.name not in st.control.exclude]
-    st.replicas = len(d.seen.workers)
-    st.ready_replicas = sum(1 for p in d.seen.workers if p.is_running and p.ready)
+    # Hot spares are not replicas: the scale subresource (HPA) and the columns count the group's pods only.
+    spares = min(d.spec.nodes.spares, max(0, len(live) - st.desired_nodes))
+    st.replicas = len(d.seen.workers) - spares
+    st.ready_replicas = max(0, sum(1 for p in d.seen.workers if p.is_running and p.ready) - spares)
     unscheduled = [p.name for p in live if not p.is_scheduled]
+    bound = len(live) - len(unscheduled)
     if d.seen.refused:
         _announce_refusal(d, d.seen.refused)
-    elif live and not unscheduled and len(live) >= st.desired_nodes:
+    elif live and bound >= st.desired_nodes and (spares or not unscheduled):  # a spare may wait for a node
         d.condition(
             ConditionType.SCHEDULED,
             True,
             Reason.SCHEDULED,
-            f"all {len(live)} worker pods are bound to nodes",
+            f"all {bound} worker pods are bound to nodes"
+            if not unscheduled
+            else f"{bound} worker pods are bound to nodes, {len(unscheduled)} hot spare(s) not yet",
             announce=NORMAL,
         )
     else:

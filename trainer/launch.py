@@ -49,6 +49,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import (  # noqa: E402
     SubprocessHandler,
 )
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError  # noqa: E402
 from torch.distributed.launcher import api as launcher_api  # noqa: E402
 
 from disttrain.api import env  # noqa: E402
@@ -215,6 +216,12 @@ def run(argv: Sequence[str]) -> int:
         text = describe(rank, failure)
         write_termination_message(text)
         return exit_code(failure)
+    except RendezvousClosedError:
+        # Only a node that finished the training closes the rendezvous (a failing agent leaves it open, above):
+        # this node waited outside the group (a hot spare, a late newcomer) and the job is done without it.
+        log.info("the rendezvous is closed: the job finished while this node waited outside the group")
+        write_termination_message("rendezvous closed: the job finished while this node waited outside the group")
+        return 0
     finally:
         READINESS.close()
         WARM_POOL.close()

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from disttrain.operator.local import chaos as chaos_mod
 from tests.e2e.conftest import e2e_job, run_job, scrape
 
 pytestmark = [pytest.mark.slow]
@@ -116,3 +117,52 @@ def test_the_reform_reports_its_phases_and_they_add_up(node_loss):
     for phase in ReformPhase:
         assert node_loss.scrapes[0][f'disttrain_job_reform_phase_seconds_count{{namespace="default",phase="{phase.value}"}}'] == 1
     assert any(e["reason"] == "Reformed" and "phases: detection" in e["message"] for e in node_loss.events)
+
+
+@pytest.fixture(scope="module")
+def spare_loss(tmp_path_factory):
+    """3 nodes and one hot spare (``spec.nodes.spares: 1``); past step 8 a member's machine dies.
+
+    Which three of the four pods form the first group is the rendezvous' choice: the member killed is one whose
+    worker recorded steps. The pods that existed before the kill and the replacement created after it are noted.
+    """
+    tmp = tmp_path_factory.mktemp("spare-loss")
+    out = tmp / "records"
+    seen: dict = {}
+
+    def on_tick(runtime, snapshot):
+        if "killed" in seen or snapshot.status.get("step", 0) < 8:
+            return
+        recording = {path.name.rsplit("-", 1)[0] for path in out.glob("*.jsonl")}
+        members = [p for p in runtime.workers.values() if p.is_alive and p.name in recording]
+        seen["before"] = {p.name for p in runtime.workers.values()}
+        seen["killed"] = max(members, key=lambda p: p.index).name
+        runtime.apply_chaos(chaos_mod.parse_chaos(f"kill-node:{max(p.index for p in members)}@0s")[0])
+
+    run = run_job(tmp, e2e_job("spare", out, replicas=3, step_sleep=0.05).set("spec.nodes.spares", 1),
+                  on_tick=on_tick)
+    run.seen = seen
+    return run
+
+
+@pytest.mark.timeout(240)
+def test_a_hot_spare_takes_the_lost_nodes_place_and_the_trajectory_is_unchanged(spare_loss, reference):
+    """The group after the loss is the survivors and the spare (a pod that existed before the kill), never the
+    replacement created after it; one restart; the losses equal the reference and every sample is read once."""
+    assert spare_loss.summary.succeeded, spare_loss.reasons()
+    assert "killed" in spare_loss.seen, "the member was never killed"
+    assert sum(spare_loss.summary.restarts_by_reason.values()) == 1
+    trajectory = spare_loss.final_trajectory()
+    resumed = [recs for recs in trajectory.values() if recs[0]["resumed_from"]]
+    assert resumed, "the run never resumed from a checkpoint: the kill missed the training"
+    after = {r["process"].rsplit("-", 1)[0] for recs in trajectory.values() for r in recs
+             if r["step"] > resumed[0][0]["resumed_from"]}
+    assert len(after) == 3 and spare_loss.seen["killed"] not in after
+    assert after <= spare_loss.seen["before"], f"a pod created after the loss trained: {after}"
+    ref = _global_losses(reference.final_trajectory())
+    got = _global_losses(trajectory)
+    assert sorted(got) == sorted(ref) == list(range(1, 25))
+    for step in ref:
+        assert math.isclose(got[step], ref[step], rel_tol=1e-4, abs_tol=1e-6), (step, got[step], ref[step])
+    consumed = collections.Counter(i for recs in trajectory.values() for r in recs for i in r["indices"])
+    assert sorted(consumed) == list(range(288)) and set(consumed.values()) == {1}
