@@ -73,6 +73,8 @@ class Reason(str, enum.Enum):
     NODE_DRAINING = "NodeDraining"
     HEARTBEAT_LOST = "HeartbeatLost"
     """The job agent found the node silent in the rendezvous heartbeats (before Kubernetes marks it NotReady)."""
+    OUTSIDE_THE_GROUP = "OutsideTheGroup"
+    """Event: a lost pod was not in the running round (a hot spare, a newcomer): replaced, and the group trains on."""
     PERMANENT_EXIT_CODE = "PermanentExitCode"
     RESTART_BUDGET_EXHAUSTED = "RestartBudgetExhausted"
     DEADLINE_EXCEEDED = "DeadlineExceeded"

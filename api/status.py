@@ -30,6 +30,7 @@ AGENT_FIELDS: Final = (
     "workerFailure",
     "checkpointInterval",
     "silentNodes",
+    "roundMembers",
     "workerStartup",
 )
 """Wire names of the status fields the job agent owns; it writes no other, and the operator never writes these."""
@@ -257,6 +258,10 @@ class DistTrainJobStatus(ContractModel):
     silent_nodes: Optional[list[SilentNode]] = Field(None, max_length=1024)
     """Worker nodes silent in the rendezvous heartbeats for keepAliveMaxAttempts x keepAliveIntervalSeconds, as
     the job agent sees them (unset when none): the operator reforms without them before Kubernetes notices."""
+    round_members: Optional[list[str]] = Field(None, max_length=1024)
+    """The worker pods in the completed rendezvous round, as the job agent reads them from the rendezvous state
+    (unset before the first round). A pod not named here while the group runs is waiting outside it (a hot spare,
+    a newcomer): losing it costs the group nothing, so the operator replaces it without a reform."""
     worker_startup: Optional[WorkerStartup] = None
     """When the current group's rank 0 started, phase by phase, and when the previous group exited (relayed by
     the job agent); the operator computes ``lastReform.phases`` from it."""

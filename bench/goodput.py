@@ -20,9 +20,7 @@ survivors wait for the replacement's cold start; 0: they re-form at once and the
 from __future__ import annotations
 
 import argparse
-import contextlib
 import shutil
-import socket
 import time
 
 import _localbench as lb
@@ -63,14 +61,6 @@ class Losses:
         return out
 
 
-def is_training(pod) -> bool:
-    """The pod's worker serves its metrics: a member of the group (a hot spare has started no worker)."""
-    with contextlib.suppress(OSError):
-        socket.create_connection(("127.0.0.1", pod.metrics_port), timeout=0.5).close()
-        return True
-    return False
-
-
 def measure(
     window: float,
     period: float | None,
@@ -103,7 +93,7 @@ def measure(
         if period and now - marks["start"] >= period * (len(kills) + 1) - period / 2:
             kills.append(now)
             alive = [p for p in runtime.workers.values() if p.is_alive and not p.node_lost and p.index != 0]
-            alive = [p for p in alive if is_training(p)] if spares else alive
+            alive = [p for p in alive if p.is_training()] if spares else alive
             if alive:
                 runtime.apply_chaos(lb.parse_chaos(f"kill-node:{max(p.index for p in alive)}@0s")[0])
         if now - marks["start"] >= window:

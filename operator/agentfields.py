@@ -26,6 +26,7 @@ NESTED_TIME_FIELDS = ("lastCheckpoint", "workerFailure", "checkpointInterval")
 """Agent fields that are objects with a ``time``."""
 COUNT_FIELDS = ("step", "samplesConsumed", "worldSize", "rendezvousRound")
 MAX_SILENT_NODES = 1024
+MAX_ROUND_MEMBERS = 1024
 _SILENT_NODES = pydantic.TypeAdapter(list[SilentNode])
 
 
@@ -60,6 +61,14 @@ def sanitize(status: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if problem:
             problems.append(f"status.silentNodes: {problem}")
             del clean["silentNodes"]
+    members = clean.get("roundMembers")
+    if members is not None and not (
+        isinstance(members, list)
+        and len(members) <= MAX_ROUND_MEMBERS
+        and all(isinstance(name, str) and 0 < len(name) <= 253 for name in members)
+    ):
+        problems.append(f"status.roundMembers={_show(members)} is no list of at most {MAX_ROUND_MEMBERS} pod names")
+        del clean["roundMembers"]
     return clean, problems
 
 

@@ -567,7 +567,7 @@ def _count_vanished_pods(d: _Draft, victims: frozenset[str]) -> None:
     for name in sorted(set(d.status.tracked_pods) - seen - {agent}):
         del d.status.tracked_pods[name]
         if name not in victims:
-            _count_loss(d, Reason.POD_DELETED, f"worker pod {name} disappeared")
+            _count_loss(d, Reason.POD_DELETED, f"worker pod {name} disappeared", outside=is_outside_the_group(d, name))
 
 
 def _forget_gone_victims(d: _Draft) -> None:
@@ -627,7 +627,19 @@ def _count_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
     cause = failure_cause(pod)
     if cause:
         detail += f": {cause}"
-    _count_loss(d, reason, detail)
+    _count_loss(d, reason, detail, outside=is_outside_the_group(d, pod.name))
+
+
+def is_outside_the_group(d: _Draft, name: str) -> bool:
+    """The pod waits outside the running group (a hot spare, a newcomer not drained in yet), by the agent's report of
+    the round's pods (``status.roundMembers``). Only trusted while that report describes the group that runs: no
+    directive re-forms it, and it names as many pods as the group has nodes. Otherwise the pod counts as a member."""
+    st = d.status
+    members = st.round_members
+    nproc = d.spec.nproc_per_node
+    if not members or st.control.in_flight or nproc < 1 or len(members) * nproc != st.world_size:
+        return False
+    return name not in members
 
 
 def _remove_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
@@ -680,14 +692,20 @@ def _count_restart(d: _Draft, reason: Reason, message: str) -> bool:
     return True
 
 
-def _count_loss(d: _Draft, reason: Reason, message: str) -> None:
-    """An unplanned loss: restart counters, backoff, NodeLost event, and a reform if a group is running."""
+def _count_loss(d: _Draft, reason: Reason, message: str, *, outside: bool = False) -> None:
+    """An unplanned loss: restart counters, backoff, NodeLost event, and a reform if a group is running.
+
+    A pod ``outside`` the running group is counted too (the budget and the backoff bound a spare that keeps failing)
+    but re-forms nothing: the group never depended on it, and its replacement is created as for any missing pod."""
     st = d.status
     if d.is_true(ConditionType.SUCCEEDED):
         return
     d.event(WARNING, Reason.NODE_LOST, message)
     _count_restart(d, reason, message)
     if d.is_finished:
+        return
+    if outside:
+        d.event(NORMAL, Reason.OUTSIDE_THE_GROUP, f"{message}; it was not in the running round: the group trains on")
         return
     if st.world_size > 0 or st.control.in_flight:
         _issue(d, DirectiveAction.REFORM, reason, st.desired_nodes or d.spec.nodes.replicas, exclude=st.control.exclude)

@@ -434,11 +434,12 @@ class Agent:
         return {} if report is None else {"checkpointInterval": autointerval.interval_status(report)}
 
     def _relay_silent(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
-        """Nodes silent in the rendezvous heartbeats (:mod:`disttrain.trainer.heartbeats`); None clears the field."""
+        """Nodes silent in the rendezvous heartbeats (:mod:`disttrain.trainer.heartbeats`); None clears the field.
+        With them the pods of the completed round, read from the same state."""
         report = self.heartbeats.report(job, self.clock())
         if report and report != status.get("silentNodes"):
             log.warning("silent in the rendezvous heartbeats: %s", report)
-        return {"silentNodes": report or None}
+        return {"silentNodes": report or None, "roundMembers": self.heartbeats.members}
 
     def run(self) -> int:
         """Loop until the job is gone or ``stop_event`` is set; transient API errors are logged and retried.

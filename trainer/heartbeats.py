@@ -257,6 +257,8 @@ class HeartbeatWatch:
         self._tracker: Optional[SilenceTracker] = None
         self._settings: Optional[tuple[str, float, int]] = None
         self._identities: dict[str, Optional[NodeIdentity]] = {}
+        self.members: Optional[list[str]] = None
+        """Pod names of the last completed round seen (``status.roundMembers``); None before one is known."""
 
     def report(self, job: Mapping[str, Any], now: float) -> list[dict[str, str]]:
         meta, spec = job.get("metadata") or {}, job.get("spec") or {}
@@ -271,6 +273,12 @@ class HeartbeatWatch:
                 if self._identities.get(node) is None:
                     self._identities[node] = read_identity(self.store, run_id, node)
         silent = self._tracker.observe(view, now)
+        if view is None:
+            self.members = None
+        elif view.complete and not view.closed:
+            found = [self._identities.get(node) for node in view.participants]
+            # A participant without a known pod makes the report unusable (never a partial list).
+            self.members = sorted(who.name for who in found if who is not None) if all(found) else None
         self._identities = {
             n: i for n, i in self._identities.items() if view is None or n in view.participants or n in silent
         }

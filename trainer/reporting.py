@@ -44,6 +44,8 @@ def urgent_reason(changes: Mapping[str, Any], status: Mapping[str, Any], spec: M
         return "worker failure"
     if "silentNodes" in changes:
         return "silent node in the rendezvous heartbeats"
+    if "roundMembers" in changes:
+        return "new members of the rendezvous round"
     if is_training_complete({**status, **changes}, spec):
         return "training complete"
     return None

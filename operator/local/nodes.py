@@ -84,6 +84,17 @@ class LocalPod:
                     pass
         return self.probed_ready
 
+    def is_training(self) -> bool:
+        """Its worker serves its metrics (``DISTTRAIN_METRICS_PORT``): a member of the group. A hot spare waiting in
+        the rendezvous has started no worker, so nothing listens there."""
+        if not self.metrics_port:
+            return False
+        try:
+            socket.create_connection(("127.0.0.1", self.metrics_port), timeout=0.5).close()
+            return True
+        except OSError:
+            return False
+
     @property
     def is_marked_lost(self) -> bool:
         """The machine died and its NotReady delay has passed: the node reads NotReady, the pod unready."""

@@ -236,7 +236,9 @@ class LocalRuntime:
             if not alive:
                 self.record_event("Warning", "ChaosSkipped", f"{event}: no running node to kill")
                 return
-            victim = max(alive, key=lambda p: (p.index != 0, p.created_at))
+            # A member of the group rather than an idle hot spare, not index 0 (rank 0) when another will do, the
+            # newest first.
+            victim = max(alive, key=lambda p: (p.is_training(), p.index != 0, p.created_at))
             self.record_event(
                 "Warning",
                 "ChaosKillNode",

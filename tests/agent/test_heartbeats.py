@@ -46,6 +46,8 @@ def test_a_node_that_stops_heartbeating_is_reported_with_its_pod(tmp_path, monke
     assert not any(t.is_alive() for t in threads), "the rendezvous did not complete"
     assert agent.sync()
     assert agent.source.read()["status"].get("silentNodes") is None, "both heartbeat: nobody is silent"
+    # The pods of the completed round, read from the same state (a hot spare waiting outside is never among them).
+    assert agent.source.read()["status"].get("roundMembers") == ["demo-worker-0", "demo-worker-1"]
     for h in handlers:  # the heartbeats are driven below: two handlers in one process share torch's timer badly
         h._stop_heartbeats()
     # The machine of demo-worker-1 dies; demo-worker-0 goes on heartbeating (torch's own keep-alive).

@@ -166,3 +166,36 @@ def test_a_hot_spare_takes_the_lost_nodes_place_and_the_trajectory_is_unchanged(
         assert math.isclose(got[step], ref[step], rel_tol=1e-4, abs_tol=1e-6), (step, got[step], ref[step])
     consumed = collections.Counter(i for recs in trajectory.values() for r in recs for i in r["indices"])
     assert sorted(consumed) == list(range(288)) and set(consumed.values()) == {1}
+
+
+@pytest.fixture(scope="module")
+def idle_spare_loss(tmp_path_factory):
+    """3 nodes and one hot spare; once the agent reports the round's pods, the spare's machine dies."""
+    tmp = tmp_path_factory.mktemp("idle-spare-loss")
+    seen: dict = {}
+
+    def on_tick(runtime, snapshot):
+        members = snapshot.status.get("roundMembers") or []
+        if "killed" in seen or len(members) != 3 or snapshot.status.get("step", 0) < 3:
+            return
+        (spare,) = [p for p in runtime.workers.values() if p.is_alive and p.name not in members]
+        seen["killed"], seen["members"] = spare.name, set(members)
+        runtime.apply_chaos(chaos_mod.parse_chaos(f"kill-node:{spare.index}@0s")[0])
+
+    run = run_job(tmp, e2e_job("idle", tmp / "records", replicas=3, step_sleep=0.1).set("spec.nodes.spares", 1),
+                  on_tick=on_tick)
+    run.seen = seen
+    return run
+
+
+@pytest.mark.timeout(240)
+def test_losing_the_idle_spare_replaces_it_and_the_group_trains_on_without_a_reform(idle_spare_loss):
+    run = idle_spare_loss
+    assert run.summary.succeeded, run.reasons()
+    assert "killed" in run.seen, "the agent never reported the round's pods"
+    assert "OutsideTheGroup" in run.reasons() and "Reformed" not in run.reasons()
+    assert sum(run.summary.restarts_by_reason.values()) == 1
+    groups = {r["group"] for r in run.records()}
+    assert len(groups) == 1, f"the group was re-formed: {groups}"
+    trainers = {r["process"].rsplit("-", 1)[0] for r in run.records()}
+    assert trainers == run.seen["members"] and run.seen["killed"] not in trainers

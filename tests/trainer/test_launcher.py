@@ -93,3 +93,29 @@ def test_a_worker_runs_in_a_warm_interpreter_exactly_as_python_would_run_it(harn
     assert (seen["name"], seen["path0"], seen["rank"], seen["cwd"]) == ("__main__", str(tmp_path), "0", str(REPO))
     assert (seen["handover"] is not None) is warm and seen["preloaded"] is warm, (seen, log[-3000:])
     assert seen["policy"] == os.SCHED_OTHER  # a warm interpreter that imported on idle CPU runs the worker normally
+
+
+def test_a_node_that_finds_the_rendezvous_closed_by_the_finished_job_exits_0(harness, tmp_path):
+    """A hot spare (or a late newcomer) waits outside the group; the group that finished closes the rendezvous on
+    its way out. The waiting node must end as Succeeded: a failure would be counted and replaced for a done job."""
+    from disttrain.api.ports import free_port
+    from disttrain.trainer import agent as agent_mod
+
+    port = free_port()
+    server = agent_mod.start_store(port, "127.0.0.1", timeout_s=30)
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    argv = [sys.executable, "-m", "disttrain.trainer.launch", "--nnodes=1:2", "--nproc-per-node=1",
+            "--rdzv-backend=disttrain", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=closed-run",
+            "--rdzv-conf=is_host=false,join_timeout=60,last_call_timeout=1", "--no-python", sys.executable, str(script)]
+    results = []
+    for node in ("finished", "waiting"):
+        termination = tmp_path / f"{node}.termination"
+        environ = {**os.environ, "DISTTRAIN_TERMINATION_LOG": str(termination), "DISTTRAIN_WARM_WORKERS": "0"}
+        done = subprocess.run(argv, env=environ, cwd=REPO, capture_output=True, text=True, timeout=120)
+        results.append((done.returncode, termination.read_text() if termination.exists() else "", done.stderr))
+    del server
+    (first_rc, _, first_log), (rc, message, log) = results
+    assert first_rc == 0, first_log[-3000:]
+    assert rc == 0, log[-3000:]
+    assert message.strip() == "rendezvous closed: the job finished while this node waited outside the group"

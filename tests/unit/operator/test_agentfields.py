@@ -72,3 +72,15 @@ def test_a_bad_checkpoint_interval_report_is_dropped_and_named(value, problem, f
 def test_a_good_checkpoint_interval_report_passes():
     status = {**draining_world().status, "checkpointInterval": GOOD_INTERVAL}
     assert agentfields.sanitize(status) == (status, [])
+
+
+@pytest.mark.parametrize("members", ["demo-worker-0", [""], [3], ["x" * 254], ["w"] * 1025])
+def test_a_malformed_round_members_report_is_dropped_whole(members):
+    clean, problems = agentfields.sanitize({"roundMembers": members, "step": 4})
+    assert "roundMembers" not in clean and clean["step"] == 4
+    assert problems and "status.roundMembers" in problems[0]
+
+
+def test_a_round_members_report_is_kept():
+    clean, problems = agentfields.sanitize({"roundMembers": ["demo-worker-0", "demo-worker-2"]})
+    assert clean["roundMembers"] == ["demo-worker-0", "demo-worker-2"] and problems == []

@@ -88,3 +88,53 @@ def test_a_spare_that_is_not_ready_yet_holds_nothing_up():
     world.set_worker(3, ready=False).step(700)  # past pendingTimeoutSeconds
     assert world.control["targetNodes"] == 3 and world.control["action"] == "none"
     assert "PendingTimeout" not in world.reasons()
+
+
+def members(world: World, *indices: int) -> World:
+    """The agent's report of the pods in the running round (``status.roundMembers``)."""
+    world.status["roundMembers"] = sorted(world.worker(i).name for i in indices)
+    return world
+
+
+def test_losing_a_spare_outside_the_round_replaces_it_without_disturbing_the_group():
+    world = members(with_spares(1), 0, 1, 2)
+    generation = world.control["generation"]
+    spare = world.worker(3).uid
+    world.set_worker(3, phase="Failed", exit_code=137).step(1)
+    assert world.control["action"] == "none" and world.control["generation"] == generation
+    assert "OutsideTheGroup" in world.reasons() and "Reforming" not in world.reasons()
+    assert world.status["restarts"]["total"] == 1  # counted: the budget and backoff bound a crash-looping spare
+    world.finish_terminations().step(6)  # after the backoff, a new spare with the same index
+    assert world.worker(3).uid != spare and world.worker(3).phase == "Pending"
+    assert world.control["action"] == "none" and world.status["phase"] == "Running"
+
+
+def test_losing_a_member_of_the_round_reforms_with_the_spare():
+    world = members(with_spares(1), 0, 1, 2)
+    world.set_worker(1, phase="Failed", exit_code=137).step(1)
+    assert world.control["action"] == "reform" and world.control["targetNodes"] == 3
+    assert "OutsideTheGroup" not in world.reasons()
+
+
+@pytest.mark.parametrize(
+    "report",
+    [
+        None,  # no report yet (an older agent)
+        ["demo-worker-0", "demo-worker-1"],  # describes another round than the 3-node group that runs
+    ],
+)
+def test_without_a_report_that_matches_the_running_group_every_loss_reforms(report):
+    world = with_spares(1)
+    if report is not None:
+        world.status["roundMembers"] = report
+    world.set_worker(3, phase="Failed", exit_code=137).step(1)
+    assert world.control["action"] == "reform"
+
+
+def test_a_spare_lost_while_a_reform_is_in_flight_counts_as_a_member():
+    """The round is being re-formed: the spare may be joining it, so the report is not trusted."""
+    world = members(with_spares(2), 0, 1, 2)
+    world.set_worker(1, phase="Failed", exit_code=137).step(1)
+    generation = world.control["generation"]
+    world.set_worker(4, phase="Failed", exit_code=137).step(1)
+    assert world.control["action"] == "reform" and world.control["generation"] == generation + 1
