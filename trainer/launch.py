@@ -154,6 +154,11 @@ class CountingAgent(LocalElasticAgent):
         except BaseException:
             self._leave_rendezvous_open()
             raise
+        if result is None:
+            # torch's agent returns nothing when a node beyond nnodes' maximum (its redundancy list: a hot spare of a
+            # job at nodes.max) finds the rendezvous closed by the finished group; the launcher API would then fail
+            # on the missing result. Said the way every other waiting node hears it: see run().
+            raise RendezvousClosedError("the rendezvous closed while this node waited in torch's redundancy list")
         if result.is_failed():
             self._leave_rendezvous_open()
         return result

@@ -95,27 +95,42 @@ def test_a_worker_runs_in_a_warm_interpreter_exactly_as_python_would_run_it(harn
     assert seen["policy"] == os.SCHED_OTHER  # a warm interpreter that imported on idle CPU runs the worker normally
 
 
-def test_a_node_that_finds_the_rendezvous_closed_by_the_finished_job_exits_0(harness, tmp_path):
+@pytest.mark.parametrize(
+    "max_nodes",
+    [
+        2,  # the waiting node joins after the group finished: torch raises RendezvousClosedError
+        1,  # it waits in torch's redundancy list (beyond nnodes' maximum) while the group trains: torch returns None
+    ],
+)
+def test_a_node_that_finds_the_rendezvous_closed_by_the_finished_job_exits_0(harness, tmp_path, max_nodes):
     """A hot spare (or a late newcomer) waits outside the group; the group that finished closes the rendezvous on
     its way out. The waiting node must end as Succeeded: a failure would be counted and replaced for a done job."""
+    import time
+
     from disttrain.api.ports import free_port
     from disttrain.trainer import agent as agent_mod
 
     port = free_port()
     server = agent_mod.start_store(port, "127.0.0.1", timeout_s=30)
-    script = tmp_path / "ok.py"
-    script.write_text("pass\n")
-    argv = [sys.executable, "-m", "disttrain.trainer.launch", "--nnodes=1:2", "--nproc-per-node=1",
+    script = tmp_path / "train.py"
+    script.write_text("import time\ntime.sleep(8)\n")
+    argv = [sys.executable, "-m", "disttrain.trainer.launch", f"--nnodes=1:{max_nodes}", "--nproc-per-node=1",
             "--rdzv-backend=disttrain", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=closed-run",
             "--rdzv-conf=is_host=false,join_timeout=60,last_call_timeout=1", "--no-python", sys.executable, str(script)]
-    results = []
+    procs = {}
     for node in ("finished", "waiting"):
-        termination = tmp_path / f"{node}.termination"
-        environ = {**os.environ, "DISTTRAIN_TERMINATION_LOG": str(termination), "DISTTRAIN_WARM_WORKERS": "0"}
-        done = subprocess.run(argv, env=environ, cwd=REPO, capture_output=True, text=True, timeout=120)
-        results.append((done.returncode, termination.read_text() if termination.exists() else "", done.stderr))
+        environ = {**os.environ, "DISTTRAIN_TERMINATION_LOG": str(tmp_path / f"{node}.termination"),
+                   "DISTTRAIN_WARM_WORKERS": "0"}
+        procs[node] = subprocess.Popen(argv, env=environ, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True)
+        harness.procs.append(procs[node])
+        if max_nodes == 2:
+            procs[node].wait(timeout=120)  # the group finishes before the other node arrives
+        else:
+            time.sleep(4)  # the group forms (it is full at once) and trains while the other node arrives
+    logs = {node: proc.communicate(timeout=120)[0] for node, proc in procs.items()}
     del server
-    (first_rc, _, first_log), (rc, message, log) = results
-    assert first_rc == 0, first_log[-3000:]
-    assert rc == 0, log[-3000:]
+    assert procs["finished"].returncode == 0, logs["finished"][-3000:]
+    assert procs["waiting"].returncode == 0, logs["waiting"][-3000:]
+    message = (tmp_path / "waiting.termination").read_text()
     assert message.strip() == "rendezvous closed: the job finished while this node waited outside the group"
