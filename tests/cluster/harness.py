@@ -168,25 +168,37 @@ class SilentNodeReform:
     """The status once the group trains at full size again (``lastReform.phases`` filled in)."""
 
 
-def silent_node_reform(cluster: Cluster, tmp_path: Path, name: str = "hb") -> SilentNodeReform:
+def _is_ready(pod: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in pod.get("status", {}).get("conditions", []))
+
+
+def silent_node_reform(cluster: Cluster, tmp_path: Path, name: str = "hb", spares: int = 0) -> SilentNodeReform:
     """A 3-node job of the e2e recorder trains on pods whose processes run (``ProcessKubelets``); the machine of a
     worker that does not host the agent dies (processes SIGKILLed, Lease no longer renewed); wait for the reform
-    directive, then for training at 3 nodes again with the replacement."""
-    cluster.nodes(5)
+    directive, then for training at 3 nodes again with the replacement. With ``spares``, the victim is a member
+    of the round (``status.roundMembers``) and the loss comes once the spares are Ready."""
+    cluster.nodes(5 + spares)
     job = (e2e_job(name, tmp_path / "records", replicas=3, max_steps=5000, dataset=60_000, step_sleep=0.05)
            .set("spec.checkpoint", {"claimName": "ckpt", "path": "/ckpt", "intervalSteps": 5, "keep": 3})
            .set("spec.elastic", {"scaleDebounceSeconds": 0, "replacementWaitSeconds": 60,
                                  "drainTimeoutSeconds": 60, "collectiveTimeoutSeconds": 20})
            .set("spec.restartPolicy", {"backoffSeconds": 0, "maxRestarts": 5}))
+    if spares:
+        job = job.set("spec.nodes.spares", spares)
     cluster.apply(job, tmp_path)
 
     def training(step: int) -> dict[str, Any] | None:
         status = cluster.status(name)
+        if spares and len(status.get("roundMembers") or []) != 3:
+            return None
+        if spares and sum(_is_ready(p) for p in cluster.live_workers().values()) < 3 + spares:
+            return None
         return status if status.get("phase") == "Running" and status.get("step", 0) >= step else None
 
-    eventually(lambda: training(10), timeout=180, what="3 nodes training (real agent progress)")
+    running = eventually(lambda: training(10), timeout=180, what="3 nodes training (real agent progress)")
     agent_node = cluster.pods("agent")[f"{name}-agent"]["spec"]["nodeName"]
-    victim = next(p for p in cluster.live_workers().values() if p["spec"]["nodeName"] != agent_node)
+    members = set(running.get("roundMembers") or cluster.live_workers())
+    victim = next(p for n, p in cluster.live_workers().items() if p["spec"]["nodeName"] != agent_node and n in members)
     node = victim["spec"]["nodeName"]
     killed = time.monotonic()
     cluster.kubelets.power_off(node)
