@@ -31,10 +31,15 @@ under ``TARGET_KEY`` (without one the handler is plain c10d):
   re-forms the group with a ``drain`` directive (checkpoint at the step boundary, then exit), so a scale-up
   loses no step.
 
-One change holds with or without a target: **ranks follow the nodes' stable node indices**
-(``DISTTRAIN_NODE_INDEX``), not the order in which nodes arrived, so survivors keep their ranks and a replacement
-takes the ranks of the node it replaces (:mod:`disttrain.trainer.rank_order`; the executor re-orders the ranks
-right after the stock assignment when it marks a round complete).
+Two changes hold with or without a target. **A node that waits in a join re-reads the state every tenth of a
+second** (:func:`sync_poll_seconds`), where torch sleeps a whole second before each re-read of a state it caches
+for a second: a reform waits on several such reads in a row (the survivors leaving the old round, the last node
+joining, the completion being seen), so the stock pacing alone cost 1-2 s of every reform. Only the join reads
+fresh: the agent's monitor loop (``num_nodes_waiting``, ten times a second) keeps torch's one-second cache. And
+**ranks follow the nodes' stable node indices** (``DISTTRAIN_NODE_INDEX``), not the order in which nodes arrived,
+so survivors keep their ranks and a replacement takes the ranks of the node it replaces
+(:mod:`disttrain.trainer.rank_order`; the executor re-orders the ranks right after the stock assignment when it
+marks a round complete).
 
 The changes are made by wrapping the stock join operation (:class:`_TargetAwareOpExecutor`), not by copying it.
 Workers must run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (the pod builder sets it): with a shared store a
@@ -62,6 +67,31 @@ from disttrain.api import constants, control, env
 from disttrain.trainer import channel, heartbeats, rank_order
 
 log = logging.getLogger("disttrain.rendezvous")
+
+SYNC_POLL_S = 0.1
+"""How often a node waiting in a join re-reads the rendezvous state in a small job (torch: once a second)."""
+SYNC_POLL_NODES = 32
+"""Above this many nodes in the state the pause grows with them, so the store serves at most about
+``SYNC_POLL_NODES / SYNC_POLL_S`` state reads a second however large the job (never slower than torch's second)."""
+
+
+def sync_poll_seconds(nodes: int) -> float:
+    """The pause between two reads of the rendezvous state by a node that waits, with ``nodes`` in the state."""
+    return min(1.0, SYNC_POLL_S * max(1.0, nodes / SYNC_POLL_NODES))
+
+
+def sync_fresh(holder: Any) -> None:
+    """Read the shared state now: torch's holder serves a state read in the last second from its cache, which would
+    hide the very change a waiting node polls for. Called only from the join (the heartbeat thread is stopped then)."""
+    cached = getattr(holder, "_cache_duration", None)
+    if cached is None:
+        holder.sync()
+        return
+    holder._cache_duration = 0
+    try:
+        holder.sync()
+    finally:
+        holder._cache_duration = cached
 
 
 def read_target(store: Store) -> Optional[control.TargetPlan]:
@@ -109,9 +139,23 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
                 self._store.set(heartbeats.identity_key(self._settings.run_id, self._node), identity.to_json())
 
             def state_handler(ctx: dyn._RendezvousContext, deadline: float) -> dyn._Action:
-                return self._join_with_target(join, ctx, deadline)
+                return self._join_polling(join, ctx, deadline)
 
         super().run(state_handler, deadline, update_deadline)
+
+    def _join_polling(self, join: dyn._RendezvousJoinOp, ctx: dyn._RendezvousContext, deadline: float) -> dyn._Action:
+        """The join, re-read every :func:`sync_poll_seconds` while it only waits (``SYNC``) instead of the stock
+        executor's one-second sleep; any other action (a heartbeat, joining, completing, a timeout) goes back to the
+        stock loop, which applies it to ``self._state``, the state read last."""
+        action = self._join_with_target(join, ctx, deadline)
+        while action is dyn._Action.SYNC:
+            state = ctx.state
+            time.sleep(sync_poll_seconds(len(state.participants) + len(state.wait_list) + len(state.redundancy_list)))
+            sync_fresh(self._state_holder)
+            self._state = self._state_holder.state
+            ctx = dyn._RendezvousContext(self._node, self._state, self._settings)
+            action = self._join_with_target(join, ctx, deadline)
+        return action
 
     def _join_with_target(
         self, join: dyn._RendezvousJoinOp, ctx: dyn._RendezvousContext, deadline: float
