@@ -44,6 +44,8 @@ log = logging.getLogger("disttrain.operator")
 MERGE_PATCH = "application/merge-patch+json"
 APPLY_PATCH = "application/apply-patch+yaml"  # a JSON body is YAML too
 FIELD_MANAGER = "disttrain-operator"
+"""The operator's name in ``metadata.managedFields`` of what it writes (without one the API server takes the client's
+User-Agent, ``OpenAPI-Generator/...``, the same for the operator and every job agent)."""
 REQUEST_TIMEOUT_S = 30.0
 """Client-side timeout of every API call the adapter makes."""
 API_ERROR_RETRY_S = 1.0
@@ -98,6 +100,7 @@ class Kube:
                 constants.PLURAL,
                 name,
                 {"status": patch},
+                field_manager=FIELD_MANAGER,
                 _content_type=MERGE_PATCH,
             )
         )
@@ -136,7 +139,7 @@ class Kube:
             "Event": self.core.create_namespaced_event,
         }
         try:
-            return self._body(await self._call(creators[kind], namespace, obj))
+            return self._body(await self._call(creators[kind], namespace, obj, field_manager=FIELD_MANAGER))
         except k8s.ApiException as error:
             if error.status != 409:
                 raise

@@ -50,6 +50,9 @@ from disttrain.trainer.commit import step_dir_name
 
 log = logging.getLogger("disttrain.agent")
 REQUEST_TIMEOUT_S = 30.0
+FIELD_MANAGER = "disttrain-agent"
+"""The agent's name in the job's ``metadata.managedFields``: the status fields it writes are told apart from the
+operator's (``disttrain-operator``); without a name both would be the client's User-Agent."""
 """Client-side timeout of every API request but the watch (a hung connection must not stall the agent)."""
 WATCH_SECONDS = 300
 """Server-side length of one watch request; the agent resumes from the last resourceVersion after it."""
@@ -171,6 +174,7 @@ class KubeJobSource:
             constants.PLURAL,
             self.name,
             {"status": patch},
+            field_manager=FIELD_MANAGER,
             _request_timeout=REQUEST_TIMEOUT_S,
         )
         self._remember(cast("dict[str, Any]", job))
@@ -230,16 +234,19 @@ class KubeJobSource:
                     timeout_seconds=self.watch_seconds,
                     _request_timeout=(REQUEST_TIMEOUT_S, self.watch_seconds + REQUEST_TIMEOUT_S),
                 )
-                for event in stream:
-                    obj = event["raw_object"]
-                    version = _version(obj) or version
-                    if event["type"] == "DELETED":
-                        self._mark_gone()
-                        return
-                    if event["type"] in ("ADDED", "MODIFIED"):
-                        self._remember(obj)
-                    if self._stop.is_set():
-                        return
+                try:
+                    for event in stream:
+                        obj = event["raw_object"]
+                        version = _version(obj) or version
+                        if event["type"] == "DELETED":
+                            self._mark_gone()
+                            return
+                        if event["type"] in ("ADDED", "MODIFIED"):
+                            self._remember(obj)
+                        if self._stop.is_set():
+                            return
+                finally:
+                    stream.close()  # the watch's connection goes back now, not whenever the generator is collected
                 backoff = 0.5
             except self._api_error as error:
                 if self._stop.is_set():

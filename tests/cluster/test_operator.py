@@ -265,7 +265,8 @@ def test_the_job_agent_follows_its_job_through_a_watch_under_its_own_role(cluste
     """The agent's KubeJobSource with the per-job Role (get and watch on its job, no list): a directive reaches it
     through the watch, its status patch is allowed and is what it reads next, and the job's deletion ends it."""
     token = cluster.running("aw", JobBuilder("aw"), tmp_path, replicas=2)
-    source = KubeJobSource(cluster.ns, "aw", cluster.plane.api_client(token))
+    api = cluster.plane.api_client(token)
+    source = KubeJobSource(cluster.ns, "aw", api)
     try:
         assert source.read()["status"]["phase"] == "Running"
         cluster.plane.kubectl("scale", "-n", cluster.ns, "dtj/aw", "--replicas=1")
@@ -279,10 +280,24 @@ def test_the_job_agent_follows_its_job_through_a_watch_under_its_own_role(cluste
         source.patch_status({"step": 42})
         assert source.read()["status"]["step"] == 42, "the answer to its own write is what it reads next"
         assert cluster.status("aw")["step"] == 42
+        owners = _status_field_owners(cluster.job("aw"))
+        assert owners["step"] == "disttrain-agent", owners
+        assert owners["control"] == owners["conditions"] == "disttrain-operator", owners
         cluster.plane.kubectl("delete", "-n", cluster.ns, "dtj/aw", "--wait=false")
         eventually(lambda: source.read() is None, timeout=60, what="the deletion seen through the watch")
     finally:
         source.close()
+        api.close()
+
+
+def _status_field_owners(job: dict[str, Any]) -> dict[str, str]:
+    """Top-level status field -> the field manager that last wrote it (``metadata.managedFields``, status entries)."""
+    owners: dict[str, str] = {}
+    for entry in job["metadata"].get("managedFields") or []:
+        for field in (entry.get("fieldsV1") or {}).get("f:status", {}):
+            if field.startswith("f:"):
+                owners[field[2:]] = entry["manager"]
+    return owners
 
 
 def _scrape(operator: OperatorProcess) -> str:
