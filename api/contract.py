@@ -23,6 +23,8 @@ class WorkerContract(BaseModel):
     nproc_per_node: int = Field(1, ge=1)
     min_nodes: int = Field(1, ge=1)
     max_nodes: int = Field(1, ge=1)
+    reform_in_place: bool = False
+    """``spec.elastic.reformInPlace`` (false for a contract written without it: every reform restarts)."""
 
     @classmethod
     def from_spec(cls, spec: DistTrainJobSpec) -> WorkerContract:
@@ -33,6 +35,7 @@ class WorkerContract(BaseModel):
             nproc_per_node=spec.nproc_per_node,
             min_nodes=spec.nodes.min,
             max_nodes=spec.nodes.max,
+            reform_in_place=spec.elastic.reform_in_place,
         )
 
     def to_env_value(self) -> str:

@@ -39,3 +39,7 @@ STORE_SECRET: Final = "DISTTRAIN_STORE_SECRET"
 TERMINATION_LOG: Final = "DISTTRAIN_TERMINATION_LOG"
 # "0" turns off warm worker interpreters (disttrain.trainer.warmstart): every worker then starts a cold Python.
 WARM_WORKERS: Final = "DISTTRAIN_WARM_WORKERS"
+# The worker's launcher listens here (a Unix socket; "@name" is Linux's abstract namespace) for workers that wait for
+# the next rendezvous round in place instead of exiting (disttrain.trainer.handover). Unset: every reform restarts
+# the worker processes.
+LAUNCHER_SOCKET: Final = "DISTTRAIN_LAUNCHER_SOCKET"

@@ -215,6 +215,11 @@ class ElasticSpec(ContractModel):
     """A new pod Pending longer than this is given up on; the job continues at the size it has if >= nodes.min."""
     collective_timeout_seconds: int = Field(60, ge=1, le=86_400)
     """Timeout of one collective in the trainer's process group; a hung peer is detected after this long."""
+    reform_in_place: bool = True
+    """Survivors of a reform keep their worker processes: they re-join the next round in place, and the new group
+    takes its state from the member that holds the newest step in memory (nothing since the last checkpoint is
+    redone, no model is built again). DDP only: FSDP2 workers, and any worker whose collective fails outside the
+    trainer's own calls, restart as when this is false."""
 
 
 class ExitCodeClasses(ContractModel):

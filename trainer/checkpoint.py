@@ -214,6 +214,8 @@ class CheckpointManager:
         self.consecutive_failures = 0
         self.last_save_time = time.monotonic()
         self.last_saved_step: Optional[int] = None
+        self.last_committed_step: Optional[int] = None
+        """The newest step this process saw committed (or loaded): what an abandoned save falls back to."""
         self.loaded_step: Optional[int] = None
         self.pending: Optional[_Pending] = None
         self.on_commit = on_commit  # rank 0, after each commit (the trainer tells the job agent)
@@ -426,6 +428,7 @@ class CheckpointManager:
             self._failed(step, tmp, f"rank 0 could not commit: {flag[1]}")
             return
         self.consecutive_failures = 0
+        self.last_committed_step = step
         if self.metrics is not None:
             self.metrics.last_complete_step.set(step)
 
@@ -515,7 +518,7 @@ class CheckpointManager:
         path = self.root / commit.step_dir_name(manifest.step)
         dcp.load(state, storage_reader=storage.RawFileSystemReader(str(path)), process_group=self.group)
         self.loaded_step = manifest.step
-        self.last_saved_step = manifest.step
+        self.last_saved_step = self.last_committed_step = manifest.step
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def _writer(self, tmp: Path) -> storage.RawFileSystemWriter:
@@ -575,6 +578,60 @@ class CheckpointManager:
     def _phase(self, phase: CheckpointPhase, step: int) -> None:
         if self.on_phase is not None:
             self.on_phase(phase, step)
+
+    # ---- in-place reforms ---------------------------------------------------------------------------------
+    def abandon(self, timeout_s: float) -> None:
+        """The group of this manager ended under it (an in-place reform): let a save in flight finish its local part
+        (at most ``timeout_s``: its background collectives fail once a peer is gone, or time out), then drop it. It
+        can no longer be committed; rank 0 removes its temporary directory. RuntimeError when it does not finish:
+        a thread would still use the old group."""
+        try:
+            self.before_optimizer_step()
+        except Exception as exc:  # noqa: BLE001 - the staging of a save that is dropped anyway
+            log.debug("staging of the dropped save failed: %s", exc)
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            if not pending.done.wait(timeout_s):
+                raise RuntimeError(f"the save of step {pending.step} did not end within {timeout_s:.0f} s")
+            if self.rank == 0:
+                shutil.rmtree(pending.tmp, ignore_errors=True)
+            log.info("the save of step %d in flight was dropped with its group", pending.step)
+        self.last_saved_step = self.last_committed_step  # a save the group did not finish is no save
+        self.join_retention()
+
+    def successor(self, rank: int, world_size: int, group: Optional[dist.ProcessGroup]) -> CheckpointManager:
+        """The manager of the next group of this process (an in-place reform): the same policy and history (last
+        save, what was loaded, failures in a row, the agreed automatic interval), a new rank, size and group, and
+        a fence round of its own, claimed at its first collective."""
+        successor = CheckpointManager(
+            self.root,
+            self.spec,
+            rank,
+            world_size,
+            group,
+            metrics=self.metrics,
+            max_consecutive_failures=self.max_consecutive_failures,
+            writer_threads=self.writer_threads,
+            on_commit=self.on_commit,
+            on_phase=self.on_phase,
+            job_uid=self.job_uid,
+            node=self.node,
+        )
+        for name in (
+            "consecutive_failures",
+            "last_save_time",
+            "last_saved_step",
+            "last_committed_step",
+            "loaded_step",
+            "blocked_s",
+            "last_save_blocking_s",
+            "agreed_interval",
+        ):
+            setattr(successor, name, getattr(self, name))
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        return successor
 
     def close(self) -> None:
         if self.pending is not None:

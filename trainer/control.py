@@ -1,9 +1,11 @@
 """The watchdog: SIGTERM and the job agent's control keys turned into step-boundary decisions.
 
 ``drain`` (and SIGTERM) only set a flag: the loop checkpoints at the next step boundary and exits with
-``ExitCode.DRAINED``. ``reform`` cannot wait for a boundary (a collective may be stuck on a dead peer), so the
-watchdog thread calls ``os._exit(ExitCode.REFORM)`` itself. Each signal generation is acted on once: the
-generation present when this process started, or the one recorded in the checkpoint, is history and ignored,
+``ExitCode.DRAINED`` (or, reforming in place, stays for the next round). ``reform`` cannot wait for a boundary (a
+collective may be stuck on a dead peer), so the watchdog thread calls ``os._exit(ExitCode.REFORM)`` itself, unless
+the trainer takes it (``on_reform``: an in-place worker re-forms at its next failed collective or step end, and
+exits itself when that does not come soon, :mod:`disttrain.trainer.inplace`). Each signal generation is acted on
+once: the generation present when this process started, or the one recorded in the checkpoint, is history and ignored,
 so a worker restarted after a reform does not reform again. Generations count within one job (its
 ``metadata.uid``): a signal of another job is ignored, and a checkpoint written by another job (one deleted and
 recreated under the same name) records nothing this job's directives are compared with.
@@ -61,15 +63,32 @@ class Watchdog:
         self._drain = threading.Event()
         self._stop = threading.Event()
         self.drain_reason = ""
+        self.exit_requested = False
+        """The drain must end the process (SIGTERM: the pod is going away; or the training script asked), even
+        where the trainer re-forms in place after a directive's drain."""
         self.store: Optional[Store] = None
         self.seen_generation = -1
         self._thread: Optional[threading.Thread] = None
+        self._history = threading.Lock()
+        self.on_reform: Optional[Callable[[keys.ControlSignal], bool]] = None
+        """Takes a ``reform`` directive instead of the exit (returns whether it did)."""
 
     @property
     def drain_requested(self) -> bool:
         return self._drain.is_set()
 
-    def request_drain(self, reason: str) -> None:
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def clear_drain(self) -> None:
+        """A directive's drain was acted on without an exit (an in-place reform): the next one is a new request. A
+        drain that must end the process stays."""
+        if not self.exit_requested:
+            self._drain.clear()
+            self.drain_reason = ""
+
+    def request_drain(self, reason: str, *, then_exit: bool = False) -> None:
         if not self._drain.is_set():
             self.drain_reason = reason
             log.info(
@@ -77,12 +96,16 @@ class Watchdog:
                 reason,
                 int(ExitCode.DRAINED),
             )
+        self.exit_requested = self.exit_requested or then_exit
         self._drain.set()
 
     def install_sigterm(self) -> None:
         """SIGTERM means drain. Only the main thread may install handlers; elsewhere this is a no-op."""
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, lambda signum, frame: self.request_drain("SIGTERM"))
+            signal.signal(signal.SIGTERM, lambda signum, frame: self._on_sigterm())
+
+    def _on_sigterm(self) -> None:
+        self.request_drain("SIGTERM", then_exit=True)
 
     def connect(self, timeout_s: float = 30.0) -> None:
         if not self.endpoint:
@@ -91,6 +114,21 @@ class Watchdog:
         self.store = channel.connect(host, port, timeout_s)
         current = read_signal(self.store)
         self.seen_generation = current.generation if current and self._is_ours(current) else -1
+
+    def mark_history(self) -> None:
+        """The directive in the store now is history (a worker that joins a new round in place, as one that
+        starts): only a later generation is acted on."""
+        if self.store is None:
+            return
+        try:
+            current = read_signal(self.store)
+        except Exception as exc:  # noqa: BLE001 - a flaky agent must not stop the reform
+            log.debug("control channel read failed: %s", exc)
+            return
+        with self._history:
+            if current is not None and self._is_ours(current):
+                self.seen_generation = max(self.seen_generation, current.generation)
+            self.clear_drain()  # a directive's drain seen only after the group drained on another rank's word
 
     def start(self, recorded_generation: int = -1, recorded_uid: Optional[str] = None) -> None:
         """Start polling; generations up to max(seen at connect, recorded in the checkpoint) are history.
@@ -117,10 +155,13 @@ class Watchdog:
         if self.store is None:
             return  # no control channel: only SIGTERM
         current = read_signal(self.store)
-        if current is None or not self._is_ours(current) or current.generation <= self.seen_generation:
-            return
-        self.seen_generation = current.generation
-        if current.action == "reform":
+        with self._history:  # not interleaved with mark_history: a generation is acted on once
+            if current is None or not self._is_ours(current) or current.generation <= self.seen_generation:
+                return
+            self.seen_generation = current.generation
+        if current.action == "reform" and self.on_reform is not None and self.on_reform(current):
+            log.warning("reform signal (generation %d, %s): re-forming in place", current.generation, current.reason)
+        elif current.action == "reform":
             log.warning(
                 "reform signal (generation %d, %s): exiting %d now",
                 current.generation,

@@ -19,15 +19,17 @@ collective fails or the agent says reform, ``PERMANENT`` for an invalid world si
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, NoReturn, Optional, Protocol, TypeVar
+from typing import Any, Optional, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,7 +44,7 @@ from disttrain.api.exitcodes import ExitCode
 from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.plan import InvalidWorldSizeError, Plan, plan
 from disttrain.api.spec import LRSchedule, TrainingSpec
-from disttrain.trainer import autointerval, exits, ordered_reduction
+from disttrain.trainer import autointerval, exits, inplace, ordered_reduction
 from disttrain.trainer import checkpoint as ckpt_mod
 from disttrain.trainer import context as ctx_mod
 from disttrain.trainer import data as data_mod
@@ -54,10 +56,17 @@ from disttrain.trainer import startup as startup_mod
 from disttrain.trainer.boundary import NO_SAVE, BoundaryAgreement, BoundaryFlags
 from disttrain.trainer.control import Watchdog
 from disttrain.trainer.failures import is_collective_failure
+from disttrain.trainer.handover import WorkerLink
 from disttrain.trainer.metrics import TrainerMetrics
 from disttrain.trainer.randomness import sample_seed
 
 log = logging.getLogger("disttrain.trainer")
+REFORM_GRACE_S = 5.0
+"""After the operator's reform directive, how long an in-place worker may take to reach its reform (its next
+collective fails, or its step ends) before it exits ``REFORM`` instead: a collective blocked on a peer that vanished
+without closing its connections returns only after ``collectiveTimeoutSeconds``."""
+ROUND_WAIT_S = 3600.0
+"""Longest an in-place worker waits for the next round (the launcher answers or closes the socket long before)."""
 _PROCESS_START = time.monotonic()
 _IMPORTED_AT = time.time()  # the reform phase "imports" ends here (disttrain.trainer.startup)
 
@@ -130,6 +139,8 @@ class Step:
         seed = self.trainer.training.seed
         try:
             for i, idx in enumerate(self.micro_indices):
+                if self.trainer.group_failure is not None:
+                    return  # the group broke (kept from the user's code): the step is redone in the next group
                 parallel.set_gradient_sync(i == last and ordered is None)  # ordered: reduced before the step
                 if ordered is not None:
                     ordered.before_backward(i)
@@ -141,8 +152,10 @@ class Step:
         """Sum of a count over all ranks (e.g. non-padding tokens in this step): the denominator of a
         token-weighted loss. Collective: every rank calls it once per step, before its backward passes."""
         t = torch.as_tensor(local_count, dtype=torch.float64).reshape(1).clone()
-        dist.all_reduce(t)
-        return float(t.item())
+        with self.trainer.keeping_group_failures():
+            dist.all_reduce(t)
+            return float(t.item())
+        return float(t.item()) * self.trainer.world_size  # the group broke: any value (this step is redone)
 
     def backward(
         self, loss_sum: torch.Tensor, denominator: Optional[float] = None, count: Optional[int] = None
@@ -157,7 +170,8 @@ class Step:
         """
         denom = float(denominator if denominator is not None else self.global_batch)
         factor = 1.0 if self.trainer.ordered is not None else self.trainer.parallel.loss_factor(self.trainer.world_size)
-        self.trainer.precision.scale(loss_sum * (factor / denom)).backward()
+        with self.trainer.keeping_group_failures():
+            self.trainer.precision.scale(loss_sum * (factor / denom)).backward()
         self._losses.append(loss_sum.detach())
         self.loss_count += int(count if count is not None else len(self.micro_indices[0]) if self.micro_indices else 0)
 
@@ -192,6 +206,12 @@ class ElasticTrainer:
         num_workers: int = 0,
         prefetch_factor: Optional[int] = None,
         ordered: Optional[ordered_reduction.OrderedReducer] = None,
+        in_place: bool = False,
+        link: Optional[WorkerLink] = None,
+        wrap_options: tuple[parallel_mod.Parallelism, parallel_mod.Precision] = (
+            parallel_mod.Parallelism.DDP,
+            parallel_mod.Precision.FP32,
+        ),
     ) -> None:
         self.ctx = context
         self.training: TrainingSpec = context.contract.training
@@ -232,6 +252,18 @@ class ElasticTrainer:
             else None
         )
         self._blocked_seen = 0.0
+        self.in_place = in_place
+        """The job's workers reform in place (:mod:`disttrain.trainer.inplace`): the same on every rank, so every new
+        group agrees on the state before it resumes."""
+        self._link = link
+        """This process's channel to its launcher (None: it cannot wait for the next round and restarts instead)."""
+        self._wrap_options = wrap_options
+        self.group_failure: Optional[BaseException] = None
+        """A collective failure kept from the user's code; the step is redone in the next group."""
+        self._reform_signal: Optional[control_keys.ControlSignal] = None
+        self._reforming = threading.Event()
+        self._drained_in_place = False
+        self._has_state = False
         self.startup = startup_mod.StartupClock(_IMPORTED_AT)
         """This process's startup stamps, sent with rank 0's progress (``from_env`` starts them earlier)."""
         if clip_grad_norm is not None:
@@ -306,8 +338,15 @@ class ElasticTrainer:
         metrics = _serve_metrics(ctx)
         training_plan = _plan_or_exit(ctx.contract.training, world_size)
         on_device = model.to(groups.device)  # in place: the optimizer keeps the same Parameter objects
+        in_place = inplace.applies(
+            ctx.contract.reform_in_place,
+            parallelism is parallel_mod.Parallelism.DDP
+            and not isinstance(model, torch.nn.parallel.DistributedDataParallel),
+        )
         try:
-            wrapped = parallel_mod.wrap(on_device, optimizer, groups.device, parallelism, precision, shard_modules)
+            wrapped = parallel_mod.wrap(
+                on_device, optimizer, groups.device, parallelism, precision, shard_modules, init_sync=not in_place
+            )
             precision_state = precision_mod.PrecisionState(precision, groups.device, grad_scaler)
             ordered = ordered_reduction.for_training(
                 ctx.contract.training, on_device, parallelism, precision, training_plan
@@ -358,8 +397,14 @@ class ElasticTrainer:
             num_workers=num_workers,
             prefetch_factor=prefetch_factor,
             ordered=ordered,
+            in_place=in_place,
+            link=WorkerLink.connect() if in_place else None,
+            wrap_options=(parallelism, precision),
         )
         trainer.startup = clock
+        trainer._guard_wrapper()
+        if trainer._link is not None:
+            watchdog.on_reform = trainer._reform_directive
         return trainer
 
     # ---- user-facing -------------------------------------------------------------------------------------
@@ -405,7 +450,7 @@ class ElasticTrainer:
 
     def request_drain(self, reason: str = "requested by the training script") -> None:
         """Checkpoint at the next step boundary, then exit ``ExitCode.DRAINED`` (as SIGTERM does)."""
-        self.watchdog.request_drain(reason)
+        self.watchdog.request_drain(reason, then_exit=True)
 
     def full_model_state_dict(self) -> dict[str, Any]:
         """The whole model's weights as plain CPU tensors on global rank 0 (empty elsewhere), under DDP or FSDP2
@@ -425,11 +470,13 @@ class ElasticTrainer:
         return _to_device(self.collate_fn(samples), self.device)
 
     def steps(self) -> Iterator[Step]:
-        """Resume, then yield one :class:`Step` per optimizer step until maxSteps/maxSamples, a drain or a failure."""
+        """Resume, then yield one :class:`Step` per optimizer step until maxSteps/maxSamples, a drain or a failure.
+
+        In place (:mod:`disttrain.trainer.inplace`), a group that breaks during a step, or a drain, does not end
+        the process: :meth:`_reform_in_place` joins the next group and the loop goes on from the agreed state (a
+        step the broken group did not finish is redone there)."""
         self._resume()
-        self.startup.mark("resumed")
-        if self.num_workers > 0:
-            self._feed = self._start_feed()
+        self._resumed()
         first = True
         t_prev = time.monotonic()
         while not self.done:
@@ -439,7 +486,13 @@ class ElasticTrainer:
             )
             step = Step(self, self.state.step, self.sampler.indices(positions))
             yield step
-            self._optimizer_step()
+            if self.group_failure is None and self._reform_signal is None:
+                with self.keeping_group_failures():
+                    self._optimizer_step()
+            if self.group_failure is not None or self._reform_signal is not None:
+                self._reform_in_place()
+                first, t_prev = True, time.monotonic()
+                continue
             now = time.monotonic()
             if first:
                 self.startup.mark("first_step")
@@ -447,7 +500,11 @@ class ElasticTrainer:
                 first = False
             self._after_step(step, now - t_prev)
             t_prev = now
-            self._boundary()
+            with self.keeping_group_failures():
+                self._boundary()
+            if self.group_failure is not None or self._drained_in_place:
+                self._reform_in_place()
+                first, t_prev = True, time.monotonic()
         self._commit_current_step()
         log.info("training finished at step %d (%d samples)", self.state.step, self.state.samples_consumed)
 
@@ -455,6 +512,8 @@ class ElasticTrainer:
         """Stop what :meth:`from_env` started: the watchdog, pending saves, the data loader's workers, the
         process group."""
         self.watchdog.stop()
+        if self._link is not None:
+            self._link.close()
         if self._feed is not None:
             self._feed.close()
         self.checkpoints.close()
@@ -526,9 +585,29 @@ class ElasticTrainer:
         if self.checkpoints.last_saved_step != self.state.step:
             self._save(force_sync=True)
 
+    def _resumed(self) -> None:
+        """What follows a resume: the startup stamp, the data loader from the restored cursor."""
+        self._has_state = True
+        self.startup.mark("resumed")
+        if self.num_workers > 0:
+            self._feed = self._start_feed()
+
     def _resume(self) -> None:
         manifest = self.checkpoints.find_latest()
         ramp = self.training.lr.ramp_steps
+        if self.in_place:
+            # Every new group agrees first: a member may hold a newer step in memory than any checkpoint.
+            holdings = inplace.gather_holdings(
+                self.state.step if self._has_state else inplace.NO_STATE,
+                manifest.step if manifest is not None else inplace.NO_STATE,
+                self.world_size,
+            )
+            source = inplace.choose_source(holdings)
+            if source is not None:
+                self._resume_from_memory(source, holdings)
+                return
+            if manifest is None:
+                inplace.broadcast_module(self.raw_model)  # what DDP's construction did before init_sync=False
         if manifest is None:
             if self.rank == 0:
                 log.info(
@@ -572,6 +651,194 @@ class ElasticTrainer:
             ramp,
         )
         self.watchdog.start(recorded_generation=s.control_generation, recorded_uid=manifest.job_uid)
+
+    def _resume_from_memory(self, source: int, holdings: list[inplace.Holding]) -> None:
+        """Take the state of rank ``source``'s memory (every rank that holds another step loads it): nothing that
+        ran since the last checkpoint is redone."""
+        newest = holdings[source].memory_step
+        receivers = [r for r, h in enumerate(holdings) if h.memory_step != newest]
+        t0 = time.monotonic()
+        sent = 0
+        if receivers:
+            sent = inplace.broadcast_state(self._checkpoint_contents(), source, self.rank in receivers)
+        s = self.state
+        saved_scale = s.lr_start_scale if s.lr_start_scale > 0 else None
+        saved_target = s.lr_target_scale if s.lr_target_scale > 0 else None
+        self.lr_state = lr_mod.ramp_after_resume(
+            saved_scale, saved_target, s.lr_change_step, self.plan.lr_scale, s.step, self.training.lr.ramp_steps
+        )
+        self.resumed_from = s.step
+        disk = holdings[0].disk_step
+        # The same history on every rank (when a save is due follows from it): the newest complete checkpoint.
+        newest_checkpoint = disk if disk != inplace.NO_STATE else None
+        ckpts = self.checkpoints
+        ckpts.loaded_step = ckpts.last_saved_step = ckpts.last_committed_step = newest_checkpoint
+        log.info(
+            "resumed in place from step %d held in memory by rank %d (%d of %d ranks received %.1f MB in %.2f s) at "
+            "world size %d: plan %s, samples consumed %d; the newest checkpoint is step %s",
+            newest,
+            source,
+            len(receivers),
+            self.world_size,
+            sent / 1e6,
+            time.monotonic() - t0,
+            self.world_size,
+            self.plan.to_status(),
+            s.samples_consumed,
+            disk if disk != inplace.NO_STATE else "none",
+        )
+        if not self.watchdog.started:
+            self.watchdog.start(recorded_generation=s.control_generation, recorded_uid=self.ctx.job_uid or None)
+
+    # ---- in-place reforms -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def keeping_group_failures(self) -> Iterator[None]:
+        """In place, a collective failure inside the block is noted (:attr:`group_failure`) instead of raised: the
+        step is redone in the next group. Otherwise, and for any other error, the exception goes on."""
+        try:
+            yield
+        except BaseException as exc:
+            if not (self.in_place and self._link is not None and inplace.is_group_failure(exc)):
+                raise
+            self._note_group_failure(exc)
+
+    def _note_group_failure(self, exc: BaseException) -> None:
+        if self.group_failure is None:
+            self.group_failure = exc
+            log.warning(
+                "a collective failed (%s: %s); re-forming in place",
+                type(exc).__name__,
+                str(exc).splitlines()[0][:200] if str(exc) else "",
+            )
+
+    def _guard_wrapper(self) -> None:
+        """Keep a failed buffer broadcast in DDP's forward (called from the user's code) from the user."""
+        if (
+            self.in_place
+            and self._link is not None
+            and isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+        ):
+            inplace.guard_buffer_sync(self.model, self._note_group_failure)
+
+    def _reform_directive(self, signal: control_keys.ControlSignal) -> bool:
+        """The watchdog's ``reform`` directive (its thread): the loop re-forms in place at its next chance (the
+        next collective fails at once when a peer died; else at the end of the step). A loop that does not get
+        there within :data:`REFORM_GRACE_S` is blocked in a collective: the process exits ``REFORM`` as before."""
+        self._reform_signal = signal
+
+        def exit_if_blocked() -> None:
+            if not self._reforming.wait(REFORM_GRACE_S):
+                log.warning(
+                    "reform signal (generation %d, %s): no in-place reform within %.0f s (a collective blocks); "
+                    "exiting %d",
+                    signal.generation,
+                    signal.reason,
+                    REFORM_GRACE_S,
+                    int(ExitCode.REFORM),
+                )
+                startup_mod.note_exit(self.watchdog.store)
+                exits.hard_exit(ExitCode.REFORM)
+
+        threading.Thread(target=exit_if_blocked, name="disttrain-reform-grace", daemon=True).start()
+        return True
+
+    def _excluded(self) -> bool:
+        """This node is a victim of the directive in flight (the agent's target plan excludes it)."""
+        store = self.watchdog.store
+        if store is None:
+            return False
+        target = control_keys.read_model(store, control_keys.TARGET_KEY, control_keys.TargetPlan)
+        return target is not None and self.ctx.node_name in target.exclude
+
+    def _reform_in_place(self) -> None:
+        """Leave the group, take the next round from the launcher, rebuild what belongs to a group and resume from
+        the state the new group agrees on. Exits ``REFORM`` when no round comes (the launcher then restarts it)."""
+        self._reforming.set()
+        cause = (
+            f"collective failed: {type(self.group_failure).__name__}"
+            if self.group_failure is not None
+            else f"reform directive generation {self._reform_signal.generation}"
+            if self._reform_signal is not None
+            else "drained"
+        )
+        step = self.state.step
+        self.group_failure = None  # its traceback holds the old group's objects: they must go now (_leave_group)
+        startup_mod.note_exit(self.watchdog.store)
+        self._leave_group()
+        env = self._link.request_round(step, ROUND_WAIT_S) if self._link is not None else None
+        if env is None:
+            log.warning("no next round for this worker (%s); exiting %d", cause, int(ExitCode.REFORM))
+            exits.hard_exit(ExitCode.REFORM)
+        log.info("re-forming in place after step %d (%s)", step, cause)
+        self._join_round(env)
+        self._resume()
+        self._resumed()
+        self.group_failure, self._reform_signal, self._drained_in_place = None, None, False
+        self._reforming.clear()
+
+    def _leave_group(self) -> None:
+        """Drop everything bound to the group that ended: a save in flight, the loader, the wrapper, the groups."""
+        try:
+            self.checkpoints.abandon(timeout_s=self.ctx.contract.collective_timeout_seconds + 5.0)
+        except RuntimeError as exc:
+            log.warning("cannot re-form in place (%s); exiting %d", exc, int(ExitCode.REFORM))
+            exits.hard_exit(ExitCode.REFORM)
+        if self._feed is not None:
+            self._feed.close()
+            self._feed = None
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            self._agreement.settle()  # fails at once on a broken group; a left group must hold no work in flight
+        except Exception as exc:  # noqa: BLE001 - the failure that ends this group, seen once more
+            log.debug("the boundary agreement in flight ended with: %s", exc)
+        self._agreement = BoundaryAgreement()
+        inplace.retire(self.model)
+        parallelism, sums = self.parallel.parallelism, self.parallel.sums_gradients
+        self.model, self.parallel = self.raw_model, parallel_mod.ParallelModel(self.raw_model, parallelism, sums)
+        self.ordered = None
+        self.checkpoints.group = None
+        self.groups = ctx_mod.Groups(default=None, checkpoint=None, device=self.device)
+        inplace.leave_groups()
+
+    def _join_round(self, environ: Mapping[str, str]) -> None:
+        """Become the worker of the next round ``environ`` describes (what torchrun would have started a process
+        with), and rebuild the group-bound parts the way :meth:`from_env` builds them."""
+        handed_over = time.time()
+        os.environ.clear()
+        os.environ.update(environ)
+        os.environ[startup_mod.HANDOVER_ENV] = repr(handed_over)
+        self.startup = startup_mod.StartupClock(handed_over)
+        self.startup.mark("setup_begin", handed_over)
+        ctx = _context_or_exit()
+        groups = ctx_mod.init_process_group(ctx, use_cuda=self.device.type == "cuda")
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        training_plan = _plan_or_exit(ctx.contract.training, world_size)
+        parallelism, precision = self._wrap_options
+        try:
+            wrapped = parallel_mod.wrap(
+                self.raw_model, self.optimizer, groups.device, parallelism, precision, init_sync=False
+            )
+            ordered = ordered_reduction.for_training(
+                ctx.contract.training, self.raw_model, parallelism, precision, training_plan
+            )
+        except ValueError as exc:
+            exits.exit_permanent(str(exc))
+        self.ctx, self.groups, self.rank, self.world_size, self.plan = ctx, groups, rank, world_size, training_plan
+        self.parallel, self.model, self.ordered = wrapped, wrapped.module, ordered
+        self.checkpoints = self.checkpoints.successor(rank, world_size, groups.checkpoint)
+        self._agreement = BoundaryAgreement()
+        if rank != 0:
+            self._planner = None
+        elif self._planner is None and self.checkpoints.spec.auto_interval:
+            self._planner = autointerval.IntervalPlanner(self._read_reliability)
+        self.process_id = uuid.uuid4().hex
+        self.metrics.restart_count.set(ctx.restart_count)
+        self.watchdog.mark_history()  # the directive that ended the old group is done with this round
+        self._guard_wrapper()
+        if rank == 0:
+            first, last = startup_mod.take_exit_times(self.watchdog.store)
+            self.startup.stamps["old_exit_first"], self.startup.stamps["old_exit_last"] = first, last
+        self.startup.mark("group_ready")
 
     def _apply_lr(self) -> None:
         scale = self.lr_state.scale_at(self.state.step, self.training.lr.ramp_steps)
@@ -696,13 +963,25 @@ class ElasticTrainer:
         if agreed.drain:
             self._agreement.settle()
             self._drain()
+            return  # drained in place (otherwise the process has exited)
         if self.checkpoints.should_save(self.state.step, last=last) or agreed.seconds_due or self.checkpoints.retry_due:
             self._save(force_sync=last)
 
-    def _drain(self) -> NoReturn:
-        """Commit the current step, then exit ``ExitCode.DRAINED``: no step that ran is lost."""
+    def _drain(self) -> None:
+        """Commit the current step, then exit ``ExitCode.DRAINED``: no step that ran is lost. In place, a worker
+        that is neither stopped (SIGTERM) nor a victim of the directive stays for the next round instead."""
         self._commit_current_step()
         reason = self.watchdog.drain_reason or "drain on another rank"
+        if self.in_place and self._link is not None and not self.watchdog.exit_requested and not self._excluded():
+            log.info(
+                "drained at step %d (%s): checkpoint step-%d committed; re-forming in place",
+                self.state.step,
+                reason,
+                self.state.step,
+            )
+            self.watchdog.clear_drain()
+            self._drained_in_place = True
+            return
         log.info(
             "drained at step %d (%s): checkpoint step-%d committed; exiting %d",
             self.state.step,

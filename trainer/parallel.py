@@ -93,13 +93,16 @@ def wrap(
     parallelism: Parallelism,
     precision: Precision,
     shard_modules: Optional[Sequence[nn.Module]] = None,
+    init_sync: bool = True,
 ) -> ParallelModel:
     """``model`` (already on ``device``) wrapped for ``parallelism``; under FSDP2 the optimizer's param groups are
-    pointed at the sharded parameters, because ``fully_shard`` replaces every parameter object."""
+    pointed at the sharded parameters, because ``fully_shard`` replaces every parameter object. ``init_sync=False``:
+    DDP does not broadcast rank 0's weights at construction (in-place reforms agree on the state themselves,
+    :mod:`disttrain.trainer.inplace`)."""
     if parallelism is Parallelism.DDP:
         if shard_modules is not None:
             raise ValueError("shard_modules is an FSDP2 option; it is not allowed with parallelism='ddp'")
-        ddp = _data_parallel(model, device, precision)
+        ddp = _data_parallel(model, device, precision, init_sync)
         sums = precision.compute_dtype is not None
         if sums:
             ddp.register_comm_hook(None, _sum_allreduce_hook)
@@ -127,7 +130,9 @@ def default_shard_modules(model: nn.Module) -> list[nn.Module]:
     return [c for c in model.children() if any(True for _ in c.parameters())]
 
 
-def _data_parallel(model: nn.Module, device: torch.device, precision: Precision) -> DistributedDataParallel:
+def _data_parallel(
+    model: nn.Module, device: torch.device, precision: Precision, init_sync: bool = True
+) -> DistributedDataParallel:
     """``model`` wrapped in DDP (as given when it already is and runs fp32); one device per process on GPUs.
 
     ``find_unused_parameters=True`` is there for exact resumes, not for unused parameters. Plain DDP reduces its
@@ -141,6 +146,8 @@ def _data_parallel(model: nn.Module, device: torch.device, precision: Precision)
     """
     kwargs: dict[str, Any] = {"device_ids": [device.index]} if device.type == "cuda" else {}
     kwargs["find_unused_parameters"] = True
+    if not init_sync:
+        kwargs["init_sync"] = False
     dtype = precision.compute_dtype
     if isinstance(model, DistributedDataParallel):
         if dtype is not None:

@@ -14,7 +14,7 @@ import re
 from typing import Optional
 
 _STEP = re.compile(r"\bstep (\d+) loss (\S+) lr (\S+) world (\d+) samples/s (\d+(?:\.\d+)?)")
-_RESUMED = re.compile(r"resumed from checkpoint step-(\d+)")
+_RESUMED = re.compile(r"resumed (?:from checkpoint step-|in place from step )(\d+)")
 _FRESH = re.compile(r"no complete checkpoint in .*: starting at step 0")
 _DRAINED = re.compile(r"drained at step (\d+)")
 

@@ -2,13 +2,17 @@
 
 SIGKILL path (default ``gradientReduction: ddp``): a 3-node job whose node 0 (the one holding rank 0) loses its
 whole process tree to SIGKILL at step 8. The operator replaces it; the replacement takes node index 0 and so
-rank 0 again; the group resumes from the step-5 checkpoint and replays the steps since. Every replayed step is
+rank 0 again. Restarting (``spec.elastic.reformInPlace: false``), the group resumes from the step-5 checkpoint and
+replays the steps since. Every replayed step is
 compared with its first execution, before the kill: every rank read the same samples and computed the same
 loss, to the bit (the recorder writes exact JSON floats). The first replayed step runs on a freshly built DDP
 and the rest depend on its gradient reduction, which is where the drift of issue 14 began. (The uninterrupted
 run is the reference at the trainer level: ``tests/trainer/test_exact_resume.py`` resumes at the same world
 size and compares every parameter and optimizer tensor with ``torch.equal``. That test is also the one that
 catches DDP's bucket rebuild: with it turned back on, it fails, while this 3-node replay still matched.)
+In place (the default), the same kill: the survivors keep their processes and the state of the step they hold in
+memory, the replacement receives it, and only the step the kill interrupted runs again. The whole trajectory and the
+final checkpoint are compared with the restarting run's, to the bit.
 
 Drain path: planned scale-down 3 -> 2, then, as soon as the drain is issued, scale-up back to 3: two drains
 (checkpoint at a step boundary) and two reforms. The steps at 2 nodes sum the gradient over other ranks, which
@@ -56,17 +60,23 @@ def ranks_by_node(run: Run) -> dict[str, set[int]]:
     return dict(held)
 
 
-@pytest.fixture(scope="module")
-def node_killed(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    tmp = tmp_path_factory.mktemp("bitwise-kill")
-    builder = e2e_job("kill3", tmp / "records", replicas=3, max_steps=STEPS, step_sleep=0.3)
+def _node_0_killed_at_step_8(tmp_path_factory: pytest.TempPathFactory, name: str, in_place: bool) -> Run:
+    tmp = tmp_path_factory.mktemp(f"bitwise-{name}")
+    builder = e2e_job(name, tmp / "records", replicas=3, max_steps=STEPS, step_sleep=0.3)
     # Wait for the replacement however slow the machine: this test is about the same world size.
     builder.obj["spec"]["elastic"]["replacementWaitSeconds"] = 120
-    # Killed at step 8 (the status relay lags a little): steps 6.. are replayed from the step-5 checkpoint. The
-    # sleep leaves eight steps' margin, so the kill lands during training even on a loaded machine.
+    builder.obj["spec"]["elastic"]["reformInPlace"] = in_place
+    # Killed at step 8 (the status relay lags a little): restarting, steps 6.. are replayed from the step-5
+    # checkpoint. The sleep leaves eight steps' margin, so the kill lands during training even on a loaded machine.
     run = run_job(tmp, builder, chaos="kill-node:0@step=8")
     assert run.summary.succeeded, run.reasons()
     return run
+
+
+@pytest.fixture(scope="module")
+def node_killed(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The restart path: the replay from the checkpoint."""
+    return _node_0_killed_at_step_8(tmp_path_factory, "kill3", in_place=False)
 
 
 @pytest.mark.timeout(300)
@@ -97,7 +107,33 @@ def test_after_a_sigkill_at_the_same_world_size_every_replayed_step_is_bitwise_e
     assert {len(records) for records in node_killed.final_trajectory().values()} == {3}
 
 
-DRAIN_STEPS = 24
+@pytest.fixture(scope="module")
+def node_killed_in_place(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return _node_0_killed_at_step_8(tmp_path_factory, "kill3ip", in_place=True)
+
+
+@pytest.mark.timeout(400)
+def test_in_place_only_the_interrupted_step_runs_again_and_the_run_is_bitwise_the_restarting_one(
+    node_killed_in_place, node_killed
+):
+    executions = node_killed_in_place.executions()
+    assert sorted(executions) == list(range(1, STEPS + 1))
+    again = {step: runs for step, runs in executions.items() if len(runs) > 1}
+    assert len(again) <= 1, f"in place only the step the kill interrupted runs twice: {sorted(again)}"
+    resumed = {r["resumed_from"] for r in node_killed_in_place.records() if r["resumed_from"]}
+    assert resumed and min(resumed) > 5, f"resumed from the step-5 checkpoint, not from memory: {resumed}"
+    # The interrupted step's first run may have stopped after some of its micro batches; its second run counts, and
+    # is compared below with the restarting run's with everything else.
+    assert all(step == min(resumed) + 1 for step in again), (sorted(again), resumed)
+    assert ranks_by_node(node_killed_in_place) == {"0": {0}, "1": {1}, "2": {2}}
+    got, ref = global_losses(node_killed_in_place), global_losses(node_killed)
+    assert {s: (got[s], ref[s]) for s in got if got[s] != ref[s]} == {}
+    assert differing(final_state(node_killed_in_place, STEPS), final_state(node_killed, STEPS)) == {}
+    survivors = {r["process"] for r in node_killed_in_place.records() if not r["process"].startswith("kill3ip-worker-0")}
+    assert len(survivors) == 2, f"the survivors kept their processes (one records file each): {survivors}"
+
+
+DRAIN_STEPS = 40
 
 
 def ordered_job(name: str, out, replicas: int, **kw):
@@ -127,7 +163,8 @@ class DownThenUp:
 def drained_down_and_up(tmp_path_factory: pytest.TempPathFactory) -> Run:
     tmp = tmp_path_factory.mktemp("bitwise-drain")
     scaler = DownThenUp()
-    run = run_job(tmp, ordered_job("drain3", tmp / "records", 3, step_sleep=0.2), on_tick=scaler, timeout_s=240)
+    # 36 steps of 0.3 s after the scale-down: room for the new node's cold start (an in-place drain takes ~1 s).
+    run = run_job(tmp, ordered_job("drain3", tmp / "records", 3, step_sleep=0.3), on_tick=scaler, timeout_s=240)
     assert run.summary.succeeded, run.reasons()
     assert scaler.requests == [2, 3], f"scale requests made: {scaler.requests}; events {run.reasons()}"
     return run

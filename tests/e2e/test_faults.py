@@ -42,8 +42,7 @@ def test_a_killed_job_agent_is_recreated_and_the_workers_rejoin_and_finish(tmp_p
     _covers_epoch_once(run, 288)
 
 
-@pytest.mark.timeout(240)
-def test_a_node_killed_during_a_checkpoint_write_resumes_from_the_previous_complete_checkpoint(tmp_path):
+def _kill_inside_the_step_10_write(tmp_path, in_place: bool):
     """Rank 0 holds the commit of step 10 open after every shard is written; its machine dies right then."""
     out = tmp_path / "records"
     killed: list[str] = []
@@ -60,16 +59,40 @@ def test_a_node_killed_during_a_checkpoint_write_resumes_from_the_previous_compl
         killed.append(f"{node}: {partial}")
         runtime.apply_chaos(ChaosEvent("kill-node", at_seconds=0, index=index))
 
-    run = run_job(tmp_path, e2e_job("ckptkill", out, replicas=2, step_sleep=0.05,
-                                    extra_env={"E2E_HOLD_SAVE_STEP": "10"}), on_tick=kill_inside_the_write)
+    builder = e2e_job("ckptkill", out, replicas=2, step_sleep=0.05, extra_env={"E2E_HOLD_SAVE_STEP": "10"})
+    builder.obj["spec"]["elastic"]["reformInPlace"] = in_place
+    run = run_job(tmp_path, builder, on_tick=kill_inside_the_write)
     assert killed, "the held checkpoint write was never seen"
     assert run.summary.succeeded, run.reasons()
+    logs = "".join(p.read_text() for p in run.state.logs_dir.glob("*.log"))
+    return run, killed, logs
+
+
+@pytest.mark.timeout(240)
+def test_a_node_killed_during_a_checkpoint_write_resumes_from_the_previous_complete_checkpoint(tmp_path):
+    run, killed, logs = _kill_inside_the_step_10_write(tmp_path, in_place=False)
     # The write in flight left files but no step-10 commit; the group resumed from step 5.
     resumes = [r["resumed_from"] for r in run.records() if r["resumed_from"]]
     assert resumes and min(resumes) == 5, (killed, sorted(set(resumes)))
-    logs = "".join(p.read_text() for p in run.state.logs_dir.glob("*.log"))
     assert "resumed from checkpoint step-5" in logs
     assert run.summary.steps == 24
+    _covers_epoch_once(run, 288)
+
+
+@pytest.mark.timeout(240)
+def test_in_place_a_node_killed_during_a_checkpoint_write_leaves_the_survivor_its_step_and_no_partial_save(tmp_path):
+    """In place the survivor holds step 10 itself: it goes on from there; the save the dead group could not finish is
+    neither published nor loaded, and its files are gone by the end."""
+    run, killed, logs = _kill_inside_the_step_10_write(tmp_path, in_place=True)
+    assert "resumed in place from step 10 held in memory" in logs, killed
+    assert "resumed from checkpoint" not in logs
+    executions = run.executions()
+    assert sorted(executions) == list(range(1, 25)) and all(len(runs) == 1 for runs in executions.values()), {
+        step: len(runs) for step, runs in executions.items() if len(runs) > 1
+    }
+    leftovers = [p.name for p in run.state.checkpoints_dir.iterdir() if p.name.startswith(".tmp-")]
+    assert leftovers == [], leftovers
+    assert run.summary.steps == 24 and run.summary.lost_steps == 0
     _covers_epoch_once(run, 288)
 
 

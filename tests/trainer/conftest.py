@@ -31,7 +31,8 @@ def free_port() -> int:
 
 def make_contract(global_batch: int = 12, micro: int = 1, max_steps: int = 10, interval: int = 2, keep: int = 3,
                   policy: str = "fixed", accum: int = 1, lr: Optional[dict] = None, async_save: bool = False,
-                  seed: int = 3, timeout: int = 10, interval_seconds: Optional[int] = None) -> str:
+                  seed: int = 3, timeout: int = 10, interval_seconds: Optional[int] = None,
+                  reform_in_place: bool = False) -> str:
     training: dict[str, Any] = {"globalBatchSize": global_batch, "microBatchSize": micro, "batchPolicy": policy,
                                 "accumulationSteps": accum, "lr": lr or {"base": 0.01}, "maxSteps": max_steps,
                                 "seed": seed}
@@ -39,7 +40,7 @@ def make_contract(global_batch: int = 12, micro: int = 1, max_steps: int = 10, i
     if interval_seconds is not None:
         checkpoint["intervalSeconds"] = interval_seconds
     return json.dumps({"training": training, "checkpoint": checkpoint,
-                       "collective_timeout_seconds": timeout})
+                       "collective_timeout_seconds": timeout, "reform_in_place": reform_in_place})
 
 
 def descendants(pid: int) -> list[int]:
@@ -94,9 +95,11 @@ class Harness:
         return env
 
     def start(self, nproc: int, contract: str, run: str, torchrun_args: Optional[list[str]] = None,
-              ckpt: Optional[Path] = None, **extra: str) -> subprocess.Popen:
+              ckpt: Optional[Path] = None, launcher: str = "torch.distributed.run", **extra: str) -> subprocess.Popen:
+        """``launcher``: torchrun itself, or the worker pod's launcher ``disttrain.trainer.launch`` (torchrun's
+        arguments, its own agent: warm interpreters, in-place reforms)."""
         args = torchrun_args if torchrun_args is not None else ["--standalone", "--max-restarts=0"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *args, str(TOY)]
+        cmd = [sys.executable, "-m", launcher, f"--nproc-per-node={nproc}", *args, str(TOY)]
         with open(self.out / f"{run}.log", "w") as log:
             p = subprocess.Popen(cmd, env=self.env(contract, run, ckpt, **extra), stdout=log,
                                  stderr=subprocess.STDOUT, cwd=REPO)

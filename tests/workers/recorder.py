@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import toymodel  # a sibling: this folder is sys.path[0] of a script started by path
-from disttrain.trainer.checkpoint import CheckpointPhase, PhaseHook
+from disttrain.trainer.checkpoint import CheckpointManager, CheckpointPhase, PhaseHook
 from disttrain.trainer.loop import ElasticTrainer
 
 
@@ -37,14 +37,19 @@ def main() -> None:
     node = os.environ.get("DISTTRAIN_NODE_NAME", "node")
     with ElasticTrainer.from_env(model, optimizer, dataset, log_every=1, on_checkpoint_phase=hook) as trainer, \
             toymodel.open_records(out_dir, node) as records:
-        load_seconds = _time_loads(trainer)
-        # One torchrun round = one group; its store port is fresh each round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE).
-        group = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}:{os.environ.get('MASTER_PORT', '')}:{trainer.world_size}"
+        load_seconds = _time_loads()
+        loaded, last_group = 0.0, None
         for step in trainer.steps():
+            # One torchrun round = one group; its store port is fresh each round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE).
+            # Read at every step: a worker that re-forms in place is handed the next round's environment.
+            env = os.environ
+            group = f"{env.get('TORCHELASTIC_RUN_ID', '')}:{env.get('MASTER_PORT', '')}:{trainer.world_size}"
+            if group != last_group:  # the load of this group's resume (0 for one from memory)
+                loaded, load_seconds[0], last_group = load_seconds[0], 0.0, group
             loss_sum, count = toymodel.train_step(trainer, step)
             toymodel.write_record(records, dict(
                 toymodel.step_record(trainer, step), loss_sum=loss_sum, count=count, time=time.time(),
-                load_seconds=load_seconds[0], group=f"{group}:{trainer.resumed_from}"))
+                load_seconds=loaded, group=f"{group}:{trainer.resumed_from}"))
             if sleep:
                 time.sleep(sleep)
             if raise_at and step.index + 1 == raise_at and _first_to_claim(out_dir, once):
@@ -62,21 +67,21 @@ def _first_to_claim(out_dir: str, once: bool) -> bool:
     return True
 
 
-def _time_loads(trainer: ElasticTrainer) -> list[float]:
+def _time_loads() -> list[float]:
     """Record how long loading the checkpoint took (the reform benchmark subtracts it): a one-item list the
-    wrapped ``load`` fills in."""
-    manager = trainer.checkpoints
-    original = manager.load
+    wrapped ``load`` fills in (of every manager of this process: an in-place reform makes a new one; a resume from
+    memory loads nothing and leaves 0)."""
+    original = CheckpointManager.load
     seconds = [0.0]
 
-    def timed_load(*args: Any, **kwargs: Any) -> None:
+    def timed_load(self: CheckpointManager, *args: Any, **kwargs: Any) -> None:
         began = time.perf_counter()
         try:
-            original(*args, **kwargs)
+            original(self, *args, **kwargs)
         finally:
             seconds[0] = time.perf_counter() - began
 
-    manager.load = timed_load  # type: ignore[method-assign]
+    CheckpointManager.load = timed_load  # type: ignore[method-assign]
     return seconds
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -11,8 +12,11 @@ from disttrain.trainer.loop import Step
 
 
 def _trainer(model: torch.nn.Module) -> types.SimpleNamespace:
-    """The parts of an ElasticTrainer a Step reads: plan, parallel model, precision, ordered reduction."""
+    """The parts of an ElasticTrainer a Step reads: plan, parallel model, precision, ordered reduction, and the
+    in-place reform's failure note (none: a failure is raised)."""
     return types.SimpleNamespace(
+        keeping_group_failures=contextlib.nullcontext,
+        group_failure=None,
         plan=types.SimpleNamespace(accum_steps=2, micro_batch=3, global_batch=6),
         parallel=parallel.ParallelModel(model, parallel.Parallelism.DDP, sums_gradients=True),
         precision=precision.PrecisionState(parallel.Precision.FP32, torch.device("cpu")),
