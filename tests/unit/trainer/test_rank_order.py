@@ -4,7 +4,6 @@ closed, nodes without an index keep c10d's order; indices travel through a real 
 from __future__ import annotations
 
 import dataclasses
-import socket
 from datetime import timedelta
 
 import pytest
@@ -76,10 +75,7 @@ def test_the_node_index_comes_from_the_environment(raw, expected):
 
 
 def test_indices_travel_through_the_rendezvous_store_per_run():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
     a, b, c = Node("h", 1), Node("h", 2), Node("h", 3)
     rank_order.publish_index(store, "run", a, 4)
     rank_order.publish_index(store, "run", b, None)  # no index: nothing published

@@ -1,6 +1,5 @@
 """The watchdog against a real TCPStore: each signal generation is acted on once, history is ignored."""
 
-import socket
 from datetime import timedelta
 
 import pytest
@@ -8,16 +7,16 @@ import torch.distributed as dist
 
 from disttrain.api import control
 from disttrain.api.exitcodes import ExitCode
-from disttrain.trainer.control import Watchdog, parse_endpoint
+from disttrain.trainer.control import Watchdog, parse_endpoint, read_signal
 
 
 @pytest.fixture
 def store():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    yield server, f"127.0.0.1:{port}"
+    # Port 0: the server binds a port of its own choosing. A port probed free and then bound left a window in
+    # which another listener (a CI run's leftover store) could take it, and the watchdog then read that store's
+    # signals: a failed CI run saw the drain of generation 1 ignored as history.
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    yield server, f"127.0.0.1:{server.port}"
     del server
 
 
@@ -57,7 +56,8 @@ def test_drain_sets_the_flag_and_reform_exits_at_once_each_only_once(store):
     assert not dog.drain_requested  # no key yet: check() instead of a blocking get()
     signal(server, 1, "drain")
     dog.poll_once()
-    assert dog.drain_requested and "generation 1" in dog.drain_reason
+    assert dog.drain_requested, f"seen generation {dog.seen_generation}, store holds {read_signal(dog.store)}"
+    assert "generation 1" in dog.drain_reason
     signal(server, 2, "reform")
     dog.poll_once()
     dog.poll_once()
