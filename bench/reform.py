@@ -145,7 +145,7 @@ def p2(steps: int) -> tuple[int, int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=400)  # 150 ran out before the scale-up once reforms were in place
     parser.add_argument("--only", choices=("detect", "p1", "p2"), help="run one part (default: all)")
     args = parser.parse_args()
     backend = lb.use_registered_backend()
