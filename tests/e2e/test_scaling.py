@@ -90,10 +90,10 @@ def test_planned_scale_down_and_scale_up_lose_no_step(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_scaled_batch_policy_applies_the_plan_after_each_reform(tmp_path):
-    builder = e2e_job("scaled", tmp_path / "records", replicas=2, max_steps=90, dataset=600, step_sleep=0.1)
+    builder = e2e_job("scaled", tmp_path / "records", replicas=2, max_steps=250, dataset=2000, step_sleep=0.1)
     builder.set("spec.training", {"globalBatchSize": 4, "microBatchSize": 2, "batchPolicy": "scaled",
                                   "accumulationSteps": 1, "lr": {"base": 0.05, "scaling": "linear"},
-                                  "maxSteps": 90, "seed": 3})
+                                  "maxSteps": 250, "seed": 3})
     scaler = Scaler([3, 2])
     run = run_job(tmp_path, builder, on_tick=scaler)
     assert run.summary.succeeded, run.reasons()
