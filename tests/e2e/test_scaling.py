@@ -39,10 +39,14 @@ class Scaler:
             return
         self.leaving = None
         if world != self.world:
+            try:
+                sample = dict(scrape(runtime.metrics_url), world=world,
+                              **{f"worker:{k}": v for url in snapshot.worker_metrics[:1]
+                                 for k, v in scrape(url).items()})
+            except OSError:  # a worker's endpoint going away in a reform (connection reset): the next tick retries
+                return
             self.world, self.since_step = world, step
-            self.scrapes.append(dict(scrape(runtime.metrics_url), world=world,
-                                     **{f"worker:{k}": v for url in snapshot.worker_metrics[:1]
-                                        for k, v in scrape(url).items()}))
+            self.scrapes.append(sample)
             return
         if self.sizes and step >= self.since_step + self.progress_steps:
             if self.status_seen is None:
