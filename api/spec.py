@@ -284,7 +284,9 @@ class ReportingSpec(ContractModel):
     What the operator acts on is written at once: a new rendezvous round, a checkpoint while a drain is in
     flight, a worker failure, the end of training. A routine checkpoint goes out with the next progress write.
     Every step in between is on the workers' /metrics. Bounds the agent's API writes to about 60 / this per
-    minute (Kubernetes only: in local mode the agent writes a local file and relays every report)."""
+    minute (Kubernetes only: in local mode the agent writes a local file and relays every report). While the API
+    server answers slowly the agent writes progress less often, up to 6 times this interval (a write that took
+    t seconds puts the next one at least 100 t later); urgent writes never wait."""
 
 
 class DistTrainJobSpec(ContractModel):

@@ -55,7 +55,8 @@ FIELD_MANAGER = "disttrain-agent"
 operator's (``disttrain-operator``); without a name both would be the client's User-Agent."""
 """Client-side timeout of every API request but the watch (a hung connection must not stall the agent)."""
 WATCH_SECONDS = 300
-"""Server-side length of one watch request; the agent resumes from the last resourceVersion after it."""
+"""Server-side length of one watch request (drawn from 1-2x this); the agent resumes from the last resourceVersion
+after it."""
 MAX_RETRY_S = 30.0
 """Longest wait between two rounds after failures (an API server that refuses or times out)."""
 
@@ -222,6 +223,9 @@ class KubeJobSource:
                     self._remember(job)
                     self._synced.set()
                     version = _version(job)
+                # 1-2x the watch length, as client-go's reflectors do: agents started together would otherwise all
+                # end and re-open their watches in the same second, every time
+                watch_seconds = int(self.watch_seconds * random.uniform(1.0, 2.0))
                 stream = watch.Watch().stream(
                     self.api.list_namespaced_custom_object,
                     constants.GROUP,
@@ -231,8 +235,8 @@ class KubeJobSource:
                     field_selector=f"metadata.name={self.name}",
                     resource_version=version,
                     allow_watch_bookmarks=True,
-                    timeout_seconds=self.watch_seconds,
-                    _request_timeout=(REQUEST_TIMEOUT_S, self.watch_seconds + REQUEST_TIMEOUT_S),
+                    timeout_seconds=watch_seconds,
+                    _request_timeout=(REQUEST_TIMEOUT_S, watch_seconds + REQUEST_TIMEOUT_S),
                 )
                 try:
                     for event in stream:
@@ -304,8 +308,12 @@ class Agent:
         self._write_reliability(status)
         patch = self._relay(job, status)
         if patch and self._is_due(job, status, patch):
-            self.source.patch_status(patch)
-            self.throttle.wrote(self.clock())
+            started = self.clock()
+            try:
+                self.source.patch_status(patch)
+            finally:  # a failed write counts too: retried at once only if urgent (its changes still are)
+                finished = self.clock()
+                self.throttle.wrote(finished, took=finished - started)
         return True
 
     def _is_due(self, job: dict[str, Any], status: dict[str, Any], patch: dict[str, Any]) -> bool:

@@ -68,6 +68,17 @@ def progress_interval(spec: Mapping[str, Any], default: float = 10.0) -> float:
 
 JITTER = 0.1
 """A periodic write comes 0-10 % later than the interval (and the first one 0-100 % later), never sooner."""
+WRITE_SHARE = 0.01
+"""The largest share of its time an agent's periodic writes may keep waiting on the API server: a write that took
+``t`` seconds puts the next periodic one at least ``t / WRITE_SHARE`` later (100 ms -> 10 s, 500 ms -> 50 s)."""
+MAX_BACKOFF = 6.0
+"""A slow API server stretches the progress interval to at most this many times ``progressIntervalSeconds``
+(60 s at the default): how stale step and samples in the job's status may get, at worst, under load."""
+LATENCY_SMOOTHING = 0.5
+"""Weight of the newest write's duration in the moving average the back-off follows (a slow write half counts)."""
+MAX_COUNTED_WRITE_S = 1.0
+"""A write counts as at most this long: a timed-out one (30 s) already means the cap, and would otherwise keep the
+average, and the cap, for a dozen writes after the server recovered."""
 
 
 @dataclasses.dataclass
@@ -80,6 +91,12 @@ class ProgressThrottle:
     after a start lands anywhere in a second interval, which spreads the agents' phases over the whole interval;
     later ones add up to 10 % (client-go's ``JitterUntil`` habit), so they do not fall back in step. The interval
     stays a floor: no agent writes progress more often than ``progressIntervalSeconds``.
+
+    Why the back-off: a saturated API server answers every request late, the operator's directives included, and
+    hundreds of agents writing on a fixed period keep it saturated (on a 2-core control plane, 500 jobs' progress
+    alone took 1.2 cores and directives stopped within a minute). Each agent spaces its periodic writes by how
+    long its own writes take (:data:`WRITE_SHARE`, up to :data:`MAX_BACKOFF`), so the fleet's write rate falls as
+    the server's latency rises and comes back when it recovers. Urgent writes are never held back.
     """
 
     last_write: Optional[float] = None
@@ -87,12 +104,22 @@ class ProgressThrottle:
     draw: Callable[[], float] = random.random
     """Uniform in [0, 1): how far into its jitter range the next periodic write falls."""
     stretch: float = 1.0
-    """The next periodic write is due ``interval x stretch`` after the last write."""
+    """The next periodic write is due ``period x stretch`` after the last write."""
+    write_seconds: float = 0.0
+    """Moving average of how long the writes took (:data:`LATENCY_SMOOTHING`)."""
+
+    def period(self, interval_s: float) -> float:
+        """Seconds between periodic writes before the jitter: the interval, stretched while writes are slow."""
+        return min(interval_s * MAX_BACKOFF, max(interval_s, self.write_seconds / WRITE_SHARE))
 
     def is_due(self, *, urgent: bool, interval_s: float, now: float) -> bool:
-        return urgent or self.last_write is None or now - self.last_write >= interval_s * self.stretch
+        return urgent or self.last_write is None or now - self.last_write >= self.period(interval_s) * self.stretch
 
-    def wrote(self, now: float) -> None:
+    def wrote(self, now: float, took: float = 0.0) -> None:
+        """A write finished at ``now`` after ``took`` seconds."""
         first = self.last_write is None
         self.last_write = now
         self.stretch = 1.0 + (1.0 if first else JITTER) * self.draw()
+        took = min(MAX_COUNTED_WRITE_S, max(0.0, took))
+        kept = 0.0 if first else (1.0 - LATENCY_SMOOTHING) * self.write_seconds
+        self.write_seconds = took if first else kept + LATENCY_SMOOTHING * took

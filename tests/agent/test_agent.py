@@ -233,6 +233,46 @@ def test_on_kubernetes_progress_is_written_once_an_interval_and_what_the_operato
     assert len(source.patches) == 5 and source.patches[4]["step"] == 50
 
 
+class SlowServer(RateLimited):
+    """Each write takes ``seconds`` on the agent's clock, as on a saturated API server."""
+
+    def __init__(self, state_dir, clock, seconds):
+        super().__init__(state_dir)
+        self.clock, self.seconds = clock, seconds
+
+    def patch_status(self, patch):
+        self.clock.now += self.seconds
+        super().patch_status(patch)
+
+
+def test_while_its_writes_are_slow_the_agent_writes_progress_less_often_but_a_new_round_at_once(tmp_path, store_pair):
+    server, client = store_pair
+    write_spec_job(tmp_path)
+    clock = Clock()
+    source = SlowServer(tmp_path, clock, seconds=0.4)  # 0.4 s a write: the next periodic one 40 s later, not 10
+    agent = agent_mod.Agent(source, server, clock=clock)
+    agent.throttle.draw = lambda: 0.0
+    client.set(keys.PROGRESS_KEY, progress(1))
+    agent.sync()
+    for step in range(2, 40):  # 38 s of steps after the write
+        clock.now += 1.0
+        client.set(keys.PROGRESS_KEY, progress(step))
+        agent.sync()
+    assert len(source.patches) == 1, "a periodic write came sooner than the slow server allows"
+    clock.now += 2.0
+    agent.sync()
+    assert len(source.patches) == 2 and source.patches[1]["step"] == 39
+    client.set(keys.PROGRESS_KEY, progress(40, world=1, process="p2"))  # a new group: never held back
+    agent.sync()
+    assert len(source.patches) == 3 and source.patches[2]["rendezvousRound"] == 2
+    source.seconds = 0.0  # the server recovered: back to one write an interval within a few writes
+    for step in range(41, 45):
+        clock.now += 60.0
+        client.set(keys.PROGRESS_KEY, progress(step, world=1, process="p2"))
+        agent.sync()
+    assert len(source.patches) == 7 and agent.throttle.period(10) == 10
+
+
 def test_while_a_drain_is_in_flight_its_checkpoint_is_written_at_once(tmp_path, store_pair):
     server, client = store_pair
     write_spec_job(tmp_path, {"generation": 2, "action": "drain", "reason": "ScaledDown", "targetNodes": 1})

@@ -70,3 +70,46 @@ def test_agents_started_together_spread_their_writes_over_the_interval_and_never
     late = [t for times in writes for t in times if t >= 60.0]
     busiest = max(sum(1 for t in late if s <= t < s + 1.0) for s in range(60, 119))
     assert busiest < 0.25 * len(throttles)  # in step, every agent would write within the same second
+
+
+def test_slow_writes_stretch_the_interval_up_to_the_cap_and_fast_ones_bring_it_back():
+    """An agent whose writes take long (a saturated API server) writes progress less often, never more than
+    MAX_BACKOFF intervals apart, and returns to the interval once its writes are fast again; urgent writes
+    never wait."""
+    throttle = reporting.ProgressThrottle(draw=lambda: 0.0)
+    throttle.wrote(0.0, took=0.02)
+    assert throttle.period(10) == 10, "a 20 ms write is well within the write share"
+    throttle.wrote(10.0, took=0.3)  # smoothed: 0.16 s -> 16 s
+    assert throttle.period(10) == pytest.approx(0.16 / reporting.WRITE_SHARE)
+    assert not throttle.is_due(urgent=False, interval_s=10, now=10.0 + 15.9)
+    assert throttle.is_due(urgent=True, interval_s=10, now=10.1)
+    assert throttle.is_due(urgent=False, interval_s=10, now=10.0 + 16.0)
+    for now in range(30, 300, 60):
+        throttle.wrote(float(now), took=30.0)  # timeouts of a server that no longer answers
+    assert throttle.period(10) == 10 * reporting.MAX_BACKOFF
+    for now in range(300, 540, 60):  # four fast writes after the outage
+        throttle.wrote(float(now), took=0.01)
+    assert throttle.period(10) == 10
+
+
+def test_a_fleet_of_agents_lowers_its_write_rate_as_the_server_slows():
+    """500 agents against a server whose latency grows with the write rate (one write at a time, 15 ms each, the
+    rest queued): with the back-off the fleet settles where the server keeps up instead of queueing for good."""
+    rng = random.Random(3)
+    throttles = [reporting.ProgressThrottle(draw=rng.random) for _ in range(500)]
+    service_s, now, busy_until, writes = 0.015, 0.0, 0.0, 0
+    late_latency: list[float] = []
+    while now < 300.0:
+        for throttle in throttles:
+            if throttle.is_due(urgent=False, interval_s=10, now=now):
+                start = max(now, busy_until)
+                busy_until = start + service_s * 2.5  # the server's share per write on a loaded 2-core machine
+                throttle.wrote(busy_until, took=busy_until - now)
+                if now >= 200.0:
+                    writes += 1
+                    late_latency.append(busy_until - now)
+        now = round(now + 0.25, 2)
+    rate = writes / 100.0
+    assert rate < 1.0 / (service_s * 2.5), f"{rate:.1f} writes/s: the server stays saturated"
+    assert max(late_latency) < 1.0, "writes still queue for seconds"
+    assert rate > 500 / (10 * reporting.MAX_BACKOFF) * 0.9, "the fleet backs off no further than it must"
