@@ -123,6 +123,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
                 config.load_incluster_config(client_configuration=configuration)
             except config.ConfigException:
                 config.load_kube_config(client_configuration=configuration)
+        configuration.connection_pool_maxsize = handlers.API_CONCURRENCY  # one pooled connection per thread
         return client.ApiClient(configuration)
 
     registry = kopf.get_default_registry()  # carries kopf's own login handlers (in-cluster, kubeconfig)
