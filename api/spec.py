@@ -286,7 +286,7 @@ class ReportingSpec(ContractModel):
     Every step in between is on the workers' /metrics. Bounds the agent's API writes to about 60 / this per
     minute (Kubernetes only: in local mode the agent writes a local file and relays every report). While the API
     server answers slowly the agent writes progress less often, up to 6 times this interval (a write that took
-    t seconds puts the next one at least 100 t later); urgent writes never wait."""
+    t > 0.1 seconds stretches it by t / 0.1 s); urgent writes never wait."""
 
 
 class DistTrainJobSpec(ContractModel):

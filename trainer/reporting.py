@@ -68,9 +68,9 @@ def progress_interval(spec: Mapping[str, Any], default: float = 10.0) -> float:
 
 JITTER = 0.1
 """A periodic write comes 0-10 % later than the interval (and the first one 0-100 % later), never sooner."""
-WRITE_SHARE = 0.01
-"""The largest share of its time an agent's periodic writes may keep waiting on the API server: a write that took
-``t`` seconds puts the next periodic one at least ``t / WRITE_SHARE`` later (100 ms -> 10 s, 500 ms -> 50 s)."""
+SLOW_WRITE_S = 0.1
+"""A write slower than this means a loaded API server: the progress interval stretches by ``duration / SLOW_WRITE_S``
+(at the default 10 s: a 0.3 s write -> 30 s); an unloaded one answers a status PATCH in 10-50 ms."""
 MAX_BACKOFF = 6.0
 """A slow API server stretches the progress interval to at most this many times ``progressIntervalSeconds``
 (60 s at the default): how stale step and samples in the job's status may get, at worst, under load."""
@@ -95,7 +95,7 @@ class ProgressThrottle:
     Why the back-off: a saturated API server answers every request late, the operator's directives included, and
     hundreds of agents writing on a fixed period keep it saturated (on a 2-core control plane, 500 jobs' progress
     alone took 1.2 cores and directives stopped within a minute). Each agent spaces its periodic writes by how
-    long its own writes take (:data:`WRITE_SHARE`, up to :data:`MAX_BACKOFF`), so the fleet's write rate falls as
+    long its own writes take (:data:`SLOW_WRITE_S`, up to :data:`MAX_BACKOFF`), so the fleet's write rate falls as
     the server's latency rises and comes back when it recovers. Urgent writes are never held back.
     """
 
@@ -110,7 +110,7 @@ class ProgressThrottle:
 
     def period(self, interval_s: float) -> float:
         """Seconds between periodic writes before the jitter: the interval, stretched while writes are slow."""
-        return min(interval_s * MAX_BACKOFF, max(interval_s, self.write_seconds / WRITE_SHARE))
+        return interval_s * min(MAX_BACKOFF, max(1.0, self.write_seconds / SLOW_WRITE_S))
 
     def is_due(self, *, urgent: bool, interval_s: float, now: float) -> bool:
         return urgent or self.last_write is None or now - self.last_write >= self.period(interval_s) * self.stretch

@@ -78,9 +78,10 @@ def test_slow_writes_stretch_the_interval_up_to_the_cap_and_fast_ones_bring_it_b
     never wait."""
     throttle = reporting.ProgressThrottle(draw=lambda: 0.0)
     throttle.wrote(0.0, took=0.02)
-    assert throttle.period(10) == 10, "a 20 ms write is well within the write share"
+    assert throttle.period(10) == 10, "a 20 ms write is an unloaded server's"
     throttle.wrote(10.0, took=0.3)  # smoothed: 0.16 s -> 16 s
-    assert throttle.period(10) == pytest.approx(0.16 / reporting.WRITE_SHARE)
+    assert throttle.period(10) == pytest.approx(10 * 0.16 / reporting.SLOW_WRITE_S)
+    assert throttle.period(1) == pytest.approx(1.6), "the stretch is relative to the job's own interval"
     assert not throttle.is_due(urgent=False, interval_s=10, now=10.0 + 15.9)
     assert throttle.is_due(urgent=True, interval_s=10, now=10.1)
     assert throttle.is_due(urgent=False, interval_s=10, now=10.0 + 16.0)
