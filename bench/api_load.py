@@ -208,8 +208,9 @@ def measure_directive_latency(
                 constants.GROUP, constants.VERSION, NAMESPACE, constants.PLURAL, name
             )
             status = job.get("status") or {}
+            replicas = (job["spec"].get("nodes") or {}).get("replicas")
             print(
-                f"{error}: spec.replicas {job['spec'].get('replicas')}, status.control {status.get('control')}, "
+                f"{error}: spec.nodes.replicas {replicas}, status.control {status.get('control')}, "
                 f"pendingScale {status.get('pendingScale')}, the watch's generation {clock.generation.get(name)}",
                 file=sys.stderr,
             )
