@@ -50,10 +50,10 @@ from disttrain.trainer.commit import step_dir_name
 
 log = logging.getLogger("disttrain.agent")
 REQUEST_TIMEOUT_S = 30.0
+"""Client-side timeout of every API request but the watch (a hung connection must not stall the agent)."""
 FIELD_MANAGER = "disttrain-agent"
 """The agent's name in the job's ``metadata.managedFields``: the status fields it writes are told apart from the
 operator's (``disttrain-operator``); without a name both would be the client's User-Agent."""
-"""Client-side timeout of every API request but the watch (a hung connection must not stall the agent)."""
 WATCH_SECONDS = 300
 """Server-side length of one watch request (drawn from 1-2x this); the agent resumes from the last resourceVersion
 after it."""

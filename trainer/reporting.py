@@ -121,5 +121,4 @@ class ProgressThrottle:
         self.last_write = now
         self.stretch = 1.0 + (1.0 if first else JITTER) * self.draw()
         took = min(MAX_COUNTED_WRITE_S, max(0.0, took))
-        kept = 0.0 if first else (1.0 - LATENCY_SMOOTHING) * self.write_seconds
-        self.write_seconds = took if first else kept + LATENCY_SMOOTHING * took
+        self.write_seconds = took if first else self.write_seconds + LATENCY_SMOOTHING * (took - self.write_seconds)
