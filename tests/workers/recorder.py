@@ -46,10 +46,13 @@ def main() -> None:
             group = f"{env.get('TORCHELASTIC_RUN_ID', '')}:{env.get('MASTER_PORT', '')}:{trainer.world_size}"
             if group != last_group:  # the load of this group's resume (0 for one from memory)
                 loaded, load_seconds[0], last_group = load_seconds[0], 0.0, group
-            loss_sum, count = toymodel.train_step(trainer, step)
-            toymodel.write_record(records, dict(
-                toymodel.step_record(trainer, step), loss_sum=loss_sum, count=count, time=time.time(),
-                load_seconds=loaded, group=f"{group}:{trainer.resumed_from}"))
+
+            def record(loss_sum: float, count: int, step=step, loaded=loaded, group=group) -> None:
+                toymodel.write_record(records, dict(
+                    toymodel.step_record(trainer, step), loss_sum=loss_sum, count=count, time=time.time(),
+                    load_seconds=loaded, group=f"{group}:{trainer.resumed_from}"))
+
+            toymodel.train_step(trainer, step, before_sync=record)
             if sleep:
                 time.sleep(sleep)
             if raise_at and step.index + 1 == raise_at and _first_to_claim(out_dir, once):

@@ -94,12 +94,15 @@ def main() -> None:
                 time.sleep(600)
             if raise_at and step.index + 1 == raise_at and trainer.rank == 1:
                 raise RuntimeError(f"injected bug at step {raise_at}")
-            toymodel.train_step(trainer, step)
-            counter.count += 1
-            record = toymodel.step_record(trainer, step)
-            record["counter"] = counter.count
-            record["interval"] = trainer.checkpoints.agreed_interval  # intervalSteps: auto, in force at this step
-            toymodel.write_record(records, record)
+
+            def record(_loss_sum: float, _count: int, step=step) -> None:  # before the gradient is sent: train_step
+                counter.count += 1
+                record = toymodel.step_record(trainer, step)
+                record["counter"] = counter.count
+                record["interval"] = trainer.checkpoints.agreed_interval  # intervalSteps: auto, in force at this step
+                toymodel.write_record(records, record)
+
+            toymodel.train_step(trainer, step, before_sync=record)
             if sleep:
                 time.sleep(sleep)
             if drain_at and step.index + 1 == drain_at:

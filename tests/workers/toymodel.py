@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import IO, Any, Optional
 
 import torch
@@ -73,16 +74,25 @@ class RegressionStream(torch.utils.data.IterableDataset):
             yield self.samples[i]
 
 
-def train_step(trainer: ElasticTrainer, step: Step) -> tuple[float, int]:
+def train_step(trainer: ElasticTrainer, step: Step,
+               before_sync: Optional[Callable[[float, int], None]] = None) -> tuple[float, int]:
     """Forward and backward of every micro batch of ``step`` (MSE summed over samples, keyed dropout).
-    Returns this rank's loss sum and sample count."""
+    Returns this rank's loss sum and sample count.
+
+    ``before_sync(loss_sum, count)`` runs after the last forward, before the backward that sends this rank's
+    gradient to its peers: a program records the step there, so a rank killed after its gradient counted has
+    recorded it. (Recorded after the step instead, a member killed between the all-reduce and its write left a
+    step that a survivor had applied, and the group kept, with that member's record missing.)"""
     loss_sum, count = 0.0, 0
-    for mb in step:
+    last = len(step.micro_indices) - 1
+    for i, mb in enumerate(step):
         xb, yb = mb.data
         loss = torch.nn.functional.mse_loss(trainer.model(xb, mb.seeds), yb, reduction="sum")
-        step.backward(loss)
         loss_sum += float(loss.detach())
         count += len(mb.indices)
+        if i == last and before_sync is not None:
+            before_sync(loss_sum, count)
+        step.backward(loss)
     return loss_sum, count
 
 
