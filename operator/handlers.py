@@ -73,13 +73,27 @@ class Kube:
         self.custom = k8s.CustomObjectsApi(api_client)
         self._threads = concurrent.futures.ThreadPoolExecutor(API_CONCURRENCY, thread_name_prefix="kube-api")
 
-    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bytes:
+        """The response body of one call, read in the API thread that made it.
+
+        Why read there: with ``_preload_content=False`` the client returns the response unread and its connection
+        stays checked out of the pool until the body is read. Read later on the event loop (or, for a delete, never),
+        the thread's next call found no free connection and opened a new TLS connection, which the full pool then
+        discarded ("Connection pool is full" about 45 times a run at 500 jobs), and the read blocked the loop."""
         call = functools.partial(fn, *args, _request_timeout=REQUEST_TIMEOUT_S, _preload_content=False, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._threads, call)
+        return await asyncio.get_running_loop().run_in_executor(self._threads, self._read, call)
 
     @staticmethod
-    def _body(response: Any) -> dict[str, Any]:
-        document = json.loads(response.data or b"{}")
+    def _read(call: Callable[[], Any]) -> bytes:
+        response = call()
+        try:
+            return bytes(response.data or b"")
+        finally:
+            response.release_conn()
+
+    @staticmethod
+    def _body(data: bytes) -> dict[str, Any]:
+        document = json.loads(data or b"{}")
         return document if isinstance(document, dict) else {}
 
     async def list_scope(self, scope: listing.Scope) -> list[dict[str, Any]]:
