@@ -22,6 +22,10 @@ def store():
 
 def signal(server, generation: int, action: str) -> None:
     server.set(control.SIGNAL_KEY, control.ControlSignal(generation=generation, action=action).model_dump_json())
+    # TCPStore's set sends without waiting for an answer, so the watchdog's own connection could read before the server
+    # had taken it (a CI run saw the drain of generation 1 "ignored": the store held it a moment later). A get on the
+    # same connection is answered only after the set: the signal is in the store when this returns.
+    server.get(control.SIGNAL_KEY)
 
 
 def test_a_generation_present_at_startup_is_history(store):
