@@ -80,19 +80,57 @@ Buckets = dict[RequestKey, dict[float, float]]
 
 def read_durations(metrics_text: str) -> Buckets:
     """The API server's own latency histogram, by (verb, resource, subresource), summed over scopes."""
-    buckets: Buckets = collections.defaultdict(lambda: collections.defaultdict(float))
+    return read_histogram(metrics_text, "apiserver_request_duration_seconds", ("verb", "resource", "subresource"))
+
+
+Histogram = dict[tuple[str, ...], dict[float, float]]
+"""Cumulative bucket counts by label values and upper bound ``le``."""
+
+
+def read_histogram(metrics_text: str, family_name: str, label_names: tuple[str, ...]) -> Histogram:
+    """Cumulative bucket counts of the histogram ``family_name``, by the values of ``label_names`` (the other labels
+    summed over)."""
+    buckets: Histogram = collections.defaultdict(lambda: collections.defaultdict(float))
     for family in text_string_to_metric_families(metrics_text):
-        if family.name != "apiserver_request_duration_seconds":
+        if family.name != family_name:
             continue
         for sample in family.samples:
             if sample.name.endswith("_bucket"):
-                labels = sample.labels
-                key = (labels.get("verb", ""), labels.get("resource", ""), labels.get("subresource", ""))
-                buckets[key][float(labels["le"])] += sample.value
+                key = tuple(sample.labels.get(name, "") for name in label_names)
+                buckets[key][float(sample.labels["le"])] += sample.value
     return {key: dict(by_le) for key, by_le in buckets.items()}
 
 
-def duration_quantile(before: Buckets, after: Buckets, key: RequestKey, q: float) -> float | None:
+WAIT_STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("apiserver_flowcontrol_request_wait_duration_seconds", ("priority_level", "execute")),
+    ("apiserver_flowcontrol_request_execution_seconds", ("priority_level", "type")),
+    ("etcd_request_duration_seconds", ("operation", "type")),
+)
+"""Where a request's time goes inside the API server: queued by API Priority and Fairness (per priority level),
+executing once dispatched, and the part of that spent waiting on etcd."""
+
+
+def read_stages(metrics_text: str) -> dict[str, Histogram]:
+    """The histograms of :data:`WAIT_STAGES`, by family."""
+    return {family: read_histogram(metrics_text, family, labels) for family, labels in WAIT_STAGES}
+
+
+def stage_lines(before: dict[str, Histogram], after: dict[str, Histogram], min_count: int = 20) -> list[str]:
+    """One line per series of :data:`WAIT_STAGES` with at least ``min_count`` observations between two readings:
+    its count, p50 and p99 (bucket upper bounds, seconds)."""
+    lines = []
+    for family, _labels in WAIT_STAGES:
+        for key in sorted(after.get(family, {})):
+            now, then = after[family][key], before.get(family, {}).get(key, {})
+            count = max(now.values(), default=0.0) - max(then.values(), default=0.0)
+            if count < min_count:
+                continue
+            p50, p99 = (duration_quantile(before.get(family, {}), after[family], key, q) for q in (0.5, 0.99))
+            lines.append(f"  {family} {{{', '.join(key)}}}: {count:.0f}, p50 <= {p50} s, p99 <= {p99} s")
+    return lines
+
+
+def duration_quantile(before: Buckets, after: Buckets, key: tuple[str, ...], q: float) -> float | None:
     """The ``q`` quantile (seconds, the bucket's upper bound) of the requests of ``key`` between two readings."""
     now, then = after.get(key) or {}, before.get(key) or {}
     bounds = sorted(now)

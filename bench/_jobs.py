@@ -2,16 +2,18 @@
 
 Each job runs the real :class:`disttrain.trainer.agent.Agent` with the real :class:`KubeJobSource`, logged in
 with the job's own ServiceAccount token (so the per-job Role the operator creates is what allows its calls),
-in a thread of this process. Only two things are stood in, both below the API: the TCPStore is a dict with
-the three methods the agent uses, and the trainer is a loop that writes exactly what rank 0 writes into it
-(``PROGRESS_KEY`` after every step, ``CHECKPOINT_KEY`` after every commit). So every API request in the count
-is one the real agent makes, in the pattern it makes it, without 2 x J processes importing torch.
+in a thread (:class:`JobFleet`), the fleet spread over a few processes (:class:`ShardedJobFleet`). Only two
+things are stood in, both below the API: the TCPStore is a dict with the three methods the agent uses, and the
+trainer is a loop that writes exactly what rank 0 writes into it (``PROGRESS_KEY`` after every step,
+``CHECKPOINT_KEY`` after every commit). So every API request in the count is one the real agent makes, in the
+pattern it makes it, without 2 x J processes importing torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import threading
 import time
 from typing import Any, Union
@@ -139,3 +141,76 @@ class JobFleet:
                 trainer.advance(self.checkpoint_every)
             tick += self.step_seconds
             self._stop.wait(max(0.0, tick - time.monotonic()))
+
+
+@dataclasses.dataclass(frozen=True)
+class JobEntry:
+    """What a process needs to run one job's agent: where the job is and the kubeconfig of its ServiceAccount."""
+
+    namespace: str
+    name: str
+    kubeconfig: str
+
+
+def _run_shard(
+    entries: list[JobEntry],
+    step_seconds: float,
+    checkpoint_every: int,
+    poll_seconds: float,
+    jobs_per_second: float,
+    delay: float,
+    stop: Any,
+) -> None:
+    """One process of a :class:`ShardedJobFleet`: a :class:`JobFleet` of ``entries`` until ``stop`` is set."""
+    from kubernetes import config as kube_config
+
+    fleet = JobFleet(step_seconds, checkpoint_every, poll_seconds)
+    for entry in entries:
+        fleet.add(entry.namespace, entry.name, kube_config.new_client_from_config(config_file=entry.kubeconfig))
+    time.sleep(delay)
+    fleet.start(jobs_per_second)
+    stop.wait()
+    fleet.stop()
+
+
+class ShardedJobFleet:
+    """The J agents spread over ``processes`` interpreters, as a cluster spreads them over pods.
+
+    In one interpreter, 500 agents' watch and write threads share one GIL: an agent then reads its watch late, and
+    the API server's watch cache, which waits a while for a slow reader before it drops it, holds back every other
+    watcher of the resource (the operator's among them). Agents in pods have no such neighbour."""
+
+    def __init__(self, processes: int, step_seconds: float, checkpoint_every: int, poll_seconds: float = 0.25) -> None:
+        self.processes = processes
+        self.args = (step_seconds, checkpoint_every, poll_seconds)
+        self.entries: list[JobEntry] = []
+        self._context = multiprocessing.get_context("spawn")
+        self._stop = self._context.Event()
+        self.shards: list[Any] = []
+
+    def add(self, namespace: str, name: str, kubeconfig: str) -> None:
+        self.entries.append(JobEntry(namespace, name, kubeconfig))
+
+    def start(self, jobs_per_second: float = 25.0) -> None:
+        """Start every shard; together they start ``jobs_per_second`` agents a second, interleaved."""
+        for index in range(self.processes):
+            entries = self.entries[index :: self.processes]
+            shard = self._context.Process(
+                target=_run_shard,
+                args=(entries, *self.args, jobs_per_second / self.processes, index / jobs_per_second, self._stop),
+                name=f"agents-{index}",
+                daemon=True,
+            )
+            shard.start()
+            self.shards.append(shard)
+
+    @property
+    def pids(self) -> list[int]:
+        return [shard.pid for shard in self.shards if shard.pid is not None]
+
+    def stop(self) -> None:
+        self._stop.set()
+        for shard in self.shards:
+            shard.join(timeout=10)
+            if shard.is_alive():
+                shard.kill()

@@ -107,15 +107,15 @@ def all_running(custom: k8s.CustomObjectsApi) -> bool:
         return False
 
 
-def agent_client(plane: ControlPlane, core: k8s.CoreV1Api, name: str) -> k8s.ApiClient:
-    """An API client holding a token of the job's own ServiceAccount (created by the operator)."""
+def agent_kubeconfig(plane: ControlPlane, core: k8s.CoreV1Api, name: str) -> str:
+    """A kubeconfig holding a token of the job's own ServiceAccount (created by the operator)."""
     answer = core.create_namespaced_service_account_token(
         f"{name}-agent",
         NAMESPACE,
         {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 7200}},
         _request_timeout=TIMEOUT,
     )
-    return plane.api_client(plane.write_kubeconfig(f"agent-{name}", answer.status.token))
+    return str(plane.write_kubeconfig(f"agent-{name}", answer.status.token))
 
 
 class DirectiveClock:
@@ -273,6 +273,13 @@ def main() -> int:
         help="how often each agent reads its store (the agent's default; no API request depends "
         "on it, but J agents share this process's CPU)",
     )
+    parser.add_argument(
+        "--agent-processes",
+        type=int,
+        default=4,
+        help="interpreters the J agents are spread over (in a cluster each has a pod of its own; in one interpreter "
+        "their watches are read late, behind one GIL)",
+    )
     args = parser.parse_args()
     if args.nodes * 110 < args.jobs * 4:
         parser.error(
@@ -314,9 +321,11 @@ def main() -> int:
         )
         print(f"{4 * args.jobs} pods running after {time.monotonic() - started:.0f} s", flush=True)
 
-        jobs = _jobs.JobFleet(args.step_seconds, args.checkpoint_every, args.agent_poll_seconds)
+        jobs = _jobs.ShardedJobFleet(
+            args.agent_processes, args.step_seconds, args.checkpoint_every, args.agent_poll_seconds
+        )
         for name in names:
-            jobs.add(NAMESPACE, name, agent_client(plane, core, name))
+            jobs.add(NAMESPACE, name, agent_kubeconfig(plane, core, name))
         jobs.start()
         wait_for(lambda: all_running(custom), timeout=120 + 2 * args.jobs, what="every job Running", interval=5.0)
         print(
@@ -331,7 +340,8 @@ def main() -> int:
             {
                 **{name: proc.pid for name, proc in plane.processes.items()},
                 "operator": operator.proc.pid,
-                "benchmark (agents, nodes)": os.getpid(),
+                "benchmark (nodes, kubelets)": os.getpid(),
+                **{f"agents ({i + 1}/{len(jobs.pids)})": pid for i, pid in enumerate(jobs.pids)},
             }
         )
         window_started = time.monotonic()
@@ -353,12 +363,17 @@ def main() -> int:
         if fleet.errors:
             print(f"harness errors: {fleet.errors[:5]}")
 
-        durations_before = _apicount.read_durations(plane.request("GET", "/metrics", raw=True).decode())
+        metrics_before = plane.request("GET", "/metrics", raw=True).decode()
+        durations_before = _apicount.read_durations(metrics_before)
+        stages_before = _apicount.read_stages(metrics_before)
         latencies, decisions = probe_directive_latency(plane, names, min(args.latency_samples, args.jobs), timeout=60)
-        durations = (durations_before, _apicount.read_durations(plane.request("GET", "/metrics", raw=True).decode()))
+        metrics_after = plane.request("GET", "/metrics", raw=True).decode()
+        durations = (durations_before, _apicount.read_durations(metrics_after))
         for key in (("PATCH", "disttrainjobs", "scale"), ("PATCH", "disttrainjobs", "status")):
             p50, p99 = (_apicount.duration_quantile(*durations, key, q) for q in (0.5, 0.99))
             print(f"API server's own latency of {_apicount.describe(key)} meanwhile: p50 <= {p50} s, p99 <= {p99} s")
+        print("inside the API server meanwhile (APF queue wait, execution, etcd; count, p50, p99):")
+        print("\n".join(_apicount.stage_lines(stages_before, _apicount.read_stages(metrics_after))))
         print(f"directive latencies (ms): {', '.join(f'{v:.0f}' for v in sorted(latencies))}")
         print(f"request -> operator's decision (ms): {', '.join(f'{v:.0f}' for v in sorted(decisions))}")
         forbidden = operator.forbidden_lines()
