@@ -38,6 +38,7 @@ import _fleet  # noqa: E402
 import _jobs  # noqa: E402
 from kubernetes import client as k8s  # noqa: E402
 from kubernetes import config as kube_config  # noqa: E402
+from tests.chart.helm import object_name  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
 from tests.cluster.harness import start_operator  # noqa: E402
 
@@ -280,6 +281,12 @@ def main() -> int:
         help="interpreters the J agents are spread over (in a cluster each has a pod of its own; in one interpreter "
         "their watches are read late, behind one GIL)",
     )
+    parser.add_argument(
+        "--no-progress-level",
+        dest="progress_level",
+        action="store_false",
+        help="without the chart's priority level for the agents' status writes (flowControl.progress.enabled=false)",
+    )
     args = parser.parse_args()
     if args.nodes * 110 < args.jobs * 4:
         parser.error(
@@ -293,6 +300,8 @@ def main() -> int:
     try:
         print(f"control plane at {plane.server}; logs in {plane.logs}; operator log in {work}", flush=True)
         operator = start_operator(plane, work / "operator.log")
+        if not args.progress_level:  # as before the chart bounded them: the agents' writes in workload-low
+            plane.kubectl("delete", "flowschema,prioritylevelconfiguration", f"{object_name()}-progress")
         admin = plane.api_client()
         core, custom = k8s.CoreV1Api(admin), k8s.CustomObjectsApi(admin)
         plane.create_namespace(NAMESPACE)

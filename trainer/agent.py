@@ -472,12 +472,30 @@ class Agent:
                 self.source.wait_for_change(self.poll_seconds)
             except Exception as error:
                 failures += 1
-                if failures == 1:
+                delay = max(retry_delay(self.poll_seconds, failures), retry_after(error))
+                if is_throttled(error):  # API Priority and Fairness: the request waited its turn too long
+                    log.warning("API server: 429, slow down (%d in a row); retrying in %.1f s", failures, delay)
+                elif failures == 1:
                     log.exception("agent round failed; retrying")
                 else:
                     log.warning("agent round failed again (%d in a row): %r", failures, error)
-                self.stop_event.wait(retry_delay(self.poll_seconds, failures))
+                self.stop_event.wait(delay)
         return 0
+
+
+def is_throttled(error: BaseException) -> bool:
+    """A 429: the API server's priority and fairness refused the request (its queue was full, or it waited too
+    long in it). Routine under load, and no fault of the agent: one line, no traceback."""
+    return getattr(error, "status", None) == 429
+
+
+def retry_after(error: BaseException, cap_s: float = MAX_RETRY_S) -> float:
+    """Seconds the API server asked to wait (``Retry-After``) before the next try; 0 when it said nothing."""
+    headers = getattr(error, "headers", None) or {}
+    try:
+        return min(cap_s, max(0.0, float(headers.get("Retry-After", 0))))
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def retry_delay(poll_seconds: float, failures: int, cap_s: float = MAX_RETRY_S) -> float:

@@ -8,7 +8,7 @@ a few things only, and those never wait:
 * a new rendezvous round (with its world size and first progress): a directive completes on it (every drain
   and reform makes the workers exit, so a new round always follows one), and a first round makes the job
   Running;
-* a checkpoint while a drain is in flight: the drain's victims are deleted once a checkpoint committed after it;
+* the first checkpoint committed after a drain was issued: the drain's victims are deleted once the operator sees it;
 * a worker failure: a permanent exit code fails the job;
 * a node silent in the rendezvous heartbeats (or no longer silent): the operator treats it as lost;
 * the end of training: the success rule reads the final step.
@@ -26,6 +26,7 @@ import random
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
+from disttrain.api import timestamps
 from disttrain.api.control import DirectiveAction
 from disttrain.api.spec import TrainingSpec
 
@@ -38,7 +39,7 @@ def urgent_reason(changes: Mapping[str, Any], status: Mapping[str, Any], spec: M
     if "rendezvousRound" in changes:
         return "new rendezvous round"
     action = (status.get("control") or {}).get("action") or DirectiveAction.NONE.value
-    if "lastCheckpoint" in changes and action == DirectiveAction.DRAIN.value:
+    if "lastCheckpoint" in changes and action == DirectiveAction.DRAIN.value and not drain_checkpoint_reported(status):
         return "checkpoint during a drain"
     if "workerFailure" in changes:
         return "worker failure"
@@ -49,6 +50,19 @@ def urgent_reason(changes: Mapping[str, Any], status: Mapping[str, Any], spec: M
     if is_training_complete({**status, **changes}, spec):
         return "training complete"
     return None
+
+
+def drain_checkpoint_reported(status: Mapping[str, Any]) -> bool:
+    """The status already names a checkpoint committed after the directive was issued: what the operator waits for
+    before it deletes a drain's victims (``lastCheckpoint.time >= control.issuedAt``, operator/reconcile.py). Later
+    checkpoints of the same drain (a group that keeps training until its new round forms) change nothing there, and
+    go out with the next periodic write."""
+    try:
+        issued = timestamps.parse_time((status.get("control") or {}).get("issuedAt"))
+        committed = timestamps.parse_time((status.get("lastCheckpoint") or {}).get("time"))
+    except (TypeError, ValueError):  # unreadable: write at once, as before the operator could have seen it
+        return False
+    return issued is not None and committed is not None and committed >= issued
 
 
 def is_training_complete(status: Mapping[str, Any], spec: Mapping[str, Any]) -> bool:

@@ -297,6 +297,19 @@ def test_failed_rounds_back_off_with_jitter_up_to_a_cap():
     assert max(delays) <= agent_mod.MAX_RETRY_S
 
 
+def test_a_429_is_told_apart_and_its_retry_after_honoured():
+    from kubernetes.client.exceptions import ApiException
+
+    throttled = ApiException(status=429, reason="Too Many Requests")
+    throttled.headers = {"Retry-After": "1"}
+    assert agent_mod.is_throttled(throttled) and agent_mod.retry_after(throttled) == 1.0
+    throttled.headers = {"Retry-After": "3600"}
+    assert agent_mod.retry_after(throttled) == agent_mod.MAX_RETRY_S
+    refused = ApiException(status=403, reason="Forbidden")
+    assert not agent_mod.is_throttled(refused) and agent_mod.retry_after(refused) == 0.0
+    assert not agent_mod.is_throttled(TimeoutError()) and agent_mod.retry_after(TimeoutError()) == 0.0
+
+
 def test_the_throughput_of_rank_0_is_relayed_with_the_progress(tmp_path, store_pair):
     """status.samplesPerSecond (the SAMPLES/S column of kubectl get) is the trainer's own figure, rounded."""
     server, client = store_pair

@@ -34,13 +34,19 @@ def _operator_args(objects: list[dict[str, Any]]):
 
 def test_default_objects():
     kinds = sorted(obj["kind"] for obj in render())
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "FlowSchema", "Service", "ServiceAccount",
-                     "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "FlowSchema", "FlowSchema",
+                     "PriorityLevelConfiguration", "Service", "ServiceAccount", "ValidatingAdmissionPolicy",
+                     "ValidatingAdmissionPolicyBinding"]
+
+
+def _operator_flow_schema(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    [schema] = [obj for obj in by_kind(objects, "FlowSchema") if not obj["metadata"]["name"].endswith("-progress")]
+    return schema
 
 
 def test_the_operators_requests_get_a_priority_level_apart_from_the_job_agents(rendered):
     values, objects = rendered
-    [schema] = by_kind(objects, "FlowSchema")
+    schema = _operator_flow_schema(objects)
     [account] = by_kind(objects, "ServiceAccount")
     wanted = values.get("flowControl", {})
     assert schema["spec"]["priorityLevelConfiguration"]["name"] == wanted.get("priorityLevel", "workload-high")
@@ -48,7 +54,33 @@ def test_the_operators_requests_get_a_priority_level_apart_from_the_job_agents(r
     [rule] = schema["spec"]["rules"]
     assert rule["subjects"] == [{"kind": "ServiceAccount", "serviceAccount": {
         "name": account["metadata"]["name"], "namespace": account["metadata"]["namespace"]}}]
-    assert not by_kind(render({"flowControl": {"enabled": False}}), "FlowSchema")
+    disabled = render({"flowControl": {"enabled": False}})
+    assert not by_kind(disabled, "FlowSchema") and not by_kind(disabled, "PriorityLevelConfiguration")
+
+
+def test_the_agents_progress_writes_get_a_bounded_priority_level_of_their_own():
+    objects = render()
+    [level] = by_kind(objects, "PriorityLevelConfiguration")
+    [schema] = [obj for obj in by_kind(objects, "FlowSchema") if obj is not _operator_flow_schema(objects)]
+    assert schema["spec"]["priorityLevelConfiguration"]["name"] == level["metadata"]["name"]
+    limited = level["spec"]["limited"]
+    assert level["spec"]["type"] == "Limited" and limited["nominalConcurrencyShares"] == 2
+    assert limited["lendablePercent"] == limited["borrowingLimitPercent"] == 0  # bounded while others idle too
+    assert limited["limitResponse"]["type"] == "Queue"  # queued fairly, not refused with 429
+    # After the operator's schema (which takes all of the operator's requests), before "service-accounts" (9000).
+    assert _operator_flow_schema(objects)["spec"]["matchingPrecedence"] < schema["spec"]["matchingPrecedence"] < 9000
+    assert schema["spec"]["distinguisherMethod"] == {"type": "ByUser"}  # a flow per agent: each job gets its turn
+    [rule] = schema["spec"]["rules"]
+    assert rule["subjects"] == [{"kind": "Group", "group": {"name": "system:serviceaccounts"}}]
+    assert rule["resourceRules"] == [{"verbs": ["patch", "update"], "apiGroups": ["disttrain.dev"],
+                                      "resources": ["disttrainjobs/status"], "namespaces": ["*"]}]
+    assert "nonResourceRules" not in rule
+    shares = render({"flowControl": {"progress": {"nominalConcurrencyShares": 7, "matchingPrecedence": 1500}}})
+    [level] = by_kind(shares, "PriorityLevelConfiguration")
+    assert level["spec"]["limited"]["nominalConcurrencyShares"] == 7
+    assert {obj["spec"]["matchingPrecedence"] for obj in by_kind(shares, "FlowSchema")} == {1000, 1500}
+    off = render({"flowControl": {"progress": {"enabled": False}}})
+    assert not by_kind(off, "PriorityLevelConfiguration") and len(by_kind(off, "FlowSchema")) == 1
 
 
 def test_non_default_objects():

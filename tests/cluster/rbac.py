@@ -14,8 +14,9 @@ OPERATOR_SERVICE_ACCOUNT = object_name()
 RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
 GUARD_KINDS = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
 """The status guard (templates/statusguard.yaml): who may change the operator's status fields."""
-FLOW_KINDS = {"FlowSchema"}
-"""The operator's own priority level (templates/flowschema.yaml): its requests do not queue behind the agents'."""
+FLOW_KINDS = {"FlowSchema", "PriorityLevelConfiguration"}
+"""API Priority and Fairness (templates/flowschema.yaml): the operator's requests in a level of their own, the agents'
+progress writes in a bounded one."""
 
 
 def operator_rbac_documents() -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ import ssl
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
+from disttrain.api.constants import GROUP, VERSION
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import pods
 from tests.chart.helm import by_kind, object_name, render
@@ -108,25 +110,38 @@ def test_default_values_on_the_server(control_plane: ControlPlane):
     _assert_operator_requests_have_their_own_priority_level(plane, namespace, user, objects)
 
 
-def _flow_schema_of(plane: ControlPlane, namespace: str, account: str) -> tuple[str, str]:
+def _flow_schema_of(plane: ControlPlane, namespace: str, account: str, method: str = "GET",
+                    path: str = "/version") -> tuple[str, str]:
     """(FlowSchema uid, PriorityLevelConfiguration uid) the API server's priority and fairness gave a request made
-    with a token of ServiceAccount ``namespace/account`` (the response headers say which)."""
+    with a token of ServiceAccount ``namespace/account`` (the response headers say which, refusals' included:
+    priority and fairness classifies a request before it is authorized)."""
     token = plane.request("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token",
                           {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
                            "spec": {"expirationSeconds": 600}})["status"]["token"]
     context = ssl.create_default_context(cafile=str(plane.pki.ca_crt))
-    request = urllib.request.Request(plane.server + "/version", headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(request, context=context, timeout=30) as response:
-        return (response.headers["X-Kubernetes-PF-FlowSchema-UID"],
-                response.headers["X-Kubernetes-PF-PriorityLevel-UID"])
+    body = b"{}" if method == "PATCH" else None
+    request = urllib.request.Request(plane.server + path, data=body, method=method, headers={
+        "Authorization": f"Bearer {token}", "Content-Type": "application/merge-patch+json"})
+    try:
+        with urllib.request.urlopen(request, context=context, timeout=30) as response:
+            headers = response.headers
+    except urllib.error.HTTPError as refused:  # 403/404: classified all the same
+        headers = refused.headers
+    return headers["X-Kubernetes-PF-FlowSchema-UID"], headers["X-Kubernetes-PF-PriorityLevel-UID"]
 
 
 def _assert_operator_requests_have_their_own_priority_level(plane: ControlPlane, namespace: str, user: str,
                                                             objects: list[dict[str, Any]]) -> None:
-    """The chart's FlowSchema takes the operator's requests out of the level every job agent shares."""
-    [schema] = by_kind(objects, "FlowSchema")
-    ours = plane.request("GET", f"/apis/flowcontrol.apiserver.k8s.io/v1/flowschemas/{schema['metadata']['name']}")
-    level = plane.request("GET", "/apis/flowcontrol.apiserver.k8s.io/v1/prioritylevelconfigurations/workload-high")
+    """The chart's FlowSchema takes the operator's requests out of the level every job agent shares, and the agents'
+    progress writes (only those) go to the chart's bounded level."""
+    schemas = {obj["metadata"]["name"]: obj for obj in by_kind(objects, "FlowSchema")}
+    [(progress_name, _)] = [(name, obj) for name, obj in schemas.items() if name.endswith("-progress")]
+    [operator_name] = set(schemas) - {progress_name}
+    flow = "/apis/flowcontrol.apiserver.k8s.io/v1"
+    ours = plane.request("GET", f"{flow}/flowschemas/{operator_name}")
+    level = plane.request("GET", f"{flow}/prioritylevelconfigurations/workload-high")
+    progress = plane.request("GET", f"{flow}/flowschemas/{progress_name}")
+    progress_level = plane.request("GET", f"{flow}/prioritylevelconfigurations/{progress_name}")
     operator = user.rsplit(":", 1)[1]
     deadline = time.monotonic() + 30  # the API server reloads its FlowSchemas asynchronously
     while _flow_schema_of(plane, namespace, operator)[0] != ours["metadata"]["uid"]:
@@ -138,6 +153,15 @@ def _assert_operator_requests_have_their_own_priority_level(plane: ControlPlane,
                   {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "job-agent"}})
     agent_schema, agent_level = _flow_schema_of(plane, jobs, "job-agent")  # a job agent's account, as the operator
     assert agent_schema != ours["metadata"]["uid"] and agent_level != level["metadata"]["uid"]  # names them
+    assert agent_level != progress_level["metadata"]["uid"]  # its reads keep their level
+    status = f"/apis/{GROUP}/{VERSION}/namespaces/{jobs}/disttrainjobs/job/status"
+    deadline = time.monotonic() + 30
+    while _flow_schema_of(plane, jobs, "job-agent", "PATCH", status)[0] != progress["metadata"]["uid"]:
+        assert time.monotonic() < deadline, "an agent's status write never matched the chart's progress FlowSchema"
+        time.sleep(0.5)
+    assert _flow_schema_of(plane, jobs, "job-agent", "PATCH", status)[1] == progress_level["metadata"]["uid"]
+    # The operator's own status writes stay in its level (its FlowSchema comes first).
+    assert _flow_schema_of(plane, namespace, operator, "PATCH", status)[0] == ours["metadata"]["uid"]
 
 
 @pytest.mark.usefixtures("pod_group_crds")  # kubectl auth can-i resolves podgroups by discovery
