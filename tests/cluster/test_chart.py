@@ -110,14 +110,17 @@ def test_default_values_on_the_server(control_plane: ControlPlane):
     _assert_operator_requests_have_their_own_priority_level(plane, namespace, user, objects)
 
 
-def _flow_schema_of(plane: ControlPlane, namespace: str, account: str, method: str = "GET",
-                    path: str = "/version") -> tuple[str, str]:
+def _token(plane: ControlPlane, namespace: str, account: str) -> str:
+    """A token of ServiceAccount ``namespace/account`` (TokenRequest)."""
+    return plane.request("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token",
+                         {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                          "spec": {"expirationSeconds": 600}})["status"]["token"]
+
+
+def _flow_schema_of(plane: ControlPlane, token: str, method: str = "GET", path: str = "/version") -> tuple[str, str]:
     """(FlowSchema uid, PriorityLevelConfiguration uid) the API server's priority and fairness gave a request made
-    with a token of ServiceAccount ``namespace/account`` (the response headers say which, refusals' included:
-    priority and fairness classifies a request before it is authorized)."""
-    token = plane.request("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token",
-                          {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-                           "spec": {"expirationSeconds": 600}})["status"]["token"]
+    with ``token`` (the response headers say which, refusals' included: priority and fairness classifies a request
+    before it is authorized)."""
     context = ssl.create_default_context(cafile=str(plane.pki.ca_crt))
     body = b"{}" if method == "PATCH" else None
     request = urllib.request.Request(plane.server + path, data=body, method=method, headers={
@@ -142,26 +145,27 @@ def _assert_operator_requests_have_their_own_priority_level(plane: ControlPlane,
     level = plane.request("GET", f"{flow}/prioritylevelconfigurations/workload-high")
     progress = plane.request("GET", f"{flow}/flowschemas/{progress_name}")
     progress_level = plane.request("GET", f"{flow}/prioritylevelconfigurations/{progress_name}")
-    operator = user.rsplit(":", 1)[1]
+    operator = _token(plane, namespace, user.rsplit(":", 1)[1])
     deadline = time.monotonic() + 30  # the API server reloads its FlowSchemas asynchronously
-    while _flow_schema_of(plane, namespace, operator)[0] != ours["metadata"]["uid"]:
+    while _flow_schema_of(plane, operator)[0] != ours["metadata"]["uid"]:
         assert time.monotonic() < deadline, "the operator's requests never matched the chart's FlowSchema"
         time.sleep(0.5)
-    assert _flow_schema_of(plane, namespace, operator)[1] == level["metadata"]["uid"]
+    assert _flow_schema_of(plane, operator)[1] == level["metadata"]["uid"]
     jobs = plane.create_namespace(f"jobs-{uuid.uuid4().hex[:6]}")
     plane.request("POST", f"/api/v1/namespaces/{jobs}/serviceaccounts",
                   {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "job-agent"}})
-    agent_schema, agent_level = _flow_schema_of(plane, jobs, "job-agent")  # a job agent's account, as the operator
+    agent = _token(plane, jobs, "job-agent")
+    agent_schema, agent_level = _flow_schema_of(plane, agent)  # a job agent's account, as the operator
     assert agent_schema != ours["metadata"]["uid"] and agent_level != level["metadata"]["uid"]  # names them
     assert agent_level != progress_level["metadata"]["uid"]  # its reads keep their level
     status = f"/apis/{GROUP}/{VERSION}/namespaces/{jobs}/disttrainjobs/job/status"
     deadline = time.monotonic() + 30
-    while _flow_schema_of(plane, jobs, "job-agent", "PATCH", status)[0] != progress["metadata"]["uid"]:
+    while _flow_schema_of(plane, agent, "PATCH", status)[0] != progress["metadata"]["uid"]:
         assert time.monotonic() < deadline, "an agent's status write never matched the chart's progress FlowSchema"
         time.sleep(0.5)
-    assert _flow_schema_of(plane, jobs, "job-agent", "PATCH", status)[1] == progress_level["metadata"]["uid"]
+    assert _flow_schema_of(plane, agent, "PATCH", status)[1] == progress_level["metadata"]["uid"]
     # The operator's own status writes stay in its level (its FlowSchema comes first).
-    assert _flow_schema_of(plane, namespace, operator, "PATCH", status)[0] == ours["metadata"]["uid"]
+    assert _flow_schema_of(plane, operator, "PATCH", status)[0] == ours["metadata"]["uid"]
 
 
 @pytest.mark.usefixtures("pod_group_crds")  # kubectl auth can-i resolves podgroups by discovery
