@@ -9,7 +9,6 @@ the agent's to correct with its next report.
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any
 
@@ -17,6 +16,7 @@ import pydantic
 
 from disttrain.api import control
 from disttrain.api.status import SilentNode
+from disttrain.operator import patches
 
 log = logging.getLogger("disttrain.operator")
 
@@ -32,7 +32,7 @@ _SILENT_NODES = pydantic.TypeAdapter(list[SilentNode])
 
 def sanitize(status: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``status`` without the agent values that fail their checks, and a description of each one dropped."""
-    clean = copy.deepcopy(status)
+    clean = patches.copy_json(status)
     problems: list[str] = []
     for field in TIME_FIELDS:
         value = clean.get(field)

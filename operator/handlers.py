@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import dataclasses
 import functools
 import json
@@ -35,7 +34,7 @@ from kubernetes import client as k8s
 
 from disttrain.api import constants, storeauth, timestamps
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import access, agentfields, eventrate, listing, patches, scheduling
+from disttrain.operator import access, agentfields, diffbase, eventrate, listing, patches, scheduling
 from disttrain.operator import pods as builders
 from disttrain.operator.caches import ClusterCache, JobKey
 from disttrain.operator.metrics import OperatorMetrics
@@ -465,7 +464,7 @@ def register(
         """The job's reconcile loop (kopf starts it on create and on operator start, stops it on deletion)."""
         namespace = _namespaced(namespace)
         wake = pokes.get(namespace, name)
-        cache.put_job(copy.deepcopy(dict(body)), time.monotonic())
+        cache.put_job(patches.copy_json(dict(body)), time.monotonic())
         delay: Optional[float] = 0.0
         try:
             while not stopped:
@@ -520,7 +519,7 @@ def register(
             cache.remove_job(body, now)
             events.forget_job(namespace, name)
             pokes.poke(namespace, name)
-        elif cache.put_job(copy.deepcopy(dict(body)), now) is not None:
+        elif cache.put_job(patches.copy_json(dict(body)), now) is not None:
             pokes.poke(namespace, name)
 
     @kopf.on.event("v1", "pods", labels={constants.LABEL_JOB_NAME: kopf.PRESENT}, registry=registry)
@@ -572,6 +571,7 @@ def configure(settings: kopf.OperatorSettings) -> None:
     if not any(isinstance(f, QuietWatchSinks) for f in objects_log.filters):
         objects_log.addFilter(QuietWatchSinks())
     settings.persistence.finalizer = f"{constants.GROUP}/operator"
+    settings.persistence.diffbase_storage = diffbase.LeanDiffBaseStorage()
     settings.watching.server_timeout = 300
     # Watch only our pods (server-side): the rest of the cluster's pods never reach the operator.
     settings.watching.label_selectors["v1", "pods"] = constants.LABEL_JOB_NAME

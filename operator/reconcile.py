@@ -30,7 +30,6 @@ The group protocol, in short:
 
 from __future__ import annotations
 
-import copy
 import hashlib
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Optional, TypedDict
@@ -56,7 +55,7 @@ from disttrain.operator.observed import (
     PodView,
     WorkerCreation,
 )
-from disttrain.operator.patches import merge_patch
+from disttrain.operator.patches import copy_json, merge_patch
 
 # Reasons that come from an unplanned loss (replacement wait applies to them). Values: control.reason is a string.
 LOSS_REASONS = frozenset(
@@ -269,9 +268,9 @@ class _Draft:
         self.spec = job.spec
         self.seen = seen
         self.now = now
-        raw = copy.deepcopy(job.status or {})
+        raw = copy_json(job.status or {})
         # Patches are computed against what the API holds, so the first one also writes the defaults.
-        self.old = copy.deepcopy(raw)
+        self.old = copy_json(raw)
         self.status = DistTrainJobStatus.model_validate(raw)
         self.members: list[PodView] = []
         """Worker pods that exist, are not lost and are not scale-down victims (set by :func:`_handle_workers`)."""
