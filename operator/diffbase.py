@@ -2,10 +2,10 @@
 
 Why: for every watch event of every job, pod and node, kopf builds the object's essence to detect changes, and its
 default storage does that by deep-copying the whole object, then deleting ``status`` and most of ``metadata``
-(managedFields included). At 500 jobs that copy was the largest single cost of the operator's event loop (about
-12 % of its samples, py-spy, 2026-12-03), although this operator has no change-detecting handler that reads the
-result. :class:`LeanDiffBaseStorage` hands kopf's own ``build`` the object without those stanzas, so the essence
-is the same (``tests/operator/test_diffbase.py`` compares them) for a fraction of the copying. It is kopf's
+(managedFields included): 312 us per event on a 500-job benchmark's 16.5 kB job, although this operator has no
+change-detecting handler that reads the result. :class:`LeanDiffBaseStorage` hands kopf's own ``build`` the object
+without those stanzas, so the essence is the same (``tests/unit/operator/test_diffbase.py`` compares them) for
+101 us. It is kopf's
 documented plug-in point (``settings.persistence.diffbase_storage``).
 """
 
