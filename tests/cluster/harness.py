@@ -106,7 +106,8 @@ class Cluster:
 def _try(fn: Callable[[], T]) -> T | None:
     try:
         return fn()
-    except urllib.error.HTTPError:
+    except urllib.error.HTTPError as error:
+        error.close()  # it holds the answer's TLS socket (a ResourceWarning when collected later)
         return None
 
 

@@ -123,6 +123,7 @@ class Kubelets:
             except urllib.error.HTTPError as error:
                 if error.code not in (404, 409):
                     raise
+                error.close()  # it holds the answer's TLS socket (a ResourceWarning when collected later)
 
     def _report(self, path: str, pod: dict[str, Any], exit_code: int | None, ready_when_running: bool = True) -> None:
         stamp = _now()[:19] + "Z"

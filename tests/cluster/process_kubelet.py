@@ -108,6 +108,7 @@ class ProcessKubelets(Kubelets):
             except urllib.error.HTTPError as error:
                 if error.code not in (404, 409):
                     raise
+                error.close()  # it holds the answer's TLS socket (a ResourceWarning when collected later)
 
     def _terminate(self, path: str, meta: dict[str, Any], container: _Container | None) -> None:
         if container is not None and container.proc.poll() is None:
