@@ -171,6 +171,13 @@ def is_valid_time(value: str) -> bool:
     return parsed is not None and 0.0 <= parsed <= MAX_TIME
 
 
+def is_drain_checkpoint(issued_at: Optional[float], committed_at: Optional[float]) -> bool:
+    """A checkpoint committed at or after the drain directive was issued (both Unix times; None: unknown), the one
+    a drain waits for: the operator deletes the drain's victims once the status names it, and the job agent writes
+    it to the status at once (later ones wait for its periodic write). One rule, so the two never disagree."""
+    return issued_at is not None and committed_at is not None and committed_at >= issued_at
+
+
 class StoreReader(Protocol):
     """The part of a ``torch.distributed.Store`` that :func:`read_model` uses (the api never imports torch)."""
 

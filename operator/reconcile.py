@@ -36,7 +36,7 @@ from typing import Optional, TypedDict
 
 from disttrain.api import conditions, constants, containers, timestamps
 from disttrain.api.conditions import ConditionType, Reason
-from disttrain.api.control import DirectiveAction
+from disttrain.api.control import DirectiveAction, is_drain_checkpoint
 from disttrain.api.exitcodes import ExitCode
 from disttrain.api.plan import valid_node_counts
 from disttrain.api.reformphases import reform_phases
@@ -1009,7 +1009,7 @@ def _remove_drained_victims(d: _Draft) -> None:
         return
     issued = timestamps.parse_time(ctl.issued_at) or d.now
     ckpt_time = timestamps.parse_time(st.last_checkpoint.time) if st.last_checkpoint else None
-    drained = ckpt_time is not None and ckpt_time >= issued
+    drained = is_drain_checkpoint(issued, ckpt_time)  # the agent writes this one at once (trainer/reporting.py)
     timed_out = d.now - issued >= spec.elastic.drain_timeout_seconds
     if ctl.action is not DirectiveAction.DRAIN or drained or timed_out:
         if timed_out and not drained and ctl.action is DirectiveAction.DRAIN:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 from disttrain.api import timestamps
-from disttrain.api.control import DirectiveAction
+from disttrain.api.control import DirectiveAction, is_drain_checkpoint
 from disttrain.api.spec import TrainingSpec
 
 
@@ -54,15 +54,15 @@ def urgent_reason(changes: Mapping[str, Any], status: Mapping[str, Any], spec: M
 
 def drain_checkpoint_reported(status: Mapping[str, Any]) -> bool:
     """The status already names a checkpoint committed after the directive was issued: what the operator waits for
-    before it deletes a drain's victims (``lastCheckpoint.time >= control.issuedAt``, operator/reconcile.py). Later
-    checkpoints of the same drain (a group that keeps training until its new round forms) change nothing there, and
-    go out with the next periodic write."""
+    before it deletes a drain's victims (:func:`disttrain.api.control.is_drain_checkpoint`, the operator's rule too).
+    Later checkpoints of the same drain (a group that keeps training until its new round forms) change nothing
+    there, and go out with the next periodic write."""
     try:
         issued = timestamps.parse_time((status.get("control") or {}).get("issuedAt"))
         committed = timestamps.parse_time((status.get("lastCheckpoint") or {}).get("time"))
     except (TypeError, ValueError):  # unreadable: write at once, as before the operator could have seen it
         return False
-    return issued is not None and committed is not None and committed >= issued
+    return is_drain_checkpoint(issued, committed)
 
 
 def is_training_complete(status: Mapping[str, Any], spec: Mapping[str, Any]) -> bool:

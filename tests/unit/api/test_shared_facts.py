@@ -69,3 +69,13 @@ def test_times_round_trip_with_milliseconds():
     assert timestamps.parse_time(text) == 1_700_000_000.25
     assert timestamps.format_time_seconds(1_700_000_000.9) == "2023-11-14T22:13:20Z"
     assert timestamps.parse_time(None) is None
+
+
+@pytest.mark.parametrize(
+    "issued, committed, expected",
+    [(100.0, 100.0, True), (100.0, 100.5, True), (100.0, 99.9, False), (None, 100.0, False), (100.0, None, False)],
+    ids=["same-instant", "after", "before", "no-directive-time", "no-checkpoint"],
+)
+def test_drain_checkpoint_is_one_committed_at_or_after_the_directive(issued, committed, expected):
+    """The operator deletes a drain's victims on it, and the agent writes it at once: one rule for both."""
+    assert control.is_drain_checkpoint(issued, committed) is expected
