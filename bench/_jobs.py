@@ -5,8 +5,12 @@ with the job's own ServiceAccount token (so the per-job Role the operator create
 in a thread (:class:`JobFleet`), the fleet spread over a few processes (:class:`ShardedJobFleet`). Only two
 things are stood in, both below the API: the TCPStore is a dict with the three methods the agent uses, and the
 trainer is a loop that writes exactly what rank 0 writes into it (``PROGRESS_KEY`` after every step,
-``CHECKPOINT_KEY`` after every commit). So every API request in the count is one the real agent makes, in the
-pattern it makes it, without 2 x J processes importing torch.
+``CHECKPOINT_KEY`` after every commit) and follows the directives the agent relays as the workers do: a drain
+commits a checkpoint at the next step boundary and the group re-forms at the target size, a reform re-forms at
+once (the new group's rank 0 is a new process). So every API request in the count is one the real agent makes, in
+the pattern it makes it, without 2 x J processes importing torch; and a scaled job goes through the whole drain
+(checkpoint, victim deleted, new round, directive done), where a stand-in that ignored directives left each
+probed job's drain in flight for the rest of the run.
 """
 
 from __future__ import annotations
@@ -16,13 +20,26 @@ import json
 import multiprocessing
 import threading
 import time
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from disttrain.api import control as keys
 from disttrain.api import timestamps
 from disttrain.trainer import agent as agent_mod
 
-PLAN = {"worldSize": 3, "globalBatch": 24, "microBatch": 2, "accumSteps": 4, "lrScale": 1.0}
+GLOBAL_BATCH = 24
+MICRO_BATCH = 2
+
+
+def plan(world_size: int) -> dict[str, float | int]:
+    """The batch plan rank 0 reports: the job's fixed global batch over ``world_size`` one-process nodes."""
+    accum = max(1, GLOBAL_BATCH // (MICRO_BATCH * world_size))
+    return {
+        "worldSize": world_size,
+        "globalBatch": GLOBAL_BATCH,
+        "microBatch": MICRO_BATCH,
+        "accumSteps": accum,
+        "lrScale": 1.0,
+    }
 
 
 class DictStore:
@@ -47,14 +64,21 @@ class DictStore:
 
 @dataclasses.dataclass
 class SimulatedTrainer:
-    """What global rank 0 of a 3-node group writes into the agent's store: a step's progress, a commit's manifest."""
+    """What global rank 0 of a group of one-process nodes writes into the agent's store: a step's progress, a
+    commit's manifest; and how the group follows a directive (:meth:`_follow_directive`)."""
 
     store: DictStore
     world_size: int = 3
     step: int = 0
     run_id: str = "bench"
+    group: int = 0
+    """Groups (rendezvous rounds) so far: each has a rank-0 process of its own, which the agent counts rounds by."""
+    seen_generation: Optional[int] = None
+    """The directive generation acted on last; the one present at start is history, as for a starting worker."""
 
     def advance(self, checkpoint_every: int) -> None:
+        if self._follow_directive():
+            return  # the old group exited at this step boundary; the new one reports from the next step on
         self.step += 1
         now = time.time()
         self.store.set(
@@ -62,38 +86,61 @@ class SimulatedTrainer:
             json.dumps(
                 {
                     "step": self.step,
-                    "samples_consumed": self.step * 24,
+                    "samples_consumed": self.step * GLOBAL_BATCH,
                     "world_size": self.world_size,
-                    "plan": PLAN,
+                    "plan": plan(self.world_size),
                     "loss": 1.0,
                     "samples_per_second": 96.0,
                     "restart_count": 0,
                     "run_id": self.run_id,
-                    "process_id": f"{self.run_id}-rank0",
+                    "process_id": f"{self.run_id}-group{self.group}-rank0",
                     "time": now,
                 }
             ),
         )
         if self.step % checkpoint_every == 0:
-            self.store.set(
-                keys.CHECKPOINT_KEY,
-                json.dumps(
-                    {
-                        "step": self.step,
-                        "samples_consumed": self.step * 24,
-                        "data_cursor": self.step * 24,
-                        "world_size": self.world_size,
-                        "plan": PLAN,
-                        "lr_scale": 1.0,
-                        "dataset": {"length": 10**9, "seed": 0},
-                        "metadata_sha256": "0" * 64,
-                        "files": {},
-                        "created_at": timestamps.format_time(now),
-                        "code_version": "bench",
-                        "config_hash": "bench",
-                    }
-                ),
-            )
+            self._write_checkpoint(now)
+
+    def _write_checkpoint(self, now: float) -> None:
+        self.store.set(
+            keys.CHECKPOINT_KEY,
+            json.dumps(
+                {
+                    "step": self.step,
+                    "samples_consumed": self.step * GLOBAL_BATCH,
+                    "data_cursor": self.step * GLOBAL_BATCH,
+                    "world_size": self.world_size,
+                    "plan": plan(self.world_size),
+                    "lr_scale": 1.0,
+                    "dataset": {"length": 10**9, "seed": 0},
+                    "metadata_sha256": "0" * 64,
+                    "files": {},
+                    "created_at": timestamps.format_time(now),
+                    "code_version": "bench",
+                    "config_hash": "bench",
+                }
+            ),
+        )
+
+    def _follow_directive(self) -> bool:
+        """A new drain or reform in the store: the group exits (a drain after a checkpoint of the last step) and the
+        next round forms with the target's node count. Returns whether it did."""
+        signal = keys.read_model(self.store, keys.SIGNAL_KEY, keys.ControlSignal)
+        if signal is None:
+            return False
+        if self.seen_generation is None or signal.generation <= self.seen_generation:
+            self.seen_generation = signal.generation if self.seen_generation is None else self.seen_generation
+            return False
+        self.seen_generation = signal.generation
+        if signal.action is keys.DirectiveAction.NONE:
+            return False
+        if signal.action is keys.DirectiveAction.DRAIN:
+            self._write_checkpoint(time.time())
+        target = keys.read_model(self.store, keys.TARGET_KEY, keys.TargetPlan)
+        if target is not None and target.generation == signal.generation and target.nodes > 0:
+            self.world_size = target.nodes
+        self.group += 1
+        return True
 
 
 class JobFleet:
