@@ -25,11 +25,14 @@ import json
 import multiprocessing
 import os
 import pathlib
+import ssl
 import statistics
 import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from typing import Any, Optional
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -216,6 +219,22 @@ class JobWatch:
             raise TimeoutError(f"no new directive for {self.name} on its own watch: {error}") from error
         raise TimeoutError(f"no new directive for {self.name} within {self.timeout:.0f} s on its own watch")
 
+    def wait_settled(self, nodes: int) -> float:
+        """Monotonic time at which the watch showed the directive done (``control.action`` none: a new round at the
+        target size) and ``nodes`` worker pods left (the drain's victim deleted)."""
+        deadline = time.monotonic() + self.timeout
+        try:
+            for event in self.events:
+                status = (event.get("object") or {}).get("status") or {}
+                done = (status.get("control") or {}).get("action", "none") == "none"
+                if done and status.get("replicas") == nodes:
+                    return time.monotonic()
+                if time.monotonic() > deadline:
+                    break
+        except Exception as error:  # the client's read timeout, or a closed watch
+            raise TimeoutError(f"{self.name} did not settle at {nodes} nodes: {error}") from error
+        raise TimeoutError(f"{self.name} did not settle at {nodes} nodes within {self.timeout:.0f} s")
+
     def close(self) -> None:
         self.response.close()
 
@@ -228,20 +247,33 @@ class Probes:
     decided: list[float] = dataclasses.field(default_factory=list)
     seen_own_watch: list[float] = dataclasses.field(default_factory=list)
     seen_all_jobs_watch: list[float] = dataclasses.field(default_factory=list)
+    settled: list[float] = dataclasses.field(default_factory=list)
+    """To the drain's end: the group re-formed at the new size and the victim's pod gone (settled pacing only)."""
+    seconds: float = 0.0
+    """How long the probes took, all together."""
+    rows: list[tuple[float, float, Optional[float], float]] = dataclasses.field(default_factory=list)
+    """Per probe: seconds since the first, then its answer, decision (None: no issuedAt) and directive (own watch)."""
 
 
-def measure_directive_latency(kubeconfig: str, names: list[str], samples: int, timeout: float) -> Probes:
+def measure_directive_latency(
+    kubeconfig: str, names: list[str], samples: int, timeout: float, settle: bool = True
+) -> Probes:
     """Scale ``samples`` jobs 3 -> 2, one at a time, and time each: the scale request's answer, the operator's
     decision (its ``issuedAt`` stamp, same clock), and the directive in the job's status as seen by a watch on
     that job alone (:class:`JobWatch`) and by one on every job (:class:`DirectiveClock`). Runs in a process of its
     own (:func:`probe_directive_latency`): in the benchmark's process the J agents' threads would delay the
-    request and the watches (one interpreter, one GIL), which a user's ``kubectl scale`` never shares."""
+    request and the watches (one interpreter, one GIL), which a user's ``kubectl scale`` never shares.
+
+    ``settle``: the next request waits until the job scaled last has finished its drain (the time to that is taken
+    too), so each directive is timed among jobs that train, as the issue asks; without it (the pacing of earlier
+    figures) a request follows 0.5 s after the last directive, while that job's drain still writes."""
     admin = kube_config.new_client_from_config(config_file=kubeconfig)
     custom = k8s.CustomObjectsApi(admin)
     clock = DirectiveClock(admin)
     time.sleep(2.0)  # the clock's watch has delivered every job's current generation
     chosen = names[:: max(1, len(names) // samples)][:samples]
     probes = Probes()
+    began = time.monotonic()
     for name in chosen:
         watch = JobWatch(custom, name, timeout)
         with clock.changed:
@@ -259,40 +291,88 @@ def measure_directive_latency(kubeconfig: str, names: list[str], samples: int, t
                 _content_type="application/merge-patch+json",
                 _request_timeout=TIMEOUT,
             )
-            probes.answered.append((time.monotonic() - started) * 1000)
-            seen_own = watch.wait_past(watch.generation)
-            seen_all, issued = clock.wait_past(name, before, max(1.0, timeout - (time.monotonic() - started)))
-        except TimeoutError as error:  # counted at the timeout (the p99 shows it), with what the job says
-            job = custom.get_namespaced_custom_object(
-                constants.GROUP, constants.VERSION, NAMESPACE, constants.PLURAL, name
-            )
-            status = job.get("status") or {}
-            replicas = (job["spec"].get("nodes") or {}).get("replicas")
-            print(
-                f"{error}: spec.nodes.replicas {replicas}, status.control {status.get('control')}, "
-                f"pendingScale {status.get('pendingScale')}, the all-jobs watch's generation "
-                f"{clock.generation.get(name)}",
-                file=sys.stderr,
-            )
-            probes.seen_own_watch.append(timeout * 1000)
-            probes.seen_all_jobs_watch.append(timeout * 1000)
-            continue
+            answered = (time.monotonic() - started) * 1000
+            probes.answered.append(answered)
+            try:
+                seen_own = watch.wait_past(watch.generation)
+                seen_all, issued = clock.wait_past(name, before, max(1.0, timeout - (time.monotonic() - started)))
+            except TimeoutError as error:  # counted at the timeout (the p99 shows it), with what the job says
+                job = custom.get_namespaced_custom_object(
+                    constants.GROUP, constants.VERSION, NAMESPACE, constants.PLURAL, name
+                )
+                status = job.get("status") or {}
+                replicas = (job["spec"].get("nodes") or {}).get("replicas")
+                print(
+                    f"{error}: spec.nodes.replicas {replicas}, status.control {status.get('control')}, "
+                    f"pendingScale {status.get('pendingScale')}, the all-jobs watch's generation "
+                    f"{clock.generation.get(name)}",
+                    file=sys.stderr,
+                )
+                probes.seen_own_watch.append(timeout * 1000)
+                probes.seen_all_jobs_watch.append(timeout * 1000)
+                continue
+            probes.seen_own_watch.append((seen_own - started) * 1000)
+            probes.seen_all_jobs_watch.append((seen_all - started) * 1000)
+            issued_s = timestamps.parse_time(issued)
+            decided = None if issued_s is None else (issued_s - started_wall) * 1000
+            if decided is not None:
+                probes.decided.append(decided)
+            probes.rows.append((started - began, answered, decided, (seen_own - started) * 1000))
+            if settle:
+                try:
+                    probes.settled.append((watch.wait_settled(2) - started) * 1000)
+                except TimeoutError as error:
+                    print(error, file=sys.stderr)
+                    probes.settled.append(timeout * 1000)
         finally:
             watch.close()
-        probes.seen_own_watch.append((seen_own - started) * 1000)
-        probes.seen_all_jobs_watch.append((seen_all - started) * 1000)
-        issued_s = timestamps.parse_time(issued)
-        if issued_s is not None:
-            probes.decided.append((issued_s - started_wall) * 1000)
         time.sleep(0.5)
+    probes.seconds = time.monotonic() - began
     return probes
 
 
-def probe_directive_latency(plane: ControlPlane, names: list[str], samples: int, timeout: float) -> Probes:
+def probe_directive_latency(
+    plane: ControlPlane, names: list[str], samples: int, timeout: float, settle: bool = True
+) -> Probes:
     """:func:`measure_directive_latency` in a fresh interpreter."""
     spawn = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as probe:
-        return probe.submit(measure_directive_latency, str(plane.kubeconfig), names, samples, timeout).result()
+        return probe.submit(measure_directive_latency, str(plane.kubeconfig), names, samples, timeout, settle).result()
+
+
+class ApiserverProfile:
+    """The API server's CPU profile over the next ``seconds`` (its built-in ``/debug/pprof/profile``, on by
+    default), fetched in a thread into ``folder/apiserver-<label>.pprof``; nothing when ``folder`` is None.
+
+    Why: the directive's tail is the API server's answers on a CPU-bound machine, and only its own profile says
+    which of its stages (decoding, admission, managed fields, watch fan-out) take the CPU."""
+
+    def __init__(self, plane: ControlPlane, folder: Optional[pathlib.Path], label: str, seconds: float) -> None:
+        self.thread: Optional[threading.Thread] = None
+        if folder is None:
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"apiserver-{label}.pprof"
+        self.url = f"{plane.server}/debug/pprof/profile?seconds={int(seconds)}"
+        self.seconds = seconds
+        self.context = ssl.create_default_context(cafile=str(plane.pki.ca_crt))
+        self.token = plane.admin_token
+        self.thread = threading.Thread(target=self._fetch, name=f"profile-{label}", daemon=True)
+        self.thread.start()
+
+    def _fetch(self) -> None:
+        request = urllib.request.Request(self.url, headers={"Authorization": f"Bearer {self.token}"})
+        try:
+            with urllib.request.urlopen(request, context=self.context, timeout=self.seconds + 60) as response:
+                self.path.write_bytes(response.read())
+            print(f"API server CPU profile: {self.path}", flush=True)
+        except (OSError, urllib.error.URLError) as error:
+            print(f"no API server profile ({self.path.name}): {error}", file=sys.stderr)
+
+    def join(self) -> None:
+        """Wait for the profile (the probes may end before its time is up)."""
+        if self.thread is not None:
+            self.thread.join()
 
 
 class CpuShares:
@@ -359,12 +439,33 @@ def main() -> int:
         action="store_false",
         help="without the chart's priority level for the agents' status writes (flowControl.progress.enabled=false)",
     )
+    parser.add_argument(
+        "--back-to-back",
+        dest="settle",
+        action="store_false",
+        help="the next scale request 0.5 s after the last directive was seen, while that job still drains (the "
+        "pacing of the figures before 2026-12-04); by default it waits until that drain is over",
+    )
+    parser.add_argument(
+        "--control-plane-gogc",
+        type=int,
+        help="GOGC for etcd and kube-apiserver (Go's default is 100): a diagnosis of how much of the tail is the "
+        "API server's garbage collection on a CPU-bound machine, not a setting disttrain ships",
+    )
+    parser.add_argument(
+        "--apiserver-profile",
+        type=pathlib.Path,
+        help="a folder: save the API server's CPU profile (Go pprof, /debug/pprof/profile) over the steady window "
+        "and over the directive probes there (read with `go tool pprof -top FILE`)",
+    )
     args = parser.parse_args()
     if args.nodes * 110 < args.jobs * 4:
         parser.error(
             f"--nodes={args.nodes} hold at most {args.nodes * 110} pods; {args.jobs} jobs need {args.jobs * 4}"
         )
 
+    if args.control_plane_gogc is not None:
+        os.environ["GOGC"] = str(args.control_plane_gogc)  # inherited by the control plane's processes only (Go)
     plane = ControlPlane(service_cidr="10.0.0.0/16")  # a ClusterIP per job agent Service
     work = pathlib.Path(tempfile.mkdtemp(prefix="disttrain-apiload-"))
     operator = None
@@ -425,8 +526,10 @@ def main() -> int:
                 **{f"agents ({i + 1}/{len(jobs.pids)})": pid for i, pid in enumerate(jobs.pids)},
             }
         )
+        window_profile = ApiserverProfile(plane, args.apiserver_profile, "window", args.window)
         window_started = time.monotonic()
         time.sleep(args.window)
+        window_profile.join()
         elapsed = time.monotonic() - window_started
         counts_after = _apicount.read_counts(plane.request("GET", "/metrics", raw=True).decode())
         rss_mb, cpu_after = process_stats(operator.proc.pid)
@@ -447,8 +550,22 @@ def main() -> int:
         metrics_before = plane.request("GET", "/metrics", raw=True).decode()
         durations_before = _apicount.read_durations(metrics_before)
         stages_before = _apicount.read_stages(metrics_before)
-        probes = probe_directive_latency(plane, names, min(args.latency_samples, args.jobs), timeout=60)
+        probe_profile = ApiserverProfile(plane, args.apiserver_profile, "probes", args.window)
+        probe_counts = _apicount.read_counts(metrics_before)
+        probes = probe_directive_latency(
+            plane, names, min(args.latency_samples, args.jobs), timeout=60, settle=args.settle
+        )
+        probe_profile.join()
         metrics_after = plane.request("GET", "/metrics", raw=True).decode()
+        probe_delta = _apicount.disttrain_delta(probe_counts, _apicount.read_counts(metrics_after))
+        pacing = "each after the last drain ended" if args.settle else "back to back"
+        print(
+            f"\n{len(probes.seen_own_watch)} scale requests ({pacing}) in {probes.seconds:.0f} s; disttrain's "
+            f"requests meanwhile: {sum(probe_delta.values()) / max(probes.seconds, 1e-9):.1f} a second "
+            f"(steady state: {total / elapsed:.1f}), per scale request and kind:"
+        )
+        for key, value in sorted(probe_delta.items(), key=lambda kv: -kv[1]):
+            print(f"  {_apicount.describe(key):40s} {value / max(1, len(probes.seen_own_watch)):8.1f}")
         durations = (durations_before, _apicount.read_durations(metrics_after))
         for key in (("PATCH", "disttrainjobs", "scale"), ("PATCH", "disttrainjobs", "status")):
             p50, p99 = (_apicount.duration_quantile(*durations, key, q) for q in (0.5, 0.99))
@@ -461,8 +578,14 @@ def main() -> int:
             ("the operator's decision (issuedAt)", probes.decided),
             ("the directive, the job's own watch", probes.seen_own_watch),
             ("the directive, a watch on every job", probes.seen_all_jobs_watch),
+            ("the drain's end (new round, 2 pods)", probes.settled),
         ):
-            print(f"  {label:36s} {_quantile_columns(values)}   {', '.join(f'{v:.0f}' for v in sorted(values))}")
+            if values:
+                print(f"  {label:36s} {_quantile_columns(values)}   {', '.join(f'{v:.0f}' for v in sorted(values))}")
+        print("the slowest directives (at s since the first request: answer / decision / directive, ms):")
+        for offset, answered, decided, seen in sorted(probes.rows, key=lambda row: -row[3])[:8]:
+            decision = "-" if decided is None else f"{decided:.0f}"
+            print(f"  at {offset:6.1f} s: {answered:5.0f} / {decision:>5s} / {seen:5.0f}")
         forbidden = operator.forbidden_lines()
         if forbidden:
             print("operator 403s:\n" + "\n".join(forbidden[:10]))
@@ -477,6 +600,8 @@ def main() -> int:
         print(f"directive_latency_all_jobs_watch_p99_ms: {_p99(probes.seen_all_jobs_watch):.0f}")
         if probes.decided:
             print(f"decision_latency_p99_ms: {_p99(probes.decided):.0f}")
+        if probes.settled:
+            print(f"scale_down_done_p99_ms: {_p99(probes.settled):.0f}")
         return 0
     except Exception as error:  # noqa: BLE001 (any failure: say what, with the operator's last words)
         print(f"benchmark failed: {error}", file=sys.stderr)
