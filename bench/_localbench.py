@@ -12,13 +12,14 @@ import json
 import pathlib
 import sys
 import tempfile
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from disttrain.api.spec import DistTrainJob  # noqa: E402
 from disttrain.api import constants  # noqa: E402
+from disttrain.api.spec import DistTrainJob  # noqa: E402
 from disttrain.operator.local.chaos import parse_chaos  # noqa: E402
 from disttrain.operator.local.runtime import LocalRuntime, Snapshot  # noqa: E402
 from disttrain.operator.local.statedir import StateDir  # noqa: E402
@@ -31,24 +32,61 @@ def use_registered_backend() -> str:
     return rendezvous_fallback() or constants.RDZV_BACKEND
 
 
-def recorder_job(name: str, out: pathlib.Path, *, replicas: int, max_steps: int, step_sleep: float = 0.0,
-                 global_batch: int = 12, interval: int = 5, dataset: Optional[int] = None) -> dict[str, Any]:
-    env = [{"name": "E2E_OUT", "value": str(out)},
-           {"name": "E2E_DATASET", "value": str(dataset or global_batch * max_steps)},
-           {"name": "E2E_STEP_SLEEP", "value": str(step_sleep)}]
+def recorder_job(
+    name: str,
+    out: pathlib.Path,
+    *,
+    replicas: int,
+    max_steps: int,
+    step_sleep: float = 0.0,
+    global_batch: int = 12,
+    interval: int = 5,
+    dataset: Optional[int] = None,
+) -> dict[str, Any]:
+    env = [
+        {"name": "E2E_OUT", "value": str(out)},
+        {"name": "E2E_DATASET", "value": str(dataset or global_batch * max_steps)},
+        {"name": "E2E_STEP_SLEEP", "value": str(step_sleep)},
+    ]
     return {
-        "apiVersion": "disttrain.dev/v1alpha1", "kind": "DistTrainJob", "metadata": {"name": name},
+        "apiVersion": "disttrain.dev/v1alpha1",
+        "kind": "DistTrainJob",
+        "metadata": {"name": name},
         "spec": {
-            "nodes": {"min": 1, "max": 4, "replicas": replicas}, "nprocPerNode": 1,
-            "template": {"spec": {"containers": [{"name": "trainer", "image": "local", "env": env,
-                                                  "command": ["python", "-u", "tests/workers/recorder.py"]}]}},
-            "rendezvous": {"joinTimeoutSeconds": 120, "lastCallTimeoutSeconds": 30, "keepAliveIntervalSeconds": 1,
-                           "keepAliveMaxAttempts": 3},
-            "training": {"globalBatchSize": global_batch, "microBatchSize": 1, "lr": {"base": 0.05},
-                         "maxSteps": max_steps, "seed": 3},
+            "nodes": {"min": 1, "max": 4, "replicas": replicas},
+            "nprocPerNode": 1,
+            "template": {
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "trainer",
+                            "image": "local",
+                            "env": env,
+                            "command": ["python", "-u", "tests/workers/recorder.py"],
+                        }
+                    ]
+                }
+            },
+            "rendezvous": {
+                "joinTimeoutSeconds": 120,
+                "lastCallTimeoutSeconds": 30,
+                "keepAliveIntervalSeconds": 1,
+                "keepAliveMaxAttempts": 3,
+            },
+            "training": {
+                "globalBatchSize": global_batch,
+                "microBatchSize": 1,
+                "lr": {"base": 0.05},
+                "maxSteps": max_steps,
+                "seed": 3,
+            },
             "checkpoint": {"claimName": "local", "path": "/ckpt", "intervalSteps": interval, "keep": 3},
-            "elastic": {"scaleDebounceSeconds": 0, "replacementWaitSeconds": 5, "drainTimeoutSeconds": 60,
-                        "collectiveTimeoutSeconds": 20},
+            "elastic": {
+                "scaleDebounceSeconds": 0,
+                "replacementWaitSeconds": 5,
+                "drainTimeoutSeconds": 60,
+                "collectiveTimeoutSeconds": 20,
+            },
             "restartPolicy": {"backoffSeconds": 0, "maxRestarts": 100},
         },
     }
@@ -66,9 +104,15 @@ def tinylm_job(name: str, *, replicas: int, max_steps: int) -> dict[str, Any]:
     return obj
 
 
-def run(obj: dict[str, Any], state_dir: pathlib.Path, *, chaos: str = "",
-        on_tick: Optional[Callable[[LocalRuntime, Snapshot], None]] = None, timeout_s: float = 600,
-        not_ready_delay_s: float = 0.0) -> LocalRuntime:
+def run(
+    obj: dict[str, Any],
+    state_dir: pathlib.Path,
+    *,
+    chaos: str = "",
+    on_tick: Optional[Callable[[LocalRuntime, Snapshot], None]] = None,
+    timeout_s: float = 600,
+    not_ready_delay_s: float = 0.0,
+) -> LocalRuntime:
     job = DistTrainJob.model_validate(obj)
     holder: dict[str, LocalRuntime] = {}
 
@@ -76,8 +120,14 @@ def run(obj: dict[str, Any], state_dir: pathlib.Path, *, chaos: str = "",
         if on_tick is not None:
             on_tick(holder["runtime"], snapshot)
 
-    runtime = LocalRuntime(job, StateDir(state_dir), chaos=parse_chaos(chaos), workdir=str(REPO), on_tick=tick,
-                           not_ready_delay_s=not_ready_delay_s)
+    runtime = LocalRuntime(
+        job,
+        StateDir(state_dir),
+        chaos=parse_chaos(chaos),
+        workdir=str(REPO),
+        on_tick=tick,
+        not_ready_delay_s=not_ready_delay_s,
+    )
     holder["runtime"] = runtime
     runtime.summary = runtime.run(timeout_s=timeout_s)
     return runtime

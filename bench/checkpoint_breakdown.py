@@ -31,11 +31,11 @@ from torch.distributed.checkpoint import filesystem, utils
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import checkpoint_throughput as bench  # noqa: E402
+import checkpoint_throughput as bench
 
-from disttrain.api.spec import CheckpointSpec  # noqa: E402
-from disttrain.trainer import checkpoint as ckpt_mod  # noqa: E402
-from disttrain.trainer import commit, storage, writeback  # noqa: E402
+from disttrain.api.spec import CheckpointSpec
+from disttrain.trainer import checkpoint as ckpt_mod
+from disttrain.trainer import commit, storage, writeback
 
 CONFIGS = ("now", "no-writeback", "no-plan-cache", "before")
 TIMES: dict[str, float] = collections.defaultdict(float)

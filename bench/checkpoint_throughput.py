@@ -37,8 +37,9 @@ def build(state_mb: float, width: int = 1024) -> tuple[torch.nn.Module, torch.op
     # AdamW keeps two moments: the state is ~3x the parameters.
     params = int(state_mb * 1e6 / 4 / 3)
     layers = max(1, round(params / (width * width)))
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU())
-                                  for _ in range(layers)])
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(layers)]
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return model, opt
 
@@ -52,17 +53,31 @@ def train_step(model, opt, x, manager=None) -> None:
 
 
 def manifest(step: int) -> CheckpointManifest:
-    return CheckpointManifest(step=step, samples_consumed=0, data_cursor=0, world_size=1, plan={}, lr_scale=1.0,
-                              dataset=sampler.fingerprint(1, 0), metadata_sha256="-", files={}, created_at="-",
-                              code_version="bench", config_hash="-")
+    return CheckpointManifest(
+        step=step,
+        samples_consumed=0,
+        data_cursor=0,
+        world_size=1,
+        plan={},
+        lr_scale=1.0,
+        dataset=sampler.fingerprint(1, 0),
+        metadata_sha256="-",
+        files={},
+        created_at="-",
+        code_version="bench",
+        config_hash="-",
+    )
 
 
 def dd_seconds(directory: Path, nbytes: int) -> float:
     target = directory / "dd.bin"
     block = 4 * 2**20
     t0 = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={target}", f"bs={block}", f"count={-(-nbytes // block)}",
-                    "conv=fsync"], check=True, capture_output=True)
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={target}", f"bs={block}", f"count={-(-nbytes // block)}", "conv=fsync"],
+        check=True,
+        capture_output=True,
+    )
     seconds = time.perf_counter() - t0
     target.unlink()
     return seconds
@@ -103,8 +118,10 @@ def fsdp2_worker(args: argparse.Namespace) -> None:
     if rank == 0:
         mb = nbytes / 1e6
         save, dd = statistics.median(save_s), statistics.median(dd_s)
-        print(f"fsdp2 ({world} ranks, {params / 1e6:.1f}M parameters): {mb:.1f} MB; sync save median {save:.3f} s "
-              f"({mb / save:.0f} MB/s); dd conv=fsync median {dd:.3f} s ({mb / dd:.0f} MB/s)")
+        print(
+            f"fsdp2 ({world} ranks, {params / 1e6:.1f}M parameters): {mb:.1f} MB; sync save median {save:.3f} s "
+            f"({mb / save:.0f} MB/s); dd conv=fsync median {dd:.3f} s ({mb / dd:.0f} MB/s)"
+        )
         print(f"fsdp2_save_vs_dd_ratio: {dd / save:.2f}")
     manager.close()
     dist.destroy_process_group()
@@ -114,9 +131,24 @@ def run_fsdp2_case(args: argparse.Namespace) -> list[str]:
     """The sharded case under torchrun; returns its output lines."""
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-fsdp2-", dir=args.dir))
     try:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-               "--state-mb", str(args.state_mb), "--repeats", str(args.repeats), "--batch", str(args.batch),
-               "--case", "fsdp2", "--root", str(root)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            __file__,
+            "--state-mb",
+            str(args.state_mb),
+            "--repeats",
+            str(args.repeats),
+            "--batch",
+            str(args.batch),
+            "--case",
+            "fsdp2",
+            "--root",
+            str(root),
+        ]
         proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
         if proc.returncode != 0:
             sys.stderr.write(proc.stderr[-5000:])
@@ -186,10 +218,14 @@ def main() -> None:
         mb = nbytes / 1e6
         save, dd = statistics.median(save_s), statistics.median(dd_s)
         print(f"state: {mb:.1f} MB in {root}")
-        print(f"sync save: median {save:.3f} s ({mb / save:.0f} MB/s); dd conv=fsync: median {dd:.3f} s "
-              f"({mb / dd:.0f} MB/s)")
-        print(f"step: median {step * 1000:.1f} ms; async save blocked: median {statistics.median(blocked) * 1000:.1f}"
-              f" ms (all: {', '.join(f'{b * 1000:.1f}' for b in blocked)})")
+        print(
+            f"sync save: median {save:.3f} s ({mb / save:.0f} MB/s); dd conv=fsync: median {dd:.3f} s "
+            f"({mb / dd:.0f} MB/s)"
+        )
+        print(
+            f"step: median {step * 1000:.1f} ms; async save blocked: median {statistics.median(blocked) * 1000:.1f}"
+            f" ms (all: {', '.join(f'{b * 1000:.1f}' for b in blocked)})"
+        )
         for line in fsdp2_lines:
             if not line.startswith("fsdp2_"):
                 print(line)

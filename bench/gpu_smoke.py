@@ -79,9 +79,19 @@ def main() -> None:
         DISTTRAIN_AGENT_ENDPOINT=f"127.0.0.1:{port}",
         DISTTRAIN_JOB_NAME="gpu-smoke",
     )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-           "--max-restarts=1", str(REPO / "examples" / "gptlm" / "train.py"), "--size", args.size,
-           "--precision", "bf16"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={gpus}",
+        "--max-restarts=1",
+        str(REPO / "examples" / "gptlm" / "train.py"),
+        "--size",
+        args.size,
+        "--precision",
+        "bf16",
+    ]
     log_path = workdir / "train.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
@@ -92,8 +102,9 @@ def main() -> None:
         if report is not None:
             first_process = first_process or report.process_id
             if signalled_at is None and report.step >= args.reform_at:
-                signal = control.ControlSignal(generation=1, action=control.DirectiveAction.REFORM,
-                                               reason="gpu_smoke: reform mid-run")
+                signal = control.ControlSignal(
+                    generation=1, action=control.DirectiveAction.REFORM, reason="gpu_smoke: reform mid-run"
+                )
                 store.set(control.SIGNAL_KEY, signal.model_dump_json())
                 signalled_at = time.time()
             elif signalled_at is not None and report.process_id != first_process:
@@ -105,8 +116,10 @@ def main() -> None:
     text = log_path.read_text()
     if proc.returncode != 0 or reform_seconds is None:
         sys.stderr.write(text[-5000:])
-        print(f"gpu_smoke: training exited {proc.returncode}; reform observed: {reform_seconds is not None}",
-              file=sys.stderr)
+        print(
+            f"gpu_smoke: training exited {proc.returncode}; reform observed: {reform_seconds is not None}",
+            file=sys.stderr,
+        )
         raise SystemExit(1)
     memory = re.findall(r"max_memory_allocated_gb: ([\d.]+)", text)
     print(f"gpus: {gpus} ({torch.cuda.get_device_name(0)}); log: {log_path}")

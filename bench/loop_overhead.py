@@ -45,8 +45,13 @@ LOADER_BLOCKS = 3
 
 def model_and_data():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 768),
-                                torch.nn.ReLU(), torch.nn.Linear(768, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 768),
+        torch.nn.ReLU(),
+        torch.nn.Linear(768, 10),
+    )
     g = torch.Generator().manual_seed(1)
     x = torch.randn(N_SAMPLES, 256, generator=g)
     y = torch.randint(0, 10, (N_SAMPLES,), generator=g)
@@ -97,10 +102,18 @@ def loader_worker(args) -> None:
     ours_model, _, _ = model_and_data()
     ours_opt = torch.optim.AdamW(ours_model.parameters(), lr=1e-3)
     tmp = tempfile.mkdtemp(prefix="loop-bench-")
-    os.environ["DISTTRAIN_CONTRACT"] = json.dumps({
-        "training": {"globalBatchSize": batch * world, "microBatchSize": batch, "lr": {"base": 1e-3},
-                     "maxSteps": args.steps + 2 * LOADER_BLOCKS, "seed": 0},
-        "checkpoint": {"path": tmp, "intervalSteps": 1_000_000, "keep": 1}})
+    os.environ["DISTTRAIN_CONTRACT"] = json.dumps(
+        {
+            "training": {
+                "globalBatchSize": batch * world,
+                "microBatchSize": batch,
+                "lr": {"base": 1e-3},
+                "maxSteps": args.steps + 2 * LOADER_BLOCKS,
+                "seed": 0,
+            },
+            "checkpoint": {"path": tmp, "intervalSteps": 1_000_000, "keep": 1},
+        }
+    )
     os.environ["DISTTRAIN_CHECKPOINT_DIR"] = tmp
     trainer = ElasticTrainer.from_env(ours_model, ours_opt, dataset, log_every=1_000_000, num_workers=2)
     steps = trainer.steps()
@@ -161,13 +174,23 @@ def worker(args) -> None:
     ours_model, _, _ = model_and_data()
     ours_opt = torch.optim.AdamW(ours_model.parameters(), lr=1e-3)
     tmp = tempfile.mkdtemp(prefix="loop-bench-")
-    os.environ["DISTTRAIN_CONTRACT"] = json.dumps({
-        "training": {"globalBatchSize": args.batch * world, "microBatchSize": micro, "lr": {"base": 1e-3},
-                     "maxSteps": args.steps + 1, "seed": 0, "gradientReduction": reduction},
-        "checkpoint": {"path": tmp, "intervalSteps": 1_000_000, "keep": 1}})
+    os.environ["DISTTRAIN_CONTRACT"] = json.dumps(
+        {
+            "training": {
+                "globalBatchSize": args.batch * world,
+                "microBatchSize": micro,
+                "lr": {"base": 1e-3},
+                "maxSteps": args.steps + 1,
+                "seed": 0,
+                "gradientReduction": reduction,
+            },
+            "checkpoint": {"path": tmp, "intervalSteps": 1_000_000, "keep": 1},
+        }
+    )
     os.environ["DISTTRAIN_CHECKPOINT_DIR"] = tmp
-    trainer = ElasticTrainer.from_env(ours_model, ours_opt, torch.utils.data.TensorDataset(x, y), log_every=1_000_000,
-                                      parallelism=parallelism)
+    trainer = ElasticTrainer.from_env(
+        ours_model, ours_opt, torch.utils.data.TensorDataset(x, y), log_every=1_000_000, parallelism=parallelism
+    )
     steps = trainer.steps()
 
     plain_s, ours_s = [], []
@@ -175,7 +198,7 @@ def worker(args) -> None:
         t0 = time.perf_counter()
         idx = perm[(torch.arange(args.batch) + (k * world + rank) * args.batch) % N_SAMPLES]
         for a in range(args.accum):
-            sub = idx[a * micro:(a + 1) * micro]
+            sub = idx[a * micro : (a + 1) * micro]
             sync = a == args.accum - 1 or parallelism != "ddp"
             with contextlib.nullcontext() if sync else plain.no_sync():
                 torch.nn.functional.cross_entropy(plain(x[sub]), y[sub]).backward()
@@ -195,8 +218,10 @@ def worker(args) -> None:
         name, ours = parallelism.upper(), args.case.upper() if args.case == "ordered" else parallelism.upper()
         print(f"{args.accum} micro batch(es) of {micro} per process and step", flush=True)
         print(f"plain {name}: median step {p * 1000:.1f} ms ({args.batch * world / p:.0f} samples/s)", flush=True)
-        print(f"disttrain loop ({ours}): median step {o * 1000:.1f} ms ({args.batch * world / o:.0f} samples/s)",
-              flush=True)
+        print(
+            f"disttrain loop ({ours}): median step {o * 1000:.1f} ms ({args.batch * world / o:.0f} samples/s)",
+            flush=True,
+        )
         prefix = "ordered_" if args.case == "ordered" else ""
         print(f"{prefix}throughput_vs_plain_{parallelism}: {p / o:.3f}", flush=True)
     for _ in steps:  # the last step ends the run (final checkpoint) outside the measurement
@@ -217,10 +242,25 @@ def main() -> None:
         return
     env = dict(os.environ, OMP_NUM_THREADS="1")
     lines = []
-    for case in (["ddp", "ordered", "fsdp2", "loader"] if args.case == "all" else [args.case]):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-               "--steps", str(args.steps), "--batch", str(args.batch), "--loader-batch", str(args.loader_batch),
-               "--accum", str(args.accum), "--case", case]
+    for case in ["ddp", "ordered", "fsdp2", "loader"] if args.case == "all" else [args.case]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            __file__,
+            "--steps",
+            str(args.steps),
+            "--batch",
+            str(args.batch),
+            "--loader-batch",
+            str(args.loader_batch),
+            "--accum",
+            str(args.accum),
+            "--case",
+            case,
+        ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.stderr.write(proc.stderr[-5000:])

@@ -22,7 +22,8 @@ from disttrain.operator.reconcile import reconcile
 
 def manifest(i: int, nodes: int) -> dict:
     return {
-        "apiVersion": "disttrain.dev/v1alpha1", "kind": "DistTrainJob",
+        "apiVersion": "disttrain.dev/v1alpha1",
+        "kind": "DistTrainJob",
         "metadata": {"name": f"job-{i}", "namespace": f"ns-{i % 20}", "uid": f"uid-{i}", "generation": 1},
         "spec": {
             "template": {"spec": {"containers": [{"name": "trainer", "image": "t:1", "command": ["python", "t.py"]}]}},
@@ -44,8 +45,18 @@ def main() -> None:
     jobs = []
     for i in range(args.jobs):
         m = manifest(i, args.pods_per_job)
-        workers = tuple(PodView(f"job-{i}-worker-{w}", f"u-{i}-{w}", w, "Running", True, f"node-{i * args.pods_per_job + w}",
-                                created_at=t0) for w in range(args.pods_per_job))
+        workers = tuple(
+            PodView(
+                f"job-{i}-worker-{w}",
+                f"u-{i}-{w}",
+                w,
+                "Running",
+                True,
+                f"node-{i * args.pods_per_job + w}",
+                created_at=t0,
+            )
+            for w in range(args.pods_per_job)
+        )
         agent = PodView(f"job-{i}-agent", f"a-{i}", -1, "Running", True, "node-0", created_at=t0)
         jobs.append([m, Observed(workers=workers, agent=agent, nodes=nodes)])
     timings: list[float] = []
@@ -54,13 +65,18 @@ def main() -> None:
         now += 1.0
         for i, (m, seen) in enumerate(jobs):
             if rnd == 2:  # every job reports a running group
-                m["status"] = dict(m.get("status") or {}, worldSize=args.pods_per_job, step=10,
-                                   lastProgressTime=timestamps.format_time(now - 0.5),
-                                   lastCheckpoint={"step": 10, "time": timestamps.format_time(now - 0.5)})
+                m["status"] = dict(
+                    m.get("status") or {},
+                    worldSize=args.pods_per_job,
+                    step=10,
+                    lastProgressTime=timestamps.format_time(now - 0.5),
+                    lastCheckpoint={"step": 10, "time": timestamps.format_time(now - 0.5)},
+                )
             if rnd >= 3 and i % 10 == rnd:
                 lost = seen.workers[0]
-                seen = dataclasses.replace(seen, workers=(dataclasses.replace(lost, phase="Failed", exit_code=1),
-                                                          *seen.workers[1:]))
+                seen = dataclasses.replace(
+                    seen, workers=(dataclasses.replace(lost, phase="Failed", exit_code=1), *seen.workers[1:])
+                )
                 jobs[i][1] = seen
             job = DistTrainJob.model_validate(m)
             started = time.perf_counter()

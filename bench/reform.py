@@ -43,8 +43,11 @@ def p1(steps: int) -> tuple[float, float, dict[str, float]]:
             victim = max(runtime.workers.values(), key=lambda p: p.index)
             runtime.apply_chaos(lb.parse_chaos(f"kill-node:{victim.index}@0s")[0])
 
-    lb.run(lb.recorder_job("reform", out, replicas=3, max_steps=steps, step_sleep=0.05), base / "state",
-           on_tick=kill_and_shrink)
+    lb.run(
+        lb.recorder_job("reform", out, replicas=3, max_steps=steps, step_sleep=0.05),
+        base / "state",
+        on_tick=kill_and_shrink,
+    )
     found = lb.records(out)
     after = [r for r in found if r["time"] > kill_at["t"] and r["world"] == 2]
     first = min(after, key=lambda r: r["time"])
@@ -67,10 +70,12 @@ def p1(steps: int) -> tuple[float, float, dict[str, float]]:
 
     state = lb.StateDir(floor_base / "state")
     # The same dataset as the run it resumes (the trainer refuses a checkpoint of another dataset stream).
-    job = lb.recorder_job("floor", floor_out, replicas=2, max_steps=resumed_from + 3, step_sleep=0.05,
-                          dataset=12 * steps)
-    runtime = lb.LocalRuntime(lb.DistTrainJob.model_validate(job), state, workdir=str(lb.REPO),
-                              on_tick=lambda snap: note_start(runtime, snap))
+    job = lb.recorder_job(
+        "floor", floor_out, replicas=2, max_steps=resumed_from + 3, step_sleep=0.05, dataset=12 * steps
+    )
+    runtime = lb.LocalRuntime(
+        lb.DistTrainJob.model_validate(job), state, workdir=str(lb.REPO), on_tick=lambda snap: note_start(runtime, snap)
+    )
     runtime.run(timeout_s=300)
     first_floor = min(lb.records(floor_out), key=lambda r: r["time"])
     floor = first_floor["time"] - started["t"] - first_floor["load_seconds"]
@@ -98,8 +103,12 @@ def detect(steps: int) -> tuple[float, str]:
             seen["directive"], seen["reason"] = time.time(), control.get("reason", "")
             runtime.stop("detection measured")
 
-    lb.run(lb.recorder_job("detect", base / "records", replicas=3, max_steps=steps, step_sleep=0.05), base / "state",
-           on_tick=kill_and_watch, not_ready_delay_s=NOT_READY_DELAY_S)
+    lb.run(
+        lb.recorder_job("detect", base / "records", replicas=3, max_steps=steps, step_sleep=0.05),
+        base / "state",
+        on_tick=kill_and_watch,
+        not_ready_delay_s=NOT_READY_DELAY_S,
+    )
     shutil.rmtree(base, ignore_errors=True)
     if "directive" not in seen:
         raise SystemExit("no reform directive after the kill; raise --steps")
@@ -127,8 +136,9 @@ def p2(steps: int) -> tuple[int, int, float]:
             runtime.state.request_scale(size)
             marks["world"] = None
 
-    lb.run(lb.recorder_job("planned", out, replicas=3, max_steps=steps, step_sleep=0.05), base / "state",
-           on_tick=scaler)
+    lb.run(
+        lb.recorder_job("planned", out, replicas=3, max_steps=steps, step_sleep=0.05), base / "state", on_tick=scaler
+    )
     found = lb.records(out)
     if plan:
         raise SystemExit(f"the run ended before every scale request was made (left: {plan}); raise --steps")
@@ -153,7 +163,9 @@ def main() -> None:
     lines: list[str] = []
     if args.only in (None, "detect"):
         detected, detect_reason = detect(args.steps)
-        lines.append(f"detect_seconds: {detected:.2f} (reason {detect_reason}; NotReady after {NOT_READY_DELAY_S:.0f} s)")
+        lines.append(
+            f"detect_seconds: {detected:.2f} (reason {detect_reason}; NotReady after {NOT_READY_DELAY_S:.0f} s)"
+        )
     if args.only in (None, "p1"):
         reform, floor, phases = p1(args.steps)
         lines.append(f"reform_seconds: {reform:.2f}")
@@ -162,7 +174,11 @@ def main() -> None:
         lines += [f"floor_seconds: {floor:.2f}", f"reform_vs_floor: {reform / floor:.2f}"]
     if args.only in (None, "p2"):
         down, up, stall = p2(args.steps)
-        lines += [f"lost_steps_scale_down: {down}", f"lost_steps_scale_up: {up}", f"scale_up_stall_seconds: {stall:.2f}"]
+        lines += [
+            f"lost_steps_scale_down: {down}",
+            f"lost_steps_scale_up: {up}",
+            f"scale_up_stall_seconds: {stall:.2f}",
+        ]
     print(f"rendezvous backend: {backend}; bench wall time {time.time() - began:.0f}s")
     print("\n".join(lines))
 

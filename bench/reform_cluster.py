@@ -78,7 +78,9 @@ def main() -> int:
     print(f"detect_seconds: {', '.join(f'{r.detect_seconds:.2f}' for r in results)}")
     for phase in (*PHASES, "total"):
         values = [r.status["lastReform"]["phases"][phase] for r in results]
-        print(f"reform_seconds.{phase}: {statistics.median(values):.2f} (runs: {', '.join(f'{v:.2f}' for v in values)})")
+        print(
+            f"reform_seconds.{phase}: {statistics.median(values):.2f} (runs: {', '.join(f'{v:.2f}' for v in values)})"
+        )
     return 0
 
 

@@ -29,12 +29,17 @@ def main() -> None:
     figures: dict[str, float] = {}
     for reduction in ("ddp", "ordered"):
         scenario = drift.Scenario(reduction=reduction)
-        print(f"recorder MLP + SGD, gradientReduction {reduction}, {scenario.steps} steps, resumed after step "
-              f"{scenario.resume_after}:", flush=True)
+        print(
+            f"recorder MLP + SGD, gradientReduction {reduction}, {scenario.steps} steps, resumed after step "
+            f"{scenario.resume_after}:",
+            flush=True,
+        )
         for old, new in drift.TRANSITIONS:
             d = drift.measure(scenario, old, new, workdir)
-            print(f"  W={old} -> {new}: max |param diff| {d.max_param_diff:.3g}, max |loss diff| {d.max_loss_diff:.3g}",
-                  flush=True)
+            print(
+                f"  W={old} -> {new}: max |param diff| {d.max_param_diff:.3g}, max |loss diff| {d.max_loss_diff:.3g}",
+                flush=True,
+            )
             prefix = "" if reduction == "ddp" else "ordered_"
             figures[f"{prefix}max_param_diff_{old}_to_{new}"] = d.max_param_diff
             figures[f"{prefix}max_loss_diff_{old}_to_{new}"] = d.max_loss_diff or 0.0
