@@ -26,12 +26,19 @@ RUNNING = {"step": 40, "samplesConsumed": 960, "rendezvousRound": 2, "control": 
     ({"lastCheckpoint": {"step": 64, "time": "2026-12-03T08:00:12Z"}},
      {**RUNNING, "control": {"action": "drain", "issuedAt": "2026-12-03T08:00:05Z"},
       "lastCheckpoint": {"step": 52, "time": "2026-12-03T08:00:09Z"}}, None),
+    ({"lastCheckpoint": {"step": 40, "time": "2026-12-03T08:00:04Z"}},
+     {**RUNNING, "control": {"action": "drain", "issuedAt": "2026-12-03T08:00:05Z"},
+      "lastCheckpoint": {"step": 28, "time": "2026-12-03T08:00:01Z"}}, None),
+    ({"lastCheckpoint": {"step": 40, "time": "2026-12-03T08:00:05Z"}},
+     {**RUNNING, "control": {"action": "drain", "issuedAt": "2026-12-03T08:00:05Z"},
+      "lastCheckpoint": {"step": 28, "time": "2026-12-03T08:00:01Z"}}, "checkpoint during a drain"),
     ({"lastCheckpoint": {"step": 40}}, {**RUNNING, "control": {"action": "reform"}}, None),
     ({"step": 41}, {**RUNNING, "control": {"action": "drain"}}, None),
     ({"step": 100}, RUNNING, "training complete"),
     ({"step": 41}, {"step": 40}, None),
 ], ids=["progress-waits", "routine-checkpoint-waits", "new-round", "failure", "drain-checkpoint",
         "first-checkpoint-after-the-drain", "later-checkpoints-of-a-reported-drain-wait",
+        "a-checkpoint-from-before-the-drain-waits", "one-committed-as-the-drain-was-issued-is-urgent",
         "reform-checkpoint-waits", "old-group-progress-during-a-drain-waits", "last-step", "no-control-yet"])
 def test_urgent_reason(changes, status, expected):
     assert reporting.urgent_reason(changes, status, SPEC) == expected
