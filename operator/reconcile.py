@@ -590,10 +590,29 @@ def _forget_lost(d: _Draft) -> None:
 
 def _remove_exited_victim(d: _Draft, pod: PodView, reason: Optional[Reason]) -> None:
     """A scale-down victim that exited or was lost anyway is deleted now (a planned removal, never counted)."""
-    if reason is not None:
+    if reason is not None and not _left_as_planned(d, reason):
         _mark_lost(d, pod)
     if pod.is_finished or reason is not None:
         d.delete(pod, Reason.SCALED_DOWN, force=is_force_delete_due(pod, d.spec, d.seen.nodes, d.now))
+
+
+def _left_as_planned(d: _Draft, reason: Reason) -> bool:
+    """A victim going away (deleted) after its drain's checkpoint, or once the group re-formed: the running or next
+    group never counts it (it is in ``control.exclude``), so listing it lost would tell the survivors nothing and
+    cost a status write per scale-down. A victim that failed, lost its node, or was deleted before the checkpoint
+    (the drain timed out, or someone deleted it) may still be in the running group: that one is listed."""
+    if reason is not Reason.POD_DELETED:
+        return False
+    action = d.status.control.action
+    return action is DirectiveAction.NONE or (action is DirectiveAction.DRAIN and _drain_checkpointed(d))
+
+
+def _drain_checkpointed(d: _Draft) -> bool:
+    """The status names a checkpoint committed after the drain in flight was issued."""
+    st = d.status
+    issued = timestamps.parse_time(st.control.issued_at) or d.now
+    ckpt_time = timestamps.parse_time(st.last_checkpoint.time) if st.last_checkpoint else None
+    return is_drain_checkpoint(issued, ckpt_time)  # the agent writes this one at once (trainer/reporting.py)
 
 
 def _count_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
@@ -1008,8 +1027,7 @@ def _remove_drained_victims(d: _Draft) -> None:
     if not victims:
         return
     issued = timestamps.parse_time(ctl.issued_at) or d.now
-    ckpt_time = timestamps.parse_time(st.last_checkpoint.time) if st.last_checkpoint else None
-    drained = is_drain_checkpoint(issued, ckpt_time)  # the agent writes this one at once (trainer/reporting.py)
+    drained = _drain_checkpointed(d)
     timed_out = d.now - issued >= spec.elastic.drain_timeout_seconds
     if ctl.action is not DirectiveAction.DRAIN or drained or timed_out:
         if timed_out and not drained and ctl.action is DirectiveAction.DRAIN:

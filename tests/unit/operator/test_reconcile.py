@@ -233,6 +233,8 @@ def test_anchor_1509_scale_down_drains_then_deletes_only_the_victims():
     assert actions.delete_pods == ()  # no checkpoint yet
     world.checkpoint(6).step(1)
     assert [d.name for d in world.last.delete_pods] == ["demo-worker-2"]
+    world.step(1)  # the victim Terminating after its drain's checkpoint: never in a group again
+    assert world.control.get("lost", []) == [] and world.control["exclude"] == ["demo-worker-2"]
     world.finish_terminations()
     world.progress(2, step=7).step(1)
     assert world.control["action"] == "none" and world.status["phase"] == "Running"
@@ -249,6 +251,8 @@ def test_scale_down_victims_are_deleted_after_the_drain_timeout_without_a_checkp
     assert world.step(119).delete_pods == ()
     assert [d.name for d in world.step(1).delete_pods] == ["demo-worker-2"]
     assert "DrainTimeout" in world.reasons()
+    world.step(1)  # deleted without a checkpoint: it may still be in the running group, so the survivors drop it
+    assert world.control["lost"] == ["demo-worker-2"]
 
 
 def test_anchor_1751_a_pod_stuck_pending_does_not_leave_the_job_waiting_or_running_forever():
