@@ -444,7 +444,7 @@ def main() -> int:
         dest="settle",
         action="store_false",
         help="the next scale request 0.5 s after the last directive was seen, while that job still drains (the "
-        "pacing of the figures before 2026-12-04); by default it waits until that drain is over",
+        "pacing of the figures until 2026-12-03 afternoon); by default it waits until that drain is over",
     )
     parser.add_argument(
         "--control-plane-gogc",
