@@ -33,6 +33,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any, Optional
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -206,34 +207,33 @@ class JobWatch:
     def _generation(event: dict[str, Any]) -> int:
         return int(((event.get("object") or {}).get("status") or {}).get("control", {}).get("generation", 0))
 
-    def wait_past(self, generation: int) -> float:
-        """Monotonic time at which the watch showed a generation above ``generation``."""
+    def _wait_for(self, reached: Callable[[dict[str, Any]], bool], what: str) -> float:
+        """Monotonic time at which the watch showed an event for which ``reached`` holds."""
         deadline = time.monotonic() + self.timeout
         try:
             for event in self.events:
-                if self._generation(event) > generation:
+                if reached(event):
                     return time.monotonic()
                 if time.monotonic() > deadline:
                     break
         except Exception as error:  # the client's read timeout, or a closed watch
-            raise TimeoutError(f"no new directive for {self.name} on its own watch: {error}") from error
-        raise TimeoutError(f"no new directive for {self.name} within {self.timeout:.0f} s on its own watch")
+            raise TimeoutError(f"{self.name}: {what}, not on its own watch: {error}") from error
+        raise TimeoutError(f"{self.name}: {what}, not within {self.timeout:.0f} s on its own watch")
+
+    def wait_past(self, generation: int) -> float:
+        """Monotonic time at which the watch showed a generation above ``generation``."""
+        return self._wait_for(lambda event: self._generation(event) > generation, "a new directive")
 
     def wait_settled(self, nodes: int) -> float:
         """Monotonic time at which the watch showed the directive done (``control.action`` none: a new round at the
         target size) and ``nodes`` worker pods left (the drain's victim deleted)."""
-        deadline = time.monotonic() + self.timeout
-        try:
-            for event in self.events:
-                status = (event.get("object") or {}).get("status") or {}
-                done = (status.get("control") or {}).get("action", "none") == "none"
-                if done and status.get("replicas") == nodes:
-                    return time.monotonic()
-                if time.monotonic() > deadline:
-                    break
-        except Exception as error:  # the client's read timeout, or a closed watch
-            raise TimeoutError(f"{self.name} did not settle at {nodes} nodes: {error}") from error
-        raise TimeoutError(f"{self.name} did not settle at {nodes} nodes within {self.timeout:.0f} s")
+
+        def settled(event: dict[str, Any]) -> bool:
+            status = (event.get("object") or {}).get("status") or {}
+            done = (status.get("control") or {}).get("action", "none") == "none"
+            return done and status.get("replicas") == nodes
+
+        return self._wait_for(settled, f"the drain's end at {nodes} nodes")
 
     def close(self) -> None:
         self.response.close()
