@@ -62,13 +62,9 @@ def drain_checkpoint_reported(status: Mapping[str, Any]) -> bool:
     """The status already names a checkpoint committed after the directive was issued: what the operator waits for
     before it deletes a drain's victims (:func:`disttrain.api.control.is_drain_checkpoint`, the operator's rule too).
     Later checkpoints of the same drain (a group that keeps training until its new round forms) change nothing
-    there, and go out with the next periodic write."""
-    try:
-        issued = timestamps.parse_time((status.get("control") or {}).get("issuedAt"))
-        committed = timestamps.parse_time((status.get("lastCheckpoint") or {}).get("time"))
-    except (TypeError, ValueError):  # unreadable: write at once, as before the operator could have seen it
-        return False
-    return is_drain_checkpoint(issued, committed)
+    there, and go out with the next periodic write. Unreadable times: not reported (write at once)."""
+    times = _directive_and_commit_times(status, status.get("lastCheckpoint"))
+    return times is not None and is_drain_checkpoint(*times)
 
 
 def predates_the_directive(checkpoint: Any, status: Mapping[str, Any]) -> bool:
@@ -78,12 +74,22 @@ def predates_the_directive(checkpoint: Any, status: Mapping[str, Any]) -> bool:
     before the directive. The operator deletes the victims only on one committed after it, so writing that older one
     at once bought nothing and cost one write per drain (measured on the real control plane: a write 20 ms after
     the directive, then the drain's own checkpoint 0.3 s later). Unknown times: not known to predate it."""
+    times = _directive_and_commit_times(status, checkpoint)
+    if times is None or None in times:
+        return False
+    return not is_drain_checkpoint(*times)
+
+
+def _directive_and_commit_times(
+    status: Mapping[str, Any], checkpoint: Any
+) -> Optional[tuple[Optional[float], Optional[float]]]:
+    """``control.issuedAt`` of ``status`` and the ``time`` of ``checkpoint`` as Unix times; None when unreadable."""
     try:
         issued = timestamps.parse_time((status.get("control") or {}).get("issuedAt"))
         committed = timestamps.parse_time((checkpoint or {}).get("time"))
     except (AttributeError, TypeError, ValueError):
-        return False
-    return issued is not None and committed is not None and not is_drain_checkpoint(issued, committed)
+        return None
+    return issued, committed
 
 
 def is_training_complete(status: Mapping[str, Any], spec: Mapping[str, Any]) -> bool:
