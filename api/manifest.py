@@ -5,9 +5,13 @@ A checkpoint directory counts only when this file is present, parses, and the fi
 (tmp -> fsync -> rename -> directory fsync), so a crash at any earlier moment leaves a directory that resume
 ignores.
 
-File names are relative names inside the checkpoint directory: an absolute path, ``..``, a backslash or an empty
-part is refused when the manifest is parsed, so validating or loading a checkpoint never opens a file outside
-it. The manifest is no signature: see "What the checkpoint volume is trusted with" in docs/trainer.md.
+File names are plain names inside the checkpoint directory (DCP writes no subdirectories): a ``/``, ``..``, a
+backslash or NUL is refused when the manifest is parsed, so validating or loading a checkpoint never opens a
+file outside it (and links are never followed, see disttrain.trainer.commit). The manifest is no signature: see
+"What the checkpoint volume is trusted with" in docs/trainer.md.
+
+Order: checkpoints are ordered by ``(fence_round, step)`` (:attr:`CheckpointManifest.order`), so a stale group of
+an older round never shadows what a newer round committed, even at a higher or the same step.
 """
 
 from __future__ import annotations
@@ -69,6 +73,12 @@ class CheckpointManifest(BaseModel):
     fence_round: Optional[int] = Field(None, ge=1)
     """Fence round of the group that committed it (see disttrain.trainer.fence); None before rounds existed."""
 
+    @property
+    def order(self) -> tuple[int, int]:
+        """(fence round, step): the newer of two checkpoints is the one with the higher round, then step. A
+        manifest written before rounds existed counts as round 0."""
+        return (self.fence_round or 0, self.step)
+
     @field_validator("files")
     @classmethod
     def _relative_names(cls, files: dict[str, FileDigest]) -> dict[str, FileDigest]:
@@ -78,9 +88,11 @@ class CheckpointManifest(BaseModel):
 
 
 def check_file_name(name: str) -> None:
-    """Refuse a manifest file name that could point outside the checkpoint directory."""
-    parts = name.split("/")
+    """Refuse a manifest file name that is not a plain name inside the checkpoint directory (DCP's files are
+    flat: ``.metadata``, ``__<rank>_<n>.distcp``), so no path component can lead out of it."""
     if not name or name.startswith("/") or posixpath.isabs(name):
         raise ValueError(f"files: {name!r} is not a relative file name inside the checkpoint directory")
-    if "\\" in name or "\x00" in name or any(part in ("", ".", "..") for part in parts):
-        raise ValueError(f"files: {name!r} must not contain '..', '.', empty parts, backslashes or NUL")
+    if "/" in name or "\\" in name or "\x00" in name or name in (".", ".."):
+        raise ValueError(
+            f"files: {name!r} must be a plain file name: no '/', '..', '.', backslashes or NUL are allowed"
+        )

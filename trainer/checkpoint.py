@@ -7,12 +7,15 @@ is in :mod:`disttrain.trainer.commit`; this module adds the collectives around i
 1. rank 0 picks a fresh temp dir name and broadcasts it; every rank writes its DCP files there;
 2. every rank fsyncs and digests the files it wrote (in parallel), and sends the digests to rank 0;
 3. rank 0 checks the fence (:mod:`disttrain.trainer.fence`: no newer group took over the directory), writes
-   COMPLETE.json atomically, renames the dir to ``step-N``, fsyncs the parent, applies retention.
+   COMPLETE.json atomically (with its fence round), renames the dir to ``step-N`` unless a newer round committed
+   (:func:`disttrain.trainer.commit.publish`), fsyncs the parent, applies retention.
 
 Before it resumes, every new group claims the next fence round on the volume; a commit from an older round is
-refused, and retention removes only temporary directories of its own round or older. A failed save removes its
-own temporary directory at once (a full disk must not stay full), and retention counts and deletes only
-checkpoints that validate, never the newest valid one or the one the run loaded.
+refused, resume picks the newest valid checkpoint in ``(fence round, step)`` order, and retention removes only
+temporary directories of its own round or older. A failed save removes its own temporary directory at once (a
+full disk must not stay full). Retention reads the new checkpoint back (every digest) before it deletes any
+older one; it counts only checkpoints that validate, removes invalid ``step-N`` entries and look-alike names,
+and never deletes the newest valid one or the one the run loaded.
 
 Async saves (``dcp.async_save`` on a separate gloo group) stage the state (an in-memory copy) in a background
 thread that overlaps the next forward/backward; only the next ``optimizer.step()`` waits for the copy to finish
@@ -29,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+import errno
 import json
 import logging
 import random
@@ -77,6 +81,14 @@ class CheckpointPhase(str, enum.Enum):
     BEFORE_MANIFEST = "before_manifest"
     """Global rank 0, once every rank's files are written and synced, just before COMPLETE.json: a crash here
     leaves a complete-looking directory that resume must never trust. Raising fails the commit."""
+
+    BEFORE_PUBLISH = "before_publish"
+    """Global rank 0, after COMPLETE.json and the last fence check, just before the rename to ``step-N``: the
+    window a stale rank 0 frozen here would publish in. Raising fails the commit."""
+
+    PUBLISHED = "published"
+    """Global rank 0, right after the rename to ``step-N`` and before retention reads the new checkpoint back:
+    damage done here must keep every older checkpoint alive."""
 
 
 PhaseHook = Callable[[CheckpointPhase, int], None]
@@ -406,10 +418,13 @@ class CheckpointManager:
                         "fence_round": self._round(),
                     }
                 )
+                self.join_retention()  # the previous retention never runs while a step-N is being swapped
                 fence.check(self.root, self._round())
                 commit.write_manifest(tmp, final_manifest)
                 fence.check(self.root, self._round())  # again, as close to the rename as it gets
-                commit.publish(self.root, tmp, step)
+                self._phase(CheckpointPhase.BEFORE_PUBLISH, step)
+                commit.publish(self.root, tmp, step, own_round=self._round())
+                self._phase(CheckpointPhase.PUBLISHED, step)
                 log.info(
                     "checkpoint step-%d committed (%d files, %.1f MB)",
                     step,
@@ -435,19 +450,34 @@ class CheckpointManager:
     def _retain(self, committed: int) -> None:
         """Retention (rank 0): temporary directories are chosen now, from one listing (so the next save's temp
         dir, created later, is never among them); checkpoints are validated and deleted in a thread, off the
-        critical path. Only checkpoints that validate count towards ``keep`` or are deleted; the newest valid
-        one, the one just committed and the one this run loaded are always kept. Nothing is deleted once a newer
-        group holds the fence."""
+        critical path. The checkpoint just committed is first read back from the volume (every file's digest):
+        until it verifies, no older checkpoint is deleted (with ``keep: 1`` the previous one would otherwise go
+        before the new one was ever read). Only checkpoints that validate count towards ``keep``; invalid
+        ``step-N`` entries and names that only look like one are removed; the newest valid one, the one just
+        committed and the one this run loaded are always kept. Nothing is deleted once a newer group holds the
+        fence."""
         self.join_retention()
-        self._remember_valid(self.root / commit.step_dir_name(committed))
         own_round = self._round()
         temps = commit.plan_temp_cleanup(self.root, own_round)
         protected = {committed} | ({self.loaded_step} if self.loaded_step is not None else set())
+        new = self.root / commit.step_dir_name(committed)
 
         def run() -> None:
             try:
-                fence.check(self.root, own_round)
-                steps = commit.plan_step_deletions(self.root, self.spec.keep, self._is_valid, protected)
+                readback = commit.validate(new)
+                if not readback.ok:
+                    log.error(
+                        "checkpoint %s does not read back (%s): retention keeps every older checkpoint",
+                        new.name,
+                        readback.problem,
+                    )
+                    steps: list[str] = []
+                else:
+                    self._remember_valid(new)
+                    fence.check(self.root, own_round)
+                    steps = commit.plan_step_deletions(
+                        self.root, self.spec.keep, self._is_valid, protected, own_round, log=log.warning
+                    )
                 fence.check(self.root, own_round)
                 deleted = commit.delete(self.root, steps + temps)
                 fence.retire_older(self.root, own_round)
@@ -468,9 +498,10 @@ class CheckpointManager:
         known = self._validity.get(path.name)
         if known is not None and known[0] == key:
             return known[1]
-        ok = commit.validate(path).ok
+        v = commit.validate(path)
+        ok = v.ok
         if not ok:
-            log.warning("checkpoint %s does not validate: retention neither counts nor deletes it", path.name)
+            log.warning("checkpoint %s does not validate (%s): retention removes it", path.name, v.problem)
         self._validity[path.name] = (key, ok)
         return ok
 
@@ -490,7 +521,7 @@ class CheckpointManager:
             self.metrics.checkpoint_failures.inc()
         log.error("checkpoint save at step %d FAILED (%d in a row): %s", step, self.consecutive_failures, reason)
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # every rank is done with it; a full disk must not stay full
+            commit.remove_entry(tmp)  # every rank is done with it; a full disk must not stay full
         self.last_saved_step = None
         if self.consecutive_failures >= self.max_consecutive_failures:
             raise CheckpointFailedError(f"{self.consecutive_failures} checkpoint saves in a row failed; last: {reason}")
@@ -515,8 +546,15 @@ class CheckpointManager:
         return CheckpointManifest.model_validate_json(choice[0]) if choice[0] else None
 
     def load(self, manifest: CheckpointManifest, state: dict[str, Any]) -> None:
+        """Load the checkpoint rank 0 chose (collective). Every rank reads through links never and unpickles
+        ``.metadata`` only once it matches the manifest's hash."""
         path = self.root / commit.step_dir_name(manifest.step)
-        dcp.load(state, storage_reader=storage.RawFileSystemReader(str(path)), process_group=self.group)
+        if commit.is_link(path):
+            raise commit.LinkError(
+                errno.ELOOP, "is a symbolic link (links in the checkpoint tree are never followed)", str(path)
+            )
+        reader = storage.RawFileSystemReader(str(path), expected_metadata_sha256=manifest.metadata_sha256)
+        dcp.load(state, storage_reader=reader, process_group=self.group)
         self.loaded_step = manifest.step
         self.last_saved_step = self.last_committed_step = manifest.step
 
@@ -547,7 +585,8 @@ class CheckpointManager:
             box: list[Any] = [None]
             if self.rank == 0:
                 self.root.mkdir(parents=True, exist_ok=True)
-                claimed = fence.claim(self.root, self.job_uid, self.node)
+                newest = commit.newest_committed(self.root)  # the order never goes back, even without .fence
+                claimed = fence.claim(self.root, self.job_uid, self.node, floor=newest[0] if newest else 0)
                 log.info("checkpoint fence: this group holds round %d of %s", claimed, self.root)
                 box[0] = (claimed, uuid.uuid4().hex[:8])
             dist.broadcast_object_list(box, src=0, group=self.group)
@@ -594,7 +633,7 @@ class CheckpointManager:
             if not pending.done.wait(timeout_s):
                 raise RuntimeError(f"the save of step {pending.step} did not end within {timeout_s:.0f} s")
             if self.rank == 0:
-                shutil.rmtree(pending.tmp, ignore_errors=True)
+                commit.remove_entry(pending.tmp)
             log.info("the save of step %d in flight was dropped with its group", pending.step)
         self.last_saved_step = self.last_committed_step  # a save the group did not finish is no save
         self.join_retention()

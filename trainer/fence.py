@@ -17,7 +17,14 @@ frozen can still complete its one rename after the new group claimed its round: 
 complete, valid ``step-N`` (written consistently by the old group), never a deletion, because retention checks
 the fence again and touches only temporary directories of its own round or older (:mod:`disttrain.trainer
 .commit`). Closing the window completely would need a lease the storage enforces (object-store conditional
-writes, or NFS delegations), which a plain shared volume does not offer.
+writes, or NFS delegations), which a plain shared volume does not offer. What narrows it further: the publish
+re-reads the manifests just before its rename and never replaces a newer round's ``step-N`` (and undoes a swap
+that displaced one), and resume and retention order checkpoints by ``(round, step)``, so a late stale commit never
+shadows a newer round's checkpoint even at a higher step.
+
+The rounds also survive the loss of ``.fence``: a claim starts above the highest round recorded in any
+checkpoint's manifest (``floor``), so the order never goes backwards. ``.fence`` and its records are never
+followed through a link.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import errno
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Optional
 
@@ -45,9 +53,29 @@ class FenceRecord:
     node: str
 
 
-def _rounds(root: Path) -> list[int]:
+def _fence_dir(root: Path, create: bool = False) -> Optional[Path]:
+    """``root/.fence`` when it is a real directory, None when absent; a link or a file there is refused."""
     directory = root / FENCE_DIR
-    if not directory.is_dir():
+    if create:
+        try:
+            directory.mkdir(parents=False, exist_ok=False)
+        except FileExistsError:
+            pass
+    try:
+        mode = os.lstat(directory).st_mode
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(mode):
+        raise FencedError(
+            f"{directory} is {'a symbolic link' if stat.S_ISLNK(mode) else 'not a directory'}: the fence must be a "
+            "real directory of the checkpoint volume (links are never followed); remove it"
+        )
+    return directory
+
+
+def _rounds(root: Path) -> list[int]:
+    directory = _fence_dir(root)
+    if directory is None:
         return []
     return sorted(int(m.group(1)) for name in os.listdir(directory) if (m := _ROUND_FILE.match(name)))
 
@@ -59,22 +87,27 @@ def current_round(root: Path) -> int:
 
 
 def read(root: Path, round_: int) -> Optional[FenceRecord]:
+    path = root / FENCE_DIR / f"round-{round_}.json"
     try:
-        data = json.loads((root / FENCE_DIR / f"round-{round_}.json").read_text())
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
+            data = json.loads(f.read(4096))
         return FenceRecord(round=int(data["round"]), job_uid=str(data["job_uid"]), node=str(data["node"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def claim(root: Path, job_uid: str, node: str) -> int:
-    """Claim the next round for a new group (its rank 0 calls this once, before resuming); returns the round."""
-    directory = root / FENCE_DIR
-    directory.mkdir(parents=True, exist_ok=True)
-    candidate = current_round(root) + 1
+def claim(root: Path, job_uid: str, node: str, floor: int = 0) -> int:
+    """Claim the next round for a new group (its rank 0 calls this once, before resuming); returns the round.
+    ``floor``: the highest round any committed checkpoint records; the claim is above it even when ``.fence``
+    was lost."""
+    root.mkdir(parents=True, exist_ok=True)
+    directory = _fence_dir(root, create=True)
+    assert directory is not None
+    candidate = max(current_round(root), floor) + 1
     while True:
         path = directory / f"round-{candidate}.json"
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except FileExistsError:
             candidate = max(candidate + 1, current_round(root) + 1)
             continue

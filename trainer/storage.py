@@ -6,25 +6,35 @@ machines caps a save at ~0.6x the throughput of ``dd`` to the same disk. Writing
 planning, metadata (``.metadata``), resharding on load and collectives are unchanged: only the bytes inside the
 ``.distcp`` files differ, so checkpoints must be read with :class:`RawFileSystemReader`. The stored chunk's dtype
 and shape come from DCP's own metadata.
+
+Reading trusts nothing on the path: every file is opened without following links (``O_NOFOLLOW``, regular files
+only), and ``.metadata``, a pickle, is unpickled only after its bytes (the very bytes unpickled) match the sha256
+that ``COMPLETE.json`` records for it (:meth:`RawFileSystemReader.read_metadata`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
+import pickle
 import queue
 import threading
-from typing import Any, cast
+from collections.abc import Generator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Optional, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
+    FileSystem,
     FileSystemReader,
     FileSystemWriter,
     _split_by_size_and_type,
     _StorageInfo,
 )
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -36,7 +46,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from disttrain.trainer import writeback
+from disttrain.api.manifest import MANIFEST_FILE
+from disttrain.trainer import commit, writeback
 from disttrain.trainer.digesting import DigestingFileSystem
 
 FORMAT = "disttrain-raw-1"
@@ -125,7 +136,53 @@ class RawFileSystemWriter(FileSystemWriter):
         return out
 
 
+class MetadataMismatchError(ValueError):
+    """``.metadata`` is not the one the checkpoint's manifest committed: it is never unpickled."""
+
+
+class _NoFollowFileSystem(FileSystem):
+    """DCP's file system for reading, with no link followed: a shard file that is a link is an error."""
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Generator[Any, None, None]:
+        if mode != "rb":
+            raise ValueError(f"mode {mode!r}: checkpoints are only read here ('rb')")
+        with os.fdopen(commit.open_regular(Path(path)), "rb") as stream:
+            yield stream
+
+
 class RawFileSystemReader(FileSystemReader):
+    """Reads :class:`RawFileSystemWriter` checkpoints; ``expected_metadata_sha256`` is the hash of ``.metadata``
+    from the manifest the caller validated (without it, the directory's own ``COMPLETE.json`` is read)."""
+
+    def __init__(self, path: str, expected_metadata_sha256: Optional[str] = None) -> None:
+        super().__init__(path)
+        self.fs = _NoFollowFileSystem()
+        self.expected_metadata_sha256 = expected_metadata_sha256
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's metadata, unpickled only once the bytes read match the committed sha256 (hashing and unpickling
+        the same bytes leaves no window for the file to change in between)."""
+        path = Path(self._get_metadata_path(kwargs.get("rank")))
+        data = commit.read_regular(path)
+        expected = self.expected_metadata_sha256
+        if expected is None:
+            manifest, problem = commit.read_manifest(Path(self.path))
+            if manifest is None:
+                raise MetadataMismatchError(f"{path}: not unpickled, no committed hash to check it against ({problem})")
+            expected = manifest.metadata_sha256
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != expected:
+            raise MetadataMismatchError(
+                f"{path}: sha256 {actual}, {MANIFEST_FILE} says {expected}; a .metadata that is not the committed one "
+                "is never unpickled"
+            )
+        metadata = pickle.loads(data)  # verified against the committed hash just above
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return cast(Metadata, metadata)
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list] = {}
         for req in plan.items:

@@ -1,12 +1,15 @@
 """A checkpoint that never committed, or was corrupted after committing, is never loaded."""
 
+import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from disttrain.api.manifest import MANIFEST_FILE
 from disttrain.trainer import commit
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -81,12 +84,12 @@ def test_after_a_fallback_from_a_corrupt_checkpoint_retention_keeps_every_valid_
     rc, log = harness.run(2, harness.contract(global_batch=4, micro=1, max_steps=3, interval=3, keep=1), "second")
     assert rc == 0, log[-3000:]
     assert "resumed from checkpoint step-2" in log
-    assert harness.ckpt_names() == ["step-2", "step-3", "step-4"]  # loaded, newest valid, corrupt (left alone)
+    assert harness.ckpt_names() == ["step-2", "step-3"]  # loaded, newest valid; the corrupt step-4 was cleaned
 
     rc, log = harness.run(2, harness.contract(global_batch=4, micro=1, max_steps=4, interval=2, keep=1), "third")
     assert rc == 0, log[-3000:]
     assert "resumed from checkpoint step-3" in log
-    assert harness.ckpt_names() == ["step-3", "step-4"]  # the corrupt step-4 was replaced in place by a good one
+    assert harness.ckpt_names() == ["step-3", "step-4"]
     rows = [r for r in harness.records("second") + harness.records("third") if r["rank"] == 0]
     assert sorted(r["step"] for r in rows) == [3, 4]
 
@@ -168,3 +171,34 @@ def test_a_full_disk_is_a_clear_error_and_training_resumes_from_the_last_good_ch
     assert "resumed from checkpoint step-2" in log
     rows = [r for r in harness.records("first") + harness.records("after") if r["rank"] == 0]
     assert sorted(r["step"] for r in rows) == [1, 2, 3, 4, 5]
+
+
+def test_links_and_leftovers_in_the_checkpoint_tree_are_refused_cleaned_and_never_followed(harness):
+    """Real torchrun, two ranks. Planted in the tree: ``step-9``, a link to another job's valid checkpoint (with a
+    higher fence round: followed, it would win); a ``.metadata`` that is a link to an identical copy outside;
+    a look-alike ``step-04``, a torn ``step-7`` and a dead group's temp dir. Resume follows none of the links,
+    retention removes every planted entry (links as links) and the other job's files are untouched."""
+    rc, log = harness.run(2, harness.contract(global_batch=4, micro=1, max_steps=4, interval=2, keep=3), "first")
+    assert rc == 0, log[-3000:]
+    ckpt, other = harness.ckpt, harness.tmp / "other-job"
+    shutil.copytree(ckpt / "step-4", other / "step-9")
+    manifest = json.loads((other / "step-9" / MANIFEST_FILE).read_text())
+    (other / "step-9" / MANIFEST_FILE).write_text(json.dumps({**manifest, "step": 9, "fence_round": 99}))
+    assert commit.validate(other / "step-9").ok  # a checkpoint resume would take, were the link followed
+    (ckpt / "step-9").symlink_to(other / "step-9")
+    shutil.copy(ckpt / "step-4" / ".metadata", other / "metadata-copy")
+    (ckpt / "step-4" / ".metadata").unlink()
+    (ckpt / "step-4" / ".metadata").symlink_to(other / "metadata-copy")
+    shutil.copytree(ckpt / "step-2", ckpt / "step-04")
+    (ckpt / "step-7").mkdir()
+    (ckpt / commit.tmp_dir_name(5, "deadbeef0001", 1)).mkdir()
+
+    rc, log = harness.run(2, harness.contract(global_batch=4, micro=1, max_steps=6, interval=2, keep=1), "second")
+    assert rc == 0, log[-3000:]
+    assert "checkpoint step-9 is not usable (is a symbolic link" in log, log[-3000:]
+    assert "checkpoint step-4 is not usable (file .metadata is a symbolic link" in log, log[-3000:]
+    assert "resumed from checkpoint step-2" in log
+    assert min(r["step"] for r in harness.records("second")) == 3
+    assert harness.ckpt_names() == ["step-2", "step-6"]  # loaded, newest; every planted entry is gone
+    assert commit.validate(other / "step-9").ok and (other / "metadata-copy").is_file()
+    assert not commit.is_link(ckpt / "step-6") and commit.validate(ckpt / "step-6").ok

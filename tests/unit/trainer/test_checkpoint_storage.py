@@ -44,6 +44,10 @@ def test_tensors_spanning_several_writeback_slices_round_trip_with_digests_of_th
         data = (tmp_path / name).read_bytes()
         assert writer.digests[name] == (len(data), f"crc32:{zlib.crc32(data):08x}")
         assert commit.file_digest(tmp_path / name, "crc32").digest == writer.digests[name][1]
+    meta = commit.file_digest(tmp_path / commit.METADATA_FILE, "sha256")
+    commit.write_manifest(  # committed: the reader unpickles .metadata only once it matches this hash
+        tmp_path, _manifest(0).model_copy(update={"metadata_sha256": meta.digest.split(":", 1)[1]})
+    )
     loaded = load_tensors(tmp_path, prefix="")
     for key in ("big", "exact", "small", "empty"):
         assert torch.equal(loaded[key], state[key]), key

@@ -112,15 +112,16 @@ def test_retention_after_a_fallback_from_a_corrupt_checkpoint_keeps_the_valid_on
     make_checkpoint(tmp_path, 90)
     (make_checkpoint(tmp_path, 100) / "__0_0.distcp").write_bytes(b"z" * 1000)
     make_checkpoint(tmp_path, 95)
-    assert commit.plan_retention(tmp_path, keep=1, protected=[90, 95]) == []
-    assert commit.plan_retention(tmp_path, keep=1, protected=[95]) == ["step-90"]  # step-100 is neither kept nor counted
+    # The corrupt step-100 neither counts towards keep nor is kept: it is cleaned; the loaded step-90 stays.
+    assert commit.plan_retention(tmp_path, keep=1, protected=[90, 95]) == ["step-100"]
+    assert commit.plan_retention(tmp_path, keep=1, protected=[95]) == ["step-100", "step-90"]
 
 
-def test_retention_never_counts_or_deletes_a_checkpoint_without_a_manifest(tmp_path):
+def test_retention_never_counts_a_checkpoint_without_a_manifest_and_removes_it(tmp_path):
     make_checkpoint(tmp_path, 2)
     make_checkpoint(tmp_path, 4)
     (make_checkpoint(tmp_path, 6) / MANIFEST_FILE).unlink()
-    assert commit.plan_retention(tmp_path, keep=1) == ["step-2"]
+    assert commit.plan_retention(tmp_path, keep=1) == ["step-6", "step-2"]
 
 
 @pytest.mark.parametrize(("steps", "keep", "protected", "deleted"), [
@@ -132,7 +133,17 @@ def test_retention_never_counts_or_deletes_a_checkpoint_without_a_manifest(tmp_p
     ([], 1, [], []),
 ], ids=["within-keep", "beyond-keep", "keep-1", "keep-0-still-keeps-newest", "protected", "empty"])
 def test_retention_choice(steps, keep, protected, deleted):
-    assert commit.choose_deletions(steps, keep, protected) == deleted
+    assert commit.choose_deletions([(1, s) for s in steps], keep, protected) == deleted
+
+
+@pytest.mark.parametrize(("valid", "keep", "deleted"), [
+    ([(1, 5), (2, 4)], 1, [5]),  # a stale round's higher step is older than the newer round's checkpoint
+    ([(1, 5), (2, 4), (2, 2)], 2, [5]),
+    ([(0, 9), (1, 3)], 1, [9]),  # a checkpoint from before rounds existed counts as round 0
+    ([(3, 7), (3, 8), (2, 9)], 2, [9]),
+], ids=["stale-higher-step", "keep-2", "legacy-round-0", "same-round-by-step"])
+def test_retention_keeps_the_newest_by_round_then_step(valid, keep, deleted):
+    assert commit.choose_deletions(valid, keep) == deleted
 
 
 def test_retention_removes_torn_saves_but_not_the_one_in_flight(tmp_path):
