@@ -35,6 +35,7 @@ import enum
 import errno
 import json
 import logging
+import os
 import random
 import shutil
 import threading
@@ -683,7 +684,7 @@ class CheckpointManager:
 
 def _manifest_key(path: Path) -> Optional[tuple[int, int, int]]:
     try:
-        st = (path / commit.MANIFEST_FILE).stat()
+        st = os.lstat(path / commit.MANIFEST_FILE)
     except OSError:
         return None
     return (st.st_ino, st.st_mtime_ns, st.st_size)

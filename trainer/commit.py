@@ -235,14 +235,21 @@ def _replace_existing(root: Path, tmp_dir: Path, final: Path, own_round: Optiona
         os.rename(tmp_dir, final)
         remove_entry(aside)
         return
-    newer = _newer_round(tmp_dir, own_round)  # the old step-N, now under the temporary name
-    if newer is not None:  # a newer round published it after the check above: put it back
-        exchange(tmp_dir, final)
+    put_back_if_newer(tmp_dir, final, own_round)
+    remove_entry(tmp_dir)
+
+
+def put_back_if_newer(displaced: Path, final: Path, own_round: Optional[int]) -> None:
+    """After a swap, ``displaced`` holds what was ``step-N``: when a newer round had published it (after the check
+    before the swap), swap back and raise :class:`fence.FencedError`; the newer checkpoint was out of place for
+    the duration of one ``read_manifest``."""
+    newer = _newer_round(displaced, own_round)
+    if newer is not None:
+        exchange(displaced, final)
         raise fence.FencedError(
             f"{final} was committed by fence round {newer} while this group (round {own_round}) published the same "
             "step; the newer one was put back"
         )
-    remove_entry(tmp_dir)
 
 
 _AT_FDCWD = -100
@@ -443,14 +450,16 @@ def plan_step_deletions(
             valid.append(c.order if c.manifest is not None else (-1, c.step))
         else:
             doomed.append(c.path.name)
-            if log is not None:
-                why = c.problem or "does not validate"
-                log(f"retention removes invalid checkpoint {c.path.name} ({why})")
+            if log is not None and c.problem:  # a failed full validation is reported by ``is_valid`` itself
+                log(f"retention removes invalid checkpoint {c.path.name} ({c.problem})")
     lookalikes = [
         e.name
         for e in (root.iterdir() if root.is_dir() else [])
         if e.name.startswith(STEP_PREFIX) and not STEP_DIR.match(e.name)
     ]
+    if log is not None:
+        for name in lookalikes:
+            log(f"retention removes {name}: not a checkpoint's name (step-<N>, N without leading zeros)")
     return sorted(doomed + lookalikes) + [step_dir_name(s) for s in choose_deletions(valid, keep, protected)]
 
 

@@ -111,10 +111,10 @@ def test_a_stale_group_frozen_before_its_rename_cannot_replace_the_newer_groups_
 
 
 def test_a_stale_groups_late_commit_at_a_higher_step_never_shadows_the_newer_rounds_checkpoint(tmp_path, group):
-    """The stale group's step-5 lands (the rename window) after the new group resumed from step-2: resume still
-    picks the new group's step-4 (round 2 beats round 1), and the new group's retention removes step-5."""
+    """The stale group's step-5 lands (the rename window) after the new group resumed from step-2: the next resume
+    still picks the new group's step-4 (round 2 beats round 1) although step-5 is valid and kept (keep: 3)."""
     root = tmp_path / "ckpt"
-    spec = CheckpointSpec(keep=1, intervalSteps=1)
+    spec = CheckpointSpec(keep=3, intervalSteps=1)
     groups: dict = {}
 
     def new_group_resumes_while_the_old_one_is_frozen(phase: CheckpointPhase, step: int) -> None:
@@ -138,7 +138,7 @@ def test_a_stale_groups_late_commit_at_a_higher_step_never_shadows_the_newer_rou
     third = CheckpointManager(root, spec, 0, 1, group, job_uid="uid-1", node="node-c")
     found = third.find_latest()
     assert found is not None and (found.step, found.fence_round) == (4, 2)
-    assert sorted(p.name for p in root.iterdir() if p.name != ".fence") == ["step-2", "step-4"]  # step-2: loaded
+    assert sorted(p.name for p in root.iterdir() if p.name != ".fence") == ["step-2", "step-4", "step-5"]
 
 
 def test_with_keep_1_the_previous_checkpoint_survives_until_the_new_one_reads_back(tmp_path, group, caplog):

@@ -83,6 +83,23 @@ def test_an_older_round_cannot_replace_a_newer_rounds_checkpoint_of_the_same_ste
     assert commit.validate(newer).manifest.fence_round == 2
 
 
+def test_a_swap_that_displaced_a_newer_rounds_checkpoint_is_undone(tmp_path):
+    """The newer round published step-4 between the stale publish's check and its swap: after the swap the newer
+    one sits under the stale temp name, and it is put back."""
+    make_checkpoint(tmp_path, 4, round_=1, payload=b"old" * 100)  # the stale copy, swapped in
+    other = tmp_path / "other"
+    other.mkdir()
+    displaced = tmp_path / commit.tmp_dir_name(4, "stale", 1)
+    make_checkpoint(other, 4, round_=2, payload=b"new" * 100).rename(displaced)
+    with pytest.raises(fence.FencedError, match="the newer one was put back"):
+        commit.put_back_if_newer(displaced, tmp_path / "step-4", own_round=1)
+    assert commit.validate(tmp_path / "step-4").manifest.fence_round == 2
+    assert (tmp_path / "step-4" / "__0_0.distcp").read_bytes() == b"new" * 100
+    assert commit.validate(displaced).manifest.fence_round == 1  # the stale copy, left for its owner to remove
+    commit.put_back_if_newer(displaced, tmp_path / "step-4", own_round=2)  # not newer than round 2: no swap
+    assert commit.validate(tmp_path / "step-4").manifest.fence_round == 2
+
+
 def test_a_newer_round_replaces_an_older_rounds_checkpoint_of_the_same_step(tmp_path):
     make_checkpoint(tmp_path, 4, round_=1, payload=b"old" * 100)
     make_checkpoint(tmp_path, 4, round_=2, payload=b"new" * 100, nonce="again")
