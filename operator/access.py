@@ -1,19 +1,32 @@
-"""Who may reach a job's agent store: pure builders of the per-job Secret and NetworkPolicy, and the mount.
+"""Who may reach a job's store and workers: pure builders of the per-job Secret and NetworkPolicies, and the mount.
 
-Two independent fences (docs/operator.md, "Who can reach the job agent"):
+Two independent fences (docs/operator.md, "Who can reach the job agent and the workers"):
 
 * the **store secret** (:mod:`disttrain.api.storeauth`): a Secret ``<job>-store`` that only the job's pods mount;
-  every key of the store lives under a prefix derived from it, so a client without it cannot name any key. This
-  holds on every network plugin.
-* a **NetworkPolicy** ``<job>-agent`` that admits to the agent's port only the job's own worker pods, where the
-  network plugin enforces NetworkPolicy: other pods then cannot even connect (and so cannot fill the agent's
-  memory with keys of their own, which the secret alone does not prevent). The operator never connects to the
-  store, so it needs no admission; the kubelet's readiness probe comes from the node, which plugins admit.
+  every value a process acts on is signed with it. This holds on every network plugin.
+* two **NetworkPolicies**, where the network plugin enforces them: ``<job>-agent`` admits to the agent's store port
+  only the job's worker pods; ``<job>-workers`` admits to the workers the job's own pods on every port (torchrun's
+  process-group store on rank 0 listens on a port torchrun picks at random, and so do gloo's and NCCL's peer
+  sockets) and the metrics scraper on the exporters' ports. The process-group store's keys are read by torch's
+  C++ and cannot be signed: this policy is what keeps a stranger away from them.
+
+What a NetworkPolicy can and cannot prove: it selects pods by **labels**, and anyone who may create pods in the
+job's namespace can give a pod the job's labels (the job's UID label included: it is no secret). A policy's pod
+selector without a namespace selector only ever matches pods of the policy's own namespace, so a pod in another
+namespace is never admitted by the job's labels. Inside the namespace, whoever may create pods may also mount the
+job's Secret; the namespace is the trust boundary, as it is for Secrets. The operator never connects to a store or
+a worker, so it needs no admission; the kubelet's probes come from the node, which NetworkPolicy cannot block.
+Egress stays open: the workers' egress is the user's (data, object stores, their own services), and what reaches
+them in is what matters here.
 """
 
 from __future__ import annotations
 
 import base64
+import copy
+import dataclasses
+import json
+from collections.abc import Mapping
 from typing import Any
 
 from disttrain.api import constants, env, storeauth
@@ -56,35 +69,111 @@ def build_store_secret(job: DistTrainJob, secret: str) -> dict[str, Any]:
     }
 
 
-def build_network_policy(job: DistTrainJob) -> dict[str, Any]:
-    """Ingress to the agent pod: only the job's worker pods, only on the store's port."""
-    job_name = job.metadata.name
+LABEL_JOB_UID = "disttrain.dev/job-uid"
+"""The job's UID on every pod of the job: the policies select by it too, so the terminating pods of a deleted job
+of the same name are neither selected nor admitted."""
+PROMETHEUS_POD_SELECTOR: dict[str, Any] = {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
+"""The Prometheus pods of prometheus-operator (the ServiceMonitor/PodMonitor convention of the chart)."""
+_SELECTOR_KEYS = frozenset({"matchLabels", "matchExpressions"})
+
+
+@dataclasses.dataclass(frozen=True)
+class NetworkPolicySettings:
+    """The operator's ``--network-policy`` and metrics scraper selectors (the chart's ``networkPolicy`` values)."""
+
+    enabled: bool = True
+    scraper_namespace_selector: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Namespaces the scraper runs in (a LabelSelector; empty: every namespace)."""
+    scraper_pod_selector: Mapping[str, Any] = dataclasses.field(default_factory=lambda: dict(PROMETHEUS_POD_SELECTOR))
+    """The scraper's pods (a LabelSelector)."""
+
+
+DEFAULT_NETWORK = NetworkPolicySettings()
+"""On, Prometheus pods of any namespace admitted to the metrics ports."""
+
+
+def parse_label_selector(flag: str, text: str) -> dict[str, Any]:
+    """A LabelSelector given as JSON on the command line; a ValueError names ``flag`` and what is wrong."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{flag}: not JSON ({error.msg} at character {error.pos}); expected a LabelSelector") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag}: a JSON {type(value).__name__}; expected an object (a LabelSelector)")
+    unknown = sorted(set(value) - _SELECTOR_KEYS)
+    if unknown:
+        raise ValueError(f"{flag}: unknown keys {unknown}; a LabelSelector has only matchLabels and matchExpressions")
+    labels = value.get("matchLabels", {})
+    if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+        raise ValueError(f"{flag}: matchLabels must map label names to string values")
+    expressions = value.get("matchExpressions", [])
+    if not isinstance(expressions, list) or not all(isinstance(e, dict) and "key" in e for e in expressions):
+        raise ValueError(f"{flag}: matchExpressions must be a list of {{key, operator, values}} objects")
+    return value
+
+
+def worker_network_policy_name(job: str) -> str:
+    return f"{job}-workers"
+
+
+def pod_selector_labels(job: DistTrainJob, role: str) -> dict[str, str]:
+    """The labels that select the job's pods of ``role``: name, role and UID (every pod of the job carries them)."""
+    return {
+        constants.LABEL_JOB_NAME: job.metadata.name,
+        constants.LABEL_ROLE: role,
+        LABEL_JOB_UID: job.metadata.uid or "",
+    }
+
+
+def _policy(job: DistTrainJob, name: str, role: str, ingress: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _metadata(job, names.network_policy_name(job_name)),
+        "metadata": _metadata(job, name),
         "spec": {
-            "podSelector": {
-                "matchLabels": {constants.LABEL_JOB_NAME: job_name, constants.LABEL_ROLE: constants.ROLE_AGENT}
-            },
+            "podSelector": {"matchLabels": pod_selector_labels(job, role)},
             "policyTypes": ["Ingress"],
-            "ingress": [
-                {
-                    "from": [
-                        {
-                            "podSelector": {
-                                "matchLabels": {
-                                    constants.LABEL_JOB_NAME: job_name,
-                                    constants.LABEL_ROLE: constants.ROLE_WORKER,
-                                }
-                            }
-                        }
-                    ],
-                    "ports": [{"protocol": "TCP", "port": job.spec.rendezvous.port}],
-                }
-            ],
+            "ingress": ingress,
         },
     }
+
+
+def build_network_policy(job: DistTrainJob) -> dict[str, Any]:
+    """Ingress to the agent pod: only the job's worker pods (of this namespace: no namespace selector), only on
+    the store's port."""
+    workers = {"podSelector": {"matchLabels": pod_selector_labels(job, constants.ROLE_WORKER)}}
+    ports = [{"protocol": "TCP", "port": job.spec.rendezvous.port}]
+    return _policy(
+        job, names.network_policy_name(job.metadata.name), constants.ROLE_AGENT, [{"from": [workers], "ports": ports}]
+    )
+
+
+def build_worker_network_policy(
+    job: DistTrainJob, metrics_port: int, settings: NetworkPolicySettings = DEFAULT_NETWORK
+) -> dict[str, Any]:
+    """Ingress to the worker pods: the job's worker pods on every port (the process-group store, gloo and NCCL
+    peers listen on ports chosen at run time), the metrics scraper on the exporters' ports
+    (``metrics_port`` .. ``metrics_port + nproc_per_node - 1``)."""
+    workers = {"podSelector": {"matchLabels": pod_selector_labels(job, constants.ROLE_WORKER)}}
+    scraper = {
+        "namespaceSelector": copy.deepcopy(dict(settings.scraper_namespace_selector)),
+        "podSelector": copy.deepcopy(dict(settings.scraper_pod_selector)),
+    }
+    last = metrics_port + job.spec.nproc_per_node - 1
+    metrics: dict[str, Any] = {"protocol": "TCP", "port": metrics_port}
+    if last > metrics_port:
+        metrics["endPort"] = last
+    ingress = [{"from": [workers]}, {"from": [scraper], "ports": [metrics]}]
+    return _policy(job, worker_network_policy_name(job.metadata.name), constants.ROLE_WORKER, ingress)
+
+
+def build_network_policies(
+    job: DistTrainJob, metrics_port: int, settings: NetworkPolicySettings = DEFAULT_NETWORK
+) -> list[dict[str, Any]]:
+    """The job's NetworkPolicies (none when ``settings.enabled`` is false)."""
+    if not settings.enabled:
+        return []
+    return [build_network_policy(job), build_worker_network_policy(job, metrics_port, settings)]
 
 
 def mount_store_secret(job: DistTrainJob, pod_spec: dict[str, Any], container: dict[str, Any]) -> None:

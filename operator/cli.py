@@ -10,8 +10,12 @@ import argparse
 import pathlib
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from disttrain.api import crd, validation
+
+if TYPE_CHECKING:
+    from disttrain.operator import access
 
 
 def cmd_crd(args: argparse.Namespace) -> int:
@@ -95,6 +99,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def network_policy_settings(args: argparse.Namespace) -> access.NetworkPolicySettings:
+    """The operator's NetworkPolicy flags, checked before anything starts (a ValueError names the flag)."""
+    from disttrain.operator.access import NetworkPolicySettings, parse_label_selector
+
+    return NetworkPolicySettings(
+        enabled=args.network_policy == "on",
+        scraper_namespace_selector=parse_label_selector(
+            "--metrics-scraper-namespace-selector", args.metrics_scraper_namespace_selector
+        ),
+        scraper_pod_selector=parse_label_selector("--metrics-scraper-pod-selector", args.metrics_scraper_pod_selector),
+    )
+
+
 def cmd_operator(args: argparse.Namespace) -> int:
     """Run the kopf operator (``kopf.run`` underneath) until SIGINT/SIGTERM."""
     import logging
@@ -126,8 +143,9 @@ def cmd_operator(args: argparse.Namespace) -> int:
         configuration.connection_pool_maxsize = handlers.API_CONCURRENCY  # one pooled connection per thread
         return client.ApiClient(configuration)
 
+    network = network_policy_settings(args)
     registry = kopf.get_default_registry()  # carries kopf's own login handlers (in-cluster, kubeconfig)
-    handlers.register(registry, api_client, OperatorMetrics(), agent_image=args.agent_image or None)
+    handlers.register(registry, api_client, OperatorMetrics(), agent_image=args.agent_image or None, network=network)
 
     @kopf.on.startup(registry=registry)
     def startup(settings: kopf.OperatorSettings, **_: object) -> None:
@@ -211,6 +229,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="IMAGE",
         help="image of every job agent pod, a disttrain trainer image (default: ghcr.io/disttrain/trainer at this "
         "operator's version); never the user's template image",
+    )
+    p_operator.add_argument(
+        "--network-policy",
+        choices=["on", "off"],
+        default="on",
+        help="create every job's NetworkPolicies (the agent's store port and the workers' ports; default on)",
+    )
+    p_operator.add_argument(
+        "--metrics-scraper-namespace-selector",
+        default="{}",
+        metavar="JSON",
+        help="LabelSelector of the namespaces whose scraper may reach the workers' metrics ports "
+        "(default %(default)s: every namespace)",
+    )
+    p_operator.add_argument(
+        "--metrics-scraper-pod-selector",
+        default='{"matchLabels": {"app.kubernetes.io/name": "prometheus"}}',
+        metavar="JSON",
+        help="LabelSelector of the scraper's pods (default %(default)s: prometheus-operator's Prometheus)",
     )
     p_operator.set_defaults(func=cmd_operator)
 

@@ -284,6 +284,7 @@ async def apply(
     refusals: Optional[Refusals] = None,
     agent_image: Optional[str] = None,
     events: Optional[eventrate.EventFilter] = None,
+    network: access.NetworkPolicySettings = access.DEFAULT_NETWORK,
 ) -> Optional[dict[str, Any]]:
     """Apply in crash-safe order: the PodGroup (idempotent, so before the status that records it), status
     (memory), then deletions, creations, events (those ``events`` admits), TTL deletion. What the API server
@@ -305,7 +306,7 @@ async def apply(
             cache.put_pod(deleted, time.monotonic())
     if actions.create_agent:
         await kube.create(access.build_store_secret(job, storeauth.new_secret()))  # 409: the first one stays
-        for obj in builders.build_support_objects(job):
+        for obj in builders.build_support_objects(job, network):
             await kube.create(obj)
         created = await _create_pod(kube, refusals, job, builders.build_agent_pod(job, agent_image))
         _remember_pod(cache, None if created is REFUSED else created)
@@ -345,6 +346,7 @@ async def reconcile_once(
     refusals: Optional[Refusals] = None,
     agent_image: Optional[str] = None,
     events: Optional[eventrate.EventFilter] = None,
+    network: access.NetworkPolicySettings = access.DEFAULT_NETWORK,
 ) -> Optional[Reconciled]:
     """Decide on the cached state and write. Returns the actions (None when the job is gone)."""
     started = time.perf_counter()
@@ -361,7 +363,7 @@ async def reconcile_once(
     observed = dataclasses.replace(cache.observe(namespace, name), refused=refusals.get((namespace, name)))
     now = time.time()
     actions = reconcile(job, observed, now)
-    answer = await apply(kube, cache, job, actions, now, refusals, agent_image, events)
+    answer = await apply(kube, cache, job, actions, now, refusals, agent_image, events, network)
     metrics.reconcile_duration.observe(time.perf_counter() - started)
     metrics.observe_job(
         namespace, name, actions.status, now, max_restarts=job.spec.restart_policy.max_restarts, uid=job.metadata.uid
@@ -438,9 +440,11 @@ def register(
     api_client_factory: Callable[[], k8s.ApiClient],
     metrics: OperatorMetrics,
     agent_image: Optional[str] = None,
+    network: access.NetworkPolicySettings = access.DEFAULT_NETWORK,
 ) -> None:
     """Register every handler on ``registry`` (a fresh one in tests, kopf's default one in ``disttrain operator``);
-    ``agent_image`` is the image of every job agent (None: :func:`disttrain.operator.pods.default_agent_image`)."""
+    ``agent_image`` is the image of every job agent (None: :func:`disttrain.operator.pods.default_agent_image`),
+    ``network`` the per-job NetworkPolicies' settings (``--network-policy`` and the scraper's selectors)."""
     pokes = Pokes()
     cache = ClusterCache()
     refusals: Refusals = {}
@@ -473,7 +477,7 @@ def register(
                     await listings.ensure_synced(namespace)
                     refused = refusals.get((namespace, name))
                     result = await reconcile_once(
-                        kube(), cache, metrics, namespace, name, refusals, agent_image, events
+                        kube(), cache, metrics, namespace, name, refusals, agent_image, events, network
                     )
                     if result is None:
                         return

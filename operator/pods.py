@@ -197,6 +197,7 @@ def build_worker_pod(
         pod_spec["priorityClassName"] = job.spec.run_policy.priority_class_name
     meta = _metadata(job, name, constants.ROLE_WORKER, (template.get("metadata") or {}).get("labels"))
     meta["labels"][constants.LABEL_NODE_INDEX] = str(node_index)
+    meta["labels"][access.LABEL_JOB_UID] = job.metadata.uid or ""  # the NetworkPolicies select by it
     annotations = (template.get("metadata") or {}).get("annotations")
     if annotations:
         meta["annotations"] = dict(annotations)
@@ -299,7 +300,8 @@ def build_agent_pod(job: DistTrainJob, image: Optional[str] = None) -> dict[str,
             spec[key] = copy.deepcopy(template_spec[key])
     access.mount_store_secret(job, spec, container)
     podsecurity.apply_restricted_defaults(spec)  # it keeps its token: it watches its job and patches status
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": _metadata(job, name, constants.ROLE_AGENT), "spec": spec}
+    meta = _metadata(job, name, constants.ROLE_AGENT, {access.LABEL_JOB_UID: job.metadata.uid or ""})
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
 
 def build_agent_service(job: DistTrainJob) -> dict[str, Any]:
@@ -379,11 +381,13 @@ def build_role_binding(job: DistTrainJob) -> dict[str, Any]:
     }
 
 
-def build_support_objects(job: DistTrainJob) -> list[dict[str, Any]]:
+def build_support_objects(
+    job: DistTrainJob, network: access.NetworkPolicySettings = access.DEFAULT_NETWORK
+) -> list[dict[str, Any]]:
     """Everything but pods and the store Secret (random: see handlers), in creation order (RBAC before the agent
-    needs it; the NetworkPolicy before the agent listens)."""
+    needs it; the NetworkPolicies, unless ``network`` turns them off, before the agent and workers listen)."""
     return [
-        access.build_network_policy(job),
+        *access.build_network_policies(job, METRICS_PORT, network),
         build_service_account(job),
         build_role(job),
         build_role_binding(job),

@@ -37,6 +37,10 @@ NON_DEFAULT_VALUES: dict[str, Any] = {
     "watchNamespaces": ["team-a", "team-b"],
     "logLevel": "debug",
     "agent": {"image": "registry.example/disttrain-trainer:1.2.3"},
+    "networkPolicy": {"enabled": False, "metricsScraper": {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "vmagent"},
+                        "matchExpressions": [{"key": "team", "operator": "In", "values": ["ops"]}]}}},
     "statusGuard": {"enabled": False},
     "flowControl": {"enabled": True, "priorityLevel": "workload-low", "matchingPrecedence": 2000,
                     "progress": {"enabled": False}},

@@ -117,6 +117,13 @@ def test_deployment_args_are_accepted_by_the_operator_cli(rendered):
     assert args.metrics_port == values.get("metrics", {}).get("port", 9090)
     assert args.liveness == f"http://0.0.0.0:{values.get('liveness', {}).get('port', 8080)}/healthz"
     assert args.log_level == values.get("logLevel", "info")
+    network = values.get("networkPolicy", {})
+    settings = cli.network_policy_settings(args)
+    assert settings.enabled is network.get("enabled", True)
+    scraper = network.get("metricsScraper", {})
+    assert settings.scraper_namespace_selector == scraper.get("namespaceSelector", {})
+    assert settings.scraper_pod_selector == scraper.get(
+        "podSelector", {"matchLabels": {"app.kubernetes.io/name": "prometheus"}})
     ports = {port["name"]: port["containerPort"] for port in container["ports"]}
     assert ports == {"metrics": args.metrics_port, "healthz": int(args.liveness.split(":")[2].split("/")[0])}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}

@@ -37,6 +37,12 @@ BAD = [
     ({"nodeSelector": {"disk": 1}}, "at '/nodeSelector/disk': got number, want string"),
     ({"tolerations": {"key": "x"}}, "at '/tolerations': got object, want array"),
     ({"fullnameOverride": "Not_A_Name"}, "at '/fullnameOverride'"),
+    ({"networkPolicy": {"enabled": "true"}}, "at '/networkPolicy/enabled': got string, want boolean"),
+    ({"networkPolicy": {"scraper": {}}}, "at '/networkPolicy': additional properties 'scraper' not allowed"),
+    ({"networkPolicy": {"metricsScraper": {"podSelector": {"app": "prometheus"}}}},
+     "at '/networkPolicy/metricsScraper/podSelector': additional properties 'app' not allowed"),
+    ({"networkPolicy": {"metricsScraper": {"namespaceSelector": {"matchExpressions": [{"key": "a", "operator": "Is"}]}}}},
+     "at '/networkPolicy/metricsScraper/namespaceSelector/matchExpressions/0/operator'"),
 ]
 
 

@@ -71,7 +71,7 @@ def test_worker_pod_identity_labels_and_owner():
     meta = pod["metadata"]
     assert meta["name"] == "demo-worker-2" and meta["namespace"] == "default"
     assert meta["labels"] == {"team": "ml", "disttrain.dev/job-name": "demo", "disttrain.dev/role": "worker",
-                              "disttrain.dev/node-index": "2"}
+                              "disttrain.dev/node-index": "2", "disttrain.dev/job-uid": "job-uid-1"}
     assert meta["annotations"] == {"note": "x"}
     assert meta["ownerReferences"] == [{"apiVersion": "disttrain.dev/v1alpha1", "kind": "DistTrainJob", "name": "demo",
                                         "uid": "job-uid-1", "controller": True, "blockOwnerDeletion": True}]
@@ -137,12 +137,68 @@ def test_worker_and_agent_pods_mount_the_jobs_store_secret_and_nothing_else_of_t
         assert secret_env == [{"name": env.STORE_SECRET_FILE, "value": access.SECRET_FILE}]
         kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
     secret = access.build_store_secret(job, "s" * 64)
-    policy = access.build_network_policy(job)
-    for obj in (secret, policy):
-        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
-    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pods.build_agent_pod(job)["metadata"]["labels"].items()
-    [peer] = policy["spec"]["ingress"][0]["from"]
-    assert peer["podSelector"]["matchLabels"].items() <= pods.build_worker_pod(job, 1)["metadata"]["labels"].items()
+    kubernetes_validate.validate(secret, K8S_VERSION, strict=True)
+
+
+def selects(selector, labels):
+    return selector["matchLabels"].items() <= labels.items()
+
+
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_network_policies_admit_the_jobs_workers_and_the_scraper_and_select_by_name_role_and_uid(nproc):
+    job = make_job(nprocPerNode=nproc)
+    agent_policy, worker_policy = access.build_network_policies(job, pods.METRICS_PORT)
+    for policy in (agent_policy, worker_policy):
+        kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+        assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress stays open
+    agent, worker = pods.build_agent_pod(job), pods.build_worker_pod(job, 1)
+    other = make_job(nprocPerNode=nproc)
+    other.metadata.uid = "job-uid-2"  # a job of the same name, deleted and applied again
+    old_worker = pods.build_worker_pod(other, 1)
+    assert selects(agent_policy["spec"]["podSelector"], agent["metadata"]["labels"])
+    assert not selects(agent_policy["spec"]["podSelector"], worker["metadata"]["labels"])
+    assert selects(worker_policy["spec"]["podSelector"], worker["metadata"]["labels"])
+    assert not selects(worker_policy["spec"]["podSelector"], agent["metadata"]["labels"])
+    assert not selects(worker_policy["spec"]["podSelector"], old_worker["metadata"]["labels"])
+    [to_agent] = agent_policy["spec"]["ingress"]
+    [peer] = to_agent["from"]
+    assert set(peer) == {"podSelector"}  # no namespaceSelector: only pods of the job's own namespace
+    assert selects(peer["podSelector"], worker["metadata"]["labels"])
+    assert not selects(peer["podSelector"], old_worker["metadata"]["labels"])
+    assert to_agent["ports"] == [{"protocol": "TCP", "port": job.spec.rendezvous.port}]
+    from_workers, from_scraper = worker_policy["spec"]["ingress"]
+    assert "ports" not in from_workers  # every port: torchrun's store, gloo and NCCL pick theirs at run time
+    assert from_workers["from"] == [peer]
+    [scraper] = from_scraper["from"]
+    assert scraper == {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    declared = [p["containerPort"] for p in pods.trainer_container(worker)["ports"] if p["name"].startswith("metrics")]
+    [ports] = from_scraper["ports"]
+    assert list(range(ports["port"], ports.get("endPort", ports["port"]) + 1)) == sorted(declared)
+
+
+def test_network_policies_follow_the_settings():
+    job = make_job()
+    assert access.build_network_policies(job, pods.METRICS_PORT, access.NetworkPolicySettings(enabled=False)) == []
+    kinds = [o["kind"] for o in pods.build_support_objects(job, access.NetworkPolicySettings(enabled=False))]
+    assert "NetworkPolicy" not in kinds
+    settings = access.NetworkPolicySettings(
+        scraper_namespace_selector={"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        scraper_pod_selector={"matchExpressions": [{"key": "app", "operator": "In", "values": ["vm", "prom"]}]},
+    )
+    _, worker_policy = access.build_network_policies(job, pods.METRICS_PORT, settings)
+    kubernetes_validate.validate(worker_policy, K8S_VERSION, strict=True)
+    [scraper] = worker_policy["spec"]["ingress"][1]["from"]
+    assert scraper == {"namespaceSelector": dict(settings.scraper_namespace_selector),
+                       "podSelector": dict(settings.scraper_pod_selector)}
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ("{", "not JSON"), ("[]", "expected an object"), ('{"matchLabel": {}}', "unknown keys"),
+    ('{"matchLabels": {"a": 1}}', "string values"), ('{"matchExpressions": {}}', "matchExpressions must be a list"),
+])
+def test_a_bad_scraper_selector_is_refused_naming_the_flag(text, error):
+    with pytest.raises(ValueError, match=f"--flag: .*{error}"):
+        access.parse_label_selector("--flag", text)
 
 
 def test_a_template_volume_name_that_does_not_exist_is_refused_with_the_field():
