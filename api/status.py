@@ -32,6 +32,7 @@ AGENT_FIELDS: Final = (
     "silentNodes",
     "roundMembers",
     "workerStartup",
+    "storeRejections",
 )
 """Wire names of the status fields the job agent owns; it writes no other, and the operator never writes these."""
 
@@ -182,6 +183,30 @@ class SilentNode(ContractModel):
     """RFC 3339 time of its last heartbeat (the worker's clock)."""
 
 
+class StoreRejection(ContractModel):
+    """One store value the job agent rejected (the newest rejection of that key)."""
+
+    key: str = Field(max_length=128)
+    """The key as the agent shows it: the job's namespace prefix as ``~/``, escaped, truncated."""
+    key_class: str = Field(max_length=16)
+    """rendezvous, control, torch or foreign (:data:`disttrain.trainer.guardian.KEY_CLASSES`)."""
+    reason: str = Field(max_length=16)
+    """foreign, unsigned, replayed or deleted (:data:`disttrain.trainer.guardian.REASONS`)."""
+    time: Optional[str] = None
+    """RFC 3339 time of the rejection (the agent's clock)."""
+
+
+class StoreRejections(ContractModel):
+    """What the job agent's store guardian rejected since the agent started (:mod:`disttrain.trainer.guardian`)."""
+
+    total: int = 0
+    """Values rejected so far (keys deleted unread, unsigned or replayed values, valid values deleted)."""
+    counts: dict[str, int] = Field(default_factory=dict, max_length=32)
+    """Rejections by ``<key class>/<reason>`` (both from closed sets)."""
+    recent: list[StoreRejection] = Field(default_factory=list, max_length=8)
+    """The most recently rejected distinct keys, newest first."""
+
+
 class PendingScale(ContractModel):
     replicas: int
     """Requested node count (after clamping)."""
@@ -265,6 +290,9 @@ class DistTrainJobStatus(ContractModel):
     worker_startup: Optional[WorkerStartup] = None
     """When the current group's rank 0 started, phase by phase, and when the previous group exited (relayed by
     the job agent); the operator computes ``lastReform.phases`` from it."""
+    store_rejections: Optional[StoreRejections] = None
+    """Values the job agent found invalid in its store and removed or repaired (unset while there were none): a
+    sign that something without the job's secret writes to the store."""
     tracked_pods: dict[str, str] = Field(default_factory=dict)
     """Operator memory: worker pods seen alive (name -> uid); one that vanishes from here was lost."""
     handled_pods: list[str] = Field(default_factory=list)

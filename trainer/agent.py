@@ -10,7 +10,10 @@ of them. The agent
   ``TARGET_KEY``, and what the operator counted of failures into ``RELIABILITY_KEY`` (for the trainer's
   ``intervalSteps: auto``);
 * relays the trainer's ``PROGRESS_KEY``, ``CHECKPOINT_KEY``, ``FAILURE_KEY`` and ``INTERVAL_KEY`` into the job's
-  status fields it owns (:data:`disttrain.api.status.AGENT_FIELDS`; it writes no other).
+  status fields it owns (:data:`disttrain.api.status.AGENT_FIELDS`; it writes no other);
+* guards the store it hosts (:mod:`disttrain.trainer.guardian`): deletes what a client without the job's secret
+  put in, restores sealed values deleted, garbled or replayed, re-writes its own keys when they vanish, and
+  reports what it rejected in ``status.storeRejections``.
 
 Where the job lives is a :class:`JobSource`: :class:`KubeJobSource` follows the DistTrainJob through a watch
 and patches only its status subresource (the agent's Role allows nothing else); :class:`FileJobSource` lets the
@@ -38,14 +41,14 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional, Protocol, cast
 
-from disttrain.api import constants, env, versions
+from disttrain.api import constants, env, storeauth, versions
 from disttrain.api import control as keys
 from disttrain.api.contract import job_checkpoint_dir
 from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.spec import CheckpointSpec
 from disttrain.api.status import AGENT_FIELDS
 from disttrain.api.timestamps import format_time
-from disttrain.trainer import autointerval, heartbeats, reporting
+from disttrain.trainer import autointerval, guardian, heartbeats, reporting
 from disttrain.trainer.commit import step_dir_name
 
 log = logging.getLogger("disttrain.agent")
@@ -282,10 +285,18 @@ class Agent:
     """One job's agent. ``sync()`` does one round of follow + relay; ``run()`` loops until stopped."""
 
     def __init__(
-        self, source: JobSource, store: Any, *, poll_seconds: float = 0.25, clock: Callable[[], float] = time.monotonic
+        self,
+        source: JobSource,
+        store: Any,
+        *,
+        poll_seconds: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+        guard: Optional[guardian.Guardian] = None,
     ) -> None:
         self.source = source
         self.store = store
+        self.guardian = guard
+        """The store's sweeper (None: not guarded, as in tests of the relay alone); the agent relays its counts."""
         self.poll_seconds = poll_seconds
         self.clock = clock
         self.stop_event = threading.Event()
@@ -304,6 +315,7 @@ class Agent:
         if job is None:
             return False
         status = job.get("status") or {}
+        self._rewrite_vanished()
         self._write_directive(status.get("control") or {}, str((job.get("metadata") or {}).get("uid") or ""))
         self._write_reliability(status)
         patch = self._relay(job, status)
@@ -357,6 +369,22 @@ class Agent:
             self.store.set(keys.TARGET_KEY, target_value)
             self._written_target = target_value
 
+    def _rewrite_vanished(self) -> None:
+        """Forget what was written when one of the agent's own keys is gone or no longer valid (a stranger deleted
+        or garbled it): this round writes them all again. One ``check`` per round; the store is local."""
+        written = [
+            key
+            for key, value in (
+                (keys.SIGNAL_KEY, self._written_signal),
+                (keys.TARGET_KEY, self._written_target),
+                (keys.RELIABILITY_KEY, self._written_reliability),
+            )
+            if value is not None
+        ]
+        if written and not self.store.check(written):
+            log.warning("own store keys vanished or were garbled (%s); writing them again", ", ".join(written))
+            self._written_signal = self._written_target = self._written_reliability = None
+
     def _write_reliability(self, status: dict[str, Any]) -> None:
         """Tell the trainer what the operator knows of failures (for ``intervalSteps: auto``), when it changes."""
         value = autointerval.reliability_from_status(status)
@@ -377,6 +405,7 @@ class Agent:
             self._relay_failure,
             self._relay_interval,
             self._relay_silent,
+            self._relay_rejections,
         )
         for relay in relays:
             try:
@@ -455,6 +484,11 @@ class Agent:
         if report and report != status.get("silentNodes"):
             log.warning("silent in the rendezvous heartbeats: %s", report)
         return {"silentNodes": report or None, "roundMembers": self.heartbeats.members}
+
+    def _relay_rejections(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+        """What the store guardian rejected (``storeRejections``; the operator counts it and posts Events)."""
+        snapshot = None if self.guardian is None else self.guardian.snapshot()
+        return {} if snapshot is None else {"storeRejections": snapshot}
 
     def run(self) -> int:
         """Loop until the job is gone or ``stop_event`` is set; transient API errors are logged and retried.
@@ -535,6 +569,28 @@ def scoped_store(server: Any) -> Any:
     return channel.scoped(server)
 
 
+def start_guardian(port: int, store: Any) -> Optional[guardian.Guardian]:
+    """The store's sweeper on a connection of its own (its reads of up to 8 MiB never queue the agent's
+    requests behind them), checking values with the secret and job UID the agent's signed ``store`` seals with;
+    None, with a warning, when the agent has no store secret to check values with."""
+    from torch.distributed import TCPStore  # imported here: the module imports no torch
+
+    from disttrain.trainer import channel
+
+    secret = storeauth.secret_from_env()
+    signed = channel.signed_of(store)
+    if not secret or signed is None:
+        log.warning("no store secret ($%s): the store is not guarded", env.STORE_SECRET_FILE)
+        return None
+    job_uid = signed.job_uid
+    client = TCPStore(
+        "127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+    )
+    guard = guardian.Guardian(client, secret, job_uid)
+    guard.start()
+    return guard
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m disttrain.trainer.agent", description=__doc__.split("\n")[0])
     parser.add_argument("--port", type=int, default=29400, help="TCPStore port (spec.rendezvous.port)")
@@ -556,11 +612,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         source = KubeJobSource(args.namespace, args.name)
     else:
         parser.error(f"--name (or ${env.JOB_NAME}) or --state-dir is required")
-    store = scoped_store(start_store(args.port, args.host))
-    agent = Agent(source, store, poll_seconds=args.poll_seconds)
+    guardian.pin_mmap_threshold()  # before the server's first large value: see the guardian's docstring
+    server = start_store(args.port, args.host)
+    store = scoped_store(server)
+    guard = start_guardian(args.port, store)
+    agent = Agent(source, store, poll_seconds=args.poll_seconds, guard=guard)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop_event.set())
     log.info("agent for %s serving the store on %s:%d", args.name or args.state_dir, args.host, args.port)
-    return agent.run()
+    try:
+        return agent.run()
+    finally:
+        if guard is not None:
+            guard.stop()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ import pytest
 from torch.distributed import TCPStore
 
 from disttrain.api import control as keys
+from disttrain.api import env
 from disttrain.trainer import agent as agent_mod
+from disttrain.trainer import channel
 from disttrain.trainer.control import read_signal
 
 pytestmark = pytest.mark.timeout(60)
@@ -149,11 +151,16 @@ def test_agent_process_serves_the_store_and_exits_on_sigterm(tmp_path):
     port = free_port()
     write_job(tmp_path, {"generation": 1, "action": "reform", "reason": "NodeLost", "targetNodes": 1})
     log = (tmp_path / "agent.log").open("wb")
+    secret, uid = "agent-process-test-" + "5" * 40, "0000-agent-process"
+    environ = {**os.environ, env.STORE_SECRET: secret, env.JOB_UID: uid}
     proc = subprocess.Popen([sys.executable, "-m", "disttrain.trainer.agent", "--state-dir", str(tmp_path),
                              "--port", str(port), "--host", "127.0.0.1", "--poll-seconds", "0.05"],
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT, env=environ)
     try:
-        client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        client = channel.scoped(TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30)),
+                                secret, uid)
+        raw = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        raw.set("junk-of-an-outsider", b"x" * 1024)  # the agent's guardian sweeps it out
         deadline = time.monotonic() + 20
         while read_signal(client) is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -162,6 +169,10 @@ def test_agent_process_serves_the_store_and_exits_on_sigterm(tmp_path):
         while "step" not in agent_mod.FileJobSource(tmp_path).agent_status() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert agent_mod.FileJobSource(tmp_path).agent_status()["step"] == 4
+        while "storeRejections" not in agent_mod.FileJobSource(tmp_path).agent_status() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert agent_mod.FileJobSource(tmp_path).agent_status()["storeRejections"]["counts"] == {"foreign/foreign": 1}
+        assert "junk-of-an-outsider" not in raw.list_keys()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
     finally:

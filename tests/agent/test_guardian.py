@@ -1,0 +1,254 @@
+"""The job agent's store guardian against a real libuv TCPStore and an outsider client with no secret: foreign keys
+swept out, sealed values restored, a flood that leaves nothing behind, rejections relayed into the status."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+from torch.distributed import TCPStore
+
+from disttrain.api import control as keys
+from disttrain.api import storeauth
+from disttrain.trainer import agent as agent_mod
+from disttrain.trainer import channel, guardian
+
+pytestmark = pytest.mark.timeout(90)
+
+SECRET = "guardian-test-" + "7" * 50
+UID = "0f0f0f0f-0000-4000-8000-000000000027"
+NS = storeauth.key_prefix(SECRET) + "/"
+STATE = NS + "torch.rendezvous.run1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def stores():
+    """(server, outsider): the agent's libuv server and a plain client that holds no secret."""
+    port = free_port()
+    server = agent_mod.start_store(port, "127.0.0.1", timeout_s=5)
+    outsider = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    yield server, outsider
+
+
+def sealed(key: str, value: bytes, seq: int) -> bytes:
+    return storeauth.seal(SECRET, UID, key, value, seq)
+
+
+def test_foreign_and_unsigned_keys_are_deleted_and_valid_ones_kept(stores):
+    server, outsider = stores
+    server.set(STATE, sealed(STATE, b"state", 5))
+    outsider.set("junk/1", b"x" * 1000)
+    outsider.set(NS + "disttrain/failure", b'{"exitCode": 85}')  # forged: the prefix is public, the MAC is not
+    outsider.set(NS + "torch.rendezvous.run1.7/MASTER_ADDR", sealed(STATE, b"10.0.0.1", 9))  # another key's value
+    g = guardian.Guardian(server, SECRET, UID)
+    result = g.sweep()
+    assert sorted(server.list_keys()) == [STATE]
+    assert result.deleted == 3
+    assert g.counts() == {("foreign", "foreign"): 1, ("control", "unsigned"): 1, ("rendezvous", "unsigned"): 1}
+    assert storeauth.unseal(SECRET, UID, STATE, server.get(STATE)) == storeauth.Sealed(b"state", 5)
+
+
+def test_a_value_of_another_job_with_the_same_secret_is_rejected(stores):
+    server, outsider = stores
+    outsider.set(STATE, storeauth.seal(SECRET, "another-job", STATE, b"state", 1))
+    g = guardian.Guardian(server, SECRET, UID)
+    g.sweep()
+    assert server.list_keys() == []
+
+
+@pytest.mark.parametrize("attack", ["delete", "garble", "replay"])
+def test_a_broken_sealed_value_is_restored(stores, attack):
+    server, outsider = stores
+    old = sealed(STATE, b"round 3", 3)
+    server.set(STATE, sealed(STATE, b"round 4", 4))
+    g = guardian.Guardian(server, SECRET, UID)
+    g.sweep()
+    if attack == "delete":
+        outsider.delete_key(STATE)
+    elif attack == "garble":
+        outsider.set(STATE, b"\x80\x04cos\nsystem\n" + b"A" * 64)
+    else:
+        outsider.set(STATE, old)
+    result = g.sweep()
+    assert result.restored == 1
+    assert storeauth.unseal(SECRET, UID, STATE, server.get(STATE)) == storeauth.Sealed(b"round 4", 4)
+    reason = {"delete": "deleted", "garble": "unsigned", "replay": "replayed"}[attack]
+    assert g.counts() == {("rendezvous", reason): 1}
+
+
+def test_a_newer_valid_value_is_never_clobbered(stores):
+    server, _ = stores
+    server.set(STATE, sealed(STATE, b"round 4", 4))
+    g = guardian.Guardian(server, SECRET, UID)
+    g.sweep()
+    server.set(STATE, sealed(STATE, b"round 5", 5))
+    g.sweep()
+    assert storeauth.unseal(SECRET, UID, STATE, server.get(STATE)) == storeauth.Sealed(b"round 5", 5)
+    assert g.counts() == {}
+
+
+def test_a_restore_loses_to_a_write_made_after_the_key_was_read(stores):
+    """compare_set against what was read: a valid value written in between stays (the guardian's put-back of the
+    value it remembered fails)."""
+    server, _ = stores
+    server.set(STATE, sealed(STATE, b"round 4", 4))
+    g = guardian.Guardian(server, SECRET, UID)
+    g.sweep()
+    server.delete_key(STATE)
+    server.set(STATE, sealed(STATE, b"round 5", 5))  # the writer came back before the put-back
+    sweep = g.sweep()
+    assert sweep.restored == 0
+    assert storeauth.unseal(SECRET, UID, STATE, server.get(STATE)) == storeauth.Sealed(b"round 5", 5)
+
+
+def test_keys_the_job_deletes_on_purpose_are_not_resurrected(stores):
+    server, _ = stores
+    key = NS + keys.EXIT_FIRST_KEY
+    server.set(key, sealed(key, b"1700000000.0", 1))
+    g = guardian.Guardian(server, SECRET, UID)
+    g.sweep()
+    server.delete_key(key)  # trainer/startup.take_exit_times does this after reading the note
+    g.sweep()
+    assert server.list_keys() == []
+    assert g.counts() == {}
+
+
+def test_the_signed_store_sees_the_restored_value(stores):
+    """End to end with the job's real client: a worker's signed store reads the value the guardian put back."""
+    server, outsider = stores
+    worker = channel.scoped(
+        TCPStore(server.host, server.port, is_master=False, timeout=datetime.timedelta(seconds=5)), SECRET, UID
+    )
+    worker.set(keys.CHECKPOINT_KEY, b'{"step": 40}')
+    g = guardian.Guardian(server, SECRET, UID)
+    g.sweep()
+    outsider.set(NS + keys.CHECKPOINT_KEY, b'{"step": 0}')
+    g.sweep()
+    assert worker.get(keys.CHECKPOINT_KEY) == b'{"step": 40}'
+    assert g.counts() == {("control", "unsigned"): 1}
+
+
+def test_rejections_are_reported_with_closed_labels_and_bounded_names(stores):
+    server, outsider = stores
+    for i in range(guardian.MAX_RECENT + 4):
+        outsider.set(f"junk/{i}/" + "\x01" * 300, b"x")
+    g = guardian.Guardian(server, SECRET, UID, clock=lambda: 1_700_000_000.0)
+    g.sweep()
+    snap = g.snapshot()
+    assert snap is not None and snap["total"] == guardian.MAX_RECENT + 4
+    assert snap["counts"] == {"foreign/foreign": guardian.MAX_RECENT + 4}
+    assert len(snap["recent"]) == guardian.MAX_RECENT
+    assert all(len(r["key"]) <= guardian.MAX_KEY_SHOWN and r["key"].isprintable() for r in snap["recent"])
+    assert {(c, r) for (c, r) in g.counts()} <= {(c, r) for c in guardian.KEY_CLASSES for r in guardian.REASONS}
+
+
+def test_the_namespace_prefix_is_not_shown():
+    g = guardian.Guardian(None, SECRET, UID)
+    assert g.shown(NS + keys.FAILURE_KEY) == "~/disttrain/failure"
+    assert g.key_class(NS + keys.FAILURE_KEY) == "control"
+    assert g.key_class(STATE) == "rendezvous"
+    assert g.key_class(NS + "torch.rendezvous.run1.3/MASTER_ADDR") == "rendezvous"
+    assert g.key_class(NS + "other") == "torch"
+    assert g.key_class("other") == "foreign"
+
+
+def test_the_read_budget_spreads_a_large_backlog_over_sweeps(stores):
+    server, outsider = stores
+    for i in range(6):
+        outsider.set(NS + f"junk{i}", b"y" * (1 << 20))
+    g = guardian.Guardian(server, SECRET, UID, max_read_bytes=2 << 20)
+    first = g.sweep()
+    assert first.truncated and first.read_bytes <= 3 << 20 and first.deleted == 2
+    while g.sweep().truncated:
+        pass
+    assert server.list_keys() == []
+
+
+def test_a_flood_of_large_values_leaves_nothing_behind(stores):
+    """An outsider sets 8 MiB values under fresh keys (inside and outside the namespace) for 10 s while the
+    guardian sweeps: afterwards no foreign value is left, the job's values are intact, and during the flood the
+    store never held more than a bounded number of them."""
+    server, _ = stores
+    server.set(STATE, sealed(STATE, b"state", 1))
+    g = guardian.Guardian(server, SECRET, UID)
+    g.start()
+    stop = threading.Event()
+    sent = [0]
+
+    def flood() -> None:
+        client = TCPStore(server.host, server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        value = os.urandom(8 << 20)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            client.set((NS + "x" if sent[0] % 2 else "junk/") + str(sent[0]), value)
+            sent[0] += 1
+
+    attacker = threading.Thread(target=flood)
+    attacker.start()
+    most = 0
+    watcher = TCPStore(server.host, server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    while attacker.is_alive():
+        most = max(most, len(watcher.list_keys()) - 1)
+        time.sleep(0.05)
+    attacker.join()
+    for _ in range(100):  # a few sweeps after the last value
+        if watcher.list_keys() == [STATE]:
+            break
+        time.sleep(0.1)
+    stop.set()
+    g.stop()
+    assert sent[0] >= 4, f"the flood sent only {sent[0]} values"
+    assert watcher.list_keys() == [STATE]
+    assert storeauth.unseal(SECRET, UID, STATE, server.get(STATE)) == storeauth.Sealed(b"state", 1)
+    counts = g.counts()
+    assert sum(counts.values()) == sent[0]
+    # bounded: the sweeper deletes as fast as the server takes values in (most seen at once, of all sent)
+    assert most <= max(8, sent[0] // 2), f"{most} foreign values held at once of {sent[0]} sent"
+
+
+def test_the_agent_relays_rejections_and_rewrites_its_own_keys(tmp_path, stores):
+    server, outsider = stores
+    job = {
+        "apiVersion": "disttrain.dev/v1alpha1",
+        "kind": "DistTrainJob",
+        "metadata": {"name": "demo", "namespace": "team", "uid": UID},
+        "spec": {"checkpoint": {"path": "/ckpt"}},
+        "status": {"control": {"generation": 2, "action": "drain", "reason": "ScaledDown", "targetNodes": 2}},
+    }
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    source = agent_mod.FileJobSource(tmp_path)
+    store = channel.scoped(server, SECRET, UID)
+    g = guardian.Guardian(server, SECRET, UID)
+    agent = agent_mod.Agent(source, store, guard=g)
+    assert agent.sync()
+    g.sweep()
+    outsider.delete_key(NS + keys.TARGET_KEY)  # the guardian restores this one ...
+    outsider.set(NS + keys.SIGNAL_KEY, b'{"generation": 99, "action": "reform"}')  # ... and this one
+    outsider.set("junk", b"z")
+    g.sweep()
+    agent.sync()
+    assert keys.ControlSignal.model_validate_json(store.get(keys.SIGNAL_KEY)).generation == 2
+    assert keys.TargetPlan.model_validate_json(store.get(keys.TARGET_KEY)).nodes == 2
+    rejections = source.read()["status"]["storeRejections"]
+    assert rejections["total"] == 3
+    assert rejections["counts"] == {"control/deleted": 1, "control/unsigned": 1, "foreign/foreign": 1}
+    assert {r["key"] for r in rejections["recent"]} == {"junk", "~/disttrain/signal", "~/disttrain/target"}
+    # without the guardian's help (its memory lost: a restarted agent), the agent writes its own keys again
+    outsider.delete_key(NS + keys.SIGNAL_KEY)
+    agent.sync()
+    assert keys.ControlSignal.model_validate_json(store.get(keys.SIGNAL_KEY)).generation == 2
+
+
+def test_the_mmap_threshold_can_be_pinned():
+    assert guardian.pin_mmap_threshold() in (True, False)  # False only without glibc
