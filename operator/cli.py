@@ -114,6 +114,11 @@ def network_policy_settings(args: argparse.Namespace) -> access.NetworkPolicySet
 
 def cmd_operator(args: argparse.Namespace) -> int:
     """Run the kopf operator (``kopf.run`` underneath) until SIGINT/SIGTERM."""
+    try:
+        network = network_policy_settings(args)
+    except ValueError as error:
+        print(f"disttrain operator: {error}", file=sys.stderr)
+        return 2
     import logging
     import os
 
@@ -143,7 +148,6 @@ def cmd_operator(args: argparse.Namespace) -> int:
         configuration.connection_pool_maxsize = handlers.API_CONCURRENCY  # one pooled connection per thread
         return client.ApiClient(configuration)
 
-    network = network_policy_settings(args)
     registry = kopf.get_default_registry()  # carries kopf's own login handlers (in-cluster, kubeconfig)
     handlers.register(registry, api_client, OperatorMetrics(), agent_image=args.agent_image or None, network=network)
 

@@ -135,7 +135,8 @@ def test_only_the_jobs_pods_mount_its_store_secret_and_only_its_workers_may_reac
         [rule] = policy["ingress"]
         [peer] = rule["from"]
         assert peer == {"podSelector": {"matchLabels": {constants.LABEL_JOB_NAME: name,
-                                                        constants.LABEL_ROLE: constants.ROLE_WORKER}}}
+                                                        constants.LABEL_ROLE: constants.ROLE_WORKER,
+                                                        "disttrain.dev/job-uid": cluster.job(name)["metadata"]["uid"]}}}
         assert rule["ports"] == [{"protocol": "TCP", "port": 29400}]
     assert secrets["fence-a"] != secrets["fence-b"]
 

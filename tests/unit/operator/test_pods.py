@@ -10,7 +10,7 @@ import pytest
 from disttrain.api import env
 from disttrain.api.contract import WorkerContract
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import access, pods
+from disttrain.operator import access, cli, pods
 from tests.unit.operator.world import job_manifest
 
 pytestmark = pytest.mark.timeout(60)
@@ -321,3 +321,9 @@ def test_the_agent_runs_the_operators_image_never_the_users():
     assert default.startswith(pods.AGENT_IMAGE_REPOSITORY + ":") and default != user_image
     chosen = pods.build_agent_pod(job, "registry.example/disttrain-trainer:9")["spec"]["containers"][0]
     assert chosen["image"] == "registry.example/disttrain-trainer:9" and "imagePullPolicy" not in chosen
+
+
+def test_the_operator_refuses_a_bad_scraper_selector_before_it_starts(capsys):
+    code = cli.main(["operator", "--all-namespaces", "--metrics-scraper-pod-selector", '{"app": "prometheus"}'])
+    assert code == 2
+    assert "--metrics-scraper-pod-selector: unknown keys ['app']" in capsys.readouterr().err
