@@ -24,6 +24,7 @@ import dataclasses
 import datetime
 import json
 import pickle
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -90,6 +91,10 @@ class Report:
         return data
 
 
+class TimeUp(Exception):
+    """The running attack's ``--seconds`` are over (raised by the next store operation)."""
+
+
 class Outsider:
     """One TCPStore client connection, re-opened when the server drops it, every operation counted."""
 
@@ -97,6 +102,8 @@ class Outsider:
         self.host = host
         self.port = port
         self.report = report
+        self.deadline = float("inf")
+        """time.monotonic() after which the running attack stops, even inside a round."""
         self._store: Any = None
 
     def store(self) -> Any:
@@ -109,6 +116,8 @@ class Outsider:
 
     def call(self, op: str, *args: Any) -> Any:
         """``store.<op>(*args)``; None (and the error counted) when it fails; a failed connection is reopened."""
+        if time.monotonic() >= self.deadline:
+            raise TimeUp(op)
         try:
             result = getattr(self.store(), op)(*args)
         except Exception as exc:  # noqa: BLE001 - an attacker counts every failure and carries on
@@ -271,9 +280,16 @@ def turned(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def deadline_loop(seconds: float) -> Iterator[int]:
-    """Rounds until ``seconds`` pass (at least one)."""
+def garbled(value: bytes) -> bytes:
+    """``value`` with its middle byte changed (a tampered signature, a torn write)."""
+    middle = len(value) // 2
+    return value[:middle] + bytes([value[middle] ^ 0x01]) + value[middle + 1 :]
+
+
+def deadline_loop(outsider: Outsider, seconds: float) -> Iterator[int]:
+    """Rounds until ``seconds`` pass (at least one); past them, the next store operation raises :class:`TimeUp`."""
     end = time.monotonic() + seconds
+    outsider.deadline = end + 1.0  # a round's last operation may finish; none starts a second after the end
     round_ = 0
     while True:
         yield round_
@@ -293,7 +309,7 @@ def attack_forge(outsider: Outsider, seconds: float) -> None:
     """Write forged control values under every prefix seen, and turned copies of every listed JSON value; replay
     the values first seen (old values) too; repeat until ``seconds`` pass."""
     first: dict[str, bytes] = {}
-    for round_ in deadline_loop(seconds):
+    for round_ in deadline_loop(outsider, seconds):
         keys = outsider.list_keys()
         values: dict[str, Optional[bytes]] = {key: outsider.get(key) for key in keys if "flood" not in key}
         if round_ == 0:
@@ -313,6 +329,10 @@ def attack_forge(outsider: Outsider, seconds: float) -> None:
             if data is not None:
                 outsider.set(key, json.dumps(turned(data)))
                 outsider.report.target("forge", key)
+            elif value and round_ % 2 == 0:  # not JSON (sealed, base64, text): flip one byte in the middle
+                outsider.set(key, garbled(value))
+                outsider.report.target("forge", key)
+                outsider.report.ops["garble"] += 1
         for prefix in prefixes_of(keys):  # last, so the hostile value is the one that stays
             for name in CONTROL_NAMES:
                 key = prefix + CONTROL_DIR + name
@@ -347,7 +367,7 @@ def attack_pickle(outsider: Outsider, seconds: float, marker: str) -> None:
     """Overwrite torchrun's rendezvous state with the file-creating pickle, by ``set`` and by ``compare_set``
     against the current value (what torchrun's own writer does), until ``seconds`` pass."""
     payloads = pickle_payloads(marker)
-    for round_ in deadline_loop(seconds):
+    for round_ in deadline_loop(outsider, seconds):
         keys = outsider.list_keys()
         state_keys = rendezvous_state_keys(outsider, keys)
         for prefix in prefixes_of(keys):
@@ -366,7 +386,7 @@ def attack_pickle(outsider: Outsider, seconds: float, marker: str) -> None:
 
 def attack_delete(outsider: Outsider, seconds: float) -> None:
     """Delete every listed key, again and again, until ``seconds`` pass."""
-    for _ in deadline_loop(seconds):
+    for _ in deadline_loop(outsider, seconds):
         for key in outsider.list_keys():
             outsider.delete(key)
             outsider.report.target("delete", key)
@@ -382,7 +402,7 @@ def attack_flood(outsider: Outsider, seconds: float, max_bytes: int) -> None:
     own += [k for k in keys if RENDEZVOUS_MARK in k]
     count = 0
     start = outsider.report.bytes_sent
-    for round_ in deadline_loop(seconds):
+    for round_ in deadline_loop(outsider, seconds):
         if outsider.report.bytes_sent - start >= max_bytes:
             outsider.report.ops["flood_capped"] += 1
             return
@@ -396,20 +416,25 @@ def attack_flood(outsider: Outsider, seconds: float, max_bytes: int) -> None:
 
 
 def run(outsider: Outsider, attack: str, seconds: float, marker: str, max_bytes: int) -> None:
-    attacks = ATTACKS if attack == "all" else (attack,)
+    attacks = ATTACKS if attack == "all" else tuple(attack.split(","))
     for name in attacks:
         ops_before = sum(outsider.report.ops.values())
         started = time.time()
-        if name == "list":
-            attack_list(outsider, seconds)
-        elif name == "forge":
-            attack_forge(outsider, seconds)
-        elif name == "pickle":
-            attack_pickle(outsider, seconds, marker)
-        elif name == "delete":
-            attack_delete(outsider, seconds)
-        else:
-            attack_flood(outsider, seconds, max_bytes)
+        try:
+            if name == "list":
+                attack_list(outsider, seconds)
+            elif name == "forge":
+                attack_forge(outsider, seconds)
+            elif name == "pickle":
+                attack_pickle(outsider, seconds, marker)
+            elif name == "delete":
+                attack_delete(outsider, seconds)
+            else:
+                attack_flood(outsider, seconds, max_bytes)
+        except TimeUp:
+            outsider.report.ops["time_up"] += 1
+        finally:
+            outsider.deadline = float("inf")
         outsider.report.phases.append(
             {
                 "attack": name,
@@ -423,7 +448,7 @@ def run(outsider: Outsider, attack: str, seconds: float, marker: str, max_bytes:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("address", help="HOST:PORT of the store (the job agent's, or a worker's)")
-    parser.add_argument("attack", choices=(*ATTACKS, "all"))
+    parser.add_argument("attack", help=f"one of {', '.join(ATTACKS)}, several joined by commas, or all")
     parser.add_argument("--seconds", type=float, default=10.0, help="how long each attack repeats (default 10)")
     parser.add_argument(
         "--marker",
@@ -438,6 +463,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         help="stop the flood after sending this many MiB (a safety cap for hosts without limits)",
     )
     args = parser.parse_args(argv)
+    unknown = [a for a in args.attack.split(",") if a not in ATTACKS] if args.attack != "all" else []
+    if unknown:
+        parser.error(f"attack={args.attack!r}: {', '.join(unknown)} not among {', '.join(ATTACKS)} (or all)")
     host, sep, port = args.address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         parser.error(f"address={args.address!r} is not HOST:PORT with a port in 1..65535")
@@ -447,8 +475,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # the report is still written
     report = Report(address=args.address, attack=args.attack)
     outsider = Outsider(args.host, args.port, report)
     outsider.call("check", ["outsider/connect"])  # connect (and import torch) before the clock starts

@@ -1,0 +1,321 @@
+"""Issue 27, must show: an outsider without the job's secret attacks a real local job (agent + 2 nodes, torchrun,
+the e2e recorder) through the agent's store port, and costs it a delay, nothing more.
+
+Each attack (``tests/security/outsider.py``) starts once the job trains and runs while it trains: list the keys;
+forge every control key; overwrite torchrun's rendezvous state with a pickle that would create a file; delete
+every key; flood 8 MiB values for 60 s. For each: the marker file never appears (no code of the attacker ran),
+the job Succeeded, no restart was charged, every step ran exactly once (none replayed, none skipped, every sample
+once), and the delay is measured against an unattacked run of the same job in the same session. Under the flood,
+the agent's peak memory stays well under its pod's limit.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import json
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import pytest
+
+from disttrain.operator import pods
+from disttrain.operator.local import proctree
+from disttrain.operator.local.runtime import LocalRuntime, Snapshot
+from tests.conftest import REPO_ROOT
+from tests.e2e.conftest import Run, e2e_job, run_job
+
+pytestmark = [pytest.mark.security, pytest.mark.slow]
+
+OUTSIDER = REPO_ROOT / "tests" / "security" / "outsider.py"
+MAX_STEPS = 30
+DATASET = 360  # 12 samples per step: one epoch in 30 steps
+STEP_SLEEP = 0.25
+ATTACK_AT_STEP = 3
+ATTACK_SECONDS = 6.0
+FLOOD_SECONDS = 60.0
+FLOOD_STEP_SLEEP = 2.4
+"""The flood lasts 60 s: its job's steps are slower so that it still trains when the flood ends."""
+AGENT_MEMORY_LIMIT = 512 * 2**20
+RUNAWAY_RSS = 3 * 2**30
+"""The test stops the flood when the agent passes this (a local agent has no memory limit to stop it)."""
+MIB = 2**20
+
+
+def _memory_bytes(quantity: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+    return int(quantity[:-2]) * units[quantity[-2:]] if quantity[-2:] in units else int(quantity)
+
+
+def test_the_agent_limit_read_here_is_the_pods():
+    """The memory bound asserted under the flood is the agent pod's limit, not a number of this test's own."""
+    assert _memory_bytes(pods.AGENT_MEMORY) == AGENT_MEMORY_LIMIT
+
+
+@dataclasses.dataclass
+class Attacked:
+    """An attacked run: the job, the outsider's report, and what was measured while it ran."""
+
+    run: Run
+    report: dict[str, Any]
+    marker: pathlib.Path
+    attack_start: float
+    attack_end: float
+    peak_agent_rss: int
+    agent_rss_before: int
+    """The agent's RSS when the attack began (its own baseline: Python, torch)."""
+    outsider_log: str
+
+
+def _rss_of(pids: set[int]) -> tuple[int, int]:
+    """(sum of VmRSS, largest VmHWM) of ``pids`` in bytes, from /proc (pids that are gone count 0)."""
+    rss = hwm = 0
+    for pid in pids:
+        try:
+            text = pathlib.Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("VmRSS:"):
+                rss += int(line.split()[1]) * 1024
+            elif line.startswith("VmHWM:"):
+                hwm = max(hwm, int(line.split()[1]) * 1024)
+    return rss, hwm
+
+
+def _agent_pids(runtime: LocalRuntime) -> set[int]:
+    agent = runtime.agent
+    if agent is None or not agent.is_alive:
+        return set()
+    return proctree.find_tree(agent.marker, agent.proc.pid)
+
+
+def _attacked_run(
+    tmp_path: pathlib.Path, attack: str, *, seconds: float, step_sleep: float = STEP_SLEEP, watch_memory: bool = False
+) -> Attacked:
+    """Run the job; once it reaches step ``ATTACK_AT_STEP``, start the outsider against the agent's store port."""
+    marker = tmp_path / "marker"
+    report_path = tmp_path / "outsider.json"
+    log_path = tmp_path / "outsider.log"
+    state: dict[str, Any] = {"proc": None, "start": 0.0, "peak": 0, "before": 0, "stop": threading.Event()}
+
+    def watch(runtime: LocalRuntime) -> None:
+        while not state["stop"].is_set():
+            rss, hwm = _rss_of(_agent_pids(runtime))
+            state["before"] = state["before"] or rss
+            state["peak"] = max(state["peak"], rss, hwm)
+            proc = state["proc"]
+            if state["peak"] > RUNAWAY_RSS and proc is not None and proc.poll() is None:
+                proc.kill()  # the agent would have been OOM-killed long ago; spare this machine
+            state["stop"].wait(0.2)
+
+    def on_tick(runtime: LocalRuntime, snapshot: Snapshot) -> None:
+        if state["proc"] is not None or int(snapshot.status.get("step", 0) or 0) < ATTACK_AT_STEP:
+            return
+        argv = [
+            sys.executable,
+            str(OUTSIDER),
+            f"127.0.0.1:{runtime.store_port}",
+            attack,
+            "--seconds",
+            str(seconds),
+            "--marker",
+            str(marker),
+            "--report",
+            str(report_path),
+        ]
+        state["start"] = time.time()
+        with log_path.open("wb") as log:  # the child holds its own copy
+            state["proc"] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        if watch_memory:
+            threading.Thread(target=watch, args=(runtime,), daemon=True).start()
+
+    builder = e2e_job(
+        f"outsider-{attack.replace(',', '-')}",
+        tmp_path / "records",
+        replicas=2,
+        max_steps=MAX_STEPS,
+        dataset=DATASET,
+        step_sleep=step_sleep,
+    )
+    try:
+        run = run_job(tmp_path, builder, on_tick=on_tick, timeout_s=240)
+    finally:
+        proc: Optional[subprocess.Popen[bytes]] = state["proc"]
+        if proc is not None:
+            try:
+                proc.wait(timeout=max(5.0, state["start"] + seconds + 15 - time.time()))
+            except subprocess.TimeoutExpired:
+                proc.terminate()  # it still writes its report
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        state["stop"].set()
+    assert proc is not None, f"the job never reached step {ATTACK_AT_STEP}: {run.reasons()}"
+    report = json.loads(report_path.read_text()) if report_path.exists() else {}
+    end = report["started_at"] + report["seconds"] if report else time.time()
+    return Attacked(
+        run, report, marker, state["start"], end, state["peak"], state["before"], log_path.read_text(errors="replace")
+    )
+
+
+def _step_times(run: Run) -> dict[int, float]:
+    """step -> when its last execution finished (the latest record of its ranks)."""
+    return {step: max(r["time"] for r in records) for step, records in run.final_trajectory().items()}
+
+
+def _longest_gap(run: Run, start: float = 0.0, end: float = float("inf")) -> float:
+    """The longest time between two consecutive steps ending in [start, end + one step]."""
+    times = sorted(_step_times(run).values())
+    gaps = [b - a for a, b in itertools.pairwise(times) if b >= start and a <= end]
+    return max(gaps, default=0.0)
+
+
+def _assert_unharmed(attacked: Attacked) -> None:
+    """No code ran, the job Succeeded, no restart was charged, every step ran once and every sample once."""
+    run = attacked.run
+    assert not attacked.marker.exists(), f"the attacker's pickle ran in the job: {attacked.marker} was created"
+    assert run.summary.succeeded, f"phase {run.summary.phase}: {run.summary.message}; events {run.reasons()}"
+    restarts = run.runtime.obj["status"].get("restarts") or {}
+    assert not run.summary.restarts_by_reason and not restarts.get("total"), f"restarts charged: {restarts}"
+    executions = run.executions()
+    assert sorted(executions) == list(range(1, MAX_STEPS + 1)), f"steps skipped or extra: {sorted(executions)}"
+    replayed = {step: len(runs) for step, runs in executions.items() if len(runs) != 1}
+    assert not replayed, f"steps replayed (step: executions): {replayed}"
+    assert all(len(runs[0]) == 2 for runs in executions.values()), "a step ran without both ranks"
+    consumed = collections.Counter(i for runs in executions.values() for r in runs[0] for i in r["indices"])
+    assert sorted(consumed) == list(range(DATASET)) and set(consumed.values()) == {1}, "samples lost or repeated"
+    assert run.summary.steps == MAX_STEPS
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    """The same job, unattacked, once per module: what the attacked runs' delays are measured against."""
+    tmp_path = tmp_path_factory.mktemp("baseline")
+    run = run_job(
+        tmp_path,
+        e2e_job(
+            "outsider-baseline",
+            tmp_path / "records",
+            replicas=2,
+            max_steps=MAX_STEPS,
+            dataset=DATASET,
+            step_sleep=STEP_SLEEP,
+        ),
+        timeout_s=240,
+    )
+    assert run.summary.succeeded, run.reasons()
+    yield run
+
+
+def _record(
+    results: list[dict[str, Any]], attack: str, attacked: Attacked, delay: float, gap: float, base_gap: float
+) -> None:
+    report = attacked.report
+    ops = sum(report.get("ops", {}).values())
+    line = (
+        f"{attack:>6}: delay {delay:+6.1f} s (job {attacked.run.summary.wall_seconds:.1f} s), longest step gap "
+        f"during the attack {gap:.2f} s (unattacked {base_gap:.2f} s), {ops} store ops, "
+        f"{report.get('bytes_sent', 0) / MIB:.0f} MiB sent, {len(report.get('keys_seen', []))} keys seen, "
+        f"phase {attacked.run.summary.phase}, restarts {dict(attacked.run.summary.restarts_by_reason) or 0}"
+    )
+    if attacked.peak_agent_rss:
+        line += (
+            f", agent RSS {attacked.agent_rss_before / MIB:.0f} MiB before, peak {attacked.peak_agent_rss / MIB:.0f}"
+            f" MiB (limit {AGENT_MEMORY_LIMIT / MIB:.0f})"
+        )
+    results.append(
+        {
+            "attack": attack,
+            "line": line,
+            "delay_s": round(delay, 2),
+            "longest_gap_s": round(gap, 2),
+            "baseline_longest_gap_s": round(base_gap, 2),
+            "wall_s": attacked.run.summary.wall_seconds,
+            "ops": ops,
+            "bytes_sent": report.get("bytes_sent", 0),
+            "peak_agent_rss": attacked.peak_agent_rss,
+            "agent_rss_before": attacked.agent_rss_before,
+            "phase": attacked.run.summary.phase,
+            "restarts": dict(attacked.run.summary.restarts_by_reason),
+            "warnings": sorted({e["reason"] for e in attacked.run.events if e["type"] == "Warning"}),
+        }
+    )
+
+
+def _the_attack_hit(attack: str, report: dict[str, Any], log: str) -> None:
+    """The outsider really did what it says (else a pass would prove nothing)."""
+    assert report, f"the outsider wrote no report; its output: {log[-3000:]}"
+    keys = report["keys_seen"]
+    assert keys, f"the outsider listed no keys: {report}"
+    targets = report["targets"]
+    if attack == "forge":
+        assert any(k.endswith("disttrain/failure") for k in targets.get("forge", [])), targets
+        assert any(k.endswith("disttrain/signal") for k in targets.get("forge", [])), targets
+    elif attack == "pickle":
+        assert any("torch.rendezvous." in k for k in targets.get("pickle", [])), targets
+    elif attack == "delete":
+        assert report["ops"].get("delete_key", 0) >= len(keys), report["ops"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("attack", ["forge", "pickle", "delete"])
+def test_an_outsider_costs_the_job_a_delay_and_nothing_more(tmp_path, attack, baseline, security_results):
+    attacked = _attacked_run(tmp_path, attack, seconds=ATTACK_SECONDS)
+    base_gap = _longest_gap(baseline)
+    _record(
+        security_results,
+        attack,
+        attacked,
+        attacked.run.summary.wall_seconds - baseline.summary.wall_seconds,
+        _longest_gap(attacked.run, attacked.attack_start, attacked.attack_end),
+        base_gap,
+    )
+    _the_attack_hit(attack, attacked.report, attacked.outsider_log)
+    _assert_unharmed(attacked)
+
+
+@pytest.mark.timeout(360)
+def test_a_60_s_flood_of_8_mib_values_neither_takes_the_agent_down_nor_fails_the_job(
+    tmp_path, baseline, security_results
+):
+    attacked = _attacked_run(
+        tmp_path, "list,flood", seconds=FLOOD_SECONDS, step_sleep=FLOOD_STEP_SLEEP, watch_memory=True
+    )
+    slower_steps = MAX_STEPS * (FLOOD_STEP_SLEEP - STEP_SLEEP)  # what the slower steps alone add
+    delay = attacked.run.summary.wall_seconds - baseline.summary.wall_seconds - slower_steps
+    _record(
+        security_results,
+        "flood",
+        attacked,
+        delay,
+        _longest_gap(attacked.run, attacked.attack_start, attacked.attack_end),
+        _longest_gap(baseline) + FLOOD_STEP_SLEEP - STEP_SLEEP,
+    )
+    _the_attack_hit("list", attacked.report, attacked.outsider_log)
+    listed = attacked.report["keys_seen"]
+    security_results.append(
+        {
+            "attack": "list",
+            "line": f"  list: {len(listed)} keys listed without the secret (read only; the flood job's first op), "
+            f"prefixes {attacked.report['prefixes']}",
+            "keys": listed,
+        }
+    )
+    assert attacked.report["bytes_sent"] >= 256 * MIB, f"the flood sent too little to prove anything: {attacked.report}"
+    assert attacked.attack_end - attacked.attack_start >= FLOOD_SECONDS - 1, "the flood did not last 60 s"
+    assert attacked.peak_agent_rss < AGENT_MEMORY_LIMIT * 0.75, (
+        f"the job agent's peak RSS {attacked.peak_agent_rss / MIB:.0f} MiB under the flood is not well under its "
+        f"pod's {pods.AGENT_MEMORY} limit (allowed: 75 %, {AGENT_MEMORY_LIMIT * 0.75 / MIB:.0f} MiB)"
+    )
+    agent_log = attacked.run.state.log_file("outsider-list-flood-agent").read_text(errors="replace")
+    assert agent_log.count("serving the store") == 1, "the agent was restarted under the flood"
+    _assert_unharmed(attacked)
