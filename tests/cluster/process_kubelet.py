@@ -9,7 +9,11 @@ a projected token). So the real job agent follows its job and patches its status
 torchrun and trainer processes train and reform. The kubelet reports what the processes do: Running, Ready once
 the container's readinessProbe port accepts, Failed or Succeeded with the exit code, and a graceful deletion
 (SIGTERM, then SIGKILL after the grace period) before it confirms it. :meth:`power_off` is a machine dying: every
-process of its pods is SIGKILLed, and its kubelet stops renewing the Lease and reporting.
+process of its pods is SIGKILLed, and its kubelet stops renewing the Lease and reporting. A pod that is no job's
+(no ``disttrain.dev/job-name`` label: an outsider's) runs its container's ``command + args`` as they are, with
+each argument that is a job agent Service's cluster address (``<job>-agent.<ns>.svc:<port>``) turned into that
+agent's local one. There is no network plugin here: NetworkPolicy is not enforced, every process reaches every
+port.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import dataclasses
 import os
 import signal
 import socket
+import sys
 import time
 import urllib.error
 import uuid
@@ -61,6 +66,8 @@ class ProcessKubelets(Kubelets):
         self.volume_root, self.logs, self.namespaces = volume_root, logs, namespaces
         self.containers: dict[str, _Container] = {}
         self._store_ports: dict[str, int] = {}
+        self._agent_addresses: dict[str, str] = {}
+        """A job agent Service's cluster address (each DNS form, with the port) -> its local ``127.0.0.1:port``."""
         logs.mkdir(parents=True, exist_ok=True)
         super().__init__(plane)
 
@@ -127,6 +134,8 @@ class ProcessKubelets(Kubelets):
     def _start(self, pod: dict[str, Any]) -> _Container:
         meta = pod["metadata"]
         ns = meta["namespace"]
+        if constants.LABEL_JOB_NAME not in (meta.get("labels") or {}):
+            return self._start_plain(pod)
         job_name = meta["labels"][constants.LABEL_JOB_NAME]
         job = DistTrainJob.model_validate(self.plane.request(
             "GET", f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/{ns}/{constants.PLURAL}/{job_name}"))
@@ -137,6 +146,9 @@ class ProcessKubelets(Kubelets):
         secret = self.plane.request("GET", f"/api/v1/namespaces/{ns}/secrets/{names.store_secret_name(job_name)}")
         host = names.agent_service_name(job_name)
         store_port = self._store_ports.setdefault(job.metadata.uid or job_name, free_port())
+        agent_hosts = (f"{host}.{ns}.svc.cluster.local", f"{host}.{ns}.svc", f"{host}.{ns}")
+        for alias in agent_hosts:
+            self._agent_addresses[f"{alias}:{job.spec.rendezvous.port}"] = f"127.0.0.1:{store_port}"
         cluster_dir = pods.checkpoint_dir(job)
         site = translate.LocalSite(
             agent_hosts=(f"{host}.{ns}.svc.cluster.local", f"{host}.{ns}.svc", f"{host}.{ns}", host),
@@ -158,6 +170,20 @@ class ProcessKubelets(Kubelets):
         marker = f"cluster-{uuid.uuid4().hex}"
         proc = proctree.spawn(spec.argv, spec.env, spec.cwd, log, marker)
         return _Container(meta["name"], ns, meta["uid"], pod["spec"]["nodeName"], marker, proc, log, readiness_port)
+
+    def _start_plain(self, pod: dict[str, Any]) -> _Container:
+        """A pod that is no job's: its first container's command and literal env, agent addresses made local."""
+        meta = pod["metadata"]
+        container = pod["spec"]["containers"][0]
+        argv = [self._agent_addresses.get(arg, arg) for arg in [*container.get("command", []), *container.get("args", [])]]
+        if argv and argv[0] in ("python", "python3"):
+            argv[0] = sys.executable
+        base_env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "PYTEST_CURRENT_TEST")}
+        literal = {e["name"]: e["value"] for e in container.get("env") or [] if "value" in e}
+        log = (self.logs / f"{meta['name']}.log").open("ab")
+        marker = f"cluster-{uuid.uuid4().hex}"
+        proc = proctree.spawn(argv, {**base_env, **literal}, str(Path(__file__).resolve().parents[2]), log, marker)
+        return _Container(meta["name"], meta["namespace"], meta["uid"], pod["spec"]["nodeName"], marker, proc, log, 0)
 
 
 def _accepts(port: int) -> bool:
