@@ -7,7 +7,8 @@ The operator never touches the store: it writes ``status.control`` and the agent
 Everything read from the store is untrusted input: each model bounds its numbers, string lengths and list sizes,
 times must be finite Unix times a timestamp can be made of, and :func:`read_model` skips (and logs) any value
 over :data:`MAX_VALUE_BYTES` or that does not validate. Who may write these keys at all is the business of
-:mod:`disttrain.api.storeauth` (the keys live under a per-job secret namespace).
+:mod:`disttrain.api.storeauth`: every value is sealed with the job's secret, and the trainer's signed store hands
+readers only values that verified (a forged one is absent); this validation is the second layer.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ so a worker restarted after a reform does not reform again. Generations count wi
 ``metadata.uid``): a signal of another job is ignored, and a checkpoint written by another job (one deleted and
 recreated under the same name) records nothing this job's directives are compared with.
 
-The store is reached through :mod:`disttrain.trainer.channel`, inside the job's secret key namespace.
+The store is reached through :mod:`disttrain.trainer.channel`: every value read is verified against the job's secret
+(a forged signal or failure record is absent), every value written is sealed.
 """
 
 from __future__ import annotations

@@ -11,9 +11,11 @@ vanished from the participants with a heartbeat that old is silent too (one that
 or to exit, has a fresh heartbeat when it goes). A node that is missed is still caught by Kubernetes' signals;
 a healthy node reported silent would be fenced for nothing, so every rule errs towards missing.
 
-Safety: workers write this store, so the state is decoded by :class:`RestrictedUnpickler`, which admits only the
-rendezvous state, node descriptors, datetimes and the builtin containers, and builds them as inert stand-ins
-(no torch class is instantiated); anything else is refused. The node's pod comes from :func:`identity_key`, which
+Safety: the state is read only through a store that verifies values (:func:`read_state` refuses any other), so
+the bytes unpickled were sealed with the job's secret by one of its own processes (:mod:`disttrain.api.storeauth`);
+as a second layer they are decoded by :class:`RestrictedUnpickler`, which admits only the rendezvous state, node
+descriptors, datetimes and the builtin containers, and builds them as inert stand-ins (no torch class is
+instantiated); anything else is refused. The node's pod comes from :func:`identity_key`, which
 the ``disttrain`` rendezvous handler writes before the node joins a round (:mod:`disttrain.trainer.rendezvous`).
 
 Pure but for :func:`read_state` and :func:`read_identity` (a store); no torch import.
@@ -233,8 +235,25 @@ def silent_report(
     return sorted(entries, key=lambda e: (e["node"], e["podUid"]))
 
 
+def is_verifying(store: Any) -> bool:
+    """Whether ``store`` (through any PrefixStores) hands out only verified values: a ``SignedStore`` of
+    :mod:`disttrain.trainer.signedstore` marks itself with ``verifies_values`` (checked by name: no torch here)."""
+    for _ in range(16):
+        if store is None:
+            return False
+        if getattr(store, "verifies_values", False) is True:
+            return True
+        store = getattr(store, "underlying_store", None)
+    return False
+
+
 def read_state(store: Any, run_id: str) -> Optional[RendezvousView]:
-    """The rendezvous state in ``store`` (``check`` first: ``get`` blocks on a missing key)."""
+    """The rendezvous state in ``store`` (``check`` first: ``get`` blocks on a missing key).
+
+    ``store`` must verify values (:func:`is_verifying`): the state is a pickle, and unverified bytes are never
+    unpickled, not even by the restricted unpickler."""
+    if not is_verifying(store):
+        raise StateRefused("the rendezvous state is read only through a signed store (disttrain.trainer.channel)")
     key = state_key(run_id)
     if not store.check([key]):
         return None

@@ -301,8 +301,9 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Build the handler from torchrun's parameters, exactly as ``c10d`` reads them, over the agent's store seen
-    through the job's secret key namespace (:mod:`disttrain.trainer.channel`): torch's own rendezvous state is
-    as out of reach of a client without the secret as the control keys."""
+    through the signed store (:mod:`disttrain.trainer.channel`): torch's own keys under it (the rendezvous state it
+    unpickles, the per-round MASTER_ADDR/MASTER_PORT, rank-info and barrier keys) are sealed when written and
+    verified before torch sees a byte, like the control keys; a forged or garbled value is absent to torch."""
     _, tcp_store = c10d_rendezvous_backend.create_backend(params)
     store = channel.scoped(tcp_store)
     backend = c10d_rendezvous_backend.C10dRendezvousBackend(store, params.run_id)

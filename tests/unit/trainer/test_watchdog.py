@@ -5,19 +5,23 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from disttrain.api import control
+from disttrain.api import control, env
 from disttrain.api.exitcodes import ExitCode
+from disttrain.trainer import channel
 from disttrain.trainer.control import Watchdog, parse_endpoint, read_signal
 
 
 @pytest.fixture
-def store():
+def store(monkeypatch):
     # Port 0: the server binds a port of its own choosing. A port probed free and then bound left a window in
     # which another listener (a CI run's leftover store) could take it, and the watchdog then read that store's
     # signals: a failed CI run saw the drain of generation 1 ignored as history.
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    yield server, f"127.0.0.1:{server.port}"
-    del server
+    raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    monkeypatch.setenv(env.STORE_SECRET, "w" * 64)  # the watchdog's channel is signed with the job's secret
+    monkeypatch.delenv(env.STORE_SECRET_FILE, raising=False)
+    monkeypatch.setenv(env.JOB_UID, "uid-w")
+    yield channel.scoped(raw, "w" * 64, "uid-w"), f"127.0.0.1:{raw.port}"
+    del raw
 
 
 def signal(server, generation: int, action: str) -> None:
