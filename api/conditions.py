@@ -80,6 +80,11 @@ class Reason(str, enum.Enum):
     DEADLINE_EXCEEDED = "DeadlineExceeded"
     INVALID_SPEC = "InvalidSpec"
     POD_REJECTED = "PodRejected"
+    CREATE_FAILED = "CreateFailed"
+    """Created=False: the API server did not create one of the job's objects (its answer is in the message)."""
+    NAME_HELD = "NameHeld"
+    """Created=False: an object of the name the job needs belongs to another owner (an older job of the same name
+    whose dependents are still being deleted); the job waits for it to go."""
 
 
 def find_condition(conditions: Sequence[Condition], type_: ConditionType) -> Optional[Condition]:

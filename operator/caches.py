@@ -116,6 +116,26 @@ class PodRecord:
     job: str
     role: str
     view: PodView
+    owners: frozenset[str] = frozenset()
+    """The uids in its ownerReferences: the pod is the job's only when the job's uid is among them."""
+
+
+def owner_uids(body: Mapping[str, Any]) -> frozenset[str]:
+    """The uids an object's ``metadata.ownerReferences`` name."""
+    references = _meta(body).get("ownerReferences") or []
+    return frozenset(str(r.get("uid")) for r in references if isinstance(r, Mapping) and r.get("uid"))
+
+
+def is_owned_by(body: Mapping[str, Any], uid: Optional[str]) -> bool:
+    """Whether ``body`` belongs to the job with ``uid``: one of its owner references carries that uid.
+
+    The one rule of ownership for everything the operator creates (pods, Services, Secrets, Roles, RoleBindings,
+    ServiceAccounts, NetworkPolicies). Why not the job-name label or the name: a job deleted and applied again
+    under the same name has a new uid, and the old job's pods (Terminating, with their exit codes) and objects
+    match the label and the deterministic names until the garbage collector has removed them. Counting them
+    failed the new job on its first reconcile; a 409 on one of them taken as success would adopt the old job's
+    Secret, which the garbage collector then deletes."""
+    return bool(uid) and uid in owner_uids(body)
 
 
 def _meta(body: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -133,7 +153,9 @@ def pod_record(body: Mapping[str, Any]) -> Optional[PodRecord]:
     job = labels.get(constants.LABEL_JOB_NAME)
     if not job:
         return None
-    return PodRecord(job=job, role=labels.get(constants.LABEL_ROLE, ""), view=views.pod_view(body))
+    return PodRecord(
+        job=job, role=labels.get(constants.LABEL_ROLE, ""), view=views.pod_view(body), owners=owner_uids(body)
+    )
 
 
 class ClusterCache:
@@ -237,14 +259,18 @@ class ClusterCache:
 
     # -- what a reconcile reads ---------------------------------------------------------------------------------
 
-    def observe(self, namespace: str, name: str) -> Observed:
-        """The job's pods, and the nodes that host them (a node absent here was deleted: the caches are synced
-        before any reconcile, see :mod:`disttrain.operator.listing`)."""
+    def observe(self, namespace: str, name: str, uid: Optional[str]) -> Observed:
+        """The pods of the job with ``uid``, and the nodes that host them (a node absent here was deleted: the
+        caches are synced before any reconcile, see :mod:`disttrain.operator.listing`).
+
+        Only pods an owner reference ties to ``uid`` count (:func:`is_owned_by`): those of an older job of the
+        same name match the label but are not this job's. ``uid`` None (a job the API server has not stored) has
+        no pods."""
         workers: list[PodView] = []
         agent: Optional[PodView] = None
         for pod_name in sorted(self._pods_of_job.get((namespace, name), ())):
             record = self.pods.get((namespace, pod_name))
-            if record is None:
+            if record is None or not uid or uid not in record.owners:
                 continue
             if record.role == constants.ROLE_WORKER:
                 workers.append(record.view)

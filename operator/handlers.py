@@ -6,12 +6,14 @@ waking only the jobs it concerns (a pod's job; for a node, the jobs with pods on
 reads of the node changed). :mod:`disttrain.operator.listing` makes the caches complete before a namespace's
 first reconcile and sweeps them after kopf re-listed a watch.
 
-One kopf daemon per DistTrainJob is its reconcile loop: it sleeps until its job is woken or the nearest timer
-the core computed (debounce, waits, backoff, deadlines, TTL) expires, reconciles on the cached state, and
+One asyncio task per DistTrainJob is its reconcile loop (not a kopf daemon, which would put a finalizer on the
+job): it sleeps until its job is woken or the nearest timer the core computed (debounce, waits, backoff,
+deadlines, TTL) expires, or after a failed API call for a backoff with jitter; it reconciles on the cached state, and
 applies the actions in a crash-safe order: status first (the core's memory), then deletions, creations and
 events. The answers to its writes go into the cache at once, so the next reconcile sees them whatever the
 watch's delay. Killing the operator at any point loses nothing: the next one lists, reads the same status and
-pods, and deterministic names turn a repeated create into 409 Conflict.
+pods, and deterministic names turn a repeated create into 409 Conflict, which counts as created only when the
+existing object's owner reference carries the job's uid (an older job of the same name holds it otherwise).
 
 No policy lives here; an ``if`` about training belongs in the core.
 """
@@ -34,11 +36,11 @@ from kubernetes import client as k8s
 
 from disttrain.api import constants, storeauth, timestamps
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import access, agentfields, diffbase, eventrate, listing, patches, scheduling
+from disttrain.operator import access, agentfields, diffbase, eventrate, listing, patches, retry, scheduling
 from disttrain.operator import pods as builders
-from disttrain.operator.caches import ClusterCache, JobKey
+from disttrain.operator.caches import ClusterCache, JobKey, is_owned_by, owner_uids
 from disttrain.operator.metrics import OperatorMetrics
-from disttrain.operator.observed import Actions
+from disttrain.operator.observed import Actions, CreateFailure
 from disttrain.operator.reconcile import reconcile
 
 log = logging.getLogger("disttrain.operator")
@@ -57,8 +59,28 @@ this process. With more threads a call waits in the API server, where the chart'
 a priority level of its own."""
 REQUEST_TIMEOUT_S = 30.0
 """Client-side timeout of every API call the adapter makes."""
-API_ERROR_RETRY_S = 1.0
 INTERNAL_ERROR_RETRY_S = 5.0
+LOOP_STOP_TIMEOUT_S = 5.0
+"""On operator shutdown, how long the job loops may take to finish their current reconcile before cancellation."""
+FINALIZER = f"{constants.GROUP}/operator"
+"""The finalizer operators before issue 27 put on every job; this one adds none and removes it where it finds it."""
+"""After a bug (not an API error, whose wait :mod:`disttrain.operator.retry` computes)."""
+
+
+class NameHeld(Exception):
+    """A create answered 409 and the existing object of that name is not the job's (another owner uid, or none):
+    an older job of the same name whose dependents the garbage collector is still deleting. Never adopted: the
+    job waits and retries (its Created condition and an Event name the object)."""
+
+    def __init__(self, kind: str, name: str, owners: frozenset[str]) -> None:
+        self.kind = kind
+        self.name = name
+        self.owners = owners
+        held = f"owned by uid {', '.join(sorted(owners))}" if owners else "not owned by this job"
+        super().__init__(
+            f"{kind} {name} already exists, {held} (an older job of the same name, still being deleted?); "
+            "waiting for it to go"
+        )
 
 
 class Kube:
@@ -149,7 +171,10 @@ class Kube:
         )
 
     async def create(self, obj: dict[str, Any]) -> Optional[dict[str, Any]]:
-        """Create ``obj``; an existing one (409) is fine: names are deterministic. Returns what was created."""
+        """Create ``obj``; returns what was created. An existing one (409) is fine when it is ours (names are
+        deterministic: a restarted operator creates again), that is when it shares an owner uid with ``obj``
+        (:func:`~disttrain.operator.caches.is_owned_by`); returns None then. Raises :class:`NameHeld` when the
+        existing one belongs to another owner (an Event, whose name is unique, is never checked)."""
         namespace = obj["metadata"]["namespace"]
         kind = obj["kind"]
         creators: dict[str, Callable[..., Any]] = {
@@ -166,6 +191,30 @@ class Kube:
             return self._body(await self._call(creators[kind], namespace, obj, field_manager=FIELD_MANAGER))
         except k8s.ApiException as error:
             if error.status != 409:
+                raise
+        wanted = owner_uids(obj)
+        if kind == "Event" or not wanted:
+            return None
+        existing = await self.read(kind, namespace, obj["metadata"]["name"])
+        if existing is None or not any(is_owned_by(existing, uid) for uid in wanted):
+            raise NameHeld(kind, obj["metadata"]["name"], owner_uids(existing or {}))
+        return None
+
+    async def read(self, kind: str, namespace: str, name: str) -> Optional[dict[str, Any]]:
+        """GET one of the kinds :meth:`create` makes (to see whose it is after a 409); None when it is gone."""
+        readers: dict[str, Callable[..., Any]] = {
+            "Pod": self.core.read_namespaced_pod,
+            "Service": self.core.read_namespaced_service,
+            "ServiceAccount": self.core.read_namespaced_service_account,
+            "Role": self.rbac.read_namespaced_role,
+            "RoleBinding": self.rbac.read_namespaced_role_binding,
+            "Secret": self.core.read_namespaced_secret,
+            "NetworkPolicy": self.networking.read_namespaced_network_policy,
+        }
+        try:
+            return self._body(await self._call(readers[kind], name, namespace))
+        except k8s.ApiException as error:
+            if error.status != 404:
                 raise
         return None
 
@@ -251,20 +300,48 @@ def is_refusal(error: k8s.ApiException) -> bool:
     return not any(sign in api_error_message(error) for sign in TRANSIENT_ADMISSION)
 
 
+Failures = dict[JobKey, CreateFailure]
+"""The failed creation of each job's last apply (see :class:`Observed.create_failure`)."""
+
+
+def failure_message(error: k8s.ApiException) -> str:
+    """``<status> <reason>: <the API server's sentence>``, for a condition and an Event."""
+    return f"{error.status} {error.reason}: {api_error_message(error)}"
+
+
+async def _create(kube: Kube, failures: Failures, job: DistTrainJob, obj: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """Create one of the job's objects; a failure is remembered for the next reconcile (which names it in the
+    Created condition and an Event) and raised (the job's loop retries after a backoff)."""
+    key = (job.metadata.namespace, job.metadata.name)
+    try:
+        return await kube.create(obj)
+    except NameHeld as held:
+        failures[key] = CreateFailure(held.kind, held.name, str(held), held_by=",".join(sorted(held.owners)))
+        raise
+    except k8s.ApiException as error:
+        failures[key] = CreateFailure(obj["kind"], obj["metadata"]["name"], failure_message(error))
+        raise
+
+
 REFUSED: dict[str, Any] = {}
 """What :func:`_create_pod` returns for a refused pod (compared by identity)."""
 
 
 async def _create_pod(
-    kube: Kube, refusals: Refusals, job: DistTrainJob, pod: dict[str, Any]
+    kube: Kube, refusals: Refusals, failures: Failures, job: DistTrainJob, pod: dict[str, Any]
 ) -> Optional[dict[str, Any]]:
     """Create a pod. A refusal is not raised: it is remembered for the next reconcile, which names it in the
-    status and an Event and retries the creation on its own timer; the rest of this apply (events) goes on."""
+    status and an Event and retries the creation on its own timer; the rest of this apply (events) goes on.
+    Any other failure is one of :func:`_create`'s."""
     key = (job.metadata.namespace, job.metadata.name)
     try:
         created = await kube.create(pod)
+    except NameHeld as held:
+        failures[key] = CreateFailure(held.kind, held.name, str(held), held_by=",".join(sorted(held.owners)))
+        raise
     except k8s.ApiException as error:
         if not is_refusal(error):
+            failures[key] = CreateFailure("Pod", pod["metadata"]["name"], failure_message(error))
             raise
         answer = api_error_message(error)
         if refusals.get(key) != answer:
@@ -285,18 +362,27 @@ async def apply(
     agent_image: Optional[str] = None,
     events: Optional[eventrate.EventFilter] = None,
     network: access.NetworkPolicySettings = access.DEFAULT_NETWORK,
+    failures: Optional[Failures] = None,
 ) -> Optional[dict[str, Any]]:
     """Apply in crash-safe order: the PodGroup (idempotent, so before the status that records it), status
     (memory), then deletions, creations, events (those ``events`` admits), TTL deletion. What the API server
-    answers goes into the cache. Returns the API server's answer to the status write (None: none)."""
+    answers goes into the cache. Returns the API server's answer to the status write (None: none).
+
+    A failed creation (of any object) is remembered in ``failures`` and raised: the rest waits for the retry.
+    ``failures`` holds the outcome of the last apply that reached its creations: cleared when they all went."""
     ns, name = job.metadata.namespace, job.metadata.name
     refusals = {} if refusals is None else refusals
+    failures = {} if failures is None else failures
     seen = time.monotonic()
     answer: Optional[dict[str, Any]] = None
     if actions.apply_pod_group:
         pod_group = builders.build_pod_group(job)
         if pod_group is not None:
-            await kube.apply_pod_group(pod_group)
+            try:
+                await kube.apply_pod_group(pod_group)
+            except k8s.ApiException as error:
+                failures[(ns, name)] = CreateFailure("PodGroup", pod_group["metadata"]["name"], failure_message(error))
+                raise
     if actions.status_patch:
         answer = await kube.patch_status(ns, name, dict(actions.status_patch))
         cache.put_job(answer, seen)
@@ -305,21 +391,23 @@ async def apply(
         if deleted is not None:
             cache.put_pod(deleted, time.monotonic())
     if actions.create_agent:
-        await kube.create(access.build_store_secret(job, storeauth.new_secret()))  # 409: the first one stays
+        await _create(kube, failures, job, access.build_store_secret(job, storeauth.new_secret()))  # 409: ours stays
         for obj in builders.build_support_objects(job, network):
-            await kube.create(obj)
-        created = await _create_pod(kube, refusals, job, builders.build_agent_pod(job, agent_image))
+            await _create(kube, failures, job, obj)
+        created = await _create_pod(kube, refusals, failures, job, builders.build_agent_pod(job, agent_image))
         _remember_pod(cache, None if created is REFUSED else created)
     for worker in actions.create_workers:
         created = await _create_pod(
             kube,
             refusals,
+            failures,
             job,
             builders.build_worker_pod(job, worker.node_index, name=worker.name, avoid_nodes=worker.avoid_nodes),
         )
         if created is REFUSED:
             break  # the next pods would be refused too: one answer per reconcile, retried on the core's timer
         _remember_pod(cache, created)
+    failures.pop((ns, name), None)
     for event in actions.events:
         if events is not None and not events.admit((ns, name, event.type, event.reason, event.message), now):
             continue
@@ -347,6 +435,7 @@ async def reconcile_once(
     agent_image: Optional[str] = None,
     events: Optional[eventrate.EventFilter] = None,
     network: access.NetworkPolicySettings = access.DEFAULT_NETWORK,
+    failures: Optional[Failures] = None,
 ) -> Optional[Reconciled]:
     """Decide on the cached state and write. Returns the actions (None when the job is gone)."""
     started = time.perf_counter()
@@ -360,10 +449,15 @@ async def reconcile_once(
         {**{k: v for k, v in raw.items() if k in ("apiVersion", "kind", "spec", "status")}, "metadata": meta}
     )
     refusals = {} if refusals is None else refusals
-    observed = dataclasses.replace(cache.observe(namespace, name), refused=refusals.get((namespace, name)))
+    failures = {} if failures is None else failures
+    observed = dataclasses.replace(
+        cache.observe(namespace, name, job.metadata.uid),
+        refused=refusals.get((namespace, name)),
+        create_failure=failures.get((namespace, name)),
+    )
     now = time.time()
     actions = reconcile(job, observed, now)
-    answer = await apply(kube, cache, job, actions, now, refusals, agent_image, events, network)
+    answer = await apply(kube, cache, job, actions, now, refusals, agent_image, events, network, failures=failures)
     metrics.reconcile_duration.observe(time.perf_counter() - started)
     metrics.observe_job(
         namespace, name, actions.status, now, max_restarts=job.spec.restart_policy.max_restarts, uid=job.metadata.uid
@@ -425,8 +519,8 @@ def _namespaced(namespace: Optional[str]) -> str:
     return namespace
 
 
-async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, timeout: Optional[float]) -> None:
-    """Until the job is woken, the daemon is stopped, or ``timeout`` seconds (None: no timer) passed."""
+async def _sleep(wake: asyncio.Event, stopped: asyncio.Event, timeout: Optional[float]) -> None:
+    """Until the job is woken, its loop is stopped, or ``timeout`` seconds (None: no timer) passed."""
     waiters = {asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stopped.wait())}
     try:
         await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -448,6 +542,7 @@ def register(
     pokes = Pokes()
     cache = ClusterCache()
     refusals: Refusals = {}
+    failures: Failures = {}
     events = eventrate.EventFilter()
     box: dict[str, Any] = {}
 
@@ -461,51 +556,78 @@ def register(
 
     listings = listing.Listings(cache, list_scope, pokes.poke_jobs)
 
-    @kopf.daemon(constants.GROUP, constants.VERSION, constants.PLURAL, registry=registry, cancellation_timeout=5.0)
-    async def job_loop(
-        *, name: str, namespace: Optional[str], body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any
-    ) -> None:
-        """The job's reconcile loop (kopf starts it on create and on operator start, stops it on deletion)."""
-        namespace = _namespaced(namespace)
+    loops: dict[JobKey, tuple[asyncio.Task[None], asyncio.Event]] = {}
+    """Each job's reconcile loop and the event that stops it. Our own tasks, not kopf daemons: kopf puts a
+    finalizer on every object that has a daemon, and a finalizer makes deleting a job wait for the operator
+    (hung while it was down). Nothing needs one: the children go by their owner references, metrics series by
+    the DELETED watch event, a loop by ``stop_loop``."""
+
+    def start_loop(namespace: str, name: str) -> None:
+        """Start the job's loop unless one runs (a job seen first, or again after the operator's start)."""
+        key = (namespace, name)
+        if key in loops and not loops[key][0].done():
+            return
+        stop = asyncio.Event()
+        pokes.events[key] = asyncio.Event()  # its own: a loop of an older job of this name may still be ending
+        task = asyncio.create_task(job_loop(namespace, name, stop), name=f"reconcile {namespace}/{name}")
+        loops[key] = (task, stop)
+
+    def stop_loop(namespace: str, name: str) -> None:
+        """Stop the job's loop (the job is gone or being deleted); it ends after its current reconcile."""
+        entry = loops.pop((namespace, name), None)
+        if entry is not None:
+            entry[1].set()
+
+    async def job_loop(namespace: str, name: str, stopped: asyncio.Event) -> None:
+        """The job's reconcile loop (started on the job's first watch event, also after an operator start)."""
+        key = (namespace, name)
         wake = pokes.get(namespace, name)
-        cache.put_job(patches.copy_json(dict(body)), time.monotonic())
         delay: Optional[float] = 0.0
+        backoff = retry.Backoff()
         try:
-            while not stopped:
+            while not stopped.is_set():
                 wake.clear()
                 try:
                     await listings.ensure_synced(namespace)
                     refused = refusals.get((namespace, name))
+                    failed = failures.get((namespace, name))
                     result = await reconcile_once(
-                        kube(), cache, metrics, namespace, name, refusals, agent_image, events, network
+                        kube(), cache, metrics, namespace, name, refusals, agent_image, events, network, failures
                     )
                     if result is None:
                         return
+                    backoff.succeeded()
                     requeue = result.actions.requeue_after
                     delay = None if requeue is None else max(0.05, requeue)
                     if result.others_wrote:
                         wake.set()  # the cache holds a change no watch event will announce
-                    if refusals.get((namespace, name)) != refused:
-                        delay = 0.05  # a new refusal (or its end): the status says so at once
+                    if refusals.get((namespace, name)) != refused or failures.get((namespace, name)) != failed:
+                        delay = 0.05  # a new refusal or failure (or its end): the status says so at once
+                except NameHeld as held:
+                    delay = backoff.failed(None, None, time.time())
+                    log.info("job %s/%s waits: %s; retrying in %.1f s", namespace, name, held, delay)
                 except k8s.ApiException as error:
                     metrics.errors.labels("api").inc()
+                    delay = backoff.failed(error.status, error.headers, time.time())
                     log.warning(
-                        "reconcile of %s/%s failed: %s %s: %s; retrying",
+                        "reconcile of %s/%s failed: %s %s: %s; retrying in %.1f s",
                         namespace,
                         name,
                         error.status,
                         error.reason,
                         api_error_message(error),
+                        delay,
                     )
-                    delay = API_ERROR_RETRY_S
                 except Exception:
                     metrics.errors.labels("internal").inc()
                     log.exception("reconcile of %s/%s failed; retrying", namespace, name)
                     delay = INTERNAL_ERROR_RETRY_S
                 await _sleep(wake, stopped, delay)
         finally:
-            pokes.events.pop((namespace, name), None)
-            refusals.pop((namespace, name), None)
+            if pokes.events.get(key) is wake:  # not yet replaced by the loop of a new job of the same name
+                del pokes.events[key]
+                refusals.pop(key, None)
+                failures.pop(key, None)
             if cache.job(namespace, name) is None:
                 metrics.forget_job(namespace, name)
 
@@ -517,7 +639,8 @@ def register(
         now = time.monotonic()
         if type is None:
             listings.relisted(listing.JOBS, namespace)
-        if type == "DELETED" or body.get("metadata", {}).get("deletionTimestamp"):
+        deleting = type == "DELETED" or bool(body.get("metadata", {}).get("deletionTimestamp"))
+        if deleting:
             metrics.forget_job(namespace, name, body.get("metadata", {}).get("uid"))  # deleting: no series
         if type == "DELETED":
             cache.remove_job(body, now)
@@ -525,6 +648,10 @@ def register(
             pokes.poke(namespace, name)
         elif cache.put_job(patches.copy_json(dict(body)), now) is not None:
             pokes.poke(namespace, name)
+        if deleting:
+            stop_loop(namespace, name)
+        else:
+            start_loop(namespace, name)
 
     @kopf.on.event("v1", "pods", labels={constants.LABEL_JOB_NAME: kopf.PRESENT}, registry=registry)
     async def pod_changed(*, type: Optional[str], body: kopf.Body, namespace: Optional[str], **_: Any) -> None:
@@ -546,6 +673,13 @@ def register(
     @kopf.on.cleanup(registry=registry)
     async def stop_sweeps(**_: Any) -> None:
         await listings.close()
+        running = [task for task, _stop in loops.values()]
+        for namespace, name in list(loops):
+            stop_loop(namespace, name)
+        if running:
+            _done, pending = await asyncio.wait(running, timeout=LOOP_STOP_TIMEOUT_S)
+            for task in pending:
+                task.cancel()
 
     @kopf.on.probe(id="jobs", registry=registry)
     def jobs_probe(**_: Any) -> int:
@@ -574,7 +708,9 @@ def configure(settings: kopf.OperatorSettings) -> None:
     objects_log = logging.getLogger("kopf.objects")
     if not any(isinstance(f, QuietWatchSinks) for f in objects_log.filters):
         objects_log.addFilter(QuietWatchSinks())
-    settings.persistence.finalizer = f"{constants.GROUP}/operator"
+    # No handler requires a finalizer (the job loops are our own tasks, see ``register``); kopf still needs the
+    # name to recognise and remove the one older versions added, so that deleting such a job waits for nothing.
+    settings.persistence.finalizer = FINALIZER
     settings.persistence.diffbase_storage = diffbase.LeanDiffBaseStorage()
     settings.watching.server_timeout = 300
     # Watch only our pods (server-side): the rest of the cluster's pods never reach the operator.

@@ -80,6 +80,21 @@ class NodeView:
 
 
 @dataclasses.dataclass(frozen=True)
+class CreateFailure:
+    """The last creation of one of the job's objects that did not succeed, as the adapter saw it (the outcome of
+    an API call comes back to the core as observed input, so the core stays pure)."""
+
+    kind: str
+    """Pod, Service, Secret, Role, RoleBinding, ServiceAccount, NetworkPolicy or PodGroup."""
+    name: str
+    message: str
+    """The API server's answer (status, reason and its own sentence), or who holds the name."""
+    held_by: Optional[str] = None
+    """The uid of the owner of an existing object of that name (409) when it is not this job: an older job of the
+    same name, whose dependents are still being deleted. A wait, never an adoption."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Observed:
     """Everything the reconcile core reads besides the job itself."""
 
@@ -90,6 +105,9 @@ class Observed:
     refused: Optional[str] = None
     """The API server's answer when it last refused to create a pod of the job (Pod Security admission, a quota,
     a webhook), until a creation succeeds; the adapter remembers it between reconciles."""
+    create_failure: Optional[CreateFailure] = None
+    """The failed creation of the adapter's last apply (any object, a pod's admission refusal excepted: that is
+    :attr:`refused`); None when it created everything it was asked to."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,6 +47,7 @@ from disttrain.operator.observed import (
     NORMAL,
     WARNING,
     Actions,
+    CreateFailure,
     Event,
     EventType,
     NodeView,
@@ -400,6 +401,9 @@ def _bootstrap(d: _Draft) -> None:
         st.start_time = timestamps.format_time(d.now)
     st.selector = f"{constants.LABEL_JOB_NAME}={d.job.metadata.name},{constants.LABEL_ROLE}={constants.ROLE_WORKER}"
     st.observed_generation = d.job.metadata.generation or st.observed_generation
+    if d.seen.create_failure is not None:
+        _announce_create_failure(d, d.seen.create_failure)
+        return
     d.condition(
         ConditionType.CREATED,
         True,
@@ -1134,6 +1138,25 @@ def _announce_refusal(d: _Draft, answer: str) -> None:
         d.event(WARNING, Reason.POD_REJECTED, message)
     d.condition(ConditionType.SCHEDULED, False, Reason.POD_REJECTED, message)
     d.timer(d.now + REFUSED_RETRY_SECONDS)
+
+
+def create_failure_message(failure: CreateFailure) -> str:
+    """Created=False's message: which object, and the API server's answer or who holds the name."""
+    if failure.held_by is not None:
+        return f"waiting to create {failure.kind} {failure.name}: {failure.message}"[:1024]
+    return f"the API server did not create {failure.kind} {failure.name}: {failure.message}"[:1024]
+
+
+def _announce_create_failure(d: _Draft, failure: CreateFailure) -> None:
+    """Created=False names the object the adapter could not create (CreateFailed) or whose name another owner
+    holds (NameHeld); a Warning event whenever that changes (the adapter rate-limits repeats). The adapter
+    retries the creation after its backoff."""
+    reason = Reason.NAME_HELD if failure.held_by is not None else Reason.CREATE_FAILED
+    message = create_failure_message(failure)
+    previous = conditions.find_condition(d.status.conditions, ConditionType.CREATED)
+    if previous is None or previous.reason != reason.value or previous.message != message:
+        d.event(WARNING, reason, message)
+    d.condition(ConditionType.CREATED, False, reason, message)
 
 
 def _publish(d: _Draft) -> None:
