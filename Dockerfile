@@ -7,14 +7,26 @@
 # Your own training code goes in an image built FROM the trainer image: see examples/custom-image/.
 # Both run as user 65532. Without docker or a registry: `make images` (buildah, a Debian base; scripts/images/).
 #
+# Supply chain: every package comes from a lock with the SHA-256 of each file (requirements/*.txt, made by
+# `make locks`), installed with `pip install --require-hashes --no-deps`, one index per pip call and never an extra
+# one: a package of the same name on another index has another hash and is refused. The base is pinned by digest.
+#
 # Build arguments (the defaults are what users want; `make images` overrides them to build without a registry):
-#   PYTHON_IMAGE      a Debian-based image whose `python3` is CPython 3.10+ with the venv module
-#   TORCH_INDEX_URL   extra pip index for torch; empty for PyPI only. CUDA: https://download.pytorch.org/whl/cu126
-#   PIP_INSTALL_ARGS  more `pip install` options and requirements for the trainer, e.g. a local wheel directory
-#                     mounted into the build: "--find-links /mnt torch==2.13.0". It is recorded in the
-#                     image's history: never put a credential in a build argument.
+#   PYTHON_IMAGE      a Debian-based image whose `python3` is CPython 3.11 (the locks are resolved for it) with the
+#                     venv module, by digest: NAME@sha256:... (tests/images/test_locks.py refuses a bare tag)
+#   INDEX_URL         the one index for every package but torch (a mirror of PyPI serves the same files)
+#   TORCH_INDEX_URL   the one index for torch, in a pip call of its own: PyTorch's CPU index, the only one with a
+#                     torch 2.13.0+cpu. Ignored when TORCH_FIND_LINKS is set.
+#   TORCH_FIND_LINKS  a folder (or page) of torch wheels to take torch from instead, no index at all; e.g. a local
+#                     wheel folder mounted into the build (`make images` mounts one at /mnt). The hash still holds.
+#   TORCH_LOCK        the torch lock in the build context (default requirements/torch-cpu.txt). A CUDA build needs a
+#                     lock of its own holding the CUDA wheel's hashes and its nvidia-* dependencies.
+# Build arguments are recorded in the image's history: never put a credential in one.
 
-ARG PYTHON_IMAGE=python:3.11-slim
+# The digest was taken from a public record of 2026-08-24 (no registry is reachable where this was written, so
+# it was not fetched here; a wrong one fails the build, it cannot swap the base). To move it: `docker buildx
+# imagetools inspect python:3.11-slim-bookworm` (or `skopeo inspect`) and replace the digest below.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:2e32f7d302adc1c37428355c1e646897c0c53f4fd60b6a551245fb90ee129f91
 
 # What every image shares: the unprivileged user, the venv on PATH, no bytecode or pip cache written at run time.
 FROM ${PYTHON_IMAGE} AS python
@@ -27,28 +39,46 @@ RUN groupadd --gid 65532 disttrain \
 # layers holds a wheel, a pip cache or anything mounted into the build. A venv because Debian's own python3
 # refuses system-wide pip installs, and one layout on every base keeps the images alike.
 FROM python AS venv
+# No pip configuration file of the base's can add an index (stages of the build only: the images keep none of it).
+ENV PIP_CONFIG_FILE=/dev/null
 RUN python3 -m venv /opt/venv
 
 FROM venv AS build
+ARG INDEX_URL=https://pypi.org/simple
 WORKDIR /src
+# The build backend from its lock, and no build isolation: isolation would fetch setuptools again, unhashed.
+COPY requirements/build.txt /requirements/
+RUN pip install --no-cache-dir --index-url "${INDEX_URL}" --require-hashes --no-deps -r /requirements/build.txt
 COPY pyproject.toml README.md ./
 COPY api ./api
 COPY operator ./operator
 COPY trainer ./trainer
 COPY src ./src
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+RUN pip wheel --no-cache-dir --no-build-isolation --no-deps --wheel-dir /wheels .
 
 FROM venv AS operator-venv
+ARG INDEX_URL=https://pypi.org/simple
+COPY requirements/operator.txt /requirements/
+RUN pip install --no-cache-dir --index-url "${INDEX_URL}" --require-hashes --no-deps -r /requirements/operator.txt
+# The project itself, built above from this tree: no index, nothing else pulled in.
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir "$(ls /wheels/disttrain-*.whl)[operator]"
+RUN pip install --no-cache-dir --no-index --no-deps /wheels/disttrain-*.whl
 
 FROM venv AS trainer-venv
+ARG INDEX_URL=https://pypi.org/simple
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ARG PIP_INSTALL_ARGS=""
+ARG TORCH_FIND_LINKS=""
+ARG TORCH_LOCK=requirements/torch-cpu.txt
+# torch first, from its one source; then torch's and disttrain's dependencies and the kubernetes client (for the
+# job agent, which follows its job; kopf is not installed here) from the other.
+COPY ${TORCH_LOCK} /requirements/torch.txt
+RUN if [ -n "${TORCH_FIND_LINKS}" ]; then torch_from="--no-index --find-links ${TORCH_FIND_LINKS}"; \
+    else torch_from="--index-url ${TORCH_INDEX_URL}"; fi \
+ && pip install --no-cache-dir ${torch_from} --require-hashes --no-deps -r /requirements/torch.txt
+COPY requirements/trainer.txt /requirements/
+RUN pip install --no-cache-dir --index-url "${INDEX_URL}" --require-hashes --no-deps -r /requirements/trainer.txt
 COPY --from=build /wheels /wheels
-# The kubernetes client is for the job agent (it follows its job); kopf is not installed here.
-RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--extra-index-url "${TORCH_INDEX_URL}"} ${PIP_INSTALL_ARGS} \
-        "$(ls /wheels/disttrain-*.whl)[trainer]" "kubernetes>=29,<38"
+RUN pip install --no-cache-dir --no-index --no-deps /wheels/disttrain-*.whl
 
 FROM python AS operator
 COPY --from=operator-venv /opt/venv /opt/venv

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 HELM := $(BIN)/helm
 CRD := crds/disttrain.dev_disttrainjobs.yaml
 
-.PHONY: demo test test-fast lint crd clean images test-images image-tools
+.PHONY: demo test test-fast lint crd clean images test-images image-tools locks
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,12 @@ images: $(STAMP) image-tools
 
 test-images: $(STAMP) image-tools
 	DISTTRAIN_TEST_IMAGES=1 $(BIN)/python -m pytest tests/images
+
+# The hash-pinned locks the images install from (requirements/*.txt, out of pyproject.toml and requirements/*.in):
+# `make locks` resolves again what an input changed and keeps the other pins; `make locks LOCK_ARGS=--upgrade`
+# moves every pin to the newest allowed release. TORCH_FIND_LINKS=/folder takes torch's hash from local wheels.
+locks:
+	scripts/images/lock.sh $(LOCK_ARGS)
 
 # The chart carries a byte-identical copy (tests/chart/test_crd_copy.py).
 crd: $(STAMP)

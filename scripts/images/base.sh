@@ -5,6 +5,12 @@
 #
 # The image name carries a hash of every input (suite, mirror, packages, this script), so a second run finds it
 # in buildah's local storage and returns at once; changing an input makes a new image.
+#
+# What pins it (a registry digest cannot: the image is made here, and debootstrap's output differs by timestamps
+# from run to run): debootstrap checks the suite's Release file against Debian's archive keyring and every
+# package against the Release's SHA-256 sums (--force-check-gpg: no keyring, no image), and the script prints
+# the image by its digest, NAME@sha256:..., which build.sh hands the Dockerfile as PYTHON_IMAGE: the build uses
+# exactly the image verified here, not whatever holds the tag by then.
 set -euo pipefail
 
 SUITE="${DEBIAN_SUITE:-bookworm}"
@@ -21,20 +27,32 @@ apt_mirror() {
     echo "${uri:-http://deb.debian.org/debian}"
 }
 MIRROR="${DEBIAN_MIRROR:-$(apt_mirror)}"
+KEYRING="${DEBIAN_KEYRING:-/usr/share/keyrings/debian-archive-keyring.gpg}"
 
-key=$(printf '%s\n' "$SUITE" "$MIRROR" "$PACKAGES" "$(sha256sum < "$0")" | sha256sum | cut -c1-12)
+# The image's reference by the digest of its manifest: a tag can be moved, a digest names one content.
+by_digest() {  # NAME
+    local digest
+    digest=$(buildah inspect --type image --format '{{.FromImageDigest}}' "$1")
+    case "$digest" in
+        sha256:*) echo "${1%:*}@$digest" ;;
+        *) echo "base.sh: $1 has no manifest digest (got '$digest')" >&2; return 1 ;;
+    esac
+}
+
+key=$(printf '%s\n' "$SUITE" "$MIRROR" "$PACKAGES" "$(sha256sum < "$KEYRING" 2>/dev/null)" "$(sha256sum < "$0")" | sha256sum | cut -c1-12)
 name="localhost/disttrain-base:${SUITE}-${key}"
 if buildah inspect --type image "$name" >/dev/null 2>&1; then
-    echo "$name"
+    by_digest "$name"
     exit 0
 fi
 
 command -v debootstrap >/dev/null || { echo "base.sh: debootstrap is not installed (apt-get install debootstrap)" >&2; exit 1; }
+[ -f "$KEYRING" ] || { echo "base.sh: DEBIAN_KEYRING=$KEYRING: no such file; debootstrap verifies the Debian archive's signature with it (apt-get install debian-archive-keyring)" >&2; exit 1; }
 work=$(mktemp -d)
 ctr=""
 trap 'rm -rf "$work"; [ -z "$ctr" ] || buildah rm "$ctr" >/dev/null 2>&1 || true' EXIT
 echo "base.sh: debootstrap $SUITE from $MIRROR (a few minutes)" >&2
-debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$work/rootfs" "$MIRROR" >"$work/debootstrap.log" 2>&1 \
+debootstrap --variant=minbase --force-check-gpg --keyring="$KEYRING" --include="$PACKAGES" "$SUITE" "$work/rootfs" "$MIRROR" >"$work/debootstrap.log" 2>&1 \
     || { tail -n 30 "$work/debootstrap.log" >&2; exit 1; }
 # Downloaded packages and package lists: ~95 MB nobody needs at run time (`apt-get update` brings lists back).
 rm -rf "$work"/rootfs/var/cache/apt/archives/*.deb "$work"/rootfs/var/lib/apt/lists/*
@@ -46,4 +64,4 @@ buildah config --env LANG=C.UTF-8 --cmd python3 \
     --label "org.opencontainers.image.description=Debian $SUITE minbase + $PACKAGES (debootstrap from $MIRROR)" "$ctr"
 buildah commit --quiet --rm "$ctr" "$name" >/dev/null
 ctr=""
-echo "$name"
+by_digest "$name"

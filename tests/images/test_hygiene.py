@@ -1,14 +1,18 @@
 """Both images run as an unprivileged user and carry nothing of their build: no pip cache, no wheel, no mounted
-build input (the torch wheel folder, the host's CA bundle), no credentials file."""
+build input (the torch wheel folder, the host's CA bundle), no credentials file; what they hold came from the locks
+and the base handed over by digest (tests/images/test_locks.py reads the Dockerfile and the locks themselves)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.images.buildah import container, image_config
+from tests.images.buildah import buildah, container, image_config
 from tests.images.conftest import Images
 
 pytestmark = pytest.mark.timeout(1800)  # the first test builds the images
@@ -17,6 +21,12 @@ TARGETS = ("operator", "trainer")
 # Files that hold credentials for pip, other package managers or HTTP clients.
 CREDENTIAL_FILES = {".netrc", "_netrc", ".pypirc", "pip.conf", "pip.ini", ".git-credentials", ".dockercfg"}
 SKIP_DIRS = {"proc", "sys", "dev"}
+
+
+def buildah_json(image: str) -> dict[str, Any]:
+    """The image's OCI configuration document (rootfs.diff_ids: its layers, bottom first)."""
+    document: dict[str, Any] = json.loads(buildah("inspect", "--type", "image", image))["OCIv1"]
+    return document
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -50,3 +60,15 @@ def test_no_pip_cache_wheel_credentials_or_build_mount_left(images: Images, targ
         # The host's CA bundle was mounted over the base's during the build; the image keeps Debian's own.
         bundle = "etc/ssl/certs/ca-certificates.crt"
         assert (root / bundle).read_bytes() == (base.mount() / bundle).read_bytes()
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_locked_installs_are_complete_and_sit_on_the_base_given_by_digest(images: Images, target: str) -> None:
+    """Every package went in with --no-deps from a lock: `pip check` finds nothing missing or out of range. The
+    base went in by digest (build.sh resolves even a tag to one), and the image's first layers are that base's."""
+    assert re.search(r"@sha256:[0-9a-f]{64}$", images.base), images.base
+    image = getattr(images, target)
+    with container(image) as ctr:
+        assert "No broken requirements found" in ctr.check("python", "-m", "pip", "check")
+    base_layers = buildah_json(images.base)["rootfs"]["diff_ids"]
+    assert buildah_json(image)["rootfs"]["diff_ids"][: len(base_layers)] == base_layers
