@@ -90,6 +90,29 @@ def _trainer_has_command(pod_containers: list[Node]) -> bool:
     return index is None or bool(pod_containers[index].get("command"))
 
 
+AGENT_SERVICE_ACCOUNT_SUFFIX = "-agent"
+"""Every job's agent runs as ServiceAccount ``<job>-agent`` (disttrain.operator.names), whose Role may patch that
+job's status: a pod template naming any such account would run the user's code with that token, so names with this
+suffix are refused in templates (the job name is unknown to a rule, and any job's account must be refused)."""
+
+
+def agent_service_account_rule(field: str) -> Rule:
+    """The rule refusing an agent's ServiceAccount in ``spec.template.spec.<field>`` (serviceAccount is the
+    deprecated alias the API server still honours when serviceAccountName is unset)."""
+    return Rule(
+        node=f"spec.template.spec.{field}",
+        cel=f"!self.endsWith('{AGENT_SERVICE_ACCOUNT_SUFFIX}')",
+        message=(
+            f"{field} %s is not allowed: names ending in '{AGENT_SERVICE_ACCOUNT_SUFFIX}' are reserved for job "
+            "agents' ServiceAccounts (<job>-agent, which may patch a job's status); name another ServiceAccount "
+            "or leave it unset"
+        ),
+        cel_args=("self",),
+        holds=lambda name: not (isinstance(name, str) and name.endswith(AGENT_SERVICE_ACCOUNT_SUFFIX)),
+        args=lambda name: (name,),
+    )
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         node="spec.nodes",
@@ -209,6 +232,8 @@ RULES: tuple[Rule, ...] = (
         ),
         field_path=".env",
     ),
+    agent_service_account_rule("serviceAccountName"),
+    agent_service_account_rule("serviceAccount"),
     Rule(
         node="metadata.name",
         cel=f"size(self) <= {constants.MAX_JOB_NAME_LENGTH}",

@@ -16,13 +16,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
-import yaml
 from pydantic import ValidationError
 
-from disttrain.api import constants, crd, rules
+from disttrain.api import constants, crd, rules, yamlload
 from disttrain.api import containers as containers_mod
 from disttrain.api.plan import valid_node_counts
 from disttrain.api.spec import DistTrainJob, GangScheduler
+
+MAX_PRINTED_PROBLEMS = 50
+"""Most problem lines printed for one file; the rest is counted ("... and N more"), so an alias-expanded list
+cannot print megabytes of errors."""
+MAX_LINE_CHARS = 400
+"""Longest problem line printed (values quoted in a message are cut too)."""
 
 
 class Severity(str, enum.Enum):
@@ -38,16 +43,36 @@ class Problem:
 
     def __str__(self) -> str:
         prefix = "" if self.severity is Severity.ERROR else "warning: "
-        return f"{prefix}{self.path}: {self.message}"
+        return shorten(f"{prefix}{self.path}: {self.message}")
+
+
+def shorten(text: str, limit: int = MAX_LINE_CHARS) -> str:
+    """``text`` cut to ``limit`` characters with a visible "..." (a quoted 1 MiB value stays one short line)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def capped(lines: list[str], limit: int = MAX_PRINTED_PROBLEMS) -> list[str]:
+    """The first ``limit`` lines, then one "... and N more problems" line for the rest."""
+    if len(lines) <= limit:
+        return lines
+    return [*lines[:limit], f"... and {len(lines) - limit} more problems"]
+
+
+INPUT_PARTS = ("<file>", "<yaml>")
+"""Problem paths of a file refused before any object was read (size, encoding, YAML, limits)."""
 
 
 class ManifestError(ValueError):
-    """A manifest that cannot run; ``problems`` lists every error found."""
+    """A manifest that cannot run; ``problems`` lists every error found (the message prints at most
+    :data:`MAX_PRINTED_PROBLEMS`). A file refused as input is one line: ``<source>: <file>: <why>``."""
 
     def __init__(self, source: str, problems: list[Problem]) -> None:
         self.source = source
         self.problems = problems
-        lines = "\n".join(f"  {p}" for p in problems)
+        if len(problems) == 1 and problems[0].path in INPUT_PARTS:
+            super().__init__(f"{source}: {problems[0]}")
+            return
+        lines = "\n".join(capped([f"  {p}" for p in problems]))
         super().__init__(f"{source}: invalid DistTrainJob:\n{lines}")
 
 
@@ -68,7 +93,7 @@ def _pydantic_problems(error: ValidationError) -> list[Problem]:
         elif item["type"] == "missing":
             message = "required field is missing"
         else:
-            message = f"{item['msg']} (got {item['input']!r})"
+            message = f"{item['msg']} (got {shorten(repr(item['input']), 100)})"
         problems.append(Problem(path, message))
     return problems
 
@@ -207,13 +232,12 @@ def validate_object(obj: Any) -> list[Problem]:
 
 
 def load_documents(path: pathlib.Path) -> Iterator[tuple[str, Any]]:
-    """(source label, object) for every YAML document of a file; YAML errors are raised as ManifestError."""
+    """(source label, object) for every YAML document of a file. Read through :mod:`disttrain.api.yamlload`
+    (size, encoding, alias expansion and depth bounded); every refusal is a one-line ManifestError."""
     try:
-        docs = list(yaml.safe_load_all(path.read_text()))
-    except yaml.YAMLError as error:
-        raise ManifestError(str(path), [Problem("<yaml>", str(error).replace("\n", " "))]) from error
-    except OSError as error:
-        raise ManifestError(str(path), [Problem("<file>", error.strerror or str(error))]) from error
+        docs = yamlload.load_file(path)
+    except yamlload.ManifestInputError as error:
+        raise ManifestError(str(path), [Problem(error.part, str(error))]) from None
     docs = [d for d in docs if d is not None]
     if not docs:  # kubectl: "error: no objects passed to apply"
         raise ManifestError(str(path), [Problem("<file>", "no objects in the file (expected a DistTrainJob)")])

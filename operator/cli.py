@@ -25,7 +25,8 @@ def cmd_crd(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    """Check manifests with the CRD's rules plus the plan rules; print every problem with its field path."""
+    """Check manifests with the CRD's rules plus the plan rules; print every problem with its field path (at most
+    ``validation.MAX_PRINTED_PROBLEMS`` lines per file, then how many more)."""
     failed = 0
     for name in args.files:
         try:
@@ -34,15 +35,27 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(error, file=sys.stderr)
             failed += 1
             continue
+        printed, hidden = 0, 0
         for source, obj in documents:
             problems = validation.validate_object(obj)
             errors = [p for p in problems if p.severity is validation.Severity.ERROR]
-            for problem in problems:
-                print(f"{source}: {problem}", file=sys.stderr if problem in errors else sys.stdout)
+            lines = [(f"{source}: {p}", p in errors) for p in problems] or [(f"{source}: valid", False)]
+            for line, is_error in lines:
+                if printed < validation.MAX_PRINTED_PROBLEMS:
+                    print(line, file=sys.stderr if is_error else sys.stdout)
+                    printed += 1
+                else:
+                    hidden += 1
             if errors:
                 failed += 1
-            else:
-                print(f"{source}: valid")
+            elif problems:
+                if printed < validation.MAX_PRINTED_PROBLEMS:
+                    print(f"{source}: valid")
+                    printed += 1
+                else:
+                    hidden += 1
+        if hidden:
+            print(f"{name}: ... and {hidden} more problems", file=sys.stderr)
     return 1 if failed else 0
 
 

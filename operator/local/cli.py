@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import shutil
 import signal
 import sys
@@ -59,11 +60,14 @@ def resolve_state(job: str, state_dir: Optional[str]) -> StateDir:
         if candidate.job_file.exists():
             return candidate
     if path.is_file():
-        import yaml
+        from disttrain.api import constants, yamlload
 
-        try:
-            name = yaml.safe_load(path.read_text())["metadata"]["name"]
-        except Exception:  # noqa: BLE001 - fall back to the literal argument
+        try:  # the bounded loader: a hostile file given as JOB costs no more than `disttrain validate` on it
+            [document] = yamlload.load_file(path)
+            name = document["metadata"]["name"]
+            if not isinstance(name, str) or not re.fullmatch(constants.DNS_1035_LABEL, name):
+                raise ValueError(name)  # a name like "../x" must not pick a state directory elsewhere
+        except (yamlload.ManifestInputError, ValueError, LookupError, TypeError):  # fall back to the file's stem
             name = path.stem
         return StateDir.for_job(name)
     return StateDir.for_job(job)

@@ -110,6 +110,12 @@ MALFORMED = [
     ("negative-ttl", lambda b: b.set("spec.runPolicy.ttlSecondsAfterFinished", -1),
      "spec.runPolicy.ttlSecondsAfterFinished", "greater than or equal to 0"),
     ("suspend-not-bool", lambda b: b.set("spec.runPolicy.suspend", "maybe"), "spec.runPolicy.suspend", "boolean"),
+    ("template-runs-as-another-jobs-agent", lambda b: b.set("spec.template.spec.serviceAccountName", "other-agent"),
+     "spec.template.spec.serviceAccountName", "serviceAccountName other-agent is not allowed: names ending in "
+     "'-agent' are reserved"),
+    ("template-runs-as-an-agent-by-the-deprecated-alias",
+     lambda b: b.set("spec.template.spec.serviceAccount", "train-agent"), "spec.template.spec.serviceAccount",
+     "serviceAccount train-agent is not allowed"),
 ]
 
 
