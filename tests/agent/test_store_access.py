@@ -1,7 +1,9 @@
 """Nobody outside a job can steer it through the agent's store, and no value read from it can break a reader.
 
 A real TCPStore served by the agent's own ``start_store``; "outsiders" are plain TCPStore clients that can reach the
-port (as any pod can where NetworkPolicy is not enforced) but do not hold the job's store secret.
+port (as any pod can where NetworkPolicy is not enforced) but do not hold the job's store secret. They can list every
+key (torch >= 2.10), so they write under the job's real key names; what they write does not verify and is absent to
+every reader of the job (:mod:`disttrain.trainer.signedstore`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from disttrain.trainer.control import Watchdog
 pytestmark = pytest.mark.timeout(60)
 
 SECRET = "0123456789abcdef" * 4
+
+
+def real_key(key: str) -> str:
+    """A key of the job as the server names it (what the outsider finds with ``list_keys``)."""
+    return storeauth.key_prefix(SECRET) + "/" + key
 
 
 def free_port() -> int:
@@ -76,6 +83,7 @@ def test_a_client_without_the_secret_can_neither_fail_nor_fake_progress_nor_chec
                        (keys.CHECKPOINT_KEY, manifest(step=50, created_at="2099-01-01T00:00:00Z"))):
         outsider.set(key, value)
         outsider.set(storeauth.key_prefix("guess") + "/" + key, value)
+        outsider.set(real_key(key), value)  # the job's own key, as list_keys names it
     agent.sync()
     status = source.agent_status()
     assert "workerFailure" not in status and "step" not in status and "lastCheckpoint" not in status, status
@@ -101,9 +109,14 @@ def test_a_client_without_the_secret_cannot_reform_or_drain_the_workers(tmp_path
     forged = keys.ControlSignal(generation=99, action=keys.DirectiveAction.REFORM, job_uid="uid-1").model_dump_json()
     outsider.set(keys.SIGNAL_KEY, forged)
     outsider.set(keys.TARGET_KEY, keys.TargetPlan(generation=99, nodes=1, exclude=["demo-worker-0"]).model_dump_json())
+    outsider.set(real_key(keys.SIGNAL_KEY), forged)
+    outsider.set(real_key(keys.TARGET_KEY), keys.TargetPlan(generation=99, nodes=1).model_dump_json())
+    assert real_key(keys.SIGNAL_KEY) in outsider.list_keys(), "the outsider can name the job's keys"
     watchdog.poll_once()
     assert exits == [] and not watchdog.drain_requested
-    assert channel.scoped(outsider, "").get(keys.SIGNAL_KEY) == forged.encode(), "the outsider's write went elsewhere"
+    assert outsider.get(real_key(keys.SIGNAL_KEY)) == forged.encode(), "the forged signal sat under the job's key"
+    signed = channel.signed_of(watchdog.store)
+    assert signed is not None and signed.rejection_counts() == {real_key(keys.SIGNAL_KEY): 1}
 
     write_job(tmp_path, {"generation": 1, "action": "drain", "reason": "ScaledDown", "targetNodes": 2})
     agent.sync()
