@@ -2,11 +2,12 @@
 
     python bench/gpu_smoke.py [--steps 50] [--size small] [--reform-at 20]
 
-Starts a TCPStore in this process (the job agent's role) and ``torchrun --nproc-per-node=<GPUs>
---max-restarts=1 examples/gptlm/train.py`` with the worker contract and ``DISTTRAIN_AGENT_ENDPOINT`` pointing at
-it. Once the workers report step ``--reform-at``, it writes a ``reform`` directive to the control channel
-(``disttrain/signal``): every worker's watchdog ends its process at once (exit 84, as when one rank's process
-group is lost), torchrun restarts them, and they resume from the last checkpoint. Prints, as the last lines:
+Starts a TCPStore in this process (the job agent's role; every value sealed with a fresh job secret) and
+``torchrun --nproc-per-node=<GPUs> --max-restarts=1 examples/gptlm/train.py`` with the worker contract, the
+secret and ``DISTTRAIN_AGENT_ENDPOINT`` pointing at it. Once the workers report step ``--reform-at``, it writes a
+``reform`` directive to the control channel (``disttrain/signal``): every worker's watchdog ends its process at
+once (exit 84, as when one rank's process group is lost), torchrun restarts them, and they resume from the last
+checkpoint. Prints, as the last lines:
 
 - ``reform_seconds``: from the directive to the first step reported by the new processes;
 - ``samples_per_second``: median of the reported rates after the reform (global samples);
@@ -36,7 +37,9 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from disttrain.api import control  # noqa: E402
+from disttrain.api import control, storeauth  # noqa: E402
+from disttrain.api import env as env_names  # noqa: E402
+from disttrain.trainer import channel  # noqa: E402
 
 
 def free_port() -> int:
@@ -53,10 +56,8 @@ def contract(steps: int, gpus: int) -> str:
     return json.dumps({"training": training, "checkpoint": checkpoint, "collective_timeout_seconds": 60})
 
 
-def progress(store: dist.TCPStore) -> control.ProgressReport | None:
-    if not store.check([control.PROGRESS_KEY]):
-        return None
-    return control.ProgressReport.model_validate_json(store.get(control.PROGRESS_KEY))
+def progress(store: dist.Store) -> control.ProgressReport | None:
+    return control.read_model(store, control.PROGRESS_KEY, control.ProgressReport)
 
 
 def main() -> None:
@@ -70,7 +71,9 @@ def main() -> None:
         raise SystemExit(2)
     gpus = torch.cuda.device_count()
     port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    secret, job_uid = storeauth.new_secret(), "gpu-smoke-uid"
+    store = channel.scoped(server, secret, job_uid)  # every value sealed, as the job agent's own client
     workdir = Path(tempfile.mkdtemp(prefix="gpu-smoke-"))
     env = dict(
         os.environ,
@@ -78,6 +81,7 @@ def main() -> None:
         DISTTRAIN_CHECKPOINT_DIR=str(workdir / "ckpt"),
         DISTTRAIN_AGENT_ENDPOINT=f"127.0.0.1:{port}",
         DISTTRAIN_JOB_NAME="gpu-smoke",
+        **{env_names.STORE_SECRET: secret, env_names.JOB_UID: job_uid},
     )
     cmd = [
         sys.executable,
