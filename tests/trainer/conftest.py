@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -78,6 +80,9 @@ class Harness:
         self.tmp = tmp
         self.out = tmp / "out"
         self.out.mkdir()
+        self.secret = secrets.token_hex(32)
+        """The job's store secret: every process the harness starts gets it, as every pod of a job does."""
+        self.job_uid = "uid-harness"
         self.ckpt = tmp / "ckpt"
         self.procs: list[subprocess.Popen] = []
 
@@ -89,7 +94,8 @@ class Harness:
         env = dict(os.environ)
         env.update({"DISTTRAIN_CONTRACT": contract, "DISTTRAIN_CHECKPOINT_DIR": str(ckpt or self.ckpt),
                     "DISTTRAIN_JOB_NAME": "toy", "TOY_OUT": str(self.out), "TOY_RUN": run,
-                    "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+                    "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    "DISTTRAIN_STORE_SECRET": self.secret, "DISTTRAIN_JOB_UID": self.job_uid})
         env.pop("DISTTRAIN_AGENT_ENDPOINT", None)
         env.update(extra)
         return env
@@ -148,6 +154,16 @@ class Harness:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         p.stdout.close()
         return port
+
+    def client(self, port: int, job_uid: Optional[str] = None, timeout_s: float = 10) -> Any:
+        """A client of the store as a process of the job sees it: signed with the harness's secret."""
+        from torch.distributed import TCPStore
+
+        from disttrain.trainer import channel
+
+        raw = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                       timeout=timedelta(seconds=timeout_s))
+        return channel.scoped(raw, self.secret, self.job_uid if job_uid is None else job_uid)
 
     def cleanup(self) -> None:
         for p in self.procs:

@@ -8,10 +8,8 @@ import json
 import math
 import statistics
 import time
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
 from disttrain.api import control, interval
 
@@ -54,7 +52,7 @@ def check_report(value: control.IntervalReport, failures: int, started_at: float
 
 def test_auto_interval_follows_the_failure_history_and_re_estimates_after_a_failure(harness):
     port = harness.start_store()
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store = harness.client(port)
     started_at = time.time() - 60.0
     history = control.ReliabilityReport(started_at=started_at, failures=3)  # MTBF ~20 s
     store.set(control.RELIABILITY_KEY, history.model_dump_json())

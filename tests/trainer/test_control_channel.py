@@ -6,13 +6,10 @@ import json
 import re
 import time
 import urllib.request
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
 from disttrain.api import control
-from disttrain.trainer import channel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -32,7 +29,7 @@ def scrape(port: int, attempts: int = 3) -> str:
 
 def test_drain_reform_progress_and_metrics_through_the_agent_store(harness):
     port = harness.start_store()
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store = harness.client(port)
     store.set(control.SIGNAL_KEY, control.ControlSignal(generation=3, action="reform", reason="old").model_dump_json())
     metrics_port = harness.free_port()
     contract = harness.contract(global_batch=4, micro=1, max_steps=1000, interval=5)
@@ -75,7 +72,7 @@ def test_drain_reform_progress_and_metrics_through_the_agent_store(harness):
 
 def test_reform_exits_at_once_even_while_a_collective_is_stuck(harness):
     port = harness.start_store()
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store = harness.client(port)
     contract = harness.contract(global_batch=4, micro=1, max_steps=1000, interval=1000, timeout=300)
     proc = harness.start(2, contract, "stuck", DISTTRAIN_AGENT_ENDPOINT=f"127.0.0.1:{port}", TOY_HANG_RANK1_AT="4")
     harness.wait_for_step("stuck", 3)
@@ -100,14 +97,13 @@ def test_a_seconds_interval_checkpoints_on_rank_zeros_clock(harness):
 def test_a_job_recreated_under_the_same_name_obeys_its_own_directives_after_resuming_the_old_checkpoint(harness):
     """The old job drained at directive generation 3, and its checkpoint records it. A new job of the same name
     (another uid, a new agent store) resumes that checkpoint: its own generation 1 drain is obeyed, not taken for
-    history. The old job's signal, still in a store the new workers reach, is not obeyed. Everything goes
-    through the job's secret key namespace, as on Kubernetes."""
-    secret = {"DISTTRAIN_STORE_SECRET": "a" * 64}
+    history. The old job's signal, still in a store the new workers reach, is not obeyed: sealed for the old
+    job's uid, it does not even verify for the new workers (and were it sealed for theirs, its uid field would
+    still not be theirs). Everything goes through the signed store, as on Kubernetes."""
     contract = harness.contract(global_batch=4, micro=1, max_steps=1000, interval=5)
 
-    def connect(port):
-        raw = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
-        return channel.scoped(raw, secret["DISTTRAIN_STORE_SECRET"])
+    def connect(port, uid):
+        return harness.client(port, job_uid=uid)
 
     def drain(store, generation, uid):
         store.set(control.SIGNAL_KEY, control.ControlSignal(generation=generation, action="drain", reason="t",
@@ -115,17 +111,18 @@ def test_a_job_recreated_under_the_same_name_obeys_its_own_directives_after_resu
 
     old_port = harness.start_store()
     old = harness.start(2, contract, "old", DISTTRAIN_AGENT_ENDPOINT=f"127.0.0.1:{old_port}",
-                        DISTTRAIN_JOB_UID="uid-old", TOY_STEP_SLEEP="0.05", **secret)
+                        DISTTRAIN_JOB_UID="uid-old", TOY_STEP_SLEEP="0.05")
     harness.wait_for_step("old", 3)
-    drain(connect(old_port), 3, "uid-old")
+    drain(connect(old_port, "uid-old"), 3, "uid-old")
     old.wait(timeout=60)
     assert "exitcode  : 83" in harness.log("old"), harness.log("old")[-3000:]
 
     new_port = harness.start_store()
-    new_store = connect(new_port)
-    drain(new_store, 2, "uid-old")  # a stale signal of the old job where the new workers read
+    new_store = connect(new_port, "uid-new")
+    drain(new_store, 2, "uid-old")  # a stale signal of the old job where the new workers read (sealed for them)
+    drain(connect(new_port, "uid-old"), 2, "uid-old")  # and the same sealed for the old job: never verifies
     new = harness.start(2, contract, "new", DISTTRAIN_AGENT_ENDPOINT=f"127.0.0.1:{new_port}",
-                        DISTTRAIN_JOB_UID="uid-new", TOY_STEP_SLEEP="0.05", **secret)
+                        DISTTRAIN_JOB_UID="uid-new", TOY_STEP_SLEEP="0.05")
     drained = int(re.search(r"drained at step (\d+)", harness.log("old")).group(1))
     harness.wait_for_step("new", drained + 3)
     assert new.poll() is None, "the old job's signal was not obeyed"

@@ -1,10 +1,7 @@
 """User errors a restart cannot fix end the worker with ExitCode.PERMANENT and a message naming the problem."""
 
-from datetime import timedelta
-
 import pytest
 import torch
-from torch.distributed import TCPStore
 
 from disttrain.api import control
 
@@ -19,7 +16,7 @@ def test_an_invalid_world_size_exits_permanent_naming_the_valid_sizes_and_report
     assert "exitcode  : 85" in log, log[-3000:]
     assert "world size 3 is invalid" in log and "valid world sizes: 1, 2, 4" in log
     # torchrun hides the worker's exit code from the pod; the failure record in the agent's store carries it.
-    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+    store = harness.client(port)  # signed: only a sealed failure record verifies
     failure = control.WorkerFailure.model_validate_json(store.get(control.FAILURE_KEY))
     assert failure.exit_code == 85 and failure.node == "node-7"
     assert "world size 3 is invalid" in failure.message

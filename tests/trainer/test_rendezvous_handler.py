@@ -2,12 +2,15 @@
 separate process (the job agent's role, ``is_host=false``): a round completes as soon as the target node count
 joined, without waiting out ``last_call_timeout``; it never completes below the target (no split brain); a node
 listed in ``exclude`` stays out of the round; without a target it is stock c10d, except that ranks follow the
-nodes' stable indices."""
+nodes' stable indices. Every process holds the job's store secret (the harness's): all of it runs through the
+signed store, and an outsider without the secret forging torch's own keys costs a delay, never code or the round."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -18,7 +21,6 @@ import pytest
 import torch.distributed as dist
 
 from disttrain.api import control
-from disttrain.trainer import channel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -34,7 +36,8 @@ def start_node(harness, port: int, name: str, out: Path, last_call: int = LAST_C
            "--rdzv-backend=disttrain", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=probe", f"--rdzv-conf={conf}",
            "--max-restarts=3", "--monitor-interval=0.2", str(PROBE)]
     env = {**os.environ, "DISTTRAIN_NODE_NAME": name, "PROBE_OUT": str(out), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "PYTHONUNBUFFERED": "1", **extra_env}
+           "PYTHONUNBUFFERED": "1", "DISTTRAIN_STORE_SECRET": harness.secret, "DISTTRAIN_JOB_UID": harness.job_uid,
+           **extra_env}
     env.pop("DISTTRAIN_NODE_INDEX", None)
     if index is not None:
         env["DISTTRAIN_NODE_INDEX"] = str(index)
@@ -61,7 +64,7 @@ def wait_for(out: Path, names: set[str], timeout: float) -> dict[str, dict]:
     return read_records(out)
 
 
-def first_contact(store: dist.TCPStore, timeout: float = 30) -> float:
+def first_contact(store: dist.Store, timeout: float = 30) -> float:
     """When the first torchrun agent reached the rendezvous state in the store: the clock starts there, so the
     figure measures the rendezvous and not how long a loaded machine takes to start Python and import torch."""
     deadline = time.monotonic() + timeout
@@ -78,7 +81,7 @@ def logs_of(out: Path, names) -> str:
 
 def test_round_completes_once_the_target_joined_without_waiting_out_last_call(harness):
     port = harness.start_store()
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store = harness.client(port)
     store.set(control.TARGET_KEY, control.TargetPlan(generation=1, nodes=2).model_dump_json())
     nodes = {name: start_node(harness, port, name, harness.out) for name in ("node-0", "node-1")}
     started = first_contact(store)
@@ -90,28 +93,78 @@ def test_round_completes_once_the_target_joined_without_waiting_out_last_call(ha
     assert all(p.wait(timeout=30) == 0 for p in nodes.values()), logs_of(harness.out, nodes)
 
 
-def test_with_a_store_secret_the_rendezvous_and_the_target_live_in_the_secret_namespace(harness):
-    """Workers holding the job's store secret rendezvous through a PrefixStore derived from it: the round state
-    and the target they follow are out of reach of a client without the secret."""
-    secret = "f" * 64
+def _pickle_that_creates(path: Path) -> bytes:
+    """base64 of a pickle that, once ``pickle.loads``-ed (as torch's c10d backend does with the state), creates
+    ``path``: the payload of the issue-27 attack."""
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(path), "w"))
+
+    return base64.b64encode(pickle.dumps(Payload()))
+
+
+def _outsider(port: int) -> dist.TCPStore:
+    """A client with no secret: it can list, read, write and delete every key."""
+    return dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def _full_key(outsider: dist.TCPStore, suffix: str) -> str:
+    keys = [k for k in outsider.list_keys() if k.endswith("/" + suffix)]
+    assert len(keys) == 1, outsider.list_keys()
+    return keys[0]
+
+
+def test_an_outsider_forging_the_rendezvous_state_runs_no_code_and_the_group_still_forms_and_re_forms(harness):
+    """Issue 27's attack on a real torchrun rendezvous through the signed store. Before any node starts, an outsider
+    (no secret) plants a pickle that would create a file under the state key and a forged target; once the group
+    runs it plants the pickle again and garbles the per-round keys; then a node dies and a replacement joins. The
+    pickle is never unpickled (no file), the forged target is ignored (the job's own target rules), and the group
+    forms and re-forms with the ranks it should have."""
     port = harness.start_store()
-    raw = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
-    scoped = channel.scoped(raw, secret)
-    raw.set(control.TARGET_KEY, control.TargetPlan(generation=1, nodes=3).model_dump_json())  # an outsider's
-    scoped.set(control.TARGET_KEY, control.TargetPlan(generation=1, nodes=2).model_dump_json())
-    nodes = {name: start_node(harness, port, name, harness.out, DISTTRAIN_STORE_SECRET=secret)
-             for name in ("node-0", "node-1")}
-    records = wait_for(harness.out, set(nodes), 30)
-    assert set(nodes) <= records.keys(), logs_of(harness.out, nodes)
-    assert {r["WORLD_SIZE"] for r in records.values()} == {"2"}, "the job's target, not the outsider's"
-    assert scoped.check([STATE_KEY]), "the round state is in the secret namespace"
-    assert raw.get(STATE_KEY) != scoped.get(STATE_KEY), "and not where an outsider can write it"
-    assert all(p.wait(timeout=30) == 0 for p in nodes.values()), logs_of(harness.out, nodes)
+    out = harness.out
+    store = harness.client(port)
+    outsider = _outsider(port)
+    planted = out.parent / "pwned"
+    store.set(control.TARGET_KEY, control.TargetPlan(generation=1, nodes=3).model_dump_json())
+    target_key = _full_key(outsider, control.TARGET_KEY)
+    state_key = target_key[: -len(control.TARGET_KEY)] + STATE_KEY
+    outsider.set(state_key, _pickle_that_creates(planted))
+    forged_target = control.TargetPlan(generation=9, nodes=1).model_dump_json()
+    outsider.set(target_key, forged_target)  # the job's target is gone: the forged one is absent to readers
+    store.set(control.TARGET_KEY, control.TargetPlan(generation=1, nodes=3).model_dump_json())  # the agent's guardian
+
+    nodes = {}
+    for index in (0, 1, 2):
+        name = f"node-{index}"
+        nodes[name] = start_node(harness, port, name, out, index=index, nnodes="1:3", PROBE_SLEEP="120")
+    records = wait_for(out, set(nodes), 40)
+    assert set(nodes) <= records.keys(), logs_of(out, nodes)
+    assert {records[n]["WORLD_SIZE"] for n in nodes} == {"3"}, "the job's target (3), not the forged one (1)"
+    assert {n: records[n]["GROUP_RANK"] for n in nodes} == {"node-0": "0", "node-1": "1", "node-2": "2"}
+
+    # While the group runs: the pickle again over the (now valid) state, junk over every per-round key.
+    outsider.set(state_key, _pickle_that_creates(planted))
+    for key in outsider.list_keys():
+        if "torch.rendezvous.probe." in key:
+            outsider.set(key, b"garbled")
+    harness.kill_tree(nodes.pop("node-0").pid)
+    for path in out.glob("*.json"):
+        path.unlink()
+    store.set(control.TARGET_KEY, control.TargetPlan(generation=2, nodes=3, lost=["node-0"]).model_dump_json())
+    for proc in nodes.values():  # the survivors' collectives would fail: their workers exit, torchrun restarts them
+        subprocess.run(["pkill", "-KILL", "-P", str(proc.pid)], check=False)
+    nodes["node-0-1"] = start_node(harness, port, "node-0-1", out, index=0, nnodes="1:3", PROBE_SLEEP="120")
+    records = wait_for(out, set(nodes), 60)
+    assert set(nodes) <= records.keys(), logs_of(out, nodes)
+    assert {n: records[n]["GROUP_RANK"] for n in nodes} == {"node-0-1": "0", "node-1": "1", "node-2": "2"}
+    assert not planted.exists(), "the outsider's pickle was unpickled"
+    assert outsider.get(state_key) != _pickle_that_creates(planted), "the state was restored by the job's processes"
 
 
 def test_round_completes_at_the_target_and_leaves_excluded_nodes_out(harness):
     port = harness.start_store()
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store = harness.client(port)
     store.set(control.TARGET_KEY, control.TargetPlan(generation=1, nodes=2, exclude=["node-2"]).model_dump_json())
     out = harness.out
 
@@ -142,7 +195,7 @@ def test_the_target_is_a_floor_a_lone_node_does_not_form_a_group_of_its_own(harn
     """Split brain seen in demo runs: with nodes.min 1 a late node completed a round alone after a short last call.
     With the operator's target published, a round waits for the target however short the last call is."""
     port = harness.start_store()
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store = harness.client(port)
     store.set(control.TARGET_KEY, control.TargetPlan(generation=1, nodes=2).model_dump_json())
     out = harness.out
     nodes = {"node-0": start_node(harness, port, "node-0", out, last_call=1)}
@@ -160,7 +213,7 @@ def test_the_target_is_a_floor_a_lone_node_does_not_form_a_group_of_its_own(harn
 def test_without_a_target_it_is_stock_c10d_min_nodes_after_the_last_call(harness):
     """The control case of the floor test: no target published, the same lone node completes after the last call."""
     port = harness.start_store()
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store = harness.client(port)
     nodes = {"node-0": start_node(harness, port, "node-0", harness.out, last_call=1)}
     first_contact(store)
     records = wait_for(harness.out, set(nodes), 20)
@@ -199,7 +252,7 @@ def test_survivors_drop_a_node_declared_lost_from_the_finished_round_without_wai
     at once. Without that, torch keeps it a participant until its heartbeats expire (keep_alive_interval 20 s x 3
     attempts = 60 s here), and the survivors could not open the next round before this test gives up."""
     port = harness.start_store()
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store = harness.client(port)
     store.set(control.TARGET_KEY, control.TargetPlan(generation=1, nodes=3).model_dump_json())
     out = harness.out
     nodes = {name: start_node(harness, port, name, out, index=i, keep_alive=20, PROBE_SLEEP="120")
