@@ -75,7 +75,7 @@ def _field_defaults(cls: type[BaseModel]) -> dict[str, Any]:
         elif isinstance(value, enum.Enum):
             defaults[key] = value.value
         else:
-            defaults[key] = json.loads(json.dumps(value))
+            defaults[key] = json.loads(json.dumps(value, default=sorted))  # a set field defaults to []
     return defaults
 
 

@@ -14,6 +14,7 @@ from typing import Final, Optional
 from pydantic import Field
 
 from disttrain.api.control import DirectiveAction
+from disttrain.api.nameset import PackedNames
 from disttrain.api.reformphases import ReformPhases, WorkerStartup
 from disttrain.api.spec import ContractModel
 
@@ -293,8 +294,10 @@ class DistTrainJobStatus(ContractModel):
     store_rejections: Optional[StoreRejections] = None
     """Values the job agent found invalid in its store and removed or repaired (unset while there were none): a
     sign that something without the job's secret writes to the store."""
-    tracked_pods: dict[str, str] = Field(default_factory=dict)
-    """Operator memory: worker pods seen alive (name -> uid); one that vanishes from here was lost."""
+    tracked_pods: PackedNames = Field(default_factory=set)
+    """Operator memory: pods seen alive (the job agent and workers); one that vanishes from here was lost. Packed
+    (``<job>-worker-[0-9999]``, :mod:`disttrain.api.nameset`) so 10,000 nodes take a few bytes, not 670 KB; the
+    older ``name -> uid`` map is still read."""
     handled_pods: list[str] = Field(default_factory=list)
     """Operator memory: uids of lost pods already counted, so a restarted operator never counts one twice."""
     last_failure: Optional[str] = Field(None, max_length=1024)

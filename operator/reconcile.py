@@ -434,7 +434,7 @@ def _ensure_agent(d: _Draft) -> None:
     if agent is None:
         d.create_agent = True
     if lost and name in tracked:
-        del tracked[name]
+        tracked.discard(name)
         d.event(WARNING, Reason.AGENT_RESTARTED, f"job agent pod {name} was lost; recreating it, workers re-join")
         # One loss, one restart: the workers that fail because their store vanished are part of it (_count_lost_pod).
         d.status.agent_lost_at = timestamps.format_time(d.now)
@@ -450,7 +450,7 @@ def _ensure_agent(d: _Draft) -> None:
                 exclude=d.status.control.exclude,
             )
     elif agent is not None and not lost and agent.is_running:
-        tracked[name] = agent.uid
+        tracked.add(name)
 
 
 def checkpoint_refresh_seconds(job_key: str) -> float:
@@ -533,7 +533,7 @@ def _handle_workers(d: _Draft) -> None:
             _remove_exited_victim(d, pod, reason)
         elif reason is None:
             d.members.append(pod)
-            d.status.tracked_pods[pod.name] = pod.uid
+            d.status.tracked_pods.add(pod.name)
         elif pod.phase == "Failed" and is_permanent_exit(d.spec, pod.exit_code):
             cause = failure_cause(pod)
             _fail(
@@ -568,7 +568,7 @@ def _count_vanished_pods(d: _Draft, victims: frozenset[str]) -> None:
     seen = {p.name for p in d.seen.workers}
     agent = names.agent_name(d.job.metadata.name)
     for name in sorted(set(d.status.tracked_pods) - seen - {agent}):
-        del d.status.tracked_pods[name]
+        d.status.tracked_pods.discard(name)
         if name not in victims:
             _count_loss(d, Reason.POD_DELETED, f"worker pod {name} disappeared", outside=is_outside_the_group(d, name))
 
@@ -622,7 +622,7 @@ def _drain_checkpointed(d: _Draft) -> bool:
 def _count_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
     """First sight of a lost pod: a restart, unless it drained as asked or fell with the job agent."""
     st = d.status
-    st.tracked_pods.pop(pod.name, None)
+    st.tracked_pods.discard(pod.name)
     if pod.phase == "Failed" and pod.exit_code == ExitCode.DRAINED and st.control.action is DirectiveAction.DRAIN:
         return  # planned: it checkpointed and exited on our drain
     if reason is Reason.POD_FAILED and _failed_with_the_agent(st, pod):
@@ -842,7 +842,7 @@ def _suspend(d: _Draft) -> None:
         d.delete(pod, Reason.SUSPENDED)
     if d.seen.agent is not None:
         d.delete(d.seen.agent, Reason.SUSPENDED)
-    st.tracked_pods = {}
+    st.tracked_pods = set()
     st.handled_pods = []
     st.pending_scale = None
     st.agent_lost_at = None
@@ -928,7 +928,7 @@ def _size(d: _Draft) -> None:
                 )
         else:
             for victim in victims:
-                st.tracked_pods.pop(victim.name, None)  # a planned removal, not a loss
+                st.tracked_pods.discard(victim.name)  # a planned removal, not a loss
                 d.delete(victim, Reason.SCALED_DOWN)
         live = [p for p in live if p not in victims]
     # Victims of a drain: delete once a checkpoint was committed after the drain, or after the drain timeout.
@@ -1044,7 +1044,7 @@ def _remove_drained_victims(d: _Draft) -> None:
         for pod in victims:
             if pod.name in d.deletions:
                 continue  # already deleted as lost in this reconcile (a fenced silent pod): keep that reason
-            st.tracked_pods.pop(pod.name, None)
+            st.tracked_pods.discard(pod.name)
             d.delete(pod, Reason.SCALED_DOWN, force=is_force_delete_due(pod, spec, d.seen.nodes, d.now))
     else:
         d.timer(issued + spec.elastic.drain_timeout_seconds)
