@@ -216,37 +216,61 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     yield run
 
 
+def _training_after_attack(run: Run) -> float:
+    """Seconds from the end of step ``ATTACK_AT_STEP`` (the attack starts about then) to the end of the last step:
+    the part of the run an attack can slow down, without the start-up's noise on a loaded machine."""
+    times = _step_times(run)
+    return times[max(times)] - times[ATTACK_AT_STEP]
+
+
 def _record(
-    results: list[dict[str, Any]], attack: str, attacked: Attacked, delay: float, gap: float, base_gap: float
+    results: list[dict[str, Any]], attack: str, attacked: Attacked, baseline: Run, extra_sleep: float = 0.0
 ) -> None:
-    report = attacked.report
+    """Measure what ``attack`` cost against ``baseline`` (``extra_sleep``: how much longer each attacked step
+    sleeps) and keep it for the session's summary; before any assertion, so a failed run is measured too."""
+    summary, report = attacked.run.summary, attacked.report
+    executions = attacked.run.executions()
+    done = sorted(executions) == list(range(1, MAX_STEPS + 1))
+    wall = summary.wall_seconds - baseline.summary.wall_seconds - MAX_STEPS * extra_sleep
+    training = (
+        _training_after_attack(attacked.run)
+        - _training_after_attack(baseline)
+        - (MAX_STEPS - ATTACK_AT_STEP) * extra_sleep
+        if done
+        else float("nan")
+    )
+    gap = _longest_gap(attacked.run, attacked.attack_start, attacked.attack_end)
+    base_gap = _longest_gap(baseline) + extra_sleep
     ops = sum(report.get("ops", {}).values())
+    warnings = collections.Counter(e["reason"] for e in attacked.run.events if e["type"] == "Warning")
     line = (
-        f"{attack:>6}: delay {delay:+6.1f} s (job {attacked.run.summary.wall_seconds:.1f} s), longest step gap "
-        f"during the attack {gap:.2f} s (unattacked {base_gap:.2f} s), {ops} store ops, "
-        f"{report.get('bytes_sent', 0) / MIB:.0f} MiB sent, {len(report.get('keys_seen', []))} keys seen, "
-        f"phase {attacked.run.summary.phase}, restarts {dict(attacked.run.summary.restarts_by_reason) or 0}"
+        f"{attack:>6}: training after the attack began {training:+5.1f} s, job wall {wall:+5.1f} s against the "
+        f"unattacked run; longest step gap {gap:.2f} s (unattacked {base_gap:.2f} s); {ops} store ops, "
+        f"{report.get('bytes_sent', 0) / MIB:.0f} MiB sent, {len(report.get('keys_seen', []))} keys seen; "
+        f"phase {summary.phase}, restarts {dict(summary.restarts_by_reason) or 0}, warnings {dict(warnings)}"
     )
     if attacked.peak_agent_rss:
         line += (
-            f", agent RSS {attacked.agent_rss_before / MIB:.0f} MiB before, peak {attacked.peak_agent_rss / MIB:.0f}"
+            f"; agent RSS {attacked.agent_rss_before / MIB:.0f} MiB before, peak {attacked.peak_agent_rss / MIB:.0f}"
             f" MiB (limit {AGENT_MEMORY_LIMIT / MIB:.0f})"
         )
     results.append(
         {
             "attack": attack,
             "line": line,
-            "delay_s": round(delay, 2),
+            "training_delay_s": round(training, 2),
+            "wall_delay_s": round(wall, 2),
             "longest_gap_s": round(gap, 2),
             "baseline_longest_gap_s": round(base_gap, 2),
-            "wall_s": attacked.run.summary.wall_seconds,
+            "wall_s": summary.wall_seconds,
+            "baseline_wall_s": baseline.summary.wall_seconds,
             "ops": ops,
             "bytes_sent": report.get("bytes_sent", 0),
             "peak_agent_rss": attacked.peak_agent_rss,
             "agent_rss_before": attacked.agent_rss_before,
-            "phase": attacked.run.summary.phase,
-            "restarts": dict(attacked.run.summary.restarts_by_reason),
-            "warnings": sorted({e["reason"] for e in attacked.run.events if e["type"] == "Warning"}),
+            "phase": summary.phase,
+            "restarts": dict(summary.restarts_by_reason),
+            "warnings": dict(warnings),
         }
     )
 
@@ -270,15 +294,7 @@ def _the_attack_hit(attack: str, report: dict[str, Any], log: str) -> None:
 @pytest.mark.parametrize("attack", ["forge", "pickle", "delete"])
 def test_an_outsider_costs_the_job_a_delay_and_nothing_more(tmp_path, attack, baseline, security_results):
     attacked = _attacked_run(tmp_path, attack, seconds=ATTACK_SECONDS)
-    base_gap = _longest_gap(baseline)
-    _record(
-        security_results,
-        attack,
-        attacked,
-        attacked.run.summary.wall_seconds - baseline.summary.wall_seconds,
-        _longest_gap(attacked.run, attacked.attack_start, attacked.attack_end),
-        base_gap,
-    )
+    _record(security_results, attack, attacked, baseline)
     _the_attack_hit(attack, attacked.report, attacked.outsider_log)
     _assert_unharmed(attacked)
 
@@ -290,16 +306,7 @@ def test_a_60_s_flood_of_8_mib_values_neither_takes_the_agent_down_nor_fails_the
     attacked = _attacked_run(
         tmp_path, "list,flood", seconds=FLOOD_SECONDS, step_sleep=FLOOD_STEP_SLEEP, watch_memory=True
     )
-    slower_steps = MAX_STEPS * (FLOOD_STEP_SLEEP - STEP_SLEEP)  # what the slower steps alone add
-    delay = attacked.run.summary.wall_seconds - baseline.summary.wall_seconds - slower_steps
-    _record(
-        security_results,
-        "flood",
-        attacked,
-        delay,
-        _longest_gap(attacked.run, attacked.attack_start, attacked.attack_end),
-        _longest_gap(baseline) + FLOOD_STEP_SLEEP - STEP_SLEEP,
-    )
+    _record(security_results, "flood", attacked, baseline, extra_sleep=FLOOD_STEP_SLEEP - STEP_SLEEP)
     _the_attack_hit("list", attacked.report, attacked.outsider_log)
     listed = attacked.report["keys_seen"]
     security_results.append(
