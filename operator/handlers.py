@@ -375,6 +375,8 @@ async def apply(
     failures = {} if failures is None else failures
     seen = time.monotonic()
     answer: Optional[dict[str, Any]] = None
+    pod_group_failed: Optional[k8s.ApiException] = None
+    status_patch = dict(actions.status_patch)
     if actions.apply_pod_group:
         pod_group = builders.build_pod_group(job)
         if pod_group is not None:
@@ -382,14 +384,38 @@ async def apply(
                 await kube.apply_pod_group(pod_group)
             except k8s.ApiException as error:
                 failures[(ns, name)] = CreateFailure("PodGroup", pod_group["metadata"]["name"], failure_message(error))
-                raise
-    if actions.status_patch:
-        answer = await kube.patch_status(ns, name, dict(actions.status_patch))
-        cache.put_job(answer, seen)
-    for deletion in actions.delete_pods:
-        deleted = await kube.delete_pod(ns, deletion.name, deletion.force)
-        if deleted is not None:
-            cache.put_pod(deleted, time.monotonic())
+                pod_group_failed = error
+                status_patch.pop("podGroupMinMember", None)  # the status must not record a PodGroup that failed
+    try:  # the events go out whatever failed: the one naming the previous failure is among them
+        if status_patch:
+            answer = await kube.patch_status(ns, name, status_patch)
+            cache.put_job(answer, seen)
+        if pod_group_failed is not None:
+            raise pod_group_failed  # no pod of a gang before its PodGroup
+        for deletion in actions.delete_pods:
+            deleted = await kube.delete_pod(ns, deletion.name, deletion.force)
+            if deleted is not None:
+                cache.put_pod(deleted, time.monotonic())
+        await _create_all(kube, cache, job, actions, refusals, failures, agent_image, network)
+    finally:
+        await _post_events(kube, job, actions, now, events)
+    if actions.delete_job:
+        await kube.delete_job(ns, name)
+    return answer
+
+
+async def _create_all(
+    kube: Kube,
+    cache: ClusterCache,
+    job: DistTrainJob,
+    actions: Actions,
+    refusals: Refusals,
+    failures: Failures,
+    agent_image: Optional[str],
+    network: access.NetworkPolicySettings,
+) -> None:
+    """The agent with its Secret, Services, RBAC and NetworkPolicies, then the workers; the first failure raises."""
+    ns, name = job.metadata.namespace, job.metadata.name
     if actions.create_agent:
         await _create(kube, failures, job, access.build_store_secret(job, storeauth.new_secret()))  # 409: ours stays
         for obj in builders.build_support_objects(job, network):
@@ -408,6 +434,13 @@ async def apply(
             break  # the next pods would be refused too: one answer per reconcile, retried on the core's timer
         _remember_pod(cache, created)
     failures.pop((ns, name), None)
+
+
+async def _post_events(
+    kube: Kube, job: DistTrainJob, actions: Actions, now: float, events: Optional[eventrate.EventFilter]
+) -> None:
+    """Post the events ``events`` admits (rate limits); best effort: a refused Event is logged, not raised."""
+    ns, name = job.metadata.namespace, job.metadata.name
     for event in actions.events:
         if events is not None and not events.admit((ns, name, event.type, event.reason, event.message), now):
             continue
@@ -415,9 +448,6 @@ async def apply(
             await kube.create(event_object(job, event.type, event.reason, event.message, now))
         except k8s.ApiException as error:  # events are best effort
             log.warning("could not post event %s: %s", event.reason, error.reason)
-    if actions.delete_job:
-        await kube.delete_job(ns, name)
-    return answer
 
 
 def _remember_pod(cache: ClusterCache, created: Optional[dict[str, Any]]) -> None:

@@ -152,7 +152,11 @@ def _gone(plane: ControlPlane, path: str) -> bool:
 
 def test_a_node_lost_to_the_node_lifecycle_controller_is_replaced(cluster, tmp_path):
     agent = cluster.running("lost", JobBuilder("lost"), tmp_path, replicas=2)
-    victim = cluster.pods()["lost-worker-1"]
+    # Power off a node that does not host the agent pod: losing the agent with it is one AgentRestarted loss
+    # (the workers re-join a new agent), not the NodeUnreachable this test is about.
+    agent_node = cluster.pods("agent")["lost-agent"]["spec"]["nodeName"]
+    victim = next(p for _, p in sorted(cluster.pods().items()) if p["spec"]["nodeName"] != agent_node)
+    victim_name = victim["metadata"]["name"]
     node = victim["spec"]["nodeName"]
     powered_off = time.monotonic()
     cluster.kubelets.power_off(node)
@@ -174,9 +178,10 @@ def test_a_node_lost_to_the_node_lifecycle_controller_is_replaced(cluster, tmp_p
 
     replacement = eventually(replaced, timeout=30, what="a replacement scheduled on another node")
     # It takes the lost pod's node index, and with it the lost node's ranks, under a name of its own.
-    assert replacement["metadata"]["name"] == "lost-worker-1-1"
-    assert replacement["metadata"]["labels"]["disttrain.dev/node-index"] == "1"
-    lost = cluster.pods()["lost-worker-1"]  # no kubelet confirms its deletion: Terminating, as in a real cluster
+    assert replacement["metadata"]["name"] == f"{victim_name}-1"
+    index = victim["metadata"]["labels"]["disttrain.dev/node-index"]
+    assert replacement["metadata"]["labels"]["disttrain.dev/node-index"] == index
+    lost = cluster.pods()[victim_name]  # no kubelet confirms its deletion: Terminating, as in a real cluster
     assert lost["metadata"].get("deletionTimestamp") and lost["metadata"]["uid"] == victim["metadata"]["uid"]
     assert {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
             "tolerationSeconds": 10} in lost["spec"]["tolerations"], "taint-based eviction applies to workers"

@@ -44,7 +44,10 @@ Namespaced, in the ClusterRole when serving all namespaces, else in a Role per w
     finished ones (TTL) and patches their status; get/watch/patch on both also cover the per-job agent Role that
     the operator creates (RBAC refuses to create a Role granting more than its creator holds);
   - pods list/watch/create/delete: kopf watches the job's pods, the adapter creates and deletes them;
-  - services, serviceaccounts, roles, rolebindings create: the per-job Services and the agent's RBAC;
+  - services, serviceaccounts, secrets, networkpolicies, roles, rolebindings create: the per-job Services, store
+    Secret, NetworkPolicies and the agent's RBAC;
+  - get on pods and those kinds: after a 409 on create, whose is the existing object (its owner uid: ours, or
+    an older job's of the same name that the garbage collector is still deleting, which is never adopted);
   - events create: the adapter's Events and kopf's own (core/v1);
   - podgroups create/patch (Volcano's and scheduler-plugins'): the PodGroup of a job with spec.gang, created and
     kept in step with one server-side apply (a PATCH, which the API server authorizes as create when the object
@@ -59,16 +62,16 @@ Namespaced, in the ClusterRole when serving all namespaces, else in a Role per w
   verbs: ["get", "patch"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "delete"]
 - apiGroups: [""]
   resources: ["services", "serviceaccounts", "secrets"]
-  verbs: ["create"]
+  verbs: ["get", "create"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["create"]
+  verbs: ["get", "create"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["create"]
+  verbs: ["get", "create"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
