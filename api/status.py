@@ -184,6 +184,15 @@ class SilentNode(ContractModel):
     """RFC 3339 time of its last heartbeat (the worker's clock)."""
 
 
+STORE_KEY_CLASSES: Final = ("rendezvous", "control", "torch", "foreign")
+"""Classes of store keys the job agent reports rejections for: ``rendezvous`` (torchrun's rendezvous state and
+per-round keys), ``control`` (``disttrain/*``), ``torch`` (any other key in the job's namespace), ``foreign`` (a key
+outside it). A closed set: the metric's ``key_class`` label."""
+STORE_REJECT_REASONS: Final = ("foreign", "unsigned", "replayed", "deleted")
+"""Why the job agent rejected a store value: a key outside the namespace (deleted unread), not a valid envelope for
+this key and job, a valid value older than one already seen, a valid value deleted. The metric's ``reason``."""
+
+
 class StoreRejection(ContractModel):
     """One store value the job agent rejected (the newest rejection of that key)."""
 

@@ -20,7 +20,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from disttrain.api import conditions as cond
 from disttrain.api.conditions import Reason
 from disttrain.api.reformphases import ReformPhase
-from disttrain.api.status import Phase
+from disttrain.api.status import STORE_KEY_CLASSES, STORE_REJECT_REASONS, Phase
 
 PHASES = [p.value for p in Phase]
 REFORM_PHASES = tuple(p.value for p in ReformPhase)
@@ -123,6 +123,15 @@ class OperatorMetrics:
         self.samples = Gauge(
             "disttrain_job_samples_consumed", "Samples consumed by the training so far.", job, registry=registry
         )
+        self.store_rejections = Counter(
+            "disttrain_store_rejected_values",
+            "Values the job agent rejected in its store (status.storeRejections): keys outside the job's "
+            "namespace, unsigned or replayed values, valid values deleted. Anything above 0 means something "
+            "without the job's secret writes to the store (alert on > 0: a series appears with the job's first "
+            "rejection of its kind, not at 0, to keep 16 series per job out of every healthy job's memory).",
+            [*job, "key_class", "reason"],
+            registry=registry,
+        )
         self.reconcile_duration = Histogram(
             "disttrain_operator_reconcile_duration_seconds",
             "Wall time of one reconcile (read, decide, write).",
@@ -191,11 +200,29 @@ class OperatorMetrics:
             for phase in REFORM_PHASES:
                 if isinstance(phases.get(phase), (int, float)):
                     self.reform_phase.labels(namespace, phase).observe(phases[phase])
+        self._observe_store_rejections(labels, status, previous)
         self._seen[labels] = {
+            "storeRejections": _store_rejection_counts(status),
             "restarts": status.get("restarts"),
             "reforms": status.get("reforms", 0),
             "lastReform": reform,
         }
+
+    def _observe_store_rejections(
+        self, labels: tuple[str, str], status: Mapping[str, Any], previous: Optional[Mapping[str, Any]]
+    ) -> None:
+        """Advance the counter by what the agent's counts grew since the last status (the first sight of a job
+        only creates the series, as for restarts); a count below the last one is a restarted agent counting from
+        0 again (all of it is new)."""
+        if previous is None:
+            return
+        counts = _store_rejection_counts(status)
+        old = previous.get("storeRejections") or {}
+        for series, count in counts.items():
+            before = old.get(series, 0)
+            delta = count - before if count >= before else count
+            if delta > 0:
+                self.store_rejections.labels(*labels, *series).inc(delta)
 
     def _create_series_at_zero(self, labels: tuple[str, str]) -> None:
         """Every reason's counter and the reform-duration histogram at 0, so that increase() sees the first
@@ -233,10 +260,26 @@ class OperatorMetrics:
                 metric.remove(*labels)
             except KeyError:
                 pass
-        for family in (self.phase, self.restarts, self.reforms):
+        for family in (self.phase, self.restarts, self.reforms, self.store_rejections):
             for sample_labels in list(family._metrics):  # prometheus-client has no public lister
                 if sample_labels[:2] == labels:
                     family.remove(*sample_labels)
+
+
+def _store_rejection_counts(status: Mapping[str, Any]) -> dict[tuple[str, str], int]:
+    """``status.storeRejections.counts`` by (key class, reason); anything outside the closed label sets, or no
+    non-negative integer, is left out (a status field never mints a series)."""
+    counts = (status.get("storeRejections") or {}).get("counts") or {}
+    out: dict[tuple[str, str], int] = {}
+    if not isinstance(counts, Mapping):
+        return out
+    for name, count in counts.items():
+        key_class, _, reason = str(name).partition("/")
+        if key_class not in STORE_KEY_CLASSES or reason not in STORE_REJECT_REASONS:
+            continue
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+            out[(key_class, reason)] = count
+    return out
 
 
 def _by_label(by_reason: Mapping[str, Any], known: tuple[str, ...]) -> dict[str, int]:

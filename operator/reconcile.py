@@ -34,7 +34,7 @@ import hashlib
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Optional, TypedDict
 
-from disttrain.api import conditions, constants, containers, timestamps
+from disttrain.api import conditions, constants, containers, rules, timestamps
 from disttrain.api.conditions import ConditionType, Reason
 from disttrain.api.control import DirectiveAction, is_drain_checkpoint
 from disttrain.api.exitcodes import ExitCode
@@ -364,6 +364,7 @@ def _steps(spec: DistTrainJobSpec) -> tuple[Step, ...]:
         _bootstrap,
         _ensure_agent,
         _announce_checkpoint,
+        _announce_store_rejections,
         _handle_workers,
         _check_terminal,
         _size,
@@ -375,7 +376,12 @@ def _steps(spec: DistTrainJobSpec) -> tuple[Step, ...]:
 def unrunnable(spec: DistTrainJobSpec) -> Optional[str]:
     """Why no worker pod can be built from ``spec`` although it was admitted (stored before the CRD had the rule,
     or a CRD installed without it); None when it can run. The same rules as api/rules.py's template rules."""
-    pod_containers = (spec.template.get("spec") or {}).get("containers") or []
+    pod_spec = spec.template.get("spec") or {}
+    for field in ("serviceAccountName", "serviceAccount"):  # would run the user's code with an agent's token
+        account_rule = rules.agent_service_account_rule(field)
+        if field in pod_spec and not account_rule.holds(pod_spec[field]):
+            return f"spec.template.spec.{field}: {account_rule.render(pod_spec[field])}"
+    pod_containers = pod_spec.get("containers") or []
     index = containers.find_trainer_index(pod_containers)
     if index is None:
         return containers.NO_TRAINER_MESSAGE
@@ -496,6 +502,38 @@ def _announce_checkpoint(d: _Draft) -> None:
         return  # still the checkpoint that training resumed from
     d.condition(ConditionType.CHECKPOINTED, True, Reason.CHECKPOINT_COMMITTED, message)
     d.event(NORMAL, Reason.CHECKPOINT_COMMITTED, message)
+
+
+STORE_VALUE_REJECTED = "StoreValueRejected"
+"""The Warning Event's reason when the job agent rejected a value in its store (:mod:`disttrain.trainer.guardian`)."""
+STORE_REJECTION_RECENT_SECONDS = 300.0
+"""A rejection the agent reported at most this long ago is announced. The Event filter drops the same message
+for ``eventrate.REPEAT_WINDOW_S`` (600 s, longer than this), so each key is announced once per rejection spell,
+and a status that keeps the agent's last rejections does not bring them back on later reconciles."""
+_REJECTION_TEXT = {
+    "foreign": "a key outside the job's namespace, deleted unread",
+    "unsigned": "a value without a valid signature for this job and key, removed or replaced by the last valid one",
+    "replayed": "an older valid value written again, replaced by the newest one",
+    "deleted": "a valid value deleted, written back",
+}
+
+
+def _announce_store_rejections(d: _Draft) -> None:
+    """A Warning Event naming each key the job agent recently rejected in its store: something without the job's
+    secret reaches the store. The message holds only the key, its class and the reason, so the Event filter
+    (repeats dropped for 10 min, a budget per job) turns this into one Event per key per rate window; the counts
+    go to ``disttrain_store_rejected_values_total``."""
+    rejections = d.status.store_rejections
+    if rejections is None:
+        return
+    for entry in rejections.recent:
+        at = timestamps.parse_time(entry.time)
+        if at is None or abs(d.now - at) > STORE_REJECTION_RECENT_SECONDS:  # either clock may be ahead
+            continue
+        what = _REJECTION_TEXT.get(entry.reason, "an invalid value")
+        d.events.append(
+            Event(WARNING, STORE_VALUE_REJECTED, f"store key {entry.key} ({entry.key_class}): {what} by the job agent")
+        )
 
 
 def checkpoint_message(ckpt: CheckpointRef) -> str:

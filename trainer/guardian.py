@@ -39,17 +39,12 @@ from collections.abc import Callable
 from typing import Any, Final, Optional
 
 from disttrain.api import control as keys
-from disttrain.api import storeauth
+from disttrain.api import status, storeauth
 
 log = logging.getLogger("disttrain.agent.guardian")
 
-KEY_CLASSES: Final = ("rendezvous", "control", "torch", "foreign")
-"""``rendezvous``: torchrun's rendezvous state and per-round keys; ``control``: ``disttrain/*``; ``torch``: any
-other key in the job's namespace; ``foreign``: a key outside it."""
-REASONS: Final = ("foreign", "unsigned", "replayed", "deleted")
-"""``foreign``: a key outside the namespace (deleted unread); ``unsigned``: not a valid envelope for this key and
-job (forged, garbled, another job's); ``replayed``: valid but older than the value already seen; ``deleted``: a
-valid value vanished."""
+KEY_CLASSES: Final = status.STORE_KEY_CLASSES
+REASONS: Final = status.STORE_REJECT_REASONS
 NOT_RESTORED: Final = (keys.EXIT_FIRST_KEY, keys.EXIT_LAST_KEY)
 """Keys the job's own code deletes on purpose (:func:`disttrain.trainer.startup.take_exit_times`): never written
 back. torch's elastic code calls no ``delete_key`` on the rendezvous store (checked in torch 2.13)."""

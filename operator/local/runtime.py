@@ -20,7 +20,7 @@ from disttrain.api import constants, storeauth
 from disttrain.api import env as env_names
 from disttrain.api.ports import free_port
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import agentfields, names, pods, reconcile
+from disttrain.operator import agentfields, eventrate, names, pods, reconcile
 from disttrain.operator.local import agentlink, proctree, translate
 from disttrain.operator.local.chaos import ChaosEvent
 from disttrain.operator.local.logtail import LogTail
@@ -96,6 +96,9 @@ class LocalRuntime:
         self.store_secret = storeauth.new_secret()
         self.started = time.time()
         self.events: list[dict[str, Any]] = []
+        self.event_filter = eventrate.EventFilter()
+        """Rate-limits the store-rejection Warnings as the operator's adapter does on a cluster (one per key per
+        window); the other reconcile Events are recorded as they come, as they always were here."""
         self.logs = LogTail(state.logs_dir)
         self.recorder = Recorder()
         self.recorder.job = obj["metadata"]["name"]
@@ -297,6 +300,10 @@ class LocalRuntime:
             if worker.name not in self.workers:
                 self.create_worker(worker)
         for event in actions.events:
+            if event.reason == reconcile.STORE_VALUE_REJECTED and not self.event_filter.admit(
+                (self.obj["metadata"].get("namespace", ""), self.name, event.type, event.reason, event.message), now
+            ):
+                continue
             self.record_event(event.type, event.reason, event.message, source="reconcile")
 
     def tick(self) -> Actions:

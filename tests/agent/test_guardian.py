@@ -41,6 +41,12 @@ def stores():
     yield server, outsider
 
 
+def settle(client: TCPStore) -> None:
+    """Wait until the server has handled ``client``'s writes: a ``set`` gets no answer, a ``num_keys`` does, and
+    one connection's commands are handled in order."""
+    client.num_keys()
+
+
 def sealed(key: str, value: bytes, seq: int) -> bytes:
     return storeauth.seal(SECRET, UID, key, value, seq)
 
@@ -51,6 +57,7 @@ def test_foreign_and_unsigned_keys_are_deleted_and_valid_ones_kept(stores):
     outsider.set("junk/1", b"x" * 1000)
     outsider.set(NS + "disttrain/failure", b'{"exitCode": 85}')  # forged: the prefix is public, the MAC is not
     outsider.set(NS + "torch.rendezvous.run1.7/MASTER_ADDR", sealed(STATE, b"10.0.0.1", 9))  # another key's value
+    settle(outsider)
     g = guardian.Guardian(server, SECRET, UID)
     result = g.sweep()
     assert sorted(server.list_keys()) == [STATE]
@@ -62,6 +69,7 @@ def test_foreign_and_unsigned_keys_are_deleted_and_valid_ones_kept(stores):
 def test_a_value_of_another_job_with_the_same_secret_is_rejected(stores):
     server, outsider = stores
     outsider.set(STATE, storeauth.seal(SECRET, "another-job", STATE, b"state", 1))
+    settle(outsider)
     g = guardian.Guardian(server, SECRET, UID)
     g.sweep()
     assert server.list_keys() == []
@@ -80,6 +88,7 @@ def test_a_broken_sealed_value_is_restored(stores, attack):
         outsider.set(STATE, b"\x80\x04cos\nsystem\n" + b"A" * 64)
     else:
         outsider.set(STATE, old)
+    settle(outsider)
     result = g.sweep()
     assert result.restored == 1
     assert storeauth.unseal(SECRET, UID, STATE, server.get(STATE)) == storeauth.Sealed(b"round 4", 4)
@@ -134,6 +143,7 @@ def test_the_signed_store_sees_the_restored_value(stores):
     g = guardian.Guardian(server, SECRET, UID)
     g.sweep()
     outsider.set(NS + keys.CHECKPOINT_KEY, b'{"step": 0}')
+    settle(outsider)
     g.sweep()
     assert worker.get(keys.CHECKPOINT_KEY) == b'{"step": 40}'
     assert g.counts() == {("control", "unsigned"): 1}
@@ -143,6 +153,7 @@ def test_rejections_are_reported_with_closed_labels_and_bounded_names(stores):
     server, outsider = stores
     for i in range(guardian.MAX_RECENT + 4):
         outsider.set(f"junk/{i}/" + "\x01" * 300, b"x")
+    settle(outsider)
     g = guardian.Guardian(server, SECRET, UID, clock=lambda: 1_700_000_000.0)
     g.sweep()
     snap = g.snapshot()
@@ -167,6 +178,7 @@ def test_the_read_budget_spreads_a_large_backlog_over_sweeps(stores):
     server, outsider = stores
     for i in range(6):
         outsider.set(NS + f"junk{i}", b"y" * (1 << 20))
+    settle(outsider)
     g = guardian.Guardian(server, SECRET, UID, max_read_bytes=2 << 20)
     first = g.sweep()
     assert first.truncated and first.read_bytes <= 3 << 20 and first.deleted == 2
@@ -236,6 +248,7 @@ def test_the_agent_relays_rejections_and_rewrites_its_own_keys(tmp_path, stores)
     outsider.delete_key(NS + keys.TARGET_KEY)  # the guardian restores this one ...
     outsider.set(NS + keys.SIGNAL_KEY, b'{"generation": 99, "action": "reform"}')  # ... and this one
     outsider.set("junk", b"z")
+    settle(outsider)
     g.sweep()
     agent.sync()
     assert keys.ControlSignal.model_validate_json(store.get(keys.SIGNAL_KEY)).generation == 2
@@ -246,6 +259,7 @@ def test_the_agent_relays_rejections_and_rewrites_its_own_keys(tmp_path, stores)
     assert {r["key"] for r in rejections["recent"]} == {"junk", "~/disttrain/signal", "~/disttrain/target"}
     # without the guardian's help (its memory lost: a restarted agent), the agent writes its own keys again
     outsider.delete_key(NS + keys.SIGNAL_KEY)
+    settle(outsider)
     agent.sync()
     assert keys.ControlSignal.model_validate_json(store.get(keys.SIGNAL_KEY)).generation == 2
 

@@ -1,0 +1,124 @@
+"""What the job agent rejected in its store (``status.storeRejections``) becomes the
+``disttrain_store_rejected_values_total`` counter and one Warning Event per key per rate window."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from disttrain.api import timestamps
+from disttrain.operator import eventrate
+from disttrain.operator import reconcile as core
+from disttrain.operator.metrics import OperatorMetrics
+from tests.unit.operator.world import T0, World, job_manifest
+
+pytestmark = pytest.mark.timeout(30)
+
+JOB = {"namespace": "team-a", "job": "demo"}
+
+
+def rejected(registry: CollectorRegistry, key_class: str, reason: str) -> float | None:
+    return registry.get_sample_value(
+        "disttrain_store_rejected_values_total", {**JOB, "key_class": key_class, "reason": reason}
+    )
+
+
+def rejections(counts: dict[str, int], recent: list[dict[str, str]] | None = None) -> dict:
+    return {"storeRejections": {"total": sum(counts.values()), "counts": counts, "recent": recent or []}}
+
+
+def test_the_counter_follows_the_agents_counts():
+    registry = CollectorRegistry()
+    metrics = OperatorMetrics(registry)
+    metrics.observe_job("team-a", "demo", {"phase": "Running"}, now=1)
+    assert rejected(registry, "rendezvous", "unsigned") is None  # no series for a job never attacked
+    metrics.observe_job("team-a", "demo", rejections({"rendezvous/unsigned": 2, "foreign/foreign": 40}), now=2)
+    assert rejected(registry, "rendezvous", "unsigned") == 2
+    assert rejected(registry, "foreign", "foreign") == 40
+    metrics.observe_job("team-a", "demo", rejections({"rendezvous/unsigned": 3, "foreign/foreign": 40}), now=3)
+    assert rejected(registry, "rendezvous", "unsigned") == 3
+    # a restarted agent counts from 0 again: what it reports is all new
+    metrics.observe_job("team-a", "demo", rejections({"control/deleted": 1, "foreign/foreign": 5}), now=4)
+    assert rejected(registry, "foreign", "foreign") == 45
+    assert rejected(registry, "control", "deleted") == 1
+
+
+def test_labels_outside_the_closed_sets_mint_no_series():
+    registry = CollectorRegistry()
+    metrics = OperatorMetrics(registry)
+    metrics.observe_job("team-a", "demo", {"phase": "Running"}, now=1)
+    metrics.observe_job(
+        "team-a", "demo", rejections({"evil/label": 9, "control/evil": 9, "control/unsigned": True}), now=2
+    )
+    assert not [s for f in registry.collect() for s in f.samples if s.name.startswith("disttrain_store_")]
+
+
+def test_a_forgotten_job_leaves_no_rejection_series():
+    registry = CollectorRegistry()
+    metrics = OperatorMetrics(registry)
+    metrics.observe_job("team-a", "demo", {"phase": "Running"}, now=1)
+    metrics.observe_job("team-a", "demo", rejections({"control/unsigned": 1}), now=2)
+    metrics.forget_job("team-a", "demo")
+    assert rejected(registry, "control", "unsigned") is None
+
+
+def running_world() -> World:
+    return World(job_manifest(min=1, max=2, replicas=2)).running_world(2)
+
+
+def warnings(world: World) -> list[str]:
+    return [e.message for e in (world.last.events if world.last else ()) if e.reason == core.STORE_VALUE_REJECTED]
+
+
+def test_a_recent_rejection_is_announced_naming_the_key_and_a_stale_one_is_not():
+    world = running_world()
+    at = timestamps.format_time(world.now)
+    world.status.update(
+        rejections(
+            {"control/unsigned": 1, "foreign/foreign": 1},
+            [
+                {"key": "~/disttrain/failure", "keyClass": "control", "reason": "unsigned", "time": at},
+                {"key": "junk/1", "keyClass": "foreign", "reason": "foreign", "time": "2001-01-01T00:00:00Z"},
+            ],
+        )
+    )
+    world.step(1.0)
+    messages = warnings(world)
+    assert len(messages) == 1 and "~/disttrain/failure" in messages[0] and "(control)" in messages[0]
+    world.step(core.STORE_REJECTION_RECENT_SECONDS + 1)
+    assert warnings(world) == []
+
+
+def test_the_event_filter_lets_one_event_per_key_through_per_window():
+    """The adapter's filter (kube and local mode alike) drops the repeats a reconcile loop would emit."""
+    world = running_world()
+    world.status.update(
+        rejections(
+            {"rendezvous/deleted": 1},
+            [{"key": "~/torch.rendezvous.r", "keyClass": "rendezvous", "reason": "deleted",
+              "time": timestamps.format_time(world.now)}],
+        )
+    )
+    event_filter = eventrate.EventFilter()
+    posted = []
+    for _ in range(5):
+        world.step(2.0)
+        for event in world.last.events:
+            if event.reason == core.STORE_VALUE_REJECTED and event_filter.admit(
+                ("team-a", world.name, event.type, event.reason, event.message), world.now
+            ):
+                posted.append(event.message)
+    assert len(posted) == 1 and "~/torch.rendezvous.r" in posted[0]
+
+
+def test_status_with_rejections_is_valid_for_the_core():
+    """The field is in the status model (the reconcile core reads it typed) and the agent owns it."""
+    from disttrain.api.status import AGENT_FIELDS, DistTrainJobStatus
+
+    assert "storeRejections" in AGENT_FIELDS
+    status = DistTrainJobStatus.model_validate(
+        rejections({"control/unsigned": 1},
+                   [{"key": "~/x", "keyClass": "control", "reason": "unsigned", "time": "2024-01-01T00:00:00Z"}])
+    )
+    assert status.store_rejections is not None and status.store_rejections.recent[0].key_class == "control"
+    assert T0 > 0
