@@ -45,8 +45,9 @@ def error_bomb() -> str:
 HOSTILE: list[tuple[str, bytes, str]] = [
     ("alias-bomb", alias_bomb().encode(), "YAML nodes once aliases are expanded"),
     ("recursive-alias", (HEADER + "spec: &s {nodes: *s}\n").encode(), "refers to its own anchor"),
-    ("deep-flow-nesting", (HEADER + "spec: " + "[" * 400_000 + "]" * 400_000 + "\n").encode(), "nesting deeper"),
-    ("deep-block-nesting", (HEADER + "spec:\n" + "- " * 400_000 + "x\n").encode(), "nesting deeper"),
+    ("deep-flow-nesting", (HEADER + "spec: " + "[" * 400_000 + "]" * 400_000 + "\n").encode(), "nesting"),
+    ("deep-block-nesting", (HEADER + "spec:\n" + "- " * 400_000 + "x\n").encode(), "nesting"),
+    ("nesting-101", (HEADER + "spec: " + "[" * 101 + "]" * 101 + "\n").encode(), "nesting deeper than 100"),
     ("not-utf8", HEADER.encode() + b"spec: {name: \xff\xfe}\n", "not UTF-8 text: byte 0xff at offset"),
     ("too-big", HEADER.encode() + b"spec: " + b"x" * (1 << 20) + b"\n", "larger than 1048576 bytes"),
     ("too-many-documents", b"---\n{}\n" * 1500, "more than 1000 YAML documents"),
@@ -66,6 +67,27 @@ def test_a_hostile_file_is_refused_in_one_line_quickly(tmp_path, data, text):
     message = str(caught.value)
     assert elapsed < 2.0, f"took {elapsed:.1f} s"
     assert "\n" not in message and text in message and message.startswith(f"{path}: <")
+
+
+@pytest.mark.parametrize(("data", "text"), [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
+def test_the_pure_python_loader_refuses_the_same_files(tmp_path, monkeypatch, data, text):
+    """Where PyYAML has no libyaml, the pure-Python scanner is used: the same limits hold, as fast."""
+    monkeypatch.setattr(yamlload, "_Loader", yamlload._PureLoader)
+    path = tmp_path / "job.yaml"
+    path.write_bytes(data)
+    started = time.perf_counter()
+    with pytest.raises(validation.ManifestError) as caught:
+        list(validation.load_documents(path))
+    assert time.perf_counter() - started < 2.0
+    assert "\n" not in str(caught.value) and text in str(caught.value)
+
+
+def test_a_long_scalar_is_read_quickly(tmp_path):
+    path = tmp_path / "long.yaml"
+    path.write_text(HEADER.replace("name: bomb", "name: " + "x" * 900_000))
+    started = time.perf_counter()
+    [(_, obj)] = validation.load_documents(path)
+    assert time.perf_counter() - started < 2.0 and len(obj["metadata"]["name"]) == 900_000
 
 
 @pytest.mark.parametrize(("data", "text"), [h[1:] for h in HOSTILE[:5]], ids=[h[0] for h in HOSTILE[:5]])
