@@ -356,7 +356,7 @@ def test_the_agent_may_report_progress_but_never_change_what_the_operator_rememb
                           content_type="application/merge-patch+json")
     before = eventually(lambda: (lambda st: st if st.get("restarts") == spent else None)(cluster.status("sg")))
     forged = {"restarts": {"total": 0, "byReason": {}}, "handledPods": ["uid-x"], "phase": "Succeeded",
-              "trackedPods": {"sg-worker-0": "forged"}, "control": {"generation": 99, "action": "reform"},
+              "trackedPods": ["sg-worker-[0]"], "control": {"generation": 99, "action": "reform"},
               "consecutiveFailures": 7}
     for field, value in forged.items():
         result = cluster.plane.kubectl("patch", "-n", cluster.ns, f"{constants.PLURAL}/sg", "--subresource=status",
