@@ -73,7 +73,7 @@ def agent_side(port_queue: Any, stop: Any, guard: bool, pin: bool, report: Any) 
     )
 
 
-def attacker(port: int, seconds: float, value_mib: int, index: int, sent: Any) -> None:
+def attacker(port: int, seconds: float, value_mib: int, index: int, sent: Any, took: Any) -> None:
     """A stranger: no secret, a plain client, fresh keys, as fast as it can."""
     from torch.distributed import TCPStore
 
@@ -82,7 +82,8 @@ def attacker(port: int, seconds: float, value_mib: int, index: int, sent: Any) -
     )
     namespace = storeauth.key_prefix(SECRET) + "/"
     value = os.urandom(value_mib << 20)
-    deadline = time.monotonic() + seconds
+    began = time.monotonic()
+    deadline = began + seconds
     count = 0
     try:
         while time.monotonic() < deadline:
@@ -92,8 +93,10 @@ def attacker(port: int, seconds: float, value_mib: int, index: int, sent: Any) -
             count += 1
     except Exception as error:  # noqa: BLE001 - the server may drop a client; report what was sent
         print(f"attacker {index} stopped: {error!r}", flush=True)
+    client.num_keys()  # answered once the server has taken in every value sent before it
     with sent.get_lock():
         sent.value += count * value_mib
+        took.value = max(took.value, time.monotonic() - began)
 
 
 def main() -> None:
@@ -106,16 +109,16 @@ def main() -> None:
     args = parser.parse_args()
     ctx = multiprocessing.get_context("spawn")
     port_queue, report, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
-    sent = ctx.Value("q", 0)
+    sent, took = ctx.Value("q", 0), ctx.Value("d", 0.0)
     side = ctx.Process(target=agent_side, args=(port_queue, stop, args.guardian, args.pin, report))
     side.start()
     port = port_queue.get(timeout=60)
     time.sleep(1.0)
     baseline = rss_kib(side.pid or 0)
     attackers = [
-        ctx.Process(target=attacker, args=(port, args.seconds, args.value_mib, i, sent)) for i in range(args.attackers)
+        ctx.Process(target=attacker, args=(port, args.seconds, args.value_mib, i, sent, took))
+        for i in range(args.attackers)
     ]
-    began = time.monotonic()
     for proc in attackers:
         proc.start()
     samples = []
@@ -124,7 +127,7 @@ def main() -> None:
         time.sleep(0.05)
     for proc in attackers:
         proc.join()
-    flood_s = time.monotonic() - began
+    flood_s = took.value
     peak = rss_kib(side.pid or 0, "VmHWM")
     time.sleep(2.0)
     after = rss_kib(side.pid or 0)

@@ -569,7 +569,7 @@ def scoped_store(server: Any) -> Any:
     return channel.scoped(server)
 
 
-def start_guardian(port: int, store: Any) -> Optional[guardian.Guardian]:
+def start_guardian(port: int, store: Any, host: str = "127.0.0.1") -> Optional[guardian.Guardian]:
     """The store's sweeper on a connection of its own (its reads of up to 8 MiB never queue the agent's
     requests behind them), checking values with the secret and job UID the agent's signed ``store`` seals with;
     None, with a warning, when the agent has no store secret to check values with."""
@@ -583,9 +583,7 @@ def start_guardian(port: int, store: Any) -> Optional[guardian.Guardian]:
         log.warning("no store secret ($%s): the store is not guarded", env.STORE_SECRET_FILE)
         return None
     job_uid = signed.job_uid
-    client = TCPStore(
-        "127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
-    )
+    client = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
     guard = guardian.Guardian(client, secret, job_uid)
     guard.start()
     return guard
@@ -615,7 +613,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     guardian.pin_mmap_threshold()  # before the server's first large value: see the guardian's docstring
     server = start_store(args.port, args.host)
     store = scoped_store(server)
-    guard = start_guardian(args.port, store)
+    guard = start_guardian(args.port, store, "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host)
     agent = Agent(source, store, poll_seconds=args.poll_seconds, guard=guard)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop_event.set())
     log.info("agent for %s serving the store on %s:%d", args.name or args.state_dir, args.host, args.port)
