@@ -15,9 +15,12 @@ against the plain value of the valid content, ``add`` is a ``compare_set`` loop 
 bytes never leave this class, so nothing downstream (torch's ``pickle.loads`` of the rendezvous state, the
 agent's restricted unpickler) ever sees them.
 
-Writes are compare-and-set on the raw envelope the writer read: the new ``seq`` is at least the current one + 1,
-this process's high-water mark + 1 and ``time.time_ns()`` (so a key deleted and written again still moves
-forward), and concurrent writers serialise in store order, so a reader never sees a legitimate value go backwards.
+Sequence numbers: ``set`` is a blind write (as TCPStore's: no round trip, rank 0 publishes progress every step)
+with ``seq = max(time.time_ns(), this process's high-water mark + 1)``, so a key deleted and written again still
+moves forward; ``compare_set`` and ``add`` are compare-and-set on the raw envelope the writer read, with ``seq`` at
+least the current one + 1 as well, so they serialise in store order. Two processes ``set``-ting one key are
+ordered by their clocks: a reader that saw the later-stamped value refuses an earlier-stamped one as a replay until
+a newer one comes (keys torch and this project ``set`` have one writer at a time, or carry times only).
 
 Restoring: where torch cannot cope with absence (the rendezvous state: a missing state is re-created at round 0
 and strands the running group), a reader that saw a valid value and now finds the key deleted, garbled or
@@ -51,8 +54,8 @@ POLL_MAX_S = 1.0
 WAIT_SLICE_S = 1.0
 """Longest single server-side wait for an absent key (so a value that turns up invalid is looked at again)."""
 MAX_WRITE_ATTEMPTS = 64
-"""Compare-and-set rounds a write tries before it writes blindly (only an outsider rewriting the key in a tight
-loop makes a write lose that often; the blind write is still sealed)."""
+"""Compare-and-set rounds ``compare_set``/``add``/a restore try before giving up (only an outsider rewriting the key
+in a tight loop makes them lose that often)."""
 RESTORE_GRACE_S = 3.0
 """How long a compare_set on a restorable key that holds an invalid value waits for a valid one to come back before it
 takes the key for absent (see :meth:`SignedStore._await_restore`); a delay that only an outsider's write causes."""
@@ -223,11 +226,9 @@ class SignedStore(Store):
     # --- the Store API (names as pybind's trampoline calls them) ---------------------------------------------
 
     def set(self, key: str, value: Value) -> None:
+        """A blind write, as TCPStore's (sent without waiting for an answer: rank 0 publishes progress every step),
+        sealed with ``seq = max(time_ns, own high-water mark + 1)``."""
         data = _as_bytes(value)
-        for _ in range(MAX_WRITE_ATTEMPTS):
-            found = self._peek(key)
-            if self._swap(key, found, data, self._verify(key, found)) is not None:
-                return
         seq = self._next_seq(key, None)
         self.raw.set(key, self._seal(key, data, seq))
         self._wrote(key, seq, data)
