@@ -105,6 +105,7 @@ class Outsider:
         self.deadline = float("inf")
         """time.monotonic() after which the running attack stops, even inside a round."""
         self._store: Any = None
+        self._probe = f"outsider-probe-{time.time_ns()}"
 
     def store(self) -> Any:
         if self._store is None:
@@ -138,11 +139,14 @@ class Outsider:
         return found
 
     def get(self, key: str) -> Optional[bytes]:
-        """The value of ``key``, or None when absent (``check`` first: ``get`` blocks until the key exists)."""
-        if not self.call("check", [key]):
+        """The value of ``key``, or None when absent, in one round trip that never blocks: ``compare_set`` with a
+        probe no value equals returns the current value, or the probe when the key is absent (``get`` would wait
+        for a key deleted since the listing until the store timeout)."""
+        value = self.call("compare_set", key, self._probe, self._probe)
+        if value is None:
             return None
-        value = self.call("get", key)
-        return bytes(value) if value is not None else None
+        value = bytes(value)
+        return None if value == self._probe.encode() else value
 
     def set(self, key: str, value: Union[str, bytes]) -> None:
         self.call("set", key, value)
