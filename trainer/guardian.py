@@ -33,6 +33,7 @@ import ctypes
 import ctypes.util
 import dataclasses
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +50,11 @@ NOT_RESTORED: Final = (keys.EXIT_FIRST_KEY, keys.EXIT_LAST_KEY)
 """Keys the job's own code deletes on purpose (:func:`disttrain.trainer.startup.take_exit_times`): never written
 back. torch's elastic code calls no ``delete_key`` on the rendezvous store (checked in torch 2.13)."""
 RENDEZVOUS_PREFIX: Final = "torch.rendezvous."
+NULL_SENTINEL: Final = b"Y2FuaW1hZGFt"
+"""What torch's ``C10dRendezvousBackend`` writes under ``torch.rendezvous.<run id>`` when it is built. torch's
+``create_backend`` builds one over the raw client before :func:`disttrain.trainer.rendezvous.create_handler` puts
+the signed store around it, so every node leaves this unsigned key outside the namespace: deleted, but not counted
+as a rejection (it would raise a Warning on every job)."""
 MAX_RECENT: Final = 8
 """Distinct rejected keys reported in the status (newest first)."""
 MAX_KEY_SHOWN: Final = 120
@@ -124,6 +130,7 @@ class Guardian:
         self._recent: collections.OrderedDict[str, Rejection] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._cursor = 0
+        self._probe = b"\0disttrain-guardian-probe\0" + secrets.token_bytes(16)
         self.stop_event = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -178,6 +185,8 @@ class Guardian:
         for key in names:
             if key.startswith(self.namespace):
                 mine.append(key)
+            elif self._is_torchs_own_leftover(key, result):
+                self._drop(key, result)
             else:
                 self._delete(key, "foreign", result)
         # the read budget may cut a sweep short: start where the last one stopped, so every key gets its turn
@@ -196,9 +205,8 @@ class Guardian:
         return result
 
     def _check(self, key: str, result: SweepResult) -> None:
-        try:
-            raw = bytes(self.server.get(key))
-        except Exception:  # noqa: BLE001 - deleted between list and get: the next sweep sees it gone
+        raw = self._read(key)
+        if raw is None:  # deleted between list and read: the next sweep sees it gone
             return
         result.read_bytes += len(raw)
         sealed = storeauth.unseal(self.secret, self.job_uid, key, raw)
@@ -213,6 +221,36 @@ class Guardian:
             return
         self._reject(key, reason)
         self._put_back(key, raw, last[0], result)
+
+    def _is_torchs_own_leftover(self, key: str, result: SweepResult) -> bool:
+        """``torch.rendezvous.<run id>`` (no ``/``) holding exactly :data:`NULL_SENTINEL`: read only under that
+        name, and at most the sentinel's length is kept."""
+        if not key.startswith(RENDEZVOUS_PREFIX) or "/" in key:
+            return False
+        raw = self._read(key)
+        if raw is None:
+            return False
+        result.read_bytes += len(raw)
+        return raw == NULL_SENTINEL
+
+    def _drop(self, key: str, result: SweepResult) -> None:
+        try:
+            self.server.delete_key(key)
+            result.deleted += 1
+        except Exception as error:  # noqa: BLE001 - the next sweep tries again
+            log.debug("could not delete %s: %r", self.shown(key), error)
+
+    def _read(self, key: str) -> Optional[bytes]:
+        """The raw value, None when the key is absent, without waiting: ``get`` blocks until the key exists (for
+        the store timeout), so a key deleted between ``list_keys`` and the read would stall every sweep behind it.
+        ``compare_set(key, probe, probe)`` answers at once: the current value, or the probe when there is none
+        (the server sets nothing when the key is absent and the expected value is not empty)."""
+        try:
+            raw = bytes(self.server.compare_set(key, self._probe, self._probe))
+        except Exception as error:  # noqa: BLE001 - the next sweep tries again
+            log.debug("could not read %s: %r", self.shown(key), error)
+            return None
+        return None if raw == self._probe else raw
 
     def _restore_vanished(self, present: set[str], result: SweepResult) -> None:
         with self._lock:
@@ -237,11 +275,7 @@ class Guardian:
 
     def _delete(self, key: str, reason: str, result: SweepResult) -> None:
         self._reject(key, reason)
-        try:
-            self.server.delete_key(key)
-            result.deleted += 1
-        except Exception as error:  # noqa: BLE001 - the next sweep tries again
-            log.debug("could not delete %s: %r", self.shown(key), error)
+        self._drop(key, result)
 
     def _reject(self, key: str, reason: str) -> None:
         key_class = self.key_class(key)

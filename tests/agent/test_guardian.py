@@ -14,7 +14,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from disttrain.api import control as keys
-from disttrain.api import storeauth
+from disttrain.api import env, storeauth
 from disttrain.trainer import agent as agent_mod
 from disttrain.trainer import channel, guardian
 
@@ -266,3 +266,42 @@ def test_the_agent_relays_rejections_and_rewrites_its_own_keys(tmp_path, stores)
 
 def test_the_mmap_threshold_can_be_pinned():
     assert guardian.pin_mmap_threshold() in (True, False)  # False only without glibc
+
+
+def test_a_real_rendezvous_under_the_guardian_loses_nothing_and_survives_a_deleted_state(tmp_path, monkeypatch):
+    """torchrun's rendezvous (our handler, torch's c10d backend, its per-round keys) through the signed store
+    while the guardian sweeps: no legitimate value is ever rejected; the state deleted by an outsider is back and
+    the nodes' keep-alives go on writing it."""
+    from tests.agent.test_heartbeats import handler
+
+    monkeypatch.setenv(env.STORE_SECRET, SECRET)
+    monkeypatch.setenv(env.JOB_UID, UID)
+    port = free_port()
+    server = agent_mod.start_store(port, "127.0.0.1", timeout_s=10)
+    own = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    g = guardian.Guardian(own, SECRET, UID, interval_s=0.05)
+    g.start()
+    try:
+        handlers = [handler(port, monkeypatch, f"demo-worker-{i}", f"uid-{i}") for i in range(2)]
+        threads = [threading.Thread(target=h.next_rendezvous) for h in handlers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert not any(t.is_alive() for t in threads), "the rendezvous did not complete under the guardian"
+        time.sleep(0.5)
+        assert g.counts() == {}, f"the guardian rejected a legitimate value: {g.snapshot()}"
+        state_keys = [k for k in server.list_keys() if k.endswith("torch.rendezvous.job-uid-1")]
+        assert state_keys
+        outsider = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+        outsider.delete_key(state_keys[0])
+        deadline = time.monotonic() + 10
+        while state_keys[0] not in server.list_keys() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert state_keys[0] in server.list_keys()
+        for h in handlers:
+            h._stop_heartbeats()
+        handlers[0]._keep_alive()  # a compare_set on the restored state: it verifies and moves on
+        assert set(g.counts()) == {("rendezvous", "deleted")}
+    finally:
+        g.stop()

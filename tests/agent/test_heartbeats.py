@@ -30,6 +30,8 @@ def handler(port: int, monkeypatch: pytest.MonkeyPatch, name: str, uid: str):
 
 
 def test_a_node_that_stops_heartbeating_is_reported_with_its_pod(tmp_path, monkeypatch):
+    monkeypatch.setenv(env.STORE_SECRET, "heartbeats-test-" + "3" * 48)  # every store client signs with it
+    monkeypatch.setenv(env.JOB_UID, RUN_ID)
     port = free_port()
     server = agent_mod.start_store(port, "127.0.0.1", timeout_s=10)
     write_job(tmp_path)
