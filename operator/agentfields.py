@@ -15,7 +15,7 @@ from typing import Any
 import pydantic
 
 from disttrain.api import control
-from disttrain.api.status import SilentNode
+from disttrain.api.status import SilentNode, StoreRejections
 from disttrain.operator import patches
 
 log = logging.getLogger("disttrain.operator")
@@ -69,6 +69,18 @@ def sanitize(status: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     ):
         problems.append(f"status.roundMembers={_show(members)} is no list of at most {MAX_ROUND_MEMBERS} pod names")
         del clean["roundMembers"]
+    rejections = clean.get("storeRejections")
+    if rejections is not None:
+        try:
+            report = StoreRejections.model_validate(rejections)
+            bad_time = next((r.time for r in report.recent if r.time and not control.is_valid_time(r.time)), None)
+        except pydantic.ValidationError as error:
+            problems.append(f"status.storeRejections={_show(rejections)} is no rejection report: {error.errors()[0]}")
+            del clean["storeRejections"]
+        else:
+            if bad_time is not None:
+                problems.append(f"status.storeRejections.recent[].time={_show(bad_time)} is no RFC 3339 time")
+                del clean["storeRejections"]
     return clean, problems
 
 
