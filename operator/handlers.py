@@ -629,8 +629,12 @@ def register(
                     backoff.succeeded()
                     requeue = result.actions.requeue_after
                     delay = None if requeue is None else max(0.05, requeue)
-                    if result.others_wrote:
-                        wake.set()  # the cache holds a change no watch event will announce
+                    acted = result.actions.create_agent or result.actions.create_workers or result.actions.delete_pods
+                    if result.others_wrote or acted:
+                        # The cache holds a change no watch event will announce: the answers to our own writes
+                        # (the pods' watch events come with the same versions and change nothing). The next
+                        # reconcile counts them in the status (it writes nothing when nothing changed).
+                        wake.set()
                     if refusals.get((namespace, name)) != refused or failures.get((namespace, name)) != failed:
                         delay = 0.05  # a new refusal or failure (or its end): the status says so at once
                 except NameHeld as held:
