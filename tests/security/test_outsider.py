@@ -185,7 +185,12 @@ def _assert_unharmed(attacked: Attacked) -> None:
     assert not attacked.marker.exists(), f"the attacker's pickle ran in the job: {attacked.marker} was created"
     assert run.summary.succeeded, f"phase {run.summary.phase}: {run.summary.message}; events {run.reasons()}"
     restarts = run.runtime.obj["status"].get("restarts") or {}
-    assert not run.summary.restarts_by_reason and not restarts.get("total"), f"restarts charged: {restarts}"
+    lost = [
+        f"{e['reason']} {e['time'] - attacked.attack_start:+.1f} s from the attack's start: {e['message'][:160]}"
+        for e in run.events
+        if e["reason"] in ("NodeLost", "Reforming", "RestartBudgetExhausted")
+    ]
+    assert not run.summary.restarts_by_reason and not restarts.get("total"), f"restarts charged: {restarts}; {lost}"
     executions = run.executions()
     assert sorted(executions) == list(range(1, MAX_STEPS + 1)), f"steps skipped or extra: {sorted(executions)}"
     replayed = {step: len(runs) for step, runs in executions.items() if len(runs) != 1}
@@ -193,7 +198,7 @@ def _assert_unharmed(attacked: Attacked) -> None:
     assert all(len(runs[0]) == 2 for runs in executions.values()), "a step ran without both ranks"
     consumed = collections.Counter(i for runs in executions.values() for r in runs[0] for i in r["indices"])
     assert sorted(consumed) == list(range(DATASET)) and set(consumed.values()) == {1}, "samples lost or repeated"
-    assert run.summary.steps == MAX_STEPS
+    assert run.summary.steps == MAX_STEPS, f"the job's status says step {run.summary.steps}, all {MAX_STEPS} ran"
 
 
 @pytest.fixture(scope="module")
