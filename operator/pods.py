@@ -31,7 +31,13 @@ READY_PORT = 9399
 """The launcher listens here once the node's workers can start warm (``disttrain.trainer.readiness``)."""
 AGENT_IMAGE_REPOSITORY = "ghcr.io/disttrain/trainer"
 AGENT_CPU = "250m"
-AGENT_MEMORY = "512Mi"
+AGENT_MEMORY_REQUEST = "512Mi"
+AGENT_MEMORY = "1Gi"
+"""The agent's memory limit. Its TCPStore server holds whatever a client stores until the guardian
+(:mod:`disttrain.trainer.guardian`) deletes it, so a stranger's flood of 8 MiB values costs memory in proportion to
+the flood's rate times the sweeper's lag: 406-519 MB peaks were measured under 60 s floods at 42-109 MB/s on 2 shared
+cores (``bench/store_flood.py``, docs/security.md), over a 230 MB baseline. The limit leaves twice that headroom; the
+request stays at what the agent needs when nobody floods it."""
 
 
 def job_labels(job: DistTrainJob, role: str) -> dict[str, str]:
@@ -288,7 +294,10 @@ def build_agent_pod(job: DistTrainJob, image: Optional[str] = None) -> dict[str,
         ],
         "ports": [{"name": "rendezvous", "containerPort": port, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 2},
-        "resources": {"requests": {"cpu": AGENT_CPU, "memory": AGENT_MEMORY}, "limits": {"memory": AGENT_MEMORY}},
+        "resources": {
+            "requests": {"cpu": AGENT_CPU, "memory": AGENT_MEMORY_REQUEST},
+            "limits": {"memory": AGENT_MEMORY},
+        },
     }
     spec: dict[str, Any] = {
         "serviceAccountName": names.service_account_name(job.metadata.name),
