@@ -44,7 +44,7 @@ test-fast: $(STAMP) $(HELM)
 # that debootstrap makes. ~7 min from nothing on 2 cores, ~30 s once cached: not part of `make test`, CI runs
 # `make test-images` as a step of its own.
 image-tools:
-	command -v buildah >/dev/null && command -v debootstrap >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq buildah debootstrap >/dev/null; }
+	command -v buildah >/dev/null && command -v debootstrap >/dev/null && [ -f /usr/share/keyrings/debian-archive-keyring.gpg ] || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq buildah debootstrap debian-archive-keyring >/dev/null; }
 
 images: $(STAMP) image-tools
 	PIP="$(BIN)/python -m pip" scripts/images/build.sh
