@@ -56,7 +56,12 @@ WRITEBACK_SLICE = 8 * 2**20
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
-    flat = t.detach().contiguous().reshape(-1)
+    """The tensor's bytes as the file gets them. A device tensor is copied to host memory first, as DCP's own
+    writer does (``.numpy()`` refuses a CUDA tensor: every checkpoint of a GPU job failed here)."""
+    flat = t.detach()
+    if flat.device.type != "cpu":
+        flat = flat.to("cpu")
+    flat = flat.contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
     return flat.view(torch.uint8).numpy().data
