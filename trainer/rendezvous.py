@@ -59,14 +59,18 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional
 
-from torch.distributed import Store
+from torch.distributed import Store, TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, c10d_rendezvous_backend
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from disttrain.api import constants, control, env
 from disttrain.trainer import channel, heartbeats, rank_order
 
 log = logging.getLogger("disttrain.rendezvous")
+
+DEFAULT_PORT = 29400
+"""The store port when ``--rdzv-endpoint`` names none (``c10d``'s default)."""
 
 SYNC_POLL_S = 0.1
 """How often a node waiting in a join re-reads the rendezvous state in a small job (torch: once a second)."""
@@ -299,13 +303,34 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
         return waiting
 
 
+def connect_store(params: RendezvousParameters) -> TCPStore:
+    """The raw client of the agent's store, built from the parameters ``c10d`` reads (``store_type``,
+    ``read_timeout``, ``is_host``), without torch's ``create_backend``: that also builds a backend over the *raw*
+    client, whose constructor writes an unsigned ``torch.rendezvous.<run id>`` placeholder outside the job's key
+    namespace on every node (issue 27). The agent hosts the store, so a node hosts it only when told
+    ``is_host=true``; torch's hostname guess is not made."""
+    store_type = params.get("store_type", "tcp").strip().lower()
+    if store_type != "tcp":
+        raise ValueError(f"rdzv-conf store_type is {store_type!r}; the disttrain handler supports only 'tcp'")
+    read_timeout = params.get_as_int("read_timeout", 60)
+    if read_timeout is None or read_timeout <= 0:
+        raise ValueError(f"rdzv-conf read_timeout is {read_timeout!r}; it must be a positive number of seconds")
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
+    return TCPStore(
+        host,
+        port,
+        is_master=params.get_as_bool("is_host") is True,
+        multi_tenant=True,
+        timeout=timedelta(seconds=read_timeout),
+    )
+
+
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Build the handler from torchrun's parameters, exactly as ``c10d`` reads them, over the agent's store seen
     through the signed store (:mod:`disttrain.trainer.channel`): torch's own keys under it (the rendezvous state it
     unpickles, the per-round MASTER_ADDR/MASTER_PORT, rank-info and barrier keys) are sealed when written and
     verified before torch sees a byte, like the control keys; a forged or garbled value is absent to torch."""
-    _, tcp_store = c10d_rendezvous_backend.create_backend(params)
-    store = channel.scoped(tcp_store)
+    store = channel.scoped(connect_store(params))
     backend = c10d_rendezvous_backend.C10dRendezvousBackend(store, params.run_id)
 
     def seconds(key: str) -> Optional[timedelta]:

@@ -271,3 +271,29 @@ def test_survivors_drop_a_node_declared_lost_from_the_finished_round_without_wai
     assert set(nodes) <= records.keys(), logs_of(out, nodes)
     assert {records[n]["WORLD_SIZE"] for n in nodes} == {"2"}
     assert {records[n]["GROUP_RANK"] for n in nodes} == {"0", "1"}
+
+
+def test_the_handler_writes_nothing_outside_the_jobs_key_namespace(harness, monkeypatch):
+    """Building the handler (what torchrun does on every node) leaves no raw key on the store: torch's
+    ``create_backend`` would write an unsigned ``torch.rendezvous.<run id>`` placeholder on the raw client, which the
+    agent's guardian then has to delete (issue 27). Only the sealed state under the job's namespace is written."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from disttrain.api import storeauth
+    from disttrain.trainer import rendezvous
+
+    port = harness.start_store()
+    monkeypatch.setenv("DISTTRAIN_STORE_SECRET", harness.secret)
+    monkeypatch.setenv("DISTTRAIN_JOB_UID", harness.job_uid)
+    params = RendezvousParameters("disttrain", f"127.0.0.1:{port}", "probe", 1, 1, is_host="false", read_timeout=10)
+    handler = rendezvous.create_handler(params)
+    assert handler.get_backend() == "disttrain"
+
+    listed = _outsider(port).list_keys()
+    namespace = storeauth.key_prefix(harness.secret) + "/"
+    assert listed == [namespace + STATE_KEY], listed
+    assert harness.client(port).check([STATE_KEY])  # the placeholder is there, sealed, for torch's first read
+
+    with pytest.raises(ValueError, match="store_type"):
+        rendezvous.create_handler(RendezvousParameters("disttrain", f"127.0.0.1:{port}", "probe", 1, 1,
+                                                       store_type="file"))
