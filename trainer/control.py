@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("disttrain.trainer")
 
+STOP_JOIN_S = 2.0
+"""How long :meth:`Watchdog.stop` waits for the polling thread to finish its current store call."""
+
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     host, _, port = endpoint.rpartition(":")
@@ -149,8 +152,14 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="disttrain-watchdog", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, join_s: float = STOP_JOIN_S) -> None:
+        """Stop polling and wait (up to ``join_s``) for the thread to leave its store call: a thread inside one
+        when the interpreter finalises aborts the process (:func:`disttrain.trainer.signedstore._drain_at_exit`
+        ends a call that outlasts the wait)."""
         self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(join_s)
 
     def poll_once(self) -> None:
         if self.store is None:

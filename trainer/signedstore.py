@@ -34,13 +34,15 @@ the current raw value, or the probe when the key is absent, in one round trip.
 
 from __future__ import annotations
 
+import atexit
 import collections
+import contextlib
 import hashlib
 import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -66,6 +68,11 @@ _ALIVE: list[SignedStore] = []
 Python ``Store``: once the Python object is collected, pybind's trampoline finds no override and every call fails
 ("Not implemented", torch 2.13). A process makes a handful (one per connection), so keeping them costs nothing."""
 _ALIVE_LOCK = threading.Lock()
+EXIT_DRAIN_S = 5.0
+"""How long the interpreter's exit waits for threads still inside a SignedStore call (see :func:`_drain_at_exit`)."""
+_CLOSING = threading.Event()
+_CALLS = threading.Condition()
+_in_flight = 0
 
 Value = Union[str, bytes]
 RejectHook = Callable[[str, str], None]
@@ -75,6 +82,49 @@ def is_rendezvous_state_key(key: str) -> bool:
     """Whether ``key`` (full name) is torch's rendezvous state ``[<prefix>/]torch.rendezvous.<run id>``: the key
     whose absence torch cannot cope with (it would start a fresh state at round 0)."""
     return bool(_STATE_KEY.search(key))
+
+
+@contextlib.contextmanager
+def _call() -> Iterator[None]:
+    """Counts a call in flight; once the interpreter exits (:func:`_drain_at_exit`), a new call fails at once."""
+    global _in_flight
+    with _CALLS:
+        if _CLOSING.is_set():
+            raise DistStoreError("SignedStore: the process is exiting; no store call is made any more")
+        _in_flight += 1
+    try:
+        yield
+    finally:
+        with _CALLS:
+            _in_flight -= 1
+            _CALLS.notify_all()
+
+
+def _pause(seconds: float) -> None:
+    """Sleep between looks at a key, cut short (with an error) when the interpreter exits."""
+    if _CLOSING.wait(seconds):
+        raise DistStoreError("SignedStore: the process is exiting; the wait for a valid value is abandoned")
+
+
+@atexit.register
+def _drain_at_exit(timeout_s: float = EXIT_DRAIN_S) -> bool:
+    """Before the interpreter finalises, end every SignedStore call still in flight; whether none was left.
+
+    Why: a call through torch's C++ ``PrefixStore`` runs this class's Python methods under C++ frames (pybind's
+    trampoline). A daemon thread (the watchdog, a keep-alive) caught in one when the interpreter finalises dies
+    taking the GIL back inside those frames: ``terminate`` (SIGABRT) or a SIGSEGV, so a worker that finished its
+    training exits 134/139 and the pod counts as failed. A waiting call (an invalid value, a restore grace) can last
+    the store timeout; from here on it raises :class:`DistStoreError` at its next look, and new calls raise at once,
+    so the threads are back in plain Python (where finalisation stops them cleanly) before it starts."""
+    _CLOSING.set()
+    deadline = time.monotonic() + timeout_s
+    with _CALLS:
+        while _in_flight:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            _CALLS.wait(left)
+    return True
 
 
 def _as_bytes(value: Value) -> bytes:
@@ -113,6 +163,8 @@ class SignedStore(Store):
         self.restore = restore
         """Which keys a reader writes back when it finds them deleted or invalid after it saw a valid value."""
         self.rejections: collections.Counter[str] = collections.Counter()
+        self.restores: collections.Counter[str] = collections.Counter()
+        """Times this process wrote its last valid value of a key back (found deleted, invalid or replayed)."""
         self.lock = threading.Lock()
         self._mac_key = storeauth.mac_key(secret)
         self._probe = b"\0disttrain-probe\0" + secrets.token_bytes(16)
@@ -131,6 +183,12 @@ class SignedStore(Store):
         """A copy of the rejection counter (full key name -> invalid values seen)."""
         with self.lock:
             return dict(self.rejections)
+
+    def tamper_counts(self) -> dict[str, int]:
+        """Full key name -> invalid values seen plus restores made: grows whenever this process saw the key
+        tampered with (:func:`disttrain.trainer.heartbeats.tamper_count` distrusts heartbeats meanwhile)."""
+        with self.lock:
+            return dict(self.rejections + self.restores)
 
     def _timeout_s(self) -> float:
         timeout: timedelta = getattr(self, "timeout")  # noqa: B009 - C++ property, absent from torch's stubs
@@ -220,6 +278,8 @@ class SignedStore(Store):
                 return found, None
             restored = self._swap(key, found, last[1], None)
             if restored is not None:
+                with self.lock:
+                    self.restores[key] += 1
                 return self._seal(key, restored.value, restored.seq), restored
         return found, None
 
@@ -228,13 +288,15 @@ class SignedStore(Store):
     def set(self, key: str, value: Value) -> None:
         """A blind write, as TCPStore's (sent without waiting for an answer: rank 0 publishes progress every step),
         sealed with ``seq = max(time_ns, own high-water mark + 1)``."""
-        data = _as_bytes(value)
-        seq = self._next_seq(key, None)
-        self.raw.set(key, self._seal(key, data, seq))
-        self._wrote(key, seq, data)
+        with _call():
+            data = _as_bytes(value)
+            seq = self._next_seq(key, None)
+            self.raw.set(key, self._seal(key, data, seq))
+            self._wrote(key, seq, data)
 
     def get(self, key: str) -> bytes:
-        return self._wait_for(key, self._timeout_s())
+        with _call():
+            return self._wait_for(key, self._timeout_s())
 
     def _wait_for(self, key: str, timeout_s: float) -> bytes:
         deadline = time.monotonic() + timeout_s
@@ -244,12 +306,14 @@ class SignedStore(Store):
             if current is not None:
                 return current.value
             left = deadline - time.monotonic()
+            if _CLOSING.is_set():
+                raise DistStoreError(f"SignedStore: the process is exiting; no longer waiting for key {key!r}")
             if left <= 0:
                 raise DistStoreError(
                     f"SignedStore: timeout after {timeout_s:.1f}s waiting for a valid value of key {key!r}"
                 )
             if found is not None:
-                time.sleep(min(pause, left))  # present but not valid: look again later
+                _pause(min(pause, left))  # present but not valid: look again later
                 pause = min(pause * 2, POLL_MAX_S)
                 continue
             try:
@@ -258,37 +322,41 @@ class SignedStore(Store):
                 pass  # not there yet: the loop decides whether the deadline passed
 
     def add(self, key: str, value: int) -> int:
-        for _ in range(MAX_WRITE_ATTEMPTS * 4):
-            found, current = self._current(key)
-            base = 0
-            if current is not None:
-                try:
-                    base = int(current.value)
-                except ValueError as error:
-                    raise ValueError(
-                        f"SignedStore.add: key {key!r} holds {current.value[:32]!r}, not an integer"
-                    ) from error
-            total = base + int(value)
-            if self._swap(key, found, str(total).encode(), current) is not None:
-                return total
-        raise DistStoreError(f"SignedStore.add: key {key!r} kept changing; no add after {MAX_WRITE_ATTEMPTS * 4} tries")
+        with _call():
+            for _ in range(MAX_WRITE_ATTEMPTS * 4):
+                found, current = self._current(key)
+                base = 0
+                if current is not None:
+                    try:
+                        base = int(current.value)
+                    except ValueError as error:
+                        raise ValueError(
+                            f"SignedStore.add: key {key!r} holds {current.value[:32]!r}, not an integer"
+                        ) from error
+                total = base + int(value)
+                if self._swap(key, found, str(total).encode(), current) is not None:
+                    return total
+            raise DistStoreError(
+                f"SignedStore.add: key {key!r} kept changing; no add after {MAX_WRITE_ATTEMPTS * 4} tries"
+            )
 
     def compare_set(self, key: str, expected_value: Value, desired_value: Value) -> bytes:
-        expected, desired = _as_bytes(expected_value), _as_bytes(desired_value)
-        for _ in range(MAX_WRITE_ATTEMPTS):
-            found, current = self._current(key)  # restores the rendezvous state first where it was lost
-            if current is None and found is not None and self.restore(key):
-                found, current = self._await_restore(key, found)
-            if current is None:
-                if expected:
-                    return expected  # the server's answer for an absent key and a non-empty expectation
-            elif current.value != expected:
-                return current.value
-            if self._swap(key, found, desired, current) is not None:
-                return desired
-        raise DistStoreError(
-            f"SignedStore.compare_set: key {key!r} kept changing; no swap after {MAX_WRITE_ATTEMPTS} tries"
-        )
+        with _call():
+            expected, desired = _as_bytes(expected_value), _as_bytes(desired_value)
+            for _ in range(MAX_WRITE_ATTEMPTS):
+                found, current = self._current(key)  # restores the rendezvous state first where it was lost
+                if current is None and found is not None and self.restore(key):
+                    found, current = self._await_restore(key, found)
+                if current is None:
+                    if expected:
+                        return expected  # the server's answer for an absent key and a non-empty expectation
+                elif current.value != expected:
+                    return current.value
+                if self._swap(key, found, desired, current) is not None:
+                    return desired
+            raise DistStoreError(
+                f"SignedStore.compare_set: key {key!r} kept changing; no swap after {MAX_WRITE_ATTEMPTS} tries"
+            )
 
     def _await_restore(self, key: str, found: Optional[bytes]) -> tuple[Optional[bytes], Optional[storeauth.Sealed]]:
         """A restorable key holds an invalid value and this process has nothing to restore: give the processes that
@@ -297,46 +365,53 @@ class SignedStore(Store):
         deadline = time.monotonic() + RESTORE_GRACE_S
         current: Optional[storeauth.Sealed] = None
         while current is None and found is not None and time.monotonic() < deadline:
-            time.sleep(POLL_S * 2)
+            _pause(POLL_S * 2)
             found, current = self._current(key)
         return found, current
 
     def check(self, keys: list[str]) -> bool:
-        return all(self._current(key)[1] is not None for key in keys)
+        with _call():
+            return all(self._current(key)[1] is not None for key in keys)
 
     def wait(self, keys: list[str], timeout: Optional[timedelta] = None) -> None:
-        timeout_s = self._timeout_s() if timeout is None else timeout.total_seconds()
-        deadline = time.monotonic() + timeout_s
-        for key in keys:
-            self._wait_for(key, max(0.0, deadline - time.monotonic()))
+        with _call():
+            timeout_s = self._timeout_s() if timeout is None else timeout.total_seconds()
+            deadline = time.monotonic() + timeout_s
+            for key in keys:
+                self._wait_for(key, max(0.0, deadline - time.monotonic()))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        deadline = time.monotonic() + self._timeout_s()
-        return [self._wait_for(key, max(0.0, deadline - time.monotonic())) for key in keys]
+        with _call():
+            deadline = time.monotonic() + self._timeout_s()
+            return [self._wait_for(key, max(0.0, deadline - time.monotonic())) for key in keys]
 
     def multi_set(self, keys: list[str], values: Sequence[Value]) -> None:
-        if len(keys) != len(values):
-            raise ValueError(f"SignedStore.multi_set: {len(keys)} keys but {len(values)} values; they must pair up")
-        for key, value in zip(keys, values, strict=True):
-            self.set(key, value)
+        with _call():
+            if len(keys) != len(values):
+                raise ValueError(f"SignedStore.multi_set: {len(keys)} keys but {len(values)} values; they must pair up")
+            for key, value in zip(keys, values, strict=True):
+                self.set(key, value)
 
     def delete_key(self, key: str) -> bool:
-        with self.lock:
-            self._high.pop(key, None)
-            self._last.pop(key, None)
-            self._rejected.pop(key, None)
-        return bool(self.raw.delete_key(key))
+        with _call():
+            with self.lock:
+                self._high.pop(key, None)
+                self._last.pop(key, None)
+                self._rejected.pop(key, None)
+            return bool(self.raw.delete_key(key))
 
     def deleteKey(self, key: str) -> bool:  # the name pybind's trampoline calls (torch 2.13)
         return self.delete_key(key)
 
     def num_keys(self) -> int:
         """Keys on the server, valid or not (torch uses it only as a count)."""
-        return int(self.raw.num_keys())
+        with _call():
+            return int(self.raw.num_keys())
 
     def getNumKeys(self) -> int:  # the name pybind's trampoline calls (torch 2.13)
         return self.num_keys()
 
     def list_keys(self) -> list[str]:
         """Every key on the server (names are public; only values are authenticated)."""
-        return list(self.raw.list_keys())
+        with _call():
+            return list(self.raw.list_keys())

@@ -7,6 +7,8 @@ import base64
 import gc
 import os
 import pickle
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -283,3 +285,41 @@ def test_heartbeats_read_the_state_only_through_a_verifying_store(net: Fixture, 
         heartbeats.read_state(net.outsider, "run")
     assert heartbeats.is_verifying(net.client()) and not heartbeats.is_verifying(net.outsider)
     assert not planted.exists()
+
+
+EXIT_SCRIPT = """
+import sys, threading, time
+from datetime import timedelta
+import torch.distributed as dist
+from disttrain.trainer import channel
+from disttrain.trainer.control import Watchdog
+
+port, secret, forged_key = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+raw = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))
+store = channel.scoped(raw, secret, "uid-1")
+threading.Thread(target=store.get, args=(forged_key,), daemon=True).start()  # waits for a valid value
+watchdog = Watchdog(f"127.0.0.1:{port}", poll_seconds=0.0, job_uid="uid-1")
+watchdog.store = store
+watchdog.start()  # polls the signal key through torch's C++ PrefixStore without a pause
+time.sleep(0.5)
+watchdog.stop()
+print("main done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_a_process_exits_cleanly_with_threads_inside_signed_store_calls(net: Fixture, attempt: int) -> None:
+    """A worker that finished training exits 0 even while a daemon thread waits in a SignedStore call on a forged
+    value and the watchdog polls: before the exit drain such a process died in finalisation with SIGSEGV/SIGABRT
+    (exit 139/134), which the pod reported as a failure after the forge attack."""
+    net.outsider.set(full("forged"), b"not a sealed value")
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT, str(net.server.port), SECRET, "forged"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, f"exit {done.returncode} (attempt {attempt}): {done.stderr[-2000:]}"
+    assert "main done" in done.stdout
+    assert time.monotonic() - started < 30, "the exit waited for the store timeout instead of ending the calls"
