@@ -2,7 +2,7 @@
 
 Two independent fences (docs/operator.md, "Who can reach the job agent and the workers"):
 
-* the **store secret** (:mod:`disttrain.api.storeauth`): a Secret ``<job>-store`` that only the job's pods mount;
+* the **store secret** (:mod:`disttrain.api.storeauth`): a Secret ``<job>-store-<uid>`` that only the job's pods mount;
   every value a process acts on is signed with it. This holds on every network plugin.
 * two **NetworkPolicies**, where the network plugin enforces them: ``<job>-agent`` admits to the agent's store port
   only the job's worker pods; ``<job>-workers`` admits to the workers the job's own pods on every port (torchrun's
@@ -62,7 +62,7 @@ def build_store_secret(job: DistTrainJob, secret: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _metadata(job, names.store_secret_name(job.metadata.name)),
+        "metadata": _metadata(job, names.store_secret_name(job.metadata.name, job.metadata.uid or "")),
         "type": "Opaque",
         "immutable": True,
         "data": {storeauth.SECRET_KEY: encoded},
@@ -180,7 +180,9 @@ def mount_store_secret(job: DistTrainJob, pod_spec: dict[str, Any], container: d
     """Mount the job's store secret read-only into ``container`` and point ``$DISTTRAIN_STORE_SECRET_FILE`` at it
     (replacing anything of that name the template had)."""
     volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") != VOLUME]
-    volumes.append({"name": VOLUME, "secret": {"secretName": names.store_secret_name(job.metadata.name)}})
+    volumes.append(
+        {"name": VOLUME, "secret": {"secretName": names.store_secret_name(job.metadata.name, job.metadata.uid or "")}}
+    )
     pod_spec["volumes"] = volumes
     mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") != VOLUME]
     container["volumeMounts"] = [*mounts, {"name": VOLUME, "mountPath": MOUNT_PATH, "readOnly": True}]

@@ -174,7 +174,8 @@ class Kube:
         """Create ``obj``; returns what was created. An existing one (409) is fine when it is ours (names are
         deterministic: a restarted operator creates again), that is when it shares an owner uid with ``obj``
         (:func:`~disttrain.operator.caches.is_owned_by`); returns None then. Raises :class:`NameHeld` when the
-        existing one belongs to another owner (an Event, whose name is unique, is never checked)."""
+        existing one belongs to another owner (an Event, whose name is unique, and the store Secret, whose name
+        holds the job's UID, are never checked)."""
         namespace = obj["metadata"]["namespace"]
         kind = obj["kind"]
         creators: dict[str, Callable[..., Any]] = {
@@ -193,7 +194,9 @@ class Kube:
             if error.status != 409:
                 raise
         wanted = owner_uids(obj)
-        if kind == "Event" or not wanted:
+        if kind in ("Event", "Secret") or not wanted:
+            # An Event's name is unique. The store Secret's name carries the job's UID (names.store_secret_name),
+            # so an existing one is ours; the operator may not read Secrets.
             return None
         existing = await self.read(kind, namespace, obj["metadata"]["name"])
         if existing is None or not any(is_owned_by(existing, uid) for uid in wanted):
@@ -208,7 +211,6 @@ class Kube:
             "ServiceAccount": self.core.read_namespaced_service_account,
             "Role": self.rbac.read_namespaced_role,
             "RoleBinding": self.rbac.read_namespaced_role_binding,
-            "Secret": self.core.read_namespaced_secret,
             "NetworkPolicy": self.networking.read_namespaced_network_policy,
         }
         try:

@@ -43,8 +43,13 @@ def role_name(job: str) -> str:
     return f"{job}-agent"
 
 
-def store_secret_name(job: str) -> str:
-    return f"{job}-store"
+def store_secret_name(job: str, uid: str) -> str:
+    """``<job>-store-<uid>``: the job's UID in the name makes an existing Secret of that name the job's own (a
+    restarted operator's repeat create), so the operator never needs to read Secrets to tell (its role has no
+    ``get`` on them). Anyone else would have to create it between the job's creation and the operator's create,
+    knowing the UID: a principal that may create Secrets in the job's namespace, inside its trust boundary
+    (docs/security.md)."""
+    return f"{job}-store-{uid}" if uid else f"{job}-store"
 
 
 def network_policy_name(job: str) -> str:

@@ -7,7 +7,7 @@ signedstore.SignedStore` over the raw TCPStore client: the prefix (:func:`disttr
 only keeps the job's keys apart and names them, it protects nothing (anyone can list keys); the signing does.
 
 There is no unsigned mode: a process without the job's store secret refuses to talk to the store
-(:class:`MissingSecret`). Every pod of a job gets the secret from the operator (the ``<job>-store`` Secret, or
+(:class:`MissingSecret`). Every pod of a job gets the secret from the operator (the ``<job>-store-<uid>`` Secret, or
 ``$DISTTRAIN_STORE_SECRET`` in local mode).
 """
 

@@ -34,7 +34,7 @@ ADAPTER = (_expand("disttrain.dev", ["disttrainjobs"], ["list", "delete"])  # Ku
            | _expand("networking.k8s.io", ["networkpolicies"], ["create"])  # Kube.create (operator/access.py)
            | _expand("rbac.authorization.k8s.io", ["roles", "rolebindings"], ["create"])
            # Kube.read: after a 409 on create, whose the existing object is (owner uid)
-           | _expand("", ["pods", "services", "serviceaccounts", "secrets"], ["get"])
+           | _expand("", ["pods", "services", "serviceaccounts"], ["get"])  # not secrets: names.store_secret_name
            | _expand("networking.k8s.io", ["networkpolicies"], ["get"])
            | _expand("rbac.authorization.k8s.io", ["roles", "rolebindings"], ["get"])
            # Kube.apply_pod_group: a server-side apply, authorized as create while the PodGroup does not exist

@@ -33,7 +33,7 @@ from typing import IO, Any
 from disttrain.api import constants, env, storeauth
 from disttrain.api.ports import free_port
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import names, pods
+from disttrain.operator import access, names, pods
 from disttrain.operator.local import proctree, translate
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.kubelet import Kubelets
@@ -143,7 +143,9 @@ class ProcessKubelets(Kubelets):
         if pod["spec"].get("automountServiceAccountToken", True):  # the agent: its account's token, projected
             account = pod["spec"].get("serviceAccountName", "default")
             base_env["KUBECONFIG"] = str(self.plane.service_account_kubeconfig(ns, account))
-        secret = self.plane.request("GET", f"/api/v1/namespaces/{ns}/secrets/{names.store_secret_name(job_name)}")
+        # As the kubelet does: the Secret the pod's volume names.
+        secret_name = next(v["secret"]["secretName"] for v in pod["spec"]["volumes"] if v["name"] == access.VOLUME)
+        secret = self.plane.request("GET", f"/api/v1/namespaces/{ns}/secrets/{secret_name}")
         host = names.agent_service_name(job_name)
         store_port = self._store_ports.setdefault(job.metadata.uid or job_name, free_port())
         agent_hosts = (f"{host}.{ns}.svc.cluster.local", f"{host}.{ns}.svc", f"{host}.{ns}")

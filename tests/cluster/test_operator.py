@@ -88,7 +88,7 @@ def test_created_objects_are_owned_and_collected_by_the_garbage_collector(cluste
         f"/api/v1/namespaces/{cluster.ns}/serviceaccounts/gc-agent",
         f"/apis/rbac.authorization.k8s.io/v1/namespaces/{cluster.ns}/roles/gc-agent",
         f"/apis/rbac.authorization.k8s.io/v1/namespaces/{cluster.ns}/rolebindings/gc-agent",
-        f"/api/v1/namespaces/{cluster.ns}/secrets/gc-store",
+        f"/api/v1/namespaces/{cluster.ns}/secrets/gc-store-{uid}",
         f"/apis/networking.k8s.io/v1/namespaces/{cluster.ns}/networkpolicies/gc-agent",
         *(f"/api/v1/namespaces/{cluster.ns}/pods/{name}" for name in ("gc-agent", "gc-worker-0", "gc-worker-1")),
     }
@@ -112,8 +112,9 @@ def test_only_the_jobs_pods_mount_its_store_secret_and_only_its_workers_may_reac
     eventually(lambda: len(cluster.pods("agent")) == 2 and len(cluster.pods()) == 4, what="pods created")
     secrets = {}
     for name in ("fence-a", "fence-b"):
+        store = f"{name}-store-{cluster.job(name)['metadata']['uid']}"
         secret = eventually(lambda: _try(lambda: cluster.plane.request(
-            "GET", f"/api/v1/namespaces/{cluster.ns}/secrets/{name}-store")), what=f"{name}-store")
+            "GET", f"/api/v1/namespaces/{cluster.ns}/secrets/{store}")), what=store)
         secrets[name] = base64.b64decode(secret["data"]["secret"]).decode()
         assert len(secrets[name]) == 64 and secret["immutable"] is True
         job_pods = [p for p in [*cluster.pods().values(), *cluster.pods("agent").values()]
@@ -121,7 +122,7 @@ def test_only_the_jobs_pods_mount_its_store_secret_and_only_its_workers_may_reac
         assert len(job_pods) == 3
         for pod in job_pods:
             [volume] = [v for v in pod["spec"]["volumes"] if "secret" in v]
-            assert volume["secret"]["secretName"] == f"{name}-store", pod["metadata"]["name"]
+            assert volume["secret"]["secretName"] == store, pod["metadata"]["name"]
             container = pod["spec"]["containers"][0]
             assert {"name": volume["name"], "mountPath": "/var/run/secrets/disttrain.dev/store",
                     "readOnly": True} in container["volumeMounts"]

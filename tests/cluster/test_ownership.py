@@ -137,7 +137,7 @@ def test_a_job_applied_again_under_its_name_neither_counts_nor_adopts_the_old_jo
     status = eventually(lambda: (s := cluster.status("same")) and _condition(s, "Created").get("status") == "True"
                         and s, what="Created=True")
     assert status.get("phase") not in ("Failed", "Succeeded") and status.get("restarts", {}).get("total", 0) == 0
-    for path in (f"/api/v1/namespaces/{cluster.ns}/secrets/same-store",
+    for path in (f"/api/v1/namespaces/{cluster.ns}/secrets/same-store-{new_uid}",
                  f"/api/v1/namespaces/{cluster.ns}/services/same-agent"):
         assert _owner_uids(cluster.plane.request("GET", path)) == {new_uid}, path
     print(f"NameHeld in the status {waited:.1f} s after the re-apply; the new job's pods running "
@@ -148,10 +148,10 @@ def test_an_object_of_the_jobs_name_owned_by_another_uid_is_waited_for_never_ado
     cluster.nodes(3)
     owner = cluster.plane.request("POST", f"/api/v1/namespaces/{cluster.ns}/configmaps", {
         "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "someone-else"}})
-    blocker = cluster.plane.request("POST", f"/api/v1/namespaces/{cluster.ns}/secrets", {
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "held-store", "ownerReferences": [{
+    blocker = cluster.plane.request("POST", f"/api/v1/namespaces/{cluster.ns}/services", {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "held-agent", "ownerReferences": [{
             "apiVersion": "v1", "kind": "ConfigMap", "name": "someone-else", "uid": owner["metadata"]["uid"]}]},
-        "data": {"secret": "bm90IHlvdXJz"}})
+        "spec": {"ports": [{"port": 29400}], "selector": {"app": "someone-else"}}})
     cluster.apply(JobBuilder("held").nodes(1, 4, 2), tmp_path)
     uid = cluster.job("held")["metadata"]["uid"]
 
@@ -160,16 +160,17 @@ def test_an_object_of_the_jobs_name_owned_by_another_uid_is_waited_for_never_ado
         return created if created.get("reason") == "NameHeld" else None
 
     condition = eventually(held, timeout=30, what="Created=False NameHeld")
-    assert "Secret held-store" in condition["message"] and owner["metadata"]["uid"] in condition["message"]
+    assert "Service held-agent" in condition["message"] and owner["metadata"]["uid"] in condition["message"]
     eventually(lambda: _warnings(cluster, uid, "NameHeld"), what="a Warning Event")
     time.sleep(2)
-    assert not _job_pods(cluster), "no pod may mount a Secret that is not the job's"
-    secret = cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/secrets/held-store")
-    assert secret["metadata"]["uid"] == blocker["metadata"]["uid"] and _owner_uids(secret) == {owner["metadata"]["uid"]}
+    assert not _job_pods(cluster), "no pod may start behind a Service that is not the job's"
+    service = cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/services/held-agent")
+    assert service["metadata"]["uid"] == blocker["metadata"]["uid"]
+    assert _owner_uids(service) == {owner["metadata"]["uid"]}
 
-    cluster.plane.request("DELETE", f"/api/v1/namespaces/{cluster.ns}/secrets/held-store")
+    cluster.plane.request("DELETE", f"/api/v1/namespaces/{cluster.ns}/services/held-agent")
     eventually(lambda: len(cluster.pods("agent")) == 1, timeout=60, what="the agent, once the name is free")
-    mine = cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/secrets/held-store")
+    mine = cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/services/held-agent")
     assert _owner_uids(mine) == {uid} and mine["metadata"]["uid"] != blocker["metadata"]["uid"]
     eventually(lambda: _condition(cluster.status("held"), "Created").get("status") == "True", what="Created=True")
 
@@ -187,7 +188,7 @@ def test_deleting_a_job_while_the_operator_is_down_completes(cluster, operator, 
         deleted = time.monotonic() - started
         assert _try(lambda: cluster.job("orphan")) is None
         eventually(lambda: not _job_pods(cluster), timeout=90, what="the garbage collector removes the pods")
-        for path in (f"/api/v1/namespaces/{cluster.ns}/secrets/orphan-store",
+        for path in (f"/api/v1/namespaces/{cluster.ns}/secrets/orphan-store-{uid}",
                      f"/api/v1/namespaces/{cluster.ns}/services/orphan-agent",
                      f"/apis/rbac.authorization.k8s.io/v1/namespaces/{cluster.ns}/roles/orphan-agent"):
             eventually(lambda: _try(lambda: cluster.plane.request("GET", path)) is None, timeout=60, what=path)

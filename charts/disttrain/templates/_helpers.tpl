@@ -46,8 +46,9 @@ Namespaced, in the ClusterRole when serving all namespaces, else in a Role per w
   - pods list/watch/create/delete: kopf watches the job's pods, the adapter creates and deletes them;
   - services, serviceaccounts, secrets, networkpolicies, roles, rolebindings create: the per-job Services, store
     Secret, NetworkPolicies and the agent's RBAC;
-  - get on pods and those kinds: after a 409 on create, whose is the existing object (its owner uid: ours, or
-    an older job's of the same name that the garbage collector is still deleting, which is never adopted);
+  - get on pods and those kinds but secrets: after a 409 on create, whose is the existing object (its owner uid:
+    ours, or an older job's of the same name that the garbage collector is still deleting, which is never
+    adopted); the store Secret's name holds the job's UID instead, so the operator never reads a Secret;
   - events create: the adapter's Events and kopf's own (core/v1);
   - podgroups create/patch (Volcano's and scheduler-plugins'): the PodGroup of a job with spec.gang, created and
     kept in step with one server-side apply (a PATCH, which the API server authorizes as create when the object
@@ -64,8 +65,11 @@ Namespaced, in the ClusterRole when serving all namespaces, else in a Role per w
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "delete"]
 - apiGroups: [""]
-  resources: ["services", "serviceaccounts", "secrets"]
+  resources: ["services", "serviceaccounts"]
   verbs: ["get", "create"]
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "create"]

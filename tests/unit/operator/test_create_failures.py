@@ -51,12 +51,12 @@ def test_a_failed_create_of_any_object_is_named_in_the_created_condition_and_one
 def test_a_name_held_by_another_owner_is_a_wait_not_a_failure():
     world = FailingWorld(job_manifest(replicas=2))
     world.step()
-    world.failure = CreateFailure("Secret", "demo-store", "Secret demo-store already exists, owned by uid old",
+    world.failure = CreateFailure("Service", "demo-agent", "Service demo-agent already exists, owned by uid old",
                                   held_by="old")
     actions = world.step(1)
     created = world.condition("Created")
     assert created["status"] == "False" and created["reason"] == "NameHeld"
-    assert created["message"].startswith("waiting to create Secret demo-store")
+    assert created["message"].startswith("waiting to create Service demo-agent")
     assert [e.reason for e in actions.events] == ["NameHeld"]
     assert world.status["phase"] not in ("Failed", "Succeeded")
     assert world.status.get("restarts", {}).get("total", 0) == 0

@@ -130,7 +130,7 @@ def test_worker_and_agent_pods_mount_the_jobs_store_secret_and_nothing_else_of_t
     job = DistTrainJob.model_validate(manifest)
     for pod in (pods.build_worker_pod(job, 0), pods.build_agent_pod(job)):
         [volume] = [v for v in pod["spec"]["volumes"] if v["name"] == access.VOLUME]
-        assert volume == {"name": access.VOLUME, "secret": {"secretName": f"{job.metadata.name}-store"}}
+        assert volume == {"name": access.VOLUME, "secret": {"secretName": f"{job.metadata.name}-store-{job.metadata.uid}"}}
         container = pod["spec"]["containers"][0]
         assert {"name": access.VOLUME, "mountPath": access.MOUNT_PATH, "readOnly": True} in container["volumeMounts"]
         secret_env = [e for e in container["env"] if e["name"].startswith("DISTTRAIN_STORE_SECRET")]
