@@ -307,7 +307,8 @@ class Agent:
         self._round_key: Optional[tuple[Any, ...]] = None
         self._rounds: Optional[int] = None
         self._round_start: Optional[str] = None
-        self.heartbeats = heartbeats.HeartbeatWatch(store)
+        self.heartbeats = heartbeats.HeartbeatWatch(store, None if guard is None else _rendezvous_rejections(guard))
+        """Silent nodes; heartbeats are distrusted while the guardian or the store sees the rendezvous tampered with."""
 
     def sync(self) -> bool:
         """Follow the directive and relay progress once. False when the job is gone (the agent should exit)."""
@@ -560,6 +561,11 @@ def start_store(port: int, host: str = "0.0.0.0", timeout_s: float = 60.0) -> An
         timeout=datetime.timedelta(seconds=timeout_s),
         use_libuv=True,
     )
+
+
+def _rendezvous_rejections(guard: guardian.Guardian) -> Callable[[], int]:
+    """The guardian's count of rejected rendezvous keys (deleted, garbled, replayed), for the silence rule."""
+    return lambda: sum(n for (key_class, _reason), n in guard.counts().items() if key_class == "rendezvous")
 
 
 def scoped_store(server: Any) -> Any:

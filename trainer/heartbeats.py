@@ -9,7 +9,10 @@ with each other, never with the agent's clock: they all come from the workers, w
 already compares. torch's sanitizer removes an expired node from the state at its next write, so a node that
 vanished from the participants with a heartbeat that old is silent too (one that leaves on its own, to re-join
 or to exit, has a fresh heartbeat when it goes). A node that is missed is still caught by Kubernetes' signals;
-a healthy node reported silent would be fenced for nothing, so every rule errs towards missing.
+a healthy node reported silent would be fenced for nothing, so every rule errs towards missing. Under attack
+(issue 27) the state may be one a reader restored from a stale copy: a node is judged by the freshest heartbeat of
+it seen in any state, and no verdict is given while the state was tampered with and for a hold after
+(:class:`SilenceTracker`), so a stranger costs a later detection, never a fenced node.
 
 Safety: the state is read only through a store that verifies values (:func:`read_state` refuses any other), so
 the bytes unpickled were sealed with the job's secret by one of its own processes (:mod:`disttrain.api.storeauth`);
@@ -30,7 +33,7 @@ import datetime
 import io
 import json
 import pickle
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 from disttrain.api.timestamps import format_time
@@ -189,37 +192,74 @@ class _Silent:
 
 class SilenceTracker:
     """The silence rule over successive states (see the module docstring). ``observe`` returns the silent nodes
-    with their last heartbeat; ``now`` (the agent's monotonic clock) only bounds how long a dropped node stays
-    reported."""
+    with their last heartbeat; ``now`` (the agent's monotonic clock) bounds how long a dropped node stays reported
+    and how long heartbeats stay distrusted after the state was tampered with.
+
+    Under attack (issue 27) the state a reader finds may have been put back by a restore (a reader of the signed
+    store, or the agent's guardian, writes back the last valid value it saw after an outsider deleted or garbled
+    the key): its heartbeats may be older than ones already written, and a node's keep-alive writes may be lost or
+    late meanwhile. So the rule holds against restores in two ways:
+
+    * a node is judged by the freshest heartbeat of it the agent has seen in any valid state, against the freshest
+      heartbeat of anyone seen (both only move forward), never by the timestamps of one state alone;
+    * while the state was tampered with (``tampered``: the caller saw the store reject or restore the state, or
+      this tracker saw a node's heartbeat go back, which no genuine write does: torch writes by compare-and-set
+      over the newest state) and for :attr:`hold_s` after, no new verdict is given. A node that vanished meanwhile
+      is never judged (torch's sanitizer may have dropped it on a restored heartbeat); a participant still behind
+      when the hold ends is. A real dead node is then reported :attr:`hold_s` later at most, or caught first by
+      torch's own expiry, a collective error or its pod's status: a stranger costs a delay, never a restart.
+    """
 
     def __init__(self, interval_s: float, max_attempts: int) -> None:
         self.expiry = datetime.timedelta(seconds=interval_s * max_attempts)
         # A node torch dropped was expired when dropped; the write that dropped it may carry a heartbeat of the
         # dropper up to one interval old. One that left on its own had a heartbeat within about one interval.
         self.vanish = datetime.timedelta(seconds=max(interval_s * (max_attempts - 1), 1.5 * interval_s))
+        self.hold_s = interval_s * (max_attempts + 1)
+        """Seconds without tampering before heartbeats are trusted again: every live node has written a fresh
+        heartbeat by then (one interval, plus torch's expiry for keep-alive writes the attack delayed)."""
         self._last: dict[str, tuple[datetime.datetime, int]] = {}
+        """Participants of the last state: the freshest heartbeat seen of each, and the round."""
+        self._newest: Optional[datetime.datetime] = None
+        """The freshest heartbeat of anyone seen since the rendezvous (re)started."""
+        self._tampered_at: Optional[float] = None
         self._dropped: dict[str, _Silent] = {}
 
-    def observe(self, view: Optional[RendezvousView], now: float) -> dict[str, datetime.datetime]:
+    def trusted(self, now: float) -> bool:
+        """Whether heartbeats may be judged at ``now``: no tampering seen within :attr:`hold_s`."""
+        return self._tampered_at is None or now - self._tampered_at >= self.hold_s
+
+    def observe(
+        self, view: Optional[RendezvousView], now: float, tampered: bool = False
+    ) -> dict[str, datetime.datetime]:
         if view is None or view.closed:
+            if view is None and self._last:
+                self._tampered_at = now  # torch never deletes the state: it was taken away, or put back stale
             self._last.clear()
             self._dropped.clear()
+            self._newest = None
             return {}
-        newest = max(view.heartbeats.values(), default=None)
         current = {n: view.heartbeats[n] for n in view.participants if n in view.heartbeats}
+        went_back = any(beat < self._last[n][0] for n, beat in current.items() if n in self._last)
+        if tampered or went_back:
+            self._tampered_at = now
+        trusted = self.trusted(now)
+        freshest = {n: max(beat, self._last[n][0]) if n in self._last else beat for n, beat in current.items()}
+        newest = max([*view.heartbeats.values(), *([self._newest] if self._newest else [])], default=None)
+        self._newest = newest
         for node, (beat, round_) in self._last.items():
-            if node in current or newest is None:
-                continue
+            if node in current or newest is None or not trusted:
+                continue  # under tampering a vanished node is never judged (see the class docstring)
             if newest - beat >= self.vanish:
                 self._dropped.setdefault(node, _Silent(beat, round_, now))
-        self._last = {node: (beat, view.round) for node, beat in current.items()}
+        self._last = {node: (beat, view.round) for node, beat in freshest.items()}
         for node, silent in list(self._dropped.items()):
             newer_round = view.round > silent.round and view.complete
             if node in current or (newer_round and now - (silent.dropped_at or now) >= MIN_RETENTION_S):
                 del self._dropped[node]
         found = {node: s.heartbeat for node, s in self._dropped.items()}
-        if newest is not None:
-            found.update({node: beat for node, beat in current.items() if newest - beat >= self.expiry})
+        if newest is not None and trusted:
+            found.update({node: beat for node, beat in freshest.items() if newest - beat >= self.expiry})
         return found
 
 
@@ -260,6 +300,21 @@ def read_state(store: Any, run_id: str) -> Optional[RendezvousView]:
     return decode_state(bytes(store.get(key)))
 
 
+def tamper_count(store: Any, run_id: str) -> int:
+    """How often the verifying store under ``store`` found the rendezvous state invalid, replayed or deleted and
+    wrote it back (``SignedStore.tamper_counts``, by full key name, the namespace prefix before the state key); 0
+    where the store keeps no such count. Only its growth matters: the state was tampered with meanwhile."""
+    key = state_key(run_id)
+    for _ in range(16):
+        if store is None:
+            return 0
+        counts = getattr(store, "tamper_counts", None)
+        if callable(counts):
+            return sum(n for k, n in counts().items() if k == key or k.endswith("/" + key))
+        store = getattr(store, "underlying_store", None)
+    return 0
+
+
 def read_identity(store: Any, run_id: str, node: str) -> Optional[NodeIdentity]:
     key = identity_key(run_id, node)
     if not store.check([key]):
@@ -271,8 +326,12 @@ class HeartbeatWatch:
     """The agent's side: read the state each round, keep the tracker, remember identities (a node's key may be
     gone by the time it is reported). ``report`` is what ``status.silentNodes`` should hold."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, tampering: Optional[Callable[[], int]] = None) -> None:
         self.store = store
+        self.tampering = tampering
+        """A count that grows whenever someone else saw the rendezvous keys tampered with (the agent's guardian:
+        deleted, garbled, replayed values it swept); None: only the agent's own store is asked."""
+        self._evidence: Optional[int] = None
         self._tracker: Optional[SilenceTracker] = None
         self._settings: Optional[tuple[str, float, int]] = None
         self._identities: dict[str, Optional[NodeIdentity]] = {}
@@ -287,11 +346,14 @@ class HeartbeatWatch:
         if self._tracker is None or settings != self._settings:
             self._tracker, self._settings, self._identities = SilenceTracker(settings[1], settings[2]), settings, {}
         view = read_state(self.store, run_id) if run_id else None
+        evidence = tamper_count(self.store, run_id) + (self.tampering() if self.tampering is not None else 0)
+        tampered = self._evidence is not None and evidence != self._evidence
+        self._evidence = evidence
         if view is not None:
             for node in view.participants:
                 if self._identities.get(node) is None:
                     self._identities[node] = read_identity(self.store, run_id, node)
-        silent = self._tracker.observe(view, now)
+        silent = self._tracker.observe(view, now, tampered)
         if view is None:
             self.members = None
         elif view.complete and not view.closed:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -61,3 +62,88 @@ def test_a_node_that_stops_heartbeating_is_reported_with_its_pod(tmp_path, monke
         silent = agent.source.read()["status"].get("silentNodes")
         time.sleep(0.25)
     assert silent and [(s["node"], s["podUid"]) for s in silent] == [("demo-worker-1", "uid-1")]
+
+
+def _attack_state(port: int, key: str, stop: threading.Event) -> dict[str, int]:
+    """An outsider without the secret deleting and garbling the rendezvous state, as tests/security/outsider.py's
+    delete and pickle attacks do, every 10 ms until ``stop``."""
+    import torch.distributed as dist
+
+    outsider = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
+    done = {"delete": 0, "garble": 0}
+    while not stop.wait(0.01):
+        if done["delete"] <= done["garble"]:
+            outsider.delete_key(key)
+            done["delete"] += 1
+        elif outsider.check([key]):
+            value = bytes(outsider.get(key))
+            outsider.set(key, value[: len(value) // 2] + bytes([value[len(value) // 2] ^ 1]) + value[len(value) // 2 + 1 :])
+            done["garble"] += 1
+    return done
+
+
+def test_an_outsider_deleting_and_garbling_the_state_costs_no_silence_verdict(
+    tmp_path, monkeypatch
+):
+    """Issue 27: readers restore the state an outsider deleted or garbled from the last valid copy each saw, so the
+    heartbeats in it may go back, and keep-alive writes are lost or late. Both nodes keep heartbeating through the
+    attack and the agent (with its guardian, as in a pod) reports nobody silent, then or after. (That a node that
+    really stops is still named once the hold is over is shown in tests/unit/trainer/test_heartbeats.py; without an
+    attack, by the test above.)"""
+    monkeypatch.setenv(env.STORE_SECRET, "heartbeats-test-" + "4" * 48)
+    monkeypatch.setenv(env.JOB_UID, RUN_ID)
+    port = free_port()
+    server = agent_mod.start_store(port, "127.0.0.1", timeout_s=10)
+    write_job(tmp_path)
+    job = (tmp_path / "job.json").read_text().replace('"namespace": "team"}', f'"namespace": "team", "uid": "{RUN_ID}"}}')
+    job = job.replace('"spec": {', '"spec": {"rendezvous": {"keepAliveIntervalSeconds": 1, "keepAliveMaxAttempts": 2}, ')
+    (tmp_path / "job.json").write_text(job)
+    store = agent_mod.scoped_store(server)
+    guard = agent_mod.start_guardian(port, store)
+    assert guard is not None
+    agent = agent_mod.Agent(agent_mod.FileJobSource(tmp_path), store, guard=guard)
+    handlers = [handler(port, monkeypatch, f"demo-worker-{i}", f"uid-{i}") for i in range(2)]
+    threads = [threading.Thread(target=h.next_rendezvous) for h in handlers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(t.is_alive() for t in threads), "the rendezvous did not complete"
+    for h in handlers:
+        h._stop_heartbeats()
+    state_key = next(k for k in server.list_keys() if k.endswith("/torch.rendezvous." + RUN_ID))
+
+    def beat_and_sync(live) -> list:
+        for h in live:
+            h._keep_alive()
+        agent.sync()
+        return agent.source.read()["status"].get("silentNodes") or []
+
+    stop = threading.Event()
+    attack: dict[str, dict[str, int]] = {}
+    attacker = threading.Thread(target=lambda: attack.update(done=_attack_state(port, state_key, stop)))
+    try:
+        attacker.start()
+        verdicts = []
+        deadline = time.monotonic() + 8  # four times the expiry (1 s x 2)
+        while time.monotonic() < deadline:
+            verdicts += beat_and_sync(handlers)
+            time.sleep(0.25)
+    finally:
+        stop.set()
+        attacker.join(10)
+        for h in handlers:
+            h._keep_alive()  # a lost keep-alive of the last attack round is made up
+    assert attack["done"]["delete"] >= 20 and attack["done"]["garble"] >= 10, attack
+    assert guard.counts(), "the guardian saw the attack"
+    assert verdicts == [], f"a stranger's writes cost a silence verdict: {verdicts}"
+
+    # Past the attack, through the hold and as long again, still nobody is fenced: not even a live node that torch's
+    # sanitizer dropped from the round on a heartbeat a stale restore put back (it vanished under attack).
+    after = time.monotonic() + 2 * 3
+    while time.monotonic() < after:
+        verdicts += beat_and_sync(handlers)
+        time.sleep(0.25)
+    assert verdicts == [], f"a verdict after the attack: {verdicts}"
+    guard.stop()
+

@@ -20,7 +20,9 @@ def encoded(state: object) -> bytes:
     return base64.b64encode(pickle.dumps(state))
 
 
-def torch_state(round_: int = 1, beats: dict[dyn._NodeDesc, float] | None = None, **extra: object) -> dyn._RendezvousState:
+def torch_state(
+    round_: int = 1, beats: dict[dyn._NodeDesc, float] | None = None, **extra: object
+) -> dyn._RendezvousState:
     state = dyn._RendezvousState()
     state.round, state.complete = round_, True
     for rank, (node, seconds) in enumerate((beats or {}).items()):
@@ -110,6 +112,46 @@ def test_a_closed_rendezvous_reports_nobody() -> None:
     tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0)
     closed = hb.RendezvousView(1, True, True, frozenset({repr(A), repr(C)}), {repr(A): T0 + timedelta(seconds=20)})
     assert tracker.observe(closed, now=10) == {}
+
+
+def test_a_state_put_back_with_an_older_heartbeat_is_no_evidence_of_silence() -> None:
+    """Issue 27: a reader restored the state an outsider garbled from its own stale copy, and the others wrote their
+    fresh heartbeats over it: C's heartbeat went back. That is a restore, not silence (no genuine write moves a
+    heartbeat back); C's next keep-alive shows it alive."""
+    tracker = hb.SilenceTracker(interval_s=1, max_attempts=3)
+    tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0)
+    tracker.observe(view(1, {A: 11, B: 11, C: 11}), now=1)
+    assert tracker.observe(view(1, {A: 14, B: 14, C: 10}), now=4) == {}  # 4 s behind in this state alone
+    assert tracker.observe(view(1, {A: 15, B: 15, C: 10}), now=5) == {}  # its freshest seen is 11: held anyway
+    assert tracker.observe(view(1, {A: 16, B: 16, C: 15.5}), now=6) == {}
+    assert not tracker.trusted(now=8.9) and tracker.trusted(now=9)  # (3 + 1) intervals after the last sign (5)
+
+
+def test_no_verdict_while_tampered_with_but_a_node_still_silent_after_the_hold_is_reported() -> None:
+    tracker = hb.SilenceTracker(interval_s=1, max_attempts=3)
+    tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0)
+    assert tracker.observe(view(1, {A: 11, B: 11, C: 10}), now=1, tampered=True) == {}
+    assert tracker.observe(view(1, {A: 13, B: 13, C: 10}), now=3) == {}  # the old rule said silent here
+    assert tracker.observe(view(1, {A: 14.9, B: 14.9, C: 10}), now=4.9) == {}
+    assert tracker.observe(view(1, {A: 15, B: 15, C: 10}), now=5) == {repr(C): T0 + timedelta(seconds=10)}
+
+
+def test_a_node_that_vanishes_while_the_state_is_tampered_with_is_never_judged() -> None:
+    """torch's sanitizer may drop a live node on a heartbeat a restore put back: the agent does not fence it."""
+    tracker = hb.SilenceTracker(interval_s=1, max_attempts=3)
+    tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0)
+    tracker.observe(view(1, {A: 11, B: 11, C: 10}), now=1, tampered=True)
+    assert tracker.observe(view(1, {A: 12.5, B: 12.5}), now=2.5) == {}  # the old rule: C silent (2.5 s > 2 s)
+    assert tracker.observe(view(1, {A: 20, B: 20}), now=10) == {}
+
+
+def test_a_state_that_disappears_counts_as_tampering() -> None:
+    """torch never deletes its state: one that was there and is gone (or the null sentinel again) was taken away."""
+    tracker = hb.SilenceTracker(interval_s=1, max_attempts=3)
+    tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0)
+    assert tracker.observe(None, now=1) == {}
+    assert tracker.observe(view(1, {A: 13, B: 13, C: 10}), now=3) == {}
+    assert tracker.observe(view(1, {A: 15, B: 15, C: 10}), now=5) == {repr(C): T0 + timedelta(seconds=10)}
 
 
 def test_report_names_pods_and_skips_unknown_nodes() -> None:
