@@ -23,6 +23,8 @@ import collections
 import dataclasses
 import datetime
 import json
+import os
+import pathlib
 import pickle
 import signal
 import sys
@@ -451,7 +453,9 @@ def run(outsider: Outsider, attack: str, seconds: float, marker: str, max_bytes:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-    parser.add_argument("address", help="HOST:PORT of the store (the job agent's, or a worker's)")
+    parser.add_argument(
+        "address", help="HOST:PORT of the store (the job agent's, or a worker's); '-': read it from --go-file"
+    )
     parser.add_argument("attack", help=f"one of {', '.join(ATTACKS)}, several joined by commas, or all")
     parser.add_argument("--seconds", type=float, default=10.0, help="how long each attack repeats (default 10)")
     parser.add_argument(
@@ -460,6 +464,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         help="file the crafted pickles create when unpickled (default %(default)s)",
     )
     parser.add_argument("--report", help="write the JSON report here")
+    parser.add_argument(
+        "--go-file",
+        help="import torch, then wait until this file exists and attack the HOST:PORT it holds when the address is "
+        "'-' (a test starts the outsider before the job, so that importing torch on a loaded machine neither delays "
+        "the attack past the moment it asks for nor loads the machine while the job starts)",
+    )
     parser.add_argument(
         "--max-flood-mb",
         type=float,
@@ -470,6 +480,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     unknown = [a for a in args.attack.split(",") if a not in ATTACKS] if args.attack != "all" else []
     if unknown:
         parser.error(f"attack={args.attack!r}: {', '.join(unknown)} not among {', '.join(ATTACKS)} (or all)")
+    if args.address == "-":
+        if not args.go_file:
+            parser.error("address='-' (read from the go file) needs --go-file")
+        return args
     host, sep, port = args.address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         parser.error(f"address={args.address!r} is not HOST:PORT with a port in 1..65535")
@@ -486,9 +500,20 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # the report is still written
+    if args.go_file:
+        import torch.distributed  # noqa: F401 - the slow part, done before the go
+
+        pathlib.Path(args.go_file + ".ready").touch()  # the test starts the job now
+        while not os.path.exists(args.go_file):
+            time.sleep(0.05)
+        if args.address == "-":
+            args.address = pathlib.Path(args.go_file).read_text().strip()
+            host, _, port = args.address.rpartition(":")
+            args.host, args.port = host.strip("[]"), int(port)
     report = Report(address=args.address, attack=args.attack)
     outsider = Outsider(args.host, args.port, report)
-    outsider.call("check", ["outsider/connect"])  # connect (and import torch) before the clock starts
+    outsider.call("check", ["outsider/connect"])  # connect before the clock starts
+    report.started_at = time.time()
     start = time.monotonic()
     try:
         run(outsider, args.attack, args.seconds, args.marker, int(args.max_flood_mb * 1024 * 1024))
