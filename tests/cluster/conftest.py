@@ -15,6 +15,8 @@ import pytest
 
 from disttrain.api import constants
 from tests.cluster.controlplane import ControlPlane, start_or_skip
+from tests.cluster.operator_process import OperatorProcess
+from tests.cluster.rbac import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, install_operator_rbac
 from tests.conftest import REPO_ROOT
 
 CRD_DIR = REPO_ROOT / "crds"
@@ -56,3 +58,16 @@ def pod_group_crds(control_plane: ControlPlane) -> ControlPlane:
     for name in ("podgroups.scheduling.volcano.sh", "podgroups.scheduling.x-k8s.io"):
         control_plane.wait_established(name)
     return control_plane
+
+
+@pytest.fixture(scope="module")
+def operator(controllers: ControlPlane, crd: ControlPlane, tmp_path_factory) -> Iterator[OperatorProcess]:
+    """The operator as a process under the chart's RBAC, one per module; it may hit no 403 over the module."""
+    install_operator_rbac(controllers)
+    kubeconfig = controllers.service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT)
+    process = OperatorProcess(kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log")
+    process.start()
+    yield process
+    process.kill()
+    forbidden = process.forbidden_lines()
+    assert not forbidden, "the operator hit 403s under the chart's RBAC:\n" + "\n".join(forbidden[:20])

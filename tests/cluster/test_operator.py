@@ -36,21 +36,8 @@ from tests.cluster.kubelet import Kubelets
 from tests.cluster.operator_process import OperatorProcess
 from tests.cluster.process_kubelet import ProcessKubelets
 from tests.conftest import JobBuilder
-from tests.cluster.rbac import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, install_operator_rbac
 
 pytestmark = [pytest.mark.usefixtures("crd"), pytest.mark.timeout(180)]
-@pytest.fixture(scope="module")
-def operator(controllers: ControlPlane, crd: ControlPlane, tmp_path_factory) -> Iterator[OperatorProcess]:
-    install_operator_rbac(controllers)
-    kubeconfig = controllers.service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT)
-    process = OperatorProcess(kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log")
-    process.start()
-    yield process
-    process.kill()
-    forbidden = process.forbidden_lines()
-    assert not forbidden, "the operator hit 403s under the chart's RBAC:\n" + "\n".join(forbidden[:20])
-
-
 @pytest.fixture
 def kubelets(controllers: ControlPlane) -> Iterator[Kubelets]:
     sim = Kubelets(controllers)

@@ -16,29 +16,14 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.controlplane import ControlPlane
 from tests.cluster.harness import Cluster, _try, checkpoint_claim, eventually
 from tests.cluster.kubelet import Kubelets
-from tests.cluster.operator_process import OperatorProcess
-from tests.cluster.rbac import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, install_operator_rbac
 from tests.conftest import JobBuilder
 
 pytestmark = [pytest.mark.usefixtures("crd"), pytest.mark.timeout(240)]
 HOLD = "disttrain.test/hold"
 """A finalizer of the test's: the pod stays Terminating until the test removes it (a kubelet that is slow to
 confirm the kill, or a long grace period)."""
-
-
-@pytest.fixture(scope="module")
-def operator(controllers: ControlPlane, crd: ControlPlane, tmp_path_factory) -> Iterator[OperatorProcess]:
-    install_operator_rbac(controllers)
-    kubeconfig = controllers.service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT)
-    process = OperatorProcess(kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log")
-    process.start()
-    yield process
-    process.kill()
-    forbidden = process.forbidden_lines()
-    assert not forbidden, "the operator hit 403s under the chart's RBAC:\n" + "\n".join(forbidden[:20])
 
 
 @pytest.fixture

@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 
 from tests.cluster.harness import Cluster, eventually  # noqa: F401
-from tests.cluster.test_operator import cluster, kubelets, operator  # noqa: F401 (fixtures)
+from tests.cluster.test_operator import cluster, kubelets  # noqa: F401 (fixtures)
 from tests.conftest import JobBuilder
 
 pytestmark = [pytest.mark.usefixtures("crd", "pod_group_crds"), pytest.mark.timeout(180)]
 
 
 @pytest.fixture(scope="module")
-def operator_after_crds(pod_group_crds, operator):  # noqa: F811 (the fixture imported above)
+def operator_after_crds(pod_group_crds, operator):
     """The PodGroup CRDs exist before the operator starts (as on a cluster where Volcano is installed)."""
     return operator
 
