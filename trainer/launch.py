@@ -73,6 +73,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError  # no
 from torch.distributed.launcher import api as launcher_api  # noqa: E402
 
 from disttrain.api.exitcodes import ExitCode  # noqa: E402
+from disttrain.trainer import exitbarrier  # noqa: E402
 from disttrain.trainer.readiness import Readiness  # noqa: E402
 from disttrain.trainer.rendezvous import DisttrainRendezvousHandler  # noqa: E402
 
@@ -83,8 +84,6 @@ PROTOCOL_EXITS = frozenset({int(ExitCode.DRAINED), int(ExitCode.REFORM)})
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 """Kubernetes' default ``terminationMessagePath`` (the pod builder sets it explicitly)."""
 MAX_MESSAGE_CHARS = 1024
-EXIT_BARRIER_POLL_S = 0.2
-"""Pause between two looks at the exit barrier's keys (:meth:`CountingAgent._exit_barrier`)."""
 """A termination message is capped at 4096 bytes by the kubelet; the status message needs one line."""
 
 
@@ -215,22 +214,13 @@ class CountingAgent(LocalElasticAgent):
         return HANDOVER.all_waiting(pcontext.pids())
 
     def _exit_barrier(self) -> None:
-        """torchrun's exit barrier (every node's workers finished before any agent leaves), built so that deleting
-        its keys only delays it.
-
-        torch's barrier counts arrivals with one ``add`` on a shared counter and waits for a "last member" key: a
-        stranger who deletes the counter between two nodes' ``add`` makes the second count from 0 again, the count
-        never reaches the group's size and every node waits ``exit_barrier_timeout`` (300 s) after a finished
-        training. Here each node writes its own arrival key (``<prefix>/<group rank>``) again on every look while it
-        waits, so a deleted one comes back, and leaves once it sees every node's key or the ``<prefix>/all`` key the
-        first node to see them all writes (the agent's guardian also writes back deleted keys it saw)."""
+        """torchrun's exit barrier on our own keys (:mod:`disttrain.trainer.exitbarrier`): a stranger who deletes
+        them only delays it. As torch's, an agent that cannot reach the store or waited the timeout leaves."""
         spec = self._worker_group.spec
         store: Any = self._store  # set by the rendezvous before any worker ran
         world, me = self._worker_group.group_world_size, self._worker_group.group_rank
         if world is None or me is None:  # no rendezvous happened: nothing to wait for
             return
-        prefix = "disttrain/exit-barrier"
-        arrived, done = [f"{prefix}/{rank}" for rank in range(world)], f"{prefix}/all"
         log.info(
             "[%s] local worker group finished (%s); waiting up to %s s for the other %d nodes",
             spec.role,
@@ -241,18 +231,11 @@ class CountingAgent(LocalElasticAgent):
         start = time.monotonic()
         self._in_exit_barrier = True
         try:
-            while True:
-                store.set(arrived[me], "1")
-                if store.check([done]) or store.check(arrived):
-                    store.set(done, "1")
-                    log.info("[%s] every node finished; waited %.1f s", spec.role, time.monotonic() - start)
-                    return
-                if time.monotonic() - start >= self._exit_barrier_timeout:
-                    log.warning(
-                        "[%s] the exit barrier timed out after %.0f s; leaving", spec.role, time.monotonic() - start
-                    )
-                    return
-                time.sleep(EXIT_BARRIER_POLL_S)
+            if exitbarrier.wait_for_all(store, world, me, self._exit_barrier_timeout):
+                log.info("[%s] every node finished; waited %.1f s", spec.role, time.monotonic() - start)
+            else:
+                waited = time.monotonic() - start
+                log.warning("[%s] the exit barrier timed out after %.0f s; leaving", spec.role, waited)
         except SignalException:
             raise
         except Exception:  # as torch's: an agent that cannot reach the store leaves anyway

@@ -35,9 +35,8 @@ def free_port() -> int:
 @pytest.fixture
 def stores():
     """(server, outsider): the agent's libuv server and a plain client that holds no secret."""
-    port = free_port()
-    server = agent_mod.start_store(port, "127.0.0.1", timeout_s=5)
-    outsider = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    server = agent_mod.start_store(0, "127.0.0.1", timeout_s=30)  # port 0: the kernel's, no race for a free one
+    outsider = TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
     yield server, outsider
 
 

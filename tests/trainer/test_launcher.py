@@ -124,7 +124,8 @@ def test_a_node_that_finds_the_rendezvous_closed_by_the_finished_job_exits_0(har
     procs = {}
     for node in ("finished", "waiting"):
         environ = {**os.environ, "DISTTRAIN_TERMINATION_LOG": str(tmp_path / f"{node}.termination"),
-                   "DISTTRAIN_WARM_WORKERS": "0"}
+                   "DISTTRAIN_WARM_WORKERS": "0", "DISTTRAIN_STORE_SECRET": harness.secret,
+                   "DISTTRAIN_JOB_UID": harness.job_uid}
         procs[node] = subprocess.Popen(argv, env=environ, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True)
         harness.procs.append(procs[node])

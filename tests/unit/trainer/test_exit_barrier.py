@@ -1,30 +1,36 @@
-"""torchrun's exit barrier as the launcher builds it (:meth:`CountingAgent._exit_barrier`), on a real signed store
-with the agent's guardian, while an outsider deletes every key: a finished job's nodes still leave together, and
-none waits for the barrier's timeout."""
+"""torchrun's exit barrier as the launcher builds it (:meth:`CountingAgent._exit_barrier`,
+:mod:`disttrain.trainer.exitbarrier`), on a real signed store with the agent's guardian: a finished job's nodes leave
+together, promptly without a stranger and before the barrier's timeout while one deletes every key."""
 
 from __future__ import annotations
 
 import threading
 import time
 import types
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+import pytest
 import torch.distributed as dist
 
-from disttrain.trainer import channel
+from disttrain.trainer import channel, exitbarrier
 from disttrain.trainer.guardian import Guardian
 from disttrain.trainer.launch import CountingAgent
 
 SECRET, UID = "e" * 64, "uid-exit"
 WORLD = 3
-TIMEOUT_S = 60.0
+TIMEOUT_S = 120.0
+ARRIVAL_GAP_S = 0.7
+
+
+def _client(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
 
 
 def _node(port: int, rank: int) -> Any:
     """What ``_exit_barrier`` reads of its agent: the round's store (as torch's rendezvous hands it), the group."""
-    raw = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
-    store = dist.PrefixStore("torch.rendezvous.run.0", channel.scoped(raw, SECRET, UID))
+    store = dist.PrefixStore("torch.rendezvous.run.0", channel.scoped(_client(port), SECRET, UID))
     group = types.SimpleNamespace(
         spec=types.SimpleNamespace(role="default"), state="SUCCEEDED", group_world_size=WORLD, group_rank=rank
     )
@@ -33,18 +39,46 @@ def _node(port: int, rank: int) -> Any:
     )
 
 
-def test_the_exit_barrier_completes_while_an_outsider_deletes_every_key() -> None:
+@pytest.fixture
+def port() -> Iterator[int]:
+    """The agent's store server with its guardian."""
     server = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True, timeout=timedelta(seconds=10)
     )
-    guardian_client = dist.TCPStore(
-        "127.0.0.1", server.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10)
-    )
-    guardian = Guardian(guardian_client, SECRET, UID)
+    guardian = Guardian(_client(server.port), SECRET, UID)
     guardian.start()
-    outsider = dist.TCPStore(
-        "127.0.0.1", server.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10)
-    )
+    yield server.port
+    guardian.stop()
+
+
+def _run_barrier(port: int, ranks: range) -> tuple[float, dict[int, float]]:
+    """Every node in ``ranks`` enters the barrier, ``ARRIVAL_GAP_S`` apart; (start, when each left)."""
+    left: dict[int, float] = {}
+
+    def arrive(rank: int) -> None:
+        time.sleep(ARRIVAL_GAP_S * rank)  # the nodes' workers finish at different times
+        CountingAgent._exit_barrier(_node(port, rank))  # type: ignore[arg-type]
+        left[rank] = time.monotonic()
+
+    start = time.monotonic()
+    nodes = [threading.Thread(target=arrive, args=(rank,), daemon=True) for rank in ranks]
+    for node in nodes:
+        node.start()
+    for node in nodes:
+        node.join(TIMEOUT_S + 10)
+    assert sorted(left) == list(ranks), f"nodes still in the barrier: {set(ranks) - set(left)}"
+    return start, left
+
+
+def test_without_a_stranger_every_node_leaves_as_soon_as_the_last_one_arrives(port: int) -> None:
+    start, left = _run_barrier(port, range(WORLD))
+    last_arrival = start + ARRIVAL_GAP_S * (WORLD - 1)
+    assert min(left.values()) >= last_arrival - 0.1, "a node left before the last one arrived"
+    assert max(left.values()) - last_arrival < exitbarrier.LINGER_S / 2, f"a node lingered: {left}"
+
+
+def test_the_exit_barrier_completes_while_an_outsider_deletes_every_key(port: int) -> None:
+    outsider = _client(port)
     stop, deletions = threading.Event(), [0]
 
     def delete_everything() -> None:
@@ -54,25 +88,29 @@ def test_the_exit_barrier_completes_while_an_outsider_deletes_every_key() -> Non
 
     attacker = threading.Thread(target=delete_everything, daemon=True)
     attacker.start()
-    left: dict[int, float] = {}
-
-    def arrive(rank: int) -> None:
-        time.sleep(0.7 * rank)  # the nodes' workers finish at different times
-        CountingAgent._exit_barrier(_node(server.port, rank))  # type: ignore[arg-type]
-        left[rank] = time.monotonic()
-
-    start = time.monotonic()
-    nodes = [threading.Thread(target=arrive, args=(rank,), daemon=True) for rank in range(WORLD)]
-    for node in nodes:
-        node.start()
     try:
-        for node in nodes:
-            node.join(TIMEOUT_S + 10)
-        assert sorted(left) == list(range(WORLD)), f"nodes still in the barrier: {set(range(WORLD)) - set(left)}"
-        assert max(left.values()) - start < TIMEOUT_S / 2, "a node waited for the barrier's timeout"
-        assert min(left.values()) - start >= 0.7 * (WORLD - 1) - 0.1, "a node left before the last one arrived"
+        start, left = _run_barrier(port, range(WORLD))
+        assert max(left.values()) - start < TIMEOUT_S / 2, f"a node waited for the barrier's timeout: {left}"
+        assert min(left.values()) - start >= ARRIVAL_GAP_S * (WORLD - 1) - 0.1, "a node left before the last arrived"
         assert deletions[0] > 0, "the outsider deleted nothing: the test proved nothing"
     finally:
         stop.set()
         attacker.join(5)
-        guardian.stop()
+
+
+def test_a_node_that_never_arrives_holds_the_others_until_the_timeout(port: int) -> None:
+    """Nobody leaves early: a node whose workers still run keeps the group's agents (and its store) in place."""
+    stores = [channel.scoped(_client(port), SECRET, UID) for _ in range(2)]
+    started = time.monotonic()
+    results = [False, False]
+
+    def enter(rank: int) -> None:
+        results[rank] = exitbarrier.wait_for_all(stores[rank], WORLD, rank, timeout_s=2.0)
+
+    threads = [threading.Thread(target=enter, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert results == [False, False]
+    assert time.monotonic() - started >= 2.0

@@ -1,0 +1,100 @@
+"""torchrun's exit barrier (no node's agent leaves before every node's workers finished), built so that a stranger
+who deletes its keys only delays it.
+
+torch's barrier counts arrivals with one ``add`` on a shared counter and waits for a "last member" key: a stranger
+who deletes the counter between two nodes' ``add`` makes the second count from 0 again, the count never reaches the
+group's size and every node waits the barrier's timeout (300 s) after a finished training.
+
+Here every fact is one node's own key, written again on every look, and a fact once seen stays seen:
+
+1. arrival: node ``r`` writes ``<prefix>/arrived/<r>`` until it has seen every node's arrival;
+2. departure: it then writes ``<prefix>/done/<r>`` (which also proves every node arrived) and lingers until it has
+   seen every other node's ``done`` key, or for at most :data:`LINGER_S` while they stay unseen: a node that leaves
+   at once could take with it the only copy of a key a slower node has not seen yet.
+
+Looks are blocking waits, woken by the store's server when a key is set: a key is seen even when the stranger
+deletes it as soon as it is written. Without a stranger no key disappears, and nobody lingers."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import DistStoreError
+
+log = logging.getLogger("disttrain.launch")
+
+PREFIX = "disttrain/exit-barrier"
+POLL_S = 0.2
+"""Longest blocking look at one key before the node writes its own keys again."""
+LINGER_S = 5.0
+"""Longest a node that saw every arrival stays to be seen by the others."""
+
+
+@dataclass
+class Progress:
+    """What one node knows: the ranks it saw arrive, the ranks it saw leave."""
+
+    world: int
+    me: int
+
+    def __post_init__(self) -> None:
+        self.arrived = {self.me}
+        self.done: set[int] = set()
+
+    def all_arrived(self) -> bool:
+        return len(self.arrived) == self.world or bool(self.done)
+
+    def all_done(self) -> bool:
+        return len(self.done | {self.me}) == self.world
+
+
+def _key(kind: str, rank: int) -> str:
+    return f"{PREFIX}/{kind}/{rank}"
+
+
+def _seen(store: Any, key: str, wait_s: float) -> bool:
+    """Whether a valid ``key`` is there now (``wait_s`` 0) or shows up within ``wait_s``."""
+    try:
+        if wait_s <= 0:
+            return bool(store.check([key]))
+        store.wait([key], timedelta(seconds=wait_s))
+        return True
+    except DistStoreError:
+        return False
+
+
+def _look(store: Any, kind: str, ranks: set[int], found: set[int], turn: int) -> None:
+    """Add to ``found`` the ranks in ``ranks`` whose ``kind`` key is seen: a quick look at all, a blocking look at
+    one of the rest (a different one on each turn)."""
+    missing = sorted(ranks - found)
+    for rank in missing:
+        if _seen(store, _key(kind, rank), 0):
+            found.add(rank)
+    missing = sorted(ranks - found)
+    if missing and _seen(store, _key(kind, missing[turn % len(missing)]), POLL_S):
+        found.add(missing[turn % len(missing)])
+
+
+def wait_for_all(store: Any, world: int, me: int, timeout_s: float) -> bool:
+    """Block until every node of the group reached the barrier; False when ``timeout_s`` passed first."""
+    progress, everyone = Progress(world, me), set(range(world))
+    start, turn, linger_until = time.monotonic(), 0, None
+    while True:
+        store.set(_key("arrived", me), "1")
+        if not progress.all_arrived():
+            _look(store, "done", everyone - {me}, progress.done, turn)
+            _look(store, "arrived", everyone, progress.arrived, turn)
+        if progress.all_arrived():
+            store.set(_key("done", me), "1")
+            now = time.monotonic()
+            linger_until = now + LINGER_S if linger_until is None else linger_until
+            _look(store, "done", everyone - {me}, progress.done, turn)
+            if progress.all_done() or time.monotonic() >= linger_until:
+                return True
+        if time.monotonic() - start >= timeout_s:
+            return progress.all_arrived()
+        turn += 1
