@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 HELM := $(BIN)/helm
 CRD := crds/disttrain.dev_disttrainjobs.yaml
 
-.PHONY: demo test test-fast lint crd clean images test-images image-tools locks
+.PHONY: demo test test-unit test-tier lint crd clean images test-images image-tools locks
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,11 +34,17 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/ruff format --check $(LINTED)
 
+# The tiers are pytest markers (tests/conftest.py: unit, operator, trainer, e2e, cluster, chart, security, images).
+# `make test` is what CI runs: every tier but images, in lanes side by side (scripts/test_tiers.py), the tier times
+# printed at the end. `make test-unit` is the inner loop; `make test-tier TIER=cluster` runs one tier.
 test: lint $(HELM)
-	$(BIN)/python -m pytest
+	$(BIN)/python scripts/test_tiers.py
 
-test-fast: $(STAMP) $(HELM)
-	$(BIN)/python -m pytest -m "not slow"
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -m unit -q -p no:cacheprovider tests/unit
+
+test-tier: $(STAMP) $(HELM)
+	$(BIN)/python scripts/test_tiers.py $(TIER)
 
 # Images without a daemon or a registry (scripts/images/): buildah builds the Dockerfile's targets on a Debian base
 # that debootstrap makes. ~7 min from nothing on 2 cores, ~30 s once cached: not part of `make test`, CI runs

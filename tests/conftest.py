@@ -39,11 +39,11 @@ class JobBuilder:
             },
         }
 
-    def nodes(self, min: int, max: int, replicas: int) -> "JobBuilder":
+    def nodes(self, min: int, max: int, replicas: int) -> JobBuilder:
         self.obj["spec"]["nodes"] = {"min": min, "max": max, "replicas": replicas}
         return self
 
-    def set(self, dotted: str, value: Any) -> "JobBuilder":
+    def set(self, dotted: str, value: Any) -> JobBuilder:
         node = self.obj
         *parents, last = dotted.split(".")
         for part in parents:
@@ -51,7 +51,7 @@ class JobBuilder:
         node[last] = value
         return self
 
-    def delete(self, dotted: str) -> "JobBuilder":
+    def delete(self, dotted: str) -> JobBuilder:
         node = self.obj
         *parents, last = dotted.split(".")
         for part in parents:
@@ -66,3 +66,47 @@ class JobBuilder:
 @pytest.fixture
 def make_job() -> type[JobBuilder]:
     return JobBuilder
+
+
+TIERS: dict[str, str] = {
+    "unit": "pure logic and single-process tests: seconds, the inner loop (`make test-unit`)",
+    "operator": "the kopf operator against the kmock API emulator, in process and as a process",
+    "trainer": "real multi-process torchrun jobs on gloo, with real process kills (tests/trainer, tests/agent)",
+    "e2e": "`disttrain local run` end to end: the same manifest, agent and launcher as on a cluster",
+    "cluster": "the real control plane in ../shared/k8s/: apiserver, etcd, the tests as kubelets",
+    "chart": "the Helm chart rendered, linted and checked (RBAC, pod security, alert rules, dashboard)",
+    "security": "a secretless outsider attacks a real local job's store",
+    "images": "the container images built with buildah (`make test-images`)",
+}
+"""The test tiers, one pytest marker each, given by the folder a test is in (:data:`TIER_OF_FOLDER`)."""
+
+TIER_OF_FOLDER: dict[str, str] = {
+    "unit": "unit",
+    "operator": "operator",
+    "trainer": "trainer",
+    "agent": "trainer",
+    "e2e": "e2e",
+    "cluster": "cluster",
+    "chart": "chart",
+    "security": "security",
+    "images": "images",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for tier, what in TIERS.items():
+        config.addinivalue_line("markers", f"{tier}: {what}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test with its tier; a test outside a tier's folder is an error (no test escapes every tier)."""
+    tests_dir = pathlib.Path(__file__).resolve().parent
+    for item in items:
+        folder = pathlib.Path(str(item.path)).resolve().relative_to(tests_dir).parts[0]
+        tier = TIER_OF_FOLDER.get(folder)
+        if tier is None:
+            raise pytest.UsageError(f"{item.nodeid}: tests/{folder}/ belongs to no tier; add it to TIER_OF_FOLDER")
+        others = {mark.name for mark in item.iter_markers() if mark.name in TIERS and mark.name != tier}
+        if others:
+            raise pytest.UsageError(f"{item.nodeid}: in the {tier} tier (its folder) but also marked {sorted(others)}")
+        item.add_marker(getattr(pytest.mark, tier))

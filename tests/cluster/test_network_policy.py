@@ -162,7 +162,6 @@ OUTSIDER_SECONDS = 5
 OUTSIDER_FLOOD_MB = 512
 
 
-@pytest.mark.security
 @pytest.mark.timeout(420)
 def test_an_outsider_in_another_namespace_costs_a_training_job_nothing(process_cluster, tmp_path):
     """A pod in another namespace runs ``tests/security/outsider.py`` (no secret, plain TCPStore client) against

@@ -1,0 +1,119 @@
+"""Run the test tiers (pytest markers given by tests/conftest.py) as `make test` does, lanes side by side, and print
+each tier's time, counts and result at the end.
+
+A lane runs its tiers one after the other; lanes run at once. The lanes pair a tier that mostly waits (a control
+plane, an emulator) with one that computes, so two cores stay busy without two CPU-bound tiers racing each other's
+timing. Each tier's output goes to build/test-logs/<tier>.log; a failing tier's summary is printed at the end.
+
+    python scripts/test_tiers.py                  # every tier of `make test`
+    python scripts/test_tiers.py unit chart       # these tiers only, one lane each
+    python scripts/test_tiers.py --serial         # one tier at a time
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from tests.conftest import TIER_OF_FOLDER  # noqa: E402 (the repository root on the path first)
+
+LOGS = REPO / "build" / "test-logs"
+
+LANES: tuple[tuple[str, ...], ...] = (
+    ("trainer", "security"),
+    ("cluster", "e2e"),
+    ("unit", "operator", "chart"),
+)
+"""What `make test` runs (every tier but images, which `make test-images` builds and checks)."""
+
+SUMMARY = re.compile(r"^=+ (?P<counts>.*?) in (?P<seconds>[\d.]+)s", re.MULTILINE)
+
+
+@dataclass
+class TierResult:
+    tier: str
+    returncode: int = -1
+    seconds: float = 0.0
+    counts: str = "not run"
+    log: Path = field(default_factory=Path)
+
+    @property
+    def passed(self) -> bool:
+        return self.returncode in (0, 5)  # 5: no test in the tier was selected
+
+
+def run_tier(tier: str, pytest_args: list[str]) -> TierResult:
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log = LOGS / f"{tier}.log"
+    start = time.monotonic()
+    folders = [f"tests/{folder}" for folder, of in TIER_OF_FOLDER.items() if of == tier]  # collects only these
+    command = [sys.executable, "-m", "pytest", "-m", tier, "-p", "no:cacheprovider", *pytest_args, *folders]
+    with open(log, "w") as out:
+        returncode = subprocess.call(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    seconds = time.monotonic() - start
+    summaries = list(SUMMARY.finditer(log.read_text(errors="replace")))
+    match = summaries[-1] if summaries else None
+    counts = match.group("counts") if match else f"no summary (exit {returncode})"
+    print(f"[tiers] {tier}: {counts} in {seconds:.0f} s", flush=True)
+    return TierResult(tier, returncode, seconds, counts, log)
+
+
+def run_lanes(lanes: list[tuple[str, ...]], pytest_args: list[str]) -> list[TierResult]:
+    results: list[TierResult] = []
+    lock = threading.Lock()
+
+    def lane(tiers: tuple[str, ...]) -> None:
+        for tier in tiers:
+            result = run_tier(tier, pytest_args)
+            with lock:
+                results.append(result)
+
+    threads = [threading.Thread(target=lane, args=(tiers,)) for tiers in lanes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def report(results: list[TierResult], wall_s: float) -> int:
+    for result in results:
+        if not result.passed:
+            text = result.log.read_text(errors="replace")
+            start = text.find("short test summary info")
+            print(f"\n[tiers] {result.tier} FAILED (log: {result.log.relative_to(REPO)}):")
+            print(text[start - 40 :] if start >= 0 else text[-6000:])
+    print("\n[tiers] tier       seconds  result")
+    order = [tier for lane in LANES for tier in lane]
+    for result in sorted(results, key=lambda r: order.index(r.tier) if r.tier in order else len(order)):
+        print(f"[tiers] {result.tier:<10} {result.seconds:7.0f}  {'ok  ' if result.passed else 'FAIL'} {result.counts}")
+    print(f"[tiers] wall clock {wall_s:.0f} s ({wall_s / 60:.1f} min)")
+    times = {result.tier: round(result.seconds, 1) for result in results}
+    (LOGS / "times.json").write_text(json.dumps({"wall_s": round(wall_s, 1), "tiers": times}, indent=2) + "\n")
+    return 0 if all(result.passed for result in results) else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("tiers", nargs="*", help="tiers to run (default: every tier of `make test`)")
+    parser.add_argument("--serial", action="store_true", help="one tier at a time")
+    args, pytest_args = parser.parse_known_args()
+    lanes = [(tier,) for tier in args.tiers] if args.tiers else list(LANES)
+    if args.serial:
+        lanes = [tuple(tier for lane in lanes for tier in lane)]
+    start = time.monotonic()
+    results = run_lanes(lanes, pytest_args)
+    return report(results, time.monotonic() - start)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
