@@ -16,7 +16,6 @@ from typing import Any, Optional
 
 import pytest
 import yaml
-
 from tests.conftest import REPO_ROOT
 
 CHART = REPO_ROOT / "charts" / "disttrain"

@@ -5,7 +5,8 @@ Shared with tests/cluster, which asks the real API server (``kubectl auth can-i`
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 Permission = tuple[str, str, str]
 """(apiGroup, resource, verb)"""

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import yaml
-
 from tests.chart.helm import NON_DEFAULT_VALUES, by_kind, render
 from tests.chart.prometheus_tools import promtool
 from tests.chart.promql import disttrain_exported_names, metric_names

@@ -11,7 +11,6 @@ import itertools
 
 import pytest
 import yaml
-
 from tests.chart import dashboard
 from tests.chart.prometheus_tools import promtool
 from tests.chart.promql import disttrain_exported_names, metric_names

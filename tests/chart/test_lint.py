@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from tests.chart.helm import CHART, NON_DEFAULT_VALUES, helm
 
 

@@ -4,7 +4,6 @@ security defaults is noticed (the checker is not vacuous)."""
 from __future__ import annotations
 
 import pytest
-
 from tests.chart.helm import NON_DEFAULT_VALUES, by_kind, render
 from tests.chart.pss import restricted_violations
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from disttrain.api.spec import DistTrainJob
-from disttrain.operator import access, pods
 from tests.chart.helm import NAMESPACE, SERVICE_ACCOUNT, by_kind, render
 from tests.chart.rbac import CLUSTER_SCOPED, granted, needed
 from tests.unit.operator.world import job_manifest
+
+from disttrain.api.spec import DistTrainJob
+from disttrain.operator import access, pods
 
 SUBJECT = {"kind": "ServiceAccount", "name": SERVICE_ACCOUNT, "namespace": NAMESPACE}
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-
-from disttrain.api.spec import DistTrainJob
-from disttrain.operator import cli, pods
 from tests.chart.dashboard import DASHBOARD
 from tests.chart.helm import NAMESPACE, NON_DEFAULT_VALUES, by_kind, render
 from tests.unit.operator.world import job_manifest
+
+from disttrain.api.spec import DistTrainJob
+from disttrain.operator import cli, pods
 
 CASES = {"default": None, "non-default": NON_DEFAULT_VALUES}
 PROMETHEUS_OPERATOR_KINDS = ("ServiceMonitor", "PodMonitor", "PrometheusRule")

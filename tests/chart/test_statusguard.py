@@ -4,10 +4,11 @@ server is tested in tests/cluster/test_operator.py."""
 
 from __future__ import annotations
 
+from tests.chart.helm import NON_DEFAULT_VALUES, by_kind, render
+
 from disttrain.api.status import AGENT_FIELDS
 from disttrain.api.statusguard import operator_fields, unchanged_rule
 from disttrain.operator import cli, names
-from tests.chart.helm import NON_DEFAULT_VALUES, by_kind, render
 
 
 def test_every_status_field_but_the_agents_is_guarded_with_the_same_rule():

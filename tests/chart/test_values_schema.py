@@ -8,7 +8,6 @@ import json
 import jsonschema
 import pytest
 import yaml
-
 from tests.chart.helm import CHART, NON_DEFAULT_VALUES, RELEASE, helm
 
 BAD = [

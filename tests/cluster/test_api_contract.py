@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from disttrain.api import constants, rules, validation
-from disttrain.api.timestamps import format_time
 from disttrain.api.spec import DistTrainJob, NodesSpec
+from disttrain.api.timestamps import format_time
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.tables import kubectl_table
 from tests.conftest import REPO_ROOT, JobBuilder
@@ -58,7 +58,7 @@ def names_field(server_field: str, server_message: str, path: str) -> bool:
     if path == "apiVersion/kind":
         return server_field in ("kind", "apiVersion")
     return (server_field == path or server_field.startswith((path + ".", path + "["))
-            or path.startswith(server_field + ".") and server_field.count(".") >= 2
+            or (path.startswith(server_field + ".") and server_field.count(".") >= 2)
             or f'unknown field "{path}"' in server_message)
 
 

@@ -21,11 +21,11 @@ import pytest
 from disttrain.api import constants
 from disttrain.api.conditions import format_time
 from tests.chart.helm import helm_binary, object_name
-from tests.cluster.tables import kubectl_table
 from tests.cluster.controlplane import ControlPlane, start_or_skip
+from tests.cluster.harness import eventually
 from tests.cluster.kubelet import Kubelets
 from tests.cluster.operator_process import OperatorProcess
-from tests.cluster.harness import eventually
+from tests.cluster.tables import kubectl_table
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(240)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.harness import Cluster, eventually  # noqa: F401
+from tests.cluster.harness import Cluster, eventually
 from tests.cluster.test_operator import cluster, kubelets  # noqa: F401 (fixtures)
 from tests.conftest import JobBuilder
 
@@ -55,7 +55,7 @@ def test_a_gang_job_gets_an_owned_pod_group_that_follows_nodes_min(operator_afte
     assert name in listed
 
 
-def test_a_job_with_a_kueue_queue_label_gives_its_workers_kueues_pod_group_metadata(operator_after_crds,  # noqa: F811
+def test_a_job_with_a_kueue_queue_label_gives_its_workers_kueues_pod_group_metadata(operator_after_crds,
                                                                                      cluster, tmp_path):
     builder = JobBuilder("queued").nodes(1, 4, 3).set("metadata.labels", {"kueue.x-k8s.io/queue-name": "team-a"})
     job = cluster.apply(builder, tmp_path)

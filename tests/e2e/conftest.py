@@ -12,7 +12,8 @@ import dataclasses
 import json
 import pathlib
 import urllib.request
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import yaml
 

@@ -45,7 +45,7 @@ class Prometheus:
         self._targets: dict[str, list[Target]] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------------------
-    def __enter__(self) -> "Prometheus":
+    def __enter__(self) -> Prometheus:
         self.workdir.mkdir(parents=True, exist_ok=True)
         for job in self.jobs:
             self.set_targets(job, [])

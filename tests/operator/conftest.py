@@ -17,11 +17,11 @@ import kopf
 import pytest
 from kubernetes import client as k8s
 from prometheus_client import CollectorRegistry
+from tests.operator.emulator import ApiEmulator
 
 from disttrain.api import constants
 from disttrain.operator import handlers
 from disttrain.operator.metrics import OperatorMetrics
-from tests.operator.emulator import ApiEmulator
 
 JOBS = f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/default/{constants.PLURAL}"
 PODS = "/api/v1/namespaces/default/pods"

@@ -7,9 +7,9 @@ import copy
 
 import kubernetes_validate
 import pytest
+from tests.operator.conftest import JOBS, PODS, eventually
 
 from disttrain.api import constants, env
-from tests.operator.conftest import JOBS, PODS, eventually
 
 pytestmark = pytest.mark.timeout(60)
 

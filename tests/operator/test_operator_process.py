@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tests.operator.conftest import PODS, eventually
+from tests.operator.test_kopf_kmock import _count_workers, _future, _phase, running_job, workers
 
 from disttrain.api import constants
-from tests.operator.conftest import JOBS, PODS, eventually
-from tests.operator.test_kopf_kmock import _count_workers, _future, _phase, running_job, workers
 
 pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from tests.trainer.conftest import REPO, free_port
 
 PEER = REPO / "tests" / "trainer" / "workers" / "peer_failure.py"

@@ -71,7 +71,7 @@ def test_survivors_keep_their_processes_and_continue_from_memory_not_from_the_ch
     # Nothing replayed or skipped: each step's samples, over all its ranks, are exactly the global sampler's.
     final: dict[int, list[int]] = {}
     for record in [r for run in runs for r in harness.records(run)]:
-        kept = record["step"] <= from_memory and record["world"] == world or record["world"] == world - nproc
+        kept = (record["step"] <= from_memory and record["world"] == world) or record["world"] == world - nproc
         if kept:
             final.setdefault(record["step"], []).extend(record["indices"])
     sampler = GlobalSampler(97, 3)  # the toy dataset and the contract's seed

@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from tests.trainer.conftest import REPO, TOY
 
 pytestmark = pytest.mark.timeout(240)

@@ -4,12 +4,11 @@ than the newest torch API the trainer imports."""
 from __future__ import annotations
 
 import re
-import tomllib
 
+import tomllib
 import torch
 from packaging.requirements import Requirement
 from packaging.version import Version
-
 from tests.conftest import REPO_ROOT
 
 PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())

@@ -10,7 +10,6 @@ import ast
 import pathlib
 
 import pytest
-
 from tests.conftest import REPO_ROOT
 
 FORBIDDEN = {

@@ -30,9 +30,9 @@ import time
 from typing import Optional
 
 import torch
+import toymodel  # a sibling: this folder is sys.path[0] of a script started by path
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-import toymodel  # a sibling: this folder is sys.path[0] of a script started by path
 from disttrain.trainer.checkpoint import CheckpointPhase, PhaseHook
 from disttrain.trainer.loop import ElasticTrainer
 

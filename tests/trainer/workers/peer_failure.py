@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -11,11 +11,11 @@ from typing import Any
 
 import celpy
 import pytest
+from tests.conftest import JobBuilder
+from tests.unit.api.test_validation import MALFORMED
 
 from disttrain.api import rules
 from disttrain.api.spec import DistTrainJob
-from tests.conftest import JobBuilder
-from tests.unit.api.test_validation import MALFORMED
 
 _ENV = celpy.Environment()
 

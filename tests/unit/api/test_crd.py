@@ -6,9 +6,9 @@ from typing import Any
 
 import kubernetes_validate
 import yaml
+from tests.conftest import REPO_ROOT
 
 from disttrain.api import crd, rules
-from tests.conftest import REPO_ROOT
 
 CHECKED_IN = REPO_ROOT / "crds" / crd.CRD_FILE
 
@@ -34,7 +34,7 @@ def _walk(schema: dict[str, Any], path: str = ""):
 def test_schema_is_structural():
     root = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     for path, node in _walk(root):
-        assert "$ref" not in node and "anyOf" not in node or node.get("x-kubernetes-int-or-string"), path
+        assert ("$ref" not in node and "anyOf" not in node) or node.get("x-kubernetes-int-or-string"), path
         assert "type" in node or node.get("x-kubernetes-int-or-string") or node.get(
             "x-kubernetes-preserve-unknown-fields"), f"{path} has no type"
         assert not ("properties" in node and "additionalProperties" in node), path

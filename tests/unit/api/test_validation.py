@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from tests.conftest import REPO_ROOT, JobBuilder
 
 from disttrain.api import validation
-from tests.conftest import REPO_ROOT, JobBuilder
 
 
 def container(**extra):

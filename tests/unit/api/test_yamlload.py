@@ -15,11 +15,11 @@ import time
 
 import pytest
 import yaml
+from tests.conftest import REPO_ROOT, JobBuilder
 
 from disttrain.api import validation, yamlload
 from disttrain.operator import names
 from disttrain.operator.local import cli as local_cli
-from tests.conftest import REPO_ROOT, JobBuilder
 
 HEADER = "apiVersion: disttrain.dev/v1alpha1\nkind: DistTrainJob\nmetadata: {name: bomb}\n"
 

@@ -1,7 +1,6 @@
 """Node loss kills the whole tree, including a grandchild that started its own session (as torchrun's workers do)."""
 
 import os
-import subprocess
 import sys
 import time
 

@@ -4,7 +4,6 @@ fails at once: no pod ever runs with another job's agent token."""
 from __future__ import annotations
 
 import pytest
-
 from tests.unit.operator.world import World, job_manifest
 
 

@@ -4,11 +4,11 @@ range) is ignored, as if not reported yet, instead of failing every reconcile of
 from __future__ import annotations
 
 import pytest
+from tests.unit.operator.world import World, job_manifest
 
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import agentfields
 from disttrain.operator.reconcile import reconcile
-from tests.unit.operator.world import World, job_manifest
 
 
 def draining_world() -> World:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from tests.unit.operator.world import World, job_manifest
 
 from disttrain.operator import reconcile as core
-from tests.unit.operator.world import World, job_manifest
 
 pytestmark = pytest.mark.timeout(30)
 REFRESH = core.checkpoint_refresh_seconds("job-uid-1")  # the World's job

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests.conftest import REPO_ROOT
 
 from disttrain.api import validation
 from disttrain.operator import convert
-from tests.conftest import REPO_ROOT
 
 DATA = REPO_ROOT / "tests" / "data" / "pytorchjob"
 CONTRACT = convert.Contract(global_batch_size=512, micro_batch_size=2, lr=0.001, max_steps=1000,

@@ -7,11 +7,11 @@ import dataclasses
 
 import kopf
 import pytest
+from tests.unit.operator.world import World, job_manifest
 
 from disttrain.operator import handlers
 from disttrain.operator.metrics import OperatorMetrics
 from disttrain.operator.observed import CreateFailure, Observed
-from tests.unit.operator.world import World, job_manifest
 
 pytestmark = pytest.mark.timeout(30)
 

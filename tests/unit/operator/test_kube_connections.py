@@ -52,7 +52,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     do_GET = do_PATCH = do_DELETE = do_POST = _answer
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
 

@@ -79,7 +79,7 @@ def test_each_reform_phase_is_observed_once_per_reform():
     metrics.observe_job("team-a", "demo", {"phase": "Running"}, now=100)
     for phase in REFORM_PHASES:
         assert phase_sample(registry, "count", phase) == 0, phase
-    phases = {phase: 0.5 for phase in REFORM_PHASES} | {"checkpointLoad": 2.0, "total": 5.5}
+    phases = dict.fromkeys(REFORM_PHASES, 0.5) | {"checkpointLoad": 2.0, "total": 5.5}
     done = {"phase": "Running", "reforms": 1, "lastReform": {"reason": "NodeNotReady", "start": "x",
                                                              "durationSeconds": 5.0, "phases": phases}}
     metrics.observe_job("team-a", "demo", done, now=101)

@@ -6,12 +6,12 @@ import json
 
 import kubernetes_validate
 import pytest
+from tests.unit.operator.world import job_manifest
 
 from disttrain.api import env
 from disttrain.api.contract import WorkerContract
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import access, cli, pods
-from tests.unit.operator.world import job_manifest
 
 pytestmark = pytest.mark.timeout(60)
 K8S_VERSION = "1.33.0"

@@ -15,13 +15,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from tests.unit.operator.world import T0, World, job_manifest
 
 from disttrain.api import conditions as cond
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import names
 from disttrain.operator import reconcile as core
 from disttrain.operator.observed import NodeView, Observed, PodView
-from tests.unit.operator.world import T0, World, job_manifest
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -4,11 +4,11 @@ a loss before Kubernetes notices, fenced, counted once, and never confused with 
 from __future__ import annotations
 
 import pytest
+from tests.unit.operator.world import World, job_manifest
 
 from disttrain.api import timestamps
 from disttrain.operator import agentfields
 from disttrain.operator.observed import NodeView
-from tests.unit.operator.world import World, job_manifest
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -6,7 +6,6 @@ Every decision comes from the real reconcile core; :class:`World` only applies i
 from __future__ import annotations
 
 import pytest
-
 from tests.unit.operator.world import World, job_manifest
 
 pytestmark = pytest.mark.timeout(30)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import kubernetes_validate
 import pytest
+from tests.unit.operator.world import job_manifest
 
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import pods, scheduling
-from tests.unit.operator.world import job_manifest
 
 pytestmark = pytest.mark.timeout(60)
 K8S_VERSION = "1.33.0"

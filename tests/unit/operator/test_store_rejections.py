@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry
+from tests.unit.operator.world import T0, World, job_manifest
 
 from disttrain.api import timestamps
 from disttrain.operator import eventrate
 from disttrain.operator import reconcile as core
 from disttrain.operator.metrics import OperatorMetrics
-from tests.unit.operator.world import T0, World, job_manifest
 
 pytestmark = pytest.mark.timeout(30)
 

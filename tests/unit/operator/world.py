@@ -120,7 +120,7 @@ class World:
         else:
             self.workers[pod.name] = new
 
-    def run_all(self) -> "World":
+    def run_all(self) -> World:
         """Schedule and start every Pending pod (worker and agent) on node-<index>."""
         for pod in list(self.workers.values()):
             if pod.phase == "Pending" and not pod.is_terminating:
@@ -135,22 +135,22 @@ class World:
         live = [p for p in pods if not p.is_terminating and p.phase not in ("Failed", "Succeeded")]
         return max(live or pods, key=lambda p: int(p.uid.split("-")[-1]))
 
-    def set_worker(self, index: int, **changes: Any) -> "World":
+    def set_worker(self, index: int, **changes: Any) -> World:
         self._replace(self.worker(index), **changes)
         return self
 
-    def vanish(self, index: int) -> "World":
+    def vanish(self, index: int) -> World:
         self.workers.pop(self.worker(index).name)
         return self
 
-    def finish_terminations(self) -> "World":
+    def finish_terminations(self) -> World:
         for pod in [p for p in self.workers.values() if p.is_terminating]:
             self._remove(pod.name)
         if self.agent is not None and self.agent.is_terminating:
             self.agent = None
         return self
 
-    def progress(self, nodes: int, step: int, *, nproc: int = 1, same_round: bool = False) -> "World":
+    def progress(self, nodes: int, step: int, *, nproc: int = 1, same_round: bool = False) -> World:
         """The agent relays a progress report at ``nodes`` nodes: of a new rendezvous round (its first report), or,
         with ``same_round``, of the group that is already running."""
         now = timestamps.format_time(self.now)
@@ -159,12 +159,12 @@ class World:
             self.status.update(rendezvousRound=self.status.get("rendezvousRound", 0) + 1, roundStartTime=now)
         return self
 
-    def checkpoint(self, step: int) -> "World":
+    def checkpoint(self, step: int) -> World:
         self.status["lastCheckpoint"] = {"step": step, "samples": step * 24, "path": f"/ckpt/step-{step}",
                                          "time": timestamps.format_time(self.now), "worldSize": self.status.get("worldSize", 0)}
         return self
 
-    def spec(self, dotted: str, value: Any) -> "World":
+    def spec(self, dotted: str, value: Any) -> World:
         node = self.manifest["spec"]
         *parents, last = dotted.split(".")
         for part in parents:
@@ -183,7 +183,7 @@ class World:
     def control(self) -> dict[str, Any]:
         return self.status.get("control", {})
 
-    def running_world(self, nodes: int = 2) -> "World":
+    def running_world(self, nodes: int = 2) -> World:
         """Helper: create the job, run every pod and report progress at ``nodes`` nodes."""
         self.step()
         self.run_all()
