@@ -20,9 +20,11 @@ def load_tensors(step_dir: pathlib.Path, prefix: str = "app.") -> dict[str, torc
     """Every tensor whose key starts with ``prefix``, read with the trainer's own storage reader."""
     reader = storage.RawFileSystemReader(str(step_dir))
     metadata = reader.read_metadata()
-    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in metadata.state_dict_metadata.items()
-             if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is ... uninitialized": that is the point
         dcp.load(state, storage_reader=reader, no_dist=True)

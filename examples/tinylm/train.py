@@ -41,8 +41,9 @@ class TinyLM(torch.nn.Module):
         super().__init__()
         self.tok = torch.nn.Embedding(vocab, d_model)
         self.pos = torch.nn.Embedding(block, d_model)
-        layer = torch.nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True,
-                                                 norm_first=True)
+        layer = torch.nn.TransformerEncoderLayer(
+            d_model, heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True
+        )
         self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = torch.nn.LayerNorm(d_model)
         self.head = torch.nn.Linear(d_model, vocab)
@@ -61,8 +62,8 @@ def build_dataset(block: int) -> tuple[torch.utils.data.TensorDataset, int]:
     lookup = {c: i for i, c in enumerate(chars)}
     ids = torch.tensor([lookup[c] for c in text], dtype=torch.long)
     starts = torch.arange(0, len(ids) - block - 1, block // 2)
-    x = torch.stack([ids[s:s + block] for s in starts])
-    y = torch.stack([ids[s + 1:s + block + 1] for s in starts])
+    x = torch.stack([ids[s : s + block] for s in starts])
+    y = torch.stack([ids[s + 1 : s + block + 1] for s in starts])
     return torch.utils.data.TensorDataset(x, y), len(chars)
 
 
@@ -84,8 +85,11 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, betas=(0.9, 0.95))
     with ElasticTrainer.from_env(model, optimizer, dataset, log_every=20) as trainer:
         if trainer.rank == 0:
-            print(f"tinylm: {sum(p.numel() for p in model.parameters())} parameters, vocab {vocab}, "
-                  f"{len(dataset)} windows of {args.block}; uniform loss would be {math.log(vocab):.2f}", flush=True)
+            print(
+                f"tinylm: {sum(p.numel() for p in model.parameters())} parameters, vocab {vocab}, "
+                f"{len(dataset)} windows of {args.block}; uniform loss would be {math.log(vocab):.2f}",
+                flush=True,
+            )
         for step in trainer.steps():
             tokens = step.global_count(sum(len(mb) for mb in step.micro_indices) * args.block)
             for batch in step:

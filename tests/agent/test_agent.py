@@ -30,10 +30,13 @@ def free_port() -> int:
 
 
 def write_job(state, control=None, **status):
-    job = {"apiVersion": "disttrain.dev/v1alpha1", "kind": "DistTrainJob",
-           "metadata": {"name": "demo", "namespace": "team"},
-           "spec": {"checkpoint": {"path": "/ckpt"}},
-           "status": {"control": control or {"generation": 0, "action": "none", "targetNodes": 2}, **status}}
+    job = {
+        "apiVersion": "disttrain.dev/v1alpha1",
+        "kind": "DistTrainJob",
+        "metadata": {"name": "demo", "namespace": "team"},
+        "spec": {"checkpoint": {"path": "/ckpt"}},
+        "status": {"control": control or {"generation": 0, "action": "none", "targetNodes": 2}, **status},
+    }
     (state / "job.json").write_text(json.dumps(job))
 
 
@@ -46,17 +49,25 @@ def store_pair():
 
 
 def progress(step, world=2, run="r1", restart=0, process="p1", rate=None):
-    return keys.ProgressReport(step=step, samples_consumed=step * 24, world_size=world, samples_per_second=rate,
-                               plan={"worldSize": world, "globalBatch": 24, "microBatch": 2, "accumSteps": 6,
-                                     "lrScale": 1.0},
-                               restart_count=restart, run_id=run, process_id=process,
-                               time=1_700_000_000.5 + step).model_dump_json()
+    return keys.ProgressReport(
+        step=step,
+        samples_consumed=step * 24,
+        world_size=world,
+        samples_per_second=rate,
+        plan={"worldSize": world, "globalBatch": 24, "microBatch": 2, "accumSteps": 6, "lrScale": 1.0},
+        restart_count=restart,
+        run_id=run,
+        process_id=process,
+        time=1_700_000_000.5 + step,
+    ).model_dump_json()
 
 
 def test_directive_reaches_the_workers_store_keys(tmp_path, store_pair):
     server, client = store_pair
-    write_job(tmp_path, {"generation": 3, "action": "drain", "reason": "ScaledDown", "targetNodes": 2,
-                         "exclude": ["demo-worker-2"]})
+    write_job(
+        tmp_path,
+        {"generation": 3, "action": "drain", "reason": "ScaledDown", "targetNodes": 2, "exclude": ["demo-worker-2"]},
+    )
     agent = agent_mod.Agent(agent_mod.FileJobSource(tmp_path), server)
     assert agent.sync()
     signal_ = read_signal(client)  # the trainer's own reader
@@ -71,26 +82,50 @@ def test_progress_checkpoint_and_failure_are_relayed_into_status(tmp_path, store
     source = agent_mod.FileJobSource(tmp_path)
     agent = agent_mod.Agent(source, server)
     client.set(keys.PROGRESS_KEY, progress(7))
-    client.set(keys.FAILURE_KEY, keys.WorkerFailure(exit_code=85, node="demo-worker-1", message="bad dataset",
-                                                    time=1_700_000_100.0).model_dump_json())
+    client.set(
+        keys.FAILURE_KEY,
+        keys.WorkerFailure(
+            exit_code=85, node="demo-worker-1", message="bad dataset", time=1_700_000_100.0
+        ).model_dump_json(),
+    )
     agent.sync()
     status = source.read()["status"]
     assert status["step"] == 7 and status["samplesConsumed"] == 168 and status["worldSize"] == 2
     assert status["plan"]["accumSteps"] == 6
     assert status["lastProgressTime"] == "2023-11-14T22:13:27.500Z"
     assert status["rendezvousRound"] == 1
-    assert status["workerFailure"] == {"exitCode": 85, "node": "demo-worker-1", "message": "bad dataset",
-                                       "time": "2023-11-14T22:15:00.000Z"}
+    assert status["workerFailure"] == {
+        "exitCode": 85,
+        "node": "demo-worker-1",
+        "message": "bad dataset",
+        "time": "2023-11-14T22:15:00.000Z",
+    }
     assert status["control"]["targetNodes"] == 2, "the runtime's fields are kept"
-    manifest = {"step": 10, "samples_consumed": 240, "data_cursor": 240, "world_size": 2, "plan": {}, "lr_scale": 1.0,
-                "dataset": {"length": 1000, "seed": 0}, "metadata_sha256": "x", "files": {},
-                "created_at": "2023-11-14T22:14:00Z", "code_version": "0.1.0", "config_hash": "h"}
+    manifest = {
+        "step": 10,
+        "samples_consumed": 240,
+        "data_cursor": 240,
+        "world_size": 2,
+        "plan": {},
+        "lr_scale": 1.0,
+        "dataset": {"length": 1000, "seed": 0},
+        "metadata_sha256": "x",
+        "files": {},
+        "created_at": "2023-11-14T22:14:00Z",
+        "code_version": "0.1.0",
+        "config_hash": "h",
+    }
     client.set(keys.CHECKPOINT_KEY, json.dumps(manifest))
     client.set(keys.PROGRESS_KEY, progress(11, world=3, restart=1))
     agent.sync()
     status = source.read()["status"]
-    assert status["lastCheckpoint"] == {"step": 10, "samples": 240, "path": "/ckpt/team/demo/step-10",
-                                        "time": "2023-11-14T22:14:00Z", "worldSize": 2}
+    assert status["lastCheckpoint"] == {
+        "step": 10,
+        "samples": 240,
+        "path": "/ckpt/team/demo/step-10",
+        "time": "2023-11-14T22:14:00Z",
+        "worldSize": 2,
+    }
     assert status["worldSize"] == 3 and status["rendezvousRound"] == 2
 
 
@@ -153,12 +188,28 @@ def test_agent_process_serves_the_store_and_exits_on_sigterm(tmp_path):
     log = (tmp_path / "agent.log").open("wb")
     secret, uid = "agent-process-test-" + "5" * 40, "0000-agent-process"
     environ = {**os.environ, env.STORE_SECRET: secret, env.JOB_UID: uid}
-    proc = subprocess.Popen([sys.executable, "-m", "disttrain.trainer.agent", "--state-dir", str(tmp_path),
-                             "--port", str(port), "--host", "127.0.0.1", "--poll-seconds", "0.05"],
-                            stdout=log, stderr=subprocess.STDOUT, env=environ)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "disttrain.trainer.agent",
+            "--state-dir",
+            str(tmp_path),
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--poll-seconds",
+            "0.05",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=environ,
+    )
     try:
-        client = channel.scoped(TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30)),
-                                secret, uid)
+        client = channel.scoped(
+            TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30)), secret, uid
+        )
         raw = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
         raw.set("junk-of-an-outsider", b"x" * 1024)  # the agent's guardian sweeps it out
         deadline = time.monotonic() + 20
@@ -234,8 +285,10 @@ def test_on_kubernetes_progress_is_written_once_an_interval_and_what_the_operato
     agent.sync()
     assert len(source.patches) == 3 and source.patches[2]["rendezvousRound"] == 2
     clock.now += 1.0
-    client.set(keys.FAILURE_KEY, keys.WorkerFailure(exit_code=85, node="demo-worker-0", message="bad",
-                                                    time=1_700_000_100.0).model_dump_json())
+    client.set(
+        keys.FAILURE_KEY,
+        keys.WorkerFailure(exit_code=85, node="demo-worker-0", message="bad", time=1_700_000_100.0).model_dump_json(),
+    )
     agent.sync()
     assert len(source.patches) == 4 and "workerFailure" in source.patches[3]
     clock.now += 1.0
@@ -291,9 +344,20 @@ def test_while_a_drain_is_in_flight_its_checkpoint_is_written_at_once(tmp_path, 
     agent = agent_mod.Agent(source, server, clock=clock)
     client.set(keys.PROGRESS_KEY, progress(7))
     agent.sync()
-    manifest = {"step": 8, "samples_consumed": 192, "data_cursor": 192, "world_size": 2, "plan": {}, "lr_scale": 1.0,
-                "dataset": {"length": 1000, "seed": 0}, "metadata_sha256": "x", "files": {},
-                "created_at": "2023-11-14T22:14:00Z", "code_version": "0.1.0", "config_hash": "h"}
+    manifest = {
+        "step": 8,
+        "samples_consumed": 192,
+        "data_cursor": 192,
+        "world_size": 2,
+        "plan": {},
+        "lr_scale": 1.0,
+        "dataset": {"length": 1000, "seed": 0},
+        "metadata_sha256": "x",
+        "files": {},
+        "created_at": "2023-11-14T22:14:00Z",
+        "code_version": "0.1.0",
+        "config_hash": "h",
+    }
     clock.now += 0.5
     client.set(keys.CHECKPOINT_KEY, json.dumps(manifest))
     agent.sync()
@@ -303,8 +367,9 @@ def test_while_a_drain_is_in_flight_its_checkpoint_is_written_at_once(tmp_path, 
 def test_failed_rounds_back_off_with_jitter_up_to_a_cap():
     delays = [agent_mod.retry_delay(0.25, failures) for failures in range(1, 12)]
     assert 0.125 <= delays[0] <= 0.25
-    assert all(0.5 * min(30, 0.25 * 2 ** (n - 1)) <= d <= min(30, 0.25 * 2 ** (n - 1))
-               for n, d in enumerate(delays, start=1))
+    assert all(
+        0.5 * min(30, 0.25 * 2 ** (n - 1)) <= d <= min(30, 0.25 * 2 ** (n - 1)) for n, d in enumerate(delays, start=1)
+    )
     assert max(delays) <= agent_mod.MAX_RETRY_S
 
 
@@ -339,8 +404,12 @@ def test_failure_history_goes_to_the_trainer_and_its_interval_comes_back_to_stat
     """intervalSteps: auto: the operator's failure count reaches the trainer through the store, and rank 0's
     choice reaches status.checkpointInterval."""
     server, client = store_pair
-    write_job(tmp_path, startTime="2026-01-01T00:00:00Z", restarts={"total": 3, "byReason": {"NodeLost": 3}},
-              suspendedSeconds=10.0)
+    write_job(
+        tmp_path,
+        startTime="2026-01-01T00:00:00Z",
+        restarts={"total": 3, "byReason": {"NodeLost": 3}},
+        suspendedSeconds=10.0,
+    )
     agent = agent_mod.Agent(agent_mod.FileJobSource(tmp_path), server)
     assert agent.sync()
     history = keys.read_model(client, keys.RELIABILITY_KEY, keys.ReliabilityReport)
@@ -348,12 +417,21 @@ def test_failure_history_goes_to_the_trainer_and_its_interval_comes_back_to_stat
     assert history.age_seconds(history.started_at + 610.0) == 600.0
     assert "checkpointInterval" not in agent_mod.FileJobSource(tmp_path).agent_status()
 
-    client.set(keys.INTERVAL_KEY, keys.IntervalReport(steps=40, save_seconds=0.25, step_seconds=0.05,
-                                                      mtbf_seconds=200.0, failures=3,
-                                                      time=1_767_225_600.0).model_dump_json())
+    client.set(
+        keys.INTERVAL_KEY,
+        keys.IntervalReport(
+            steps=40, save_seconds=0.25, step_seconds=0.05, mtbf_seconds=200.0, failures=3, time=1_767_225_600.0
+        ).model_dump_json(),
+    )
     write_job(tmp_path, startTime="2026-01-01T00:00:00Z", restarts={"total": 4, "byReason": {"NodeLost": 4}})
     assert agent.sync()
     assert keys.read_model(client, keys.RELIABILITY_KEY, keys.ReliabilityReport).failures == 4
     written = json.loads((tmp_path / "agent-status.json").read_text())
-    assert written["checkpointInterval"] == {"steps": 40, "saveSeconds": 0.25, "stepSeconds": 0.05,
-                                             "mtbfSeconds": 200.0, "failures": 3, "time": "2026-01-01T00:00:00.000Z"}
+    assert written["checkpointInterval"] == {
+        "steps": 40,
+        "saveSeconds": 0.25,
+        "stepSeconds": 0.05,
+        "mtbfSeconds": 200.0,
+        "failures": 3,
+        "time": "2026-01-01T00:00:00.000Z",
+    }

@@ -24,8 +24,16 @@ def handler(port: int, monkeypatch: pytest.MonkeyPatch, name: str, uid: str):
     monkeypatch.setenv(env.POD_UID, uid)
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as the pod builder sets it
     params = RendezvousParameters(
-        backend="disttrain", endpoint=f"127.0.0.1:{port}", run_id=RUN_ID, min_nodes=2, max_nodes=2,
-        local_addr="127.0.0.1", is_host="false", keep_alive_interval=1, keep_alive_max_attempt=2, join_timeout=30,
+        backend="disttrain",
+        endpoint=f"127.0.0.1:{port}",
+        run_id=RUN_ID,
+        min_nodes=2,
+        max_nodes=2,
+        local_addr="127.0.0.1",
+        is_host="false",
+        keep_alive_interval=1,
+        keep_alive_max_attempt=2,
+        join_timeout=30,
     )
     return rendezvous.create_handler(params)
 
@@ -36,8 +44,12 @@ def test_a_node_that_stops_heartbeating_is_reported_with_its_pod(tmp_path, monke
     port = free_port()
     server = agent_mod.start_store(port, "127.0.0.1", timeout_s=10)
     write_job(tmp_path)
-    job = (tmp_path / "job.json").read_text().replace('"namespace": "team"}', f'"namespace": "team", "uid": "{RUN_ID}"}}')
-    job = job.replace('"spec": {', '"spec": {"rendezvous": {"keepAliveIntervalSeconds": 1, "keepAliveMaxAttempts": 2}, ')
+    job = (
+        (tmp_path / "job.json").read_text().replace('"namespace": "team"}', f'"namespace": "team", "uid": "{RUN_ID}"}}')
+    )
+    job = job.replace(
+        '"spec": {', '"spec": {"rendezvous": {"keepAliveIntervalSeconds": 1, "keepAliveMaxAttempts": 2}, '
+    )
     (tmp_path / "job.json").write_text(job)
     agent = agent_mod.Agent(agent_mod.FileJobSource(tmp_path), agent_mod.scoped_store(server))
     handlers = [handler(port, monkeypatch, f"demo-worker-{i}", f"uid-{i}") for i in range(2)]
@@ -77,14 +89,14 @@ def _attack_state(port: int, key: str, stop: threading.Event) -> dict[str, int]:
             done["delete"] += 1
         elif outsider.check([key]):
             value = bytes(outsider.get(key))
-            outsider.set(key, value[: len(value) // 2] + bytes([value[len(value) // 2] ^ 1]) + value[len(value) // 2 + 1 :])
+            outsider.set(
+                key, value[: len(value) // 2] + bytes([value[len(value) // 2] ^ 1]) + value[len(value) // 2 + 1 :]
+            )
             done["garble"] += 1
     return done
 
 
-def test_an_outsider_deleting_and_garbling_the_state_costs_no_silence_verdict(
-    tmp_path, monkeypatch
-):
+def test_an_outsider_deleting_and_garbling_the_state_costs_no_silence_verdict(tmp_path, monkeypatch):
     """Issue 27: readers restore the state an outsider deleted or garbled from the last valid copy each saw, so the
     heartbeats in it may go back, and keep-alive writes are lost or late. Both nodes keep heartbeating through the
     attack and the agent (with its guardian, as in a pod) reports nobody silent, then or after. (That a node that
@@ -95,8 +107,12 @@ def test_an_outsider_deleting_and_garbling_the_state_costs_no_silence_verdict(
     port = free_port()
     server = agent_mod.start_store(port, "127.0.0.1", timeout_s=10)
     write_job(tmp_path)
-    job = (tmp_path / "job.json").read_text().replace('"namespace": "team"}', f'"namespace": "team", "uid": "{RUN_ID}"}}')
-    job = job.replace('"spec": {', '"spec": {"rendezvous": {"keepAliveIntervalSeconds": 1, "keepAliveMaxAttempts": 2}, ')
+    job = (
+        (tmp_path / "job.json").read_text().replace('"namespace": "team"}', f'"namespace": "team", "uid": "{RUN_ID}"}}')
+    )
+    job = job.replace(
+        '"spec": {', '"spec": {"rendezvous": {"keepAliveIntervalSeconds": 1, "keepAliveMaxAttempts": 2}, '
+    )
     (tmp_path / "job.json").write_text(job)
     store = agent_mod.scoped_store(server)
     guard = agent_mod.start_guardian(port, store)
@@ -146,4 +162,3 @@ def test_an_outsider_deleting_and_garbling_the_state_costs_no_silence_verdict(
         time.sleep(0.25)
     assert verdicts == [], f"a verdict after the attack: {verdicts}"
     guard.stop()
-

@@ -39,28 +39,51 @@ def free_port() -> int:
 
 
 def write_job(state, control=None, uid="uid-1"):
-    job = {"apiVersion": "disttrain.dev/v1alpha1", "kind": "DistTrainJob",
-           "metadata": {"name": "demo", "namespace": "team", "uid": uid},
-           "spec": {"checkpoint": {"path": "/ckpt"}},
-           "status": {"control": control or {"generation": 0, "action": "none", "targetNodes": 2}}}
+    job = {
+        "apiVersion": "disttrain.dev/v1alpha1",
+        "kind": "DistTrainJob",
+        "metadata": {"name": "demo", "namespace": "team", "uid": uid},
+        "spec": {"checkpoint": {"path": "/ckpt"}},
+        "status": {"control": control or {"generation": 0, "action": "none", "targetNodes": 2}},
+    }
     (state / "job.json").write_text(json.dumps(job))
 
 
 def progress(step, time_=1_700_000_000.5, process="p1"):
-    return keys.ProgressReport(step=step, samples_consumed=step * 24, world_size=2,
-                               plan={"worldSize": 2, "globalBatch": 24}, run_id="r", process_id=process,
-                               time=time_).model_dump_json()
+    return keys.ProgressReport(
+        step=step,
+        samples_consumed=step * 24,
+        world_size=2,
+        plan={"worldSize": 2, "globalBatch": 24},
+        run_id="r",
+        process_id=process,
+        time=time_,
+    ).model_dump_json()
 
 
 def failure(code=85, message="bad dataset"):
-    return keys.WorkerFailure(exit_code=code, node="demo-worker-1", message=message,
-                              time=1_700_000_100.0).model_dump_json()
+    return keys.WorkerFailure(
+        exit_code=code, node="demo-worker-1", message=message, time=1_700_000_100.0
+    ).model_dump_json()
 
 
 def manifest(step=10, created_at="2023-11-14T22:14:00Z"):
-    return json.dumps({"step": step, "samples_consumed": 240, "data_cursor": 240, "world_size": 2, "plan": {},
-                       "lr_scale": 1.0, "dataset": {"length": 1000, "seed": 0}, "metadata_sha256": "x", "files": {},
-                       "created_at": created_at, "code_version": "0.1.0", "config_hash": "h"})
+    return json.dumps(
+        {
+            "step": step,
+            "samples_consumed": 240,
+            "data_cursor": 240,
+            "world_size": 2,
+            "plan": {},
+            "lr_scale": 1.0,
+            "dataset": {"length": 1000, "seed": 0},
+            "metadata_sha256": "x",
+            "files": {},
+            "created_at": created_at,
+            "code_version": "0.1.0",
+            "config_hash": "h",
+        }
+    )
 
 
 @pytest.fixture
@@ -79,8 +102,11 @@ def test_a_client_without_the_secret_can_neither_fail_nor_fake_progress_nor_chec
     write_job(tmp_path)
     source = agent_mod.FileJobSource(tmp_path)
     agent = agent_mod.Agent(source, store)
-    for key, value in ((keys.FAILURE_KEY, failure()), (keys.PROGRESS_KEY, progress(50)),
-                       (keys.CHECKPOINT_KEY, manifest(step=50, created_at="2099-01-01T00:00:00Z"))):
+    for key, value in (
+        (keys.FAILURE_KEY, failure()),
+        (keys.PROGRESS_KEY, progress(50)),
+        (keys.CHECKPOINT_KEY, manifest(step=50, created_at="2099-01-01T00:00:00Z")),
+    ):
         outsider.set(key, value)
         outsider.set(storeauth.key_prefix("guess") + "/" + key, value)
         outsider.set(real_key(key), value)  # the job's own key, as list_keys names it
@@ -166,13 +192,17 @@ def test_directives_count_within_one_job_uid(tmp_path, job_store):
     assert same.seen_generation == 7, "the job's own checkpoint still says which directives are history"
 
 
-@pytest.mark.parametrize("bad", [
-    progress(5).replace("1700000000.5", "NaN"),
-    json.dumps({**json.loads(progress(5)), "time": 1e300}),
-    json.dumps({**json.loads(progress(5)), "time": "NaN"}),
-    '{"step": 5, "time": NaN}',
-    "x" * (keys.MAX_VALUE_BYTES + 1),
-], ids=["nan-time", "1e300-time", "string-time", "partial-nan", "too-large"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        progress(5).replace("1700000000.5", "NaN"),
+        json.dumps({**json.loads(progress(5)), "time": 1e300}),
+        json.dumps({**json.loads(progress(5)), "time": "NaN"}),
+        '{"step": 5, "time": NaN}',
+        "x" * (keys.MAX_VALUE_BYTES + 1),
+    ],
+    ids=["nan-time", "1e300-time", "string-time", "partial-nan", "too-large"],
+)
 def test_a_malformed_progress_is_skipped_and_everything_else_still_flows(tmp_path, job_store, bad, caplog):
     port, store, _ = job_store
     write_job(tmp_path)

@@ -69,11 +69,17 @@ def fill(expr: str, values: dict[str, str]) -> str:
     return _VARIABLE.sub(replace, expr)
 
 
-def grafana_values(*, namespace: str, job: str, scrape_interval_s: float, range_s: float,
-                   goodput_window: str) -> dict[str, str]:
+def grafana_values(
+    *, namespace: str, job: str, scrape_interval_s: float, range_s: float, goodput_window: str
+) -> dict[str, str]:
     """What Grafana substitutes: the chosen variables, and its built-ins as it computes them for a panel
     (``$__rate_interval`` is at least four scrape intervals)."""
-    return {"namespace": namespace, "job": job, "goodput_window": goodput_window,
-            "__range": f"{int(range_s)}s", "__range_s": str(int(range_s)),
-            "__interval": f"{int(max(1, scrape_interval_s))}s",
-            "__rate_interval": f"{int(max(4 * scrape_interval_s, 1))}s"}
+    return {
+        "namespace": namespace,
+        "job": job,
+        "goodput_window": goodput_window,
+        "__range": f"{int(range_s)}s",
+        "__range_s": str(int(range_s)),
+        "__interval": f"{int(max(1, scrape_interval_s))}s",
+        "__rate_interval": f"{int(max(4 * scrape_interval_s, 1))}s",
+    }

@@ -36,29 +36,55 @@ NON_DEFAULT_VALUES: dict[str, Any] = {
     "watchNamespaces": ["team-a", "team-b"],
     "logLevel": "debug",
     "agent": {"image": "registry.example/disttrain-trainer:1.2.3"},
-    "networkPolicy": {"enabled": False, "metricsScraper": {
-        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
-        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "vmagent"},
-                        "matchExpressions": [{"key": "team", "operator": "In", "values": ["ops"]}]}}},
+    "networkPolicy": {
+        "enabled": False,
+        "metricsScraper": {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {
+                "matchLabels": {"app.kubernetes.io/name": "vmagent"},
+                "matchExpressions": [{"key": "team", "operator": "In", "values": ["ops"]}],
+            },
+        },
+    },
     "statusGuard": {"enabled": False},
-    "flowControl": {"enabled": True, "priorityLevel": "workload-low", "matchingPrecedence": 2000,
-                    "progress": {"enabled": False}},
+    "flowControl": {
+        "enabled": True,
+        "priorityLevel": "workload-low",
+        "matchingPrecedence": 2000,
+        "progress": {"enabled": False},
+    },
     "serviceAccount": {"annotations": {"example.com/role": "operator"}},
     "metrics": {"port": 9191},
     "liveness": {"port": 8181},
-    "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}, "interval": "15s",
-                       "scrapeTimeout": "5s"},
+    "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}, "interval": "15s", "scrapeTimeout": "5s"},
     "podMonitor": {"enabled": True, "labels": {"release": "prometheus"}, "interval": "10s", "scrapeTimeout": "4s"},
-    "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}, "checkpointMaxAgeSeconds": 1800,
-                       "checkpointTooOldFor": "10m", "restartBudgetRatio": 0.5, "reformingFor": "30m"},
-    "dashboards": {"enabled": True, "namespace": "monitoring", "labels": {"team": "ml"},
-                   "annotations": {"grafana_folder": "Training"}},
+    "prometheusRule": {
+        "enabled": True,
+        "labels": {"release": "prometheus"},
+        "checkpointMaxAgeSeconds": 1800,
+        "checkpointTooOldFor": "10m",
+        "restartBudgetRatio": 0.5,
+        "reformingFor": "30m",
+    },
+    "dashboards": {
+        "enabled": True,
+        "namespace": "monitoring",
+        "labels": {"team": "ml"},
+        "annotations": {"grafana_folder": "Training"},
+    },
     "resources": {"requests": {"cpu": "200m", "memory": "256Mi"}, "limits": {"cpu": 1, "memory": "1Gi"}},
     "podAnnotations": {"example.com/note": "x"},
     "nodeSelector": {"kubernetes.io/os": "linux"},
     "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ops", "effect": "NoSchedule"}],
-    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-        {"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}]}}},
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}
+                ]
+            }
+        }
+    },
     "podSecurityContext": {"runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001},  # merged into defaults
     "securityContext": {"runAsNonRoot": True},
 }
@@ -92,16 +118,24 @@ def helm(*args: str, values: Optional[dict[str, Any]] = None, check: bool = True
             path = pathlib.Path(tmp) / "values.yaml"
             path.write_text(yaml.safe_dump(values))
             extra = ["--values", str(path)]
-        done = subprocess.run([helm_binary(), *args, *extra], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "HELM_CACHE_HOME": tmp, "HELM_CONFIG_HOME": tmp,
-                                   "HELM_DATA_HOME": tmp})
+        done = subprocess.run(
+            [helm_binary(), *args, *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "HELM_CACHE_HOME": tmp, "HELM_CONFIG_HOME": tmp, "HELM_DATA_HOME": tmp},
+        )
     if check and done.returncode != 0:
         raise AssertionError(f"helm {' '.join(args)} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
     return done
 
 
-def render(values: Optional[dict[str, Any]] = None, namespace: str = NAMESPACE, include_crds: bool = False,
-           release: str = RELEASE) -> list[dict[str, Any]]:
+def render(
+    values: Optional[dict[str, Any]] = None,
+    namespace: str = NAMESPACE,
+    include_crds: bool = False,
+    release: str = RELEASE,
+) -> list[dict[str, Any]]:
     """``helm template`` the chart as ``release`` in ``namespace``: the objects it would install."""
     args = ["template", release, str(CHART), "--namespace", namespace]
     if include_crds:

@@ -12,8 +12,24 @@ import re
 
 from prometheus_client import CollectorRegistry
 
-KEYWORDS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset", "and", "or",
-                      "unless", "atan2", "inf", "nan"})
+KEYWORDS = frozenset(
+    {
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "bool",
+        "offset",
+        "and",
+        "or",
+        "unless",
+        "atan2",
+        "inf",
+        "nan",
+    }
+)
 LABEL_LIST_KEYWORDS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right"})
 _IDENTIFIER = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
 _NUMBER = re.compile(r"[0-9.][0-9A-Za-z.+]*")
@@ -80,10 +96,19 @@ def metric_names(expr: str) -> set[str]:
 def exported_names(*registries: CollectorRegistry) -> set[str]:
     """The series names the registries' metrics expose: a gauge's own name, a counter's ``_total``, a
     histogram's ``_bucket``/``_sum``/``_count`` (prometheus-client's ``_created`` companions left out)."""
-    suffixes = {"gauge": ("",), "counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
-                "summary": ("", "_sum", "_count"), "info": ("_info",)}
-    return {family.name + suffix for registry in registries for family in registry.collect()
-            for suffix in suffixes[family.type]}
+    suffixes = {
+        "gauge": ("",),
+        "counter": ("_total",),
+        "histogram": ("_bucket", "_sum", "_count"),
+        "summary": ("", "_sum", "_count"),
+        "info": ("_info",),
+    }
+    return {
+        family.name + suffix
+        for registry in registries
+        for family in registry.collect()
+        for suffix in suffixes[family.type]
+    }
 
 
 def disttrain_exported_names() -> set[str]:

@@ -8,8 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
-RESTRICTED_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
-                           "projected", "secret"}
+RESTRICTED_VOLUME_TYPES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
 ALLOWED_SECCOMP = {"RuntimeDefault", "Localhost"}
 
 
@@ -46,8 +54,10 @@ def restricted_violations(spec: dict[str, Any]) -> list[str]:
             problems.append(f"{where}.runAsUser: must not be 0")
         seccomp = (sc.get("seccompProfile") or pod_sc.get("seccompProfile") or {}).get("type")
         if seccomp not in ALLOWED_SECCOMP:
-            problems.append(f"{where}.seccompProfile.type: {seccomp!r}, must be one of {sorted(ALLOWED_SECCOMP)} "
-                            "(here or in the pod's securityContext)")
+            problems.append(
+                f"{where}.seccompProfile.type: {seccomp!r}, must be one of {sorted(ALLOWED_SECCOMP)} "
+                "(here or in the pod's securityContext)"
+            )
         capabilities = sc.get("capabilities") or {}
         if "ALL" not in capabilities.get("drop", []):
             problems.append(f"{where}.capabilities.drop: must contain ALL")

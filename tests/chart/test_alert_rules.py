@@ -33,8 +33,9 @@ def test_off_by_default():
     assert not by_kind(render(), "PrometheusRule")
 
 
-@pytest.mark.parametrize("values", [{"prometheusRule": {"enabled": True}}, NON_DEFAULT_VALUES],
-                         ids=["default", "non-default"])
+@pytest.mark.parametrize(
+    "values", [{"prometheusRule": {"enabled": True}}, NON_DEFAULT_VALUES], ids=["default", "non-default"]
+)
 def test_promtool_check_rules_accepts_them(tmp_path, values):
     groups = _rule_groups(values)
     assert {rule["alert"] for group in groups for rule in group["rules"]} == ALERTS

@@ -16,14 +16,17 @@ from tests.chart.prometheus_tools import promtool
 from tests.chart.promql import disttrain_exported_names, metric_names
 
 QUERIES = dashboard.queries()
-VALUES = dashboard.grafana_values(namespace="team-a", job="demo", scrape_interval_s=30, range_s=6 * 3600,
-                                  goodput_window="15m")
+VALUES = dashboard.grafana_values(
+    namespace="team-a", job="demo", scrape_interval_s=30, range_s=6 * 3600, goodput_window="15m"
+)
 
 
 def test_every_query_is_valid_promql(tmp_path):
     """promtool check rules parses each expression (with Grafana's variables filled in) as PromQL."""
-    rules = [{"record": f"dashboard:query_{i}", "expr": dashboard.fill(query.expr, VALUES)}
-             for i, query in enumerate(QUERIES)]
+    rules = [
+        {"record": f"dashboard:query_{i}", "expr": dashboard.fill(query.expr, VALUES)}
+        for i, query in enumerate(QUERIES)
+    ]
     path = tmp_path / "dashboard-rules.yaml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     checked = promtool("check", "rules", str(path))
@@ -33,8 +36,11 @@ def test_every_query_is_valid_promql(tmp_path):
 
 def test_an_invalid_query_would_be_refused(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump({"groups": [{"name": "x", "rules": [
-        {"record": "x", "expr": "sum by (job (disttrain_job_world_size)"}]}]}))
+    path.write_text(
+        yaml.safe_dump(
+            {"groups": [{"name": "x", "rules": [{"record": "x", "expr": "sum by (job (disttrain_job_world_size)"}]}]}
+        )
+    )
     assert promtool("check", "rules", str(path)).returncode != 0
 
 
@@ -49,7 +55,7 @@ def test_every_metric_a_query_names_is_exported(query):
 def test_the_variable_queries_read_exported_series():
     for name, query in dashboard.variable_queries().items():
         assert query.startswith("label_values(") and query.endswith(")"), name
-        selector = query[len("label_values("):-1].rsplit(",", 1)[0]
+        selector = query[len("label_values(") : -1].rsplit(",", 1)[0]
         assert metric_names(selector) <= disttrain_exported_names(), name
 
 
@@ -58,15 +64,16 @@ def test_every_query_selects_the_chosen_namespace_and_job():
     for query in QUERIES:
         for name in metric_names(query.expr):
             for at in _occurrences(query.expr, name):
-                assert query.expr[at + len(name):].startswith('{namespace=~"$namespace", job=~"$job"}'), query
+                assert query.expr[at + len(name) :].startswith('{namespace=~"$namespace", job=~"$job"}'), query
 
 
 def _occurrences(text: str, word: str) -> list[int]:
     found, start = [], 0
     while (at := text.find(word, start)) >= 0:
         end = at + len(word)
-        if (at == 0 or not (text[at - 1].isalnum() or text[at - 1] == "_")) and \
-                (end == len(text) or not (text[end].isalnum() or text[end] == "_")):
+        if (at == 0 or not (text[at - 1].isalnum() or text[at - 1] == "_")) and (
+            end == len(text) or not (text[end].isalnum() or text[end] == "_")
+        ):
             found.append(at)
         start = end
     return found
@@ -93,11 +100,15 @@ def test_the_panels_the_platform_team_asked_for():
     for title in ("Restarts by reason", "Reforms by reason"):
         assert all("by (namespace, job, reason)" in t["expr"] for t in panels[title]["targets"])
     for title in ("Reform duration by phase", "Reform duration by phase (time range)"):
-        assert reads(title) & {"disttrain_job_reform_duration_seconds_sum",
-                               "disttrain_job_reform_duration_seconds_bucket"}
+        assert reads(title) & {
+            "disttrain_job_reform_duration_seconds_sum",
+            "disttrain_job_reform_duration_seconds_bucket",
+        }
         assert all("phase" in t["expr"] for t in panels[title]["targets"])
-    assert reads("Checkpoints: step and age") == {"disttrain_job_last_complete_checkpoint_step",
-                                                   "disttrain_job_checkpoint_age_seconds"}
+    assert reads("Checkpoints: step and age") == {
+        "disttrain_job_last_complete_checkpoint_step",
+        "disttrain_job_checkpoint_age_seconds",
+    }
     assert reads("Samples/s") == {"disttrain_trainer_samples_per_second"}
     assert reads("Goodput") == {"disttrain_job_samples_consumed", "disttrain_trainer_samples_per_second"}
     assert "Goodput" in panels["Goodput"]["description"] and "deriv" in panels["Goodput"]["description"]
@@ -114,8 +125,14 @@ def test_grafana_can_load_it():
         assert panel["description"], panel["title"]
         refs = [target["refId"] for target in panel["targets"]]
         assert len(refs) == len(set(refs)), panel["title"]
-    cells = [{(x, y) for x in range(p["gridPos"]["x"], p["gridPos"]["x"] + p["gridPos"]["w"])
-              for y in range(p["gridPos"]["y"], p["gridPos"]["y"] + p["gridPos"]["h"])} for p in panels]
+    cells = [
+        {
+            (x, y)
+            for x in range(p["gridPos"]["x"], p["gridPos"]["x"] + p["gridPos"]["w"])
+            for y in range(p["gridPos"]["y"], p["gridPos"]["y"] + p["gridPos"]["h"])
+        }
+        for p in panels
+    ]
     assert all(p["gridPos"]["x"] + p["gridPos"]["w"] <= 24 for p in panels)
     for (i, a), (j, b) in itertools.combinations(enumerate(cells), 2):
         assert not a & b, (panels[i]["title"], panels[j]["title"])

@@ -14,8 +14,15 @@ def test_helm_lint_strict(values):
 
 def test_notes_tell_how_to_run_and_scale_the_example():
     """NOTES.txt is only rendered by install; a client-side dry run needs no cluster."""
-    done = helm("install", "disttrain", str(CHART), "--namespace", "disttrain-system", "--dry-run=client",
-                values={"watchNamespaces": ["team-a"]})
+    done = helm(
+        "install",
+        "disttrain",
+        str(CHART),
+        "--namespace",
+        "disttrain-system",
+        "--dry-run=client",
+        values={"watchNamespaces": ["team-a"]},
+    )
     notes = done.stdout.split("NOTES:", 1)[1]
     assert "kubectl -n team-a apply -f examples/jobs/tinylm.yaml" in notes
     assert "kubectl -n team-a get dtj" in notes

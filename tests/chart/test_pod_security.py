@@ -24,10 +24,18 @@ def test_operator_pod_is_restricted(values):
 
 def test_weakened_security_context_is_caught():
     """Values merge into the defaults, so a user removes a default key with null."""
-    spec = _pod_spec({"podSecurityContext": {"runAsNonRoot": None, "seccompProfile": None},
-                      "securityContext": {"allowPrivilegeEscalation": None,
-                                          "capabilities": {"drop": None, "add": ["SYS_ADMIN"]}}})
+    spec = _pod_spec(
+        {
+            "podSecurityContext": {"runAsNonRoot": None, "seccompProfile": None},
+            "securityContext": {"allowPrivilegeEscalation": None, "capabilities": {"drop": None, "add": ["SYS_ADMIN"]}},
+        }
+    )
     problems = "\n".join(restricted_violations(spec))
-    for field in ("allowPrivilegeEscalation", "runAsNonRoot", "seccompProfile", "capabilities.drop",
-                  "capabilities.add"):
+    for field in (
+        "allowPrivilegeEscalation",
+        "runAsNonRoot",
+        "seccompProfile",
+        "capabilities.drop",
+        "capabilities.add",
+    ):
         assert field in problems

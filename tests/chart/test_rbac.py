@@ -30,8 +30,11 @@ def _bound(objects: list[dict[str, Any]], binding_kind: str, role: dict[str, Any
     """``role`` is bound to the operator's ServiceAccount by a binding of ``binding_kind`` in its namespace."""
     namespace = role["metadata"].get("namespace")
     [binding] = [b for b in by_kind(objects, binding_kind) if b["metadata"].get("namespace") == namespace]
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": role["kind"],
-                                  "name": role["metadata"]["name"]}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": role["kind"],
+        "name": role["metadata"]["name"],
+    }
     assert binding["subjects"] == [SUBJECT]
 
 
@@ -69,11 +72,21 @@ def test_operator_may_create_every_object_it_builds():
     job = DistTrainJob.model_validate(job_manifest("x"))
     built = [*pods.build_support_objects(job), access.build_store_secret(job, "s")]
     created = {obj["kind"] for obj in built} | {"Pod", "Event"}
-    plural = {"ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings",
-              "Service": "services", "Pod": "pods", "Event": "events", "Secret": "secrets",
-              "NetworkPolicy": "networkpolicies"}
-    groups = {"Role": "rbac.authorization.k8s.io", "RoleBinding": "rbac.authorization.k8s.io",
-              "NetworkPolicy": "networking.k8s.io"}
+    plural = {
+        "ServiceAccount": "serviceaccounts",
+        "Role": "roles",
+        "RoleBinding": "rolebindings",
+        "Service": "services",
+        "Pod": "pods",
+        "Event": "events",
+        "Secret": "secrets",
+        "NetworkPolicy": "networkpolicies",
+    }
+    groups = {
+        "Role": "rbac.authorization.k8s.io",
+        "RoleBinding": "rbac.authorization.k8s.io",
+        "NetworkPolicy": "networking.k8s.io",
+    }
     assert created <= set(plural), created - set(plural)
     held = granted(_only(render(), "ClusterRole")["rules"])
     assert {(groups.get(kind, ""), plural[kind], "create") for kind in created} <= held

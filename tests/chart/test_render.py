@@ -34,9 +34,18 @@ def _operator_args(objects: list[dict[str, Any]]):
 
 def test_default_objects():
     kinds = sorted(obj["kind"] for obj in render())
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "FlowSchema", "FlowSchema",
-                     "PriorityLevelConfiguration", "Service", "ServiceAccount", "ValidatingAdmissionPolicy",
-                     "ValidatingAdmissionPolicyBinding"]
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+        "FlowSchema",
+        "FlowSchema",
+        "PriorityLevelConfiguration",
+        "Service",
+        "ServiceAccount",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    ]
 
 
 def _operator_flow_schema(objects: list[dict[str, Any]]) -> dict[str, Any]:
@@ -52,8 +61,12 @@ def test_the_operators_requests_get_a_priority_level_apart_from_the_job_agents(r
     assert schema["spec"]["priorityLevelConfiguration"]["name"] == wanted.get("priorityLevel", "workload-high")
     assert schema["spec"]["matchingPrecedence"] == wanted.get("matchingPrecedence", 1000) < 9000  # service-accounts
     [rule] = schema["spec"]["rules"]
-    assert rule["subjects"] == [{"kind": "ServiceAccount", "serviceAccount": {
-        "name": account["metadata"]["name"], "namespace": account["metadata"]["namespace"]}}]
+    assert rule["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "serviceAccount": {"name": account["metadata"]["name"], "namespace": account["metadata"]["namespace"]},
+        }
+    ]
     disabled = render({"flowControl": {"enabled": False}})
     assert not by_kind(disabled, "FlowSchema") and not by_kind(disabled, "PriorityLevelConfiguration")
 
@@ -72,8 +85,14 @@ def test_the_agents_progress_writes_get_a_bounded_priority_level_of_their_own():
     assert schema["spec"]["distinguisherMethod"] == {"type": "ByUser"}  # a flow per agent: each job gets its turn
     [rule] = schema["spec"]["rules"]
     assert rule["subjects"] == [{"kind": "Group", "group": {"name": "system:serviceaccounts"}}]
-    assert rule["resourceRules"] == [{"verbs": ["patch", "update"], "apiGroups": ["disttrain.dev"],
-                                      "resources": ["disttrainjobs/status"], "namespaces": ["*"]}]
+    assert rule["resourceRules"] == [
+        {
+            "verbs": ["patch", "update"],
+            "apiGroups": ["disttrain.dev"],
+            "resources": ["disttrainjobs/status"],
+            "namespaces": ["*"],
+        }
+    ]
     assert "nonResourceRules" not in rule
     shares = render({"flowControl": {"progress": {"nominalConcurrencyShares": 7, "matchingPrecedence": 1500}}})
     [level] = by_kind(shares, "PriorityLevelConfiguration")
@@ -86,11 +105,27 @@ def test_the_agents_progress_writes_get_a_bounded_priority_level_of_their_own():
 def test_non_default_objects():
     objects = render(NON_DEFAULT_VALUES)
     kinds = sorted(obj["kind"] for obj in objects)
-    assert kinds == sorted(["ClusterRole", "ClusterRoleBinding", "Deployment", "FlowSchema", "Service", "ServiceAccount",
-                            "ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap", "Role", "Role",
-                            "RoleBinding", "RoleBinding"])
+    assert kinds == sorted(
+        [
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Deployment",
+            "FlowSchema",
+            "Service",
+            "ServiceAccount",
+            "ServiceMonitor",
+            "PodMonitor",
+            "PrometheusRule",
+            "ConfigMap",
+            "Role",
+            "Role",
+            "RoleBinding",
+            "RoleBinding",
+        ]
+    )
     assert {(obj["kind"], obj["metadata"]["namespace"]) for obj in objects if obj["kind"].startswith("Role")} == {
-        (kind, ns) for kind in ("Role", "RoleBinding") for ns in NON_DEFAULT_VALUES["watchNamespaces"]}
+        (kind, ns) for kind in ("Role", "RoleBinding") for ns in NON_DEFAULT_VALUES["watchNamespaces"]
+    }
 
 
 def test_every_object_validates_against_kubernetes_1_33(rendered):
@@ -123,7 +158,8 @@ def test_deployment_args_are_accepted_by_the_operator_cli(rendered):
     scraper = network.get("metricsScraper", {})
     assert settings.scraper_namespace_selector == scraper.get("namespaceSelector", {})
     assert settings.scraper_pod_selector == scraper.get(
-        "podSelector", {"matchLabels": {"app.kubernetes.io/name": "prometheus"}})
+        "podSelector", {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
+    )
     ports = {port["name"]: port["containerPort"] for port in container["ports"]}
     assert ports == {"metrics": args.metrics_port, "healthz": int(args.liveness.split(":")[2].split("/")[0])}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
@@ -144,8 +180,9 @@ def test_metrics_service_selects_the_operator_pod(rendered):
     assert service["spec"]["selector"].items() <= pod_labels.items()
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     container, args = _operator_args(objects)
-    assert service["spec"]["ports"] == [{"name": "metrics", "port": args.metrics_port, "targetPort": "metrics",
-                                         "protocol": "TCP"}]
+    assert service["spec"]["ports"] == [
+        {"name": "metrics", "port": args.metrics_port, "targetPort": "metrics", "protocol": "TCP"}
+    ]
 
 
 def test_deployment_uses_the_service_account():
@@ -166,8 +203,9 @@ def test_service_monitor():
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
-    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "honorLabels": True,
-                                             "interval": "15s", "scrapeTimeout": "5s"}]
+    assert monitor["spec"]["endpoints"] == [
+        {"port": "metrics", "path": "/metrics", "honorLabels": True, "interval": "15s", "scrapeTimeout": "5s"}
+    ]
 
 
 def _worker_pod(namespace: str, nproc: int) -> dict[str, Any]:
@@ -193,8 +231,12 @@ def test_pod_monitor_selects_every_local_ranks_exporter_of_the_worker_pods(watch
     [endpoint] = spec["podMetricsEndpoints"]
     [keep] = endpoint["relabelings"]
     assert keep["action"] == "keep" and keep["sourceLabels"] == ["__meta_kubernetes_pod_container_port_name"]
-    kept = [port["containerPort"] for container in pod["spec"]["containers"] for port in container["ports"]
-            if re.fullmatch(keep["regex"], port["name"])]  # Prometheus anchors relabel regexes
+    kept = [
+        port["containerPort"]
+        for container in pod["spec"]["containers"]
+        for port in container["ports"]
+        if re.fullmatch(keep["regex"], port["name"])
+    ]  # Prometheus anchors relabel regexes
     assert kept == [9400, 9401, 9402]
     agent = pods.build_agent_pod(DistTrainJob.model_validate(job_manifest()))
     assert not spec["selector"]["matchLabels"].items() <= agent["metadata"]["labels"].items()

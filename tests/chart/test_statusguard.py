@@ -22,15 +22,19 @@ def test_every_status_field_but_the_agents_is_guarded_with_the_same_rule():
     [condition] = policy["spec"]["matchConditions"]
     job = "demo"
     agent_account = names.service_account_name(job)
-    assert condition["expression"] == ('request.userInfo.username == "system:serviceaccount:" + request.namespace'
-                                       ' + ":" + request.name + "-agent"')
+    assert condition["expression"] == (
+        'request.userInfo.username == "system:serviceaccount:" + request.namespace + ":" + request.name + "-agent"'
+    )
     assert agent_account == f"{job}-agent", "the rule's spelling of the agent's ServiceAccount"
     [binding] = by_kind(render(), "ValidatingAdmissionPolicyBinding")
     assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
 
 
 def test_the_agent_image_is_the_operators_choice():
-    for values, image in ((None, "ghcr.io/disttrain/trainer:0.1.0"), (NON_DEFAULT_VALUES, "registry.example/disttrain-trainer:1.2.3")):
+    for values, image in (
+        (None, "ghcr.io/disttrain/trainer:0.1.0"),
+        (NON_DEFAULT_VALUES, "registry.example/disttrain-trainer:1.2.3"),
+    ):
         [deployment] = by_kind(render(values), "Deployment")
         [container] = deployment["spec"]["template"]["spec"]["containers"]
         assert cli.build_parser().parse_args(["operator", *container["args"]]).agent_image == image

@@ -27,8 +27,10 @@ BAD = [
     ({"podMonitor": {"enabled": 1}}, "at '/podMonitor/enabled': got number, want boolean"),
     ({"podMonitor": {"port": "metrics"}}, "at '/podMonitor': additional properties 'port' not allowed"),
     ({"prometheusRule": {"restartBudgetRatio": 80}}, "at '/prometheusRule/restartBudgetRatio'"),
-    ({"prometheusRule": {"checkpointMaxAgeSeconds": "1h"}},
-     "at '/prometheusRule/checkpointMaxAgeSeconds': got string, want integer"),
+    (
+        {"prometheusRule": {"checkpointMaxAgeSeconds": "1h"}},
+        "at '/prometheusRule/checkpointMaxAgeSeconds': got string, want integer",
+    ),
     ({"prometheusRule": {"reformingFor": "15 minutes"}}, "at '/prometheusRule/reformingFor'"),
     ({"dashboards": {"namespace": "Monitoring"}}, "at '/dashboards/namespace'"),
     ({"dashboards": {"labels": {"grafana_dashboard": 1}}}, "at '/dashboards/labels/grafana_dashboard'"),
@@ -38,10 +40,18 @@ BAD = [
     ({"fullnameOverride": "Not_A_Name"}, "at '/fullnameOverride'"),
     ({"networkPolicy": {"enabled": "true"}}, "at '/networkPolicy/enabled': got string, want boolean"),
     ({"networkPolicy": {"scraper": {}}}, "at '/networkPolicy': additional properties 'scraper' not allowed"),
-    ({"networkPolicy": {"metricsScraper": {"podSelector": {"app": "prometheus"}}}},
-     "at '/networkPolicy/metricsScraper/podSelector': additional properties 'app' not allowed"),
-    ({"networkPolicy": {"metricsScraper": {"namespaceSelector": {"matchExpressions": [{"key": "a", "operator": "Is"}]}}}},
-     "at '/networkPolicy/metricsScraper/namespaceSelector/matchExpressions/0/operator'"),
+    (
+        {"networkPolicy": {"metricsScraper": {"podSelector": {"app": "prometheus"}}}},
+        "at '/networkPolicy/metricsScraper/podSelector': additional properties 'app' not allowed",
+    ),
+    (
+        {
+            "networkPolicy": {
+                "metricsScraper": {"namespaceSelector": {"matchExpressions": [{"key": "a", "operator": "Is"}]}}
+            }
+        },
+        "at '/networkPolicy/metricsScraper/namespaceSelector/matchExpressions/0/operator'",
+    ),
 ]
 
 

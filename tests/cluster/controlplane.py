@@ -73,8 +73,9 @@ def resolve_binaries() -> dict[str, Path]:
     sums = assets / "SHA256SUMS"
     missing = [str(assets / f"{name}.xz") for name in BINARIES if not (assets / f"{name}.xz").is_file()]
     if missing:
-        raise ControlPlaneUnavailable(f"control-plane binaries not found: {', '.join(missing)} "
-                                      "(set DISTTRAIN_K8S_ASSETS or KUBEBUILDER_ASSETS)")
+        raise ControlPlaneUnavailable(
+            f"control-plane binaries not found: {', '.join(missing)} (set DISTTRAIN_K8S_ASSETS or KUBEBUILDER_ASSETS)"
+        )
     expected = {}
     if sums.is_file():
         for line in sums.read_text().splitlines():
@@ -109,44 +110,73 @@ class _Pki:
         now = datetime.datetime.now(datetime.timezone.utc)
         ca_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
         ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "disttrain-test-ca")])
-        ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-                   .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=2))
-                   .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-                   .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                                content_commitment=False, key_encipherment=False,
-                                                data_encipherment=False, key_agreement=False,
-                                                encipher_only=False, decipher_only=False), critical=True)
-                   .sign(ca_key, hashes.SHA256()))
+        ca_cert = (
+            x509.CertificateBuilder()
+            .subject_name(ca_name)
+            .issuer_name(ca_name)
+            .public_key(ca_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .sign(ca_key, hashes.SHA256())
+        )
         server_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        server_cert = (x509.CertificateBuilder()
-                       .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]))
-                       .issuer_name(ca_name).public_key(server_key.public_key())
-                       .serial_number(x509.random_serial_number())
-                       .not_valid_before(now - datetime.timedelta(minutes=5))
-                       .not_valid_after(now + datetime.timedelta(days=2))
-                       .add_extension(x509.SubjectAlternativeName([
-                           x509.DNSName("localhost"), x509.DNSName("kubernetes"),
-                           x509.DNSName("kubernetes.default.svc"),
-                           x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                           x509.IPAddress(ipaddress.ip_address("10.0.0.1"))]), critical=False)
-                       .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]),
-                                      critical=False)
-                       .sign(ca_key, hashes.SHA256()))
+        server_cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]))
+            .issuer_name(ca_name)
+            .public_key(server_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(
+                x509.SubjectAlternativeName(
+                    [
+                        x509.DNSName("localhost"),
+                        x509.DNSName("kubernetes"),
+                        x509.DNSName("kubernetes.default.svc"),
+                        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                        x509.IPAddress(ipaddress.ip_address("10.0.0.1")),
+                    ]
+                ),
+                critical=False,
+            )
+            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
         sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
         self.ca_crt = self._write("ca.crt", ca_cert.public_bytes(serialization.Encoding.PEM))
         self.ca_key = self._write("ca.key", self._key_bytes(ca_key))
         self.server_crt = self._write("apiserver.crt", server_cert.public_bytes(serialization.Encoding.PEM))
         self.server_key = self._write("apiserver.key", self._key_bytes(server_key))
         self.sa_key = self._write("sa.key", self._key_bytes(sa_key))
-        self.sa_pub = self._write("sa.pub", sa_key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+        self.sa_pub = self._write(
+            "sa.pub",
+            sa_key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            ),
+        )
 
     @staticmethod
     def _key_bytes(key: rsa.RSAPrivateKey) -> bytes:
-        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
-                                 serialization.NoEncryption())
+        return key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+        )
 
     def _write(self, name: str, data: bytes) -> Path:
         path = self.dir / name
@@ -163,8 +193,9 @@ class ControlPlane:
     ClusterIP each): a /24 holds about 250, enough for tests; the API-load benchmark needs one per job.
     """
 
-    def __init__(self, *, toleration_seconds: int = 10, node_monitor_grace_seconds: int = 20,
-                 service_cidr: str = "10.0.0.0/24") -> None:
+    def __init__(
+        self, *, toleration_seconds: int = 10, node_monitor_grace_seconds: int = 20, service_cidr: str = "10.0.0.0/24"
+    ) -> None:
         self.binaries = resolve_binaries()
         self.dir = Path(tempfile.mkdtemp(prefix="disttrain-k8s-"))
         self.logs = self.dir / "logs"
@@ -180,8 +211,9 @@ class ControlPlane:
             "kcm": (secrets.token_hex(16), "system:kube-controller-manager", ""),
             "scheduler": (secrets.token_hex(16), "system:kube-scheduler", ""),
         }
-        (self.dir / "tokens.csv").write_text("".join(
-            f'{token},{user},{user},"{groups}"\n' for token, user, groups in self.tokens.values()))
+        (self.dir / "tokens.csv").write_text(
+            "".join(f'{token},{user},{user},"{groups}"\n' for token, user, groups in self.tokens.values())
+        )
         self.port = free_port()
         self.server = f"https://127.0.0.1:{self.port}"
         try:
@@ -196,8 +228,14 @@ class ControlPlane:
 
     def _spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
         log = open(self.logs / f"{name}.log", "ab")
-        process = subprocess.Popen([str(self.binaries[name]), *args], stdout=log, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.dir)
+        process = subprocess.Popen(
+            [str(self.binaries[name]), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=self.dir,
+        )
         log.close()
         self.processes[name] = process
         return process
@@ -221,24 +259,42 @@ class ControlPlane:
     def _start_etcd(self) -> None:
         client, peer = free_port(), free_port()
         self.etcd_url = f"http://127.0.0.1:{client}"
-        self._spawn("etcd", [f"--data-dir={self.dir / 'etcd-data'}", f"--listen-client-urls={self.etcd_url}",
-                             f"--advertise-client-urls={self.etcd_url}",
-                             f"--listen-peer-urls=http://127.0.0.1:{peer}", "--name=default",
-                             "--unsafe-no-fsync", "--log-level=warn"])
+        self._spawn(
+            "etcd",
+            [
+                f"--data-dir={self.dir / 'etcd-data'}",
+                f"--listen-client-urls={self.etcd_url}",
+                f"--advertise-client-urls={self.etcd_url}",
+                f"--listen-peer-urls=http://127.0.0.1:{peer}",
+                "--name=default",
+                "--unsafe-no-fsync",
+                "--log-level=warn",
+            ],
+        )
         self._wait("etcd", lambda: b"true" in urllib.request.urlopen(f"{self.etcd_url}/health", timeout=2).read())
 
     def _start_apiserver(self) -> None:
         pki = self.pki
-        self._spawn("kube-apiserver", [
-            f"--etcd-servers={self.etcd_url}", "--bind-address=127.0.0.1", f"--secure-port={self.port}",
-            f"--tls-cert-file={pki.server_crt}", f"--tls-private-key-file={pki.server_key}",
-            f"--client-ca-file={pki.ca_crt}", f"--token-auth-file={self.dir / 'tokens.csv'}",
-            "--authorization-mode=RBAC", "--service-account-issuer=https://kubernetes.default.svc",
-            f"--service-account-key-file={pki.sa_pub}", f"--service-account-signing-key-file={pki.sa_key}",
-            f"--service-cluster-ip-range={self.service_cidr}",
-            f"--default-not-ready-toleration-seconds={self.toleration_seconds}",
-            f"--default-unreachable-toleration-seconds={self.toleration_seconds}",
-            "--v=1"])  # API Priority and Fairness on, as in every real cluster (the chart ships a FlowSchema)
+        self._spawn(
+            "kube-apiserver",
+            [
+                f"--etcd-servers={self.etcd_url}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={self.port}",
+                f"--tls-cert-file={pki.server_crt}",
+                f"--tls-private-key-file={pki.server_key}",
+                f"--client-ca-file={pki.ca_crt}",
+                f"--token-auth-file={self.dir / 'tokens.csv'}",
+                "--authorization-mode=RBAC",
+                "--service-account-issuer=https://kubernetes.default.svc",
+                f"--service-account-key-file={pki.sa_pub}",
+                f"--service-account-signing-key-file={pki.sa_key}",
+                f"--service-cluster-ip-range={self.service_cidr}",
+                f"--default-not-ready-toleration-seconds={self.toleration_seconds}",
+                f"--default-unreachable-toleration-seconds={self.toleration_seconds}",
+                "--v=1",
+            ],
+        )  # API Priority and Fairness on, as in every real cluster (the chart ships a FlowSchema)
         self._wait("kube-apiserver", lambda: self.request("GET", "/readyz", raw=True) == b"ok", timeout=90)
 
     def start_controllers(self) -> None:
@@ -246,27 +302,53 @@ class ControlPlane:
         if "kube-controller-manager" not in self.processes:
             kcm_config = self.write_kubeconfig("kcm", self.tokens["kcm"][0])
             port = free_port()
-            self._spawn("kube-controller-manager", [
-                f"--kubeconfig={kcm_config}", f"--authentication-kubeconfig={kcm_config}",
-                f"--authorization-kubeconfig={kcm_config}", "--bind-address=127.0.0.1", f"--secure-port={port}",
-                "--leader-elect=false", "--use-service-account-credentials=true",
-                f"--service-account-private-key-file={self.pki.sa_key}", f"--root-ca-file={self.pki.ca_crt}",
-                f"--cluster-signing-cert-file={self.pki.ca_crt}", f"--cluster-signing-key-file={self.pki.ca_key}",
-                "--controllers=*", f"--node-monitor-grace-period={self.node_monitor_grace_seconds}s",
-                "--node-monitor-period=2s", "--node-startup-grace-period=30s", "--v=1"])
+            self._spawn(
+                "kube-controller-manager",
+                [
+                    f"--kubeconfig={kcm_config}",
+                    f"--authentication-kubeconfig={kcm_config}",
+                    f"--authorization-kubeconfig={kcm_config}",
+                    "--bind-address=127.0.0.1",
+                    f"--secure-port={port}",
+                    "--leader-elect=false",
+                    "--use-service-account-credentials=true",
+                    f"--service-account-private-key-file={self.pki.sa_key}",
+                    f"--root-ca-file={self.pki.ca_crt}",
+                    f"--cluster-signing-cert-file={self.pki.ca_crt}",
+                    f"--cluster-signing-key-file={self.pki.ca_key}",
+                    "--controllers=*",
+                    f"--node-monitor-grace-period={self.node_monitor_grace_seconds}s",
+                    "--node-monitor-period=2s",
+                    "--node-startup-grace-period=30s",
+                    "--v=1",
+                ],
+            )
             self._wait("kube-controller-manager", lambda: _https_ok(f"https://127.0.0.1:{port}/healthz"))
         if "kube-scheduler" not in self.processes:
             sched_config = self.write_kubeconfig("scheduler", self.tokens["scheduler"][0])
             config_file = self.dir / "scheduler.yaml"
-            config_file.write_text(json.dumps({
-                "apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
-                "clientConnection": {"kubeconfig": str(sched_config)},
-                "leaderElection": {"leaderElect": False}}))
+            config_file.write_text(
+                json.dumps(
+                    {
+                        "apiVersion": "kubescheduler.config.k8s.io/v1",
+                        "kind": "KubeSchedulerConfiguration",
+                        "clientConnection": {"kubeconfig": str(sched_config)},
+                        "leaderElection": {"leaderElect": False},
+                    }
+                )
+            )
             port = free_port()
-            self._spawn("kube-scheduler", [
-                f"--config={config_file}", f"--authentication-kubeconfig={sched_config}",
-                f"--authorization-kubeconfig={sched_config}", "--bind-address=127.0.0.1", f"--secure-port={port}",
-                "--v=1"])
+            self._spawn(
+                "kube-scheduler",
+                [
+                    f"--config={config_file}",
+                    f"--authentication-kubeconfig={sched_config}",
+                    f"--authorization-kubeconfig={sched_config}",
+                    "--bind-address=127.0.0.1",
+                    f"--secure-port={port}",
+                    "--v=1",
+                ],
+            )
             self._wait("kube-scheduler", lambda: _https_ok(f"https://127.0.0.1:{port}/healthz"))
 
     def stop(self) -> None:
@@ -293,7 +375,9 @@ class ControlPlane:
         """A kubeconfig for ``token`` against this API server (verifying its certificate with our CA)."""
         ca = base64.b64encode(self.pki.ca_crt.read_bytes()).decode()
         config = {
-            "apiVersion": "v1", "kind": "Config", "current-context": name,
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": name,
             "clusters": [{"name": "test", "cluster": {"server": self.server, "certificate-authority-data": ca}}],
             "users": [{"name": name, "user": {"token": token}}],
             "contexts": [{"name": name, "context": {"cluster": "test", "user": name}}],
@@ -303,23 +387,49 @@ class ControlPlane:
         path.chmod(0o600)
         return path
 
-    def request(self, method: str, path: str, body: Any = None, *, token: str | None = None,
-                content_type: str = "application/json", raw: bool = False) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        token: str | None = None,
+        content_type: str = "application/json",
+        raw: bool = False,
+    ) -> Any:
         """One HTTPS request as admin (or ``token``); JSON in and out. HTTP errors raise ``urllib.error.HTTPError``."""
         context = ssl.create_default_context(cafile=str(self.pki.ca_crt))
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.server + path, data=data, method=method, headers={
-            "Authorization": f"Bearer {token or self.admin_token}", "Content-Type": content_type,
-            "Accept": "application/json"})
+        req = urllib.request.Request(
+            self.server + path,
+            data=data,
+            method=method,
+            headers={
+                "Authorization": f"Bearer {token or self.admin_token}",
+                "Content-Type": content_type,
+                "Accept": "application/json",
+            },
+        )
         with urllib.request.urlopen(req, context=context, timeout=30) as response:
             payload = response.read()
         return payload if raw else (json.loads(payload) if payload else None)
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
-                kubeconfig: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self,
+        *args: str,
+        input: str | None = None,
+        check: bool = True,
+        kubeconfig: Path | None = None,
+        timeout: float = 60,
+    ) -> subprocess.CompletedProcess[str]:
         """Run the real kubectl against this control plane."""
-        result = subprocess.run([KUBECTL, f"--kubeconfig={kubeconfig or self.kubeconfig}", *args], input=input,
-                                capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run(
+            [KUBECTL, f"--kubeconfig={kubeconfig or self.kubeconfig}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}):\n{result.stderr}")
         return result
@@ -348,15 +458,20 @@ class ControlPlane:
             time.sleep(0.2)
 
     def create_namespace(self, name: str, labels: dict[str, str] | None = None) -> str:
-        self.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
-                                                    "metadata": {"name": name, "labels": labels or {}}})
+        self.request(
+            "POST",
+            "/api/v1/namespaces",
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels or {}}},
+        )
         return name
 
     def service_account_kubeconfig(self, namespace: str, name: str, seconds: int = 3600) -> Path:
         """A kubeconfig holding a token for ServiceAccount ``namespace/name`` (TokenRequest API)."""
-        answer = self.request("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token",
-                              {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-                               "spec": {"expirationSeconds": seconds}})
+        answer = self.request(
+            "POST",
+            f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token",
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": seconds}},
+        )
         return self.write_kubeconfig(f"sa-{namespace}-{name}", answer["status"]["token"])
 
     def __enter__(self) -> ControlPlane:

@@ -64,7 +64,9 @@ class Cluster:
 
     def pods(self, role: str = "worker") -> dict[str, dict[str, Any]]:
         items = self.plane.request("GET", f"/api/v1/namespaces/{self.ns}/pods")["items"]
-        return {p["metadata"]["name"]: p for p in items if p["metadata"].get("labels", {}).get(constants.LABEL_ROLE) == role}
+        return {
+            p["metadata"]["name"]: p for p in items if p["metadata"].get("labels", {}).get(constants.LABEL_ROLE) == role
+        }
 
     def live_workers(self) -> dict[str, dict[str, Any]]:
         return {n: p for n, p in self.pods().items() if not p["metadata"].get("deletionTimestamp")}
@@ -84,21 +86,38 @@ class Cluster:
 
     def agent_reports(self, job: str, token_config: Path, **status: Any) -> None:
         """What the job agent relays, with the agent's own token (the per-job Role allows only this)."""
-        self.plane.kubectl("patch", "-n", self.ns, f"{constants.PLURAL}/{job}", "--subresource=status",
-                           "--type=merge", "-p", json.dumps({"status": status}), kubeconfig=token_config)
+        self.plane.kubectl(
+            "patch",
+            "-n",
+            self.ns,
+            f"{constants.PLURAL}/{job}",
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            json.dumps({"status": status}),
+            kubeconfig=token_config,
+        )
 
     def running(self, job: str, builder: JobBuilder, tmp: Path, replicas: int) -> Path:
         """Apply, let the scheduler and the kubelets run every pod, report a first group: phase Running."""
         self.nodes(replicas + 2)
-        self.apply(builder.nodes(1, 4, replicas).set("spec.elastic", {"scaleDebounceSeconds": 0, "replacementWaitSeconds": 30})
-                   .set("spec.restartPolicy", {"maxRestarts": 5, "backoffSeconds": 0}), tmp)
+        self.apply(
+            builder.nodes(1, 4, replicas)
+            .set("spec.elastic", {"scaleDebounceSeconds": 0, "replacementWaitSeconds": 30})
+            .set("spec.restartPolicy", {"maxRestarts": 5, "backoffSeconds": 0}),
+            tmp,
+        )
         eventually(lambda: len(self.pods("agent")) == 1 and len(self.live_workers()) == replicas, what="pods created")
-        eventually(lambda: all(p["status"].get("phase") == "Running" for p in [*self.pods().values(),
-                                                                                  *self.pods("agent").values()]),
-                   what="pods scheduled and running")
+        eventually(
+            lambda: all(
+                p["status"].get("phase") == "Running" for p in [*self.pods().values(), *self.pods("agent").values()]
+            ),
+            what="pods scheduled and running",
+        )
         agent = eventually(lambda: _try(lambda: self.agent_kubeconfig(job)), what="agent ServiceAccount")
-        self.agent_reports(job, agent, worldSize=replicas, step=3, rendezvousRound=1,
-                           lastProgressTime=format_time(time.time()))
+        self.agent_reports(
+            job, agent, worldSize=replicas, step=3, rendezvousRound=1, lastProgressTime=format_time(time.time())
+        )
         eventually(lambda: self.phase(job, "Running"), what="phase Running")
         return agent
 
@@ -115,20 +134,42 @@ def checkpoint_claim(controllers: ControlPlane, namespace: str, volume_root: Pat
     """The checkpoint claim the jobs name (``ckpt``), bound to a hostPath PersistentVolume at ``volume_root`` by the
     real PV controller, or the real scheduler would not place the workers."""
     # ServiceAccount admission refuses pods (403) until the controller created the namespace's "default" account.
-    eventually(lambda: _try(lambda: controllers.request("GET", f"/api/v1/namespaces/{namespace}/serviceaccounts/default")),
-               what="the namespace's default ServiceAccount")
+    eventually(
+        lambda: _try(lambda: controllers.request("GET", f"/api/v1/namespaces/{namespace}/serviceaccounts/default")),
+        what="the namespace's default ServiceAccount",
+    )
     volume = f"pv-{namespace}"
-    controllers.request("POST", "/api/v1/persistentvolumes", {
-        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
-        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "manual",
-                 "hostPath": {"path": str(volume_root)},
-                 "claimRef": {"namespace": namespace, "name": "ckpt"}}})
-    controllers.request("POST", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", {
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "ckpt"},
-        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "manual", "volumeName": volume,
-                 "resources": {"requests": {"storage": "1Gi"}}}})
-
-
+    controllers.request(
+        "POST",
+        "/api/v1/persistentvolumes",
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": volume},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "manual",
+                "hostPath": {"path": str(volume_root)},
+                "claimRef": {"namespace": namespace, "name": "ckpt"},
+            },
+        },
+    )
+    controllers.request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/persistentvolumeclaims",
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "ckpt"},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "manual",
+                "volumeName": volume,
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        },
+    )
 
 
 def start_operator(plane: ControlPlane, log: Path) -> OperatorProcess:
@@ -170,7 +211,9 @@ class SilentNodeReform:
 
 
 def _is_ready(pod: dict[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in pod.get("status", {}).get("conditions", []))
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in pod.get("status", {}).get("conditions", [])
+    )
 
 
 def silent_node_reform(cluster: Cluster, tmp_path: Path, name: str = "hb", spares: int = 0) -> SilentNodeReform:
@@ -179,11 +222,20 @@ def silent_node_reform(cluster: Cluster, tmp_path: Path, name: str = "hb", spare
     directive, then for training at 3 nodes again with the replacement. With ``spares``, the victim is a member
     of the round (``status.roundMembers``) and the loss comes once the spares are Ready."""
     cluster.nodes(5 + spares)
-    job = (e2e_job(name, tmp_path / "records", replicas=3, max_steps=5000, dataset=60_000, step_sleep=0.05)
-           .set("spec.checkpoint", {"claimName": "ckpt", "path": "/ckpt", "intervalSteps": 5, "keep": 3})
-           .set("spec.elastic", {"scaleDebounceSeconds": 0, "replacementWaitSeconds": 60,
-                                 "drainTimeoutSeconds": 60, "collectiveTimeoutSeconds": 20})
-           .set("spec.restartPolicy", {"backoffSeconds": 0, "maxRestarts": 5}))
+    job = (
+        e2e_job(name, tmp_path / "records", replicas=3, max_steps=5000, dataset=60_000, step_sleep=0.05)
+        .set("spec.checkpoint", {"claimName": "ckpt", "path": "/ckpt", "intervalSteps": 5, "keep": 3})
+        .set(
+            "spec.elastic",
+            {
+                "scaleDebounceSeconds": 0,
+                "replacementWaitSeconds": 60,
+                "drainTimeoutSeconds": 60,
+                "collectiveTimeoutSeconds": 20,
+            },
+        )
+        .set("spec.restartPolicy", {"backoffSeconds": 0, "maxRestarts": 5})
+    )
     if spares:
         job = job.set("spec.nodes.spares", spares)
     cluster.apply(job, tmp_path)

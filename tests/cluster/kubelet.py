@@ -45,19 +45,46 @@ class Kubelets:
 
     def add_node(self, name: str, labels: dict[str, str] | None = None) -> None:
         stamp = _now()
-        self.plane.request("POST", "/api/v1/nodes", {
-            "apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}}})
-        self.plane.request("PATCH", f"/api/v1/nodes/{name}/status", {"status": {
-            "capacity": {"cpu": "16", "memory": "64Gi", "pods": "110"},
-            "allocatable": {"cpu": "16", "memory": "64Gi", "pods": "110"},
-            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                            "message": "simulated kubelet", "lastHeartbeatTime": stamp[:19] + "Z",
-                            "lastTransitionTime": stamp[:19] + "Z"}]}},
-            content_type="application/merge-patch+json")
-        self.plane.request("POST", LEASES, {
-            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name},
-            "spec": {"holderIdentity": name, "leaseDurationSeconds": 40, "renewTime": stamp}})
+        self.plane.request(
+            "POST",
+            "/api/v1/nodes",
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}},
+            },
+        )
+        self.plane.request(
+            "PATCH",
+            f"/api/v1/nodes/{name}/status",
+            {
+                "status": {
+                    "capacity": {"cpu": "16", "memory": "64Gi", "pods": "110"},
+                    "allocatable": {"cpu": "16", "memory": "64Gi", "pods": "110"},
+                    "conditions": [
+                        {
+                            "type": "Ready",
+                            "status": "True",
+                            "reason": "KubeletReady",
+                            "message": "simulated kubelet",
+                            "lastHeartbeatTime": stamp[:19] + "Z",
+                            "lastTransitionTime": stamp[:19] + "Z",
+                        }
+                    ],
+                }
+            },
+            content_type="application/merge-patch+json",
+        )
+        self.plane.request(
+            "POST",
+            LEASES,
+            {
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {"name": name},
+                "spec": {"holderIdentity": name, "leaseDurationSeconds": 40, "renewTime": stamp},
+            },
+        )
         with self._lock:
             self.alive.add(name)
             self.created.append(name)
@@ -93,8 +120,12 @@ class Kubelets:
                 if time.monotonic() - last_renew >= RENEW_SECONDS:
                     last_renew = time.monotonic()
                     for name in alive:
-                        self.plane.request("PATCH", f"{LEASES}/{name}", {"spec": {"renewTime": _now()}},
-                                           content_type="application/merge-patch+json")
+                        self.plane.request(
+                            "PATCH",
+                            f"{LEASES}/{name}",
+                            {"spec": {"renewTime": _now()}},
+                            content_type="application/merge-patch+json",
+                        )
                 if alive:
                     self._sync_pods(alive, exits)
             except (urllib.error.URLError, OSError, ValueError) as error:  # the API server may be stopping
@@ -111,9 +142,16 @@ class Kubelets:
             path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
             try:
                 if meta.get("deletionTimestamp"):
-                    self.plane.request("DELETE", path, {"apiVersion": "v1", "kind": "DeleteOptions",
-                                                        "gracePeriodSeconds": 0,
-                                                        "preconditions": {"uid": meta["uid"]}})
+                    self.plane.request(
+                        "DELETE",
+                        path,
+                        {
+                            "apiVersion": "v1",
+                            "kind": "DeleteOptions",
+                            "gracePeriodSeconds": 0,
+                            "preconditions": {"uid": meta["uid"]},
+                        },
+                    )
                 elif meta["name"] in exits and pod["status"].get("phase") == "Running":
                     self._report(path, pod, exit_code=exits[meta["name"]])
                     with self._lock:  # once: a replacement that reuses the name runs on
@@ -132,14 +170,40 @@ class Kubelets:
             state: dict[str, Any] = {"running": {"startedAt": stamp}}
             phase, ready = "Running", "True" if ready_when_running else "False"
         else:
-            state = {"terminated": {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
-                                    "startedAt": stamp, "finishedAt": stamp}}
+            state = {
+                "terminated": {
+                    "exitCode": exit_code,
+                    "reason": "Completed" if exit_code == 0 else "Error",
+                    "startedAt": stamp,
+                    "finishedAt": stamp,
+                }
+            }
             phase, ready = ("Succeeded" if exit_code == 0 else "Failed"), "False"
-        self.plane.request("PATCH", path + "/status", {"status": {
-            "phase": phase, "podIP": "10.1.0.1", "startTime": stamp,
-            "conditions": [{"type": "Ready", "status": ready, "lastTransitionTime": stamp},
-                           {"type": "ContainersReady", "status": ready, "lastTransitionTime": stamp},
-                           {"type": "PodScheduled", "status": "True", "lastTransitionTime": stamp}],
-            "containerStatuses": [{"name": c["name"], "image": c["image"], "imageID": "", "ready": ready == "True",
-                                   "restartCount": 0, "state": state} for c in containers]}},
-            content_type="application/strategic-merge-patch+json")
+        self.plane.request(
+            "PATCH",
+            path + "/status",
+            {
+                "status": {
+                    "phase": phase,
+                    "podIP": "10.1.0.1",
+                    "startTime": stamp,
+                    "conditions": [
+                        {"type": "Ready", "status": ready, "lastTransitionTime": stamp},
+                        {"type": "ContainersReady", "status": ready, "lastTransitionTime": stamp},
+                        {"type": "PodScheduled", "status": "True", "lastTransitionTime": stamp},
+                    ],
+                    "containerStatuses": [
+                        {
+                            "name": c["name"],
+                            "image": c["image"],
+                            "imageID": "",
+                            "ready": ready == "True",
+                            "restartCount": 0,
+                            "state": state,
+                        }
+                        for c in containers
+                    ],
+                }
+            },
+            content_type="application/strategic-merge-patch+json",
+        )

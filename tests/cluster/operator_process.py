@@ -37,12 +37,21 @@ class OperatorProcess:
         self.metrics_port, liveness = free_port(), free_port()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("KUBECONFIG", None)
-        command = [sys.executable, "-m", "disttrain.operator.cli", "operator", "--all-namespaces",
-                   f"--kubeconfig={self.kubeconfig}", f"--metrics-port={self.metrics_port}",
-                   "--metrics-address=127.0.0.1", f"--liveness=http://127.0.0.1:{liveness}/healthz"]
+        command = [
+            sys.executable,
+            "-m",
+            "disttrain.operator.cli",
+            "operator",
+            "--all-namespaces",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--metrics-port={self.metrics_port}",
+            "--metrics-address=127.0.0.1",
+            f"--liveness=http://127.0.0.1:{liveness}/healthz",
+        ]
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True
+            )
         deadline = time.monotonic() + timeout
         while True:
             assert self.proc.poll() is None, f"operator exited:\n{self.log_text()[-4000:]}"
@@ -66,5 +75,4 @@ class OperatorProcess:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def forbidden_lines(self) -> list[str]:
-        return [line for line in self.log_text().splitlines()
-                if FORBIDDEN.search(line) and not NOT_RBAC.search(line)]
+        return [line for line in self.log_text().splitlines() if FORBIDDEN.search(line) and not NOT_RBAC.search(line)]

@@ -126,8 +126,16 @@ class ProcessKubelets(Kubelets):
             if time.monotonic() - container.term_sent_at < GRACE_SECONDS:
                 return
             proctree.kill_tree(container.marker, container.proc.pid)
-        self.plane.request("DELETE", path, {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
-                                            "preconditions": {"uid": meta["uid"]}})
+        self.plane.request(
+            "DELETE",
+            path,
+            {
+                "apiVersion": "v1",
+                "kind": "DeleteOptions",
+                "gracePeriodSeconds": 0,
+                "preconditions": {"uid": meta["uid"]},
+            },
+        )
 
     # --- starting a pod's container ----------------------------------------------------------------------
 
@@ -137,8 +145,11 @@ class ProcessKubelets(Kubelets):
         if constants.LABEL_JOB_NAME not in (meta.get("labels") or {}):
             return self._start_plain(pod)
         job_name = meta["labels"][constants.LABEL_JOB_NAME]
-        job = DistTrainJob.model_validate(self.plane.request(
-            "GET", f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/{ns}/{constants.PLURAL}/{job_name}"))
+        job = DistTrainJob.model_validate(
+            self.plane.request(
+                "GET", f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/{ns}/{constants.PLURAL}/{job_name}"
+            )
+        )
         base_env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "PYTEST_CURRENT_TEST")}
         if pod["spec"].get("automountServiceAccountToken", True):  # the agent: its account's token, projected
             account = pod["spec"].get("serviceAccountName", "default")
@@ -164,10 +175,11 @@ class ProcessKubelets(Kubelets):
         )
         is_worker = meta["labels"].get(constants.LABEL_ROLE) == constants.ROLE_WORKER
         readiness_port = free_port() if is_worker else 0
-        spec = translate.to_process(pod, site, pod["spec"]["nodeName"], free_port() if is_worker else 0,
-                                    readiness_port)
+        spec = translate.to_process(pod, site, pod["spec"]["nodeName"], free_port() if is_worker else 0, readiness_port)
         if env.TERMINATION_LOG in spec.env:  # the container's terminationMessagePath: a file of its own here
-            spec = dataclasses.replace(spec, env={**spec.env, env.TERMINATION_LOG: str(self.logs / f"{meta['name']}.termination")})
+            spec = dataclasses.replace(
+                spec, env={**spec.env, env.TERMINATION_LOG: str(self.logs / f"{meta['name']}.termination")}
+            )
         log = (self.logs / f"{meta['name']}.log").open("ab")
         marker = f"cluster-{uuid.uuid4().hex}"
         proc = proctree.spawn(spec.argv, spec.env, spec.cwd, log, marker)
@@ -177,7 +189,9 @@ class ProcessKubelets(Kubelets):
         """A pod that is no job's: its first container's command and literal env, agent addresses made local."""
         meta = pod["metadata"]
         container = pod["spec"]["containers"][0]
-        argv = [self._agent_addresses.get(arg, arg) for arg in [*container.get("command", []), *container.get("args", [])]]
+        argv = [
+            self._agent_addresses.get(arg, arg) for arg in [*container.get("command", []), *container.get("args", [])]
+        ]
         if argv and argv[0] in ("python", "python3"):
             argv[0] = sys.executable
         base_env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "PYTEST_CURRENT_TEST")}

@@ -57,9 +57,12 @@ def names_field(server_field: str, server_message: str, path: str) -> bool:
     """The server's cause names ``path`` (or a field inside it; strict decoding names it in the message)."""
     if path == "apiVersion/kind":
         return server_field in ("kind", "apiVersion")
-    return (server_field == path or server_field.startswith((path + ".", path + "["))
-            or (path.startswith(server_field + ".") and server_field.count(".") >= 2)
-            or f'unknown field "{path}"' in server_message)
+    return (
+        server_field == path
+        or server_field.startswith((path + ".", path + "["))
+        or (path.startswith(server_field + ".") and server_field.count(".") >= 2)
+        or f'unknown field "{path}"' in server_message
+    )
 
 
 def rule_violations(obj: dict[str, Any]) -> list[rules.RuleViolation]:
@@ -71,8 +74,11 @@ def rule_violations(obj: dict[str, Any]) -> list[rules.RuleViolation]:
     return rules.check_rules(wire)
 
 
-TABLE = [("valid", lambda b: b, None, None),
-         ("valid-auto-interval", lambda b: b.set("spec.checkpoint.intervalSteps", "auto"), None, None), *MALFORMED]
+TABLE = [
+    ("valid", lambda b: b, None, None),
+    ("valid-auto-interval", lambda b: b.set("spec.checkpoint.intervalSteps", "auto"), None, None),
+    *MALFORMED,
+]
 
 
 @pytest.mark.parametrize(("build", "path", "text"), [case[1:] for case in TABLE], ids=[case[0] for case in TABLE])
@@ -86,7 +92,9 @@ def test_server_and_validate_give_the_same_verdict(control_plane, namespace, bui
     assert any(names_field(field, message, path) for field, message in server), server
     for violation in rule_violations(obj):  # a CEL rule: the server says word for word what validate says
         assert any(field == violation.path and message.endswith(violation.message) for field, message in server), (
-            violation, server)
+            violation,
+            server,
+        )
 
 
 def test_the_table_breaks_every_cel_rule():
@@ -112,8 +120,9 @@ def _create(plane: ControlPlane, namespace: str, builder: JobBuilder) -> dict[st
 
 
 def _set_status(plane: ControlPlane, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
-    return plane.request("PATCH", jobs_path(namespace, name, "status"), {"status": status},
-                         content_type="application/merge-patch+json")
+    return plane.request(
+        "PATCH", jobs_path(namespace, name, "status"), {"status": status}, content_type="application/merge-patch+json"
+    )
 
 
 def _patch(plane: ControlPlane, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
@@ -163,9 +172,12 @@ def test_the_scale_subresource_reports_status_replicas_and_selector(control_plan
 
 def test_a_spec_change_sent_through_status_is_ignored(control_plane, namespace):
     created = _create(control_plane, namespace, JobBuilder("isolated"))
-    after = control_plane.request("PATCH", jobs_path(namespace, "isolated", "status"),
-                                  {"spec": {"nodes": {"replicas": 4}}, "status": {"message": "hi"}},
-                                  content_type="application/merge-patch+json")
+    after = control_plane.request(
+        "PATCH",
+        jobs_path(namespace, "isolated", "status"),
+        {"spec": {"nodes": {"replicas": 4}}, "status": {"message": "hi"}},
+        content_type="application/merge-patch+json",
+    )
     assert after["spec"]["nodes"]["replicas"] == created["spec"]["nodes"]["replicas"]
     assert after["status"]["message"] == "hi"
     assert after["metadata"]["generation"] == created["metadata"]["generation"]
@@ -185,12 +197,29 @@ def test_kubectl_get_answers_is_it_healthy(control_plane, namespace):
     time and duration, the checkpoint's step, the target and the message."""
     _create(control_plane, namespace, JobBuilder("cols"))
     now = time.time()
-    _set_status(control_plane, namespace, "cols", {
-        "phase": "Running", "worldSize": 4, "world": "4/6", "step": 17, "samplesPerSecond": 812.5,
-        "lastCheckpoint": {"step": 10, "time": format_time(now - 300)}, "restarts": {"total": 2},
-        "lastReform": {"reason": "NodeLost", "from": 3, "to": 2, "start": format_time(now - 7200),
-                       "durationSeconds": 12.5},
-        "desiredNodes": 3, "message": "training"})
+    _set_status(
+        control_plane,
+        namespace,
+        "cols",
+        {
+            "phase": "Running",
+            "worldSize": 4,
+            "world": "4/6",
+            "step": 17,
+            "samplesPerSecond": 812.5,
+            "lastCheckpoint": {"step": 10, "time": format_time(now - 300)},
+            "restarts": {"total": 2},
+            "lastReform": {
+                "reason": "NodeLost",
+                "from": 3,
+                "to": 2,
+                "start": format_time(now - 7200),
+                "durationSeconds": 12.5,
+            },
+            "desiredNodes": 3,
+            "message": "training",
+        },
+    )
     out = control_plane.kubectl("get", "dtj", "-n", namespace).stdout
     [row] = kubectl_table(out)
     assert list(row) == ["NAME", "PHASE", "WORLD", "STEP", "SAMPLES/S", "CHECKPOINT", "RESTARTS", "LAST REFORM", "AGE"]
@@ -207,15 +236,37 @@ def test_kubectl_describe_shows_conditions_the_last_reform_and_the_checkpoint(co
     """kubectl sorts a custom resource's fields by name (printUnstructuredContent), so the model's field order
     plays no part: Conditions, Last Checkpoint, Last Reform, each with its parts readable."""
     _create(control_plane, namespace, JobBuilder("desc"))
-    _set_status(control_plane, namespace, "desc", {
-        "phase": "Running", "conditions": [{"type": "Running", "status": "True", "reason": "RendezvousComplete",
-                                            "message": "training with 2 nodes", "lastTransitionTime": format_time(0)}],
-        "lastReform": {"reason": "ScaleDown", "from": 3, "to": 2, "start": format_time(0), "durationSeconds": 8.25},
-        "lastCheckpoint": {"step": 40, "samples": 960, "path": "/ckpt/step-40", "time": format_time(0),
-                           "worldSize": 2}})
+    _set_status(
+        control_plane,
+        namespace,
+        "desc",
+        {
+            "phase": "Running",
+            "conditions": [
+                {
+                    "type": "Running",
+                    "status": "True",
+                    "reason": "RendezvousComplete",
+                    "message": "training with 2 nodes",
+                    "lastTransitionTime": format_time(0),
+                }
+            ],
+            "lastReform": {"reason": "ScaleDown", "from": 3, "to": 2, "start": format_time(0), "durationSeconds": 8.25},
+            "lastCheckpoint": {
+                "step": 40,
+                "samples": 960,
+                "path": "/ckpt/step-40",
+                "time": format_time(0),
+                "worldSize": 2,
+            },
+        },
+    )
     text = control_plane.kubectl("describe", "dtj", "-n", namespace, "desc").stdout
-    for pattern in (r"Conditions:\n(\s+\S.*\n)*\s+Reason:\s+RendezvousComplete\n", r"Last Checkpoint:\n\s+Path:\s+/ckpt/step-40\n",
-                    r"Last Reform:\n\s+Duration Seconds:\s+8.25\n\s+From:\s+3\n\s+Reason:\s+ScaleDown\n"):
+    for pattern in (
+        r"Conditions:\n(\s+\S.*\n)*\s+Reason:\s+RendezvousComplete\n",
+        r"Last Checkpoint:\n\s+Path:\s+/ckpt/step-40\n",
+        r"Last Reform:\n\s+Duration Seconds:\s+8.25\n\s+From:\s+3\n\s+Reason:\s+ScaleDown\n",
+    ):
         assert re.search(pattern, text), (pattern, text)
     assert text.index("Conditions:") < text.index("Last Checkpoint:") < text.index("Last Reform:")
 
@@ -224,27 +275,38 @@ def test_an_hpa_reads_and_writes_the_scale_subresource(controllers, namespace):
     _create(controllers, namespace, JobBuilder("auto").nodes(1, 4, 2))
     _set_status(controllers, namespace, "auto", {"replicas": 2, "selector": f"{constants.LABEL_JOB_NAME}=auto"})
     hpa = {
-        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
         "metadata": {"name": "auto", "namespace": namespace},
-        "spec": {"scaleTargetRef": {"apiVersion": constants.API_VERSION, "kind": constants.KIND, "name": "auto"},
-                 "minReplicas": 3, "maxReplicas": 4,
-                 "metrics": [{"type": "Resource", "resource": {"name": "cpu",
-                                                              "target": {"type": "Utilization",
-                                                                         "averageUtilization": 80}}}]},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": constants.API_VERSION, "kind": constants.KIND, "name": "auto"},
+            "minReplicas": 3,
+            "maxReplicas": 4,
+            "metrics": [
+                {
+                    "type": "Resource",
+                    "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 80}},
+                }
+            ],
+        },
     }
     controllers.request("POST", f"/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers", hpa)
     deadline = time.monotonic() + 60
     while controllers.request("GET", jobs_path(namespace, "auto"))["spec"]["nodes"]["replicas"] != 3:
         assert time.monotonic() < deadline, controllers.kubectl("describe", "hpa", "-n", namespace).stdout
         time.sleep(1)
-    conditions = controllers.request("GET", f"/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers/auto")
+    conditions = controllers.request(
+        "GET", f"/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers/auto"
+    )
     able = {c["type"]: c for c in conditions["status"].get("conditions", [])}.get("AbleToScale")
     assert able is not None and able["status"] == "True"
 
 
 def test_kubectl_apply_is_strict_and_names_unknown_fields(control_plane, namespace, tmp_path):
     manifest = tmp_path / "typo.yaml"
-    manifest.write_text(yaml.safe_dump(JobBuilder("typo").set("spec.training.lr.bogus", 1).delete("metadata.namespace").build()))
+    manifest.write_text(
+        yaml.safe_dump(JobBuilder("typo").set("spec.training.lr.bogus", 1).delete("metadata.namespace").build())
+    )
     result = control_plane.kubectl("apply", "-n", namespace, "-f", str(manifest), check=False)
     assert result.returncode != 0 and 'unknown field "spec.training.lr.bogus"' in result.stderr
 
@@ -255,6 +317,10 @@ def test_validate_refuses_a_file_with_no_objects_as_kubectl_does(control_plane, 
     empty.write_text(text)
     kubectl = control_plane.kubectl("apply", "--dry-run=server", "-f", str(empty), check=False)
     assert kubectl.returncode != 0 and "no objects passed to apply" in kubectl.stderr
-    ours = subprocess.run([sys.executable, "-m", "disttrain.operator.cli", "validate", str(empty)],
-                          capture_output=True, text=True, cwd=REPO_ROOT)
+    ours = subprocess.run(
+        [sys.executable, "-m", "disttrain.operator.cli", "validate", str(empty)],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
     assert ours.returncode == 1 and f"{empty}" in ours.stderr and "no objects" in ours.stderr

@@ -31,7 +31,10 @@ from tests.cluster.controlplane import ControlPlane, free_port
 from tests.cluster.operator_process import FORBIDDEN, NOT_RBAC
 from tests.unit.operator.world import job_manifest
 
-RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "latest"}
+RESTRICTED = {
+    "pod-security.kubernetes.io/enforce": "restricted",
+    "pod-security.kubernetes.io/enforce-version": "latest",
+}
 
 
 def _apply(plane: ControlPlane, objects: list[dict[str, Any]]) -> None:
@@ -102,8 +105,13 @@ def test_default_values_on_the_server(control_plane: ControlPlane):
     namespace, user, objects = _release(plane, None)
     want = needed(_agent_role("default")["rules"], all_namespaces=True)
     _eventually_allowed(plane, user, want, namespace=None)
-    for forbidden in [("", "secrets", "get"), ("", "nodes", "delete"), ("", "namespaces", "list"),
-                      ("apiextensions.k8s.io", "customresourcedefinitions", "create"), ("", "pods", "patch")]:
+    for forbidden in [
+        ("", "secrets", "get"),
+        ("", "nodes", "delete"),
+        ("", "namespaces", "list"),
+        ("apiextensions.k8s.io", "customresourcedefinitions", "create"),
+        ("", "pods", "patch"),
+    ]:
         assert not _can_i(plane, user, forbidden, None), forbidden
     _assert_may_create_agent_role(plane, user, plane.create_namespace(f"jobs-{uuid.uuid4().hex[:6]}"))
     _assert_operator_pod_is_admitted(plane, namespace, objects)
@@ -112,9 +120,11 @@ def test_default_values_on_the_server(control_plane: ControlPlane):
 
 def _token(plane: ControlPlane, namespace: str, account: str) -> str:
     """A token of ServiceAccount ``namespace/account`` (TokenRequest)."""
-    return plane.request("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token",
-                         {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-                          "spec": {"expirationSeconds": 600}})["status"]["token"]
+    return plane.request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token",
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 600}},
+    )["status"]["token"]
 
 
 def _flow_schema_of(plane: ControlPlane, token: str, method: str = "GET", path: str = "/version") -> tuple[str, str]:
@@ -123,8 +133,12 @@ def _flow_schema_of(plane: ControlPlane, token: str, method: str = "GET", path: 
     before it is authorized)."""
     context = ssl.create_default_context(cafile=str(plane.pki.ca_crt))
     body = b"{}" if method == "PATCH" else None
-    request = urllib.request.Request(plane.server + path, data=body, method=method, headers={
-        "Authorization": f"Bearer {token}", "Content-Type": "application/merge-patch+json"})
+    request = urllib.request.Request(
+        plane.server + path,
+        data=body,
+        method=method,
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/merge-patch+json"},
+    )
     try:
         with urllib.request.urlopen(request, context=context, timeout=30) as response:
             headers = response.headers
@@ -133,8 +147,9 @@ def _flow_schema_of(plane: ControlPlane, token: str, method: str = "GET", path: 
     return headers["X-Kubernetes-PF-FlowSchema-UID"], headers["X-Kubernetes-PF-PriorityLevel-UID"]
 
 
-def _assert_operator_requests_have_their_own_priority_level(plane: ControlPlane, namespace: str, user: str,
-                                                            objects: list[dict[str, Any]]) -> None:
+def _assert_operator_requests_have_their_own_priority_level(
+    plane: ControlPlane, namespace: str, user: str, objects: list[dict[str, Any]]
+) -> None:
     """The chart's FlowSchema takes the operator's requests out of the level every job agent shares, and the agents'
     progress writes (only those) go to the chart's bounded level."""
     schemas = {obj["metadata"]["name"]: obj for obj in by_kind(objects, "FlowSchema")}
@@ -152,8 +167,11 @@ def _assert_operator_requests_have_their_own_priority_level(plane: ControlPlane,
         time.sleep(0.5)
     assert _flow_schema_of(plane, operator)[1] == level["metadata"]["uid"]
     jobs = plane.create_namespace(f"jobs-{uuid.uuid4().hex[:6]}")
-    plane.request("POST", f"/api/v1/namespaces/{jobs}/serviceaccounts",
-                  {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "job-agent"}})
+    plane.request(
+        "POST",
+        f"/api/v1/namespaces/{jobs}/serviceaccounts",
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "job-agent"}},
+    )
     agent = _token(plane, jobs, "job-agent")
     agent_schema, agent_level = _flow_schema_of(plane, agent)  # a job agent's account, as the operator
     assert agent_schema != ours["metadata"]["uid"] and agent_level != level["metadata"]["uid"]  # names them
@@ -190,8 +208,12 @@ def _assert_operator_pod_is_admitted(plane: ControlPlane, namespace: str, object
     PodSecurity admission (enforce=restricted on the namespace) accepts it and refuses a weakened copy."""
     [deployment] = by_kind(objects, "Deployment")
     template = deployment["spec"]["template"]
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {**template["metadata"], "name": "operator-pss",
-                                                           "namespace": namespace}, "spec": template["spec"]}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {**template["metadata"], "name": "operator-pss", "namespace": namespace},
+        "spec": template["spec"],
+    }
     manifest = json.dumps(pod)
     done = plane.kubectl("create", "--dry-run=server", "-f", "-", input=manifest, check=False)
     assert done.returncode == 0, done.stderr
@@ -201,14 +223,21 @@ def _assert_operator_pod_is_admitted(plane: ControlPlane, namespace: str, object
     assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr, refused.stderr
 
 
-
 def _operator_command(objects: list[dict[str, Any]], kubeconfig: str, liveness_port: int) -> list[str]:
     """The Deployment's own arguments, run here: its kubeconfig is the ServiceAccount's token, its ports local."""
     [deployment] = by_kind(objects, "Deployment")
     [container] = deployment["spec"]["template"]["spec"]["containers"]
     args = [a for a in container["args"] if not a.startswith(("--metrics-port=", "--liveness="))]
-    return [sys.executable, "-m", "disttrain.operator.cli", "operator", *args, f"--kubeconfig={kubeconfig}",
-            "--metrics-port=0", f"--liveness=http://127.0.0.1:{liveness_port}/healthz"]
+    return [
+        sys.executable,
+        "-m",
+        "disttrain.operator.cli",
+        "operator",
+        *args,
+        f"--kubeconfig={kubeconfig}",
+        "--metrics-port=0",
+        f"--liveness=http://127.0.0.1:{liveness_port}/healthz",
+    ]
 
 
 def _wait_for(what: str, check: Any, log: Path, timeout: float = 60) -> Any:
@@ -245,8 +274,12 @@ def test_operator_runs_as_its_service_account(control_plane: ControlPlane, tmp_p
     port = free_port()
     env = {key: value for key, value in os.environ.items() if key != "KUBECONFIG"}
     with open(log, "w") as out:
-        proc = subprocess.Popen(_operator_command(objects, str(kubeconfig), port), stdout=out,
-                                stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            _operator_command(objects, str(kubeconfig), port),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**env, "PYTHONUNBUFFERED": "1"},
+        )
     try:
         _wait_for("kopf's /healthz", lambda: proc.poll() is None and _healthy(port), log)
         job = job_manifest("rbac-demo")
@@ -254,8 +287,16 @@ def test_operator_runs_as_its_service_account(control_plane: ControlPlane, tmp_p
         plane.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(job))
 
         def support_objects() -> bool:
-            listed = plane.kubectl("get", "-n", jobs_ns, "serviceaccounts,roles,rolebindings,services,pods",
-                                   "-l", "disttrain.dev/job-name=rbac-demo", "-o", "json").stdout
+            listed = plane.kubectl(
+                "get",
+                "-n",
+                jobs_ns,
+                "serviceaccounts,roles,rolebindings,services,pods",
+                "-l",
+                "disttrain.dev/job-name=rbac-demo",
+                "-o",
+                "json",
+            ).stdout
             kinds = {item["kind"] for item in json.loads(listed)["items"]}
             return {"ServiceAccount", "Role", "RoleBinding", "Service", "Pod"} <= kinds
 
@@ -269,6 +310,9 @@ def test_operator_runs_as_its_service_account(control_plane: ControlPlane, tmp_p
             proc.kill()
             proc.wait(timeout=10)
     text = log.read_text()
-    refused = [line for line in text.splitlines()
-               if (FORBIDDEN.search(line) and not NOT_RBAC.search(line)) or "Not enough permissions" in line]
+    refused = [
+        line
+        for line in text.splitlines()
+        if (FORBIDDEN.search(line) and not NOT_RBAC.search(line)) or "Not enough permissions" in line
+    ]
     assert not refused, "the operator was refused under the chart's RBAC:\n" + "\n".join(refused[:20])

@@ -16,6 +16,7 @@ def test_converted_objects_pass_the_real_api_server(control_plane, namespace, pa
     objects = convert.convert(yaml.safe_load(path.read_text()), CONTRACT).objects
     for obj in objects:
         obj["metadata"]["namespace"] = namespace
-    applied = control_plane.kubectl("apply", "--dry-run=server", "--server-side", "-f", "-",
-                                    input=yaml.safe_dump_all(objects))
+    applied = control_plane.kubectl(
+        "apply", "--dry-run=server", "--server-side", "-f", "-", input=yaml.safe_dump_all(objects)
+    )
     assert applied.stdout.count("serverside-applied (server dry run)") == len(objects), applied.stdout

@@ -36,8 +36,13 @@ from tests.e2e.conftest import e2e_job
 pytestmark = [pytest.mark.usefixtures("crd"), pytest.mark.timeout(180)]
 
 NETWORKING = "/apis/networking.k8s.io/v1"
-RESTRICTED = {"allowPrivilegeEscalation": False, "runAsNonRoot": True, "runAsUser": 65532,
-              "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+RESTRICTED = {
+    "allowPrivilegeEscalation": False,
+    "runAsNonRoot": True,
+    "runAsUser": 65532,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
 
 
 @pytest.fixture
@@ -75,16 +80,25 @@ def _namespaces(plane: ControlPlane, selector: dict[str, Any]) -> set[str]:
 
 def _stranger(plane: ControlPlane, namespace: str, name: str, labels: dict[str, str]) -> dict[str, Any]:
     """A pod that is none of the operator's: ``labels`` are whatever its author chose."""
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace, "labels": labels},
-           "spec": {"automountServiceAccountToken": False, "securityContext": {"runAsNonRoot": True},
-                    "containers": [{"name": "c", "image": "stranger", "command": ["sleep", "infinity"],
-                                    "securityContext": RESTRICTED}]}}
-    return eventually(lambda: _try(lambda: plane.request("POST", f"/api/v1/namespaces/{namespace}/pods", pod)),
-                      what=f"pod {namespace}/{name} created (its namespace's ServiceAccount may come later)")
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {
+            "automountServiceAccountToken": False,
+            "securityContext": {"runAsNonRoot": True},
+            "containers": [
+                {"name": "c", "image": "stranger", "command": ["sleep", "infinity"], "securityContext": RESTRICTED}
+            ],
+        },
+    }
+    return eventually(
+        lambda: _try(lambda: plane.request("POST", f"/api/v1/namespaces/{namespace}/pods", pod)),
+        what=f"pod {namespace}/{name} created (its namespace's ServiceAccount may come later)",
+    )
 
 
-def test_each_jobs_network_policies_select_exactly_its_pods_and_admit_only_its_workers(cluster, controllers,
-                                                                                     tmp_path):
+def test_each_jobs_network_policies_select_exactly_its_pods_and_admit_only_its_workers(cluster, controllers, tmp_path):
     ns = cluster.ns
     other = controllers.create_namespace(f"t-other-{cluster.tag}")
     for name in ("np-a", "np-b"):
@@ -99,12 +113,18 @@ def test_each_jobs_network_policies_select_exactly_its_pods_and_admit_only_its_w
     _stranger(controllers, other, "prometheus", {"app.kubernetes.io/name": "prometheus"})
 
     def job_pods(name: str, role: str) -> set[str]:
-        return {f"{ns}/{n}" for n, p in cluster.pods(role).items()
-                if p["metadata"]["labels"][constants.LABEL_JOB_NAME] == name}
+        return {
+            f"{ns}/{n}"
+            for n, p in cluster.pods(role).items()
+            if p["metadata"]["labels"][constants.LABEL_JOB_NAME] == name
+        }
 
     for name in ("np-a", "np-b"):
+
         def policy(suffix: str, job: str = name) -> dict[str, Any] | None:
-            return _try(lambda: controllers.request("GET", f"{NETWORKING}/namespaces/{ns}/networkpolicies/{job}-{suffix}"))
+            return _try(
+                lambda: controllers.request("GET", f"{NETWORKING}/namespaces/{ns}/networkpolicies/{job}-{suffix}")
+            )
 
         agent_policy = eventually(lambda: policy("agent"), what=f"{name}-agent NetworkPolicy")
         worker_policy = eventually(lambda: policy("workers"), what=f"{name}-workers NetworkPolicy")
@@ -130,16 +150,25 @@ def test_each_jobs_network_policies_select_exactly_its_pods_and_admit_only_its_w
         assert _pods(controllers, peer["podSelector"], ns) == workers
         [scraper] = from_scraper["from"]
         assert from_scraper["ports"] == [{"protocol": "TCP", "port": 9400}]
-        scraped = {f"{n}/{p}" for n in _namespaces(controllers, scraper["namespaceSelector"])
-                   for p in (s.split("/", 1)[1] for s in _pods(controllers, scraper["podSelector"], n))}
+        scraped = {
+            f"{n}/{p}"
+            for n in _namespaces(controllers, scraper["namespaceSelector"])
+            for p in (s.split("/", 1)[1] for s in _pods(controllers, scraper["podSelector"], n))
+        }
         assert f"{other}/prometheus" in scraped
         assert not scraped & {*workers, *agent, f"{other}/forged-worker", f"{other}/forged-agent"}, scraped
     # np-a's and np-b's selectors never pick each other's pods.
-    a_workers = {"matchLabels": {constants.LABEL_JOB_NAME: "np-a", constants.LABEL_ROLE: constants.ROLE_WORKER,
-                                 access.LABEL_JOB_UID: uid}}
+    a_workers = {
+        "matchLabels": {
+            constants.LABEL_JOB_NAME: "np-a",
+            constants.LABEL_ROLE: constants.ROLE_WORKER,
+            access.LABEL_JOB_UID: uid,
+        }
+    }
     assert _pods(controllers, a_workers, ns) == job_pods("np-a", constants.ROLE_WORKER)
     assert _pods(controllers, a_workers) == {*job_pods("np-a", constants.ROLE_WORKER), f"{other}/forged-worker"}, (
-        "across namespaces the labels match the forged pod: only the policy's namespace keeps it out")
+        "across namespaces the labels match the forged pod: only the policy's namespace keeps it out"
+    )
 
 
 @pytest.fixture
@@ -174,9 +203,11 @@ def test_an_outsider_in_another_namespace_costs_a_training_job_nothing(process_c
     cluster, other = process_cluster
     cluster.nodes(4)
     name = "np-train"
-    job = (e2e_job(name, tmp_path / "records", replicas=2, max_steps=1500, dataset=60_000, step_sleep=0.05)
-           .set("spec.checkpoint", {"claimName": "ckpt", "path": "/ckpt", "intervalSteps": 20, "keep": 3})
-           .set("spec.restartPolicy", {"backoffSeconds": 0, "maxRestarts": 5}))
+    job = (
+        e2e_job(name, tmp_path / "records", replicas=2, max_steps=1500, dataset=60_000, step_sleep=0.05)
+        .set("spec.checkpoint", {"claimName": "ckpt", "path": "/ckpt", "intervalSteps": 20, "keep": 3})
+        .set("spec.restartPolicy", {"backoffSeconds": 0, "maxRestarts": 5})
+    )
     cluster.apply(job, tmp_path)
 
     def training(step: int) -> dict[str, Any] | None:
@@ -186,16 +217,40 @@ def test_an_outsider_in_another_namespace_costs_a_training_job_nothing(process_c
     eventually(lambda: training(10), timeout=180, what="2 nodes training (real agent progress)")
     marker, report = tmp_path / "outsider-ran", tmp_path / "outsider.json"
     address = f"{name}-agent.{cluster.ns}.svc:29400"
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "outsider", "namespace": other},
-           "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False,
-                    "containers": [{"name": "outsider", "image": "outsider", "securityContext": RESTRICTED,
-                                    "command": ["python", "tests/security/outsider.py"],
-                                    "args": [address, OUTSIDER_ATTACKS, "--seconds", str(OUTSIDER_SECONDS),
-                                             "--marker", str(marker), "--report", str(report),
-                                             "--max-flood-mb", str(OUTSIDER_FLOOD_MB)]}]}}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "outsider", "namespace": other},
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "containers": [
+                {
+                    "name": "outsider",
+                    "image": "outsider",
+                    "securityContext": RESTRICTED,
+                    "command": ["python", "tests/security/outsider.py"],
+                    "args": [
+                        address,
+                        OUTSIDER_ATTACKS,
+                        "--seconds",
+                        str(OUTSIDER_SECONDS),
+                        "--marker",
+                        str(marker),
+                        "--report",
+                        str(report),
+                        "--max-flood-mb",
+                        str(OUTSIDER_FLOOD_MB),
+                    ],
+                }
+            ],
+        },
+    }
     started = time.monotonic()
-    eventually(lambda: _try(lambda: cluster.plane.request("POST", f"/api/v1/namespaces/{other}/pods", pod)),
-               what="outsider pod created (its namespace's ServiceAccount may come later)")
+    eventually(
+        lambda: _try(lambda: cluster.plane.request("POST", f"/api/v1/namespaces/{other}/pods", pod)),
+        what="outsider pod created (its namespace's ServiceAccount may come later)",
+    )
 
     def outsider_done() -> dict[str, Any] | None:
         got = cluster.plane.request("GET", f"/api/v1/namespaces/{other}/pods/outsider")
@@ -209,26 +264,46 @@ def test_an_outsider_in_another_namespace_costs_a_training_job_nothing(process_c
     attacks = json.loads(report.read_text())
     assert attacks.get("keys_seen"), f"the outsider never reached the agent's store:\n{log[-3000:]}"
     assert status_then.get("phase") != "Succeeded", (
-        "the job was over before the attacks were: make it train longer", status_then.get("step"))
-    finished = eventually(lambda: cluster.phase(name, "Succeeded") or cluster.phase(name, "Failed"), timeout=240,
-                          interval=0.5, what="the job Succeeded")
+        "the job was over before the attacks were: make it train longer",
+        status_then.get("step"),
+    )
+    finished = eventually(
+        lambda: cluster.phase(name, "Succeeded") or cluster.phase(name, "Failed"),
+        timeout=240,
+        interval=0.5,
+        what="the job Succeeded",
+    )
     assert not marker.exists(), f"the attacker's pickle ran in the job: {marker} was created"
-    assert finished["phase"] == "Succeeded", (finished.get("phase"), finished.get("conditions"), _evidence(
-        cluster, name, attacks))
+    assert finished["phase"] == "Succeeded", (
+        finished.get("phase"),
+        finished.get("conditions"),
+        _evidence(cluster, name, attacks),
+    )
     restarts = finished.get("restarts") or {}
     assert not restarts.get("total") and not restarts.get("byReason"), (
-        f"restarts charged: {restarts}\n{_evidence(cluster, name, attacks)}")
-    print(f"outsider from namespace {other}: {OUTSIDER_ATTACKS} for {OUTSIDER_SECONDS} s each, "
-          f"{sum(attacks.get('ops', {}).values())} ops, {attacks.get('bytes_sent', 0) / 2**20:.0f} MiB sent, "
-          f"{len(attacks['keys_seen'])} keys seen, over in {attack_seconds:.0f} s; job Succeeded, 0 restarts",
-          file=sys.stderr)
+        f"restarts charged: {restarts}\n{_evidence(cluster, name, attacks)}"
+    )
+    print(
+        f"outsider from namespace {other}: {OUTSIDER_ATTACKS} for {OUTSIDER_SECONDS} s each, "
+        f"{sum(attacks.get('ops', {}).values())} ops, {attacks.get('bytes_sent', 0) / 2**20:.0f} MiB sent, "
+        f"{len(attacks['keys_seen'])} keys seen, over in {attack_seconds:.0f} s; job Succeeded, 0 restarts",
+        file=sys.stderr,
+    )
 
 
 def _evidence(cluster: Cluster, name: str, attacks: dict[str, Any]) -> str:
     """When each attack ran, the last reform and the agent's warnings: which attack cost what."""
-    phases = [f"{p['attack']} {time.strftime('%H:%M:%S', time.gmtime(p['start']))}-"
-              f"{time.strftime('%H:%M:%S', time.gmtime(p['end']))} ({p['ops']} ops)" for p in attacks.get("phases", [])]
-    warnings = [line for line in cluster.kubelets.log_of(f"{name}-agent").splitlines()
-                if " WARNING " in line or " ERROR " in line]
-    return (f"attacks (UTC): {'; '.join(phases)}\nlastReform: {cluster.status(name).get('lastReform')}\n"
-            "agent warnings:\n" + "\n".join(warnings[-20:]))
+    phases = [
+        f"{p['attack']} {time.strftime('%H:%M:%S', time.gmtime(p['start']))}-"
+        f"{time.strftime('%H:%M:%S', time.gmtime(p['end']))} ({p['ops']} ops)"
+        for p in attacks.get("phases", [])
+    ]
+    warnings = [
+        line
+        for line in cluster.kubelets.log_of(f"{name}-agent").splitlines()
+        if " WARNING " in line or " ERROR " in line
+    ]
+    return (
+        f"attacks (UTC): {'; '.join(phases)}\nlastReform: {cluster.status(name).get('lastReform')}\n"
+        "agent warnings:\n" + "\n".join(warnings[-20:])
+    )

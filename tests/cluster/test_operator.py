@@ -38,6 +38,8 @@ from tests.cluster.process_kubelet import ProcessKubelets
 from tests.conftest import JobBuilder
 
 pytestmark = [pytest.mark.usefixtures("crd"), pytest.mark.timeout(180)]
+
+
 @pytest.fixture
 def kubelets(controllers: ControlPlane) -> Iterator[Kubelets]:
     sim = Kubelets(controllers)
@@ -71,7 +73,8 @@ def test_created_objects_are_owned_and_collected_by_the_garbage_collector(cluste
     uid = job["metadata"]["uid"]
     eventually(lambda: len(cluster.pods("agent")) == 1 and len(cluster.pods()) == 2, what="pods created")
     owned = {
-        f"/api/v1/namespaces/{cluster.ns}/services/gc-agent", f"/api/v1/namespaces/{cluster.ns}/services/gc-workers",
+        f"/api/v1/namespaces/{cluster.ns}/services/gc-agent",
+        f"/api/v1/namespaces/{cluster.ns}/services/gc-workers",
         f"/api/v1/namespaces/{cluster.ns}/serviceaccounts/gc-agent",
         f"/apis/rbac.authorization.k8s.io/v1/namespaces/{cluster.ns}/roles/gc-agent",
         f"/apis/rbac.authorization.k8s.io/v1/namespaces/{cluster.ns}/rolebindings/gc-agent",
@@ -81,9 +84,16 @@ def test_created_objects_are_owned_and_collected_by_the_garbage_collector(cluste
     }
     for path in owned:
         [owner] = eventually(lambda: _try(lambda: cluster.plane.request("GET", path)), what=path)["metadata"][
-            "ownerReferences"]
-        assert owner == {"apiVersion": constants.API_VERSION, "kind": constants.KIND, "name": "gc", "uid": uid,
-                         "controller": True, "blockOwnerDeletion": True}
+            "ownerReferences"
+        ]
+        assert owner == {
+            "apiVersion": constants.API_VERSION,
+            "kind": constants.KIND,
+            "name": "gc",
+            "uid": uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
     cluster.plane.kubectl("delete", "-n", cluster.ns, "dtj/gc", "--wait=false")
 
     def collected() -> bool:  # the real garbage collector removes every dependent (no pod was bound: no kubelet wait)
@@ -100,31 +110,48 @@ def test_only_the_jobs_pods_mount_its_store_secret_and_only_its_workers_may_reac
     secrets = {}
     for name in ("fence-a", "fence-b"):
         store = f"{name}-store-{cluster.job(name)['metadata']['uid']}"
-        secret = eventually(lambda: _try(lambda: cluster.plane.request(
-            "GET", f"/api/v1/namespaces/{cluster.ns}/secrets/{store}")), what=store)
+        secret = eventually(
+            lambda: _try(lambda: cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/secrets/{store}")),
+            what=store,
+        )
         secrets[name] = base64.b64decode(secret["data"]["secret"]).decode()
         assert len(secrets[name]) == 64 and secret["immutable"] is True
-        job_pods = [p for p in [*cluster.pods().values(), *cluster.pods("agent").values()]
-                    if p["metadata"]["labels"][constants.LABEL_JOB_NAME] == name]
+        job_pods = [
+            p
+            for p in [*cluster.pods().values(), *cluster.pods("agent").values()]
+            if p["metadata"]["labels"][constants.LABEL_JOB_NAME] == name
+        ]
         assert len(job_pods) == 3
         for pod in job_pods:
             [volume] = [v for v in pod["spec"]["volumes"] if "secret" in v]
             assert volume["secret"]["secretName"] == store, pod["metadata"]["name"]
             container = pod["spec"]["containers"][0]
-            assert {"name": volume["name"], "mountPath": "/var/run/secrets/disttrain.dev/store",
-                    "readOnly": True} in container["volumeMounts"]
-            assert {"name": "DISTTRAIN_STORE_SECRET_FILE",
-                    "value": "/var/run/secrets/disttrain.dev/store/secret"} in container["env"]
+            assert {
+                "name": volume["name"],
+                "mountPath": "/var/run/secrets/disttrain.dev/store",
+                "readOnly": True,
+            } in container["volumeMounts"]
+            assert {
+                "name": "DISTTRAIN_STORE_SECRET_FILE",
+                "value": "/var/run/secrets/disttrain.dev/store/secret",
+            } in container["env"]
         policy = cluster.plane.request(
-            "GET", f"/apis/networking.k8s.io/v1/namespaces/{cluster.ns}/networkpolicies/{name}-agent")["spec"]
+            "GET", f"/apis/networking.k8s.io/v1/namespaces/{cluster.ns}/networkpolicies/{name}-agent"
+        )["spec"]
         agent_labels = cluster.pods("agent")[f"{name}-agent"]["metadata"]["labels"]
         assert policy["podSelector"]["matchLabels"].items() <= agent_labels.items()
         assert policy["policyTypes"] == ["Ingress"]
         [rule] = policy["ingress"]
         [peer] = rule["from"]
-        assert peer == {"podSelector": {"matchLabels": {constants.LABEL_JOB_NAME: name,
-                                                        constants.LABEL_ROLE: constants.ROLE_WORKER,
-                                                        "disttrain.dev/job-uid": cluster.job(name)["metadata"]["uid"]}}}
+        assert peer == {
+            "podSelector": {
+                "matchLabels": {
+                    constants.LABEL_JOB_NAME: name,
+                    constants.LABEL_ROLE: constants.ROLE_WORKER,
+                    "disttrain.dev/job-uid": cluster.job(name)["metadata"]["uid"],
+                }
+            }
+        }
         assert rule["ports"] == [{"protocol": "TCP", "port": 29400}]
     assert secrets["fence-a"] != secrets["fence-b"]
 
@@ -171,11 +198,16 @@ def test_a_node_lost_to_the_node_lifecycle_controller_is_replaced(cluster, tmp_p
     assert replacement["metadata"]["labels"]["disttrain.dev/node-index"] == index
     lost = cluster.pods()[victim_name]  # no kubelet confirms its deletion: Terminating, as in a real cluster
     assert lost["metadata"].get("deletionTimestamp") and lost["metadata"]["uid"] == victim["metadata"]["uid"]
-    assert {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
-            "tolerationSeconds": 10} in lost["spec"]["tolerations"], "taint-based eviction applies to workers"
+    assert {
+        "key": "node.kubernetes.io/unreachable",
+        "operator": "Exists",
+        "effect": "NoExecute",
+        "tolerationSeconds": 10,
+    } in lost["spec"]["tolerations"], "taint-based eviction applies to workers"
     eventually(lambda: cluster.pods()[replacement["metadata"]["name"]]["status"].get("phase") == "Running")
-    cluster.agent_reports("lost", agent, worldSize=2, step=4, rendezvousRound=2,
-                          lastProgressTime=format_time(time.time()))
+    cluster.agent_reports(
+        "lost", agent, worldSize=2, step=4, rendezvousRound=2, lastProgressTime=format_time(time.time())
+    )
     status = eventually(lambda: cluster.phase("lost", "Running"), what="back to Running")
     assert status["restarts"]["total"] == 1 and status["lastReform"]["to"] == 2
     print(f"node power-off -> reform directive: {detected:.1f} s")
@@ -197,8 +229,14 @@ def test_scale_down_and_up_through_the_scale_subresource(cluster, tmp_path):
     eventually(lambda: len(cluster.live_workers()) == 3, what="a third worker created")
     eventually(lambda: all(p["status"].get("phase") == "Running" for p in cluster.pods().values()))
     up = eventually(lambda: cluster.phase("sc", "Reforming"), what="scale-up directive")
-    cluster.agent_reports("sc", agent, lastCheckpoint={"step": 20, "time": format_time(time.time() + 3)},
-                          worldSize=3, rendezvousRound=3, lastProgressTime=format_time(time.time() + 4))
+    cluster.agent_reports(
+        "sc",
+        agent,
+        lastCheckpoint={"step": 20, "time": format_time(time.time() + 3)},
+        worldSize=3,
+        rendezvousRound=3,
+        lastProgressTime=format_time(time.time() + 4),
+    )
     done = eventually(lambda: cluster.phase("sc", "Running"), what="Running at 3")
     assert up["control"]["action"] in ("drain", "reform") and done["lastReform"]["to"] == 3
     assert done["restarts"]["total"] == 0
@@ -209,13 +247,15 @@ def test_scale_down_and_up_through_the_scale_subresource(cluster, tmp_path):
 def test_suspend_removes_pods_and_resume_recreates_them(cluster, tmp_path):
     agent = cluster.running("sus", JobBuilder("sus"), tmp_path, replicas=2)
     cluster.agent_reports("sus", agent, lastCheckpoint={"step": 30, "time": format_time(time.time())})
-    cluster.plane.kubectl("patch", "-n", cluster.ns, "dtj/sus", "--type=merge", "-p",
-                          '{"spec": {"runPolicy": {"suspend": true}}}')
+    cluster.plane.kubectl(
+        "patch", "-n", cluster.ns, "dtj/sus", "--type=merge", "-p", '{"spec": {"runPolicy": {"suspend": true}}}'
+    )
     status = eventually(lambda: cluster.phase("sus", "Suspended"), what="Suspended")
     eventually(lambda: not cluster.pods() and not cluster.pods("agent"), what="pods removed")
     assert status["lastCheckpoint"]["step"] == 30
-    cluster.plane.kubectl("patch", "-n", cluster.ns, "dtj/sus", "--type=merge", "-p",
-                          '{"spec": {"runPolicy": {"suspend": false}}}')
+    cluster.plane.kubectl(
+        "patch", "-n", cluster.ns, "dtj/sus", "--type=merge", "-p", '{"spec": {"runPolicy": {"suspend": false}}}'
+    )
     eventually(lambda: len(cluster.live_workers()) == 2 and len(cluster.pods("agent")) == 1, what="pods recreated")
     events = cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/events")["items"]
     reasons = {e["reason"] for e in events if e["involvedObject"].get("name") == "sus"}
@@ -304,10 +344,18 @@ def test_metric_labels_come_from_our_enums(cluster, operator, tmp_path):
     """A byReason key or reform reason that is not ours never becomes a label (nor injects text into /metrics)."""
     cluster.running("mx", JobBuilder("mx"), tmp_path, replicas=1)
     # As a cluster admin: the status guard keeps the agent's token off these fields (see the test below).
-    cluster.plane.request("PATCH", cluster.jobs("mx", "status"), {"status": {
-        "restarts": {"total": 0, "byReason": {"PodFailed": 0, 'x"} 1\nevil': 3}},
-        "reforms": 1, "lastReform": {"reason": "made-up", "start": format_time(time.time()), "from": 1, "to": 1}}},
-        content_type="application/merge-patch+json")
+    cluster.plane.request(
+        "PATCH",
+        cluster.jobs("mx", "status"),
+        {
+            "status": {
+                "restarts": {"total": 0, "byReason": {"PodFailed": 0, 'x"} 1\nevil': 3}},
+                "reforms": 1,
+                "lastReform": {"reason": "made-up", "start": format_time(time.time()), "from": 1, "to": 1},
+            }
+        },
+        content_type="application/merge-patch+json",
+    )
     eventually(lambda: 'reason="Other"} 3.0' in _scrape(operator), what="the unknown reason counted as Other")
     text = _scrape(operator)
     assert "evil" not in text and "made-up" not in text, [line for line in text.splitlines() if "mx" in line]
@@ -321,15 +369,23 @@ def test_a_deleted_jobs_series_go_when_its_deletion_begins(cluster, operator, tm
     series = f'job="dx",namespace="{cluster.ns}"'
     eventually(lambda: series in _scrape(operator), what="the job's series")
     finalizers = [*cluster.job("dx")["metadata"].get("finalizers", []), "test.disttrain.dev/hold"]
-    cluster.plane.request("PATCH", cluster.jobs("dx"), {"metadata": {"finalizers": finalizers}},
-                          content_type="application/merge-patch+json")
+    cluster.plane.request(
+        "PATCH",
+        cluster.jobs("dx"),
+        {"metadata": {"finalizers": finalizers}},
+        content_type="application/merge-patch+json",
+    )
     cluster.plane.kubectl("delete", "-n", cluster.ns, "dtj/dx", "--wait=false")
     eventually(lambda: series not in _scrape(operator), timeout=20, what="the deleting job's series removed")
     time.sleep(1.0)
     assert series not in _scrape(operator), "a late reconcile brought them back"
     left = [f for f in cluster.job("dx")["metadata"].get("finalizers", []) if f != "test.disttrain.dev/hold"]
-    cluster.plane.request("PATCH", cluster.jobs("dx"), {"metadata": {"finalizers": left or None}},
-                          content_type="application/merge-patch+json")
+    cluster.plane.request(
+        "PATCH",
+        cluster.jobs("dx"),
+        {"metadata": {"finalizers": left or None}},
+        content_type="application/merge-patch+json",
+    )
     eventually(lambda: _gone(cluster.plane, cluster.jobs("dx")), timeout=60, what="job deleted")
     assert series not in _scrape(operator)
 
@@ -340,16 +396,34 @@ def test_the_agent_may_report_progress_but_never_change_what_the_operator_rememb
     counted, the directive, the phase."""
     agent = cluster.running("sg", JobBuilder("sg"), tmp_path, replicas=1)
     spent = {"total": 3, "byReason": {"PodFailed": 3}}  # three restarts counted (written here as the admin)
-    cluster.plane.request("PATCH", cluster.jobs("sg", "status"), {"status": {"restarts": spent}},
-                          content_type="application/merge-patch+json")
+    cluster.plane.request(
+        "PATCH",
+        cluster.jobs("sg", "status"),
+        {"status": {"restarts": spent}},
+        content_type="application/merge-patch+json",
+    )
     before = eventually(lambda: (lambda st: st if st.get("restarts") == spent else None)(cluster.status("sg")))
-    forged = {"restarts": {"total": 0, "byReason": {}}, "handledPods": ["uid-x"], "phase": "Succeeded",
-              "trackedPods": ["sg-worker-[0]"], "control": {"generation": 99, "action": "reform"},
-              "consecutiveFailures": 7}
+    forged = {
+        "restarts": {"total": 0, "byReason": {}},
+        "handledPods": ["uid-x"],
+        "phase": "Succeeded",
+        "trackedPods": ["sg-worker-[0]"],
+        "control": {"generation": 99, "action": "reform"},
+        "consecutiveFailures": 7,
+    }
     for field, value in forged.items():
-        result = cluster.plane.kubectl("patch", "-n", cluster.ns, f"{constants.PLURAL}/sg", "--subresource=status",
-                                       "--type=merge", "-p", json.dumps({"status": {field: value, "step": 9}}),
-                                       kubeconfig=agent, check=False)
+        result = cluster.plane.kubectl(
+            "patch",
+            "-n",
+            cluster.ns,
+            f"{constants.PLURAL}/sg",
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            json.dumps({"status": {field: value, "step": 9}}),
+            kubeconfig=agent,
+            check=False,
+        )
         assert result.returncode != 0 and f"status.{field} is the operator's" in result.stderr, (field, result)
     after = cluster.status("sg")
     assert {k: after.get(k) for k in forged} == {k: before.get(k) for k in forged}
@@ -372,33 +446,45 @@ def test_losing_the_agents_node_replaces_the_agent_in_seconds_and_is_one_restart
         conditions = cluster.plane.request("GET", f"/api/v1/nodes/{node}")["status"].get("conditions", [])
         return next((c["status"] for c in conditions if c["type"] == "Ready"), "")
 
-    eventually(lambda: node_ready_status() != "True", timeout=60, interval=0.1,
-               what="the node-lifecycle controller marks the node unreachable")
+    eventually(
+        lambda: node_ready_status() != "True",
+        timeout=60,
+        interval=0.1,
+        what="the node-lifecycle controller marks the node unreachable",
+    )
     node_lost = time.monotonic()
 
     def new_agent_running() -> bool:
         agent = cluster.pods("agent").get("agentloss-agent")
-        return bool(agent and agent["metadata"]["uid"] != old["metadata"]["uid"]
-                    and agent["status"].get("phase") == "Running")
+        return bool(
+            agent and agent["metadata"]["uid"] != old["metadata"]["uid"] and agent["status"].get("phase") == "Running"
+        )
 
     eventually(new_agent_running, timeout=60, interval=0.1, what="a new agent pod running")
     agent_replaced = time.monotonic() - node_lost
     # The workers' torchrun exits 1 when its store vanishes: part of the same incident, not restarts of their own.
     # Only the pods that existed at the loss: a worker that shared the agent's node may already have a replacement,
     # and failing that one would be a failure of its own (this test used to fail so, now and then).
-    survivors = {n: p["metadata"]["uid"] for n, p in cluster.live_workers().items()
-                 if p["spec"].get("nodeName") != node and p["metadata"]["uid"] in existed}
+    survivors = {
+        n: p["metadata"]["uid"]
+        for n, p in cluster.live_workers().items()
+        if p["spec"].get("nodeName") != node and p["metadata"]["uid"] in existed
+    }
     for pod in survivors:
         cluster.kubelets.finish(pod, 1)
 
     def group_back() -> bool:
         workers = cluster.live_workers()
-        return (len(workers) == 2 and not {p["metadata"]["uid"] for p in workers.values()} & set(survivors.values())
-                and all(p["status"].get("phase") == "Running" for p in workers.values()))
+        return (
+            len(workers) == 2
+            and not {p["metadata"]["uid"] for p in workers.values()} & set(survivors.values())
+            and all(p["status"].get("phase") == "Running" for p in workers.values())
+        )
 
     eventually(group_back, timeout=60, what="every worker recreated and running")
-    cluster.agent_reports("agentloss", agent_token, worldSize=2, step=4, rendezvousRound=2,
-                          lastProgressTime=format_time(time.time()))
+    cluster.agent_reports(
+        "agentloss", agent_token, worldSize=2, step=4, rendezvousRound=2, lastProgressTime=format_time(time.time())
+    )
     try:
         status = eventually(lambda: cluster.phase("agentloss", "Running"), what="back to Running")
     except AssertionError:
@@ -406,17 +492,31 @@ def test_losing_the_agents_node_replaces_the_agent_in_seconds_and_is_one_restart
         raise
     resumed = time.monotonic() - powered_off
     assert status["restarts"] == {"total": 1, "byReason": {"AgentRestarted": 1}}, status
-    print(f"agent node NotReady -> new agent Running: {agent_replaced:.1f} s; "
-          f"power-off -> training resumed: {resumed:.1f} s (node detected lost after {node_lost - powered_off:.1f} s)")
+    print(
+        f"agent node NotReady -> new agent Running: {agent_replaced:.1f} s; "
+        f"power-off -> training resumed: {resumed:.1f} s (node detected lost after {node_lost - powered_off:.1f} s)"
+    )
 
 
 def test_pods_refused_by_pod_security_admission_are_named_in_the_status_and_an_event(cluster, tmp_path):
-    cluster.plane.request("PATCH", f"/api/v1/namespaces/{cluster.ns}", {"metadata": {"labels": {
-        "pod-security.kubernetes.io/enforce": "baseline"}}}, content_type="application/merge-patch+json")
+    cluster.plane.request(
+        "PATCH",
+        f"/api/v1/namespaces/{cluster.ns}",
+        {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "baseline"}}},
+        content_type="application/merge-patch+json",
+    )
     cluster.nodes(2)
-    builder = JobBuilder("psa").set("spec.template.spec.containers", [{
-        "name": "trainer", "image": "example/trainer:1", "command": ["python", "train.py"],
-        "securityContext": {"capabilities": {"add": ["NET_ADMIN"]}}}])
+    builder = JobBuilder("psa").set(
+        "spec.template.spec.containers",
+        [
+            {
+                "name": "trainer",
+                "image": "example/trainer:1",
+                "command": ["python", "train.py"],
+                "securityContext": {"capabilities": {"add": ["NET_ADMIN"]}},
+            }
+        ],
+    )
     cluster.apply(builder, tmp_path)
 
     def rejected() -> dict[str, Any] | None:
@@ -453,5 +553,7 @@ def test_a_silent_node_is_reformed_from_its_heartbeats_before_kubernetes_marks_i
     assert seen.status["restarts"]["byReason"] == {"HeartbeatLost": 1}, seen.status["restarts"]
     phases = seen.status["lastReform"]["phases"]
     assert all(phases[p] >= 0 for p in PHASES) and abs(sum(phases[p] for p in PHASES) - phases["total"]) < 0.01, phases
-    print(f"real control plane: node power-off -> reform directive {seen.detect_seconds:.1f} s (HeartbeatLost); "
-          + ", ".join(f"{p} {phases[p]:.2f}" for p in (*PHASES, "total")))
+    print(
+        f"real control plane: node power-off -> reform directive {seen.detect_seconds:.1f} s (HeartbeatLost); "
+        + ", ".join(f"{p} {phases[p]:.2f}" for p in (*PHASES, "total"))
+    )

@@ -60,13 +60,29 @@ def _warnings(cluster: Cluster, uid: str, reason: str) -> list[str]:
 def _fail_with_permanent_code(cluster: Cluster, pod: dict[str, Any]) -> None:
     """What the kubelet reports of a trainer that exited with code 85 (permanent: it fails the job it counts for)."""
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    cluster.plane.request("PATCH", _pod_path(cluster, pod["metadata"]["name"]) + "/status", {"status": {
-        "phase": "Failed",
-        "containerStatuses": [{"name": c["name"], "image": c["image"], "imageID": "", "ready": False,
-                               "restartCount": 0, "state": {"terminated": {
-                                   "exitCode": 85, "reason": "Error", "startedAt": stamp, "finishedAt": stamp}}}
-                              for c in pod["spec"]["containers"]]}},
-        content_type="application/strategic-merge-patch+json")
+    cluster.plane.request(
+        "PATCH",
+        _pod_path(cluster, pod["metadata"]["name"]) + "/status",
+        {
+            "status": {
+                "phase": "Failed",
+                "containerStatuses": [
+                    {
+                        "name": c["name"],
+                        "image": c["image"],
+                        "imageID": "",
+                        "ready": False,
+                        "restartCount": 0,
+                        "state": {
+                            "terminated": {"exitCode": 85, "reason": "Error", "startedAt": stamp, "finishedAt": stamp}
+                        },
+                    }
+                    for c in pod["spec"]["containers"]
+                ],
+            }
+        },
+        content_type="application/strategic-merge-patch+json",
+    )
 
 
 def test_a_job_applied_again_under_its_name_neither_counts_nor_adopts_the_old_jobs_pods(cluster, tmp_path):
@@ -75,18 +91,29 @@ def test_a_job_applied_again_under_its_name_neither_counts_nor_adopts_the_old_jo
     old_pods = _job_pods(cluster)
     assert sorted(old_pods) == ["same-agent", "same-worker-0", "same-worker-1"]
     for name in old_pods:
-        cluster.plane.request("PATCH", _pod_path(cluster, name), {"metadata": {"finalizers": [HOLD]}},
-                              content_type="application/merge-patch+json")
+        cluster.plane.request(
+            "PATCH",
+            _pod_path(cluster, name),
+            {"metadata": {"finalizers": [HOLD]}},
+            content_type="application/merge-patch+json",
+        )
     cluster.plane.kubectl("delete", "-n", cluster.ns, "dtj/same", "--wait=false")
     eventually(lambda: _try(lambda: cluster.job("same")) is None, timeout=30, what="the old job gone (no finalizer)")
     # The old pods: Terminating, and one of them ended with a permanent exit code.
-    eventually(lambda: all(p["metadata"].get("deletionTimestamp") for p in _job_pods(cluster).values())
-               and len(_job_pods(cluster)) == 3, timeout=60, what="the garbage collector deletes the old pods")
+    eventually(
+        lambda: (
+            all(p["metadata"].get("deletionTimestamp") for p in _job_pods(cluster).values())
+            and len(_job_pods(cluster)) == 3
+        ),
+        timeout=60,
+        what="the garbage collector deletes the old pods",
+    )
     _fail_with_permanent_code(cluster, _job_pods(cluster)["same-worker-0"])
 
     applied = time.monotonic()
-    cluster.apply(JobBuilder("same").nodes(1, 4, 2).set("spec.restartPolicy", {"maxRestarts": 5, "backoffSeconds": 0}),
-                  tmp_path)
+    cluster.apply(
+        JobBuilder("same").nodes(1, 4, 2).set("spec.restartPolicy", {"maxRestarts": 5, "backoffSeconds": 0}), tmp_path
+    )
     new_uid = cluster.job("same")["metadata"]["uid"]
     assert new_uid != old_uid
 
@@ -97,8 +124,10 @@ def test_a_job_applied_again_under_its_name_neither_counts_nor_adopts_the_old_jo
     held = eventually(waiting, timeout=60, what="Created=False NameHeld naming the old agent pod")
     waited = time.monotonic() - applied
     assert held["status"] == "False" and old_uid in held["message"], held
-    eventually(lambda: any("same-agent" in m for m in _warnings(cluster, new_uid, "NameHeld")),
-               what="a Warning Event naming the held object")
+    eventually(
+        lambda: any("same-agent" in m for m in _warnings(cluster, new_uid, "NameHeld")),
+        what="a Warning Event naming the held object",
+    )
     time.sleep(3)  # several reconciles and retries of the new job while the old pods stay
     status = cluster.status("same")
     assert status.get("phase") not in ("Failed", "Succeeded"), status
@@ -108,35 +137,60 @@ def test_a_job_applied_again_under_its_name_neither_counts_nor_adopts_the_old_jo
 
     released = time.monotonic()
     for name in old_pods:
-        cluster.plane.request("PATCH", _pod_path(cluster, name), {"metadata": {"finalizers": None}},
-                              content_type="application/merge-patch+json")
+        cluster.plane.request(
+            "PATCH",
+            _pod_path(cluster, name),
+            {"metadata": {"finalizers": None}},
+            content_type="application/merge-patch+json",
+        )
 
     def owned_by_the_new_job() -> dict[str, dict[str, Any]] | None:
         pods = _job_pods(cluster)
-        ok = len(pods) == 3 and all(_owner_uids(p) == {new_uid} and p["status"].get("phase") == "Running"
-                                    for p in pods.values())
+        ok = len(pods) == 3 and all(
+            _owner_uids(p) == {new_uid} and p["status"].get("phase") == "Running" for p in pods.values()
+        )
         return pods if ok else None
 
     eventually(owned_by_the_new_job, timeout=60, what="the new job's own agent and workers, running")
     started = time.monotonic() - released
-    status = eventually(lambda: (s := cluster.status("same")) and _condition(s, "Created").get("status") == "True"
-                        and s, what="Created=True")
+    status = eventually(
+        lambda: (s := cluster.status("same")) and _condition(s, "Created").get("status") == "True" and s,
+        what="Created=True",
+    )
     assert status.get("phase") not in ("Failed", "Succeeded") and status.get("restarts", {}).get("total", 0) == 0
-    for path in (f"/api/v1/namespaces/{cluster.ns}/secrets/same-store-{new_uid}",
-                 f"/api/v1/namespaces/{cluster.ns}/services/same-agent"):
+    for path in (
+        f"/api/v1/namespaces/{cluster.ns}/secrets/same-store-{new_uid}",
+        f"/api/v1/namespaces/{cluster.ns}/services/same-agent",
+    ):
         assert _owner_uids(cluster.plane.request("GET", path)) == {new_uid}, path
-    print(f"NameHeld in the status {waited:.1f} s after the re-apply; the new job's pods running "
-          f"{started:.1f} s after the old ones went")
+    print(
+        f"NameHeld in the status {waited:.1f} s after the re-apply; the new job's pods running "
+        f"{started:.1f} s after the old ones went"
+    )
 
 
 def test_an_object_of_the_jobs_name_owned_by_another_uid_is_waited_for_never_adopted(cluster, tmp_path):
     cluster.nodes(3)
-    owner = cluster.plane.request("POST", f"/api/v1/namespaces/{cluster.ns}/configmaps", {
-        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "someone-else"}})
-    blocker = cluster.plane.request("POST", f"/api/v1/namespaces/{cluster.ns}/services", {
-        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "held-agent", "ownerReferences": [{
-            "apiVersion": "v1", "kind": "ConfigMap", "name": "someone-else", "uid": owner["metadata"]["uid"]}]},
-        "spec": {"ports": [{"port": 29400}], "selector": {"app": "someone-else"}}})
+    owner = cluster.plane.request(
+        "POST",
+        f"/api/v1/namespaces/{cluster.ns}/configmaps",
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "someone-else"}},
+    )
+    blocker = cluster.plane.request(
+        "POST",
+        f"/api/v1/namespaces/{cluster.ns}/services",
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {
+                "name": "held-agent",
+                "ownerReferences": [
+                    {"apiVersion": "v1", "kind": "ConfigMap", "name": "someone-else", "uid": owner["metadata"]["uid"]}
+                ],
+            },
+            "spec": {"ports": [{"port": 29400}], "selector": {"app": "someone-else"}},
+        },
+    )
     cluster.apply(JobBuilder("held").nodes(1, 4, 2), tmp_path)
     uid = cluster.job("held")["metadata"]["uid"]
 
@@ -173,21 +227,30 @@ def test_deleting_a_job_while_the_operator_is_down_completes(cluster, operator, 
         deleted = time.monotonic() - started
         assert _try(lambda: cluster.job("orphan")) is None
         eventually(lambda: not _job_pods(cluster), timeout=90, what="the garbage collector removes the pods")
-        for path in (f"/api/v1/namespaces/{cluster.ns}/secrets/orphan-store-{uid}",
-                     f"/api/v1/namespaces/{cluster.ns}/services/orphan-agent",
-                     f"/apis/rbac.authorization.k8s.io/v1/namespaces/{cluster.ns}/roles/orphan-agent"):
+        for path in (
+            f"/api/v1/namespaces/{cluster.ns}/secrets/orphan-store-{uid}",
+            f"/api/v1/namespaces/{cluster.ns}/services/orphan-agent",
+            f"/apis/rbac.authorization.k8s.io/v1/namespaces/{cluster.ns}/roles/orphan-agent",
+        ):
             eventually(lambda: _try(lambda: cluster.plane.request("GET", path)) is None, timeout=60, what=path)
 
         # A job an older operator finalized, deleted while no operator runs, is freed by the new one's start.
         cluster.apply(JobBuilder("legacy").nodes(1, 4, 1), tmp_path)
-        cluster.plane.request("PATCH", cluster.jobs("legacy"), {"metadata": {"finalizers": ["disttrain.dev/operator"]}},
-                              content_type="application/merge-patch+json")
+        cluster.plane.request(
+            "PATCH",
+            cluster.jobs("legacy"),
+            {"metadata": {"finalizers": ["disttrain.dev/operator"]}},
+            content_type="application/merge-patch+json",
+        )
         cluster.plane.kubectl("delete", "-n", cluster.ns, "dtj/legacy", "--wait=false")
         time.sleep(1)
         assert cluster.job("legacy")["metadata"].get("deletionTimestamp"), "held by the old finalizer"
     finally:
         operator.start()
-    eventually(lambda: _try(lambda: cluster.job("legacy")) is None, timeout=60,
-               what="the new operator removes the old finalizer: the deletion completes")
+    eventually(
+        lambda: _try(lambda: cluster.job("legacy")) is None,
+        timeout=60,
+        what="the new operator removes the old finalizer: the deletion completes",
+    )
     print(f"kubectl delete with the operator down: {deleted:.1f} s (job uid {uid})")
     assert json.dumps(cluster.plane.request("GET", cluster.jobs())["items"]) == "[]"

@@ -17,11 +17,14 @@ from tests.cluster.controlplane import ControlPlane
 from tests.unit.operator.world import job_manifest
 
 pytestmark = pytest.mark.timeout(180)
-RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "latest"}
+RESTRICTED = {
+    "pod-security.kubernetes.io/enforce": "restricted",
+    "pod-security.kubernetes.io/enforce-version": "latest",
+}
 
 
 def _dry_run(plane: ControlPlane, obj: dict) -> str:
-    """"" when admitted, else the server's refusal."""
+    """ "" when admitted, else the server's refusal."""
     done = plane.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(obj), check=False)
     return "" if done.returncode == 0 else done.stderr
 

@@ -27,24 +27,55 @@ from tests.conftest import REPO_ROOT, JobBuilder
 RECORDER = "tests/workers/recorder.py"
 
 
-def e2e_job(name: str, out: pathlib.Path, *, replicas: int = 2, max_steps: int = 24, dataset: int = 288,
-            step_sleep: float = 0.0, extra_env: Optional[dict[str, str]] = None) -> JobBuilder:
+def e2e_job(
+    name: str,
+    out: pathlib.Path,
+    *,
+    replicas: int = 2,
+    max_steps: int = 24,
+    dataset: int = 288,
+    step_sleep: float = 0.0,
+    extra_env: Optional[dict[str, str]] = None,
+) -> JobBuilder:
     """A lean job: 12 samples per step, checkpoints every 5 steps, 1 process per node, fast local timings."""
-    env = [{"name": "E2E_OUT", "value": str(out)}, {"name": "E2E_DATASET", "value": str(dataset)},
-           {"name": "E2E_STEP_SLEEP", "value": str(step_sleep)}]
+    env = [
+        {"name": "E2E_OUT", "value": str(out)},
+        {"name": "E2E_DATASET", "value": str(dataset)},
+        {"name": "E2E_STEP_SLEEP", "value": str(step_sleep)},
+    ]
     env += [{"name": k, "value": v} for k, v in (extra_env or {}).items()]
-    return (JobBuilder(name)
-            .nodes(1, 3, replicas)
-            .set("spec.template.spec.containers", [{"name": "trainer", "image": "local",
-                                                    "command": ["python", "-u", RECORDER], "env": env}])
-            .set("spec.training", {"globalBatchSize": 12, "microBatchSize": 2, "lr": {"base": 0.05},
-                                   "maxSteps": max_steps, "seed": 3})
-            .set("spec.checkpoint", {"claimName": "local", "path": "/ckpt", "intervalSteps": 5, "keep": 3})
-            .set("spec.rendezvous", {"joinTimeoutSeconds": 120, "lastCallTimeoutSeconds": 30,
-                                     "keepAliveIntervalSeconds": 1, "keepAliveMaxAttempts": 3})
-            .set("spec.elastic", {"scaleDebounceSeconds": 0, "replacementWaitSeconds": 5,
-                                  "drainTimeoutSeconds": 60, "collectiveTimeoutSeconds": 20})
-            .set("spec.restartPolicy", {"backoffSeconds": 0}))
+    return (
+        JobBuilder(name)
+        .nodes(1, 3, replicas)
+        .set(
+            "spec.template.spec.containers",
+            [{"name": "trainer", "image": "local", "command": ["python", "-u", RECORDER], "env": env}],
+        )
+        .set(
+            "spec.training",
+            {"globalBatchSize": 12, "microBatchSize": 2, "lr": {"base": 0.05}, "maxSteps": max_steps, "seed": 3},
+        )
+        .set("spec.checkpoint", {"claimName": "local", "path": "/ckpt", "intervalSteps": 5, "keep": 3})
+        .set(
+            "spec.rendezvous",
+            {
+                "joinTimeoutSeconds": 120,
+                "lastCallTimeoutSeconds": 30,
+                "keepAliveIntervalSeconds": 1,
+                "keepAliveMaxAttempts": 3,
+            },
+        )
+        .set(
+            "spec.elastic",
+            {
+                "scaleDebounceSeconds": 0,
+                "replacementWaitSeconds": 5,
+                "drainTimeoutSeconds": 60,
+                "collectiveTimeoutSeconds": 20,
+            },
+        )
+        .set("spec.restartPolicy", {"backoffSeconds": 0})
+    )
 
 
 @dataclasses.dataclass
@@ -84,9 +115,15 @@ class Run:
         return {step: runs[-1] for step, runs in sorted(self.executions().items())}
 
 
-def run_job(tmp_path: pathlib.Path, builder: JobBuilder, *, chaos: str = "",
-            on_tick: Optional[Callable[[LocalRuntime, Snapshot], None]] = None, timeout_s: float = 150,
-            not_ready_delay_s: float = 0.0) -> Run:
+def run_job(
+    tmp_path: pathlib.Path,
+    builder: JobBuilder,
+    *,
+    chaos: str = "",
+    on_tick: Optional[Callable[[LocalRuntime, Snapshot], None]] = None,
+    timeout_s: float = 150,
+    not_ready_delay_s: float = 0.0,
+) -> Run:
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump(builder.build()))
     job = validation.load_job(manifest)
@@ -98,8 +135,14 @@ def run_job(tmp_path: pathlib.Path, builder: JobBuilder, *, chaos: str = "",
         if on_tick is not None:
             on_tick(holder["runtime"], snapshot)
 
-    runtime = LocalRuntime(job, state, chaos=chaos_mod.parse_chaos(chaos), workdir=str(REPO_ROOT), on_tick=tick,
-                           not_ready_delay_s=not_ready_delay_s)
+    runtime = LocalRuntime(
+        job,
+        state,
+        chaos=chaos_mod.parse_chaos(chaos),
+        workdir=str(REPO_ROOT),
+        on_tick=tick,
+        not_ready_delay_s=not_ready_delay_s,
+    )
     holder["runtime"] = runtime
     summary = runtime.run(timeout_s=timeout_s)
     return Run(summary, runtime, state, out)

@@ -64,17 +64,35 @@ class Prometheus:
 
     def _config(self) -> dict[str, Any]:
         interval = f"{self.scrape_interval_s}s"
-        return {"global": {"scrape_interval": interval, "scrape_timeout": interval, "evaluation_interval": interval},
-                "scrape_configs": [{"job_name": job, "honor_labels": honor, "file_sd_configs": [
-                    {"files": [str(self._sd_file(job))], "refresh_interval": interval}]}
-                    for job, honor in self.jobs.items()]}
+        return {
+            "global": {"scrape_interval": interval, "scrape_timeout": interval, "evaluation_interval": interval},
+            "scrape_configs": [
+                {
+                    "job_name": job,
+                    "honor_labels": honor,
+                    "file_sd_configs": [{"files": [str(self._sd_file(job))], "refresh_interval": interval}],
+                }
+                for job, honor in self.jobs.items()
+            ],
+        }
 
     def _start(self, config: pathlib.Path) -> None:
         log = (self.workdir / "prometheus.log").open("ab")
         self.process = subprocess.Popen(
-            [find_binary("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={self.workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1d", "--log.level=warn"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.workdir, start_new_session=True)
+            [
+                find_binary("prometheus"),
+                f"--config.file={config}",
+                f"--storage.tsdb.path={self.workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--storage.tsdb.retention.time=1d",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=self.workdir,
+            start_new_session=True,
+        )
         log.close()
 
     def _wait_ready(self, timeout_s: float) -> bool:
@@ -138,8 +156,12 @@ class Prometheus:
         """Every raw sample of ``selector`` in the ``lookback_s`` before ``at``: labels (the metric name left out,
         so the series of one target match across metrics) -> [(time, value)]."""
         data = self.api("query", query=f"{selector}[{lookback_s}s]", time=f"{at:.3f}")
-        return {frozenset((k, v) for k, v in series["metric"].items() if k != "__name__"):
-                [(float(t), float(v)) for t, v in series["values"]] for series in data["result"]}
+        return {
+            frozenset((k, v) for k, v in series["metric"].items() if k != "__name__"): [
+                (float(t), float(v)) for t, v in series["values"]
+            ]
+            for series in data["result"]
+        }
 
     def query_range(self, expr: str, start: float, end: float, step_s: float) -> list[dict[str, Any]]:
         return self.api("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step=step_s)["result"]

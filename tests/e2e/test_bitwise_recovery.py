@@ -129,7 +129,9 @@ def test_in_place_only_the_interrupted_step_runs_again_and_the_run_is_bitwise_th
     got, ref = global_losses(node_killed_in_place), global_losses(node_killed)
     assert {s: (got[s], ref[s]) for s in got if got[s] != ref[s]} == {}
     assert differing(final_state(node_killed_in_place, STEPS), final_state(node_killed, STEPS)) == {}
-    survivors = {r["process"] for r in node_killed_in_place.records() if not r["process"].startswith("kill3ip-worker-0")}
+    survivors = {
+        r["process"] for r in node_killed_in_place.records() if not r["process"].startswith("kill3ip-worker-0")
+    }
     assert len(survivors) == 2, f"the survivors kept their processes (one records file each): {survivors}"
 
 

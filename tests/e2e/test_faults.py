@@ -25,8 +25,9 @@ def _covers_epoch_once(run, samples: int) -> None:
 
 @pytest.mark.timeout(240)
 def test_a_killed_job_agent_is_recreated_and_the_workers_rejoin_and_finish(tmp_path):
-    run = run_job(tmp_path, e2e_job("agentkill", tmp_path / "records", replicas=2, step_sleep=0.15),
-                  chaos="kill-agent@step=8")
+    run = run_job(
+        tmp_path, e2e_job("agentkill", tmp_path / "records", replicas=2, step_sleep=0.15), chaos="kill-agent@step=8"
+    )
     assert run.summary.succeeded, run.reasons()
     reasons = run.reasons()
     assert "ChaosKillAgent" in reasons and "AgentRestarted" in reasons
@@ -104,9 +105,22 @@ def test_a_malformed_manifest_is_refused_naming_the_field_and_nothing_starts(tmp
     manifest = tmp_path / "bad.yaml"
     manifest.write_text(yaml.safe_dump(bad))
     before = set(os.listdir("/proc"))
-    result = subprocess.run([sys.executable, "-m", "disttrain.operator.cli", "local", "run", str(manifest),
-                             "--state-dir", str(tmp_path / "state")], capture_output=True, text=True, timeout=60,
-                            cwd=REPO_ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "disttrain.operator.cli",
+            "local",
+            "run",
+            str(manifest),
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+    )
     assert result.returncode == 2, result.stderr
     assert "spec.training.microBatchSize" in result.stderr
     assert "spec.checkpoint.intervalStep: unknown field" in result.stderr

@@ -30,8 +30,13 @@ def test_the_directive_comes_from_the_heartbeats_before_the_node_is_notready(tmp
         if control.get("action") == "reform" and "directive" not in seen:
             seen["directive"] = (time.time(), control.get("reason"), list(control.get("exclude") or []))
 
-    run = run_job(tmp_path, e2e_job("hb", tmp_path / "records", replicas=2, step_sleep=0.05),
-                  chaos="kill-node@step=6", on_tick=on_tick, not_ready_delay_s=NOT_READY_DELAY_S)
+    run = run_job(
+        tmp_path,
+        e2e_job("hb", tmp_path / "records", replicas=2, step_sleep=0.05),
+        chaos="kill-node@step=6",
+        on_tick=on_tick,
+        not_ready_delay_s=NOT_READY_DELAY_S,
+    )
     assert run.summary.succeeded, run.reasons()
     victim = seen["victim"]
     directive_at, reason, exclude = seen["directive"]

@@ -15,8 +15,9 @@ pytestmark = [pytest.mark.slow]
 
 def _global_losses(trajectory):
     """step -> the step's loss over the global batch (sum over ranks / global batch)."""
-    return {step: sum(r["loss_sum"] for r in records) / records[0]["global_batch"]
-            for step, records in trajectory.items()}
+    return {
+        step: sum(r["loss_sum"] for r in records) / records[0]["global_batch"] for step, records in trajectory.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +47,9 @@ def node_loss(tmp_path_factory):
         if status.get("phase") == "Succeeded" and len(scrapes) == 1:
             scrapes.append(scrape(runtime.metrics_url))
 
-    run = run_job(tmp, e2e_job("loss", tmp / "records", replicas=3, step_sleep=0.05), chaos="kill-node@step=8",
-                  on_tick=on_tick)
+    run = run_job(
+        tmp, e2e_job("loss", tmp / "records", replicas=3, step_sleep=0.05), chaos="kill-node@step=8", on_tick=on_tick
+    )
     run.scrapes = scrapes
     run.first_reform = reforms[0] if reforms else None
     return run
@@ -77,8 +79,9 @@ def test_after_the_reform_the_loss_trajectory_equals_an_uninterrupted_reference(
 
 @pytest.mark.timeout(240)
 def test_the_consumed_sample_indices_cover_the_epoch_exactly(node_loss):
-    consumed = collections.Counter(i for recs in node_loss.final_trajectory().values() for r in recs
-                                   for i in r["indices"])
+    consumed = collections.Counter(
+        i for recs in node_loss.final_trajectory().values() for r in recs for i in r["indices"]
+    )
     assert sorted(consumed) == list(range(288))
     assert set(consumed.values()) == {1}
 
@@ -92,8 +95,10 @@ def test_the_operator_metrics_show_restarts_by_reason_reform_duration_and_last_c
     assert during[f'disttrain_job_restarts_total{{{labels},reason="{reason}"}}'] == 1
     assert during[f"disttrain_job_reform_duration_seconds_count{{{labels}}}"] == 1
     assert during[f"disttrain_job_reform_duration_seconds_sum{{{labels}}}"] > 0
-    assert end[f"disttrain_job_last_complete_checkpoint_step{{{labels}}}"] == 20.0 or \
-        end[f"disttrain_job_last_complete_checkpoint_step{{{labels}}}"] == 24.0
+    assert (
+        end[f"disttrain_job_last_complete_checkpoint_step{{{labels}}}"] == 20.0
+        or end[f"disttrain_job_last_complete_checkpoint_step{{{labels}}}"] == 24.0
+    )
     assert end[f'disttrain_job_phase{{{labels},phase="Succeeded"}}'] == 1
 
 
@@ -115,7 +120,12 @@ def test_the_reform_reports_its_phases_and_they_add_up(node_loss):
     # may be 0: a warm interpreter imported before the hand-over, disttrain.trainer.warmstart.)
     assert phases["restart"] > 0 and phases["processGroup"] > 0 and phases["checkpointLoad"] > 0, phases
     for phase in ReformPhase:
-        assert node_loss.scrapes[0][f'disttrain_job_reform_phase_seconds_count{{namespace="default",phase="{phase.value}"}}'] == 1
+        assert (
+            node_loss.scrapes[0][
+                f'disttrain_job_reform_phase_seconds_count{{namespace="default",phase="{phase.value}"}}'
+            ]
+            == 1
+        )
     assert any(e["reason"] == "Reformed" and "phases: detection" in e["message"] for e in node_loss.events)
 
 
@@ -139,8 +149,7 @@ def spare_loss(tmp_path_factory):
         seen["killed"] = max(members, key=lambda p: p.index).name
         runtime.apply_chaos(chaos_mod.parse_chaos(f"kill-node:{max(p.index for p in members)}@0s")[0])
 
-    run = run_job(tmp, e2e_job("spare", out, replicas=3, step_sleep=0.05).set("spec.nodes.spares", 1),
-                  on_tick=on_tick)
+    run = run_job(tmp, e2e_job("spare", out, replicas=3, step_sleep=0.05).set("spec.nodes.spares", 1), on_tick=on_tick)
     run.seen = seen
     return run
 
@@ -155,8 +164,12 @@ def test_a_hot_spare_takes_the_lost_nodes_place_and_the_trajectory_is_unchanged(
     trajectory = spare_loss.final_trajectory()
     resumed = [recs for recs in trajectory.values() if recs[0]["resumed_from"]]
     assert resumed, "the run never resumed from a checkpoint: the kill missed the training"
-    after = {r["process"].rsplit("-", 1)[0] for recs in trajectory.values() for r in recs
-             if r["step"] > resumed[0][0]["resumed_from"]}
+    after = {
+        r["process"].rsplit("-", 1)[0]
+        for recs in trajectory.values()
+        for r in recs
+        if r["step"] > resumed[0][0]["resumed_from"]
+    }
     assert len(after) == 3 and spare_loss.seen["killed"] not in after
     assert after <= spare_loss.seen["before"], f"a pod created after the loss trained: {after}"
     ref = _global_losses(reference.final_trajectory())
@@ -182,8 +195,9 @@ def idle_spare_loss(tmp_path_factory):
         seen["killed"], seen["members"] = spare.name, set(members)
         runtime.apply_chaos(chaos_mod.parse_chaos(f"kill-node:{spare.index}@0s")[0])
 
-    run = run_job(tmp, e2e_job("idle", tmp / "records", replicas=3, step_sleep=0.1).set("spec.nodes.spares", 1),
-                  on_tick=on_tick)
+    run = run_job(
+        tmp, e2e_job("idle", tmp / "records", replicas=3, step_sleep=0.1).set("spec.nodes.spares", 1), on_tick=on_tick
+    )
     run.seen = seen
     return run
 

@@ -77,13 +77,25 @@ class Choreography:
         self.statuses.append(copy.deepcopy(status))
         labels = {"namespace": NAMESPACE, "job": JOB}
         self.prometheus.set_targets("operator", [(runtime.metrics_url.split("/")[2], {})])
-        self.prometheus.set_targets("workers", [(f"127.0.0.1:{pod.metrics_port}", {**labels, "pod": pod.name})
-                                                for pod in runtime.workers.values() if pod.metrics_port])
+        self.prometheus.set_targets(
+            "workers",
+            [
+                (f"127.0.0.1:{pod.metrics_port}", {**labels, "pod": pod.name})
+                for pod in runtime.workers.values()
+                if pod.metrics_port
+            ],
+        )
         restarted = (status.get("restarts") or {}).get("total", 0) >= 1
         settled = status.get("phase") == "Running" and (status.get("control") or {}).get("action", "none") == "none"
         reformed_step = (status.get("lastReform") or {}).get("durationSeconds") is not None
-        if restarted and settled and reformed_step and not self.scaled_down_at_step \
-                and status.get("worldSize", 0) >= 2 and status.get("step", 0) >= 14:
+        if (
+            restarted
+            and settled
+            and reformed_step
+            and not self.scaled_down_at_step
+            and status.get("worldSize", 0) >= 2
+            and status.get("step", 0) >= 14
+        ):
             self.scaled_down_at_step = status["step"]
             replicas = int(status.get("desiredNodes") or status["worldSize"]) - 1
             assert cli.main(["local", "scale", str(runtime.state.path), "--replicas", str(replicas)]) == 0
@@ -97,8 +109,15 @@ def observed(tmp_path_factory):
         builder = e2e_job(JOB, tmp / "records", replicas=3, max_steps=48, dataset=576, step_sleep=0.2)
         # The group waits for the replacement (up to 60 s) instead of re-forming without it: one reform per event,
         # whatever the machine's load.
-        builder.set("spec.elastic", {"scaleDebounceSeconds": 0, "replacementWaitSeconds": 60,
-                                     "drainTimeoutSeconds": 60, "collectiveTimeoutSeconds": 20})
+        builder.set(
+            "spec.elastic",
+            {
+                "scaleDebounceSeconds": 0,
+                "replacementWaitSeconds": 60,
+                "drainTimeoutSeconds": 60,
+                "collectiveTimeoutSeconds": 20,
+            },
+        )
         run = run_job(tmp, builder, chaos="kill-node@step=6", on_tick=choreography, timeout_s=180)
         prometheus.set_targets("operator", [])
         prometheus.set_targets("workers", [])
@@ -143,11 +162,12 @@ def test_reforms_by_reason_are_the_status_and_event_counts(observed):
     for labels, points in series.items():
         reason = dict(labels)["reason"]
         for at, value in points:
-            seen = {_reforms_by_reason(observed.statuses[:i + 1])[reason] for i in observed.ticks_around(at)}
+            seen = {_reforms_by_reason(observed.statuses[: i + 1])[reason] for i in observed.ticks_around(at)}
             assert value in seen, (reason, at, value, seen)
     last = {dict(labels)["reason"]: points[-1][1] for labels, points in series.items()}
-    reformed_events = collections.Counter(re.search(r"after (\w+)", e["message"]).group(1)
-                                          for e in observed.run.events if e["reason"] == "Reformed")
+    reformed_events = collections.Counter(
+        re.search(r"after (\w+)", e["message"]).group(1) for e in observed.run.events if e["reason"] == "Reformed"
+    )
     assert {r: n for r, n in last.items() if n} == dict(reformed_events) == dict(_reforms_by_reason(observed.statuses))
     assert sum(last.values()) == observed.statuses[-1]["reforms"]
 
@@ -187,8 +207,11 @@ def test_checkpoint_step_and_age_are_the_status_checkpoint(observed):
         checked.add(step)
     assert len(ages) >= 10 and len(checked) >= 3, (len(ages), checked)
     assert int(steps[max(steps)]) == observed.statuses[-1]["lastCheckpoint"]["step"]
-    announced = {int(re.search(r"step (\d+)", e["message"]).group(1))
-                 for e in observed.run.events if e["reason"] == "CheckpointCommitted"}
+    announced = {
+        int(re.search(r"step (\d+)", e["message"]).group(1))
+        for e in observed.run.events
+        if e["reason"] == "CheckpointCommitted"
+    }
     # Events only on transitions (the first checkpoint, the first after a resume), never one per commit: the
     # metrics carry every commit.
     assert min(committed) in announced and announced <= set(committed), (announced, sorted(committed))
@@ -237,8 +260,9 @@ def test_samples_per_second_are_what_rank_0_logged(observed):
 def test_every_dashboard_query_answers_with_data(observed):
     """Each panel query, with Grafana's variables filled in for this job, over the run: at least one number."""
     start = observed.ticks[0]
-    values = dashboard.grafana_values(namespace=NAMESPACE, job=JOB, scrape_interval_s=1,
-                                      range_s=observed.end - start, goodput_window="30s")
+    values = dashboard.grafana_values(
+        namespace=NAMESPACE, job=JOB, scrape_interval_s=1, range_s=observed.end - start, goodput_window="30s"
+    )
     empty = []
     for query in dashboard.queries():
         result = observed.prometheus.query_range(dashboard.fill(query.expr, values), start, observed.end, 1)
@@ -246,7 +270,7 @@ def test_every_dashboard_query_answers_with_data(observed):
             empty.append(str(query))
     assert not empty, "queries without data:\n" + "\n".join(empty)
     for name, query in dashboard.variable_queries().items():
-        selector, label = (part.strip() for part in query[len("label_values("):-1].rsplit(",", 1))
+        selector, label = (part.strip() for part in query[len("label_values(") : -1].rsplit(",", 1))
         answer = observed.prometheus.label_values(label, dashboard.fill(selector, {"namespace": NAMESPACE}))
         assert answer == [{"namespace": NAMESPACE, "job": JOB}[label]], (name, answer)
 
@@ -255,8 +279,10 @@ def test_every_dashboard_query_answers_with_data(observed):
 def test_goodput_over_the_run_counts_the_lost_node_and_the_reforms(observed):
     [goodput] = [q for q in dashboard.queries() if q.panel == "Goodput (time range)"]
     range_s = observed.end - observed.ticks[0]
-    values = dashboard.grafana_values(namespace=NAMESPACE, job=JOB, scrape_interval_s=1, range_s=range_s,
-                                      goodput_window="30s")
-    [series] = observed.prometheus.api("query", query=dashboard.fill(goodput.expr, values),
-                                       time=f"{observed.end:.3f}")["result"]
+    values = dashboard.grafana_values(
+        namespace=NAMESPACE, job=JOB, scrape_interval_s=1, range_s=range_s, goodput_window="30s"
+    )
+    [series] = observed.prometheus.api("query", query=dashboard.fill(goodput.expr, values), time=f"{observed.end:.3f}")[
+        "result"
+    ]
     assert 0 < float(series["value"][1]) < 1, series

@@ -40,9 +40,11 @@ class Scaler:
         self.leaving = None
         if world != self.world:
             try:
-                sample = dict(scrape(runtime.metrics_url), world=world,
-                              **{f"worker:{k}": v for url in snapshot.worker_metrics[:1]
-                                 for k, v in scrape(url).items()})
+                sample = dict(
+                    scrape(runtime.metrics_url),
+                    world=world,
+                    **{f"worker:{k}": v for url in snapshot.worker_metrics[:1] for k, v in scrape(url).items()},
+                )
             except OSError:  # a worker's endpoint going away in a reform (connection reset): the next tick retries
                 return
             self.world, self.since_step = world, step
@@ -57,8 +59,13 @@ class Scaler:
 
 
 def _status_from_another_terminal(state_dir) -> dict:
-    result = subprocess.run([sys.executable, "-m", "disttrain.operator.cli", "local", "status", str(state_dir), "--json"],
-                            capture_output=True, text=True, timeout=30, check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "disttrain.operator.cli", "local", "status", str(state_dir), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     return json.loads(result.stdout)
 
 
@@ -67,8 +74,11 @@ def test_planned_scale_down_and_scale_up_lose_no_step(tmp_path):
     scaler = Scaler([2, 3])
     # Long enough that a scale-up node starting slowly on a loaded machine (8 s seen) joins before the last step.
     steps = 160
-    run = run_job(tmp_path, e2e_job("scale", tmp_path / "records", replicas=3, max_steps=steps, dataset=960,
-                                    step_sleep=0.1), on_tick=scaler)
+    run = run_job(
+        tmp_path,
+        e2e_job("scale", tmp_path / "records", replicas=3, max_steps=steps, dataset=960, step_sleep=0.1),
+        on_tick=scaler,
+    )
     assert run.summary.succeeded, run.reasons()
     assert not scaler.sizes, f"scale requests left: {scaler.sizes}; events {run.reasons()}"
     seen = scaler.status_seen
@@ -95,9 +105,18 @@ def test_planned_scale_down_and_scale_up_lose_no_step(tmp_path):
 @pytest.mark.timeout(300)
 def test_scaled_batch_policy_applies_the_plan_after_each_reform(tmp_path):
     builder = e2e_job("scaled", tmp_path / "records", replicas=2, max_steps=250, dataset=2000, step_sleep=0.1)
-    builder.set("spec.training", {"globalBatchSize": 4, "microBatchSize": 2, "batchPolicy": "scaled",
-                                  "accumulationSteps": 1, "lr": {"base": 0.05, "scaling": "linear"},
-                                  "maxSteps": 250, "seed": 3})
+    builder.set(
+        "spec.training",
+        {
+            "globalBatchSize": 4,
+            "microBatchSize": 2,
+            "batchPolicy": "scaled",
+            "accumulationSteps": 1,
+            "lr": {"base": 0.05, "scaling": "linear"},
+            "maxSteps": 250,
+            "seed": 3,
+        },
+    )
     scaler = Scaler([3, 2])
     run = run_job(tmp_path, builder, on_tick=scaler)
     assert run.summary.succeeded, run.reasons()

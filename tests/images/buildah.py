@@ -44,8 +44,9 @@ class Container:
         buildah("from", "--pull=never", *hosts, "--name", self.name, image)
         self._mounted: Optional[Path] = None
 
-    def argv(self, command: Sequence[str], env: Optional[Mapping[str, str]] = None,
-             volumes: Optional[Volumes] = None) -> list[str]:
+    def argv(
+        self, command: Sequence[str], env: Optional[Mapping[str, str]] = None, volumes: Optional[Volumes] = None
+    ) -> list[str]:
         argv = ["buildah", "run", "--isolation", "chroot"]
         if self.hostname:
             argv += ["--hostname", self.hostname]
@@ -55,8 +56,13 @@ class Container:
             argv += ["--volume", f"{host}:{inside}"]
         return [*argv, self.name, "--", *command]
 
-    def run(self, *command: str, env: Optional[Mapping[str, str]] = None, volumes: Optional[Volumes] = None,
-            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def run(
+        self,
+        *command: str,
+        env: Optional[Mapping[str, str]] = None,
+        volumes: Optional[Volumes] = None,
+        timeout: float = 120,
+    ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(self.argv(command, env, volumes), capture_output=True, text=True, timeout=timeout)
 
     def check(self, *command: str, env: Optional[Mapping[str, str]] = None, timeout: float = 120) -> str:
@@ -65,8 +71,13 @@ class Container:
         assert proc.returncode == 0, f"{command} exited {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
         return proc.stdout
 
-    def start(self, command: Sequence[str], log: Path, env: Optional[Mapping[str, str]] = None,
-              volumes: Optional[Volumes] = None) -> subprocess.Popen[bytes]:
+    def start(
+        self,
+        command: Sequence[str],
+        log: Path,
+        env: Optional[Mapping[str, str]] = None,
+        volumes: Optional[Volumes] = None,
+    ) -> subprocess.Popen[bytes]:
         """A command left running in the background (a second pod), its output in ``log``."""
         with log.open("wb") as out:
             return subprocess.Popen(self.argv(command, env, volumes), stdout=out, stderr=subprocess.STDOUT)

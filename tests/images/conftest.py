@@ -44,8 +44,9 @@ def images(pytestconfig: pytest.Config) -> Images:
         pytest.skip(why)
     start = time.monotonic()
     env = {**os.environ, "PIP": f"{sys.executable} -m pip", "IMAGE_TAG": TAG}
-    proc = subprocess.run([str(REPO_ROOT / "scripts" / "images" / "build.sh")], env=env, capture_output=True,
-                          text=True, timeout=1800)
+    proc = subprocess.run(
+        [str(REPO_ROOT / "scripts" / "images" / "build.sh")], env=env, capture_output=True, text=True, timeout=1800
+    )
     if proc.returncode != 0:
         pytest.fail(f"scripts/images/build.sh exited {proc.returncode}:\n{proc.stdout}{proc.stderr[-6000:]}")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("images: ")]
@@ -53,5 +54,6 @@ def images(pytestconfig: pytest.Config) -> Images:
     with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
         print("\n" + "\n".join([*lines, f"images: build.sh took {time.monotonic() - start:.0f} s"]), flush=True)
     base = next(line.split()[-1] for line in lines if line.startswith("images: base "))
-    return Images(base=base, operator=f"localhost/disttrain-operator:{TAG}",
-                  trainer=f"localhost/disttrain-trainer:{TAG}")
+    return Images(
+        base=base, operator=f"localhost/disttrain-operator:{TAG}", trainer=f"localhost/disttrain-trainer:{TAG}"
+    )

@@ -78,8 +78,9 @@ def run_job(image: str, job: DistTrainJob, tmp: Path, timeout: float = 180) -> J
         agent_proc = agent_ctr.start(agent_argv, tmp / "agent.log", env=secret_env, volumes={state: STATE})
         try:
             wait_for_port(agent_ctr, port, agent_proc, tmp / "agent.log")
-            worker = worker_ctr.start(pods.worker_command(worker_pod), tmp / "worker.log", env=worker_env,
-                                      volumes=volumes)
+            worker = worker_ctr.start(
+                pods.worker_command(worker_pod), tmp / "worker.log", env=worker_env, volumes=volumes
+            )
             try:
                 returncode = worker.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -94,10 +95,14 @@ def run_job(image: str, job: DistTrainJob, tmp: Path, timeout: float = 180) -> J
             except subprocess.TimeoutExpired:
                 stop(agent_proc)
     status_file = state / constants.LOCAL_AGENT_STATUS_FILE
-    return JobRun(returncode=returncode, log=(tmp / "worker.log").read_text(),
-                  agent_log=(tmp / "agent.log").read_text(), checkpoints=checkpoints,
-                  agent_status=json.loads(status_file.read_text()) if status_file.exists() else {},
-                  command=pods.worker_command(worker_pod))
+    return JobRun(
+        returncode=returncode,
+        log=(tmp / "worker.log").read_text(),
+        agent_log=(tmp / "agent.log").read_text(),
+        checkpoints=checkpoints,
+        agent_status=json.loads(status_file.read_text()) if status_file.exists() else {},
+        command=pods.worker_command(worker_pod),
+    )
 
 
 def wait_for_port(ctr: Container, port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60) -> None:

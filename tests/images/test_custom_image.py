@@ -21,9 +21,24 @@ EXAMPLE = REPO_ROOT / "examples" / "custom-image"
 @pytest.fixture(scope="module")
 def custom_image(images: Images) -> Iterator[str]:
     name = f"localhost/disttrain-test-custom-image:{TAG}"
-    proc = subprocess.run(["buildah", "bud", "--quiet", "--isolation", "chroot", "--pull=never",
-                           "--build-arg", f"TRAINER_IMAGE={images.trainer}", "-t", name, str(EXAMPLE)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            "buildah",
+            "bud",
+            "--quiet",
+            "--isolation",
+            "chroot",
+            "--pull=never",
+            "--build-arg",
+            f"TRAINER_IMAGE={images.trainer}",
+            "-t",
+            name,
+            str(EXAMPLE),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     yield name
     buildah("rmi", name)

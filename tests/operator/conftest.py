@@ -33,9 +33,13 @@ async def api():
     async with emulator, kmock.Server(emulator) as server:
         emulator.resources.load_bundled()
         emulator.resources[f"{constants.GROUP}/{constants.VERSION}/{constants.PLURAL}"] = kmock.ResourceInfo(
-            kind=constants.KIND, singular=constants.SINGULAR, namespaced=True, subresources={"status", "scale"},
+            kind=constants.KIND,
+            singular=constants.SINGULAR,
+            namespaced=True,
+            subresources={"status", "scale"},
             shortnames={constants.SHORT_NAME},
-            verbs={"get", "list", "watch", "create", "update", "patch", "delete"})
+            verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+        )
         emulator.url_ = str(server.url).rstrip("/")
         yield emulator
 
@@ -69,8 +73,11 @@ class Operator:
         handlers.register(registry, api_client, self.metrics)
         ready = asyncio.Event()
         self.stop_flag = asyncio.Event()
-        self.task = asyncio.create_task(kopf.operator(registry=registry, clusterwide=True, standalone=True,
-                                                      ready_flag=ready, stop_flag=self.stop_flag))
+        self.task = asyncio.create_task(
+            kopf.operator(
+                registry=registry, clusterwide=True, standalone=True, ready_flag=ready, stop_flag=self.stop_flag
+            )
+        )
         await asyncio.wait_for(ready.wait(), timeout=10)
 
     async def stop(self) -> None:
@@ -133,17 +140,41 @@ class Kubectl:
 
     async def run_pod(self, name: str, node: str) -> None:
         """The scheduler binds the pod and the kubelet reports it Running and Ready."""
-        await self.merge(f"{PODS}/{name}/status", {"spec": {"nodeName": node}, "status": {
-            "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}})
+        await self.merge(
+            f"{PODS}/{name}/status",
+            {
+                "spec": {"nodeName": node},
+                "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
+            },
+        )
 
     async def fail_pod(self, name: str, exit_code: int) -> None:
-        await self.merge(f"{PODS}/{name}/status", {"status": {"phase": "Failed", "containerStatuses": [
-            {"name": "trainer", "image": "example/trainer:1", "imageID": "", "ready": False, "restartCount": 0,
-             "state": {"terminated": {"exitCode": exit_code}}}]}})
+        await self.merge(
+            f"{PODS}/{name}/status",
+            {
+                "status": {
+                    "phase": "Failed",
+                    "containerStatuses": [
+                        {
+                            "name": "trainer",
+                            "image": "example/trainer:1",
+                            "imageID": "",
+                            "ready": False,
+                            "restartCount": 0,
+                            "state": {"terminated": {"exitCode": exit_code}},
+                        }
+                    ],
+                }
+            },
+        )
 
     async def node(self, name: str, ready: str = "True") -> None:
-        body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
-                "status": {"conditions": [{"type": "Ready", "status": ready}]}}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": name},
+            "status": {"conditions": [{"type": "Ready", "status": ready}]},
+        }
         if await self.get(f"/api/v1/nodes/{name}") is None:
             await self.request("POST", "/api/v1/nodes", body)
         else:

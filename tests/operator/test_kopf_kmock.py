@@ -14,11 +14,15 @@ from disttrain.api import constants, env
 pytestmark = pytest.mark.timeout(60)
 
 MANIFEST = {
-    "apiVersion": "disttrain.dev/v1alpha1", "kind": "DistTrainJob",
+    "apiVersion": "disttrain.dev/v1alpha1",
+    "kind": "DistTrainJob",
     "metadata": {"name": "demo", "namespace": "default"},
     "spec": {
-        "template": {"spec": {"containers": [{"name": "trainer", "image": "example/trainer:1",
-                                              "command": ["python", "train.py"]}]}},
+        "template": {
+            "spec": {
+                "containers": [{"name": "trainer", "image": "example/trainer:1", "command": ["python", "train.py"]}]
+            }
+        },
         "nodes": {"min": 1, "max": 4, "replicas": 2},
         "training": {"globalBatchSize": 24, "microBatchSize": 2, "lr": {"base": 0.1}, "maxSteps": 100},
         "checkpoint": {"claimName": "ckpt", "intervalSteps": 10},
@@ -77,12 +81,21 @@ async def test_apply_creates_agent_services_rbac_and_workers_owned_by_the_job(op
     uid = job["metadata"]["uid"]
     pods = await eventually(lambda: _count(k, 3))
     assert set(pods) == {"demo-agent", "demo-worker-0", "demo-worker-1"}
-    owner = {"apiVersion": "disttrain.dev/v1alpha1", "kind": "DistTrainJob", "name": "demo", "uid": uid,
-             "controller": True, "blockOwnerDeletion": True}
-    for path in ("/api/v1/namespaces/default/services/demo-agent", "/api/v1/namespaces/default/services/demo-workers",
-                 "/api/v1/namespaces/default/serviceaccounts/demo-agent",
-                 "/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles/demo-agent",
-                 "/apis/rbac.authorization.k8s.io/v1/namespaces/default/rolebindings/demo-agent"):
+    owner = {
+        "apiVersion": "disttrain.dev/v1alpha1",
+        "kind": "DistTrainJob",
+        "name": "demo",
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    for path in (
+        "/api/v1/namespaces/default/services/demo-agent",
+        "/api/v1/namespaces/default/services/demo-workers",
+        "/api/v1/namespaces/default/serviceaccounts/demo-agent",
+        "/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles/demo-agent",
+        "/apis/rbac.authorization.k8s.io/v1/namespaces/default/rolebindings/demo-agent",
+    ):
         obj = await k.get(path)
         assert obj is not None, path
         assert obj["metadata"]["ownerReferences"] == [owner]
@@ -100,8 +113,11 @@ async def test_apply_creates_agent_services_rbac_and_workers_owned_by_the_job(op
     # What the operator posted is what a real apiserver accepts (server-set fields stripped).
     for pod in pods.values():
         posted = {key: pod[key] for key in ("apiVersion", "kind", "spec")}
-        posted["metadata"] = {k: v for k, v in pod["metadata"].items() if k not in ("uid", "resourceVersion", "creationTimestamp")}
+        posted["metadata"] = {
+            k: v for k, v in pod["metadata"].items() if k not in ("uid", "resourceVersion", "creationTimestamp")
+        }
         kubernetes_validate.validate(posted, "1.33.0", strict=True)
+
     async def counted():
         job = await _phase(k, "Pending")
         return job if job and job["status"].get("replicas") == 2 else None
@@ -179,6 +195,7 @@ async def test_suspend_removes_pods_keeps_status_and_resume_recreates_them(opera
     assert job["status"]["lastCheckpoint"]["step"] == 30
     await k.merge(f"{JOBS}/demo", {"spec": {"runPolicy": {"suspend": False}}})
     await eventually(lambda: _count(k, 3))
+
     async def announced():
         reasons = [e["reason"] for e in (await k.get("/api/v1/namespaces/default/events"))["items"]]
         return {"Suspended", "Resumed", "ResumedFromStep"} <= set(reasons)

@@ -55,7 +55,8 @@ class OperatorProcess:
             "apiVersion: v1\nkind: Config\ncurrent-context: emulator\n"
             f"clusters: [{{name: emulator, cluster: {{server: '{url}'}}}}]\n"
             "users: [{name: tester, user: {token: not-checked}}]\n"
-            "contexts: [{name: emulator, context: {cluster: emulator, user: tester}}]\n")
+            "contexts: [{name: emulator, context: {cluster: emulator, user: tester}}]\n"
+        )
         self.log = tmp / "operator.log"
         self.proc: subprocess.Popen | None = None
         self.metrics_port = self.liveness_port = 0
@@ -64,9 +65,17 @@ class OperatorProcess:
         self.metrics_port, self.liveness_port = free_port(), free_port()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("KUBECONFIG", None)
-        cmd = [sys.executable, "-m", "disttrain.operator.cli", "operator", "--all-namespaces",
-               f"--kubeconfig={self.kubeconfig}", f"--metrics-port={self.metrics_port}",
-               "--metrics-address=127.0.0.1", f"--liveness=http://127.0.0.1:{self.liveness_port}/healthz"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "disttrain.operator.cli",
+            "operator",
+            "--all-namespaces",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--metrics-port={self.metrics_port}",
+            "--metrics-address=127.0.0.1",
+            f"--liveness=http://127.0.0.1:{self.liveness_port}/healthz",
+        ]
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
@@ -160,8 +169,12 @@ async def test_metrics_after_a_node_loss(process_operator, k, tmp_path):
     committed = time.time() - 5
     from disttrain.api.conditions import format_time
 
-    await k.agent_reports("demo", samplesConsumed=480, step=20,
-                          lastCheckpoint={"step": 20, "samples": 480, "time": format_time(committed)})
+    await k.agent_reports(
+        "demo",
+        samplesConsumed=480,
+        step=20,
+        lastCheckpoint={"step": 20, "samples": 480, "time": format_time(committed)},
+    )
     await k.node("node-1", ready="False")
     await eventually(lambda: _phase(k, "Reforming"))
 
@@ -171,16 +184,21 @@ async def test_metrics_after_a_node_loss(process_operator, k, tmp_path):
     [replacement] = await eventually(unscheduled)
     await k.node("node-5")
     await k.run_pod(replacement, "node-5")
-    await k.agent_reports("demo", worldSize=2, step=21, samplesConsumed=504, lastProgressTime=_future(0),
-                          rendezvousRound=2)
+    await k.agent_reports(
+        "demo", worldSize=2, step=21, samplesConsumed=504, lastProgressTime=_future(0), rendezvousRound=2
+    )
     status = (await eventually(lambda: _phase(k, "Running")))["status"]
 
     job = {("namespace", "default"), ("job", "demo")}
 
     async def scraped():
         values = samples(await process_operator.scrape())
-        return values if values.get(("disttrain_job_samples_consumed", frozenset(job))) == 504 and values.get(
-            ("disttrain_job_phase", frozenset(job | {("phase", "Running")}))) == 1 else None
+        return (
+            values
+            if values.get(("disttrain_job_samples_consumed", frozenset(job))) == 504
+            and values.get(("disttrain_job_phase", frozenset(job | {("phase", "Running")}))) == 1
+            else None
+        )
 
     text_values = await eventually(scraped)
     get = lambda name, **labels: text_values.get((name, frozenset(job | set(labels.items()))))  # noqa: E731
@@ -196,10 +214,13 @@ async def test_metrics_after_a_node_loss(process_operator, k, tmp_path):
     reconciles = text_values[("disttrain_operator_reconcile_duration_seconds_count", frozenset())]
     assert reconciles >= 5
     text = await process_operator.scrape()
-    assert "# TYPE disttrain_operator_reconcile_errors_total counter" in text or \
-        "# TYPE disttrain_operator_reconcile_errors counter" in text
-    assert not any(name == "disttrain_operator_reconcile_errors_total" for name, _ in text_values), \
+    assert (
+        "# TYPE disttrain_operator_reconcile_errors_total counter" in text
+        or "# TYPE disttrain_operator_reconcile_errors counter" in text
+    )
+    assert not any(name == "disttrain_operator_reconcile_errors_total" for name, _ in text_values), (
         "no reconcile failed"
+    )
 
     promtool = shutil.which("promtool")
     assert promtool is not None, "promtool is missing: install the Debian package 'prometheus' (`make test` does)"

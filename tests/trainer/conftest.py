@@ -31,18 +31,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_contract(global_batch: int = 12, micro: int = 1, max_steps: int = 10, interval: int = 2, keep: int = 3,
-                  policy: str = "fixed", accum: int = 1, lr: Optional[dict] = None, async_save: bool = False,
-                  seed: int = 3, timeout: int = 10, interval_seconds: Optional[int] = None,
-                  reform_in_place: bool = False) -> str:
-    training: dict[str, Any] = {"globalBatchSize": global_batch, "microBatchSize": micro, "batchPolicy": policy,
-                                "accumulationSteps": accum, "lr": lr or {"base": 0.01}, "maxSteps": max_steps,
-                                "seed": seed}
+def make_contract(
+    global_batch: int = 12,
+    micro: int = 1,
+    max_steps: int = 10,
+    interval: int = 2,
+    keep: int = 3,
+    policy: str = "fixed",
+    accum: int = 1,
+    lr: Optional[dict] = None,
+    async_save: bool = False,
+    seed: int = 3,
+    timeout: int = 10,
+    interval_seconds: Optional[int] = None,
+    reform_in_place: bool = False,
+) -> str:
+    training: dict[str, Any] = {
+        "globalBatchSize": global_batch,
+        "microBatchSize": micro,
+        "batchPolicy": policy,
+        "accumulationSteps": accum,
+        "lr": lr or {"base": 0.01},
+        "maxSteps": max_steps,
+        "seed": seed,
+    }
     checkpoint: dict[str, Any] = {"path": "/unused", "intervalSteps": interval, "keep": keep, "async": async_save}
     if interval_seconds is not None:
         checkpoint["intervalSeconds"] = interval_seconds
-    return json.dumps({"training": training, "checkpoint": checkpoint,
-                       "collective_timeout_seconds": timeout, "reform_in_place": reform_in_place})
+    return json.dumps(
+        {
+            "training": training,
+            "checkpoint": checkpoint,
+            "collective_timeout_seconds": timeout,
+            "reform_in_place": reform_in_place,
+        }
+    )
 
 
 def descendants(pid: int) -> list[int]:
@@ -92,23 +115,41 @@ class Harness:
 
     def env(self, contract: str, run: str, ckpt: Optional[Path] = None, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({"DISTTRAIN_CONTRACT": contract, "DISTTRAIN_CHECKPOINT_DIR": str(ckpt or self.ckpt),
-                    "DISTTRAIN_JOB_NAME": "toy", "TOY_OUT": str(self.out), "TOY_RUN": run,
-                    "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    "DISTTRAIN_STORE_SECRET": self.secret, "DISTTRAIN_JOB_UID": self.job_uid})
+        env.update(
+            {
+                "DISTTRAIN_CONTRACT": contract,
+                "DISTTRAIN_CHECKPOINT_DIR": str(ckpt or self.ckpt),
+                "DISTTRAIN_JOB_NAME": "toy",
+                "TOY_OUT": str(self.out),
+                "TOY_RUN": run,
+                "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1",
+                "DISTTRAIN_STORE_SECRET": self.secret,
+                "DISTTRAIN_JOB_UID": self.job_uid,
+            }
+        )
         env.pop("DISTTRAIN_AGENT_ENDPOINT", None)
         env.update(extra)
         return env
 
-    def start(self, nproc: int, contract: str, run: str, torchrun_args: Optional[list[str]] = None,
-              ckpt: Optional[Path] = None, launcher: str = "torch.distributed.run", **extra: str) -> subprocess.Popen:
+    def start(
+        self,
+        nproc: int,
+        contract: str,
+        run: str,
+        torchrun_args: Optional[list[str]] = None,
+        ckpt: Optional[Path] = None,
+        launcher: str = "torch.distributed.run",
+        **extra: str,
+    ) -> subprocess.Popen:
         """``launcher``: torchrun itself, or the worker pod's launcher ``disttrain.trainer.launch`` (torchrun's
         arguments, its own agent: warm interpreters, in-place reforms)."""
         args = torchrun_args if torchrun_args is not None else ["--standalone", "--max-restarts=0"]
         cmd = [sys.executable, "-m", launcher, f"--nproc-per-node={nproc}", *args, str(TOY)]
         with open(self.out / f"{run}.log", "w") as log:
-            p = subprocess.Popen(cmd, env=self.env(contract, run, ckpt, **extra), stdout=log,
-                                 stderr=subprocess.STDOUT, cwd=REPO)
+            p = subprocess.Popen(
+                cmd, env=self.env(contract, run, ckpt, **extra), stdout=log, stderr=subprocess.STDOUT, cwd=REPO
+            )
         self.procs.append(p)
         return p
 
@@ -161,8 +202,7 @@ class Harness:
 
         from disttrain.trainer import channel
 
-        raw = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                       timeout=timedelta(seconds=timeout_s))
+        raw = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
         return channel.scoped(raw, self.secret, self.job_uid if job_uid is None else job_uid)
 
     def cleanup(self) -> None:

@@ -52,12 +52,20 @@ class Scenario:
     reduction: str = "ddp"
 
     def contract(self) -> str:
-        return json.dumps({
-            "training": {"globalBatchSize": self.global_batch, "microBatchSize": self.micro_batch,
-                         "lr": {"base": 0.05 if self.worker == "recorder" else 0.01}, "maxSteps": self.steps,
-                         "seed": 3, "gradientReduction": self.reduction},
-            "checkpoint": {"path": "/unused", "intervalSteps": 1, "keep": self.steps + 1},
-            "collective_timeout_seconds": 30})
+        return json.dumps(
+            {
+                "training": {
+                    "globalBatchSize": self.global_batch,
+                    "microBatchSize": self.micro_batch,
+                    "lr": {"base": 0.05 if self.worker == "recorder" else 0.01},
+                    "maxSteps": self.steps,
+                    "seed": 3,
+                    "gradientReduction": self.reduction,
+                },
+                "checkpoint": {"path": "/unused", "intervalSteps": 1, "keep": self.steps + 1},
+                "collective_timeout_seconds": 30,
+            }
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,17 +80,35 @@ def train(scenario: Scenario, world: int, ckpt: pathlib.Path, out: pathlib.Path,
     a checkpoint."""
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DISTTRAIN_", "TORCHELASTIC_"))}
-    env.update({"DISTTRAIN_CONTRACT": scenario.contract(), "DISTTRAIN_CHECKPOINT_DIR": str(ckpt),
-                "DISTTRAIN_JOB_NAME": "drift", "E2E_OUT": str(out), "E2E_DATASET": str(scenario.dataset),
-                "TOY_OUT": str(out), "TOY_DATASET": str(scenario.dataset), "TOY_RUN": "run",
-                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "--max-restarts=0", str(WORKERS[scenario.worker])]
+    env.update(
+        {
+            "DISTTRAIN_CONTRACT": scenario.contract(),
+            "DISTTRAIN_CHECKPOINT_DIR": str(ckpt),
+            "DISTTRAIN_JOB_NAME": "drift",
+            "E2E_OUT": str(out),
+            "E2E_DATASET": str(scenario.dataset),
+            "TOY_OUT": str(out),
+            "TOY_DATASET": str(scenario.dataset),
+            "TOY_RUN": "run",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        "--max-restarts=0",
+        str(WORKERS[scenario.worker]),
+    ]
     with open(out / "torchrun.log", "w") as log:
         rc = subprocess.run(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
     if rc != 0:
-        raise RuntimeError(f"{scenario.worker} at world size {world} exited {rc}:\n"
-                           f"{(out / 'torchrun.log').read_text()[-3000:]}")
+        raise RuntimeError(
+            f"{scenario.worker} at world size {world} exited {rc}:\n{(out / 'torchrun.log').read_text()[-3000:]}"
+        )
 
 
 def losses(out: pathlib.Path, global_batch: int) -> dict[int, float]:

@@ -53,11 +53,15 @@ def test_a_corrupt_shard_is_detected_and_the_previous_checkpoint_is_used(harness
 
 def test_a_failed_async_save_surfaces_at_a_boundary_is_retried_and_async_checkpoints_resume(harness):
     contract = harness.contract(global_batch=4, micro=1, max_steps=12, interval=4, keep=3, async_save=True)
-    rc, log = harness.run(2, contract, "fail", TOY_FAULT="fail_write:4", TOY_STEP_SLEEP="0.15",
-                          TOY_DRAIN_AT="9")  # drains at step 10
+    rc, log = harness.run(
+        2, contract, "fail", TOY_FAULT="fail_write:4", TOY_STEP_SLEEP="0.15", TOY_DRAIN_AT="9"
+    )  # drains at step 10
     assert "drained at step 10" in log, log[-3000:]
-    failed = re.search(r"checkpoint save at step 4 FAILED \(1 in a row\): OSError\('fault injection.*\n.*"
-                       r"checkpoint step-(\d+) committed", log)
+    failed = re.search(
+        r"checkpoint save at step 4 FAILED \(1 in a row\): OSError\('fault injection.*\n.*"
+        r"checkpoint step-(\d+) committed",
+        log,
+    )
     assert failed, log[-3000:]
     retry = int(failed.group(1))
     assert 4 < retry < 8  # retried at the boundary where the failure surfaced, not at the next interval
@@ -111,8 +115,9 @@ class FullDisk:
         if os.geteuid() != 0:
             pytest.skip("a real full disk needs root to mount a small tmpfs; the hook variant covers the rest")
         self.ckpt.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(self.ckpt)],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(self.ckpt)], capture_output=True, text=True
+        )
         if done.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
         self.mounted = True
@@ -151,8 +156,9 @@ def full_disk(request, harness):
 
 def test_a_full_disk_is_a_clear_error_and_training_resumes_from_the_last_good_checkpoint(harness, full_disk):
     ckpt = full_disk.ckpt
-    rc, log = harness.run(2, harness.contract(global_batch=4, micro=1, max_steps=2, interval=2, keep=1), "first",
-                          ckpt=ckpt)
+    rc, log = harness.run(
+        2, harness.contract(global_batch=4, micro=1, max_steps=2, interval=2, keep=1), "first", ckpt=ckpt
+    )
     assert rc == 0, log[-3000:]
     full_disk.fill()
 

@@ -32,9 +32,20 @@ def group(tmp_path: Path):
 
 
 def manifest(step: int) -> CheckpointManifest:
-    return CheckpointManifest(step=step, samples_consumed=step, data_cursor=step, world_size=1, plan={},
-                              lr_scale=1.0, dataset=DatasetFingerprint(length=9, seed=0), metadata_sha256="pending",
-                              files={}, created_at="pending", code_version="t", config_hash="h")
+    return CheckpointManifest(
+        step=step,
+        samples_consumed=step,
+        data_cursor=step,
+        world_size=1,
+        plan={},
+        lr_scale=1.0,
+        dataset=DatasetFingerprint(length=9, seed=0),
+        metadata_sha256="pending",
+        files={},
+        created_at="pending",
+        code_version="t",
+        config_hash="h",
+    )
 
 
 def state(value: float) -> dict:
@@ -78,7 +89,8 @@ def test_a_stale_group_cannot_publish_or_delete_the_new_groups_save(tmp_path, gr
 
 
 def test_a_stale_group_frozen_before_its_rename_cannot_replace_the_newer_groups_checkpoint_of_the_same_step(
-        tmp_path, group, caplog):
+    tmp_path, group, caplog
+):
     """The stale rank 0 passed its last fence check, then froze; meanwhile a new group claimed the next round,
     resumed and committed the same step. When the stale one wakes up and renames, the newer step-4 stays."""
     root = tmp_path / "ckpt"
@@ -94,8 +106,9 @@ def test_a_stale_group_frozen_before_its_rename_cannot_replace_the_newer_groups_
             new.save(4, state(40.0), manifest(4))
             new.join_retention()
 
-    old = CheckpointManager(root, spec, 0, 1, group, job_uid="uid-1", node="node-a",
-                            on_phase=new_group_commits_while_the_old_one_is_frozen)
+    old = CheckpointManager(
+        root, spec, 0, 1, group, job_uid="uid-1", node="node-a", on_phase=new_group_commits_while_the_old_one_is_frozen
+    )
     assert old.find_latest() is None
     old.save(2, state(2.0), manifest(2))
     with caplog.at_level(logging.INFO, logger="disttrain.trainer"):
@@ -124,8 +137,9 @@ def test_a_stale_groups_late_commit_at_a_higher_step_never_shadows_the_newer_rou
             assert found is not None and found.step == 2
             new.load(found, state(0.0))
 
-    old = CheckpointManager(root, spec, 0, 1, group, job_uid="uid-1", node="node-a",
-                            on_phase=new_group_resumes_while_the_old_one_is_frozen)
+    old = CheckpointManager(
+        root, spec, 0, 1, group, job_uid="uid-1", node="node-a", on_phase=new_group_resumes_while_the_old_one_is_frozen
+    )
     assert old.find_latest() is None
     old.save(2, state(2.0), manifest(2))
     old.save(5, state(5.0), manifest(5))  # nothing newer is committed yet: the stale step-5 is published

@@ -15,8 +15,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 def survivor_report(how: str, collective: str) -> dict:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
-               OMP_NUM_THREADS="1")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", OMP_NUM_THREADS="1")
     command = [sys.executable, str(PEER), how, collective]
     peer = subprocess.Popen(command, env=dict(env, RANK="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -29,9 +28,15 @@ def survivor_report(how: str, collective: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize(("how", "collective"), [
-    ("died", "all_reduce"), ("died", "async_all_reduce"), ("died", "all_gather_object"), ("hung", "barrier"),
-])
+@pytest.mark.parametrize(
+    ("how", "collective"),
+    [
+        ("died", "all_reduce"),
+        ("died", "async_all_reduce"),
+        ("died", "all_gather_object"),
+        ("hung", "barrier"),
+    ],
+)
 def test_a_dead_or_hung_gloo_peer_is_a_collective_failure(how, collective):
     report = survivor_report(how, collective)
     assert report["raised"] is not None, report

@@ -33,8 +33,11 @@ def test_drain_reform_progress_and_metrics_through_the_agent_store(harness):
     store.set(control.SIGNAL_KEY, control.ControlSignal(generation=3, action="reform", reason="old").model_dump_json())
     metrics_port = harness.free_port()
     contract = harness.contract(global_batch=4, micro=1, max_steps=1000, interval=5)
-    extra = {"DISTTRAIN_AGENT_ENDPOINT": f"127.0.0.1:{port}", "DISTTRAIN_METRICS_PORT": str(metrics_port),
-             "TOY_STEP_SLEEP": "0.05"}
+    extra = {
+        "DISTTRAIN_AGENT_ENDPOINT": f"127.0.0.1:{port}",
+        "DISTTRAIN_METRICS_PORT": str(metrics_port),
+        "TOY_STEP_SLEEP": "0.05",
+    }
     proc = harness.start(2, contract, "one", **extra)
     harness.wait_for_step("one", 7)  # generation 3 predates the workers: no reform
 
@@ -46,9 +49,15 @@ def test_drain_reform_progress_and_metrics_through_the_agent_store(harness):
     assert re.search(r"^disttrain_trainer_world_size 2\.0$", text, re.M)
     last_complete = re.search(r"^disttrain_trainer_last_complete_checkpoint_step (\d+)\.0$", text, re.M)
     assert last_complete and int(last_complete.group(1)) in (5, 10)
-    for name in ("disttrain_trainer_step", "disttrain_trainer_grad_accum_steps", "disttrain_trainer_lr_scale",
-                 "disttrain_trainer_checkpoint_save_seconds_bucket", "disttrain_trainer_samples_per_second",
-                 "disttrain_trainer_restart_count", "disttrain_trainer_samples_replayed_total"):
+    for name in (
+        "disttrain_trainer_step",
+        "disttrain_trainer_grad_accum_steps",
+        "disttrain_trainer_lr_scale",
+        "disttrain_trainer_checkpoint_save_seconds_bucket",
+        "disttrain_trainer_samples_per_second",
+        "disttrain_trainer_restart_count",
+        "disttrain_trainer_samples_replayed_total",
+    ):
         assert name in text
     assert "disttrain_trainer_world_size 2.0" in scrape(metrics_port + 1)  # local rank 1 serves on port + 1
 
@@ -106,12 +115,20 @@ def test_a_job_recreated_under_the_same_name_obeys_its_own_directives_after_resu
         return harness.client(port, job_uid=uid)
 
     def drain(store, generation, uid):
-        store.set(control.SIGNAL_KEY, control.ControlSignal(generation=generation, action="drain", reason="t",
-                                                            job_uid=uid).model_dump_json())
+        store.set(
+            control.SIGNAL_KEY,
+            control.ControlSignal(generation=generation, action="drain", reason="t", job_uid=uid).model_dump_json(),
+        )
 
     old_port = harness.start_store()
-    old = harness.start(2, contract, "old", DISTTRAIN_AGENT_ENDPOINT=f"127.0.0.1:{old_port}",
-                        DISTTRAIN_JOB_UID="uid-old", TOY_STEP_SLEEP="0.05")
+    old = harness.start(
+        2,
+        contract,
+        "old",
+        DISTTRAIN_AGENT_ENDPOINT=f"127.0.0.1:{old_port}",
+        DISTTRAIN_JOB_UID="uid-old",
+        TOY_STEP_SLEEP="0.05",
+    )
     harness.wait_for_step("old", 3)
     drain(connect(old_port, "uid-old"), 3, "uid-old")
     old.wait(timeout=60)
@@ -121,8 +138,14 @@ def test_a_job_recreated_under_the_same_name_obeys_its_own_directives_after_resu
     new_store = connect(new_port, "uid-new")
     drain(new_store, 2, "uid-old")  # a stale signal of the old job where the new workers read (sealed for them)
     drain(connect(new_port, "uid-old"), 2, "uid-old")  # and the same sealed for the old job: never verifies
-    new = harness.start(2, contract, "new", DISTTRAIN_AGENT_ENDPOINT=f"127.0.0.1:{new_port}",
-                        DISTTRAIN_JOB_UID="uid-new", TOY_STEP_SLEEP="0.05")
+    new = harness.start(
+        2,
+        contract,
+        "new",
+        DISTTRAIN_AGENT_ENDPOINT=f"127.0.0.1:{new_port}",
+        DISTTRAIN_JOB_UID="uid-new",
+        TOY_STEP_SLEEP="0.05",
+    )
     drained = int(re.search(r"drained at step (\d+)", harness.log("old")).group(1))
     harness.wait_for_step("new", drained + 3)
     assert new.poll() is None, "the old job's signal was not obeyed"

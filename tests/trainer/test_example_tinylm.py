@@ -15,12 +15,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def test_tinylm_loss_falls_within_a_minute_on_two_processes(harness):
-    contract = {"training": {"globalBatchSize": 32, "microBatchSize": 8, "lr": {"base": 0.003},
-                             "maxSteps": 80, "seed": 1},
-                "checkpoint": {"path": "/unused", "intervalSteps": 40, "keep": 1}}
+    contract = {
+        "training": {"globalBatchSize": 32, "microBatchSize": 8, "lr": {"base": 0.003}, "maxSteps": 80, "seed": 1},
+        "checkpoint": {"path": "/unused", "intervalSteps": 40, "keep": 1},
+    }
     env = harness.env(json.dumps(contract), "tinylm")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "examples/tinylm/train.py", "--d-model", "32", "--layers", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "examples/tinylm/train.py",
+        "--d-model",
+        "32",
+        "--layers",
+        "1",
+    ]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=150)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
@@ -31,12 +42,21 @@ def test_tinylm_loss_falls_within_a_minute_on_two_processes(harness):
 
 
 def test_the_gpt_example_trains_with_fsdp2_bf16_and_clipping_on_two_processes(harness):
-    contract = {"training": {"globalBatchSize": 32, "microBatchSize": 8, "lr": {"base": 0.003},
-                             "maxSteps": 60, "seed": 1},
-                "checkpoint": {"path": "/unused", "intervalSteps": 30, "keep": 1}}
+    contract = {
+        "training": {"globalBatchSize": 32, "microBatchSize": 8, "lr": {"base": 0.003}, "maxSteps": 60, "seed": 1},
+        "checkpoint": {"path": "/unused", "intervalSteps": 30, "keep": 1},
+    }
     env = harness.env(json.dumps(contract), "gptlm")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "examples/gptlm/train.py", "--size", "small"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "examples/gptlm/train.py",
+        "--size",
+        "small",
+    ]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=150)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]

@@ -17,20 +17,28 @@ LAUNCHER = "disttrain.trainer.launch"
 
 def launcher_args(port: int, nodes: int) -> list[str]:
     conf = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
-    return [f"--nnodes=1:{nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=toy",
-            f"--rdzv-conf={conf}", "--max-restarts=100", "--monitor-interval=0.1"]
+    return [
+        f"--nnodes=1:{nodes}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=toy",
+        f"--rdzv-conf={conf}",
+        "--max-restarts=100",
+        "--monitor-interval=0.1",
+    ]
 
 
 @pytest.mark.parametrize(("nodes", "nproc"), [(3, 1), (2, 2)], ids=["3x1-kill-one", "2x2-kill-one"])
 def test_survivors_keep_their_processes_and_continue_from_memory_not_from_the_checkpoint(harness, nodes, nproc):
     port = harness.start_store()
     steps = 30
-    contract = harness.contract(global_batch=12, micro=1, max_steps=steps, interval=5, timeout=10,
-                                reform_in_place=True)
+    contract = harness.contract(global_batch=12, micro=1, max_steps=steps, interval=5, timeout=10, reform_in_place=True)
     extra = {"TOY_STEP_SLEEP": "0.15", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     runs = [chr(ord("a") + i) for i in range(nodes)]
-    agents = {run: harness.start(nproc, contract, run, torchrun_args=launcher_args(port, nodes),
-                                 launcher=LAUNCHER, **extra) for run in runs}
+    agents = {
+        run: harness.start(nproc, contract, run, torchrun_args=launcher_args(port, nodes), launcher=LAUNCHER, **extra)
+        for run in runs
+    }
     world = nodes * nproc
 
     def full_world_steps() -> list[int]:

@@ -17,16 +17,27 @@ from tests.trainer.conftest import REPO, TOY
 
 pytestmark = pytest.mark.timeout(240)
 
-LAUNCH = [sys.executable, "-m", "disttrain.trainer.launch", "--standalone", "--max-restarts=1000000",
-          "--monitor-interval=0.2", "--no-python"]
+LAUNCH = [
+    sys.executable,
+    "-m",
+    "disttrain.trainer.launch",
+    "--standalone",
+    "--max-restarts=1000000",
+    "--monitor-interval=0.2",
+    "--no-python",
+]
 
 
 def launch(harness, nproc: int, command: list[str], run: str, **env: str) -> tuple[int, str, str]:
     termination = harness.tmp / f"{run}.termination"
     with open(harness.out / f"{run}.log", "w") as log:
-        proc = subprocess.Popen([*LAUNCH, f"--nproc-per-node={nproc}", *command], stdout=log, stderr=subprocess.STDOUT,
-                                env=harness.env(harness.contract(max_steps=8), run, DISTTRAIN_TERMINATION_LOG=str(termination),
-                                                **env), cwd=REPO)
+        proc = subprocess.Popen(
+            [*LAUNCH, f"--nproc-per-node={nproc}", *command],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=harness.env(harness.contract(max_steps=8), run, DISTTRAIN_TERMINATION_LOG=str(termination), **env),
+            cwd=REPO,
+        )
         harness.procs.append(proc)
         try:
             rc = proc.wait(timeout=150)
@@ -60,8 +71,9 @@ def test_a_raise_mid_training_ends_with_the_traceback_line_while_the_peer_reform
 
 def test_a_drain_exit_restarts_the_workers_in_place(harness):
     # A drain (exit 83) is the elastic protocol: torchrun restarts the workers, they resume and finish.
-    rc, message, log = launch(harness, 2, [sys.executable, str(TOY)], "drain", TOY_DRAIN_AT="3",
-                             TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # as the pod builder sets it
+    rc, message, log = launch(
+        harness, 2, [sys.executable, str(TOY)], "drain", TOY_DRAIN_AT="3", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"
+    )  # as the pod builder sets it
     assert rc == 0, log[-3000:]
     assert message == ""
     steps = {r["step"] for r in harness.records("drain")}
@@ -87,8 +99,13 @@ def test_a_worker_runs_in_a_warm_interpreter_exactly_as_python_would_run_it(harn
     script = tmp_path / "probe.py"
     script.write_text(WARM_PROBE)
     out = tmp_path / "probe.json"
-    rc, message, log = launch(harness, 1, [sys.executable, "-u", str(script), str(out), "3"], f"warm-{warm}",
-                              DISTTRAIN_WARM_WORKERS="1" if warm else "0")
+    rc, message, log = launch(
+        harness,
+        1,
+        [sys.executable, "-u", str(script), str(out), "3"],
+        f"warm-{warm}",
+        DISTTRAIN_WARM_WORKERS="1" if warm else "0",
+    )
     assert rc == 3, log[-3000:]
     assert message.strip() == "worker rank 0 failed with exit code 3"
     seen = json.loads(out.read_text())
@@ -117,16 +134,32 @@ def test_a_node_that_finds_the_rendezvous_closed_by_the_finished_job_exits_0(har
     server = agent_mod.start_store(port, "127.0.0.1", timeout_s=30)
     script = tmp_path / "train.py"
     script.write_text("import time\ntime.sleep(8)\n")
-    argv = [sys.executable, "-m", "disttrain.trainer.launch", f"--nnodes=1:{max_nodes}", "--nproc-per-node=1",
-            "--rdzv-backend=disttrain", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=closed-run",
-            "--rdzv-conf=is_host=false,join_timeout=60,last_call_timeout=1", "--no-python", sys.executable, str(script)]
+    argv = [
+        sys.executable,
+        "-m",
+        "disttrain.trainer.launch",
+        f"--nnodes=1:{max_nodes}",
+        "--nproc-per-node=1",
+        "--rdzv-backend=disttrain",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=closed-run",
+        "--rdzv-conf=is_host=false,join_timeout=60,last_call_timeout=1",
+        "--no-python",
+        sys.executable,
+        str(script),
+    ]
     procs = {}
     for node in ("finished", "waiting"):
-        environ = {**os.environ, "DISTTRAIN_TERMINATION_LOG": str(tmp_path / f"{node}.termination"),
-                   "DISTTRAIN_WARM_WORKERS": "0", "DISTTRAIN_STORE_SECRET": harness.secret,
-                   "DISTTRAIN_JOB_UID": harness.job_uid}
-        procs[node] = subprocess.Popen(argv, env=environ, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True)
+        environ = {
+            **os.environ,
+            "DISTTRAIN_TERMINATION_LOG": str(tmp_path / f"{node}.termination"),
+            "DISTTRAIN_WARM_WORKERS": "0",
+            "DISTTRAIN_STORE_SECRET": harness.secret,
+            "DISTTRAIN_JOB_UID": harness.job_uid,
+        }
+        procs[node] = subprocess.Popen(
+            argv, env=environ, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         harness.procs.append(procs[node])
         if max_nodes == 2:
             procs[node].wait(timeout=120)  # the group finishes before the other node arrives

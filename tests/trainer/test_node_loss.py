@@ -11,8 +11,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 def torchrun_args(port: int) -> list[str]:
     conf = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
-    return ["--nnodes=1:2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=toy",
-            f"--rdzv-conf={conf}", "--max-restarts=3", "--monitor-interval=0.2"]
+    return [
+        "--nnodes=1:2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=toy",
+        f"--rdzv-conf={conf}",
+        "--max-restarts=3",
+        "--monitor-interval=0.2",
+    ]
 
 
 @pytest.mark.parametrize("victim_rank", [0, 1], ids=["kill-rank0-node", "kill-rank1-node"])
@@ -29,13 +36,15 @@ def test_survivor_reforms_alone_and_continues_from_the_last_complete_checkpoint(
     harness.wait_until("a world of 2", lambda: bool(world_two_steps()), timeout=90)
     first_two = min(world_two_steps())
     harness.wait_until("steps at world 2", lambda: max(world_two_steps()) >= first_two + 4, timeout=60)
-    victim = next(run for run in ("a", "b") if any(r["rank"] == victim_rank and r["world"] == 2
-                                                   for r in harness.records(run)))
+    victim = next(
+        run for run in ("a", "b") if any(r["rank"] == victim_rank and r["world"] == 2 for r in harness.records(run))
+    )
     survivor = "b" if victim == "a" else "a"
     harness.kill_tree(agents[victim].pid)
     agents[victim].wait(timeout=10)
-    committed_before = max(int(m) for m in re.findall(r"checkpoint step-(\d+) committed",
-                                                      harness.log("a") + harness.log("b")))
+    committed_before = max(
+        int(m) for m in re.findall(r"checkpoint step-(\d+) committed", harness.log("a") + harness.log("b"))
+    )
 
     assert agents[survivor].wait(timeout=150) == 0, harness.log(survivor)[-4000:]
     log = harness.log(survivor)

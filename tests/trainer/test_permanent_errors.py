@@ -11,8 +11,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 def test_an_invalid_world_size_exits_permanent_naming_the_valid_sizes_and_reports_it_to_the_agent(harness):
     port = harness.start_store()
     contract = harness.contract(global_batch=8, micro=2, max_steps=2)  # 8 / (2 x 3) is not whole
-    rc, log = harness.run(3, contract, "w3", DISTTRAIN_AGENT_ENDPOINT=f"127.0.0.1:{port}",
-                          DISTTRAIN_NODE_NAME="node-7")
+    rc, log = harness.run(3, contract, "w3", DISTTRAIN_AGENT_ENDPOINT=f"127.0.0.1:{port}", DISTTRAIN_NODE_NAME="node-7")
     assert "exitcode  : 85" in log, log[-3000:]
     assert "world size 3 is invalid" in log and "valid world sizes: 1, 2, 4" in log
     # torchrun hides the worker's exit code from the pod; the failure record in the agent's store carries it.
@@ -26,8 +25,9 @@ def test_resuming_with_a_changed_dataset_exits_permanent_naming_what_changed(har
     contract = harness.contract(global_batch=4, micro=1, max_steps=2, interval=2)
     rc, log = harness.run(1, contract, "first")
     assert rc == 0, log[-3000:]
-    rc, log = harness.run(1, harness.contract(global_batch=4, micro=1, max_steps=4, interval=2), "second",
-                          TOY_DATASET="90")
+    rc, log = harness.run(
+        1, harness.contract(global_batch=4, micro=1, max_steps=4, interval=2), "second", TOY_DATASET="90"
+    )
     assert "exitcode  : 85" in log, log[-3000:]
     assert "the dataset stream changed since the checkpoint (length: checkpoint has 97, this run has 90)" in log
 

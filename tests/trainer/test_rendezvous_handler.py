@@ -29,15 +29,43 @@ LAST_CALL_S = 30
 STATE_KEY = "torch.rendezvous.probe"  # C10dRendezvousBackend keeps the round state under torch.rendezvous.<run id>
 
 
-def start_node(harness, port: int, name: str, out: Path, last_call: int = LAST_CALL_S, *, index: int | None = None,
-               nnodes: str = "1:3", keep_alive: int = 1, **extra_env: str) -> subprocess.Popen:
+def start_node(
+    harness,
+    port: int,
+    name: str,
+    out: Path,
+    last_call: int = LAST_CALL_S,
+    *,
+    index: int | None = None,
+    nnodes: str = "1:3",
+    keep_alive: int = 1,
+    **extra_env: str,
+) -> subprocess.Popen:
     conf = f"is_host=false,join_timeout=60,last_call_timeout={last_call},keep_alive_interval={keep_alive}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
-           "--rdzv-backend=disttrain", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=probe", f"--rdzv-conf={conf}",
-           "--max-restarts=3", "--monitor-interval=0.2", str(PROBE)]
-    env = {**os.environ, "DISTTRAIN_NODE_NAME": name, "PROBE_OUT": str(out), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "PYTHONUNBUFFERED": "1", "DISTTRAIN_STORE_SECRET": harness.secret, "DISTTRAIN_JOB_UID": harness.job_uid,
-           **extra_env}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        "--nproc-per-node=1",
+        "--rdzv-backend=disttrain",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=probe",
+        f"--rdzv-conf={conf}",
+        "--max-restarts=3",
+        "--monitor-interval=0.2",
+        str(PROBE),
+    ]
+    env = {
+        **os.environ,
+        "DISTTRAIN_NODE_NAME": name,
+        "PROBE_OUT": str(out),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "DISTTRAIN_STORE_SECRET": harness.secret,
+        "DISTTRAIN_JOB_UID": harness.job_uid,
+        **extra_env,
+    }
     env.pop("DISTTRAIN_NODE_INDEX", None)
     if index is not None:
         env["DISTTRAIN_NODE_INDEX"] = str(index)
@@ -255,8 +283,10 @@ def test_survivors_drop_a_node_declared_lost_from_the_finished_round_without_wai
     store = harness.client(port)
     store.set(control.TARGET_KEY, control.TargetPlan(generation=1, nodes=3).model_dump_json())
     out = harness.out
-    nodes = {name: start_node(harness, port, name, out, index=i, keep_alive=20, PROBE_SLEEP="120")
-             for i, name in enumerate(("node-0", "node-1", "node-2"))}
+    nodes = {
+        name: start_node(harness, port, name, out, index=i, keep_alive=20, PROBE_SLEEP="120")
+        for i, name in enumerate(("node-0", "node-1", "node-2"))
+    }
     records = wait_for(out, set(nodes), 30)
     assert set(nodes) <= records.keys(), logs_of(out, nodes)
     assert {r["WORLD_SIZE"] for r in records.values()} == {"3"}
@@ -295,5 +325,6 @@ def test_the_handler_writes_nothing_outside_the_jobs_key_namespace(harness, monk
     assert harness.client(port).check([STATE_KEY])  # the placeholder is there, sealed, for torch's first read
 
     with pytest.raises(ValueError, match="store_type"):
-        rendezvous.create_handler(RendezvousParameters("disttrain", f"127.0.0.1:{port}", "probe", 1, 1,
-                                                       store_type="file"))
+        rendezvous.create_handler(
+            RendezvousParameters("disttrain", f"127.0.0.1:{port}", "probe", 1, 1, store_type="file")
+        )

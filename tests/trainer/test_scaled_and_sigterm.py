@@ -10,12 +10,20 @@ from disttrain.api.plan import ramped_lr_scale
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
-@pytest.mark.parametrize(("scaling", "factor"), [("linear", 2.0), ("sqrt", 2.0 ** 0.5)], ids=["linear", "sqrt"])
+@pytest.mark.parametrize(("scaling", "factor"), [("linear", 2.0), ("sqrt", 2.0**0.5)], ids=["linear", "sqrt"])
 def test_scaled_mode_doubles_the_global_batch_and_ramps_the_lr_factor_after_resume_at_four_ranks(
-        harness, scaling, factor):
+    harness, scaling, factor
+):
     base, ramp = 0.01, 4
-    contract = harness.contract(policy="scaled", global_batch=4, micro=2, accum=1, max_steps=8, interval=3,
-                                lr={"base": base, "scaling": scaling, "rampSteps": ramp, "referenceBatchSize": 4})
+    contract = harness.contract(
+        policy="scaled",
+        global_batch=4,
+        micro=2,
+        accum=1,
+        max_steps=8,
+        interval=3,
+        lr={"base": base, "scaling": scaling, "rampSteps": ramp, "referenceBatchSize": 4},
+    )
     rc, log = harness.run(2, contract, "w2", TOY_DRAIN_AT="2")  # drains at step 3
     assert "drained at step 3" in log, log[-3000:]
     rows = harness.records("w2")
@@ -48,7 +56,6 @@ def test_sigterm_at_an_arbitrary_moment_checkpoints_at_the_next_boundary_and_exi
     assert steps == [last], (steps, last)  # the checkpoint holds every step that ran: 0 steps lost
     assert f"drained at step {last}" in log
 
-    rc, log = harness.run(2, harness.contract(global_batch=4, micro=1, max_steps=last + 2, interval=1000),
-                          "resume")
+    rc, log = harness.run(2, harness.contract(global_batch=4, micro=1, max_steps=last + 2, interval=1000), "resume")
     assert rc == 0, log[-3000:]
     assert f"resumed from checkpoint step-{last}" in log

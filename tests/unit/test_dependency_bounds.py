@@ -12,8 +12,11 @@ from packaging.version import Version
 from tests.conftest import REPO_ROOT
 
 PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
-RUNTIME = [*PYPROJECT["project"]["dependencies"], *PYPROJECT["project"]["optional-dependencies"]["operator"],
-           *PYPROJECT["project"]["optional-dependencies"]["trainer"]]
+RUNTIME = [
+    *PYPROJECT["project"]["dependencies"],
+    *PYPROJECT["project"]["optional-dependencies"]["operator"],
+    *PYPROJECT["project"]["optional-dependencies"]["trainer"],
+]
 
 # The torch version that first shipped each API the trainer imports that is newer than 2.4, by the name the
 # trainer imports it with. DefaultStager, StagingOptions and AsyncSaveResponse: torch 2.9 (pytorch/tutorials#3711
@@ -35,8 +38,7 @@ def _lower(requirement: Requirement) -> Version:
 
 
 def test_every_runtime_dependency_has_an_upper_bound():
-    unbounded = [r for r in RUNTIME if not any(s.operator in ("<", "<=", "==", "~=")
-                                               for s in Requirement(r).specifier)]
+    unbounded = [r for r in RUNTIME if not any(s.operator in ("<", "<=", "==", "~=") for s in Requirement(r).specifier)]
     assert unbounded == []
 
 

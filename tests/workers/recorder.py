@@ -35,8 +35,10 @@ def main() -> None:
     out_dir = os.environ["E2E_OUT"]
     hook = hold_commit(hold_step, 30.0, out_dir) if hold_step else None
     node = os.environ.get("DISTTRAIN_NODE_NAME", "node")
-    with ElasticTrainer.from_env(model, optimizer, dataset, log_every=1, on_checkpoint_phase=hook) as trainer, \
-            toymodel.open_records(out_dir, node) as records:
+    with (
+        ElasticTrainer.from_env(model, optimizer, dataset, log_every=1, on_checkpoint_phase=hook) as trainer,
+        toymodel.open_records(out_dir, node) as records,
+    ):
         load_seconds = _time_loads()
         loaded, last_group = 0.0, None
         for step in trainer.steps():
@@ -48,9 +50,17 @@ def main() -> None:
                 loaded, load_seconds[0], last_group = load_seconds[0], 0.0, group
 
             def record(loss_sum: float, count: int, step=step, loaded=loaded, group=group) -> None:
-                toymodel.write_record(records, dict(
-                    toymodel.step_record(trainer, step), loss_sum=loss_sum, count=count, time=time.time(),
-                    load_seconds=loaded, group=f"{group}:{trainer.resumed_from}"))
+                toymodel.write_record(
+                    records,
+                    dict(
+                        toymodel.step_record(trainer, step),
+                        loss_sum=loss_sum,
+                        count=count,
+                        time=time.time(),
+                        load_seconds=loaded,
+                        group=f"{group}:{trainer.resumed_from}",
+                    ),
+                )
 
             toymodel.train_step(trainer, step, before_sync=record)
             if sleep:

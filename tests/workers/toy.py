@@ -43,8 +43,9 @@ def fault_hook(spec: str) -> Optional[PhaseHook]:
         return None
     kind, _, at = spec.partition(":")
     if kind not in ("kill_before_commit", "fail_write", "enospc_from") or not at.isdigit():
-        raise ValueError(f"TOY_FAULT={spec!r}: expected kill_before_commit:<step>, fail_write:<step> or "
-                         "enospc_from:<step>")
+        raise ValueError(
+            f"TOY_FAULT={spec!r}: expected kill_before_commit:<step>, fail_write:<step> or enospc_from:<step>"
+        )
     at_step = int(at)
 
     def hook(phase: CheckpointPhase, step: int) -> None:
@@ -74,21 +75,26 @@ def main() -> None:
     out_dir, run = os.environ["TOY_OUT"], os.environ.get("TOY_RUN", "run")
     hook = fault_hook(os.environ.get("TOY_FAULT", ""))
     counter = toymodel.StepCounter()
-    options: dict = {"parallelism": os.environ.get("TOY_PARALLELISM", "ddp"),
-                     "precision": os.environ.get("TOY_PRECISION", "fp32")}
+    options: dict = {
+        "parallelism": os.environ.get("TOY_PARALLELISM", "ddp"),
+        "precision": os.environ.get("TOY_PRECISION", "fp32"),
+    }
     if os.environ.get("TOY_CLIP"):
         options["clip_grad_norm"] = float(os.environ["TOY_CLIP"])
     if os.environ.get("TOY_SCALER_GROWTH_INTERVAL"):
         options["grad_scaler"] = ShardedGradScaler(
-            device="cpu", init_scale=1024.0, growth_interval=int(os.environ["TOY_SCALER_GROWTH_INTERVAL"]))
+            device="cpu", init_scale=1024.0, growth_interval=int(os.environ["TOY_SCALER_GROWTH_INTERVAL"])
+        )
     if os.environ.get("TOY_DEVICE"):
         options["device"] = os.environ["TOY_DEVICE"]
     if os.environ.get("TOY_NUM_WORKERS"):
         options["num_workers"] = int(os.environ["TOY_NUM_WORKERS"])
     if os.environ.get("TOY_USER_STATE"):
         options["user_state"] = {"counter": counter}
-    with ElasticTrainer.from_env(model, optimizer, dataset, on_checkpoint_phase=hook, **options) as trainer, \
-            toymodel.open_records(out_dir, run) as records:
+    with (
+        ElasticTrainer.from_env(model, optimizer, dataset, on_checkpoint_phase=hook, **options) as trainer,
+        toymodel.open_records(out_dir, run) as records,
+    ):
         for step in trainer.steps():
             if hang_at and step.index + 1 == hang_at and trainer.rank == 1:
                 time.sleep(600)

@@ -74,8 +74,9 @@ class RegressionStream(torch.utils.data.IterableDataset):
             yield self.samples[i]
 
 
-def train_step(trainer: ElasticTrainer, step: Step,
-               before_sync: Optional[Callable[[float, int], None]] = None) -> tuple[float, int]:
+def train_step(
+    trainer: ElasticTrainer, step: Step, before_sync: Optional[Callable[[float, int], None]] = None
+) -> tuple[float, int]:
     """Forward and backward of every micro batch of ``step`` (MSE summed over samples, keyed dropout).
     Returns this rank's loss sum and sample count.
 
@@ -99,10 +100,17 @@ def train_step(trainer: ElasticTrainer, step: Step,
 def step_record(trainer: ElasticTrainer, step: Step) -> dict[str, Any]:
     """What every test program records about a step it ran: the step, who ran it at which world size and plan,
     the dataset indices this rank consumed, the checkpoint it resumed from and the param-group LRs."""
-    return {"step": step.index + 1, "rank": trainer.rank, "world": trainer.world_size,
-            "global_batch": trainer.plan.global_batch, "indices": step.indices,
-            "resumed_from": trainer.resumed_from, "lrs": [grp["lr"] for grp in trainer.optimizer.param_groups],
-            "grad_norm": trainer.last_grad_norm, **trainer.precision.scaler_record()}
+    return {
+        "step": step.index + 1,
+        "rank": trainer.rank,
+        "world": trainer.world_size,
+        "global_batch": trainer.plan.global_batch,
+        "indices": step.indices,
+        "resumed_from": trainer.resumed_from,
+        "lrs": [grp["lr"] for grp in trainer.optimizer.param_groups],
+        "grad_norm": trainer.last_grad_norm,
+        **trainer.precision.scaler_record(),
+    }
 
 
 def open_records(out_dir: str, name: str) -> IO[str]:

@@ -20,8 +20,9 @@ from disttrain.trainer.failures import is_collective_failure
 
 COLLECTIVES: dict[str, Callable[[], object]] = {
     "all_reduce": lambda: dist.all_reduce(torch.ones(4)),
-    "async_all_reduce": lambda: dist.all_reduce(torch.ones(6, dtype=torch.int64), op=dist.ReduceOp.MAX,
-                                                async_op=True).wait(),
+    "async_all_reduce": lambda: dist.all_reduce(
+        torch.ones(6, dtype=torch.int64), op=dist.ReduceOp.MAX, async_op=True
+    ).wait(),
     "barrier": lambda: dist.barrier(),
     "all_gather_object": lambda: dist.all_gather_object([None, None], {"digests": {}}),
 }
@@ -41,8 +42,11 @@ def main() -> None:
         COLLECTIVES[collective]()
         result = {"raised": None}
     except Exception as exc:  # noqa: BLE001 - reporting it is the point
-        result = {"raised": type(exc).__name__, "message": str(exc).splitlines()[0],
-                  "collective_failure": is_collective_failure(exc)}
+        result = {
+            "raised": type(exc).__name__,
+            "message": str(exc).splitlines()[0],
+            "collective_failure": is_collective_failure(exc),
+        }
     print(json.dumps(result), flush=True)
     os._exit(0)
 

@@ -61,8 +61,11 @@ def test_cel_rules_agree_with_their_python_mirrors(case_id, obj):
 
 def test_the_matrix_makes_every_static_rule_fail_at_least_once():
     failed = {
-        rule.cel for _, obj in OBJECTS for rule in STATIC_RULES
-        for _, node in rules.nodes_at(obj, rule.node) if not rule.holds(node)
+        rule.cel
+        for _, obj in OBJECTS
+        for rule in STATIC_RULES
+        for _, node in rules.nodes_at(obj, rule.node)
+        if not rule.holds(node)
     }
     assert failed == {rule.cel for rule in STATIC_RULES}
 

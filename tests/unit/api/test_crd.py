@@ -35,8 +35,9 @@ def test_schema_is_structural():
     root = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     for path, node in _walk(root):
         assert ("$ref" not in node and "anyOf" not in node) or node.get("x-kubernetes-int-or-string"), path
-        assert "type" in node or node.get("x-kubernetes-int-or-string") or node.get(
-            "x-kubernetes-preserve-unknown-fields"), f"{path} has no type"
+        assert (
+            "type" in node or node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields")
+        ), f"{path} has no type"
         assert not ("properties" in node and "additionalProperties" in node), path
         assert "title" not in node and "nullable" not in node, path
 

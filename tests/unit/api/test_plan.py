@@ -21,14 +21,19 @@ from disttrain.api.spec import LRScaling, LRSpec, TrainingSpec
 
 def training(global_batch: int, micro: int, policy: str = "fixed", scaling: str = "linear", **kw) -> TrainingSpec:
     return TrainingSpec(
-        globalBatchSize=global_batch, microBatchSize=micro, batchPolicy=policy,
-        lr={"base": 0.1, "scaling": scaling, **kw.pop("lr", {})}, maxSteps=10, **kw,
+        globalBatchSize=global_batch,
+        microBatchSize=micro,
+        batchPolicy=policy,
+        lr={"base": 0.1, "scaling": scaling, **kw.pop("lr", {})},
+        maxSteps=10,
+        **kw,
     )
 
 
 fixed_contracts = st.builds(
     lambda micro, mult: training(micro * mult, micro),
-    st.integers(1, 16), st.integers(1, 256),
+    st.integers(1, 16),
+    st.integers(1, 256),
 )
 
 
@@ -68,8 +73,12 @@ def test_lr_factor_is_one_at_the_reference_batch(scaling, reference):
     assert lr_factor(scaling, reference, reference) == pytest.approx(1.0)
 
 
-@given(st.sampled_from([LRScaling.LINEAR, LRScaling.SQRT]), st.integers(1, 1000), st.integers(1, 1000),
-       st.integers(1, 1000))
+@given(
+    st.sampled_from([LRScaling.LINEAR, LRScaling.SQRT]),
+    st.integers(1, 1000),
+    st.integers(1, 1000),
+    st.integers(1, 1000),
+)
 def test_lr_factor_is_monotone_in_the_batch(scaling, reference, a, b):
     small, large = sorted((a, b))
     assert lr_factor(scaling, small, reference) <= lr_factor(scaling, large, reference)

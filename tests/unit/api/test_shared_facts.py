@@ -47,9 +47,17 @@ def test_every_agent_field_is_a_status_field():
     assert set(status.AGENT_FIELDS) <= aliases
 
 
-@pytest.mark.parametrize("names, expected", [
-    (["trainer"], 0), (["sidecar", "trainer"], 1), (["only"], 0), (["a", "b"], None), ([], None),
-], ids=["named", "named-among-others", "the-only-one", "two-unnamed", "none"])
+@pytest.mark.parametrize(
+    "names, expected",
+    [
+        (["trainer"], 0),
+        (["sidecar", "trainer"], 1),
+        (["only"], 0),
+        (["a", "b"], None),
+        ([], None),
+    ],
+    ids=["named", "named-among-others", "the-only-one", "two-unnamed", "none"],
+)
 def test_trainer_container_is_the_named_one_or_the_only_one(names, expected):
     pod_containers = [{"name": n} for n in names]
     assert containers.find_trainer_index(pod_containers) == expected

@@ -33,8 +33,12 @@ def _size(status: dict[str, object]) -> int:
 
 def test_a_running_10k_node_job_has_a_small_status():
     names = _names()
-    status = {"phase": "Running", "trackedPods": {n: str(uuid.uuid4()) for n in [*names, "train-llm-70b-agent"]},
-              "roundMembers": names[:1024], "handledPods": [str(uuid.uuid4()) for _ in range(100)]}
+    status = {
+        "phase": "Running",
+        "trackedPods": {n: str(uuid.uuid4()) for n in [*names, "train-llm-70b-agent"]},
+        "roundMembers": names[:1024],
+        "handledPods": [str(uuid.uuid4()) for _ in range(100)],
+    }
     assert _size(status) <= STEADY_BOUND, _size(status)
 
 

@@ -39,30 +39,70 @@ MALFORMED = [
         "spec.training.globalBatchSize",
         "not a multiple",
     ),
-    ("unknown-batch-policy", lambda b: b.set("spec.training.batchPolicy", "elastic"), "spec.training.batchPolicy",
-     "'fixed' or 'scaled'"),
-    ("unknown-lr-scaling", lambda b: b.set("spec.training.lr.scaling", "cubic"), "spec.training.lr.scaling",
-     "'linear', 'sqrt' or 'none'"),
+    (
+        "unknown-batch-policy",
+        lambda b: b.set("spec.training.batchPolicy", "elastic"),
+        "spec.training.batchPolicy",
+        "'fixed' or 'scaled'",
+    ),
+    (
+        "unknown-lr-scaling",
+        lambda b: b.set("spec.training.lr.scaling", "cubic"),
+        "spec.training.lr.scaling",
+        "'linear', 'sqrt' or 'none'",
+    ),
     ("negative-lr", lambda b: b.set("spec.training.lr.base", -0.1), "spec.training.lr.base", "greater than 0"),
-    ("negative-ramp", lambda b: b.set("spec.training.lr.rampSteps", -5), "spec.training.lr.rampSteps",
-     "greater than or equal to 0"),
-    ("max-steps-and-samples", lambda b: b.set("spec.training.maxSamples", 1000), "spec.training",
-     "exactly one of training.maxSteps and training.maxSamples"),
+    (
+        "negative-ramp",
+        lambda b: b.set("spec.training.lr.rampSteps", -5),
+        "spec.training.lr.rampSteps",
+        "greater than or equal to 0",
+    ),
+    (
+        "max-steps-and-samples",
+        lambda b: b.set("spec.training.maxSamples", 1000),
+        "spec.training",
+        "exactly one of training.maxSteps and training.maxSamples",
+    ),
     ("no-length", lambda b: b.delete("spec.training.maxSteps"), "spec.training", "exactly one"),
-    ("negative-join-timeout", lambda b: b.set("spec.rendezvous.joinTimeoutSeconds", -1),
-     "spec.rendezvous.joinTimeoutSeconds", "greater than or equal to 1"),
-    ("port-out-of-range", lambda b: b.set("spec.rendezvous.port", 70000), "spec.rendezvous.port",
-     "less than or equal to 65535"),
-    ("negative-drain-timeout", lambda b: b.set("spec.elastic.drainTimeoutSeconds", -3),
-     "spec.elastic.drainTimeoutSeconds", "greater than or equal to 1"),
-    ("unknown-clean-pod-policy", lambda b: b.set("spec.runPolicy.cleanPodPolicy", "Some"),
-     "spec.runPolicy.cleanPodPolicy", "'All', 'Running' or 'None'"),
-    ("unknown-success-policy", lambda b: b.set("spec.successPolicy", "AnyWorker"), "spec.successPolicy",
-     "'AllWorkers' or 'RankZero'"),
+    (
+        "negative-join-timeout",
+        lambda b: b.set("spec.rendezvous.joinTimeoutSeconds", -1),
+        "spec.rendezvous.joinTimeoutSeconds",
+        "greater than or equal to 1",
+    ),
+    (
+        "port-out-of-range",
+        lambda b: b.set("spec.rendezvous.port", 70000),
+        "spec.rendezvous.port",
+        "less than or equal to 65535",
+    ),
+    (
+        "negative-drain-timeout",
+        lambda b: b.set("spec.elastic.drainTimeoutSeconds", -3),
+        "spec.elastic.drainTimeoutSeconds",
+        "greater than or equal to 1",
+    ),
+    (
+        "unknown-clean-pod-policy",
+        lambda b: b.set("spec.runPolicy.cleanPodPolicy", "Some"),
+        "spec.runPolicy.cleanPodPolicy",
+        "'All', 'Running' or 'None'",
+    ),
+    (
+        "unknown-success-policy",
+        lambda b: b.set("spec.successPolicy", "AnyWorker"),
+        "spec.successPolicy",
+        "'AllWorkers' or 'RankZero'",
+    ),
     ("unknown-spec-field", lambda b: b.set("spec.foo", 1), "spec.foo", "unknown field"),
     ("typo-in-lr", lambda b: b.set("spec.training.lr.bogus", 1), "spec.training.lr.bogus", "unknown field"),
-    ("both-claim-and-volume", lambda b: b.set("spec.checkpoint.volumeName", "data"), "spec.checkpoint",
-     "exactly one of checkpoint.claimName and checkpoint.volumeName"),
+    (
+        "both-claim-and-volume",
+        lambda b: b.set("spec.checkpoint.volumeName", "data"),
+        "spec.checkpoint",
+        "exactly one of checkpoint.claimName and checkpoint.volumeName",
+    ),
     ("no-checkpoint-storage", lambda b: b.delete("spec.checkpoint.claimName"), "spec.checkpoint", "exactly one"),
     (
         "checkpoint-volume-not-declared",
@@ -70,52 +110,105 @@ MALFORMED = [
         "spec.checkpoint.volumeName",
         "not a volume of template.spec.volumes",
     ),
-    ("relative-checkpoint-path", lambda b: b.set("spec.checkpoint.path", "ckpt"), "spec.checkpoint.path",
-     "should match pattern"),
+    (
+        "relative-checkpoint-path",
+        lambda b: b.set("spec.checkpoint.path", "ckpt"),
+        "spec.checkpoint.path",
+        "should match pattern",
+    ),
     ("keep-zero", lambda b: b.set("spec.checkpoint.keep", 0), "spec.checkpoint.keep", "greater than or equal to 1"),
-    ("interval-steps-zero", lambda b: b.set("spec.checkpoint.intervalSteps", 0), "spec.checkpoint.intervalSteps",
-     "intervalSteps must be an integer >= 1 or 'auto', got 0"),
-    ("interval-steps-bad-word", lambda b: b.set("spec.checkpoint.intervalSteps", "often"),
-     "spec.checkpoint.intervalSteps", "intervalSteps must be an integer >= 1 or 'auto', got 'often'"),
-    ("interval-steps-numeric-string", lambda b: b.set("spec.checkpoint.intervalSteps", "50"),
-     "spec.checkpoint.intervalSteps", "got '50'"),
+    (
+        "interval-steps-zero",
+        lambda b: b.set("spec.checkpoint.intervalSteps", 0),
+        "spec.checkpoint.intervalSteps",
+        "intervalSteps must be an integer >= 1 or 'auto', got 0",
+    ),
+    (
+        "interval-steps-bad-word",
+        lambda b: b.set("spec.checkpoint.intervalSteps", "often"),
+        "spec.checkpoint.intervalSteps",
+        "intervalSteps must be an integer >= 1 or 'auto', got 'often'",
+    ),
+    (
+        "interval-steps-numeric-string",
+        lambda b: b.set("spec.checkpoint.intervalSteps", "50"),
+        "spec.checkpoint.intervalSteps",
+        "got '50'",
+    ),
     (
         "two-containers-none-named-trainer",
-        lambda b: b.set("spec.template.spec.containers", [
-            {"name": "a", "image": "x"}, {"name": "b", "image": "y"}]),
+        lambda b: b.set("spec.template.spec.containers", [{"name": "a", "image": "x"}, {"name": "b", "image": "y"}]),
         "spec.template.spec",
         "container named 'trainer'",
     ),
-    ("trainer-without-command", lambda b: b.set("spec.template.spec.containers", [
-        {"name": "trainer", "image": "x", "args": ["train.py"]}]), "spec.template.spec.containers",
-     "the trainer container needs a command"),
-    ("container-without-name", lambda b: b.set("spec.template.spec.containers", [{"image": "x", "command": ["t"]}]),
-     "spec.template.spec.containers[0]", "'name' is a required property"),
-    ("template-typo", lambda b: b.set("spec.template.spec.nodeSelectr", {"a": "b"}), "spec.template.spec.nodeSelectr",
-     "unknown field"),
-    ("template-wrong-type", lambda b: b.set("spec.template.spec.containers", [container(args="--x")]),
-     "spec.template.spec.containers[0].args", "is not of type 'array'"),
-    ("reserved-env", lambda b: b.set("spec.template.spec.containers", [container(
-        env=[{"name": "DISTTRAIN_CONTRACT", "value": "{}"}])]), "spec.template.spec.containers[0].env",
-     "reserved"),
-    ("backoff-above-max", lambda b: b.set("spec.restartPolicy", {"backoffSeconds": 60, "maxBackoffSeconds": 10}),
-     "spec.restartPolicy.backoffSeconds", "must be <="),
-    ("exit-code-in-both-classes", lambda b: b.set("spec.restartPolicy", {"exitCodes": {
-        "permanent": [85, 3], "retryable": [3]}}), "spec.restartPolicy.exitCodes.retryable", "both permanent"),
+    (
+        "trainer-without-command",
+        lambda b: b.set("spec.template.spec.containers", [{"name": "trainer", "image": "x", "args": ["train.py"]}]),
+        "spec.template.spec.containers",
+        "the trainer container needs a command",
+    ),
+    (
+        "container-without-name",
+        lambda b: b.set("spec.template.spec.containers", [{"image": "x", "command": ["t"]}]),
+        "spec.template.spec.containers[0]",
+        "'name' is a required property",
+    ),
+    (
+        "template-typo",
+        lambda b: b.set("spec.template.spec.nodeSelectr", {"a": "b"}),
+        "spec.template.spec.nodeSelectr",
+        "unknown field",
+    ),
+    (
+        "template-wrong-type",
+        lambda b: b.set("spec.template.spec.containers", [container(args="--x")]),
+        "spec.template.spec.containers[0].args",
+        "is not of type 'array'",
+    ),
+    (
+        "reserved-env",
+        lambda b: b.set(
+            "spec.template.spec.containers", [container(env=[{"name": "DISTTRAIN_CONTRACT", "value": "{}"}])]
+        ),
+        "spec.template.spec.containers[0].env",
+        "reserved",
+    ),
+    (
+        "backoff-above-max",
+        lambda b: b.set("spec.restartPolicy", {"backoffSeconds": 60, "maxBackoffSeconds": 10}),
+        "spec.restartPolicy.backoffSeconds",
+        "must be <=",
+    ),
+    (
+        "exit-code-in-both-classes",
+        lambda b: b.set("spec.restartPolicy", {"exitCodes": {"permanent": [85, 3], "retryable": [3]}}),
+        "spec.restartPolicy.exitCodes.retryable",
+        "both permanent",
+    ),
     ("name-too-long", lambda b: b.set("metadata.name", "a" * 50), "metadata.name", "at most 45 characters"),
     ("name-not-dns", lambda b: b.set("metadata.name", "My_Job"), "metadata.name", "should match pattern"),
     ("name-with-dots", lambda b: b.set("metadata.name", "my.job"), "metadata.name", "should match pattern"),
     ("wrong-kind", lambda b: b.set("kind", "PyTorchJob"), "apiVersion/kind", "expected disttrain.dev/v1alpha1"),
     ("nproc-zero", lambda b: b.set("spec.nprocPerNode", 0), "spec.nprocPerNode", "greater than or equal to 1"),
-    ("negative-ttl", lambda b: b.set("spec.runPolicy.ttlSecondsAfterFinished", -1),
-     "spec.runPolicy.ttlSecondsAfterFinished", "greater than or equal to 0"),
+    (
+        "negative-ttl",
+        lambda b: b.set("spec.runPolicy.ttlSecondsAfterFinished", -1),
+        "spec.runPolicy.ttlSecondsAfterFinished",
+        "greater than or equal to 0",
+    ),
     ("suspend-not-bool", lambda b: b.set("spec.runPolicy.suspend", "maybe"), "spec.runPolicy.suspend", "boolean"),
-    ("template-runs-as-another-jobs-agent", lambda b: b.set("spec.template.spec.serviceAccountName", "other-agent"),
-     "spec.template.spec.serviceAccountName", "serviceAccountName other-agent is not allowed: names ending in "
-     "'-agent' are reserved"),
-    ("template-runs-as-an-agent-by-the-deprecated-alias",
-     lambda b: b.set("spec.template.spec.serviceAccount", "train-agent"), "spec.template.spec.serviceAccount",
-     "serviceAccount train-agent is not allowed"),
+    (
+        "template-runs-as-another-jobs-agent",
+        lambda b: b.set("spec.template.spec.serviceAccountName", "other-agent"),
+        "spec.template.spec.serviceAccountName",
+        "serviceAccountName other-agent is not allowed: names ending in '-agent' are reserved",
+    ),
+    (
+        "template-runs-as-an-agent-by-the-deprecated-alias",
+        lambda b: b.set("spec.template.spec.serviceAccount", "train-agent"),
+        "spec.template.spec.serviceAccount",
+        "serviceAccount train-agent is not allowed",
+    ),
 ]
 
 
@@ -159,7 +252,9 @@ def test_cli_validate_exits_non_zero_and_prints_the_field(tmp_path):
     bad.write_text(yaml.safe_dump(JobBuilder().nodes(1, 4, 6).build()))
     run = subprocess.run(
         [sys.executable, "-m", "disttrain.operator.cli", "validate", str(bad), *map(str, EXAMPLES)],
-        capture_output=True, text=True, cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
     )
     assert run.returncode == 1
     assert f"{bad}: spec.nodes.replicas: nodes.replicas must be within [1, 4], got 6" in run.stderr
@@ -170,8 +265,12 @@ def test_cli_validate_exits_non_zero_and_prints_the_field(tmp_path):
 def test_cli_validate_reports_yaml_syntax_errors_without_a_traceback(tmp_path):
     bad = tmp_path / "broken.yaml"
     bad.write_text("spec: [unclosed\n")
-    run = subprocess.run([sys.executable, "-m", "disttrain.operator.cli", "validate", str(bad)],
-                         capture_output=True, text=True, cwd=REPO_ROOT)
+    run = subprocess.run(
+        [sys.executable, "-m", "disttrain.operator.cli", "validate", str(bad)],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
     assert run.returncode == 1 and "<yaml>" in run.stderr and "Traceback" not in run.stderr
 
 
@@ -206,10 +305,14 @@ def test_an_elastic_range_under_kueue_is_a_warning_saying_how_to_resize():
     assert validation.validate_object(fixed) == []
 
 
-@pytest.mark.parametrize("gang, path", [
-    ({"scheduler": "scheduler-plugins", "queue": "q"}, "spec.gang.queue"),
-    ({"scheduler": "volcano", "scheduleTimeoutSeconds": 60}, "spec.gang.scheduleTimeoutSeconds"),
-], ids=["queue-on-coscheduling", "timeout-on-volcano"])
+@pytest.mark.parametrize(
+    "gang, path",
+    [
+        ({"scheduler": "scheduler-plugins", "queue": "q"}, "spec.gang.queue"),
+        ({"scheduler": "volcano", "scheduleTimeoutSeconds": 60}, "spec.gang.scheduleTimeoutSeconds"),
+    ],
+    ids=["queue-on-coscheduling", "timeout-on-volcano"],
+)
 def test_a_gang_setting_the_chosen_scheduler_ignores_is_a_warning(gang, path):
     [problem] = validation.validate_object(JobBuilder().set("spec.gang", gang).build())
     assert problem.severity is validation.Severity.WARNING and problem.path == path

@@ -13,8 +13,17 @@ from disttrain.operator.local.nodes import LocalPod
 
 def _pod(readiness_port: int) -> LocalPod:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    return LocalPod(name="w-0", uid="u", index=0, node="local-1", marker="m", proc=proc, log=sys.stderr.buffer,
-                    created_at=time.time(), readiness_port=readiness_port)
+    return LocalPod(
+        name="w-0",
+        uid="u",
+        index=0,
+        node="local-1",
+        marker="m",
+        proc=proc,
+        log=sys.stderr.buffer,
+        created_at=time.time(),
+        readiness_port=readiness_port,
+    )
 
 
 def test_running_but_unready_until_the_launcher_listens_then_ready_for_good() -> None:

@@ -13,16 +13,24 @@ def _job(make_job) -> DistTrainJob:
     container = obj["spec"]["template"]["spec"]["containers"][0]
     container["command"] = ["python", "-u", "train.py"]
     container["args"] = ["--ckpt", "/var/lib/disttrain/checkpoints/default/tr/extra"]
-    container["env"] = [{"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                        {"name": "GREETING", "value": "hello $(POD)"}]
+    container["env"] = [
+        {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "GREETING", "value": "hello $(POD)"},
+    ]
     obj["spec"]["checkpoint"] = {"claimName": "c", "path": "/var/lib/disttrain/checkpoints", "intervalSteps": 5}
     return DistTrainJob.model_validate(obj)
 
 
 def _site(job: DistTrainJob) -> translate.LocalSite:
-    return translate.LocalSite(agent_hosts=("tr-agent.default.svc", "tr-agent"), cluster_port=29400, local_port=41234,
-                               cluster_checkpoint_dir=pods.checkpoint_dir(job), checkpoint_dir="/tmp/state/ckpt",
-                               workdir="/tmp/work", base_env={"PATH": "/usr/bin"})
+    return translate.LocalSite(
+        agent_hosts=("tr-agent.default.svc", "tr-agent"),
+        cluster_port=29400,
+        local_port=41234,
+        cluster_checkpoint_dir=pods.checkpoint_dir(job),
+        checkpoint_dir="/tmp/state/ckpt",
+        workdir="/tmp/work",
+        base_env={"PATH": "/usr/bin"},
+    )
 
 
 def test_the_cluster_pod_becomes_the_same_command_on_localhost(make_job):
@@ -53,8 +61,14 @@ def test_the_agent_listens_on_the_local_port(make_job):
 
 
 def test_agent_service_names_are_rewritten_only_as_whole_host_names():
-    site = translate.LocalSite(agent_hosts=("a-agent.ns.svc", "a-agent"), cluster_port=29400, local_port=5,
-                               cluster_checkpoint_dir="/c/ns/a", checkpoint_dir="/l", workdir="/")
+    site = translate.LocalSite(
+        agent_hosts=("a-agent.ns.svc", "a-agent"),
+        cluster_port=29400,
+        local_port=5,
+        cluster_checkpoint_dir="/c/ns/a",
+        checkpoint_dir="/l",
+        workdir="/",
+    )
     assert translate.translate_text("a-agent.ns.svc:29400", site) == "127.0.0.1:5"
     assert translate.translate_text("tcp://a-agent:29400/x", site) == "tcp://127.0.0.1:5/x"
     assert translate.translate_text("a-agent-old:29400", site) == "a-agent-old:29400"

@@ -20,12 +20,17 @@ def draining_world() -> World:
     return world
 
 
-@pytest.mark.parametrize("field,value", [
-    ("lastCheckpoint", {"step": 6, "samples": 144, "path": "/ckpt/step-6", "time": "yesterday", "worldSize": 3}),
-    ("lastCheckpoint", {"step": 6, "samples": 144, "path": "/ckpt/step-6", "time": "99999-01-01T00:00:00Z",
-                        "worldSize": 3}),
-    ("lastProgressTime", "NaN"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("lastCheckpoint", {"step": 6, "samples": 144, "path": "/ckpt/step-6", "time": "yesterday", "worldSize": 3}),
+        (
+            "lastCheckpoint",
+            {"step": 6, "samples": 144, "path": "/ckpt/step-6", "time": "99999-01-01T00:00:00Z", "worldSize": 3},
+        ),
+        ("lastProgressTime", "NaN"),
+    ],
+)
 def test_an_unparsable_agent_time_is_ignored_not_fatal(field, value):
     world = draining_world()
     world.status[field] = value
@@ -42,21 +47,36 @@ def test_good_values_pass_untouched_and_each_problem_is_named():
     clean, problems = agentfields.sanitize(world.status)
     assert clean == world.status and problems == []
     _, problems = agentfields.sanitize({**world.status, "step": 2**60, "roundStartTime": 5})
-    assert problems == ["status.roundStartTime=5 is no RFC 3339 time",
-                        f"status.step={2**60} is out of range [0, {2**53}]"]
+    assert problems == [
+        "status.roundStartTime=5 is no RFC 3339 time",
+        f"status.step={2**60} is out of range [0, {2**53}]",
+    ]
 
 
-GOOD_INTERVAL = {"steps": 12, "saveSeconds": 0.2, "stepSeconds": 0.05, "mtbfSeconds": 60.0, "failures": 2,
-                 "time": "2026-01-01T00:00:00Z"}
+GOOD_INTERVAL = {
+    "steps": 12,
+    "saveSeconds": 0.2,
+    "stepSeconds": 0.05,
+    "mtbfSeconds": 60.0,
+    "failures": 2,
+    "time": "2026-01-01T00:00:00Z",
+}
 
 
-@pytest.mark.parametrize("value,problem,fatal", [
-    ({**GOOD_INTERVAL, "steps": 0}, "status.checkpointInterval.steps=0 is out of range", True),
-    ({**GOOD_INTERVAL, "steps": "12"}, "status.checkpointInterval.steps='12' is out of range", False),
-    ({**GOOD_INTERVAL, "mtbfSeconds": -1}, "status.checkpointInterval.mtbfSeconds=-1 is no number of seconds", True),
-    ({**GOOD_INTERVAL, "time": "soon"}, "status.checkpointInterval.time='soon' is no RFC 3339 time", False),
-    ("auto", "status.checkpointInterval='auto' is no object", True),
-])
+@pytest.mark.parametrize(
+    "value,problem,fatal",
+    [
+        ({**GOOD_INTERVAL, "steps": 0}, "status.checkpointInterval.steps=0 is out of range", True),
+        ({**GOOD_INTERVAL, "steps": "12"}, "status.checkpointInterval.steps='12' is out of range", False),
+        (
+            {**GOOD_INTERVAL, "mtbfSeconds": -1},
+            "status.checkpointInterval.mtbfSeconds=-1 is no number of seconds",
+            True,
+        ),
+        ({**GOOD_INTERVAL, "time": "soon"}, "status.checkpointInterval.time='soon' is no RFC 3339 time", False),
+        ("auto", "status.checkpointInterval='auto' is no object", True),
+    ],
+)
 def test_a_bad_checkpoint_interval_report_is_dropped_and_named(value, problem, fatal):
     world = draining_world()
     world.status["checkpointInterval"] = value
@@ -65,8 +85,11 @@ def test_a_bad_checkpoint_interval_report_is_dropped_and_named(value, problem, f
             reconcile(DistTrainJob.model_validate(world.manifest), world.observed(), world.now + 1)
     clean, problems = agentfields.sanitize(world.status)
     assert "checkpointInterval" not in clean and len(problems) == 1 and problems[0].startswith(problem), problems
-    reconcile(DistTrainJob.model_validate(agentfields.sanitized_job(world.manifest, "default", "demo")),
-              world.observed(), world.now + 1)
+    reconcile(
+        DistTrainJob.model_validate(agentfields.sanitized_job(world.manifest, "default", "demo")),
+        world.observed(),
+        world.now + 1,
+    )
 
 
 def test_a_good_checkpoint_interval_report_passes():

@@ -15,25 +15,50 @@ from disttrain.operator.caches import ClusterCache
 pytestmark = pytest.mark.timeout(30)
 
 
-def pod(name, version, *, job="demo", role="worker", uid=None, node=None, phase="Pending", ns="default", index=0,
-        owner=None):
-    return {"metadata": {"name": name, "namespace": ns, "uid": uid or f"uid-{name}", "resourceVersion": str(version),
-                         "labels": {constants.LABEL_JOB_NAME: job, constants.LABEL_ROLE: role,
-                                    constants.LABEL_NODE_INDEX: str(index)},
-                         "ownerReferences": [{"apiVersion": constants.API_VERSION, "kind": constants.KIND,
-                                              "name": job, "uid": owner or f"uid-{job}", "controller": True}]},
-            "spec": {"nodeName": node} if node else {}, "status": {"phase": phase, "podIP": f"10.0.0.{version}"}}
+def pod(
+    name, version, *, job="demo", role="worker", uid=None, node=None, phase="Pending", ns="default", index=0, owner=None
+):
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": ns,
+            "uid": uid or f"uid-{name}",
+            "resourceVersion": str(version),
+            "labels": {
+                constants.LABEL_JOB_NAME: job,
+                constants.LABEL_ROLE: role,
+                constants.LABEL_NODE_INDEX: str(index),
+            },
+            "ownerReferences": [
+                {
+                    "apiVersion": constants.API_VERSION,
+                    "kind": constants.KIND,
+                    "name": job,
+                    "uid": owner or f"uid-{job}",
+                    "controller": True,
+                }
+            ],
+        },
+        "spec": {"nodeName": node} if node else {},
+        "status": {"phase": phase, "podIP": f"10.0.0.{version}"},
+    }
 
 
 def node(name, version, ready="True", heartbeat="t0"):
-    return {"metadata": {"name": name, "uid": f"uid-{name}", "resourceVersion": str(version)},
-            "status": {"conditions": [{"type": "Ready", "status": ready, "lastHeartbeatTime": heartbeat}]}}
+    return {
+        "metadata": {"name": name, "uid": f"uid-{name}", "resourceVersion": str(version)},
+        "status": {"conditions": [{"type": "Ready", "status": ready, "lastHeartbeatTime": heartbeat}]},
+    }
 
 
 def job(name, version, ns="default", **status):
-    return {"apiVersion": "disttrain.dev/v1alpha1", "kind": "DistTrainJob",
-            "metadata": {"name": name, "namespace": ns, "uid": f"uid-{name}", "resourceVersion": str(version)},
-            "spec": {}, "status": status}
+    return {
+        "apiVersion": "disttrain.dev/v1alpha1",
+        "kind": "DistTrainJob",
+        "metadata": {"name": name, "namespace": ns, "uid": f"uid-{name}", "resourceVersion": str(version)},
+        "spec": {},
+        "status": status,
+    }
 
 
 def test_a_pod_event_wakes_its_job_only_when_what_policy_reads_changed():
@@ -142,8 +167,13 @@ def test_only_pods_owned_by_the_jobs_uid_are_the_jobs():
     cache.put_pod(old, now=1)
     cache.put_pod(pod("demo-agent", 2, role="agent", owner="uid-old"), now=1)
     cache.put_pod(pod("demo-worker-1", 3, index=1, owner="uid-new"), now=1)
-    cache.put_pod({**pod("demo-worker-2", 4, index=2), "metadata": {
-        **pod("demo-worker-2", 4, index=2)["metadata"], "ownerReferences": []}}, now=1)
+    cache.put_pod(
+        {
+            **pod("demo-worker-2", 4, index=2),
+            "metadata": {**pod("demo-worker-2", 4, index=2)["metadata"], "ownerReferences": []},
+        },
+        now=1,
+    )
     new = cache.observe("default", "demo", "uid-new")
     assert [p.name for p in new.workers] == ["demo-worker-1"] and new.agent is None
     seen_old = cache.observe("default", "demo", "uid-old")

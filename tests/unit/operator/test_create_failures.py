@@ -51,8 +51,9 @@ def test_a_failed_create_of_any_object_is_named_in_the_created_condition_and_one
 def test_a_name_held_by_another_owner_is_a_wait_not_a_failure():
     world = FailingWorld(job_manifest(replicas=2))
     world.step()
-    world.failure = CreateFailure("Service", "demo-agent", "Service demo-agent already exists, owned by uid old",
-                                  held_by="old")
+    world.failure = CreateFailure(
+        "Service", "demo-agent", "Service demo-agent already exists, owned by uid old", held_by="old"
+    )
     actions = world.step(1)
     created = world.condition("Created")
     assert created["status"] == "False" and created["reason"] == "NameHeld"

@@ -29,8 +29,17 @@ def test_every_reason_series_exists_at_zero_from_the_first_sight():
     for reason in REFORM_REASONS:
         assert _value(registry, "disttrain_job_reforms_total", reason=reason) == 0, reason
     assert _value(registry, "disttrain_job_reform_duration_seconds_count") == 0
-    metrics.observe_job("team-a", "demo", {"phase": "Reforming", "restarts": {"total": 1, "byReason": {
-        "NodeNotReady": 1}}, "reforms": 1, "lastReform": {"reason": "NodeNotReady", "start": "x"}}, now=101)
+    metrics.observe_job(
+        "team-a",
+        "demo",
+        {
+            "phase": "Reforming",
+            "restarts": {"total": 1, "byReason": {"NodeNotReady": 1}},
+            "reforms": 1,
+            "lastReform": {"reason": "NodeNotReady", "start": "x"},
+        },
+        now=101,
+    )
     assert _value(registry, "disttrain_job_restarts_total", reason="NodeNotReady") == 1
     assert _value(registry, "disttrain_job_reforms_total", reason="NodeNotReady") == 1
     assert _value(registry, "disttrain_job_restarts_total", reason="PodFailed") == 0
@@ -39,8 +48,9 @@ def test_every_reason_series_exists_at_zero_from_the_first_sight():
 def test_the_restart_budget_and_the_restarts_counted_against_it():
     registry = CollectorRegistry()
     metrics = OperatorMetrics(registry)
-    metrics.observe_job("team-a", "demo", {"restarts": {"total": 7, "byReason": {"PodFailed": 7}}}, now=1,
-                        max_restarts=8)
+    metrics.observe_job(
+        "team-a", "demo", {"restarts": {"total": 7, "byReason": {"PodFailed": 7}}}, now=1, max_restarts=8
+    )
     assert _value(registry, "disttrain_job_max_restarts") == 8
     # A restarted operator: the counter starts at 0 again, the gauge still says what the status counts.
     assert _value(registry, "disttrain_job_restarts_total", reason="PodFailed") == 0
@@ -52,8 +62,9 @@ def test_a_forgotten_job_leaves_no_series():
     metrics = OperatorMetrics(registry)
     metrics.observe_job("team-a", "demo", {"phase": "Running", "lastCheckpoint": {"step": 5}}, now=1, max_restarts=3)
     metrics.forget_job("team-a", "demo")
-    leftovers = [sample for family in registry.collect() for sample in family.samples
-                 if sample.labels.get("job") == "demo"]
+    leftovers = [
+        sample for family in registry.collect() for sample in family.samples if sample.labels.get("job") == "demo"
+    ]
     assert leftovers == []
 
 
@@ -80,8 +91,11 @@ def test_each_reform_phase_is_observed_once_per_reform():
     for phase in REFORM_PHASES:
         assert phase_sample(registry, "count", phase) == 0, phase
     phases = dict.fromkeys(REFORM_PHASES, 0.5) | {"checkpointLoad": 2.0, "total": 5.5}
-    done = {"phase": "Running", "reforms": 1, "lastReform": {"reason": "NodeNotReady", "start": "x",
-                                                             "durationSeconds": 5.0, "phases": phases}}
+    done = {
+        "phase": "Running",
+        "reforms": 1,
+        "lastReform": {"reason": "NodeNotReady", "start": "x", "durationSeconds": 5.0, "phases": phases},
+    }
     metrics.observe_job("team-a", "demo", done, now=101)
     metrics.observe_job("team-a", "demo", done, now=102)  # the same reform seen again: not counted again
     assert phase_sample(registry, "count", "imports") == 1

@@ -22,17 +22,26 @@ def make_job(**spec):
     manifest["spec"]["template"]["metadata"] = {"labels": {"team": "ml"}, "annotations": {"note": "x"}}
     manifest["spec"]["template"]["spec"]["containers"][0]["args"] = ["--epochs", "3"]
     manifest["spec"]["template"]["spec"]["containers"][0]["env"] = [
-        {"name": "USER_VAR", "value": "1"}, {"name": "DISTTRAIN_NODE_NAME", "value": "spoofed"}]
+        {"name": "USER_VAR", "value": "1"},
+        {"name": "DISTTRAIN_NODE_NAME", "value": "spoofed"},
+    ]
     return DistTrainJob.model_validate(manifest)
 
 
 def all_objects(job):
-    return [pods.build_worker_pod(job, 0), pods.build_worker_pod(job, 3), pods.build_agent_pod(job),
-            *pods.build_support_objects(job)]
+    return [
+        pods.build_worker_pod(job, 0),
+        pods.build_worker_pod(job, 3),
+        pods.build_agent_pod(job),
+        *pods.build_support_objects(job),
+    ]
 
 
-@pytest.mark.parametrize("spec", [{}, {"runPolicy": {"schedulerName": "volcano", "priorityClassName": "high"}},
-                                  {"nprocPerNode": 2}], ids=["default", "scheduling", "nproc-2"])
+@pytest.mark.parametrize(
+    "spec",
+    [{}, {"runPolicy": {"schedulerName": "volcano", "priorityClassName": "high"}}, {"nprocPerNode": 2}],
+    ids=["default", "scheduling", "nproc-2"],
+)
 def test_every_built_object_validates_against_the_kubernetes_schema(spec):
     for obj in all_objects(make_job(**spec)):
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
@@ -55,11 +64,13 @@ def test_worker_pod_runs_the_training_command_under_torchrun():
     assert "--rdzv-endpoint=demo-agent.default.svc:29400" in argv
     assert "--rdzv-id=job-uid-1" in argv
     conf = next(a for a in argv if a.startswith("--rdzv-conf="))
-    assert conf == ("--rdzv-conf=is_host=false,join_timeout=600,last_call_timeout=30,close_timeout=10,"
-                    "keep_alive_interval=1,keep_alive_max_attempt=3")
+    assert conf == (
+        "--rdzv-conf=is_host=false,join_timeout=600,last_call_timeout=30,close_timeout=10,"
+        "keep_alive_interval=1,keep_alive_max_attempt=3"
+    )
     assert f"--max-restarts={pods.TORCHRUN_MAX_RESTARTS}" in argv
     no_python = argv.index("--no-python")
-    assert argv[no_python + 1:] == ["python", "train.py", "--epochs", "3"]
+    assert argv[no_python + 1 :] == ["python", "train.py", "--epochs", "3"]
     assert "args" not in pod["spec"]["containers"][0]
     trainer = pod["spec"]["containers"][0]
     assert trainer["terminationMessagePath"] == "/dev/termination-log"
@@ -70,11 +81,24 @@ def test_worker_pod_identity_labels_and_owner():
     pod = pods.build_worker_pod(make_job(), 2)
     meta = pod["metadata"]
     assert meta["name"] == "demo-worker-2" and meta["namespace"] == "default"
-    assert meta["labels"] == {"team": "ml", "disttrain.dev/job-name": "demo", "disttrain.dev/role": "worker",
-                              "disttrain.dev/node-index": "2", "disttrain.dev/job-uid": "job-uid-1"}
+    assert meta["labels"] == {
+        "team": "ml",
+        "disttrain.dev/job-name": "demo",
+        "disttrain.dev/role": "worker",
+        "disttrain.dev/node-index": "2",
+        "disttrain.dev/job-uid": "job-uid-1",
+    }
     assert meta["annotations"] == {"note": "x"}
-    assert meta["ownerReferences"] == [{"apiVersion": "disttrain.dev/v1alpha1", "kind": "DistTrainJob", "name": "demo",
-                                        "uid": "job-uid-1", "controller": True, "blockOwnerDeletion": True}]
+    assert meta["ownerReferences"] == [
+        {
+            "apiVersion": "disttrain.dev/v1alpha1",
+            "kind": "DistTrainJob",
+            "name": "demo",
+            "uid": "job-uid-1",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
     assert pod["spec"]["restartPolicy"] == "Never"
     assert pod["spec"]["subdomain"] == "demo-workers"
 
@@ -130,7 +154,10 @@ def test_worker_and_agent_pods_mount_the_jobs_store_secret_and_nothing_else_of_t
     job = DistTrainJob.model_validate(manifest)
     for pod in (pods.build_worker_pod(job, 0), pods.build_agent_pod(job)):
         [volume] = [v for v in pod["spec"]["volumes"] if v["name"] == access.VOLUME]
-        assert volume == {"name": access.VOLUME, "secret": {"secretName": f"{job.metadata.name}-store-{job.metadata.uid}"}}
+        assert volume == {
+            "name": access.VOLUME,
+            "secret": {"secretName": f"{job.metadata.name}-store-{job.metadata.uid}"},
+        }
         container = pod["spec"]["containers"][0]
         assert {"name": access.VOLUME, "mountPath": access.MOUNT_PATH, "readOnly": True} in container["volumeMounts"]
         secret_env = [e for e in container["env"] if e["name"].startswith("DISTTRAIN_STORE_SECRET")]
@@ -170,7 +197,10 @@ def test_network_policies_admit_the_jobs_workers_and_the_scraper_and_select_by_n
     assert "ports" not in from_workers  # every port: torchrun's store, gloo and NCCL pick theirs at run time
     assert from_workers["from"] == [peer]
     [scraper] = from_scraper["from"]
-    assert scraper == {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    assert scraper == {
+        "namespaceSelector": {},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    }
     declared = [p["containerPort"] for p in pods.trainer_container(worker)["ports"] if p["name"].startswith("metrics")]
     [ports] = from_scraper["ports"]
     assert list(range(ports["port"], ports.get("endPort", ports["port"]) + 1)) == sorted(declared)
@@ -188,14 +218,22 @@ def test_network_policies_follow_the_settings():
     _, worker_policy = access.build_network_policies(job, pods.METRICS_PORT, settings)
     kubernetes_validate.validate(worker_policy, K8S_VERSION, strict=True)
     [scraper] = worker_policy["spec"]["ingress"][1]["from"]
-    assert scraper == {"namespaceSelector": dict(settings.scraper_namespace_selector),
-                       "podSelector": dict(settings.scraper_pod_selector)}
+    assert scraper == {
+        "namespaceSelector": dict(settings.scraper_namespace_selector),
+        "podSelector": dict(settings.scraper_pod_selector),
+    }
 
 
-@pytest.mark.parametrize(("text", "error"), [
-    ("{", "not JSON"), ("[]", "expected an object"), ('{"matchLabel": {}}', "unknown keys"),
-    ('{"matchLabels": {"a": 1}}', "string values"), ('{"matchExpressions": {}}', "matchExpressions must be a list"),
-])
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("{", "not JSON"),
+        ("[]", "expected an object"),
+        ('{"matchLabel": {}}', "unknown keys"),
+        ('{"matchLabels": {"a": 1}}', "string values"),
+        ('{"matchExpressions": {}}', "matchExpressions must be a list"),
+    ],
+)
 def test_a_bad_scraper_selector_is_refused_naming_the_flag(text, error):
     with pytest.raises(ValueError, match=f"--flag: .*{error}"):
         access.parse_label_selector("--flag", text)
@@ -237,7 +275,9 @@ def test_each_local_ranks_exporter_has_a_named_metrics_port(nproc):
     """Worker pods declare ``metrics``, ``metrics-1``, ... on 9400 + local rank: what the chart's PodMonitor keeps."""
     manifest = job_manifest(nprocPerNode=nproc)
     manifest["spec"]["template"]["spec"]["containers"][0]["ports"] = [
-        {"name": "http", "containerPort": 8000}, {"name": "metrics-1", "containerPort": 1}]
+        {"name": "http", "containerPort": 8000},
+        {"name": "metrics-1", "containerPort": 1},
+    ]
     pod = pods.build_worker_pod(DistTrainJob.model_validate(manifest), 0)
     [container] = pod["spec"]["containers"]
     named = {port["name"]: port["containerPort"] for port in container["ports"]}
@@ -263,15 +303,19 @@ def test_a_replacement_avoids_the_dead_nodes_and_keeps_the_templates_placement_r
     plain = pods.build_worker_pod(make_job(), 0, avoid_nodes=["node-b", "node-a"])
     avoid = {"key": "metadata.name", "operator": "NotIn", "values": ["node-a", "node-b"]}
     assert plain["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == {
-        "nodeSelectorTerms": [{"matchFields": [avoid]}]}
+        "nodeSelectorTerms": [{"matchFields": [avoid]}]
+    }
     manifest = job_manifest(replicas=2)
     gpu = {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["a100"]}]}
     arm = {"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["arm64"]}]}
-    manifest["spec"]["template"]["spec"]["affinity"] = {"nodeAffinity": {
-        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [gpu, arm]}}}
+    manifest["spec"]["template"]["spec"]["affinity"] = {
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [gpu, arm]}}
+    }
     job = DistTrainJob.model_validate(manifest)
     pod = pods.build_worker_pod(job, 0, avoid_nodes=["node-a"])
-    terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
     one = {**avoid, "values": ["node-a"]}
     assert terms == [{**gpu, "matchFields": [one]}, {**arm, "matchFields": [one]}]  # ANDed into each ORed term
     assert "matchFields" not in str(job.spec.template), "the job's own template is left alone"
@@ -285,8 +329,10 @@ def test_pods_meet_the_restricted_pod_security_standard_by_default():
         spec = pod["spec"]
         assert spec["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
         for container in spec["containers"]:
-            assert container["securityContext"] == {"allowPrivilegeEscalation": False,
-                                                    "capabilities": {"drop": ["ALL"]}}
+            assert container["securityContext"] == {
+                "allowPrivilegeEscalation": False,
+                "capabilities": {"drop": ["ALL"]},
+            }
 
 
 def test_what_the_template_says_about_security_is_kept():
@@ -294,16 +340,29 @@ def test_what_the_template_says_about_security_is_kept():
     template = manifest["spec"]["template"]["spec"]
     template["securityContext"] = {"runAsNonRoot": False, "runAsUser": 0}
     template["containers"][0]["securityContext"] = {"capabilities": {"add": ["SYS_PTRACE"]}}
-    template["initContainers"] = [{"name": "fetch", "image": "busybox", "command": ["true"],
-                                   "securityContext": {"allowPrivilegeEscalation": True}}]
+    template["initContainers"] = [
+        {
+            "name": "fetch",
+            "image": "busybox",
+            "command": ["true"],
+            "securityContext": {"allowPrivilegeEscalation": True},
+        }
+    ]
     template["automountServiceAccountToken"] = True
     spec = pods.build_worker_pod(DistTrainJob.model_validate(manifest), 0)["spec"]
-    assert spec["securityContext"] == {"runAsNonRoot": False, "runAsUser": 0,
-                                       "seccompProfile": {"type": "RuntimeDefault"}}
-    assert spec["containers"][0]["securityContext"] == {"capabilities": {"add": ["SYS_PTRACE"]},
-                                                        "allowPrivilegeEscalation": False}
-    assert spec["initContainers"][0]["securityContext"] == {"allowPrivilegeEscalation": True,
-                                                            "capabilities": {"drop": ["ALL"]}}
+    assert spec["securityContext"] == {
+        "runAsNonRoot": False,
+        "runAsUser": 0,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert spec["containers"][0]["securityContext"] == {
+        "capabilities": {"add": ["SYS_PTRACE"]},
+        "allowPrivilegeEscalation": False,
+    }
+    assert spec["initContainers"][0]["securityContext"] == {
+        "allowPrivilegeEscalation": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
     assert spec["automountServiceAccountToken"] is True
 
 

@@ -38,54 +38,110 @@ def created(actions) -> list[int]:
 # ---------------------------------------------------------------------------------------------- small policies
 
 
-@pytest.mark.parametrize("requested, expected", [(0, 1), (1, 1), (3, 3), (9, 4)], ids=["below-min", "min", "inside", "above-max"])
+@pytest.mark.parametrize(
+    "requested, expected", [(0, 1), (1, 1), (3, 3), (9, 4)], ids=["below-min", "min", "inside", "above-max"]
+)
 def test_clamp_limits_requests_to_min_max(requested, expected):
     assert core.clamp_nodes(spec_of(min=1, max=4, replicas=2), requested) == expected
 
 
-@pytest.mark.parametrize("count, allow_up, expected", [
-    (3, True, 2), (4, True, 4), (1, True, 1), (3, False, 2), (0, False, None), (0, True, 1),
-], ids=["3-invalid-snaps-down", "4-valid", "1-valid", "survivors-3-to-2", "none-below", "zero-snaps-up"])
+@pytest.mark.parametrize(
+    "count, allow_up, expected",
+    [
+        (3, True, 2),
+        (4, True, 4),
+        (1, True, 1),
+        (3, False, 2),
+        (0, False, None),
+        (0, True, 1),
+    ],
+    ids=["3-invalid-snaps-down", "4-valid", "1-valid", "survivors-3-to-2", "none-below", "zero-snaps-up"],
+)
 def test_snap_to_valid_uses_the_batch_contract(count, allow_up, expected):
     # globalBatch 16, micro 2: world sizes dividing 8 -> node counts 1, 2, 4 are valid, 3 is not.
     spec = spec_of(min=1, max=4, replicas=2, training__globalBatchSize=16)
     assert core.snap_to_valid(spec, count, allow_up=allow_up) == expected
 
 
-@pytest.mark.parametrize("current, requested, pending, now, expected_desired, expected_pending", [
-    (2, 2, None, T0, 2, None),
-    (0, 3, None, T0, 3, None),
-    (2, 3, None, T0, 2, {"replicas": 3, "since": cond.format_time(T0)}),
-    (2, 3, {"replicas": 3, "since": cond.format_time(T0)}, T0 + 5, 2, {"replicas": 3, "since": cond.format_time(T0)}),
-    (2, 3, {"replicas": 3, "since": cond.format_time(T0)}, T0 + 10, 3, None),
-    (2, 4, {"replicas": 3, "since": cond.format_time(T0)}, T0 + 10, 2, {"replicas": 4, "since": cond.format_time(T0 + 10)}),
-    (2, 2, {"replicas": 3, "since": cond.format_time(T0)}, T0 + 10, 2, None),
-], ids=["no-change", "first-size-immediate", "new-request-waits", "still-waiting", "stood-long-enough",
-        "flapping-restarts-the-wait", "request-withdrawn"])
+@pytest.mark.parametrize(
+    "current, requested, pending, now, expected_desired, expected_pending",
+    [
+        (2, 2, None, T0, 2, None),
+        (0, 3, None, T0, 3, None),
+        (2, 3, None, T0, 2, {"replicas": 3, "since": cond.format_time(T0)}),
+        (
+            2,
+            3,
+            {"replicas": 3, "since": cond.format_time(T0)},
+            T0 + 5,
+            2,
+            {"replicas": 3, "since": cond.format_time(T0)},
+        ),
+        (2, 3, {"replicas": 3, "since": cond.format_time(T0)}, T0 + 10, 3, None),
+        (
+            2,
+            4,
+            {"replicas": 3, "since": cond.format_time(T0)},
+            T0 + 10,
+            2,
+            {"replicas": 4, "since": cond.format_time(T0 + 10)},
+        ),
+        (2, 2, {"replicas": 3, "since": cond.format_time(T0)}, T0 + 10, 2, None),
+    ],
+    ids=[
+        "no-change",
+        "first-size-immediate",
+        "new-request-waits",
+        "still-waiting",
+        "stood-long-enough",
+        "flapping-restarts-the-wait",
+        "request-withdrawn",
+    ],
+)
 def test_debounce(current, requested, pending, now, expected_desired, expected_pending):
     assert core.debounce_scale(current, requested, pending, 10, now) == (expected_desired, expected_pending)
 
 
-NODES = {"ok": NodeView("ok"), "notready": NodeView("notready", ready=False), "unknown": NodeView("unknown", ready=None),
-         "cordoned": NodeView("cordoned", unschedulable=True),
-         "draining": NodeView("draining", unschedulable=True, draining=True)}
+NODES = {
+    "ok": NodeView("ok"),
+    "notready": NodeView("notready", ready=False),
+    "unknown": NodeView("unknown", ready=None),
+    "cordoned": NodeView("cordoned", unschedulable=True),
+    "draining": NodeView("draining", unschedulable=True, draining=True),
+}
 
 
-@pytest.mark.parametrize("pod, expected", [
-    (PodView("p", "u", 0, "Running", True, "ok"), None),
-    (PodView("p", "u", 0, "Pending"), None),
-    (PodView("p", "u", 0, "Succeeded", node_name="ok"), None),
-    (PodView("p", "u", 0, "Failed", node_name="ok", exit_code=1), "PodFailed"),
-    (PodView("p", "u", 0, "Failed", node_name="ok", reason="Evicted"), "Evicted"),
-    (PodView("p", "u", 0, "Running", True, "ok", deleting_since=T0), "PodDeleted"),
-    (PodView("p", "u", 0, "Unknown", node_name="ok"), "NodeUnreachable"),
-    (PodView("p", "u", 0, "Running", True, "notready"), "NodeNotReady"),
-    (PodView("p", "u", 0, "Running", True, "unknown"), "NodeUnreachable"),
-    (PodView("p", "u", 0, "Running", True, "gone"), "NodeDeleted"),
-    (PodView("p", "u", 0, "Running", True, "cordoned"), None),
-    (PodView("p", "u", 0, "Running", True, "draining"), "NodeDraining"),
-], ids=["healthy", "pending", "succeeded", "failed", "evicted", "deleted", "phase-unknown", "node-notready",
-        "node-unreachable", "node-deleted", "cordoned-only-is-fine", "cordoned-and-draining"])
+@pytest.mark.parametrize(
+    "pod, expected",
+    [
+        (PodView("p", "u", 0, "Running", True, "ok"), None),
+        (PodView("p", "u", 0, "Pending"), None),
+        (PodView("p", "u", 0, "Succeeded", node_name="ok"), None),
+        (PodView("p", "u", 0, "Failed", node_name="ok", exit_code=1), "PodFailed"),
+        (PodView("p", "u", 0, "Failed", node_name="ok", reason="Evicted"), "Evicted"),
+        (PodView("p", "u", 0, "Running", True, "ok", deleting_since=T0), "PodDeleted"),
+        (PodView("p", "u", 0, "Unknown", node_name="ok"), "NodeUnreachable"),
+        (PodView("p", "u", 0, "Running", True, "notready"), "NodeNotReady"),
+        (PodView("p", "u", 0, "Running", True, "unknown"), "NodeUnreachable"),
+        (PodView("p", "u", 0, "Running", True, "gone"), "NodeDeleted"),
+        (PodView("p", "u", 0, "Running", True, "cordoned"), None),
+        (PodView("p", "u", 0, "Running", True, "draining"), "NodeDraining"),
+    ],
+    ids=[
+        "healthy",
+        "pending",
+        "succeeded",
+        "failed",
+        "evicted",
+        "deleted",
+        "phase-unknown",
+        "node-notready",
+        "node-unreachable",
+        "node-deleted",
+        "cordoned-only-is-fine",
+        "cordoned-and-draining",
+    ],
+)
 def test_lost_pod_detection(pod, expected):
     reason = core.loss_reason(pod, NODES)
     assert (reason.value if reason else None) == expected
@@ -95,52 +151,79 @@ def test_pods_are_not_judged_by_nodes_the_operator_cannot_see():
     assert core.loss_reason(PodView("p", "u", 0, "Running", True, "gone"), None) is None
 
 
-@pytest.mark.parametrize("failures, expected", [(0, 0), (1, 5), (2, 10), (3, 20), (10, 60)],
-                         ids=["none", "first", "doubles", "doubles-again", "capped"])
+@pytest.mark.parametrize(
+    "failures, expected",
+    [(0, 0), (1, 5), (2, 10), (3, 20), (10, 60)],
+    ids=["none", "first", "doubles", "doubles-again", "capped"],
+)
 def test_backoff_doubles_and_is_capped(failures, expected):
     assert core.backoff_seconds(spec_of(), failures) == expected
 
 
-@pytest.mark.parametrize("code, permanent, retryable, expected", [
-    (85, [85], [], True), (1, [85], [], False), (85, [85], [85], False), (None, [85], [], False), (3, [3, 85], [], True),
-], ids=["default-permanent", "generic-error-retried", "retryable-wins", "no-code", "user-listed"])
+@pytest.mark.parametrize(
+    "code, permanent, retryable, expected",
+    [
+        (85, [85], [], True),
+        (1, [85], [], False),
+        (85, [85], [85], False),
+        (None, [85], [], False),
+        (3, [3, 85], [], True),
+    ],
+    ids=["default-permanent", "generic-error-retried", "retryable-wins", "no-code", "user-listed"],
+)
 def test_exit_code_classes(code, permanent, retryable, expected):
     spec = spec_of(restartPolicy__exitCodes={"permanent": permanent, "retryable": retryable})
     assert core.is_permanent_exit(spec, code) is expected
 
 
 def test_victims_prefer_pods_that_are_not_running_then_the_highest_index():
-    pods = [PodView("w0", "a", 0, "Running", True), PodView("w1", "b", 1, "Running", True),
-            PodView("w2", "c", 2, "Pending"), PodView("w3", "d", 3, "Running", True)]
+    pods = [
+        PodView("w0", "a", 0, "Running", True),
+        PodView("w1", "b", 1, "Running", True),
+        PodView("w2", "c", 2, "Pending"),
+        PodView("w3", "d", 3, "Running", True),
+    ]
     assert [p.name for p in core.choose_victims(pods, 2)] == ["w2", "w3"]
 
 
-@pytest.mark.parametrize("lost, expected", [
-    (PodView("w1", "b", 1, "Running", deleting_since=T0), [1, 2]),
-    (PodView("w1", "b", 1, "Failed"), [1, 2]),
-    (PodView("w1", "b", 1, "Unknown"), [1, 2]),
-    (PodView("w1", "b", 1, "Running", True, node_name="dead"), [1, 2]),
-    (PodView("w1", "b", 1, "Running", True, node_name="fine"), [2, 4]),
-    (PodView("w1", "b", 1, "Pending"), [2, 4]),
-], ids=["terminating", "failed", "unknown", "on-a-notready-node", "healthy", "pending"])
+@pytest.mark.parametrize(
+    "lost, expected",
+    [
+        (PodView("w1", "b", 1, "Running", deleting_since=T0), [1, 2]),
+        (PodView("w1", "b", 1, "Failed"), [1, 2]),
+        (PodView("w1", "b", 1, "Unknown"), [1, 2]),
+        (PodView("w1", "b", 1, "Running", True, node_name="dead"), [1, 2]),
+        (PodView("w1", "b", 1, "Running", True, node_name="fine"), [2, 4]),
+        (PodView("w1", "b", 1, "Pending"), [2, 4]),
+    ],
+    ids=["terminating", "failed", "unknown", "on-a-notready-node", "healthy", "pending"],
+)
 def test_a_lost_pod_frees_its_node_index_at_once_a_live_one_keeps_it(lost, expected):
     nodes = {"dead": NodeView("dead", ready=False), "fine": NodeView("fine")}
     pods = [PodView("w0", "a", 0), lost, PodView("w3", "d", 3)]
     assert core.free_indices(pods, 2, nodes) == expected
 
 
-@pytest.mark.parametrize("taken, expected", [
-    ((), "demo-worker-1"),
-    (("demo-worker-1",), "demo-worker-1-1"),
-    (("demo-worker-1", "demo-worker-1-1"), "demo-worker-1-2"),
-    (("demo-worker-1-1",), "demo-worker-1"),
-], ids=["free", "held-by-a-lingering-pod", "two-lingering", "only-an-older-replacement-left"])
+@pytest.mark.parametrize(
+    "taken, expected",
+    [
+        ((), "demo-worker-1"),
+        (("demo-worker-1",), "demo-worker-1-1"),
+        (("demo-worker-1", "demo-worker-1-1"), "demo-worker-1-2"),
+        (("demo-worker-1-1",), "demo-worker-1"),
+    ],
+    ids=["free", "held-by-a-lingering-pod", "two-lingering", "only-an-older-replacement-left"],
+)
 def test_a_replacement_gets_a_name_no_existing_pod_holds(taken, expected):
     assert names.unused_worker_name("demo", 1, taken) == expected
 
 
 def test_merge_patch_removes_keys_with_null():
-    assert core.merge_patch({"a": 1, "b": {"c": 1, "d": 2}}, {"b": {"c": 1}, "e": 3}) == {"a": None, "b": {"d": None}, "e": 3}
+    assert core.merge_patch({"a": 1, "b": {"c": 1, "d": 2}}, {"b": {"c": 1}, "e": 3}) == {
+        "a": None,
+        "b": {"d": None},
+        "e": 3,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- creation
@@ -326,8 +409,11 @@ def test_anchor_elastic_115_losing_the_agent_recreates_it_and_keeps_the_workers(
     assert "AgentRestarted" in world.reasons()
 
 
-@pytest.mark.parametrize("node", [NodeView("node-agent", ready=False), NodeView("node-agent", ready=None), None],
-                         ids=["notready", "unreachable", "deleted"])
+@pytest.mark.parametrize(
+    "node",
+    [NodeView("node-agent", ready=False), NodeView("node-agent", ready=None), None],
+    ids=["notready", "unreachable", "deleted"],
+)
 def test_an_agent_on_a_dead_node_is_force_deleted_and_recreated_at_once(node):
     # No kubelet confirms the deletion: waiting for it (stuckPodTimeoutSeconds) left the workers without a store.
     world = World(job_manifest(replicas=2)).running_world(2)
@@ -344,8 +430,11 @@ def test_an_agent_on_a_dead_node_is_force_deleted_and_recreated_at_once(node):
 
 def test_an_agent_on_a_draining_node_is_deleted_gracefully():
     world = World(job_manifest(replicas=2)).running_world(2)
-    world.nodes = {"node-0": NodeView("node-0"), "node-1": NodeView("node-1"),
-                   "node-agent": NodeView("node-agent", unschedulable=True, draining=True)}
+    world.nodes = {
+        "node-0": NodeView("node-0"),
+        "node-1": NodeView("node-1"),
+        "node-agent": NodeView("node-agent", unschedulable=True, draining=True),
+    }
     actions = world.step(1)
     assert [(d.name, d.force) for d in actions.delete_pods] == [("demo-agent", False)]
     assert not actions.create_agent
@@ -439,14 +528,30 @@ def test_a_completed_reform_reports_its_phases_from_the_new_groups_startup():
     world.run_all().step(1)
     world.now = issued + 4.5
     world.progress(3, step=6)
-    world.status["workerStartup"] = {"oldExitFirst": issued - 0.5, "oldExitLast": issued + 0.5,
-                                     "spawned": issued + 1.5, "imported": issued + 2.5, "setupBegin": issued + 3.0,
-                                     "groupReady": issued + 3.5, "resumed": issued + 4.0, "firstStep": issued + 4.5}
+    world.status["workerStartup"] = {
+        "oldExitFirst": issued - 0.5,
+        "oldExitLast": issued + 0.5,
+        "spawned": issued + 1.5,
+        "imported": issued + 2.5,
+        "setupBegin": issued + 3.0,
+        "groupReady": issued + 3.5,
+        "resumed": issued + 4.0,
+        "firstStep": issued + 4.5,
+    }
     world.step(0.5)
     assert world.control["action"] == "none"
     phases = world.status["lastReform"]["phases"]
-    assert phases == {"detection": 0.5, "directive": 0.5, "restart": 1.0, "imports": 1.0, "modelBuild": 0.5,
-                      "processGroup": 0.5, "checkpointLoad": 0.5, "firstStep": 0.5, "total": 5.0}
+    assert phases == {
+        "detection": 0.5,
+        "directive": 0.5,
+        "restart": 1.0,
+        "imports": 1.0,
+        "modelBuild": 0.5,
+        "processGroup": 0.5,
+        "checkpointLoad": 0.5,
+        "firstStep": 0.5,
+        "total": 5.0,
+    }
     [message] = [message for reason, message in world.events if reason == "Reformed"]
     assert "phases: detection 0.50s, directive 0.50s, restart 1.00s" in message
 
@@ -523,8 +628,12 @@ def test_a_permanent_exit_code_fails_the_job_with_the_reason():
 
 def test_a_permanent_failure_reported_through_the_agent_fails_the_job():
     world = World(job_manifest(replicas=2)).running_world(2)
-    world.status["workerFailure"] = {"exitCode": 85, "node": "demo-worker-0", "message": "dataset changed",
-                                     "time": cond.format_time(world.now)}
+    world.status["workerFailure"] = {
+        "exitCode": 85,
+        "node": "demo-worker-0",
+        "message": "dataset changed",
+        "time": cond.format_time(world.now),
+    }
     world.step(1)
     assert world.status["phase"] == "Failed"
     assert "dataset changed" in world.condition("Failed")["message"]
@@ -546,7 +655,9 @@ def test_the_restart_budget_fails_the_job_when_exhausted():
 def test_a_crash_loop_of_user_code_spends_the_budget_and_fails_with_the_traceback_line():
     # The launcher ends the pod with the user's real exit code and writes the traceback's last line as the
     # container's termination message: each failure is one restart, with backoff, until the budget is spent.
-    world = World(job_manifest(replicas=1, restartPolicy__maxRestarts=2, restartPolicy__backoffSeconds=5)).running_world(1)
+    world = World(
+        job_manifest(replicas=1, restartPolicy__maxRestarts=2, restartPolicy__backoffSeconds=5)
+    ).running_world(1)
     crash = "worker rank 0 failed with exit code 1: RuntimeError: injected bug at step 5"
     for attempt in range(3):
         world.set_worker(0, phase="Failed", exit_code=1, termination_message=f"{crash}\n").step(0)
@@ -556,7 +667,7 @@ def test_a_crash_loop_of_user_code_spends_the_budget_and_fails_with_the_tracebac
             assert world.status["phase"] != "Failed"
             world.finish_terminations()
             assert world.step(0).create_workers == (), "the replacement waits out the backoff"
-            world.step(5 * 2 ** attempt)
+            world.step(5 * 2**attempt)
             world.run_all()
     assert world.status["phase"] == "Failed"
     failed = world.condition("Failed")
@@ -570,15 +681,18 @@ def test_a_failure_before_any_group_formed_shows_in_the_pending_message():
     world = World(job_manifest(replicas=1, restartPolicy__backoffSeconds=30))
     world.step(0)
     world.run_all()
-    world.set_worker(0, phase="Failed", exit_code=3, termination_message="worker rank 0 failed with exit code 3").step(1)
+    world.set_worker(0, phase="Failed", exit_code=3, termination_message="worker rank 0 failed with exit code 3").step(
+        1
+    )
     assert world.status["phase"] == "Pending" and world.status["restarts"]["byReason"] == {"PodFailed": 1}
     assert "last: worker pod demo-worker-0 lost: PodFailed, exit code 3" in world.status["message"]
 
 
 def test_the_exit_code_classes_apply_to_the_users_code_and_name_the_cause():
     world = World(job_manifest(replicas=2, restartPolicy__exitCodes={"permanent": [3]})).running_world(2)
-    world.set_worker(1, phase="Failed", exit_code=3,
-                     termination_message="worker rank 1 failed with exit code 3: SystemExit: 3").step(1)
+    world.set_worker(
+        1, phase="Failed", exit_code=3, termination_message="worker rank 1 failed with exit code 3: SystemExit: 3"
+    ).step(1)
     assert world.status["phase"] == "Failed"
     failed = world.condition("Failed")
     assert failed["reason"] == "PermanentExitCode" and failed["message"].endswith("SystemExit: 3")
@@ -601,8 +715,10 @@ def test_a_trainer_without_a_command_fails_at_once_instead_of_retrying_forever()
 def test_a_pod_the_api_server_refuses_is_named_in_a_condition_and_one_event():
     world = World(job_manifest(replicas=2))
     world.step()
-    answer = ('pods "demo-worker-0" is forbidden: violates PodSecurity "baseline:latest": privileged '
-              '(container "trainer" must not set securityContext.privileged=true)')
+    answer = (
+        'pods "demo-worker-0" is forbidden: violates PodSecurity "baseline:latest": privileged '
+        '(container "trainer" must not set securityContext.privileged=true)'
+    )
     world.refused = answer
     actions = world.step(1)
     scheduled = world.condition("Scheduled")
@@ -757,14 +873,23 @@ def test_active_deadline_fails_the_job():
     assert world.status["phase"] == "Failed" and world.condition("Failed")["reason"] == "DeadlineExceeded"
 
 
-@pytest.mark.parametrize("suspended_for, run_after_resume, failed", [
-    (0, 59, False),
-    (0, 60, True),
-    (500, 59, False),
-    (500, 60, True),
-    (5000, 59, False),
-], ids=["no-suspension-before-deadline", "no-suspension-at-deadline", "suspended-time-not-counted",
-        "deadline-after-suspension", "long-suspension-not-counted"])
+@pytest.mark.parametrize(
+    "suspended_for, run_after_resume, failed",
+    [
+        (0, 59, False),
+        (0, 60, True),
+        (500, 59, False),
+        (500, 60, True),
+        (5000, 59, False),
+    ],
+    ids=[
+        "no-suspension-before-deadline",
+        "no-suspension-at-deadline",
+        "suspended-time-not-counted",
+        "deadline-after-suspension",
+        "long-suspension-not-counted",
+    ],
+)
 def test_active_deadline_does_not_count_time_spent_suspended(suspended_for, run_after_resume, failed):
     """Deadline 100 s: 40 s running, suspended ``suspended_for`` s, then ``run_after_resume`` s more."""
     world = World(job_manifest(replicas=2, runPolicy={"activeDeadlineSeconds": 100})).running_world(2)
@@ -824,11 +949,15 @@ def test_ttl_after_finish_deletes_the_job():
     assert world.step(1).delete_job
 
 
-@pytest.mark.parametrize("policy, deleted", [
-    ("All", {"demo-worker-0", "demo-worker-1", "demo-agent"}),
-    ("Running", {"demo-worker-1", "demo-agent"}),
-    ("None", {"demo-agent"}),
-], ids=["all", "running-only", "none"])
+@pytest.mark.parametrize(
+    "policy, deleted",
+    [
+        ("All", {"demo-worker-0", "demo-worker-1", "demo-agent"}),
+        ("Running", {"demo-worker-1", "demo-agent"}),
+        ("None", {"demo-agent"}),
+    ],
+    ids=["all", "running-only", "none"],
+)
 def test_clean_pod_policy_on_finish(policy, deleted):
     world = World(job_manifest(replicas=2, runPolicy={"cleanPodPolicy": policy})).running_world(2)
     world.set_worker(0, phase="Failed", exit_code=85).step(1)

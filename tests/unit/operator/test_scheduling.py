@@ -35,7 +35,8 @@ def test_a_job_with_a_kueue_queue_label_gives_its_workers_one_pod_group_of_repli
         kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
     agent = pods.build_agent_pod(job)
     assert not any(key.startswith("kueue.x-k8s.io/") for key in agent["metadata"]["labels"]), (
-        "the agent is not part of the queued group")
+        "the agent is not part of the queued group"
+    )
 
 
 def test_a_job_without_queue_or_gang_has_no_scheduling_metadata():
@@ -68,10 +69,14 @@ def test_scheduler_plugins_gang_labels_workers_and_builds_a_coscheduling_pod_gro
     assert group["spec"] == {"minMember": 1, "scheduleTimeoutSeconds": 120}
 
 
-@pytest.mark.parametrize("gang, run_policy, expected", [
-    ({"scheduler": "volcano", "schedulerName": "volcano-gpu"}, {}, "volcano-gpu"),
-    ({"scheduler": "scheduler-plugins"}, {"schedulerName": "default-scheduler"}, "default-scheduler"),
-], ids=["gang-scheduler-name", "run-policy-wins"])
+@pytest.mark.parametrize(
+    "gang, run_policy, expected",
+    [
+        ({"scheduler": "volcano", "schedulerName": "volcano-gpu"}, {}, "volcano-gpu"),
+        ({"scheduler": "scheduler-plugins"}, {"schedulerName": "default-scheduler"}, "default-scheduler"),
+    ],
+    ids=["gang-scheduler-name", "run-policy-wins"],
+)
 def test_the_scheduler_name_can_be_chosen(gang, run_policy, expected):
     job = make_job(gang=gang, runPolicy=run_policy)
     assert pods.build_worker_pod(job, 0)["spec"]["schedulerName"] == expected

@@ -95,8 +95,14 @@ def test_the_event_filter_lets_one_event_per_key_through_per_window():
     world.status.update(
         rejections(
             {"rendezvous/deleted": 1},
-            [{"key": "~/torch.rendezvous.r", "keyClass": "rendezvous", "reason": "deleted",
-              "time": timestamps.format_time(world.now)}],
+            [
+                {
+                    "key": "~/torch.rendezvous.r",
+                    "keyClass": "rendezvous",
+                    "reason": "deleted",
+                    "time": timestamps.format_time(world.now),
+                }
+            ],
         )
     )
     event_filter = eventrate.EventFilter()
@@ -117,26 +123,37 @@ def test_status_with_rejections_is_valid_for_the_core():
 
     assert "storeRejections" in AGENT_FIELDS
     status = DistTrainJobStatus.model_validate(
-        rejections({"control/unsigned": 1},
-                   [{"key": "~/x", "keyClass": "control", "reason": "unsigned", "time": "2024-01-01T00:00:00Z"}])
+        rejections(
+            {"control/unsigned": 1},
+            [{"key": "~/x", "keyClass": "control", "reason": "unsigned", "time": "2024-01-01T00:00:00Z"}],
+        )
     )
     assert status.store_rejections is not None and status.store_rejections.recent[0].key_class == "control"
     assert T0 > 0
 
 
-@pytest.mark.parametrize("bad", [
-    {"total": "many"},
-    {"total": 1, "counts": {"control/unsigned": 1}, "recent": [{"key": "k" * 500, "keyClass": "control",
-                                                               "reason": "unsigned"}]},
-    {"total": 1, "recent": [{"key": "k", "keyClass": "control", "reason": "unsigned", "time": "yesterday"}]},
-    {"total": 1, "recent": [{"key": "k", "keyClass": "control", "reason": "unsigned"}] * 9},
-], ids=["total-no-int", "key-too-long", "time-no-time", "too-many-recent"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"total": "many"},
+        {
+            "total": 1,
+            "counts": {"control/unsigned": 1},
+            "recent": [{"key": "k" * 500, "keyClass": "control", "reason": "unsigned"}],
+        },
+        {"total": 1, "recent": [{"key": "k", "keyClass": "control", "reason": "unsigned", "time": "yesterday"}]},
+        {"total": 1, "recent": [{"key": "k", "keyClass": "control", "reason": "unsigned"}] * 9},
+    ],
+    ids=["total-no-int", "key-too-long", "time-no-time", "too-many-recent"],
+)
 def test_a_malformed_report_is_dropped_before_the_core_reads_it(bad):
     """The operator does not take the agent's field on trust: one bad report must not fail every reconcile."""
     from disttrain.operator import agentfields
 
     clean, problems = agentfields.sanitize({"phase": "Running", "storeRejections": bad})
     assert "storeRejections" not in clean and problems and "storeRejections" in problems[0]
-    good = rejections({"control/unsigned": 1},
-                      [{"key": "~/x", "keyClass": "control", "reason": "unsigned", "time": "2024-01-01T00:00:00Z"}])
+    good = rejections(
+        {"control/unsigned": 1},
+        [{"key": "~/x", "keyClass": "control", "reason": "unsigned", "time": "2024-01-01T00:00:00Z"}],
+    )
     assert agentfields.sanitize({"phase": "Running", **good}) == ({"phase": "Running", **good}, [])

@@ -74,6 +74,11 @@ def test_a_pod_security_refusal_is_remembered_but_a_missing_service_account_is_r
 
     assert is_refusal(_api_error(403, 'pods "w-0" is forbidden: violates PodSecurity "restricted:latest"'))
     assert is_refusal(_api_error(403, 'pods "w-0" is forbidden: exceeded quota: compute'))
-    assert not is_refusal(_api_error(403, 'pods "w-0" is forbidden: error looking up service account default/default: '
-                                          'serviceaccount "default" not found'))
+    assert not is_refusal(
+        _api_error(
+            403,
+            'pods "w-0" is forbidden: error looking up service account default/default: '
+            'serviceaccount "default" not found',
+        )
+    )
     assert not is_refusal(_api_error(409, "already exists")) and not is_refusal(_api_error(429, "slow down"))

@@ -27,13 +27,21 @@ def job_manifest(name: str = "demo", *, min: int = 1, max: int = 4, replicas: in
         "kind": "DistTrainJob",
         "metadata": {"name": name, "namespace": "default", "uid": "job-uid-1", "generation": 1},
         "spec": {
-            "template": {"spec": {"containers": [{"name": "trainer", "image": "example/trainer:1",
-                                                  "command": ["python", "train.py"]}]}},
+            "template": {
+                "spec": {
+                    "containers": [{"name": "trainer", "image": "example/trainer:1", "command": ["python", "train.py"]}]
+                }
+            },
             "nodes": {"min": min, "max": max, "replicas": replicas},
             "training": {"globalBatchSize": 24, "microBatchSize": 2, "lr": {"base": 0.1}, "maxSteps": 100},
             "checkpoint": {"claimName": "ckpt", "intervalSteps": 10},
-            "elastic": {"scaleDebounceSeconds": 10, "replacementWaitSeconds": 30, "drainTimeoutSeconds": 120,
-                        "stuckPodTimeoutSeconds": 300, "pendingTimeoutSeconds": 600},
+            "elastic": {
+                "scaleDebounceSeconds": 10,
+                "replacementWaitSeconds": 30,
+                "drainTimeoutSeconds": 120,
+                "stuckPodTimeoutSeconds": 300,
+                "pendingTimeoutSeconds": 600,
+            },
             "restartPolicy": {"maxRestarts": 3, "backoffSeconds": 5, "maxBackoffSeconds": 60},
         },
     }
@@ -84,7 +92,9 @@ class World:
         self.manifest["status"] = apply_merge_patch(self.manifest.get("status") or {}, dict(actions.status_patch))
         assert self.manifest["status"] == dict(actions.status), "status patch must reproduce the full status"
         for deletion in actions.delete_pods:
-            pod = self.workers.get(deletion.name) or (self.agent if self.agent and self.agent.name == deletion.name else None)
+            pod = self.workers.get(deletion.name) or (
+                self.agent if self.agent and self.agent.name == deletion.name else None
+            )
             if pod is None:
                 continue
             if deletion.force or pod.phase in ("Failed", "Succeeded", "Pending") or not pod.node_name:
@@ -93,8 +103,9 @@ class World:
                 self._replace(pod, deleting_since=self.now)
         for worker in actions.create_workers:
             assert worker.name not in self.workers, f"reconcile asked to create {worker.name} which exists"
-            self.workers[worker.name] = PodView(name=worker.name, uid=self._uid(), node_index=worker.node_index,
-                                                created_at=self.now)
+            self.workers[worker.name] = PodView(
+                name=worker.name, uid=self._uid(), node_index=worker.node_index, created_at=self.now
+            )
         if actions.create_agent:
             assert self.agent is None
             self.agent = PodView(name=names.agent_name(self.name), uid=self._uid(), created_at=self.now)
@@ -160,8 +171,13 @@ class World:
         return self
 
     def checkpoint(self, step: int) -> World:
-        self.status["lastCheckpoint"] = {"step": step, "samples": step * 24, "path": f"/ckpt/step-{step}",
-                                         "time": timestamps.format_time(self.now), "worldSize": self.status.get("worldSize", 0)}
+        self.status["lastCheckpoint"] = {
+            "step": step,
+            "samples": step * 24,
+            "path": f"/ckpt/step-{step}",
+            "time": timestamps.format_time(self.now),
+            "worldSize": self.status.get("worldSize", 0),
+        }
         return self
 
     def spec(self, dotted: str, value: Any) -> World:

@@ -18,8 +18,11 @@ class Clock:
 
 
 def test_the_agent_turns_the_status_into_a_failure_history():
-    status = {"startTime": format_time(1_000.0), "restarts": {"total": 4, "byReason": {"NodeLost": 4}},
-              "suspendedSeconds": 100.0}
+    status = {
+        "startTime": format_time(1_000.0),
+        "restarts": {"total": 4, "byReason": {"NodeLost": 4}},
+        "suspendedSeconds": 100.0,
+    }
     report = control.ReliabilityReport.model_validate_json(autointerval.reliability_from_status(status))
     assert report.failures == 4 and report.age_seconds(1_500.0) == 400.0
     assert autointerval.reliability_from_status({}) is None  # not started yet

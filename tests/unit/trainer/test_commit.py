@@ -18,10 +18,20 @@ def make_checkpoint(root: Path, step: int, payload: bytes = b"x" * 1000, nonce: 
     (tmp / ".metadata").write_bytes(b"meta" + str(step).encode())
     (tmp / "__0_0.distcp").write_bytes(payload)
     files = commit.digest_files(tmp, [".metadata", "__0_0.distcp"])
-    manifest = CheckpointManifest(step=step, samples_consumed=step * 4, data_cursor=step * 4, world_size=2,
-                                  plan={"worldSize": 2}, lr_scale=1.0, dataset=DatasetFingerprint(length=9, seed=0),
-                                  metadata_sha256=files[".metadata"].digest.split(":")[1], files=files,
-                                  created_at="now", code_version="t", config_hash="h")
+    manifest = CheckpointManifest(
+        step=step,
+        samples_consumed=step * 4,
+        data_cursor=step * 4,
+        world_size=2,
+        plan={"worldSize": 2},
+        lr_scale=1.0,
+        dataset=DatasetFingerprint(length=9, seed=0),
+        metadata_sha256=files[".metadata"].digest.split(":")[1],
+        files=files,
+        created_at="now",
+        code_version="t",
+        config_hash="h",
+    )
     commit.write_manifest(tmp, manifest)
     return commit.publish(root, tmp, step)
 
@@ -31,14 +41,18 @@ def test_a_committed_checkpoint_validates(tmp_path):
     assert v.ok and v.manifest.step == 4
 
 
-@pytest.mark.parametrize(("damage", "problem"), [
-    (lambda p: (p / MANIFEST_FILE).unlink(), "COMPLETE.json is missing"),
-    (lambda p: (p / MANIFEST_FILE).write_text("{"), "does not parse"),
-    (lambda p: (p / "__0_0.distcp").unlink(), "file __0_0.distcp is missing"),
-    (lambda p: (p / "__0_0.distcp").write_bytes(b"x" * 999), "has 999 bytes"),
-    (lambda p: (p / "__0_0.distcp").write_bytes(b"y" + b"x" * 999), "__0_0.distcp is corrupt"),
-    (lambda p: (p / ".metadata").write_bytes(b"meta9"), ".metadata is corrupt"),
-], ids=["no-manifest", "torn-manifest", "missing-shard", "truncated-shard", "flipped-byte", "changed-metadata"])
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        (lambda p: (p / MANIFEST_FILE).unlink(), "COMPLETE.json is missing"),
+        (lambda p: (p / MANIFEST_FILE).write_text("{"), "does not parse"),
+        (lambda p: (p / "__0_0.distcp").unlink(), "file __0_0.distcp is missing"),
+        (lambda p: (p / "__0_0.distcp").write_bytes(b"x" * 999), "has 999 bytes"),
+        (lambda p: (p / "__0_0.distcp").write_bytes(b"y" + b"x" * 999), "__0_0.distcp is corrupt"),
+        (lambda p: (p / ".metadata").write_bytes(b"meta9"), ".metadata is corrupt"),
+    ],
+    ids=["no-manifest", "torn-manifest", "missing-shard", "truncated-shard", "flipped-byte", "changed-metadata"],
+)
 def test_a_damaged_checkpoint_is_rejected_with_the_reason(tmp_path, damage, problem):
     path = make_checkpoint(tmp_path, 4)
     damage(path)
@@ -54,10 +68,12 @@ def test_resume_falls_back_to_the_newest_valid_checkpoint_and_says_why(tmp_path)
     messages: list[str] = []
     found = commit.find_latest(tmp_path, log=messages.append)
     assert found is not None and found.step == 4
-    assert messages == [f"checkpoint step-6 is not usable (file __0_0.distcp is corrupt: digest "
-                        f"{commit.file_digest(tmp_path / 'step-6' / '__0_0.distcp', 'crc32').digest}, expected "
-                        f"{json.loads((tmp_path / 'step-6' / MANIFEST_FILE).read_text())['files']['__0_0.distcp']['digest']}"
-                        "); falling back to an older checkpoint"]
+    assert messages == [
+        f"checkpoint step-6 is not usable (file __0_0.distcp is corrupt: digest "
+        f"{commit.file_digest(tmp_path / 'step-6' / '__0_0.distcp', 'crc32').digest}, expected "
+        f"{json.loads((tmp_path / 'step-6' / MANIFEST_FILE).read_text())['files']['__0_0.distcp']['digest']}"
+        "); falling back to an older checkpoint"
+    ]
 
 
 def test_an_unknown_digest_algorithm_falls_back_to_an_older_checkpoint(tmp_path):
@@ -69,8 +85,10 @@ def test_an_unknown_digest_algorithm_falls_back_to_an_older_checkpoint(tmp_path)
     messages: list[str] = []
     found = commit.find_latest(tmp_path, log=messages.append)
     assert found is not None and found.step == 2
-    assert messages == ["checkpoint step-4 is not usable (file __0_0.distcp has an unknown digest algorithm "
-                        "'crc33'); falling back to an older checkpoint"]
+    assert messages == [
+        "checkpoint step-4 is not usable (file __0_0.distcp has an unknown digest algorithm "
+        "'crc33'); falling back to an older checkpoint"
+    ]
 
 
 @pytest.mark.parametrize("name", ["/etc/passwd", "../step-2/.metadata", "a/../../b", "./x", "a//b", "a\\..\\b", ""])
@@ -124,24 +142,32 @@ def test_retention_never_counts_a_checkpoint_without_a_manifest_and_removes_it(t
     assert commit.plan_retention(tmp_path, keep=1) == ["step-6", "step-2"]
 
 
-@pytest.mark.parametrize(("steps", "keep", "protected", "deleted"), [
-    ([2, 4, 6], 3, [], []),
-    ([2, 4, 6, 8], 2, [], [2, 4]),
-    ([2, 4, 6], 1, [], [2, 4]),
-    ([2, 4, 6], 0, [], [2, 4]),  # never the newest complete one, whatever keep says
-    ([2, 4, 6], 1, [2], [4]),
-    ([], 1, [], []),
-], ids=["within-keep", "beyond-keep", "keep-1", "keep-0-still-keeps-newest", "protected", "empty"])
+@pytest.mark.parametrize(
+    ("steps", "keep", "protected", "deleted"),
+    [
+        ([2, 4, 6], 3, [], []),
+        ([2, 4, 6, 8], 2, [], [2, 4]),
+        ([2, 4, 6], 1, [], [2, 4]),
+        ([2, 4, 6], 0, [], [2, 4]),  # never the newest complete one, whatever keep says
+        ([2, 4, 6], 1, [2], [4]),
+        ([], 1, [], []),
+    ],
+    ids=["within-keep", "beyond-keep", "keep-1", "keep-0-still-keeps-newest", "protected", "empty"],
+)
 def test_retention_choice(steps, keep, protected, deleted):
     assert commit.choose_deletions([(1, s) for s in steps], keep, protected) == deleted
 
 
-@pytest.mark.parametrize(("valid", "keep", "deleted"), [
-    ([(1, 5), (2, 4)], 1, [5]),  # a stale round's higher step is older than the newer round's checkpoint
-    ([(1, 5), (2, 4), (2, 2)], 2, [5]),
-    ([(0, 9), (1, 3)], 1, [9]),  # a checkpoint from before rounds existed counts as round 0
-    ([(3, 7), (3, 8), (2, 9)], 2, [9]),
-], ids=["stale-higher-step", "keep-2", "legacy-round-0", "same-round-by-step"])
+@pytest.mark.parametrize(
+    ("valid", "keep", "deleted"),
+    [
+        ([(1, 5), (2, 4)], 1, [5]),  # a stale round's higher step is older than the newer round's checkpoint
+        ([(1, 5), (2, 4), (2, 2)], 2, [5]),
+        ([(0, 9), (1, 3)], 1, [9]),  # a checkpoint from before rounds existed counts as round 0
+        ([(3, 7), (3, 8), (2, 9)], 2, [9]),
+    ],
+    ids=["stale-higher-step", "keep-2", "legacy-round-0", "same-round-by-step"],
+)
 def test_retention_keeps_the_newest_by_round_then_step(valid, keep, deleted):
     assert commit.choose_deletions(valid, keep) == deleted
 
@@ -157,12 +183,18 @@ def test_retention_removes_torn_saves_but_not_the_one_in_flight(tmp_path):
 
 
 def test_retention_removes_its_own_and_older_rounds_temp_dirs_never_a_newer_rounds(tmp_path):
-    names = [commit.tmp_dir_name(6, "a", 1), commit.tmp_dir_name(6, "b", 2), commit.tmp_dir_name(8, "c", 3),
-             ".tmp-step-4-legacy", ".trash-step-4-r3-d"]
+    names = [
+        commit.tmp_dir_name(6, "a", 1),
+        commit.tmp_dir_name(6, "b", 2),
+        commit.tmp_dir_name(8, "c", 3),
+        ".tmp-step-4-legacy",
+        ".trash-step-4-r3-d",
+    ]
     for name in names:
         (tmp_path / name).mkdir()
     assert commit.plan_temp_cleanup(tmp_path, own_round=2) == sorted(
-        [commit.tmp_dir_name(6, "a", 1), commit.tmp_dir_name(6, "b", 2), ".tmp-step-4-legacy"])
+        [commit.tmp_dir_name(6, "a", 1), commit.tmp_dir_name(6, "b", 2), ".tmp-step-4-legacy"]
+    )
 
 
 def test_each_new_group_claims_a_higher_fence_round_and_older_rounds_are_refused(tmp_path):
@@ -178,8 +210,9 @@ def test_each_new_group_claims_a_higher_fence_round_and_older_rounds_are_refused
 
 def test_concurrent_claims_never_share_a_round(tmp_path):
     rounds: list[int] = []
-    threads = [threading.Thread(target=lambda i=i: rounds.append(fence.claim(tmp_path, "u", f"n{i}")))
-               for i in range(8)]
+    threads = [
+        threading.Thread(target=lambda i=i: rounds.append(fence.claim(tmp_path, "u", f"n{i}"))) for i in range(8)
+    ]
     for t in threads:
         t.start()
     for t in threads:

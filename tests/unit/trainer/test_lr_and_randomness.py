@@ -28,8 +28,9 @@ def test_a_resume_in_the_middle_of_a_ramp_at_the_same_factor_continues_it():
 
 def test_the_restored_optimizer_lr_is_overwritten_by_the_rule():
     p = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([{"params": [p], "lr": 123.0}, {"params": [torch.nn.Parameter(torch.zeros(1))],
-                                                          "lr": 5.0, "lr_mult": 0.5}])
+    opt = torch.optim.SGD(
+        [{"params": [p], "lr": 123.0}, {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 5.0, "lr_mult": 0.5}]
+    )
     spec = training(schedule="linear", warmup_samples=0)
     value = lr.apply_lr(opt, None, spec, samples_consumed=400, scale=2.0)  # half way through 800 samples
     assert value == pytest.approx(0.1 * 2.0 * 0.5)

@@ -56,8 +56,9 @@ def test_parameters_of_mixed_dtypes_are_refused_with_the_field_named():
 def training(reduction: str):
     from disttrain.api.spec import TrainingSpec
 
-    return TrainingSpec.model_validate({"globalBatchSize": 12, "microBatchSize": 2, "lr": {"base": 0.1},
-                                        "maxSteps": 1, "gradientReduction": reduction})
+    return TrainingSpec.model_validate(
+        {"globalBatchSize": 12, "microBatchSize": 2, "lr": {"base": 0.1}, "maxSteps": 1, "gradientReduction": reduction}
+    )
 
 
 @pytest.mark.parametrize("parallelism, precision", [("fsdp2", "fp32"), ("ddp", "bf16"), ("ddp", "fp16")])
@@ -67,8 +68,9 @@ def test_ordered_reduction_is_refused_where_the_trainer_options_cannot_honour_it
 
     spec = training("ordered")
     with pytest.raises(ValueError, match=f"gradientReduction=ordered.*parallelism='{parallelism}'"):
-        ordered_reduction.for_training(spec, torch.nn.Linear(2, 2), Parallelism(parallelism), Precision(precision),
-                                       plan(spec, 3))
+        ordered_reduction.for_training(
+            spec, torch.nn.Linear(2, 2), Parallelism(parallelism), Precision(precision), plan(spec, 3)
+        )
 
 
 def test_ddp_reduction_needs_no_reducer_and_ordered_sizes_its_slots_by_the_plan():
@@ -76,8 +78,13 @@ def test_ddp_reduction_needs_no_reducer_and_ordered_sizes_its_slots_by_the_plan(
     from disttrain.trainer.parallel import Parallelism, Precision
 
     model = torch.nn.Linear(2, 2)
-    assert ordered_reduction.for_training(training("ddp"), model, Parallelism.DDP, Precision.FP32,
-                                          plan(training("ddp"), 3)) is None
-    reducer = ordered_reduction.for_training(training("ordered"), model, Parallelism.DDP, Precision.FP32,
-                                             plan(training("ordered"), 3))
+    assert (
+        ordered_reduction.for_training(
+            training("ddp"), model, Parallelism.DDP, Precision.FP32, plan(training("ddp"), 3)
+        )
+        is None
+    )
+    reducer = ordered_reduction.for_training(
+        training("ordered"), model, Parallelism.DDP, Precision.FP32, plan(training("ordered"), 3)
+    )
     assert reducer is not None and reducer.slots.shape[0] == 2  # 12 / (2 x 3) micro batches per rank

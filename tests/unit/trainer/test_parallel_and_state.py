@@ -127,5 +127,3 @@ def test_a_seeking_dataset_pickles_without_its_open_iterator():
 def test_a_tensor_dataset_passes_through_unchanged():
     dataset = torch.utils.data.TensorDataset(torch.zeros(3))
     assert data.random_access(dataset) is dataset
-
-

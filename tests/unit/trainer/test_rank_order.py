@@ -40,14 +40,18 @@ def test_a_replacement_takes_the_lost_nodes_ranks_though_c10d_would_put_it_last(
     assert sorted({**survivors, **replacement})[0] == Node("h", 101), "c10d alone would make worker-1 rank 0"
 
 
-@pytest.mark.parametrize("indices, expected", [
-    ([0, 1, 2], [0, 1, 2]),
-    ([2, 0, 1], [0, 1, 2]),
-    ([0, 2, 5], [0, 2, 5]),
-    ([3, 1], [1, 3]),
-    ([1, None, 0], [0, 1, None]),
-    ([None, None], [None, None]),
-], ids=["dense", "arrival-order-ignored", "gaps", "gap-at-zero", "unindexed-last", "no-index-is-c10d"])
+@pytest.mark.parametrize(
+    "indices, expected",
+    [
+        ([0, 1, 2], [0, 1, 2]),
+        ([2, 0, 1], [0, 1, 2]),
+        ([0, 2, 5], [0, 2, 5]),
+        ([3, 1], [1, 3]),
+        ([1, None, 0], [0, 1, None]),
+        ([None, None], [None, None]),
+    ],
+    ids=["dense", "arrival-order-ignored", "gaps", "gap-at-zero", "unindexed-last", "no-index-is-c10d"],
+)
 def test_ranks_are_the_order_of_the_indices_present(indices, expected):
     nodes = {Node("h", 100 + i): index for i, index in enumerate(indices)}
     assert ranks_by_index(nodes) == expected

@@ -9,37 +9,78 @@ import pytest
 
 from disttrain.trainer import reporting
 
-SPEC = {"training": {"globalBatchSize": 24, "microBatchSize": 2, "lr": {"base": 0.1}, "maxSteps": 100},
-        "reporting": {"progressIntervalSeconds": 10}}
+SPEC = {
+    "training": {"globalBatchSize": 24, "microBatchSize": 2, "lr": {"base": 0.1}, "maxSteps": 100},
+    "reporting": {"progressIntervalSeconds": 10},
+}
 RUNNING = {"step": 40, "samplesConsumed": 960, "rendezvousRound": 2, "control": {"action": "none"}}
 
 
-@pytest.mark.parametrize("changes, status, expected", [
-    ({"step": 41, "lastProgressTime": "t"}, RUNNING, None),
-    ({"lastCheckpoint": {"step": 40}}, RUNNING, None),
-    ({"step": 41, "rendezvousRound": 3, "worldSize": 2}, RUNNING, "new rendezvous round"),
-    ({"workerFailure": {"exitCode": 85}}, RUNNING, "worker failure"),
-    ({"lastCheckpoint": {"step": 40}}, {**RUNNING, "control": {"action": "drain"}}, "checkpoint during a drain"),
-    ({"lastCheckpoint": {"step": 52, "time": "2026-12-03T08:00:09Z"}},
-     {**RUNNING, "control": {"action": "drain", "issuedAt": "2026-12-03T08:00:05Z"},
-      "lastCheckpoint": {"step": 40, "time": "2026-12-03T08:00:01Z"}}, "checkpoint during a drain"),
-    ({"lastCheckpoint": {"step": 64, "time": "2026-12-03T08:00:12Z"}},
-     {**RUNNING, "control": {"action": "drain", "issuedAt": "2026-12-03T08:00:05Z"},
-      "lastCheckpoint": {"step": 52, "time": "2026-12-03T08:00:09Z"}}, None),
-    ({"lastCheckpoint": {"step": 40, "time": "2026-12-03T08:00:04Z"}},
-     {**RUNNING, "control": {"action": "drain", "issuedAt": "2026-12-03T08:00:05Z"},
-      "lastCheckpoint": {"step": 28, "time": "2026-12-03T08:00:01Z"}}, None),
-    ({"lastCheckpoint": {"step": 40, "time": "2026-12-03T08:00:05Z"}},
-     {**RUNNING, "control": {"action": "drain", "issuedAt": "2026-12-03T08:00:05Z"},
-      "lastCheckpoint": {"step": 28, "time": "2026-12-03T08:00:01Z"}}, "checkpoint during a drain"),
-    ({"lastCheckpoint": {"step": 40}}, {**RUNNING, "control": {"action": "reform"}}, None),
-    ({"step": 41}, {**RUNNING, "control": {"action": "drain"}}, None),
-    ({"step": 100}, RUNNING, "training complete"),
-    ({"step": 41}, {"step": 40}, None),
-], ids=["progress-waits", "routine-checkpoint-waits", "new-round", "failure", "drain-checkpoint",
-        "first-checkpoint-after-the-drain", "later-checkpoints-of-a-reported-drain-wait",
-        "a-checkpoint-from-before-the-drain-waits", "one-committed-as-the-drain-was-issued-is-urgent",
-        "reform-checkpoint-waits", "old-group-progress-during-a-drain-waits", "last-step", "no-control-yet"])
+@pytest.mark.parametrize(
+    "changes, status, expected",
+    [
+        ({"step": 41, "lastProgressTime": "t"}, RUNNING, None),
+        ({"lastCheckpoint": {"step": 40}}, RUNNING, None),
+        ({"step": 41, "rendezvousRound": 3, "worldSize": 2}, RUNNING, "new rendezvous round"),
+        ({"workerFailure": {"exitCode": 85}}, RUNNING, "worker failure"),
+        ({"lastCheckpoint": {"step": 40}}, {**RUNNING, "control": {"action": "drain"}}, "checkpoint during a drain"),
+        (
+            {"lastCheckpoint": {"step": 52, "time": "2026-12-03T08:00:09Z"}},
+            {
+                **RUNNING,
+                "control": {"action": "drain", "issuedAt": "2026-12-03T08:00:05Z"},
+                "lastCheckpoint": {"step": 40, "time": "2026-12-03T08:00:01Z"},
+            },
+            "checkpoint during a drain",
+        ),
+        (
+            {"lastCheckpoint": {"step": 64, "time": "2026-12-03T08:00:12Z"}},
+            {
+                **RUNNING,
+                "control": {"action": "drain", "issuedAt": "2026-12-03T08:00:05Z"},
+                "lastCheckpoint": {"step": 52, "time": "2026-12-03T08:00:09Z"},
+            },
+            None,
+        ),
+        (
+            {"lastCheckpoint": {"step": 40, "time": "2026-12-03T08:00:04Z"}},
+            {
+                **RUNNING,
+                "control": {"action": "drain", "issuedAt": "2026-12-03T08:00:05Z"},
+                "lastCheckpoint": {"step": 28, "time": "2026-12-03T08:00:01Z"},
+            },
+            None,
+        ),
+        (
+            {"lastCheckpoint": {"step": 40, "time": "2026-12-03T08:00:05Z"}},
+            {
+                **RUNNING,
+                "control": {"action": "drain", "issuedAt": "2026-12-03T08:00:05Z"},
+                "lastCheckpoint": {"step": 28, "time": "2026-12-03T08:00:01Z"},
+            },
+            "checkpoint during a drain",
+        ),
+        ({"lastCheckpoint": {"step": 40}}, {**RUNNING, "control": {"action": "reform"}}, None),
+        ({"step": 41}, {**RUNNING, "control": {"action": "drain"}}, None),
+        ({"step": 100}, RUNNING, "training complete"),
+        ({"step": 41}, {"step": 40}, None),
+    ],
+    ids=[
+        "progress-waits",
+        "routine-checkpoint-waits",
+        "new-round",
+        "failure",
+        "drain-checkpoint",
+        "first-checkpoint-after-the-drain",
+        "later-checkpoints-of-a-reported-drain-wait",
+        "a-checkpoint-from-before-the-drain-waits",
+        "one-committed-as-the-drain-was-issued-is-urgent",
+        "reform-checkpoint-waits",
+        "old-group-progress-during-a-drain-waits",
+        "last-step",
+        "no-control-yet",
+    ],
+)
 def test_urgent_reason(changes, status, expected):
     assert reporting.urgent_reason(changes, status, SPEC) == expected
 

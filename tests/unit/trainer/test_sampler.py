@@ -32,16 +32,24 @@ def test_each_epoch_is_a_permutation_and_steps_straddle_the_epoch_boundary():
 
 
 def test_the_permutation_depends_only_on_seed_and_epoch():
-    assert sampler.GlobalSampler(50, 1).indices(list(range(50))) == sampler.GlobalSampler(50, 1).indices(list(range(50)))
-    assert sampler.GlobalSampler(50, 1).indices(list(range(50))) != sampler.GlobalSampler(50, 2).indices(list(range(50)))
+    assert sampler.GlobalSampler(50, 1).indices(list(range(50))) == sampler.GlobalSampler(50, 1).indices(
+        list(range(50))
+    )
+    assert sampler.GlobalSampler(50, 1).indices(list(range(50))) != sampler.GlobalSampler(50, 2).indices(
+        list(range(50))
+    )
 
 
-@pytest.mark.parametrize(("saved", "words"), [
-    (DatasetFingerprint(length=99, seed=3), ["length: checkpoint has 99, this run has 100"]),
-    (DatasetFingerprint(length=100, seed=4), ["seed: checkpoint has 4, this run has 3"]),
-    (DatasetFingerprint(length=100, seed=3, permutation_version=0), ["permutation_version"]),
-    (DatasetFingerprint(length=1, seed=1), ["length", "seed"]),
-], ids=["length", "seed", "version", "several"])
+@pytest.mark.parametrize(
+    ("saved", "words"),
+    [
+        (DatasetFingerprint(length=99, seed=3), ["length: checkpoint has 99, this run has 100"]),
+        (DatasetFingerprint(length=100, seed=4), ["seed: checkpoint has 4, this run has 3"]),
+        (DatasetFingerprint(length=100, seed=3, permutation_version=0), ["permutation_version"]),
+        (DatasetFingerprint(length=1, seed=1), ["length", "seed"]),
+    ],
+    ids=["length", "seed", "version", "several"],
+)
 def test_a_changed_stream_is_refused_naming_what_changed(saved, words):
     with pytest.raises(sampler.DatasetChangedError) as err:
         sampler.check_fingerprint(saved, sampler.fingerprint(100, 3))

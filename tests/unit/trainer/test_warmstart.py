@@ -53,8 +53,17 @@ def test_the_first_workers_interpreters_start_from_the_launchers_own_command_lin
     script.write_text("")
     pool = WarmPool()
     try:
-        pool.prestart(["--nnodes=1:4", "--nproc-per-node=2", "--rdzv-backend=disttrain", "--no-python",
-                       sys.executable, "-u", str(script)])
+        pool.prestart(
+            [
+                "--nnodes=1:4",
+                "--nproc-per-node=2",
+                "--rdzv-backend=disttrain",
+                "--no-python",
+                sys.executable,
+                "-u",
+                str(script),
+            ]
+        )
         assert len(pool) == 2
         pool.prestart(["--nproc-per-node", "2", "--no-python", sys.executable, str(script)])  # not the operator's
         pool.prestart(["--nproc-per-node=2", sys.executable, str(script)])  # form: left to the agent's fill
