@@ -36,7 +36,7 @@ def _convert(node: dict[str, Any], defs: dict[str, Any], stack: tuple[str, ...])
         name = node["$ref"].rsplit("/", 1)[-1]
         if name in stack:  # no recursion in PodSpec today; stay structural if one appears
             return {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-        return _convert(defs[name], defs, stack + (name,))
+        return _convert(defs[name], defs, (*stack, name))
     if "oneOf" in node:  # IntOrString and Quantity
         return dict(INT_OR_STRING)
     out: dict[str, Any] = {}

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import ClassVar
 
 import pytest
 from torch.distributed import TCPStore
@@ -157,7 +158,7 @@ def test_only_changes_are_patched(tmp_path, store_pair):
     write_job(tmp_path)
 
     class Counting(agent_mod.FileJobSource):
-        patches: list = []
+        patches: ClassVar[list[dict]] = []
 
         def patch_status(self, patch):
             self.patches.append(patch)

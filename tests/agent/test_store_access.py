@@ -13,7 +13,7 @@ import json
 import socket
 
 import pytest
-from torch.distributed import TCPStore
+from torch.distributed import DistError, TCPStore
 
 from disttrain.api import control as keys
 from disttrain.api import env, storeauth
@@ -204,7 +204,7 @@ def test_directives_count_within_one_job_uid(tmp_path, job_store):
     ids=["nan-time", "1e300-time", "string-time", "partial-nan", "too-large"],
 )
 def test_a_malformed_progress_is_skipped_and_everything_else_still_flows(tmp_path, job_store, bad, caplog):
-    port, store, _ = job_store
+    _, store, _ = job_store
     write_job(tmp_path)
     source = agent_mod.FileJobSource(tmp_path)
     agent = agent_mod.Agent(source, store)
@@ -223,7 +223,7 @@ def test_a_malformed_progress_is_skipped_and_everything_else_still_flows(tmp_pat
 
 @pytest.mark.parametrize("created_at", ["yesterday", "2023-14-40T00:00:00Z", "99999-01-01T00:00:00Z"])
 def test_a_checkpoint_with_an_unknown_timestamp_format_is_skipped(tmp_path, job_store, created_at):
-    port, store, _ = job_store
+    _, store, _ = job_store
     write_job(tmp_path)
     source = agent_mod.FileJobSource(tmp_path)
     agent = agent_mod.Agent(source, store)
@@ -239,8 +239,8 @@ def test_a_checkpoint_with_an_unknown_timestamp_format_is_skipped(tmp_path, job_
 
 def test_the_store_refuses_a_value_over_8_mib(job_store):
     """The libuv server bounds one value, so one write cannot make the agent hold more than 8 MiB for it."""
-    port, store, outsider = job_store
-    with pytest.raises(Exception):
+    _, store, outsider = job_store
+    with pytest.raises(DistError):
         outsider.set("huge", b"x" * (9 * 1024 * 1024))
     store.set("after", b"ok")
     assert store.get("after") == b"ok", "the server survived"

@@ -179,7 +179,7 @@ def test_metrics_service_selects_the_operator_pod(rendered):
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    container, args = _operator_args(objects)
+    _, args = _operator_args(objects)
     assert service["spec"]["ports"] == [
         {"name": "metrics", "port": args.metrics_port, "targetPort": "metrics", "protocol": "TCP"}
     ]

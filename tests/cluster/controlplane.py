@@ -227,16 +227,15 @@ class ControlPlane:
     # --- processes -------------------------------------------------------------------------------------
 
     def _spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
-        log = open(self.logs / f"{name}.log", "ab")
-        process = subprocess.Popen(
-            [str(self.binaries[name]), *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            cwd=self.dir,
-        )
-        log.close()
+        with open(self.logs / f"{name}.log", "ab") as log:
+            process = subprocess.Popen(
+                [str(self.binaries[name]), *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=self.dir,
+            )
         self.processes[name] = process
         return process
 

@@ -12,5 +12,7 @@ def kubectl_table(text: str) -> list[dict[str, str]]:
     header, *rows = text.splitlines()
     starts = [m.start() for m in re.finditer(r"(?<!\S)\S+(?: \S+)*", header)]
     ends = [*starts[1:], None]
-    names = [header[a:b].strip() for a, b in zip(starts, ends)]
-    return [{name: row[a:b].strip() for name, a, b in zip(names, starts, ends)} for row in rows if row.strip()]
+    names = [header[a:b].strip() for a, b in zip(starts, ends, strict=True)]
+    return [
+        {name: row[a:b].strip() for name, a, b in zip(names, starts, ends, strict=True)} for row in rows if row.strip()
+    ]
