@@ -83,7 +83,7 @@ def test_created_objects_are_owned_and_collected_by_the_garbage_collector(cluste
         *(f"/api/v1/namespaces/{cluster.ns}/pods/{name}" for name in ("gc-agent", "gc-worker-0", "gc-worker-1")),
     }
     for path in owned:
-        [owner] = eventually(lambda: _try(lambda: cluster.plane.request("GET", path)), what=path)["metadata"][
+        [owner] = eventually(lambda path=path: _try(lambda: cluster.plane.request("GET", path)), what=path)["metadata"][
             "ownerReferences"
         ]
         assert owner == {
@@ -111,7 +111,9 @@ def test_only_the_jobs_pods_mount_its_store_secret_and_only_its_workers_may_reac
     for name in ("fence-a", "fence-b"):
         store = f"{name}-store-{cluster.job(name)['metadata']['uid']}"
         secret = eventually(
-            lambda: _try(lambda: cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/secrets/{store}")),
+            lambda store=store: _try(
+                lambda: cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/secrets/{store}")
+            ),
             what=store,
         )
         secrets[name] = base64.b64decode(secret["data"]["secret"]).decode()

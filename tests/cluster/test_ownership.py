@@ -232,7 +232,9 @@ def test_deleting_a_job_while_the_operator_is_down_completes(cluster, operator, 
             f"/api/v1/namespaces/{cluster.ns}/services/orphan-agent",
             f"/apis/rbac.authorization.k8s.io/v1/namespaces/{cluster.ns}/roles/orphan-agent",
         ):
-            eventually(lambda: _try(lambda: cluster.plane.request("GET", path)) is None, timeout=60, what=path)
+            eventually(
+                lambda path=path: _try(lambda: cluster.plane.request("GET", path)) is None, timeout=60, what=path
+            )
 
         # A job an older operator finalized, deleted while no operator runs, is freed by the new one's start.
         cluster.apply(JobBuilder("legacy").nodes(1, 4, 1), tmp_path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.harness import Cluster, eventually
+from tests.cluster.harness import Cluster, _try, eventually
 from tests.cluster.test_operator import cluster, kubelets  # noqa: F401 (fixtures)
 from tests.conftest import JobBuilder
 
@@ -24,10 +24,8 @@ def operator_after_crds(pod_group_crds, operator):
 
 
 def _pod_group(cluster: Cluster, api: str, name: str) -> dict | None:  # noqa: F811
-    try:
-        return cluster.plane.request("GET", f"/apis/{api}/namespaces/{cluster.ns}/podgroups/{name}")
-    except Exception:  # 404 until the operator applied it
-        return None
+    """The PodGroup, or None while the API server answers 404 (until the operator applied it)."""
+    return _try(lambda: cluster.plane.request("GET", f"/apis/{api}/namespaces/{cluster.ns}/podgroups/{name}"))
 
 
 @pytest.mark.parametrize(
@@ -40,8 +38,8 @@ def _pod_group(cluster: Cluster, api: str, name: str) -> dict | None:  # noqa: F
 )
 def test_a_gang_job_gets_an_owned_pod_group_that_follows_nodes_min(
     operator_after_crds,
-    cluster,
-    tmp_path,  # noqa: F811
+    cluster,  # noqa: F811 (the fixture imported above)
+    tmp_path,
     scheduler,
     api,
     pod_key,
@@ -70,7 +68,9 @@ def test_a_gang_job_gets_an_owned_pod_group_that_follows_nodes_min(
 
 
 def test_a_job_with_a_kueue_queue_label_gives_its_workers_kueues_pod_group_metadata(
-    operator_after_crds, cluster, tmp_path
+    operator_after_crds,
+    cluster,  # noqa: F811 (the fixture imported above)
+    tmp_path,
 ):
     builder = JobBuilder("queued").nodes(1, 4, 3).set("metadata.labels", {"kueue.x-k8s.io/queue-name": "team-a"})
     job = cluster.apply(builder, tmp_path)
