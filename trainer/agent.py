@@ -94,7 +94,7 @@ class FileJobSource:
 
     def read(self) -> Optional[dict[str, Any]]:
         try:
-            job = json.loads(self.job_path.read_text())
+            job: dict[str, Any] = json.loads(self.job_path.read_text())
         except FileNotFoundError:
             return None
         status = dict(job.get("status") or {})
@@ -140,18 +140,17 @@ class KubeJobSource:
     def __init__(
         self, namespace: str, name: str, api_client: Any = None, *, watch_seconds: int = WATCH_SECONDS
     ) -> None:
-        from kubernetes import client, config  # imported here: local mode needs no kubernetes package
-
+        kube = _kubernetes()
         if api_client is None:
             try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            api_client = client.ApiClient()
-        self.api = client.CustomObjectsApi(api_client)
+                kube.config.load_incluster_config()
+            except kube.config.ConfigException:
+                kube.config.load_kube_config()
+            api_client = kube.client.ApiClient()
+        self.api = kube.client.CustomObjectsApi(api_client)
         self.namespace, self.name = namespace, name
         self.watch_seconds = watch_seconds
-        self._api_error = client.ApiException
+        self._api_error = kube.client.ApiException
         self._job: Optional[dict[str, Any]] = None
         self._gone = False
         self._synced = threading.Event()
@@ -205,8 +204,7 @@ class KubeJobSource:
 
     def _follow(self) -> None:
         """GET, then watch from its resourceVersion until the job is deleted; reconnect after any error."""
-        from kubernetes import watch
-
+        kube = _kubernetes()
         version: Optional[str] = None
         backoff = 0.5
         while not self._stop.is_set():
@@ -229,7 +227,7 @@ class KubeJobSource:
                 # 1-2x the watch length, as client-go's reflectors do: agents started together would otherwise all
                 # end and re-open their watches in the same second, every time
                 watch_seconds = int(self.watch_seconds * random.uniform(1.0, 2.0))
-                stream = watch.Watch().stream(
+                stream = kube.watch.Watch().stream(
                     self.api.list_namespaced_custom_object,
                     constants.GROUP,
                     constants.VERSION,
@@ -275,6 +273,14 @@ class KubeJobSource:
                 log.warning("watch of %s/%s interrupted: %r; resuming", self.namespace, self.name, error)
                 self._stop.wait(backoff * random.uniform(0.5, 1.0))
                 backoff = min(backoff * 2, 10.0)
+
+
+def _kubernetes() -> Any:
+    """The kubernetes client package, imported when first needed (local mode needs none). Typed as Any: its
+    configuration and watch functions carry no annotations."""
+    import kubernetes
+
+    return kubernetes
 
 
 def _version(obj: dict[str, Any]) -> Optional[str]:
