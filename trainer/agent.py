@@ -22,12 +22,17 @@ rate (:mod:`disttrain.trainer.reporting`): what the operator acts on at once, th
 ``spec.reporting.progressIntervalSeconds``. If the agent dies, the operator recreates it; the workers re-join
 the new store and resume from the last complete checkpoint, so nothing is lost.
 
+The spec is read through :mod:`disttrain.api.agentview` (the spec's own models and defaults), once per change. A
+job the agent cannot read is logged once, by field; the agent goes on hosting the store and passing on the
+directive, and writes no status until the job can be read.
+
 It never imports kopf or the operator package.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import logging
@@ -41,11 +46,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional, Protocol, cast
 
-from disttrain.api import constants, env, storeauth, versions
+from disttrain.api import agentview, constants, env, storeauth, versions
 from disttrain.api import control as keys
 from disttrain.api.contract import job_checkpoint_dir
 from disttrain.api.manifest import CheckpointManifest
-from disttrain.api.spec import CheckpointSpec
 from disttrain.api.status import AGENT_FIELDS
 from disttrain.api.timestamps import format_time
 from disttrain.trainer import autointerval, guardian, heartbeats, reporting
@@ -313,6 +317,10 @@ class Agent:
         self._round_key: Optional[tuple[Any, ...]] = None
         self._rounds: Optional[int] = None
         self._round_start: Optional[str] = None
+        self._view: Optional[agentview.AgentJob] = None
+        self._view_input: Optional[dict[str, Any]] = None
+        """What :attr:`_view` was parsed from (:func:`disttrain.api.agentview.view_input`); the job is parsed again
+        only when it changes."""
         self.heartbeats = heartbeats.HeartbeatWatch(store, None if guard is None else _rendezvous_rejections(guard))
         """Silent nodes; heartbeats are distrusted while the guardian or the store sees the rendezvous tampered with."""
 
@@ -322,11 +330,16 @@ class Agent:
         if job is None:
             return False
         status = job.get("status") or {}
+        view = self._read_view(job)
         self._rewrite_vanished()
+        # The directive and the failure counts come from the status, not the spec: they reach the workers even
+        # while the spec cannot be read.
         self._write_directive(status.get("control") or {}, str((job.get("metadata") or {}).get("uid") or ""))
         self._write_reliability(status)
-        patch = self._relay(job, status)
-        if patch and self._is_due(job, status, patch):
+        if view is None:
+            return True
+        patch = self._relay(view, status)
+        if patch and self._is_due(view, status, patch):
             started = self.clock()
             try:
                 self.source.patch_status(patch)
@@ -335,15 +348,35 @@ class Agent:
                 self.throttle.wrote(finished, took=finished - started)
         return True
 
-    def _is_due(self, job: dict[str, Any], status: dict[str, Any], patch: dict[str, Any]) -> bool:
+    def _read_view(self, job: dict[str, Any]) -> Optional[agentview.AgentJob]:
+        """The typed view of ``job`` (:mod:`disttrain.api.agentview`), parsed again only when it changed; None while
+        the job cannot be read.
+
+        A job the agent cannot read is logged as an error once per version, naming every field that is wrong. The
+        agent goes on hosting the store and passing on the directive, and writes no status until a version it can
+        read: exiting would take the rendezvous down with it and come back to the same job, in a loop."""
+        wanted = agentview.view_input(job)
+        if wanted == self._view_input:
+            return self._view
+        refused_before = self._view_input is not None and self._view is None
+        self._view_input = copy.deepcopy(wanted)
+        try:
+            self._view = agentview.parse_job(job)
+        except agentview.SpecRefused as refused:
+            self._view = None
+            log.error("%s; no status is written until the job can be read", refused)
+            return None
+        if refused_before:
+            log.info("the job can be read again; writing status")
+        return self._view
+
+    def _is_due(self, job: agentview.AgentJob, status: dict[str, Any], patch: dict[str, Any]) -> bool:
         """Now, or with a later periodic write (Kubernetes only; see :mod:`disttrain.trainer.reporting`)."""
         if not self.source.rate_limited:
             return True
-        spec = job.get("spec") or {}
-        urgent = reporting.urgent_reason(patch, status, spec)
-        due = self.throttle.is_due(
-            urgent=urgent is not None, interval_s=reporting.progress_interval(spec), now=self.clock()
-        )
+        urgent = reporting.urgent_reason(patch, status, job.spec.training)
+        interval_s = float(job.spec.reporting.progress_interval_seconds)
+        due = self.throttle.is_due(urgent=urgent is not None, interval_s=interval_s, now=self.clock())
         if due and urgent:
             log.info("writing status at once: %s", urgent)
         return due
@@ -399,7 +432,7 @@ class Agent:
             self.store.set(keys.RELIABILITY_KEY, value)
             self._written_reliability = value
 
-    def _relay(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    def _relay(self, job: agentview.AgentJob, status: dict[str, Any]) -> dict[str, Any]:
         """Agent-owned status fields that differ from what the job's status holds.
 
         Each record is relayed on its own: one that cannot be (a value that passed the model but not the status,
@@ -421,7 +454,7 @@ class Agent:
                 log.warning("not relaying %s: %r", relay.__name__.removeprefix("_relay_"), error)
         return {k: v for k, v in wanted.items() if k in AGENT_FIELDS and status.get(k) != v}
 
-    def _relay_progress(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    def _relay_progress(self, job: agentview.AgentJob, status: dict[str, Any]) -> dict[str, Any]:
         wanted: dict[str, Any] = {}
         report = keys.read_model(self.store, keys.PROGRESS_KEY, keys.ProgressReport)
         if report is not None:
@@ -452,7 +485,7 @@ class Agent:
                 wanted["workerStartup"] = startup.model_dump(by_alias=True)  # nulls remove an older group's stamps
         return wanted
 
-    def _relay_checkpoint(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    def _relay_checkpoint(self, job: agentview.AgentJob, status: dict[str, Any]) -> dict[str, Any]:
         wanted: dict[str, Any] = {}
         manifest = keys.read_model(self.store, keys.CHECKPOINT_KEY, CheckpointManifest)
         if manifest is not None and not keys.is_valid_time(manifest.created_at):
@@ -468,7 +501,7 @@ class Agent:
             }
         return wanted
 
-    def _relay_failure(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    def _relay_failure(self, job: agentview.AgentJob, status: dict[str, Any]) -> dict[str, Any]:
         wanted: dict[str, Any] = {}
         failure = keys.read_model(self.store, keys.FAILURE_KEY, keys.WorkerFailure)
         if failure is not None:
@@ -480,11 +513,11 @@ class Agent:
             }
         return wanted
 
-    def _relay_interval(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    def _relay_interval(self, job: agentview.AgentJob, status: dict[str, Any]) -> dict[str, Any]:
         report = keys.read_model(self.store, keys.INTERVAL_KEY, keys.IntervalReport)
         return {} if report is None else {"checkpointInterval": autointerval.interval_status(report)}
 
-    def _relay_silent(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    def _relay_silent(self, job: agentview.AgentJob, status: dict[str, Any]) -> dict[str, Any]:
         """Nodes silent in the rendezvous heartbeats (:mod:`disttrain.trainer.heartbeats`); None clears the field.
         With them the pods of the completed round, read from the same state."""
         report = self.heartbeats.report(job, self.clock())
@@ -492,7 +525,7 @@ class Agent:
             log.warning("silent in the rendezvous heartbeats: %s", report)
         return {"silentNodes": report or None, "roundMembers": self.heartbeats.members}
 
-    def _relay_rejections(self, job: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    def _relay_rejections(self, job: agentview.AgentJob, status: dict[str, Any]) -> dict[str, Any]:
         """What the store guardian rejected (``storeRejections``; the operator counts it and posts Events)."""
         snapshot = None if self.guardian is None else self.guardian.snapshot()
         return {} if snapshot is None else {"storeRejections": snapshot}
@@ -545,11 +578,9 @@ def retry_delay(poll_seconds: float, failures: int, cap_s: float = MAX_RETRY_S) 
     return min(cap_s, poll_seconds * 2.0 ** min(failures - 1, 16)) * random.uniform(0.5, 1.0)
 
 
-def _checkpoint_dir(job: dict[str, Any]) -> str:
+def _checkpoint_dir(job: agentview.AgentJob) -> str:
     """The job's checkpoint directory as the worker pods see it (``$DISTTRAIN_CHECKPOINT_DIR``)."""
-    root = ((job.get("spec") or {}).get("checkpoint") or {}).get("path") or CheckpointSpec.model_fields["path"].default
-    meta = job.get("metadata") or {}
-    return job_checkpoint_dir(root, meta.get("namespace", "default"), meta.get("name", ""))
+    return job_checkpoint_dir(job.spec.checkpoint.path, job.metadata.namespace, job.metadata.name)
 
 
 def start_store(port: int, host: str = "0.0.0.0", timeout_s: float = 60.0) -> Any:

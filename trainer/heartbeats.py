@@ -36,6 +36,7 @@ import pickle
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
+from disttrain.api import agentview
 from disttrain.api.timestamps import format_time
 
 STATE_CLASS = ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState")
@@ -338,14 +339,14 @@ class HeartbeatWatch:
         self.members: Optional[list[str]] = None
         """Pod names of the last completed round seen (``status.roundMembers``); None before one is known."""
 
-    def report(self, job: Mapping[str, Any], now: float) -> list[dict[str, str]]:
-        meta, spec = job.get("metadata") or {}, job.get("spec") or {}
-        run_id = str(meta.get("uid") or meta.get("name") or "")
-        rdzv = spec.get("rendezvous") or {}
-        settings = (run_id, float(rdzv.get("keepAliveIntervalSeconds", 5)), int(rdzv.get("keepAliveMaxAttempts", 3)))
+    def report(self, job: agentview.AgentJob, now: float) -> list[dict[str, str]]:
+        """Silent nodes of ``job``'s rendezvous at ``now`` (agent monotonic time), judged by its ``spec.rendezvous``
+        heartbeat interval and attempts; a change of either (or of the run id) starts the rule afresh."""
+        run_id, rdzv = job.run_id, job.spec.rendezvous
+        settings = (run_id, float(rdzv.keep_alive_interval_seconds), rdzv.keep_alive_max_attempts)
         if self._tracker is None or settings != self._settings:
             self._tracker, self._settings, self._identities = SilenceTracker(settings[1], settings[2]), settings, {}
-        view = read_state(self.store, run_id) if run_id else None
+        view = read_state(self.store, run_id)
         evidence = tamper_count(self.store, run_id) + (self.tampering() if self.tampering is not None else 0)
         tampered = self._evidence is not None and evidence != self._evidence
         self._evidence = evidence

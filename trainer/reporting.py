@@ -32,11 +32,11 @@ from disttrain.api.control import DirectiveAction, is_drain_checkpoint
 from disttrain.api.spec import TrainingSpec
 
 
-def urgent_reason(changes: Mapping[str, Any], status: Mapping[str, Any], spec: Mapping[str, Any]) -> Optional[str]:
+def urgent_reason(changes: Mapping[str, Any], status: Mapping[str, Any], training: TrainingSpec) -> Optional[str]:
     """Why the agent-owned ``changes`` (wire names) must be written now; None when they can wait.
 
-    ``status`` is the job's status as last seen (the directive in flight is read there), ``spec`` the job's spec.
-    """
+    ``status`` is the job's status as last seen (the directive in flight is read there), ``training`` the job's
+    ``spec.training`` (its length)."""
     if "rendezvousRound" in changes:
         return "new rendezvous round"
     action = (status.get("control") or {}).get("action") or DirectiveAction.NONE.value
@@ -53,7 +53,7 @@ def urgent_reason(changes: Mapping[str, Any], status: Mapping[str, Any], spec: M
         return "silent node in the rendezvous heartbeats"
     if "roundMembers" in changes:
         return "new members of the rendezvous round"
-    if is_training_complete({**status, **changes}, spec):
+    if is_training_complete({**status, **changes}, training):
         return "training complete"
     return None
 
@@ -92,19 +92,9 @@ def _directive_and_commit_times(
     return issued, committed
 
 
-def is_training_complete(status: Mapping[str, Any], spec: Mapping[str, Any]) -> bool:
+def is_training_complete(status: Mapping[str, Any], training: TrainingSpec) -> bool:
     """The relayed progress reached the training length (the rule of :meth:`TrainingSpec.is_complete`)."""
-    training = spec.get("training")
-    if not training:
-        return False
-    return TrainingSpec.model_validate(training).is_complete(
-        int(status.get("step", 0)), int(status.get("samplesConsumed", 0))
-    )
-
-
-def progress_interval(spec: Mapping[str, Any], default: float = 10.0) -> float:
-    """``spec.reporting.progressIntervalSeconds`` (the CRD defaults it; a job read without defaults gets 10)."""
-    return float((spec.get("reporting") or {}).get("progressIntervalSeconds", default))
+    return training.is_complete(int(status.get("step", 0)), int(status.get("samplesConsumed", 0)))
 
 
 JITTER = 0.1

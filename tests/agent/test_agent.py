@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -30,12 +31,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+SPEC = {
+    "checkpoint": {"path": "/ckpt"},
+    "training": {"globalBatchSize": 24, "microBatchSize": 2, "lr": {"base": 0.1}, "maxSteps": 1000},
+}
+"""The least spec the agent reads (checkpoint and training are required, as in the CRD); the rest takes defaults."""
+
+
 def write_job(state, control=None, **status):
     job = {
         "apiVersion": "disttrain.dev/v1alpha1",
         "kind": "DistTrainJob",
         "metadata": {"name": "demo", "namespace": "team"},
-        "spec": {"checkpoint": {"path": "/ckpt"}},
+        "spec": copy.deepcopy(SPEC),
         "status": {"control": control or {"generation": 0, "action": "none", "targetNodes": 2}, **status},
     }
     (state / "job.json").write_text(json.dumps(job))

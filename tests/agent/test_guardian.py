@@ -3,6 +3,7 @@ swept out, sealed values restored, a flood that leaves nothing behind, rejection
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -11,6 +12,7 @@ import threading
 import time
 
 import pytest
+from tests.agent.test_agent import SPEC
 from torch.distributed import TCPStore
 
 from disttrain.api import control as keys
@@ -234,7 +236,7 @@ def test_the_agent_relays_rejections_and_rewrites_its_own_keys(tmp_path, stores)
         "apiVersion": "disttrain.dev/v1alpha1",
         "kind": "DistTrainJob",
         "metadata": {"name": "demo", "namespace": "team", "uid": UID},
-        "spec": {"checkpoint": {"path": "/ckpt"}},
+        "spec": copy.deepcopy(SPEC),
         "status": {"control": {"generation": 2, "action": "drain", "reason": "ScaledDown", "targetNodes": 2}},
     }
     (tmp_path / "job.json").write_text(json.dumps(job))

@@ -8,11 +8,13 @@ every reader of the job (:mod:`disttrain.trainer.signedstore`).
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import socket
 
 import pytest
+from tests.agent.test_agent import SPEC
 from torch.distributed import DistError, TCPStore
 
 from disttrain.api import control as keys
@@ -43,7 +45,7 @@ def write_job(state, control=None, uid="uid-1"):
         "apiVersion": "disttrain.dev/v1alpha1",
         "kind": "DistTrainJob",
         "metadata": {"name": "demo", "namespace": "team", "uid": uid},
-        "spec": {"checkpoint": {"path": "/ckpt"}},
+        "spec": copy.deepcopy(SPEC),
         "status": {"control": control or {"generation": 0, "action": "none", "targetNodes": 2}},
     }
     (state / "job.json").write_text(json.dumps(job))

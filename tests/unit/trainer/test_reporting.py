@@ -7,12 +7,12 @@ import random
 
 import pytest
 
+from disttrain.api.spec import TrainingSpec
 from disttrain.trainer import reporting
 
-SPEC = {
-    "training": {"globalBatchSize": 24, "microBatchSize": 2, "lr": {"base": 0.1}, "maxSteps": 100},
-    "reporting": {"progressIntervalSeconds": 10},
-}
+TRAINING = TrainingSpec.model_validate(
+    {"globalBatchSize": 24, "microBatchSize": 2, "lr": {"base": 0.1}, "maxSteps": 100}
+)
 RUNNING = {"step": 40, "samplesConsumed": 960, "rendezvousRound": 2, "control": {"action": "none"}}
 
 
@@ -82,19 +82,13 @@ RUNNING = {"step": 40, "samplesConsumed": 960, "rendezvousRound": 2, "control": 
     ],
 )
 def test_urgent_reason(changes, status, expected):
-    assert reporting.urgent_reason(changes, status, SPEC) == expected
+    assert reporting.urgent_reason(changes, status, TRAINING) == expected
 
 
 def test_training_complete_by_samples():
-    spec = {"training": {**SPEC["training"], "maxSteps": None, "maxSamples": 1000}}
-    assert not reporting.is_training_complete({"samplesConsumed": 999}, spec)
-    assert reporting.is_training_complete({"samplesConsumed": 1000}, spec)
-
-
-def test_progress_interval_comes_from_the_spec_with_the_crd_default():
-    assert reporting.progress_interval(SPEC) == 10
-    assert reporting.progress_interval({"reporting": {"progressIntervalSeconds": 3}}) == 3
-    assert reporting.progress_interval({}) == 10
+    training = TRAINING.model_copy(update={"max_steps": None, "max_samples": 1000})
+    assert not reporting.is_training_complete({"samplesConsumed": 999}, training)
+    assert reporting.is_training_complete({"samplesConsumed": 1000}, training)
 
 
 def test_throttle_writes_first_then_once_an_interval_and_urgent_at_once():
