@@ -69,8 +69,9 @@ ARG INDEX_URL=https://pypi.org/simple
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_FIND_LINKS=""
 ARG TORCH_LOCK=requirements/torch-cpu.txt
-# torch first, from its one source; then torch's and disttrain's dependencies and the kubernetes client (for the
-# job agent, which follows its job; kopf is not installed here) from the other.
+# torch first, from its one source; then, from the other, torch's dependencies and those of disttrain[trainer,agent]
+# (the agent extra is the kubernetes client the job agent follows its job with; kopf is not installed here), as
+# scripts/images/lock.sh resolved them into requirements/trainer.txt.
 COPY ${TORCH_LOCK} /requirements/torch.txt
 RUN if [ -n "${TORCH_FIND_LINKS}" ]; then torch_from="--no-index --find-links ${TORCH_FIND_LINKS}"; \
     else torch_from="--index-url ${TORCH_INDEX_URL}"; fi \

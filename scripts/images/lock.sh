@@ -4,7 +4,7 @@
 #
 #   requirements/build.txt      setuptools, the build backend that makes the disttrain wheel
 #   requirements/operator.txt   disttrain[operator]'s dependencies                            (PyPI)
-#   requirements/trainer.txt    disttrain[trainer]'s + the kubernetes client, torch's own deps (PyPI)
+#   requirements/trainer.txt    disttrain[trainer,agent]'s dependencies, torch's own deps      (PyPI)
 #   requirements/torch-cpu.txt  torch's CPU wheel alone                                        (PyTorch's CPU index)
 #   requirements/uv.txt         the lock tool itself (this script installs it from there, hashes checked)
 #
@@ -50,7 +50,7 @@ compile requirements/operator.txt pyproject.toml --extra operator "$@"
 # joined, seed it so their pins are kept; uv records no hash for a lone `--no-deps` package, hence the split.
 full="$venv/trainer-full.txt"
 cat requirements/trainer.txt requirements/torch-cpu.txt > "$full" 2>/dev/null || : > "$full"
-compile "$full" pyproject.toml requirements/trainer.in requirements/torch-cpu.in --extra trainer \
+compile "$full" pyproject.toml requirements/torch-cpu.in --extra trainer --extra agent \
     --find-links "$TORCH_FIND_LINKS" "$@"
 split() {  # KEEP_TORCH: 1 keeps torch's entry only, 0 everything else (the header goes to both)
     awk -v keep="$1" '/^[a-z0-9]/ {in_torch = ($0 ~ /^torch==/)} /^#/ && !seen {print; next} {seen = 1}

@@ -143,7 +143,7 @@ def test_locks_pin_every_package_with_hashes_and_cover_pyproject() -> None:
     covers(operator, [*project["dependencies"], *extras["operator"]], "requirements/operator.txt")
     covers(
         {**trainer, **torch},
-        [*project["dependencies"], *extras["trainer"], *inputs("trainer.in")],
+        [*project["dependencies"], *extras["trainer"], *extras["agent"]],
         "requirements/trainer.txt + torch-cpu.txt",
     )
     covers(lock("build.txt"), PYPROJECT["build-system"]["requires"], "requirements/build.txt")

@@ -16,6 +16,7 @@ RUNTIME = [
     *PYPROJECT["project"]["dependencies"],
     *PYPROJECT["project"]["optional-dependencies"]["operator"],
     *PYPROJECT["project"]["optional-dependencies"]["trainer"],
+    *PYPROJECT["project"]["optional-dependencies"]["agent"],
 ]
 
 # The torch version that first shipped each API the trainer imports that is newer than 2.4, by the name the
