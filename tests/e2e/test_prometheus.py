@@ -10,6 +10,7 @@ import bisect
 import collections
 import copy
 import dataclasses
+import itertools
 import math
 import re
 import shutil
@@ -182,9 +183,12 @@ def test_reform_durations_are_the_status_durations(observed):
     # The series starts at 0 and each reform's duration was observed once: every rise of the sum is one
     # status.lastReform.durationSeconds (so increase() sees the first reform too).
     assert count[0][1] == total[0][1] == 0
-    rises = [b - a for (_t, a), (_u, b) in zip(total, total[1:]) if b != a]
+    rises = [b - a for (_t, a), (_u, b) in itertools.pairwise(total) if b != a]
     assert len(rises) == len(durations)
-    assert all(math.isclose(rise, d, abs_tol=1e-6) for rise, d in zip(rises, durations)), (rises, durations)
+    assert all(math.isclose(rise, d, abs_tol=1e-6) for rise, d in zip(rises, durations, strict=True)), (
+        rises,
+        durations,
+    )
 
 
 @pytest.mark.timeout(300)

@@ -181,7 +181,7 @@ async def test_a_permanent_exit_code_fails_the_job_with_the_reason(operator, k):
     await running_job(k, 2)
     await k.fail_pod("demo-worker-0", 85)
     job = await eventually(lambda: _phase(k, "Failed"))
-    failed = [c for c in job["status"]["conditions"] if c["type"] == "Failed"][0]
+    failed = next(c for c in job["status"]["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "PermanentExitCode" and "85" in failed["message"]
     await eventually(lambda: _count(k, 0))
 

@@ -1,7 +1,7 @@
 """Harness for the multi-process trainer tests: real ``python -m torch.distributed.run``, gloo, CPU, real kills.
 
-Each scenario runs ``tests/workers/toy.py`` (the real loop API on the shared tiny MLP) with a worker contract in the env, and
-reads back what the processes recorded (steps, consumed indices, LRs) and what they committed on disk.
+Each scenario runs ``tests/workers/toy.py`` (the real loop API on the shared tiny MLP) with a worker contract in the
+env, and reads back what the processes recorded (steps, consumed indices, LRs) and what they committed on disk.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def descendants(pid: int) -> list[int]:
 
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and all its descendants, as a dying node takes everything with it."""
-    victims = [pid] + descendants(pid)
+    victims = [pid, *descendants(pid)]
     for p in victims:
         try:
             os.kill(p, signal.SIGKILL)

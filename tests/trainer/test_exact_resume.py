@@ -3,7 +3,8 @@
 Reference: W=4 for 10 steps. Interrupted: W=4 drained at step 4 (checkpoint committed, exit DRAINED), then
 resumed, each from a copy of the same checkpoint, at W=4 (final parameters and optimizer state bitwise equal to
 the reference: DDP's bucket layout is fixed, trainer/parallel.py), at W=2 and at W=3 (final parameters within
-the drift docs/trainer.md publishes for this scenario, times the stated headroom: gloo sums in another order). The multiset of consumed sample indices is exactly equal.
+the drift docs/trainer.md publishes for this scenario, times the stated headroom: gloo sums in another order).
+The multiset of consumed sample indices is exactly equal.
 The toy model uses dropout keyed by (seed, step, sample), so this holds with randomness in the model too.
 The dataset (97 samples) is not a multiple of the global batch (12), so steps straddle epoch boundaries.
 """

@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 def test_an_invalid_world_size_exits_permanent_naming_the_valid_sizes_and_reports_it_to_the_agent(harness):
     port = harness.start_store()
     contract = harness.contract(global_batch=8, micro=2, max_steps=2)  # 8 / (2 x 3) is not whole
-    rc, log = harness.run(3, contract, "w3", DISTTRAIN_AGENT_ENDPOINT=f"127.0.0.1:{port}", DISTTRAIN_NODE_NAME="node-7")
+    _, log = harness.run(3, contract, "w3", DISTTRAIN_AGENT_ENDPOINT=f"127.0.0.1:{port}", DISTTRAIN_NODE_NAME="node-7")
     assert "exitcode  : 85" in log, log[-3000:]
     assert "world size 3 is invalid" in log and "valid world sizes: 1, 2, 4" in log
     # torchrun hides the worker's exit code from the pod; the failure record in the agent's store carries it.
@@ -25,7 +25,7 @@ def test_resuming_with_a_changed_dataset_exits_permanent_naming_what_changed(har
     contract = harness.contract(global_batch=4, micro=1, max_steps=2, interval=2)
     rc, log = harness.run(1, contract, "first")
     assert rc == 0, log[-3000:]
-    rc, log = harness.run(
+    _, log = harness.run(
         1, harness.contract(global_batch=4, micro=1, max_steps=4, interval=2), "second", TOY_DATASET="90"
     )
     assert "exitcode  : 85" in log, log[-3000:]
@@ -34,14 +34,14 @@ def test_resuming_with_a_changed_dataset_exits_permanent_naming_what_changed(har
 
 def test_a_missing_contract_exits_permanent_with_instructions(harness):
     env_contract = ""
-    rc, log = harness.run(1, env_contract, "nocontract")
+    _, log = harness.run(1, env_contract, "nocontract")
     assert "exitcode  : 85" in log, log[-3000:]
     assert "$DISTTRAIN_CONTRACT is not set" in log
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_asking_for_cuda_without_cuda_exits_permanent_saying_what_is_missing(harness):
-    rc, log = harness.run(1, harness.contract(global_batch=4, micro=1, max_steps=2), "nocuda", TOY_DEVICE="cuda")
+    _, log = harness.run(1, harness.contract(global_batch=4, micro=1, max_steps=2), "nocuda", TOY_DEVICE="cuda")
     assert "exitcode  : 85" in log, log[-3000:]
     assert "device='cuda' was asked for but CUDA is not available in this container" in log
     assert "resources.limits['nvidia.com/gpu']" in log

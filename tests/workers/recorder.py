@@ -6,7 +6,8 @@ this rank's loss sum and sample count, and the param-group LRs (:func:`toymodel.
 time, load time and group). ``E2E_STEP_SLEEP`` slows steps down so chaos lands mid-run; ``E2E_HOLD_SAVE_STEP``
 holds that step's commit open after every rank's files are written, before COMPLETE.json, so a node kill lands
 inside the checkpoint write. ``E2E_RAISE_AT_STEP`` raises a RuntimeError after that step on every rank (a
-deterministic bug), with ``E2E_RAISE_ONCE=1`` on the first process only; ``E2E_EXIT_AT_START`` exits with that code before anything else.
+deterministic bug), with ``E2E_RAISE_ONCE=1`` on the first process only; ``E2E_EXIT_AT_START`` exits with that
+code before anything else.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ Settings come from the worker contract env like any disttrain program. Test-only
 - ``TOY_PARALLELISM`` (``ddp``/``fsdp2``), ``TOY_PRECISION`` (``fp32``/``bf16``/``fp16``), ``TOY_CLIP`` (max
   gradient norm): the trainer options of the same names. ``TOY_SCALER_GROWTH_INTERVAL``: an fp16 GradScaler
   that grows its scale every that many steps (so a resume has a scale and tracker worth checking).
-  ``TOY_USER_STATE=1``: register a :class:`toymodel.StepCounter` as user state. ``TOY_STREAM=1``: the samples as a seekable
-  IterableDataset. ``TOY_NUM_WORKERS``: DataLoader
-  worker processes. ``TOY_DEVICE``: the trainer's ``device`` option.
+  ``TOY_USER_STATE=1``: register a :class:`toymodel.StepCounter` as user state. ``TOY_STREAM=1``: the samples as a
+  seekable IterableDataset. ``TOY_NUM_WORKERS``: DataLoader worker processes. ``TOY_DEVICE``: the trainer's
+  ``device`` option.
 - ``TOY_FAULT``: a checkpoint fault, injected through the trainer's ``on_checkpoint_phase`` hook.
   ``kill_before_commit:<step>`` makes global rank 0 SIGKILL itself once every rank's files of that save are
   written and synced, just before COMPLETE.json (the worst moment); ``fail_write:<step>`` makes every rank's

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import celpy
+import pydantic
 import pytest
 from tests.conftest import JobBuilder
 from tests.unit.api.test_validation import MALFORMED
@@ -35,13 +36,13 @@ def _wire_objects() -> list[tuple[str, dict[str, Any]]]:
     for case_id, build, *_ in [("valid", lambda b: b), *MALFORMED]:
         try:
             job = DistTrainJob.model_validate(build(JobBuilder()).build())
-        except Exception:
+        except pydantic.ValidationError:
             continue
         objects.append((case_id, job.model_dump(mode="json", by_alias=True, exclude_none=True)))
     # pydantic refuses these names before the rules run; the API server only has the CEL rules for them.
     long_name = dict(objects[0][1], metadata={"name": "a" * 50})
     not_dns = dict(objects[0][1], metadata={"name": "my.job"})
-    return objects + [("name-too-long-for-cel", long_name), ("name-not-dns-for-cel", not_dns)]
+    return [*objects, ("name-too-long-for-cel", long_name), ("name-not-dns-for-cel", not_dns)]
 
 
 OBJECTS = _wire_objects()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -103,7 +104,7 @@ def test_scaled_mode_two_to_four_doubles_the_batch_with_factor_two_or_root_two()
 def test_ramp_moves_monotonically_from_start_to_target_in_ramp_steps(start, target, ramp):
     values = [ramped_lr_scale(start, target, k, ramp) for k in range(ramp + 3)]
     assert values[ramp - 1] == target and values[-1] == target
-    steps = [b - a for a, b in zip(values, values[1:])]
+    steps = [b - a for a, b in itertools.pairwise(values)]
     assert all(s >= -1e-12 for s in steps) or all(s <= 1e-12 for s in steps)
 
 

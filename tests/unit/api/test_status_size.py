@@ -81,5 +81,5 @@ def test_the_older_name_to_uid_map_is_still_read():
 
 @pytest.mark.parametrize("entry", ["j-worker-[1-x]", "j-worker-[9-1]", "j-worker-[0-99999999]", 7])
 def test_a_malformed_packed_entry_is_refused_naming_it(entry):
-    with pytest.raises(ValueError, match="trackedPods|range|number|pod name"):
+    with pytest.raises(ValueError, match=r"trackedPods|range|number|pod name"):
         DistTrainJobStatus.model_validate({"trackedPods": [entry]})

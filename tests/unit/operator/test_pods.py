@@ -242,7 +242,7 @@ def test_a_bad_scraper_selector_is_refused_naming_the_flag(text, error):
 def test_a_template_volume_name_that_does_not_exist_is_refused_with_the_field():
     manifest = job_manifest()
     manifest["spec"]["checkpoint"] = {"volumeName": "missing", "path": "/ckpt"}
-    with pytest.raises(ValueError, match="spec.checkpoint.volumeName"):
+    with pytest.raises(ValueError, match=r"spec\.checkpoint\.volumeName"):
         pods.build_worker_pod(DistTrainJob.model_validate(manifest), 0)
 
 

@@ -90,7 +90,7 @@ def test_template_labels_cannot_take_the_group_away():
 
 
 def test_an_unknown_gang_scheduler_is_refused_naming_the_field():
-    with pytest.raises(ValueError, match="gang.scheduler"):
+    with pytest.raises(ValueError, match=r"gang\.scheduler"):
         make_job(gang={"scheduler": "yunikorn"})
 
 

@@ -202,7 +202,7 @@ def test_each_new_group_claims_a_higher_fence_round_and_older_rounds_are_refused
     second = fence.claim(tmp_path, "uid-1", "node-b")
     assert (first, second) == (1, 2)
     fence.check(tmp_path, second)
-    with pytest.raises(fence.FencedError, match="holds round 1, a newer group holds round 2 .claimed by node node-b"):
+    with pytest.raises(fence.FencedError, match=r"holds round 1, a newer group holds round 2 \(claimed by node node-b"):
         fence.check(tmp_path, first)
     fence.retire_older(tmp_path, second)
     assert fence.current_round(tmp_path) == 2 and fence.read(tmp_path, 1) is None

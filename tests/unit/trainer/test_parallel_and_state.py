@@ -65,7 +65,7 @@ class Stream(torch.utils.data.IterableDataset):
 
 
 def test_an_iterable_dataset_without_seek_is_refused_naming_the_protocol():
-    with pytest.raises(TypeError, match="Stream is an IterableDataset without __len__ and seek;.*SeekableStream"):
+    with pytest.raises(TypeError, match=r"Stream is an IterableDataset without __len__ and seek;.*SeekableStream"):
         data.random_access(Stream())
 
 
