@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(BIN)/disttrain local run examples/jobs/demo.yaml --chaos "kill-node@30s,add-node@50s"
 
 # Static checks, configured in pyproject.toml: ruff lint, mypy (strict on api/ and the reconcile core), ruff format.
-LINTED := api operator trainer src bench
+LINTED := .
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/mypy
