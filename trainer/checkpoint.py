@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
-from disttrain.api.manifest import CheckpointManifest
+from disttrain.api.manifest import MANIFEST_FILE, CheckpointManifest, FileDigest
 from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer import commit, fence, storage
 from disttrain.trainer.metrics import TrainerMetrics
@@ -186,7 +186,7 @@ class _Pending:
     blocking_s: float
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: Optional[BaseException] = None
-    digests: dict[str, commit.FileDigest] = dataclasses.field(default_factory=dict)
+    digests: dict[str, FileDigest] = dataclasses.field(default_factory=dict)
     known: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
 
 
@@ -389,7 +389,7 @@ class CheckpointManager:
         step: int,
         tmp: Path,
         manifest: CheckpointManifest,
-        digests: dict[str, commit.FileDigest],
+        digests: dict[str, FileDigest],
         error: Optional[BaseException],
     ) -> None:
         gathered: list[Any] = [None] * self.world_size
@@ -408,7 +408,7 @@ class CheckpointManager:
                 self._phase(CheckpointPhase.BEFORE_MANIFEST, step)
                 files = {}
                 for g in gathered:
-                    files.update({k: commit.FileDigest(**v) for k, v in g["digests"].items()})
+                    files.update({k: FileDigest(**v) for k, v in g["digests"].items()})
                 meta = files[commit.METADATA_FILE].digest.split(":", 1)[1]
                 final_manifest = manifest.model_copy(
                     update={
@@ -684,7 +684,7 @@ class CheckpointManager:
 
 def _manifest_key(path: Path) -> Optional[tuple[int, int, int]]:
     try:
-        st = os.lstat(path / commit.MANIFEST_FILE)
+        st = os.lstat(path / MANIFEST_FILE)
     except OSError:
         return None
     return (st.st_ino, st.st_mtime_ns, st.st_size)

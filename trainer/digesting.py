@@ -28,10 +28,11 @@ class _DigestingStream:
         view = memoryview(data).cast("B")
         self.crc = zlib.crc32(view, self.crc)
         self.size += len(view)
-        return self._raw.write(data)
+        written: int = self._raw.write(data)
+        return written
 
     def seek(self, *args: Any) -> int:
-        pos = self._raw.seek(*args)
+        pos: int = self._raw.seek(*args)
         if pos != self.size:
             self.valid = False
         return pos

@@ -39,8 +39,10 @@ from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
     LoadPlanner,
+    ReadItem,
     SavePlan,
     SavePlanner,
+    WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import WriteResult
@@ -80,7 +82,7 @@ class RawFileSystemWriter(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
-        jobs: queue.Queue = queue.Queue()
+        jobs: queue.Queue[tuple[str, list[WriteItem]]] = queue.Queue()
         for i, bucket in enumerate(_split_by_size_and_type(self.thread_count, plan.items)):
             jobs.put((f"{prefix}{i}{DEFAULT_SUFFIX}", bucket))
         results: list[WriteResult] = []
@@ -112,7 +114,7 @@ class RawFileSystemWriter(FileSystemWriter):
         fut.set_result(results)
         return fut
 
-    def _write_file(self, name: str, items: list, planner: SavePlanner) -> list[WriteResult]:
+    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         out = []
         path = self.fs.concat_path(self.path, name)
         with self.fs.create_stream(path, "wb") as stream:
@@ -189,7 +191,7 @@ class RawFileSystemReader(FileSystemReader):
         return cast(Metadata, metadata)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        per_file: dict[str, list] = {}
+        per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
         metadata = planner.metadata  # type: ignore[attr-defined]

@@ -41,4 +41,5 @@ def start_writeback(fd: int, offset: int, length: int) -> bool:
     Best effort: a failure (an unsupported file system) only means the later fsync does the work."""
     if _sync_file_range is None or length <= 0:
         return False
-    return _sync_file_range(fd, offset, length, SYNC_FILE_RANGE_WRITE) == 0
+    rc: int = _sync_file_range(fd, offset, length, SYNC_FILE_RANGE_WRITE)
+    return rc == 0
