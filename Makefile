@@ -27,7 +27,8 @@ demo: $(STAMP)
 	$(BIN)/disttrain validate examples/jobs/*.yaml
 	$(BIN)/disttrain local run examples/jobs/demo.yaml --chaos "kill-node@30s,add-node@50s"
 
-# Static checks, configured in pyproject.toml: ruff lint, mypy (strict on api/ and the reconcile core), ruff format.
+# Static checks over the whole tree, configured in pyproject.toml: ruff lint, mypy (strict on api/, the reconcile
+# core and checkpointing), ruff format.
 LINTED := .
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
