@@ -8,7 +8,7 @@ import types
 import torch
 
 from disttrain.trainer import parallel, precision
-from disttrain.trainer.loop import Step
+from disttrain.trainer.step import Step
 
 
 def _trainer(model: torch.nn.Module) -> types.SimpleNamespace:

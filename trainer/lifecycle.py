@@ -1,0 +1,287 @@
+"""How a trainer's group ends: drain (SIGTERM, the agent, the script), a failed collective, the operator's reform
+directive, and the handover to the next round in place (:mod:`disttrain.trainer.inplace`,
+:mod:`disttrain.trainer.handover`).
+
+:class:`Lifecycle` belongs to one :class:`~disttrain.trainer.loop.ElasticTrainer`, whose loop asks it at every step
+boundary whether the group has ended (a failure, the reform directive, a drain in place). It decides between exiting
+with the :class:`~disttrain.api.exitcodes.ExitCode` the operator reads and staying for the next round; in place it
+leaves the old group and rebuilds the trainer's group-bound parts (process group, wrapper, checkpoint manager) the way
+:meth:`~disttrain.trainer.loop.ElasticTrainer.from_env` built them. It never trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.distributed as dist
+
+from disttrain.api import control as control_keys
+from disttrain.api.exitcodes import ExitCode
+from disttrain.api.plan import InvalidWorldSizeError, Plan, plan
+from disttrain.api.spec import TrainingSpec
+from disttrain.trainer import autointerval, exits, inplace, ordered_reduction, progress
+from disttrain.trainer import context as ctx_mod
+from disttrain.trainer import parallel as parallel_mod
+from disttrain.trainer import sampler as sampler_mod
+from disttrain.trainer import startup as startup_mod
+from disttrain.trainer.boundary import BoundaryAgreement
+from disttrain.trainer.failures import is_collective_failure
+from disttrain.trainer.handover import WorkerLink
+from disttrain.trainer.options import LifecycleOptions
+
+if TYPE_CHECKING:
+    from disttrain.trainer.loop import ElasticTrainer
+
+log = logging.getLogger("disttrain.trainer")
+
+
+class Lifecycle:
+    """Signals, drain and in-place reforms of one trainer (see the module docstring)."""
+
+    def __init__(
+        self, trainer: ElasticTrainer, options: LifecycleOptions, in_place: bool, link: Optional[WorkerLink]
+    ) -> None:
+        self.trainer = trainer
+        self.options = options
+        self.in_place = in_place
+        """The job's workers reform in place: the same on every rank, so every new group agrees on the state before
+        it resumes."""
+        self.link = link
+        """This process's channel to its launcher (None: it cannot wait for the next round and restarts instead)."""
+        self.group_failure: Optional[BaseException] = None
+        """A collective failure kept from the user's code; the step is redone in the next group."""
+        self.reform_signal: Optional[control_keys.ControlSignal] = None
+        self.drained_in_place = False
+        self._reforming = threading.Event()
+
+    @property
+    def can_stay(self) -> bool:
+        """This process can outlive its group: it reforms in place and has a launcher to ask for the next round."""
+        return self.in_place and self.link is not None
+
+    def start(self) -> None:
+        """Guard the wrapper and listen for the reform directive (once the trainer's parts are in place)."""
+        self.guard_wrapper()
+        if self.link is not None:
+            self.trainer.watchdog.on_reform = self.on_reform_directive
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+
+    # ---- failures ----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def keeping_group_failures(self) -> Iterator[None]:
+        """In place, a collective failure inside the block is noted (:attr:`group_failure`) instead of raised: the
+        step is redone in the next group. Otherwise, and for any other error, the exception goes on."""
+        try:
+            yield
+        except BaseException as exc:
+            if not (self.can_stay and inplace.is_group_failure(exc)):
+                raise
+            self.note_group_failure(exc)
+
+    def note_group_failure(self, exc: BaseException) -> None:
+        if self.group_failure is None:
+            self.group_failure = exc
+            log.warning(
+                "a collective failed (%s: %s); re-forming in place",
+                type(exc).__name__,
+                str(exc).splitlines()[0][:200] if str(exc) else "",
+            )
+
+    def guard_wrapper(self) -> None:
+        """Keep a failed buffer broadcast in DDP's forward (called from the user's code) from the user."""
+        model = self.trainer.model
+        if self.can_stay and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            inplace.guard_buffer_sync(model, self.note_group_failure)
+
+    def exit_on_error(self, exc: BaseException) -> None:
+        """A user error exits PERMANENT and a failed collective REFORM, without Python's shutdown (it can block on a
+        dead peer); anything else is written to torchrun's error file (the launcher puts its last line in the pod's
+        termination message) and propagates (exit 1, retryable)."""
+        if isinstance(exc, (sampler_mod.DatasetChangedError, InvalidWorldSizeError, ctx_mod.ContractError)):
+            exits.exit_permanent(str(exc))
+        if is_collective_failure(exc):
+            log.error(
+                "a collective failed (%s: %s); exiting %d so the group re-forms from the last checkpoint",
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+                int(ExitCode.REFORM),
+            )
+            startup_mod.note_exit(self.trainer.watchdog.store)
+            exits.hard_exit(ExitCode.REFORM)
+        exits.record_error(exc)
+
+    # ---- drain -------------------------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Commit the current step, then exit ``ExitCode.DRAINED``: no step that ran is lost. In place, a worker
+        that is neither stopped (SIGTERM) nor a victim of the directive stays for the next round instead."""
+        trainer = self.trainer
+        trainer.commit_current_step()
+        watchdog, step = trainer.watchdog, trainer.state.step
+        reason = watchdog.drain_reason or "drain on another rank"
+        if self.can_stay and not watchdog.exit_requested and not self.is_excluded():
+            log.info("drained at step %d (%s): checkpoint step-%d committed; re-forming in place", step, reason, step)
+            watchdog.clear_drain()
+            self.drained_in_place = True
+            return
+        log.info(
+            "drained at step %d (%s): checkpoint step-%d committed; exiting %d",
+            step,
+            reason,
+            step,
+            int(ExitCode.DRAINED),
+        )
+        watchdog.stop()
+        trainer.checkpoints.join_retention()
+        startup_mod.note_exit(watchdog.store)
+        exits.hard_exit(ExitCode.DRAINED)
+
+    def is_excluded(self) -> bool:
+        """This node is a victim of the directive in flight (the agent's target plan excludes it)."""
+        store = self.trainer.watchdog.store
+        if store is None:
+            return False
+        target = control_keys.read_model(store, control_keys.TARGET_KEY, control_keys.TargetPlan)
+        return target is not None and self.trainer.ctx.node_name in target.exclude
+
+    # ---- in-place reforms --------------------------------------------------------------------------------
+    def on_reform_directive(self, signal: control_keys.ControlSignal) -> bool:
+        """The watchdog's ``reform`` directive (its thread): the loop re-forms in place at its next chance (the
+        next collective fails at once when a peer died; else at the end of the step). A loop that does not get
+        there within ``reform_grace_s`` is blocked in a collective: the process exits ``REFORM`` as before."""
+        self.reform_signal = signal
+        grace_s = self.options.reform_grace_s
+
+        def exit_if_blocked() -> None:
+            if not self._reforming.wait(grace_s):
+                log.warning(
+                    "reform signal (generation %d, %s): no in-place reform within %.0f s (a collective blocks); "
+                    "exiting %d",
+                    signal.generation,
+                    signal.reason,
+                    grace_s,
+                    int(ExitCode.REFORM),
+                )
+                startup_mod.note_exit(self.trainer.watchdog.store)
+                exits.hard_exit(ExitCode.REFORM)
+
+        threading.Thread(target=exit_if_blocked, name="disttrain-reform-grace", daemon=True).start()
+        return True
+
+    def reform_in_place(self) -> None:
+        """Leave the group, take the next round from the launcher, rebuild what belongs to a group and resume from
+        the state the new group agrees on. Exits ``REFORM`` when no round comes (the launcher then restarts it)."""
+        self._reforming.set()
+        cause = (
+            f"collective failed: {type(self.group_failure).__name__}"
+            if self.group_failure is not None
+            else f"reform directive generation {self.reform_signal.generation}"
+            if self.reform_signal is not None
+            else "drained"
+        )
+        trainer = self.trainer
+        step = trainer.state.step
+        self.group_failure = None  # its traceback holds the old group's objects: they must go now (_leave_group)
+        startup_mod.note_exit(trainer.watchdog.store)
+        self._leave_group()
+        env = self.link.request_round(step, self.options.round_wait_s) if self.link is not None else None
+        if env is None:
+            log.warning("no next round for this worker (%s); exiting %d", cause, int(ExitCode.REFORM))
+            exits.hard_exit(ExitCode.REFORM)
+        log.info("re-forming in place after step %d (%s)", step, cause)
+        self._join_round(env)
+        trainer.resume()
+        self.group_failure, self.reform_signal, self.drained_in_place = None, None, False
+        self._reforming.clear()
+
+    def _leave_group(self) -> None:
+        """Drop everything bound to the group that ended: a save in flight, the loader, the wrapper, the groups."""
+        trainer = self.trainer
+        try:
+            trainer.checkpoints.abandon(timeout_s=trainer.ctx.contract.collective_timeout_seconds + 5.0)
+        except RuntimeError as exc:
+            log.warning("cannot re-form in place (%s); exiting %d", exc, int(ExitCode.REFORM))
+            exits.hard_exit(ExitCode.REFORM)
+        trainer.close_feed()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        try:
+            trainer.agreement.settle()  # fails at once on a broken group; a left group must hold no work in flight
+        except Exception as exc:  # noqa: BLE001 - the failure that ends this group, seen once more
+            log.debug("the boundary agreement in flight ended with: %s", exc)
+        trainer.agreement = BoundaryAgreement()
+        inplace.retire(trainer.model)
+        raw, parallelism, sums = trainer.raw_model, trainer.parallel.parallelism, trainer.parallel.sums_gradients
+        trainer.model, trainer.parallel = raw, parallel_mod.ParallelModel(raw, parallelism, sums)
+        trainer.ordered = None
+        trainer.checkpoints.group = None
+        trainer.groups = ctx_mod.Groups(default=None, checkpoint=None, device=trainer.device)
+        inplace.leave_groups()
+
+    def _join_round(self, environ: Mapping[str, str]) -> None:
+        """Become the worker of the next round ``environ`` describes (what torchrun would have started a process
+        with), and rebuild the group-bound parts the way ``from_env`` builds them."""
+        trainer = self.trainer
+        handed_over = time.time()
+        os.environ.clear()
+        os.environ.update(environ)
+        os.environ[startup_mod.HANDOVER_ENV] = repr(handed_over)
+        trainer.startup = startup_mod.StartupClock(handed_over)
+        trainer.startup.mark("setup_begin", handed_over)
+        ctx = context_or_exit()
+        groups = ctx_mod.init_process_group(ctx, use_cuda=trainer.device.type == "cuda")
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        training_plan = plan_or_exit(ctx.contract.training, world_size)
+        parallelism = trainer.options.parallel.parallelism
+        precision = trainer.options.precision.precision
+        try:
+            wrapped = parallel_mod.wrap(
+                trainer.raw_model, trainer.optimizer, groups.device, parallelism, precision, init_sync=False
+            )
+            ordered = ordered_reduction.for_training(
+                ctx.contract.training, trainer.raw_model, parallelism, precision, training_plan
+            )
+        except ValueError as exc:
+            exits.exit_permanent(str(exc))
+        trainer.ctx, trainer.groups, trainer.rank, trainer.world_size = ctx, groups, rank, world_size
+        trainer.plan, trainer.parallel, trainer.model, trainer.ordered = training_plan, wrapped, wrapped.module, ordered
+        trainer.checkpoints = trainer.checkpoints.successor(rank, world_size, groups.checkpoint)
+        trainer.agreement = BoundaryAgreement()
+        if rank != 0:
+            trainer.planner = None
+        elif trainer.planner is None and trainer.checkpoints.spec.auto_interval:
+            watchdog = trainer.watchdog
+            trainer.planner = autointerval.IntervalPlanner(lambda: progress.read_reliability(watchdog))
+        trainer.process_id = uuid.uuid4().hex
+        trainer.metrics.restart_count.set(ctx.restart_count)
+        trainer.watchdog.mark_history()  # the directive that ended the old group is done with this round
+        self.guard_wrapper()
+        if rank == 0:
+            first, last = startup_mod.take_exit_times(trainer.watchdog.store)
+            trainer.startup.stamps["old_exit_first"], trainer.startup.stamps["old_exit_last"] = first, last
+        trainer.startup.mark("group_ready")
+
+
+def context_or_exit() -> ctx_mod.ElasticContext:
+    """This round's context from the environment; a missing or invalid contract exits ``PERMANENT``."""
+    try:
+        return ctx_mod.ElasticContext.from_env()
+    except ctx_mod.ContractError as exc:
+        exits.exit_permanent(str(exc))
+
+
+def plan_or_exit(training: TrainingSpec, world_size: int) -> Plan:
+    """The batch and LR plan for ``world_size``; a world size the contract does not allow exits ``PERMANENT``."""
+    try:
+        return plan(training, world_size)
+    except InvalidWorldSizeError as exc:
+        exits.exit_permanent(f"spec.training: {exc}")

@@ -1,0 +1,101 @@
+"""What a finished step tells the world: metrics, rank 0's log line and progress record, and this rank's side of the
+boundary agreement (with rank 0's automatic checkpoint interval).
+
+Called by :class:`~disttrain.trainer.loop.ElasticTrainer` after each optimizer step. It reads the trainer and never
+changes its training state; the loss is read from the device only when something reports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Optional
+
+from disttrain.api import control as control_keys
+from disttrain.trainer.boundary import NO_SAVE, BoundaryFlags
+from disttrain.trainer.control import Watchdog
+
+if TYPE_CHECKING:
+    from disttrain.trainer.loop import ElasticTrainer
+    from disttrain.trainer.step import Step
+
+log = logging.getLogger("disttrain.trainer")
+
+
+def report_step(trainer: ElasticTrainer, step: Step, seconds: float) -> None:
+    """Feed the interval planner, set the step metrics and, on rank 0, log and publish the progress record."""
+    ckpts = trainer.checkpoints
+    if trainer.planner is not None:  # the step time without what saves blocked it
+        blocked, trainer.blocked_seen = ckpts.blocked_s - trainer.blocked_seen, ckpts.blocked_s
+        trainer.planner.observe_step(seconds - blocked)
+    m, state = trainer.metrics, trainer.state
+    m.step.set(state.step)
+    m.world_size.set(trainer.world_size)
+    m.accum_steps.set(trainer.plan.accum_steps)
+    rate = trainer.plan.global_batch / seconds if seconds > 0 else 0.0
+    m.samples_per_second.set(rate)
+    if trainer.rank != 0:
+        return
+    logging_due = state.step % trainer.options.log_every == 0 or state.step == 1
+    if not logging_due and trainer.watchdog.store is None:
+        return  # nothing reads the loss this step: do not wait for the device to produce it
+    loss = step.loss_sum / step.loss_count if step.loss_count else None
+    if logging_due:
+        log.info(
+            "step %d loss %s lr %.4g world %d samples/s %.0f",
+            state.step,
+            f"{loss:.4f}" if loss is not None else "-",
+            trainer.optimizer.param_groups[0]["lr"],
+            trainer.world_size,
+            rate,
+        )
+    if trainer.watchdog.store is not None:
+        report = control_keys.ProgressReport(
+            step=state.step,
+            samples_consumed=state.samples_consumed,
+            world_size=trainer.world_size,
+            plan=trainer.plan.to_status(),
+            loss=loss,
+            samples_per_second=rate,
+            restart_count=trainer.ctx.restart_count,
+            run_id=trainer.ctx.run_id,
+            resumed_from_step=trainer.resumed_from,
+            process_id=trainer.process_id,
+            time=time.time(),
+            startup=trainer.startup.report(),
+        )
+        trainer.watchdog.publish(control_keys.PROGRESS_KEY, report.model_dump_json())
+
+
+def boundary_flags(trainer: ElasticTrainer) -> BoundaryFlags:
+    """This rank's side of the boundary agreement."""
+    ckpts = trainer.checkpoints
+    save_in_progress, save_failed = ckpts.local_pending_state()
+    pending = ckpts.pending
+    return BoundaryFlags.of_rank(
+        drain=trainer.watchdog.drain_requested,
+        save_in_progress=bool(save_in_progress),
+        save_failed=bool(save_failed),
+        seconds_due=trainer.rank == 0 and ckpts.seconds_due(),
+        pending_step=pending.step if pending is not None else NO_SAVE,
+        interval_steps=_propose_interval(trainer),
+    )
+
+
+def _propose_interval(trainer: ElasticTrainer) -> int:
+    """Rank 0's automatic checkpoint interval for the boundary agreement (0: none), published when it changes."""
+    if trainer.planner is None:
+        return 0
+    steps = trainer.planner.propose(trainer.checkpoints.last_save_blocking_s)
+    report = trainer.planner.report()
+    if report is not None:
+        trainer.watchdog.publish(control_keys.INTERVAL_KEY, report.model_dump_json())
+    return steps
+
+
+def read_reliability(watchdog: Watchdog) -> Optional[control_keys.ReliabilityReport]:
+    """The agent's failure-rate estimate for the interval planner (None without a control channel or before one)."""
+    store = watchdog.store
+    if store is None:
+        return None
+    return control_keys.read_model(store, control_keys.RELIABILITY_KEY, control_keys.ReliabilityReport)
