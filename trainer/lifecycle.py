@@ -158,7 +158,7 @@ class Lifecycle:
     def on_reform_directive(self, signal: control_keys.ControlSignal) -> bool:
         """The watchdog's ``reform`` directive (its thread): the loop re-forms in place at its next chance (the
         next collective fails at once when a peer died; else at the end of the step). A loop that does not get
-        there within ``reform_grace_s`` is blocked in a collective: the process exits ``REFORM`` as before."""
+        there within ``reform_grace_s`` is blocked in a collective: the process exits ``REFORM`` and restarts."""
         self.reform_signal = signal
         grace_s = self.options.reform_grace_s
 
