@@ -4,11 +4,14 @@ together, promptly without a stranger and before the barrier's timeout while one
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 import types
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -77,25 +80,40 @@ def test_without_a_stranger_every_node_leaves_as_soon_as_the_last_one_arrives(po
     assert max(left.values()) - last_arrival < exitbarrier.LINGER_S / 2, f"a node lingered: {left}"
 
 
-def test_the_exit_barrier_completes_while_an_outsider_deletes_every_key(port: int) -> None:
-    outsider = _client(port)
-    stop, deletions = threading.Event(), [0]
+ATTACKER = """
+import sys, datetime, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=10))
+deleted = reported = 0
+print("ready", flush=True)
+while True:
+    for key in store.list_keys():
+        deleted += store.delete_key(key)
+    if deleted > reported:
+        with open(sys.argv[2], "w") as out:
+            out.write(str(deleted))
+        reported = deleted
+"""
 
-    def delete_everything() -> None:
-        while not stop.is_set():
-            for key in outsider.list_keys():
-                deletions[0] += outsider.delete_key(key)
 
-    attacker = threading.Thread(target=delete_everything, daemon=True)
-    attacker.start()
+def test_the_exit_barrier_completes_while_an_outsider_deletes_every_key(port: int, tmp_path: Path) -> None:
+    """The stranger is a process of its own (as on a cluster), deleting every key as fast as the server lists them."""
+    count = tmp_path / "deleted"
+    attacker = subprocess.Popen(
+        [sys.executable, "-c", ATTACKER, str(port), str(count)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
+        assert attacker.stdout is not None and attacker.stdout.readline().strip() == "ready"
         start, left = _run_barrier(port, range(WORLD))
         assert max(left.values()) - start < TIMEOUT_S / 2, f"a node waited for the barrier's timeout: {left}"
         assert min(left.values()) - start >= ARRIVAL_GAP_S * (WORLD - 1) - 0.1, "a node left before the last arrived"
-        assert deletions[0] > 0, "the outsider deleted nothing: the test proved nothing"
+        assert count.exists() and int(count.read_text() or 0) > 0, "the outsider deleted nothing: it proved nothing"
     finally:
-        stop.set()
-        attacker.join(5)
+        attacker.kill()
+        attacker.communicate(timeout=10)
 
 
 def test_a_node_that_never_arrives_holds_the_others_until_the_timeout(port: int) -> None:
