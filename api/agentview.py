@@ -1,7 +1,8 @@
 """What the job agent reads of its DistTrainJob: a typed view of the spec, with the spec's defaults and no others.
 
 The agent (:mod:`disttrain.trainer.agent`) reads four parts of the spec, each through the model of
-:mod:`disttrain.api.spec` that defines it: ``rendezvous`` (the heartbeat rule of :mod:`disttrain.trainer.heartbeats`),
+:mod:`disttrain.api.spec` that defines it: ``rendezvous`` (the heartbeat rule of
+:mod:`disttrain.trainer.agent.heartbeats`),
 ``checkpoint`` (the path it relays), ``reporting`` (how often it writes progress) and ``training`` (when training is
 complete). A field the job leaves out takes the spec model's default, the one the CRD renders, so the agent, the
 operator and ``kubectl get -o yaml`` agree on every value. The rest of the spec (pod template, nodes, elastic and

@@ -37,9 +37,10 @@ STORE_SECRET: Final = "DISTTRAIN_STORE_SECRET"
 # File the worker's launcher writes the root cause of a failure to (exit code, the traceback's last line): the
 # trainer container's terminationMessagePath on Kubernetes, a file of the node's own in local mode.
 TERMINATION_LOG: Final = "DISTTRAIN_TERMINATION_LOG"
-# "0" turns off warm worker interpreters (disttrain.trainer.warmstart): every worker then starts a cold Python.
+# "0" turns off warm worker interpreters (disttrain.trainer.launch.warmstart): every worker then starts a cold Python.
 WARM_WORKERS: Final = "DISTTRAIN_WARM_WORKERS"
 # The worker's launcher listens here (a Unix socket; "@name" is Linux's abstract namespace) for workers that wait for
-# the next rendezvous round in place instead of exiting (disttrain.trainer.handover). Unset: every reform restarts
+# the next rendezvous round in place instead of exiting (disttrain.trainer.launch.handover). Unset: every reform
+# restarts
 # the worker processes.
 LAUNCHER_SOCKET: Final = "DISTTRAIN_LAUNCHER_SOCKET"

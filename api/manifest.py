@@ -7,7 +7,8 @@ ignores.
 
 File names are plain names inside the checkpoint directory (DCP writes no subdirectories): a ``/``, ``..``, a
 backslash or NUL is refused when the manifest is parsed, so validating or loading a checkpoint never opens a
-file outside it (and links are never followed, see disttrain.trainer.commit). The manifest is no signature: see
+file outside it (and links are never followed, see disttrain.trainer.checkpoint.commit). The manifest is no
+signature: see
 "What the checkpoint volume is trusted with" in docs/trainer.md.
 
 Order: checkpoints are ordered by ``(fence_round, step)`` (:attr:`CheckpointManifest.order`), so a stale group of
@@ -71,7 +72,8 @@ class CheckpointManifest(BaseModel):
     """metadata.uid of the job that wrote it, when known: a job recreated under the same name has another, resumes
     from it but does not take its saved directive generation for its own."""
     fence_round: Optional[int] = Field(None, ge=1)
-    """Fence round of the group that committed it (see disttrain.trainer.fence); None before rounds existed."""
+    """Fence round of the group that committed it (see disttrain.trainer.checkpoint.fence); None before rounds
+    existed."""
 
     @property
     def order(self) -> tuple[int, int]:

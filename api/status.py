@@ -199,15 +199,16 @@ class StoreRejection(ContractModel):
     key: str = Field(max_length=128)
     """The key as the agent shows it: the job's namespace prefix as ``~/``, escaped, truncated."""
     key_class: str = Field(max_length=16)
-    """rendezvous, control, torch or foreign (:data:`disttrain.trainer.guardian.KEY_CLASSES`)."""
+    """rendezvous, control, torch or foreign (:data:`disttrain.trainer.agent.guardian.KEY_CLASSES`)."""
     reason: str = Field(max_length=16)
-    """foreign, unsigned, replayed or deleted (:data:`disttrain.trainer.guardian.REASONS`)."""
+    """foreign, unsigned, replayed or deleted (:data:`disttrain.trainer.agent.guardian.REASONS`)."""
     time: Optional[str] = None
     """RFC 3339 time of the rejection (the agent's clock)."""
 
 
 class StoreRejections(ContractModel):
-    """What the job agent's store guardian rejected since the agent started (:mod:`disttrain.trainer.guardian`)."""
+    """What the job agent's store guardian rejected since the agent started
+    (:mod:`disttrain.trainer.agent.guardian`)."""
 
     total: int = 0
     """Values rejected so far (keys deleted unread, unsigned or replayed values, valid values deleted)."""

@@ -9,7 +9,7 @@ What protects the job is that every value is *sealed*: :func:`seal` wraps it in 
 HMAC-SHA256 (key derived from the secret, domain-separated) over a versioned header, the job UID, the full key name
 as the server sees it, a sequence number and the value; :func:`unseal` checks it in constant time and returns
 ``None`` for anything that is not a valid envelope for that key of that job. Readers (the signed store,
-:mod:`disttrain.trainer.signedstore`) treat such a value as absent, keep a per-key high-water mark of ``seq`` to
+:mod:`disttrain.trainer.store.signedstore`) treat such a value as absent, keep a per-key high-water mark of ``seq`` to
 refuse replays of older values, and never unpickle or otherwise act on bytes that did not verify.
 
 Envelope (all integers big-endian)::

@@ -1,6 +1,6 @@
 """The benchmark's training jobs: the real job agent code, fed by stand-in trainers through its store keys.
 
-Each job runs the real :class:`disttrain.trainer.agent.Agent` with the real :class:`KubeJobSource`, logged in
+Each job runs the real :class:`disttrain.trainer.agent.service.Agent` with the real :class:`KubeJobSource`, logged in
 with the job's own ServiceAccount token (so the per-job Role the operator creates is what allows its calls),
 in a thread (:class:`JobFleet`), the fleet spread over a few processes (:class:`ShardedJobFleet`). Only two
 things are stood in, both below the API: the TCPStore is a dict with the three methods the agent uses, and the
@@ -24,7 +24,7 @@ from typing import Any, Optional, Union
 
 from disttrain.api import control as keys
 from disttrain.api import timestamps
-from disttrain.trainer import agent as agent_mod
+from disttrain.trainer.agent import service as agent_mod
 
 GLOBAL_BATCH = 24
 MICRO_BATCH = 2

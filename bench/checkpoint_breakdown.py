@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import checkpoint_throughput as bench
 
 from disttrain.api.spec import CheckpointSpec
-from disttrain.trainer import checkpoint as ckpt_mod
-from disttrain.trainer import commit, storage, writeback
+from disttrain.trainer.checkpoint import commit, storage, writeback
+from disttrain.trainer.checkpoint import manager as ckpt_mod
 
 CONFIGS = ("now", "no-writeback", "no-plan-cache", "before")
 TIMES: dict[str, float] = collections.defaultdict(float)

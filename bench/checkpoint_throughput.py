@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.spec import CheckpointSpec
-from disttrain.trainer import checkpoint as ckpt_mod
 from disttrain.trainer import sampler
+from disttrain.trainer.checkpoint import manager as ckpt_mod
 
 
 def build(state_mb: float, width: int = 1024) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

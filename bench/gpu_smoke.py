@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from disttrain.api import control, storeauth  # noqa: E402
 from disttrain.api import env as env_names  # noqa: E402
-from disttrain.trainer import channel  # noqa: E402
+from disttrain.trainer.store import channel  # noqa: E402
 
 
 def free_port() -> int:

@@ -1,8 +1,9 @@
 """The job agent's memory under a flood of large values from a stranger (issue 27).
 
-A child process plays the agent's store side: the libuv TCPStore server as :func:`disttrain.trainer.agent.start_store`
+A child process plays the agent's store side: the libuv TCPStore server as
+:func:`disttrain.trainer.agent.service.start_store`
 starts it, a few sealed values of the job (the rendezvous state, the directive), and the store guardian
-(:mod:`disttrain.trainer.guardian`) sweeping it. Attacker processes with no secret connect as plain ``TCPStore``
+(:mod:`disttrain.trainer.agent.guardian`) sweeping it. Attacker processes with no secret connect as plain ``TCPStore``
 clients and ``set`` values of ``--value-mib`` MiB under fresh keys as fast as the loopback allows, half inside
 the job's (public) key namespace, half outside, for ``--seconds``. Printed: the agent process's resident memory
 before the flood and at its peak (``VmHWM``), the MiB the attackers sent, and what the guardian deleted, plus
@@ -44,7 +45,8 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int:
 
 def agent_side(port_queue: Any, stop: Any, guard: bool, pin: bool, report: Any) -> None:
     """The agent's store + guardian, in its own process so that its memory is measured alone."""
-    from disttrain.trainer import agent, guardian
+    from disttrain.trainer.agent import guardian
+    from disttrain.trainer.agent import service as agent
 
     if pin:
         guardian.pin_mmap_threshold()

@@ -20,7 +20,8 @@ from disttrain.operator import access, names, podsecurity, scheduling
 
 # torchrun counts every worker-group failure (our drain and reform exits included) against --max-restarts;
 # the operator owns the restart budget, so torchrun's must never run out.
-# The launcher (trainer/launch.py) still ends the pod at the first failure of user code, with the user's exit code.
+# The launcher (trainer/launch/launcher.py) still ends the pod at the first failure of user code, with the user's
+# exit code.
 TORCHRUN_MAX_RESTARTS = 1_000_000
 LAUNCHER = "disttrain.trainer.launch"
 """torchrun with the user's exit code (``python -m`` module of the trainer container's command)."""
@@ -28,13 +29,14 @@ TERMINATION_LOG = "/dev/termination-log"
 CHECKPOINT_VOLUME = "disttrain-checkpoints"
 METRICS_PORT = 9400
 READY_PORT = 9399
-"""The launcher listens here once the node's workers can start warm (``disttrain.trainer.readiness``)."""
+"""The launcher listens here once the node's workers can start warm (``disttrain.trainer.launch.readiness``)."""
 AGENT_IMAGE_REPOSITORY = "ghcr.io/disttrain/trainer"
 AGENT_CPU = "250m"
 AGENT_MEMORY_REQUEST = "512Mi"
 AGENT_MEMORY = "1Gi"
 """The agent's memory limit. Its TCPStore server holds whatever a client stores until the guardian
-(:mod:`disttrain.trainer.guardian`) deletes it, so a stranger's flood of 8 MiB values costs memory in proportion to
+(:mod:`disttrain.trainer.agent.guardian`) deletes it, so a stranger's flood of 8 MiB values costs memory in
+proportion to
 the flood's rate times the sweeper's lag: 406-519 MB peaks were measured under 60 s floods at 42-109 MB/s on 2 shared
 cores (``bench/store_flood.py``, docs/security.md), over a 230 MB baseline. The limit leaves twice that headroom; the
 request stays at what the agent needs when nobody floods it."""
@@ -127,7 +129,7 @@ def worker_env(
         {"name": env.METRICS_PORT, "value": str(metrics_port)},
         {"name": env.READY_PORT, "value": str(READY_PORT)},
         # With a store shared between torchrun and the workers, a scale-up deadlocks when the running node keeps
-        # rank 0: it never publishes MASTER_ADDR/PORT for the new round (see trainer/rendezvous.py).
+        # rank 0: it never publishes MASTER_ADDR/PORT for the new round (see trainer/launch/rendezvous.py).
         {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"},
     ]
 

@@ -505,7 +505,8 @@ def _announce_checkpoint(d: _Draft) -> None:
 
 
 STORE_VALUE_REJECTED = "StoreValueRejected"
-"""The Warning Event's reason when the job agent rejected a value in its store (:mod:`disttrain.trainer.guardian`)."""
+"""The Warning Event's reason when the job agent rejected a value in its store
+(:mod:`disttrain.trainer.agent.guardian`)."""
 STORE_REJECTION_RECENT_SECONDS = 300.0
 """A rejection the agent reported at most this long ago is announced. The Event filter drops the same message
 for ``eventrate.REPEAT_WINDOW_S`` (600 s, longer than this), so each key is announced once per rejection spell,
@@ -654,7 +655,7 @@ def _drain_checkpointed(d: _Draft) -> bool:
     st = d.status
     issued = timestamps.parse_time(st.control.issued_at) or d.now
     ckpt_time = timestamps.parse_time(st.last_checkpoint.time) if st.last_checkpoint else None
-    return is_drain_checkpoint(issued, ckpt_time)  # the agent writes this one at once (trainer/reporting.py)
+    return is_drain_checkpoint(issued, ckpt_time)  # the agent writes this one at once (trainer/agent/reporting.py)
 
 
 def _count_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
@@ -1094,7 +1095,7 @@ def _choose_target(d: _Draft, live: list[PodView], group_nodes: int) -> None:
     While some desired pods are not Running and Ready yet, the target stays at the desired size until their wait
     expires (replacementWaitSeconds after a loss, pendingTimeoutSeconds for a new pod); then it drops to the
     Running pods when they are a valid count >= min, so the job never waits forever on a Pending pod.
-    A worker pod is Ready once its workers can start without import delay (``disttrain.trainer.readiness``): a
+    A worker pod is Ready once its workers can start without import delay (``disttrain.trainer.launch.readiness``): a
     running group is drained for a newcomer only then, so it never stops to wait for a newcomer's imports.
     Hot spares (``spec.nodes.spares``) are the Ready pods beyond the desired size: they wait in the rendezvous
     outside the group, so a lost node is replaced from them at once and no wait starts while they suffice.

@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from disttrain.trainer import storage
+from disttrain.trainer.checkpoint import storage
 
 
 def load_tensors(step_dir: pathlib.Path, prefix: str = "app.") -> dict[str, torch.Tensor]:

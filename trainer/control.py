@@ -10,7 +10,8 @@ so a worker restarted after a reform does not reform again. Generations count wi
 ``metadata.uid``): a signal of another job is ignored, and a checkpoint written by another job (one deleted and
 recreated under the same name) records nothing this job's directives are compared with.
 
-The store is reached through :mod:`disttrain.trainer.channel`: every value read is verified against the job's secret
+The store is reached through :mod:`disttrain.trainer.store.channel`: every value read is verified against the job's
+secret
 (a forged signal or failure record is absent), every value written is sealed.
 """
 
@@ -27,7 +28,8 @@ from typing import TYPE_CHECKING, Optional
 from disttrain.api import control as keys
 from disttrain.api import env
 from disttrain.api.exitcodes import ExitCode
-from disttrain.trainer import channel, startup
+from disttrain.trainer import startup
+from disttrain.trainer.store import channel
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -154,7 +156,7 @@ class Watchdog:
 
     def stop(self, join_s: float = STOP_JOIN_S) -> None:
         """Stop polling and wait (up to ``join_s``) for the thread to leave its store call: a thread inside one
-        when the interpreter finalises aborts the process (:func:`disttrain.trainer.signedstore._drain_at_exit`
+        when the interpreter finalises aborts the process (:func:`disttrain.trainer.store.signedstore._drain_at_exit`
         ends a call that outlasts the wait)."""
         self._stop.set()
         thread = self._thread

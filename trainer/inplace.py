@@ -2,7 +2,7 @@
 
 A reform used to end every worker: the survivors of a lost node built their model again, loaded the last checkpoint
 and redid every step since. Here a survivor stays: when a collective fails (a peer is gone) or at a drain, it leaves
-the broken process group, asks its launcher for the next round (:mod:`disttrain.trainer.handover`), joins the new
+the broken process group, asks its launcher for the next round (:mod:`disttrain.trainer.launch.handover`), joins the new
 group and goes on. The new group first agrees on the state (:func:`choose_source`): when a member holds a newer step
 in memory than the newest checkpoint, that member's state is broadcast to the others (:func:`broadcast_state`), so
 nothing since the checkpoint is redone; a replacement or hot spare that joins fresh receives it the same way.

@@ -1,6 +1,6 @@
 """How a trainer's group ends: drain (SIGTERM, the agent, the script), a failed collective, the operator's reform
 directive, and the handover to the next round in place (:mod:`disttrain.trainer.inplace`,
-:mod:`disttrain.trainer.handover`).
+:mod:`disttrain.trainer.launch.handover`).
 
 :class:`Lifecycle` belongs to one :class:`~disttrain.trainer.loop.ElasticTrainer`, whose loop asks it at every step
 boundary whether the group has ended (a failure, the reform directive, a drain in place). It decides between exiting
@@ -27,14 +27,15 @@ from disttrain.api import control as control_keys
 from disttrain.api.exitcodes import ExitCode
 from disttrain.api.plan import InvalidWorldSizeError, Plan, plan
 from disttrain.api.spec import TrainingSpec
-from disttrain.trainer import autointerval, exits, inplace, ordered_reduction, progress
 from disttrain.trainer import context as ctx_mod
+from disttrain.trainer import exits, inplace, ordered_reduction, progress
 from disttrain.trainer import parallel as parallel_mod
 from disttrain.trainer import sampler as sampler_mod
 from disttrain.trainer import startup as startup_mod
 from disttrain.trainer.boundary import BoundaryAgreement
+from disttrain.trainer.checkpoint import autointerval
 from disttrain.trainer.failures import is_collective_failure
-from disttrain.trainer.handover import WorkerLink
+from disttrain.trainer.launch.handover import WorkerLink
 from disttrain.trainer.options import LifecycleOptions
 
 if TYPE_CHECKING:

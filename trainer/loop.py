@@ -42,10 +42,9 @@ from torch.utils.data import TensorDataset
 from disttrain.api import control as control_keys
 from disttrain.api.plan import Plan
 from disttrain.api.spec import LRSchedule, TrainingSpec
-from disttrain.trainer import autointerval, exits, ordered_reduction, progress, snapshots
-from disttrain.trainer import checkpoint as ckpt_mod
 from disttrain.trainer import context as ctx_mod
 from disttrain.trainer import data as data_mod
+from disttrain.trainer import exits, ordered_reduction, progress, snapshots
 from disttrain.trainer import lifecycle as lifecycle_mod
 from disttrain.trainer import lr as lr_mod
 from disttrain.trainer import parallel as parallel_mod
@@ -53,8 +52,10 @@ from disttrain.trainer import precision as precision_mod
 from disttrain.trainer import sampler as sampler_mod
 from disttrain.trainer import startup as startup_mod
 from disttrain.trainer.boundary import BoundaryAgreement
+from disttrain.trainer.checkpoint import autointerval
+from disttrain.trainer.checkpoint import manager as ckpt_mod
 from disttrain.trainer.control import Watchdog
-from disttrain.trainer.handover import WorkerLink
+from disttrain.trainer.launch.handover import WorkerLink
 from disttrain.trainer.metrics import TrainerMetrics
 from disttrain.trainer.options import OptionError, TrainerKwargs, TrainerOptions
 from disttrain.trainer.step import MicroBatch, Step, to_device

@@ -20,7 +20,7 @@ from torch.utils.data import default_collate
 
 from disttrain.api.contract import WorkerContract
 from disttrain.trainer import inplace
-from disttrain.trainer.checkpoint import PhaseHook
+from disttrain.trainer.checkpoint.manager import PhaseHook
 from disttrain.trainer.parallel import Parallelism, Precision
 
 if TYPE_CHECKING:
@@ -98,7 +98,8 @@ class CheckpointOptions:
     user_state: Mapping[str, Stateful] = dataclasses.field(default_factory=dict)
     """More ``Stateful`` objects (an EMA, a curriculum counter), saved and restored under their names."""
     on_phase: Optional[PhaseHook] = None
-    """Called inside a save at each :class:`~disttrain.trainer.checkpoint.CheckpointPhase` (tests inject faults)."""
+    """Called inside a save at each :class:`~disttrain.trainer.checkpoint.manager.CheckpointPhase` (tests inject
+    faults)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

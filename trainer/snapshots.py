@@ -4,7 +4,7 @@ Called by :class:`~disttrain.trainer.loop.ElasticTrainer` at every save and at e
 resumes from the newest complete checkpoint (:func:`resume`); in place (:mod:`disttrain.trainer.inplace`) every new
 group first agrees on the newest state any member holds, and takes it from that member's memory when it is newer
 than the checkpoint (:func:`resume_from_memory`). Saving itself, and when, belongs to
-:class:`~disttrain.trainer.checkpoint.CheckpointManager`.
+:class:`~disttrain.trainer.checkpoint.manager.CheckpointManager`.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 from disttrain.api.contract import training_config_hash
 from disttrain.api.manifest import CheckpointManifest
-from disttrain.trainer import checkpoint as ckpt_mod
 from disttrain.trainer import inplace
 from disttrain.trainer import lr as lr_mod
 from disttrain.trainer import precision as precision_mod
 from disttrain.trainer import sampler as sampler_mod
+from disttrain.trainer.checkpoint import manager as ckpt_mod
 
 if TYPE_CHECKING:
     from disttrain.trainer.loop import ElasticTrainer

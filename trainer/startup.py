@@ -20,7 +20,7 @@ from torch.distributed import Store
 
 from disttrain.api import control as keys
 from disttrain.api.reformphases import WorkerStartup
-from disttrain.trainer.warmstart import HANDOVER_ENV
+from disttrain.trainer.launch.warmstart import HANDOVER_ENV
 
 log = logging.getLogger("disttrain.trainer")
 
@@ -30,7 +30,7 @@ EXIT_NOTE_TIMEOUT_S = 0.5
 
 def process_start_time() -> Optional[float]:
     """Unix time this process became a worker: its hand-over time when it was a warm interpreter
-    (:mod:`disttrain.trainer.warmstart`), else its creation (Linux ``/proc``); None where unknown."""
+    (:mod:`disttrain.trainer.launch.warmstart`), else its creation (Linux ``/proc``); None where unknown."""
     handover = os.environ.get(HANDOVER_ENV)
     if handover:
         try:

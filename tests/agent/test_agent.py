@@ -18,9 +18,9 @@ from torch.distributed import TCPStore
 
 from disttrain.api import control as keys
 from disttrain.api import env
-from disttrain.trainer import agent as agent_mod
-from disttrain.trainer import channel
+from disttrain.trainer.agent import service as agent_mod
 from disttrain.trainer.control import read_signal
+from disttrain.trainer.store import channel
 
 pytestmark = pytest.mark.timeout(60)
 

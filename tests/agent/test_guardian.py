@@ -17,8 +17,9 @@ from torch.distributed import TCPStore
 
 from disttrain.api import control as keys
 from disttrain.api import env, storeauth
-from disttrain.trainer import agent as agent_mod
-from disttrain.trainer import channel, guardian
+from disttrain.trainer.agent import guardian
+from disttrain.trainer.agent import service as agent_mod
+from disttrain.trainer.store import channel
 
 pytestmark = pytest.mark.timeout(90)
 

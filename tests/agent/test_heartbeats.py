@@ -12,8 +12,8 @@ from tests.agent.test_agent import free_port, write_job
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from disttrain.api import env
-from disttrain.trainer import agent as agent_mod
-from disttrain.trainer import rendezvous
+from disttrain.trainer.agent import service as agent_mod
+from disttrain.trainer.launch import rendezvous
 
 pytestmark = pytest.mark.timeout(60)
 RUN_ID = "job-uid-1"

@@ -17,8 +17,8 @@ from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 from disttrain.api import agentview
 from disttrain.api import control as keys
 from disttrain.api.spec import DistTrainJobSpec, RendezvousSpec, ReportingSpec
-from disttrain.trainer import agent as agent_mod
-from disttrain.trainer import heartbeats
+from disttrain.trainer.agent import heartbeats
+from disttrain.trainer.agent import service as agent_mod
 from disttrain.trainer.control import read_signal
 
 pytestmark = pytest.mark.timeout(60)

@@ -3,7 +3,7 @@
 A real TCPStore served by the agent's own ``start_store``; "outsiders" are plain TCPStore clients that can reach the
 port (as any pod can where NetworkPolicy is not enforced) but do not hold the job's store secret. They can list every
 key (torch >= 2.10), so they write under the job's real key names; what they write does not verify and is absent to
-every reader of the job (:mod:`disttrain.trainer.signedstore`).
+every reader of the job (:mod:`disttrain.trainer.store.signedstore`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from torch.distributed import DistError, TCPStore
 from disttrain.api import control as keys
 from disttrain.api import env, storeauth
 from disttrain.api.exitcodes import ExitCode
-from disttrain.trainer import agent as agent_mod
-from disttrain.trainer import channel
+from disttrain.trainer.agent import service as agent_mod
 from disttrain.trainer.control import Watchdog
+from disttrain.trainer.store import channel
 
 pytestmark = pytest.mark.timeout(60)
 

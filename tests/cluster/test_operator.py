@@ -21,7 +21,7 @@ import pytest
 
 from disttrain.api import constants
 from disttrain.api.conditions import format_time
-from disttrain.trainer.agent import KubeJobSource
+from disttrain.trainer.agent.service import KubeJobSource
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.harness import (
     PHASES,

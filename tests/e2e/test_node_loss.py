@@ -117,7 +117,7 @@ def test_the_reform_reports_its_phases_and_they_add_up(node_loss):
     assert parts == pytest.approx(phases["total"], abs=0.01)
     assert phases["total"] - phases["detection"] == pytest.approx(reform["durationSeconds"], abs=0.5)
     # The stamps come from a real restart: a new rendezvous round, a new process group, a checkpoint load. (imports
-    # may be 0: a warm interpreter imported before the hand-over, disttrain.trainer.warmstart.)
+    # may be 0: a warm interpreter imported before the hand-over, disttrain.trainer.launch.warmstart.)
     assert phases["restart"] > 0 and phases["processGroup"] > 0 and phases["checkpointLoad"] > 0, phases
     for phase in ReformPhase:
         assert (

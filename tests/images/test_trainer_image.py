@@ -32,7 +32,7 @@ def test_trainer_image_carries_torch_the_handler_and_the_examples(images: Images
     assert image_config(images.trainer)["WorkingDir"] == "/workspace"
     with container(images.trainer) as ctr:
         found = json.loads(ctr.check("python", "-c", PROBE))
-        assert found["handlers"] == {constants.RDZV_BACKEND: "disttrain.trainer.rendezvous:handler_creator"}
+        assert found["handlers"] == {constants.RDZV_BACKEND: "disttrain.trainer.launch.rendezvous:handler_creator"}
         assert found["torch"].startswith("2.")
         assert not found["kopf"], "kopf is the operator's, not the trainer's"
         root = ctr.mount()

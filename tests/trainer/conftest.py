@@ -200,7 +200,7 @@ class Harness:
         """A client of the store as a process of the job sees it: signed with the harness's secret."""
         from torch.distributed import TCPStore
 
-        from disttrain.trainer import channel
+        from disttrain.trainer.store import channel
 
         raw = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
         return channel.scoped(raw, self.secret, self.job_uid if job_uid is None else job_uid)

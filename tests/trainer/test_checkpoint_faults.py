@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from disttrain.api.manifest import MANIFEST_FILE
-from disttrain.trainer import commit
+from disttrain.trainer.checkpoint import commit
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -17,8 +17,8 @@ from tests.checkpoint_tensors import load_tensors
 
 from disttrain.api.manifest import CheckpointManifest, DatasetFingerprint
 from disttrain.api.spec import CheckpointSpec
-from disttrain.trainer import commit
-from disttrain.trainer.checkpoint import CheckpointManager, CheckpointPhase
+from disttrain.trainer.checkpoint import commit
+from disttrain.trainer.checkpoint.manager import CheckpointManager, CheckpointPhase
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -128,7 +128,7 @@ def test_a_node_that_finds_the_rendezvous_closed_by_the_finished_job_exits_0(har
     import time
 
     from disttrain.api.ports import free_port
-    from disttrain.trainer import agent as agent_mod
+    from disttrain.trainer.agent import service as agent_mod
 
     port = free_port()
     server = agent_mod.start_store(port, "127.0.0.1", timeout_s=30)

@@ -310,7 +310,7 @@ def test_the_handler_writes_nothing_outside_the_jobs_key_namespace(harness, monk
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     from disttrain.api import storeauth
-    from disttrain.trainer import rendezvous
+    from disttrain.trainer.launch import rendezvous
 
     port = harness.start_store()
     monkeypatch.setenv("DISTTRAIN_STORE_SECRET", harness.secret)

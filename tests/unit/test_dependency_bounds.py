@@ -44,7 +44,7 @@ def test_every_runtime_dependency_has_an_upper_bound():
 
 
 def test_torchs_lower_bound_is_the_oldest_torch_with_the_apis_the_trainer_imports():
-    source = "\n".join(p.read_text() for p in (REPO_ROOT / "trainer").glob("*.py"))
+    source = "\n".join(p.read_text() for p in (REPO_ROOT / "trainer").rglob("*.py"))
     unused = [name for name in FIRST_TORCH if not re.search(rf"\b{name}\b", source)]
     assert unused == [], "the table names APIs the trainer no longer uses: update it and the bound"
     [torch_req] = [Requirement(r) for r in RUNTIME if Requirement(r).name == "torch"]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import toymodel  # a sibling: this folder is sys.path[0] of a script started by path
 
-from disttrain.trainer.checkpoint import CheckpointManager, CheckpointPhase, PhaseHook
+from disttrain.trainer.checkpoint.manager import CheckpointManager, CheckpointPhase, PhaseHook
 from disttrain.trainer.loop import ElasticTrainer
 
 

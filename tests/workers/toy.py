@@ -33,7 +33,7 @@ import torch
 import toymodel  # a sibling: this folder is sys.path[0] of a script started by path
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from disttrain.trainer.checkpoint import CheckpointPhase, PhaseHook
+from disttrain.trainer.checkpoint.manager import CheckpointPhase, PhaseHook
 from disttrain.trainer.loop import ElasticTrainer
 
 

@@ -287,7 +287,8 @@ def test_each_local_ranks_exporter_has_a_named_metrics_port(nproc):
 
 
 def test_a_worker_reads_ready_when_its_launcher_listens_and_a_probe_of_the_users_is_kept():
-    """The readiness port is how the operator knows a newcomer's workers start warm (disttrain.trainer.readiness)."""
+    """The readiness port is how the operator knows a newcomer's workers start warm
+    (disttrain.trainer.launch.readiness)."""
     [container] = pods.build_worker_pod(make_job(), 0)["spec"]["containers"]
     port = int(pods.worker_env_dict({"spec": {"containers": [container]}})[env.READY_PORT])
     assert container["readinessProbe"] == {"tcpSocket": {"port": port}, "periodSeconds": 1}

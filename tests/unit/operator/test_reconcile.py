@@ -798,7 +798,7 @@ def test_scale_up_adds_pods_then_drains_so_the_group_reforms_with_them():
 
 
 def test_a_running_newcomer_is_drained_in_only_once_ready_so_the_group_never_waits_for_its_imports():
-    """Ready = its workers start warm (disttrain.trainer.readiness); before that the group trains on."""
+    """Ready = its workers start warm (disttrain.trainer.launch.readiness); before that the group trains on."""
     world = World(job_manifest(replicas=2)).running_world(2)
     world.spec("nodes.replicas", 3).step(0)
     world.step(10)

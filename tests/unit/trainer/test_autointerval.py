@@ -6,7 +6,7 @@ import json
 
 from disttrain.api import control, interval
 from disttrain.api.timestamps import format_time
-from disttrain.trainer import autointerval
+from disttrain.trainer.checkpoint import autointerval
 
 
 class Clock:

@@ -12,8 +12,9 @@ from tests.checkpoint_tensors import load_tensors
 
 from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.spec import CheckpointSpec
-from disttrain.trainer import checkpoint as ckpt_mod
-from disttrain.trainer import commit, sampler, storage, writeback
+from disttrain.trainer import sampler
+from disttrain.trainer.checkpoint import commit, storage, writeback
+from disttrain.trainer.checkpoint import manager as ckpt_mod
 
 
 def test_starting_writeback_of_a_written_range_is_accepted_on_linux(tmp_path):

@@ -9,7 +9,7 @@ import pydantic
 import pytest
 
 from disttrain.api.manifest import MANIFEST_FILE, CheckpointManifest, DatasetFingerprint
-from disttrain.trainer import commit, fence
+from disttrain.trainer.checkpoint import commit, fence
 
 
 def make_checkpoint(root: Path, step: int, payload: bytes = b"x" * 1000, nonce: str = "n") -> Path:

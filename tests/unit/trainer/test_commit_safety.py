@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from disttrain.api.manifest import MANIFEST_FILE, CheckpointManifest, DatasetFingerprint
-from disttrain.trainer import commit, fence, storage
+from disttrain.trainer.checkpoint import commit, fence, storage
 
 
 def make_checkpoint(

@@ -1,5 +1,6 @@
 """torchrun's exit barrier as the launcher builds it (:meth:`CountingAgent._exit_barrier`,
-:mod:`disttrain.trainer.exitbarrier`), on a real signed store with the agent's guardian: a finished job's nodes leave
+:mod:`disttrain.trainer.launch.exitbarrier`), on a real signed store with the agent's guardian: a finished job's
+nodes leave
 together, promptly without a stranger and before the barrier's timeout while one deletes every key."""
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from disttrain.trainer import channel, exitbarrier
-from disttrain.trainer.guardian import Guardian
-from disttrain.trainer.launch import CountingAgent
+from disttrain.trainer.agent.guardian import Guardian
+from disttrain.trainer.launch import exitbarrier
+from disttrain.trainer.launch.launcher import CountingAgent
+from disttrain.trainer.store import channel
 
 SECRET, UID = "e" * 64, "uid-exit"
 WORLD = 3

@@ -12,13 +12,13 @@ import time
 import pytest
 
 from disttrain.api import env as env_names
-from disttrain.trainer.handover import Broker, WorkerLink
 from disttrain.trainer.inplace import NO_STATE, Holding, choose_source
+from disttrain.trainer.launch.handover import Broker, WorkerLink
 
 WORKER = textwrap.dedent(
     """
     import json, os, sys
-    from disttrain.trainer.handover import WorkerLink
+    from disttrain.trainer.launch.handover import WorkerLink
     link = WorkerLink.connect()
     assert link is not None
     env = link.request_round(int(sys.argv[1]), timeout_s=30)

@@ -10,7 +10,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
-from disttrain.trainer import heartbeats as hb
+from disttrain.trainer.agent import heartbeats as hb
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -161,7 +161,7 @@ def test_report_names_pods_and_skips_unknown_nodes() -> None:
 
 
 def test_a_silence_report_is_written_at_once_not_with_the_periodic_progress() -> None:
-    from disttrain.trainer import reporting
+    from disttrain.trainer.agent import reporting
 
     assert reporting.urgent_reason({"silentNodes": [{"node": "w"}]}, {}, {}) is not None
     assert reporting.urgent_reason({"silentNodes": None}, {"silentNodes": [{"node": "w"}]}, {}) is not None

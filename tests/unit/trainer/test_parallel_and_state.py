@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from disttrain.trainer import data, parallel
-from disttrain.trainer.checkpoint import TrainerState
+from disttrain.trainer.checkpoint.manager import TrainerState
 
 
 class Blocks(nn.Module):

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from disttrain.api import env
-from disttrain.trainer import rank_order
+from disttrain.trainer.launch import rank_order
 
 
 @dataclasses.dataclass(eq=True, order=True, frozen=True)

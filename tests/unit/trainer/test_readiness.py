@@ -11,8 +11,8 @@ import pytest
 
 from disttrain.api import env
 from disttrain.api.ports import free_port
-from disttrain.trainer.readiness import Readiness, ready_port
-from disttrain.trainer.warmstart import WarmPool
+from disttrain.trainer.launch.readiness import Readiness, ready_port
+from disttrain.trainer.launch.warmstart import WarmPool
 
 pytestmark = pytest.mark.timeout(120)
 

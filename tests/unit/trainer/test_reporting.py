@@ -8,7 +8,7 @@ import random
 import pytest
 
 from disttrain.api.spec import TrainingSpec
-from disttrain.trainer import reporting
+from disttrain.trainer.agent import reporting
 
 TRAINING = TrainingSpec.model_validate(
     {"globalBatchSize": 24, "microBatchSize": 2, "lr": {"base": 0.1}, "maxSteps": 100}

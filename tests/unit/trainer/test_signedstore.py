@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
 
 from disttrain.api import control, env, storeauth
-from disttrain.trainer import channel, heartbeats, signedstore
+from disttrain.trainer.agent import heartbeats
+from disttrain.trainer.store import channel, signedstore
 
 SECRET, UID = "k" * 64, "uid-1"
 PREFIX = storeauth.key_prefix(SECRET)
@@ -291,7 +292,7 @@ EXIT_SCRIPT = """
 import sys, threading, time
 from datetime import timedelta
 import torch.distributed as dist
-from disttrain.trainer import channel
+from disttrain.trainer.store import channel
 from disttrain.trainer.control import Watchdog
 
 port, secret, forged_key = int(sys.argv[1]), sys.argv[2], sys.argv[3]

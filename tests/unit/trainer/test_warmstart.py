@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from disttrain.trainer.warmstart import WarmPool, env_is_compatible, warm_command, workers_environment
+from disttrain.trainer.launch.warmstart import WarmPool, env_is_compatible, warm_command, workers_environment
 
 
 def test_this_python_with_a_script_or_module_is_warm_startable() -> None:

@@ -7,8 +7,8 @@ import torch.distributed as dist
 
 from disttrain.api import control, env
 from disttrain.api.exitcodes import ExitCode
-from disttrain.trainer import channel
 from disttrain.trainer.control import Watchdog, parse_endpoint, read_signal
+from disttrain.trainer.store import channel
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ index of every participant. Nodes without an index (plain torchrun, no operator)
 every indexed node; two nodes with one index (a pod that is not dead after all, and its replacement) are
 ordered by c10d's order too. The result is a permutation of the participants in every case.
 
-Used by :mod:`disttrain.trainer.rendezvous`; imports torch only for the store type.
+Used by :mod:`disttrain.trainer.launch.rendezvous`; imports torch only for the store type.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ torn and bit-flipped writes at ~4 GB/s, so validating does not double the cost o
 accidents (torn writes, bit rot, a half-copied directory), not an adversary: whoever can write the volume can
 rewrite a file and its digest alike (see "What the checkpoint volume is trusted with" in docs/trainer.md).
 
-Temporary directories carry the fence round of the group that writes them (:mod:`disttrain.trainer.fence`), so
+Temporary directories carry the fence round of the group that writes them
+(:mod:`disttrain.trainer.checkpoint.fence`), so
 retention can tell its own and older groups' leftovers from a newer group's save in flight.
 
 Order: checkpoints are ordered by ``(fence_round, step)`` from their manifests (:meth:`CheckpointManifest.order`),
@@ -42,7 +43,7 @@ from typing import Optional
 import pydantic
 
 from disttrain.api.manifest import MANIFEST_FILE, CheckpointManifest, FileDigest
-from disttrain.trainer import fence
+from disttrain.trainer.checkpoint import fence
 
 STEP_DIR = re.compile(r"^step-(0|[1-9][0-9]*)$")
 """A checkpoint's canonical name: ``step-04`` or ``step-4.bak`` only look like one (and are cleaned)."""

@@ -38,7 +38,7 @@ joining, the completion being seen), so the stock pacing alone cost 1-2 s of eve
 fresh: the agent's monitor loop (``num_nodes_waiting``, ten times a second) keeps torch's one-second cache. And
 **ranks follow the nodes' stable node indices** (``DISTTRAIN_NODE_INDEX``), not the order in which nodes arrived,
 so survivors keep their ranks and a replacement takes the ranks of the node it replaces
-(:mod:`disttrain.trainer.rank_order`; the executor re-orders the ranks right after the stock assignment when it
+(:mod:`disttrain.trainer.launch.rank_order`; the executor re-orders the ranks right after the stock assignment when it
 marks a round complete).
 
 The changes are made by wrapping the stock join operation (:class:`_TargetAwareOpExecutor`), not by copying it.
@@ -65,7 +65,9 @@ from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from disttrain.api import constants, control, env
-from disttrain.trainer import channel, heartbeats, rank_order
+from disttrain.trainer.agent import heartbeats
+from disttrain.trainer.launch import rank_order
+from disttrain.trainer.store import channel
 
 log = logging.getLogger("disttrain.rendezvous")
 
@@ -137,7 +139,7 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
             join = state_handler
             # Before this node can appear among the participants, so whoever completes the round can read it.
             rank_order.publish_index(self._store, self._settings.run_id, self._node, self._node_index)
-            # Which pod this node is, for the job agent's silence report (disttrain.trainer.heartbeats).
+            # Which pod this node is, for the job agent's silence report (disttrain.trainer.agent.heartbeats).
             if self._node_name:
                 identity = heartbeats.NodeIdentity(self._node_name, self._pod_uid)
                 self._store.set(heartbeats.identity_key(self._settings.run_id, self._node), identity.to_json())
@@ -327,7 +329,8 @@ def connect_store(params: RendezvousParameters) -> TCPStore:
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Build the handler from torchrun's parameters, exactly as ``c10d`` reads them, over the agent's store seen
-    through the signed store (:mod:`disttrain.trainer.channel`): torch's own keys under it (the rendezvous state it
+    through the signed store (:mod:`disttrain.trainer.store.channel`): torch's own keys under it (the rendezvous
+    state it
     unpickles, the per-round MASTER_ADDR/MASTER_PORT, rank-info and barrier keys) are sealed when written and
     verified before torch sees a byte, like the control keys; a forged or garbled value is absent to torch."""
     store = channel.scoped(connect_store(params))

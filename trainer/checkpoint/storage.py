@@ -2,7 +2,7 @@
 
 Why: DCP's ``FileSystemWriter`` wraps every tensor in a zip archive (``torch.save``), which on this project's
 machines caps a save at ~0.6x the throughput of ``dd`` to the same disk. Writing the tensor's bytes directly
-(and crc32-digesting them on the way, see :mod:`disttrain.trainer.digesting`) gets close to ``dd``. DCP's
+(and crc32-digesting them on the way, see :mod:`disttrain.trainer.checkpoint.digesting`) gets close to ``dd``. DCP's
 planning, metadata (``.metadata``), resharding on load and collectives are unchanged: only the bytes inside the
 ``.distcp`` files differ, so checkpoints must be read with :class:`RawFileSystemReader`. The stored chunk's dtype
 and shape come from DCP's own metadata.
@@ -49,12 +49,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from disttrain.api.manifest import MANIFEST_FILE
-from disttrain.trainer import commit, writeback
-from disttrain.trainer.digesting import DigestingFileSystem
+from disttrain.trainer.checkpoint import commit, writeback
+from disttrain.trainer.checkpoint.digesting import DigestingFileSystem
 
 FORMAT = "disttrain-raw-1"
 WRITEBACK_SLICE = 8 * 2**20
-"""Bytes written (and digested) between two writeback kicks (:mod:`disttrain.trainer.writeback`)."""
+"""Bytes written (and digested) between two writeback kicks (:mod:`disttrain.trainer.checkpoint.writeback`)."""
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:

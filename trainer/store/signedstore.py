@@ -1,9 +1,9 @@
 """The signed store: a ``torch.distributed.Store`` that seals every value it writes and verifies every value it reads.
 
 Every client of the job agent's TCPStore (the agent itself, torchrun's rendezvous through
-:func:`disttrain.trainer.rendezvous.create_handler`, the watchdog, failure reports, heartbeat reads) holds a
+:func:`disttrain.trainer.launch.rendezvous.create_handler`, the watchdog, failure reports, heartbeat reads) holds a
 :class:`SignedStore` around its raw TCPStore client, usually under the job's ``PrefixStore``
-(:func:`disttrain.trainer.channel.scoped`). torch's C++ ``PrefixStore`` calls a Python ``Store`` subclass through
+(:func:`disttrain.trainer.store.channel.scoped`). torch's C++ ``PrefixStore`` calls a Python ``Store`` subclass through
 pybind's trampoline, so torch's own keys (the rendezvous state, the per-round ``MASTER_ADDR``/``MASTER_PORT`` keys,
 barrier and rank-info keys) pass through here too, with the callers unchanged.
 
@@ -142,7 +142,7 @@ class SignedStore(Store):
     """
 
     verifies_values = True
-    """Marks a store that hands out only verified values (:func:`disttrain.trainer.heartbeats.is_verifying`)."""
+    """Marks a store that hands out only verified values (:func:`disttrain.trainer.agent.heartbeats.is_verifying`)."""
 
     def __init__(
         self,
@@ -186,7 +186,7 @@ class SignedStore(Store):
 
     def tamper_counts(self) -> dict[str, int]:
         """Full key name -> invalid values seen plus restores made: grows whenever this process saw the key
-        tampered with (:func:`disttrain.trainer.heartbeats.tamper_count` distrusts heartbeats meanwhile)."""
+        tampered with (:func:`disttrain.trainer.agent.heartbeats.tamper_count` distrusts heartbeats meanwhile)."""
         with self.lock:
             return dict(self.rejections + self.restores)
 

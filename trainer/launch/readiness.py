@@ -6,7 +6,7 @@ re-forms with the newcomer. If the drain comes as soon as the newcomer's contain
 and waits for the newcomer's workers to import torch and the trainer (seconds on a CPU, more with CUDA): measured
 3.5 s of stall per scale-up on the 2-core development machine (``scale_up_stall_seconds`` in ``bench/reform.py``).
 So the launcher opens :data:`disttrain.api.env.READY_PORT` only once its warm worker interpreters
-(:mod:`disttrain.trainer.warmstart`) finished their imports, the pod's ``readinessProbe`` (a TCP check) passes
+(:mod:`disttrain.trainer.launch.warmstart`) finished their imports, the pod's ``readinessProbe`` (a TCP check) passes
 from then on, and the operator brings in only Ready pods (``_choose_target`` in the reconcile core). A node whose
 workers cannot start warm is ready as soon as its launcher runs. Once ready, the pod stays ready: the port stays
 open for the launcher's life (its workers running, or their interpreters warm again).

@@ -2,13 +2,13 @@
 
 Model and optimizer go through ``get_state_dict``/``set_state_dict`` (DCP reshards them on load), the trainer
 state is a Stateful with global keys (never per rank: RANK is not stable across restarts). The on-disk protocol
-is in :mod:`disttrain.trainer.commit`; this module adds the collectives around it:
+is in :mod:`disttrain.trainer.checkpoint.commit`; this module adds the collectives around it:
 
 1. rank 0 picks a fresh temp dir name and broadcasts it; every rank writes its DCP files there;
 2. every rank fsyncs and digests the files it wrote (in parallel), and sends the digests to rank 0;
-3. rank 0 checks the fence (:mod:`disttrain.trainer.fence`: no newer group took over the directory), writes
+3. rank 0 checks the fence (:mod:`disttrain.trainer.checkpoint.fence`: no newer group took over the directory), writes
    COMPLETE.json atomically (with its fence round), renames the dir to ``step-N`` unless a newer round committed
-   (:func:`disttrain.trainer.commit.publish`), fsyncs the parent, applies retention.
+   (:func:`disttrain.trainer.checkpoint.commit.publish`), fsyncs the parent, applies retention.
 
 Before it resumes, every new group claims the next fence round on the volume; a commit from an older round is
 refused, resume picks the newest valid checkpoint in ``(fence round, step)`` order, and retention removes only
@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from disttrain.api.manifest import MANIFEST_FILE, CheckpointManifest, FileDigest
 from disttrain.api.spec import CheckpointSpec
-from disttrain.trainer import commit, fence, storage
+from disttrain.trainer.checkpoint import commit, fence, storage
 from disttrain.trainer.metrics import TrainerMetrics
 
 try:

@@ -19,7 +19,7 @@ the bytes unpickled were sealed with the job's secret by one of its own processe
 as a second layer they are decoded by :class:`RestrictedUnpickler`, which admits only the rendezvous state, node
 descriptors, datetimes and the builtin containers, and builds them as inert stand-ins (no torch class is
 instantiated); anything else is refused. The node's pod comes from :func:`identity_key`, which
-the ``disttrain`` rendezvous handler writes before the node joins a round (:mod:`disttrain.trainer.rendezvous`).
+the ``disttrain`` rendezvous handler writes before the node joins a round (:mod:`disttrain.trainer.launch.rendezvous`).
 
 Pure but for :func:`read_state` and :func:`read_identity` (a store); no torch import.
 """
@@ -278,7 +278,8 @@ def silent_report(
 
 def is_verifying(store: Any) -> bool:
     """Whether ``store`` (through any PrefixStores) hands out only verified values: a ``SignedStore`` of
-    :mod:`disttrain.trainer.signedstore` marks itself with ``verifies_values`` (checked by name: no torch here)."""
+    :mod:`disttrain.trainer.store.signedstore` marks itself with ``verifies_values`` (checked by name: no torch
+    here)."""
     for _ in range(16):
         if store is None:
             return False
@@ -294,7 +295,7 @@ def read_state(store: Any, run_id: str) -> Optional[RendezvousView]:
     ``store`` must verify values (:func:`is_verifying`): the state is a pickle, and unverified bytes are never
     unpickled, not even by the restricted unpickler."""
     if not is_verifying(store):
-        raise StateRefused("the rendezvous state is read only through a signed store (disttrain.trainer.channel)")
+        raise StateRefused("the rendezvous state is read only through a signed store (disttrain.trainer.store.channel)")
     key = state_key(run_id)
     if not store.check([key]):
         return None

@@ -52,7 +52,7 @@ back. torch's elastic code calls no ``delete_key`` on the rendezvous store (chec
 RENDEZVOUS_PREFIX: Final = "torch.rendezvous."
 NULL_SENTINEL: Final = b"Y2FuaW1hZGFt"
 """What torch's ``C10dRendezvousBackend`` writes under ``torch.rendezvous.<run id>`` when it is built. torch's
-``create_backend`` builds one over the raw client before :func:`disttrain.trainer.rendezvous.create_handler` puts
+``create_backend`` builds one over the raw client before :func:`disttrain.trainer.launch.rendezvous.create_handler` puts
 the signed store around it, so every node leaves this unsigned key outside the namespace: deleted, but not counted
 as a rejection (it would raise a Warning on every job)."""
 MAX_RECENT: Final = 8
@@ -96,7 +96,7 @@ class Guardian:
     """Sweeps one job's store through ``server`` (the raw TCPStore client of the agent's own server).
 
     ``job_uid`` must be the one every signed store of the job seals with (``$DISTTRAIN_JOB_UID``, as
-    :func:`disttrain.trainer.channel.scoped` takes it). Thread-safe: :meth:`snapshot` may be called while the
+    :func:`disttrain.trainer.store.channel.scoped` takes it). Thread-safe: :meth:`snapshot` may be called while the
     sweeper thread runs.
     """
 

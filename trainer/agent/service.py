@@ -11,14 +11,14 @@ of them. The agent
   ``intervalSteps: auto``);
 * relays the trainer's ``PROGRESS_KEY``, ``CHECKPOINT_KEY``, ``FAILURE_KEY`` and ``INTERVAL_KEY`` into the job's
   status fields it owns (:data:`disttrain.api.status.AGENT_FIELDS`; it writes no other);
-* guards the store it hosts (:mod:`disttrain.trainer.guardian`): deletes what a client without the job's secret
+* guards the store it hosts (:mod:`disttrain.trainer.agent.guardian`): deletes what a client without the job's secret
   put in, restores sealed values deleted, garbled or replayed, re-writes its own keys when they vanish, and
   reports what it rejected in ``status.storeRejections``.
 
 Where the job lives is a :class:`JobSource`: :class:`KubeJobSource` follows the DistTrainJob through a watch
 and patches only its status subresource (the agent's Role allows nothing else); :class:`FileJobSource` lets the
 local runtime drive the same agent from a state directory. On Kubernetes the agent writes progress at a bounded
-rate (:mod:`disttrain.trainer.reporting`): what the operator acts on at once, the rest at most every
+rate (:mod:`disttrain.trainer.agent.reporting`): what the operator acts on at once, the rest at most every
 ``spec.reporting.progressIntervalSeconds``. If the agent dies, the operator recreates it; the workers re-join
 the new store and resume from the last complete checkpoint, so nothing is lost.
 
@@ -52,8 +52,9 @@ from disttrain.api.contract import job_checkpoint_dir
 from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.status import AGENT_FIELDS
 from disttrain.api.timestamps import format_time
-from disttrain.trainer import autointerval, guardian, heartbeats, reporting
-from disttrain.trainer.commit import step_dir_name
+from disttrain.trainer.agent import guardian, heartbeats, reporting
+from disttrain.trainer.checkpoint import autointerval
+from disttrain.trainer.checkpoint.commit import step_dir_name
 
 log = logging.getLogger("disttrain.agent")
 REQUEST_TIMEOUT_S = 30.0
@@ -371,7 +372,7 @@ class Agent:
         return self._view
 
     def _is_due(self, job: agentview.AgentJob, status: dict[str, Any], patch: dict[str, Any]) -> bool:
-        """Now, or with a later periodic write (Kubernetes only; see :mod:`disttrain.trainer.reporting`)."""
+        """Now, or with a later periodic write (Kubernetes only; see :mod:`disttrain.trainer.agent.reporting`)."""
         if not self.source.rate_limited:
             return True
         urgent = reporting.urgent_reason(patch, status, job.spec.training)
@@ -518,7 +519,7 @@ class Agent:
         return {} if report is None else {"checkpointInterval": autointerval.interval_status(report)}
 
     def _relay_silent(self, job: agentview.AgentJob, status: dict[str, Any]) -> dict[str, Any]:
-        """Nodes silent in the rendezvous heartbeats (:mod:`disttrain.trainer.heartbeats`); None clears the field.
+        """Nodes silent in the rendezvous heartbeats (:mod:`disttrain.trainer.agent.heartbeats`); None clears the field.
         With them the pods of the completed round, read from the same state."""
         report = self.heartbeats.report(job, self.clock())
         if report and report != status.get("silentNodes"):
@@ -607,7 +608,7 @@ def _rendezvous_rejections(guard: guardian.Guardian) -> Callable[[], int]:
 
 def scoped_store(server: Any) -> Any:
     """The agent's own view of its store: inside the job's secret key namespace, as every worker sees it."""
-    from disttrain.trainer import channel  # imports torch
+    from disttrain.trainer.store import channel  # imports torch
 
     return channel.scoped(server)
 
@@ -618,7 +619,7 @@ def start_guardian(port: int, store: Any, host: str = "127.0.0.1") -> Optional[g
     None, with a warning, when the agent has no store secret to check values with."""
     from torch.distributed import TCPStore  # imported here: the module imports no torch
 
-    from disttrain.trainer import channel
+    from disttrain.trainer.store import channel
 
     secret = storeauth.secret_from_env()
     signed = channel.signed_of(store)
@@ -665,7 +666,3 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         if guard is not None:
             guard.stop()
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -4,7 +4,7 @@ Why: a reform restarts the worker processes, and a new Python process spends sec
 compiler stack (which ``AdamW`` pulls in lazily) and disttrain before it can build the model (``imports`` and
 ``modelBuild`` in ``status.lastReform.phases``). Meanwhile the node's torchrun agent sits in the rendezvous,
 waiting for the other nodes. So the launcher starts the next workers' interpreters *before* each rendezvous
-(:class:`WarmPool`, from :meth:`disttrain.trainer.launch.CountingAgent._initialize_workers`): each runs this
+(:class:`WarmPool`, from :meth:`disttrain.trainer.launch.launcher.CountingAgent._initialize_workers`): each runs this
 module, imports :data:`PRELOAD`, and waits on its stdin. When torchrun then starts a worker, the launcher hands
 the worker's command line and environment to a warm interpreter instead of starting a cold one (:meth:`take`):
 it sets ``os.environ``, ``sys.argv`` and ``sys.path[0]`` as ``python script.py`` would, and runs the script as
@@ -177,7 +177,7 @@ class _Warm:
 
 class WarmPool:
     """Warm interpreters of one agent, by interpreter flags. Thread-safe: the pod's readiness
-    (:mod:`disttrain.trainer.readiness`) asks :meth:`is_warm` from a thread of its own."""
+    (:mod:`disttrain.trainer.launch.readiness`) asks :meth:`is_warm` from a thread of its own."""
 
     def __init__(self) -> None:
         self._ready: list[_Warm] = []

@@ -36,46 +36,27 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from disttrain.api import env
-from disttrain.trainer.handover import Broker
-from disttrain.trainer.warmstart import WarmPool
-
-WARM_POOL = WarmPool()
-"""This agent's warm worker interpreters."""
-HANDOVER: Optional[Broker] = None
-"""Where this agent's workers wait for the next round in place (:mod:`disttrain.trainer.handover`)."""
-
-
-def open_handover() -> Optional[Broker]:
-    """The handover socket, named in the workers' environment (``$DISTTRAIN_LAUNCHER_SOCKET``) before any starts."""
-    global HANDOVER
-    if HANDOVER is None:
-        HANDOVER = Broker.listen()
-        if HANDOVER is not None:
-            os.environ[env.LAUNCHER_SOCKET] = HANDOVER.name
-    return HANDOVER
-
-
-if __name__ == "__main__":  # before this process imports torch: the workers' interpreters import it meanwhile
-    open_handover()  # first: the prestarted interpreters get the workers' whole environment
-    WARM_POOL.prestart(sys.argv[1:])
-
-from torch.distributed import run as torchrun  # noqa: E402 (after the prestart, on purpose)
-from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerState  # noqa: E402
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent  # noqa: E402
-from torch.distributed.elastic.multiprocessing import SignalException  # noqa: E402
-from torch.distributed.elastic.multiprocessing.api import SubprocessContext  # noqa: E402
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure  # noqa: E402
-from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import (  # noqa: E402
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import (
     SubprocessHandler,
 )
-from torch.distributed.elastic.rendezvous.api import RendezvousClosedError  # noqa: E402
-from torch.distributed.launcher import api as launcher_api  # noqa: E402
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+from torch.distributed.launcher import api as launcher_api
 
-from disttrain.api.exitcodes import ExitCode  # noqa: E402
-from disttrain.trainer import exitbarrier  # noqa: E402
-from disttrain.trainer.readiness import Readiness  # noqa: E402
-from disttrain.trainer.rendezvous import DisttrainRendezvousHandler  # noqa: E402
+from disttrain.api import env
+from disttrain.api.exitcodes import ExitCode
+from disttrain.trainer.launch import (
+    exitbarrier,
+    prestart,
+)
+from disttrain.trainer.launch.prestart import WARM_POOL
+from disttrain.trainer.launch.readiness import Readiness
+from disttrain.trainer.launch.rendezvous import DisttrainRendezvousHandler
 
 log = logging.getLogger("disttrain.launch")
 
@@ -184,37 +165,38 @@ class CountingAgent(LocalElasticAgent):
         return result
 
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
-        """Warm the next workers' interpreters while the rendezvous runs (:mod:`disttrain.trainer.warmstart`); after
+        """Warm the next workers' interpreters while the rendezvous runs
+        (:mod:`disttrain.trainer.launch.warmstart`); after
         it, end the workers that waited in place and were not handed a round (none should be left)."""
         spec = worker_group.spec
         if isinstance(spec.entrypoint, str):
             WARM_POOL.fill(spec.local_world_size, [spec.entrypoint, *map(str, spec.args)])
-        READINESS.arm(WARM_POOL.is_warm)  # the pod reads Ready once they are (disttrain.trainer.readiness)
+        READINESS.arm(WARM_POOL.is_warm)  # the pod reads Ready once they are (disttrain.trainer.launch.readiness)
         try:
             super()._initialize_workers(worker_group)
         finally:
-            if HANDOVER is not None:
-                HANDOVER.release("no round of this node took it")
+            if prestart.HANDOVER is not None:
+                prestart.HANDOVER.release("no round of this node took it")
 
     def _stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
         """torchrun's stop, except for workers that wait for the next round in place: they are kept for it
-        (:meth:`disttrain.trainer.handover.Broker.detach`) instead of being signalled."""
+        (:meth:`disttrain.trainer.launch.handover.Broker.detach`) instead of being signalled."""
         pcontext = getattr(self, "_pcontext", None)
-        if HANDOVER is not None and isinstance(pcontext, SubprocessContext):
+        if prestart.HANDOVER is not None and isinstance(pcontext, SubprocessContext):
             for local_rank, handler in list(pcontext.subprocess_handlers.items()):
-                if handler.proc.poll() is None and HANDOVER.is_waiting(handler.proc.pid):
+                if handler.proc.poll() is None and prestart.HANDOVER.is_waiting(handler.proc.pid):
                     del pcontext.subprocess_handlers[local_rank]
-                    HANDOVER.detach(local_rank, handler.proc)
+                    prestart.HANDOVER.detach(local_rank, handler.proc)
         super()._stop_workers(worker_group, *args, **kwargs)
 
     def _waiting_in_place(self) -> bool:
         pcontext = getattr(self, "_pcontext", None)
-        if HANDOVER is None or not isinstance(pcontext, SubprocessContext):
+        if prestart.HANDOVER is None or not isinstance(pcontext, SubprocessContext):
             return False
-        return HANDOVER.all_waiting(pcontext.pids())
+        return prestart.HANDOVER.all_waiting(pcontext.pids())
 
     def _exit_barrier(self) -> None:
-        """torchrun's exit barrier on our own keys (:mod:`disttrain.trainer.exitbarrier`): a stranger who deletes
+        """torchrun's exit barrier on our own keys (:mod:`disttrain.trainer.launch.exitbarrier`): a stranger who deletes
         them only delays it. As torch's, an agent that cannot reach the store or waited the timeout leaves."""
         spec = self._worker_group.spec
         store: Any = self._store  # set by the rendezvous before any worker ran
@@ -279,8 +261,8 @@ _cold_popen = SubprocessHandler._popen
 def _warm_popen(self: SubprocessHandler, args: tuple[str, ...], env: dict[str, str]) -> Any:
     """torchrun's worker start: the process of this local rank that waits in place when there is one, else a warm
     interpreter when one fits (output not redirected to files), else a cold start."""
-    if HANDOVER is not None:
-        waiting = HANDOVER.take(env)
+    if prestart.HANDOVER is not None:
+        waiting = prestart.HANDOVER.take(env)
         if waiting is not None:
             return waiting
     if getattr(self, "_stdout", None) is None and getattr(self, "_stderr", None) is None:
@@ -293,7 +275,7 @@ def _warm_popen(self: SubprocessHandler, args: tuple[str, ...], env: dict[str, s
 def run(argv: Sequence[str]) -> int:
     """Run torchrun with ``argv``; the exit code the pod should end with."""
     args = torchrun.parse_args(list(argv))
-    open_handover()
+    prestart.open_handover()
     launcher_api.LocalElasticAgent = CountingAgent  # type: ignore[misc]  # what launch_agent builds
     SubprocessHandler._popen = _warm_popen  # type: ignore[method-assign]  # where torchrun starts a worker
     try:
@@ -312,15 +294,11 @@ def run(argv: Sequence[str]) -> int:
     finally:
         READINESS.close()
         WARM_POOL.close()
-        if HANDOVER is not None:
-            HANDOVER.close()
+        if prestart.HANDOVER is not None:
+            prestart.HANDOVER.close()
     return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.exit(run(sys.argv[1:] if argv is None else argv))
-
-
-if __name__ == "__main__":
-    main()

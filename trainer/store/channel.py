@@ -1,7 +1,7 @@
-"""Clients of the job agent's store: every value sealed and verified (:mod:`disttrain.trainer.signedstore`).
+"""Clients of the job agent's store: every value sealed and verified (:mod:`disttrain.trainer.store.signedstore`).
 
 Every reader and writer of the store goes through :func:`scoped` (or :func:`connect`): the agent (the server's own
-client), torchrun's rendezvous (:mod:`disttrain.trainer.rendezvous`), the watchdog and failure reports
+client), torchrun's rendezvous (:mod:`disttrain.trainer.launch.rendezvous`), the watchdog and failure reports
 (:mod:`disttrain.trainer.control`). What they get is a ``PrefixStore`` over a :class:`~disttrain.trainer.
 signedstore.SignedStore` over the raw TCPStore client: the prefix (:func:`disttrain.api.storeauth.key_prefix`)
 only keeps the job's keys apart and names them, it protects nothing (anyone can list keys); the signing does.
@@ -20,7 +20,7 @@ from typing import Optional
 from torch.distributed import PrefixStore, Store, TCPStore
 
 from disttrain.api import env, storeauth
-from disttrain.trainer.signedstore import RejectHook, SignedStore
+from disttrain.trainer.store.signedstore import RejectHook, SignedStore
 
 
 class MissingSecret(RuntimeError):

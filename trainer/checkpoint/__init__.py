@@ -1,0 +1,5 @@
+"""Checkpoints: the manager over ``torch.distributed.checkpoint`` (:mod:`.manager`), the on-disk commit protocol
+without torch (:mod:`.commit`), the fence of stale groups (:mod:`.fence`), raw-bytes storage (:mod:`.storage`,
+:mod:`.digesting`, :mod:`.writeback`) and the automatic interval (:mod:`.autointerval`).
+
+May import: ``disttrain.api``, torch, :mod:`disttrain.trainer.metrics`. Never the agent, the launcher or the loop."""
