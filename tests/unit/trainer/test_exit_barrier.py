@@ -83,7 +83,7 @@ def test_without_a_stranger_every_node_leaves_as_soon_as_the_last_one_arrives(po
 
 
 ATTACKER = """
-import sys, datetime, torch.distributed as dist
+import os, sys, datetime, torch.distributed as dist
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=10))
 deleted = reported = 0
@@ -91,9 +91,10 @@ print("ready", flush=True)
 while True:
     for key in store.list_keys():
         deleted += store.delete_key(key)
-    if deleted > reported:
-        with open(sys.argv[2], "w") as out:
+    if deleted > reported:  # the count replaced at once: the test never reads a file half written
+        with open(sys.argv[2] + ".tmp", "w") as out:
             out.write(str(deleted))
+        os.replace(sys.argv[2] + ".tmp", sys.argv[2])
         reported = deleted
 """
 
