@@ -6,6 +6,9 @@ jobs (trainer, e2e, security, cluster) share one lane: run side by side they slo
 timeouts (measured: a failed collective and a bitwise recovery, both green alone). The light tiers take the other
 lane. Each tier's output goes to build/test-logs/<tier>.log; a failing tier's summary is printed at the end.
 
+A tier with a few failures runs those tests once more (build/test-logs/<tier>.rerun.log); the report names every
+test that passed only on its rerun, so a flaky scenario stays visible rather than failing CI at random.
+
     python scripts/test_tiers.py                  # every tier of `make test`
     python scripts/test_tiers.py unit chart       # these tiers only, one lane each
     python scripts/test_tiers.py --serial         # one tier at a time
@@ -35,6 +38,10 @@ LANES: tuple[tuple[str, ...], ...] = (
 )
 """What `make test` runs (every tier but images, which `make test-images` builds and checks)."""
 
+FAILED = re.compile(r"^(?:FAILED|ERROR) (tests/\S+?)(?: - .*)?$", re.MULTILINE)
+"""A failed test's node id in pytest's short summary (``-ra``)."""
+MAX_RERUNS = 3
+"""More failures than this in one tier are no flake: no rerun."""
 SUMMARY = re.compile(r"^=+ (?P<counts>.*?) in (?P<seconds>[\d.]+)s", re.MULTILINE)
 
 
@@ -59,12 +66,27 @@ def run_tier(tier: str, pytest_args: list[str]) -> TierResult:
     command = [sys.executable, "-m", "pytest", "-m", tier, "-p", "no:cacheprovider", *pytest_args, *folders]
     with open(log, "w") as out:
         returncode = subprocess.call(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    counts = _counts(log, returncode)
+    failed = FAILED.findall(log.read_text(errors="replace"))
+    if returncode not in (0, 5) and 0 < len(failed) <= MAX_RERUNS:
+        # Once, and only the tests that failed: on 2 cores a few multi-process scenarios miss a deadline now and
+        # then. A test that fails twice fails the tier; one that passed on its rerun is named in the report.
+        print(f"[tiers] {tier}: {counts}; running the failed tests once more: {' '.join(failed)}", flush=True)
+        rerun_log = LOGS / f"{tier}.rerun.log"
+        with open(rerun_log, "w") as out:
+            returncode = subprocess.call(
+                [*command[: -len(folders)], *failed], cwd=REPO, stdout=out, stderr=subprocess.STDOUT
+            )
+        counts = f"{counts}; on rerun: {_counts(rerun_log, returncode)} (flaky: {', '.join(failed)})"
+        log = rerun_log if returncode not in (0, 5) else log
     seconds = time.monotonic() - start
-    summaries = list(SUMMARY.finditer(log.read_text(errors="replace")))
-    match = summaries[-1] if summaries else None
-    counts = match.group("counts") if match else f"no summary (exit {returncode})"
     print(f"[tiers] {tier}: {counts} in {seconds:.0f} s", flush=True)
     return TierResult(tier, returncode, seconds, counts, log)
+
+
+def _counts(log: Path, returncode: int) -> str:
+    summaries = list(SUMMARY.finditer(log.read_text(errors="replace")))
+    return summaries[-1].group("counts") if summaries else f"no summary (exit {returncode})"
 
 
 def run_lanes(lanes: list[tuple[str, ...]], pytest_args: list[str]) -> list[TierResult]:
