@@ -17,32 +17,28 @@ deletes it as soon as it is written. Without a stranger no key disappears, and n
 
 from __future__ import annotations
 
-import logging
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from torch.distributed import DistStoreError
-
-log = logging.getLogger("disttrain.launch")
 
 PREFIX = "disttrain/exit-barrier"
 POLL_S = 0.2
 """Longest blocking look at one key before the node writes its own keys again."""
 LINGER_S = 5.0
 """Longest a node that saw every arrival stays to be seen by the others."""
+SWEEP_EVERY = 10
+"""Every this many looks, one quick look at every missing key (one round trip each); the looks between wait on one
+key each, so a large group does not poll the agent's store with world x world calls per look."""
 
 
-@dataclass
 class Progress:
     """What one node knows: the ranks it saw arrive, the ranks it saw leave."""
 
-    world: int
-    me: int
-
-    def __post_init__(self) -> None:
-        self.arrived = {self.me}
+    def __init__(self, world: int, me: int) -> None:
+        self.world, self.me = world, me
+        self.arrived = {me}
         self.done: set[int] = set()
 
     def all_arrived(self) -> bool:
@@ -68,12 +64,10 @@ def _seen(store: Any, key: str, wait_s: float) -> bool:
 
 
 def _look(store: Any, kind: str, ranks: set[int], found: set[int], turn: int) -> None:
-    """Add to ``found`` the ranks in ``ranks`` whose ``kind`` key is seen: a quick look at all, a blocking look at
-    one of the rest (a different one on each turn)."""
-    missing = sorted(ranks - found)
-    for rank in missing:
-        if _seen(store, _key(kind, rank), 0):
-            found.add(rank)
+    """Add to ``found`` the ranks in ``ranks`` whose ``kind`` key is seen: a quick look at all on a sweep's turn, then
+    a blocking look at one of the rest (a different one on each turn)."""
+    if turn % SWEEP_EVERY == 0:
+        found.update(rank for rank in sorted(ranks - found) if _seen(store, _key(kind, rank), 0))
     missing = sorted(ranks - found)
     if missing and _seen(store, _key(kind, missing[turn % len(missing)]), POLL_S):
         found.add(missing[turn % len(missing)])
@@ -90,8 +84,7 @@ def wait_for_all(store: Any, world: int, me: int, timeout_s: float) -> bool:
             _look(store, "arrived", everyone, progress.arrived, turn)
         if progress.all_arrived():
             store.set(_key("done", me), "1")
-            now = time.monotonic()
-            linger_until = now + LINGER_S if linger_until is None else linger_until
+            linger_until = time.monotonic() + LINGER_S if linger_until is None else linger_until
             _look(store, "done", everyone - {me}, progress.done, turn)
             if progress.all_done() or time.monotonic() >= linger_until:
                 return True
