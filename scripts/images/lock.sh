@@ -6,6 +6,8 @@
 #   requirements/operator.txt   disttrain[operator]'s dependencies                            (PyPI)
 #   requirements/trainer.txt    disttrain[trainer,agent]'s dependencies, torch's own deps      (PyPI)
 #   requirements/torch-cpu.txt  torch's CPU wheel alone                                        (PyTorch's CPU index)
+#   requirements/torch-cuda.txt torch's CUDA wheel and what it needs beyond trainer.txt:        (PyPI)
+#                               nvidia-*, cuda-*, triton (`make image-cuda`, Linux x86-64 only)
 #   requirements/uv.txt         the lock tool itself (this script installs it from there, hashes checked)
 #
 # Every file lists exact versions with the SHA-256 of every file PyPI (or the torch index) offers for them; the
@@ -60,4 +62,16 @@ split 0 > requirements/trainer.txt
 split 1 > requirements/torch-cpu.txt
 grep -q -- '--hash=sha256:' requirements/torch-cpu.txt \
     || { echo "lock.sh: requirements/torch-cpu.txt: no torch entry with a hash (TORCH_FIND_LINKS=$TORCH_FIND_LINKS)" >&2; exit 1; }
+# torch-cuda.txt: the same resolution with PyPI's torch (the CUDA build), held to trainer.txt's pins by taking that
+# file as constraints (a CUDA dependency that needs another version of one of them fails here, not in the image);
+# it keeps only what trainer.txt lacks, so the two files, joined, are the CUDA image's whole environment.
+cuda_full="$venv/trainer-cuda-full.txt"
+cat requirements/trainer.txt requirements/torch-cuda.txt > "$cuda_full" 2>/dev/null || : > "$cuda_full"
+compile "$cuda_full" pyproject.toml requirements/torch-cuda.in --extra trainer --extra agent \
+    --constraint requirements/trainer.txt "$@"
+awk 'NR == FNR {if (/^[a-z0-9]/) {sub(/==.*/, ""); locked[$0] = 1}; next}
+     /^[a-z0-9]/ {name = $1; sub(/==.*/, "", name); new = !(name in locked)} /^#/ && !seen {print; next} {seen = 1}
+     seen && new' requirements/trainer.txt "$cuda_full" > requirements/torch-cuda.txt
+grep -q -- '^torch==' requirements/torch-cuda.txt \
+    || { echo "lock.sh: requirements/torch-cuda.txt: no torch entry" >&2; exit 1; }
 compile requirements/uv.txt requirements/uv.in "$@"
