@@ -26,6 +26,8 @@ from disttrain.api.status import DistTrainJobStatus
 KUBERNETES_SCHEMA_VERSION = "1.33"
 CRD_FILE = f"{constants.GROUP}_{constants.PLURAL}.yaml"
 POD_TEMPLATE_MARKER = "x-disttrain-pod-template"
+POD_SPEC_FIELD_MARKER = "x-disttrain-pod-spec-field"
+"""Marks a field that takes the schema of one PodSpec field (its value names it, e.g. ``affinity``)."""
 _DROPPED_KEYS = {"title", "additionalProperties", "$defs", POD_TEMPLATE_MARKER}
 
 
@@ -115,6 +117,12 @@ class _SchemaConverter:
             if "description" in node:
                 out["description"] = _clean_description(node["description"])
             _attach_nested_rules(out, path)
+            return out
+        if node.get(POD_SPEC_FIELD_MARKER):
+            field = node[POD_SPEC_FIELD_MARKER]
+            out = json.loads(json.dumps(pod_template_schema()["properties"]["spec"]["properties"][field]))
+            if "description" in node:
+                out["description"] = _clean_description(node["description"])
             return out
         if "$ref" in node or ("allOf" in node and len(node["allOf"]) == 1):
             ref = node.get("$ref") or node["allOf"][0]["$ref"]

@@ -9,9 +9,10 @@ snake_case in Python. Cross-field rules live in :mod:`disttrain.api.rules` so th
 from __future__ import annotations
 
 import enum
-from typing import Any, Literal, Optional, Union
+import re
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 from pydantic.alias_generators import to_camel
 
 from disttrain.api import constants, containers
@@ -185,6 +186,12 @@ class CheckpointSpec(ContractModel):
     """Complete checkpoints kept; the newest complete one and a save in flight are never deleted."""
     async_save: bool = Field(False, alias="async")
     """Write in the background (dcp.async_save); training blocks only for the in-memory staging copy."""
+    termination_grace_period_seconds: Optional[int] = Field(None, ge=1, le=86_400)
+    """terminationGracePeriodSeconds of the worker pods: the seconds a worker gets between SIGTERM (eviction,
+    preemption, deletion) and SIGKILL. A worker spends them on a checkpoint (it finishes its step, saves, exits),
+    so the value is sized by the checkpoint, hence its place here. Unset: elastic.drainTimeoutSeconds, or twice
+    the measured step plus save seconds when longer (status.checkpointInterval, sync saves only; see
+    disttrain.operator.graceperiod). A template that sets terminationGracePeriodSeconds itself wins."""
 
     @field_validator("interval_steps", mode="before")
     @classmethod
@@ -289,6 +296,104 @@ class ReportingSpec(ContractModel):
     t > 0.1 seconds stretches it by t / 0.1 s); urgent writes never wait."""
 
 
+AGENT_CPU = "250m"
+"""The agent's default CPU request (no CPU limit: it is a small, mostly idle process)."""
+AGENT_MEMORY_REQUEST = "512Mi"
+"""The agent's default memory request: what it needs when nobody floods its store."""
+AGENT_MEMORY = "1Gi"
+"""The agent's default memory limit. Its TCPStore server holds whatever a client stores until the guardian
+(:mod:`disttrain.trainer.agent.guardian`) deletes it, so a stranger's flood of 8 MiB values costs memory in
+proportion to the flood's rate times the sweeper's lag: 406-519 MB peaks were measured under 60 s floods at
+42-109 MB/s on 2 shared cores (``bench/store_flood.py``, docs/security.md), over a 230 MB baseline. The limit
+leaves twice that headroom."""
+QUANTITY_PATTERN = (
+    r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+"""A Kubernetes resource quantity (``250m``, ``1Gi``, ``2``) as apimachinery's ``resource.Quantity`` parses it,
+without the negative ones a pod's resources refuse."""
+
+
+def _quantity(value: Union[int, str]) -> Union[int, str]:
+    """Refuse what the API server would refuse when the agent pod is created, at admission instead."""
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a resource quantity must not be negative, got {value}")
+    elif not re.fullmatch(QUANTITY_PATTERN, value):
+        raise ValueError(f"{value!r} is no resource quantity (e.g. 250m, 1Gi, 2)")
+    return value
+
+
+Quantity = Annotated[
+    Union[int, str],
+    AfterValidator(_quantity),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "x-kubernetes-int-or-string": True,
+            "pattern": QUANTITY_PATTERN,
+        }
+    ),
+]
+
+
+class AgentResources(ContractModel):
+    """Resources of the agent's container. A map given replaces its default as a whole."""
+
+    requests: dict[str, Quantity] = Field(
+        default_factory=lambda: {"cpu": AGENT_CPU, "memory": AGENT_MEMORY_REQUEST}, max_length=16
+    )
+    """What the scheduler reserves for the agent (cpu, memory, ephemeral-storage)."""
+    limits: dict[str, Quantity] = Field(default_factory=lambda: {"memory": AGENT_MEMORY}, max_length=16)
+    """Caps of the agent's container. The memory limit bounds what a flood of its store can take from the node."""
+
+
+class TolerationOperator(str, enum.Enum):
+    EXISTS = "Exists"
+    EQUAL = "Equal"
+
+
+class TaintEffect(str, enum.Enum):
+    NO_SCHEDULE = "NoSchedule"
+    PREFER_NO_SCHEDULE = "PreferNoSchedule"
+    NO_EXECUTE = "NoExecute"
+
+
+class Toleration(ContractModel):
+    """A core/v1 Toleration: the agent pod may be placed on nodes with a matching taint."""
+
+    key: Optional[str] = Field(None, max_length=317)
+    """Taint key; empty with operator Exists tolerates every taint."""
+    operator: Optional[TolerationOperator] = None
+    """Exists or Equal (Kubernetes' default: Equal)."""
+    value: Optional[str] = Field(None, max_length=63)
+    """Taint value for operator Equal."""
+    effect: Optional[TaintEffect] = None
+    """NoSchedule, PreferNoSchedule or NoExecute; unset: every effect."""
+    toleration_seconds: Optional[int] = None
+    """How long a NoExecute taint is tolerated before eviction; unset: for ever."""
+
+
+class AgentPlacementSpec(ContractModel):
+    """Where the job agent runs and what it reserves. The agent is a small CPU process (TCPStore, status relay):
+    it never takes the template's nodeSelector, tolerations or affinity, so a GPU template does not put it on a
+    GPU node. It does take the template's imagePullSecrets: its image is the operator's, which a cluster with a
+    private registry mirror usually serves with the same pull secret as the workers' image."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict, max_length=64)
+    """nodeSelector of the agent pod (e.g. a CPU node pool's label)."""
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
+    """Tolerations of the agent pod."""
+    affinity: Optional[dict[str, Any]] = Field(None, json_schema_extra={"x-disttrain-pod-spec-field": "affinity"})
+    """A core/v1 Affinity of the agent pod (e.g. a node affinity that keeps it off GPU nodes, or a pod affinity
+    near the workers)."""
+    resources: AgentResources = Field(default_factory=AgentResources)
+    """Requests and limits of the agent container; default requests cpu 250m, memory 512Mi, limit memory 1Gi."""
+    priority_class_name: Optional[str] = Field(None, min_length=1, max_length=253)
+    """PriorityClass of the agent pod. Losing the agent makes every worker re-join a new store, so a class at
+    least as high as the workers' (runPolicy.priorityClassName) keeps it from being preempted first. Unset: the
+    cluster's default."""
+
+
 class DistTrainJobSpec(ContractModel):
     template: dict[str, Any] = Field(json_schema_extra={"x-disttrain-pod-template": True})
     """Pod template of a worker node (PodTemplateSpec): image, resources such as nvidia.com/gpu, volumes,
@@ -314,6 +419,9 @@ class DistTrainJobSpec(ContractModel):
     """When the job has succeeded: every worker finished (AllWorkers) or the node running rank 0 finished (RankZero)."""
     reporting: ReportingSpec = Field(default_factory=ReportingSpec)
     """How often the job agent writes training progress into the job's status."""
+    agent: AgentPlacementSpec = Field(default_factory=AgentPlacementSpec)
+    """Placement and resources of the job agent's pod (nodeSelector, tolerations, affinity, resources,
+    priorityClassName), apart from the workers': the template's placement never applies to it."""
     gang: Optional[GangSpec] = None
     """Gang scheduling through a Volcano or scheduler-plugins PodGroup. Unset: pods are scheduled one by one
     (for Kueue, label the job with kueue.x-k8s.io/queue-name instead; see docs/operator.md)."""

@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from disttrain.api import constants, containers, env
+from disttrain.api import spec as spec_module
 from disttrain.api.contract import WorkerContract, job_checkpoint_dir
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import access, names, podsecurity, scheduling
+from disttrain.operator import access, graceperiod, names, podsecurity, scheduling
 
 # torchrun counts every worker-group failure (our drain and reform exits included) against --max-restarts;
 # the operator owns the restart budget, so torchrun's must never run out.
@@ -31,15 +32,8 @@ METRICS_PORT = 9400
 READY_PORT = 9399
 """The launcher listens here once the node's workers can start warm (``disttrain.trainer.launch.readiness``)."""
 AGENT_IMAGE_REPOSITORY = "ghcr.io/disttrain/trainer"
-AGENT_CPU = "250m"
-AGENT_MEMORY_REQUEST = "512Mi"
-AGENT_MEMORY = "1Gi"
-"""The agent's memory limit. Its TCPStore server holds whatever a client stores until the guardian
-(:mod:`disttrain.trainer.agent.guardian`) deletes it, so a stranger's flood of 8 MiB values costs memory in
-proportion to
-the flood's rate times the sweeper's lag: 406-519 MB peaks were measured under 60 s floods at 42-109 MB/s on 2 shared
-cores (``bench/store_flood.py``, docs/security.md), over a 230 MB baseline. The limit leaves twice that headroom; the
-request stays at what the agent needs when nobody floods it."""
+AGENT_MEMORY = spec_module.AGENT_MEMORY
+"""The agent's default memory limit (``spec.agent.resources.limits``; its size: ``disttrain.api.spec``)."""
 
 
 def job_labels(job: DistTrainJob, role: str) -> dict[str, str]:
@@ -162,7 +156,8 @@ def build_worker_pod(
     The trainer container's ``command + args`` become the training command that torchrun runs with
     ``--no-python``; a container without a ``command`` is refused (the image entrypoint cannot be known here).
     The node index travels as the ``disttrain.dev/node-index`` label (for the operator) and as
-    ``DISTTRAIN_NODE_INDEX`` (for the rendezvous handler, which orders ranks by it).
+    ``DISTTRAIN_NODE_INDEX`` (for the rendezvous handler, which orders ranks by it). The grace period between
+    SIGTERM and SIGKILL, unless the template sets one, follows :mod:`disttrain.operator.graceperiod`.
     """
     name = name or names.worker_name(job.metadata.name, node_index)
     template = copy.deepcopy(job.spec.template)
@@ -195,6 +190,7 @@ def build_worker_pod(
     _mount_checkpoints(job, pod_spec, trainer)
     access.mount_store_secret(job, pod_spec, trainer)
     pod_spec["restartPolicy"] = "Never"  # a failed node is the operator's to replace, never the kubelet's
+    pod_spec.setdefault("terminationGracePeriodSeconds", graceperiod.worker_grace_seconds(job.spec, job.status))
     pod_spec.setdefault("automountServiceAccountToken", False)  # the trainer never calls the API server
     podsecurity.apply_restricted_defaults(pod_spec)
     pod_spec["hostname"] = name
@@ -281,8 +277,13 @@ def build_agent_pod(job: DistTrainJob, image: Optional[str] = None) -> dict[str,
 
     Its image is the operator's choice (``--agent-image``, default :func:`default_agent_image`), never the user's
     template image: the agent holds a token that may patch the job's status, and no code of the user's image may
-    run with it."""
+    run with it. Its placement and resources are ``spec.agent``'s alone: the template's nodeSelector, tolerations
+    and affinity are the workers' (GPU nodes), and its securityContext is meant for the user's image, not the
+    operator's (which runs as a non-root user); the agent gets the restricted defaults. The template's
+    imagePullSecrets are kept: a private registry mirror usually serves the operator's image with the same secret.
+    """
     template_spec = job.spec.template.get("spec") or {}
+    placement = job.spec.agent
     name = names.agent_name(job.metadata.name)
     port = job.spec.rendezvous.port
     container: dict[str, Any] = {
@@ -296,23 +297,32 @@ def build_agent_pod(job: DistTrainJob, image: Optional[str] = None) -> dict[str,
         ],
         "ports": [{"name": "rendezvous", "containerPort": port, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 2},
-        "resources": {
-            "requests": {"cpu": AGENT_CPU, "memory": AGENT_MEMORY_REQUEST},
-            "limits": {"memory": AGENT_MEMORY},
-        },
+        "resources": {k: v for k, v in placement.resources.to_wire().items() if v},
     }
     spec: dict[str, Any] = {
         "serviceAccountName": names.service_account_name(job.metadata.name),
         "restartPolicy": "Never",  # the operator replaces a failed agent and tells the workers to re-join
         "containers": [container],
     }
-    for key in ("imagePullSecrets", "nodeSelector", "tolerations", "securityContext"):
-        if template_spec.get(key):
-            spec[key] = copy.deepcopy(template_spec[key])
+    if template_spec.get("imagePullSecrets"):
+        spec["imagePullSecrets"] = copy.deepcopy(template_spec["imagePullSecrets"])
+    _place_agent(placement, spec)
     access.mount_store_secret(job, spec, container)
     podsecurity.apply_restricted_defaults(spec)  # it keeps its token: it watches its job and patches status
     meta = _metadata(job, name, constants.ROLE_AGENT, {access.LABEL_JOB_UID: job.metadata.uid or ""})
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+
+
+def _place_agent(placement: spec_module.AgentPlacementSpec, pod_spec: dict[str, Any]) -> None:
+    """``spec.agent``'s nodeSelector, tolerations, affinity and priorityClassName, each only where it is set."""
+    if placement.node_selector:
+        pod_spec["nodeSelector"] = dict(placement.node_selector)
+    if placement.tolerations:
+        pod_spec["tolerations"] = [t.to_wire() for t in placement.tolerations]
+    if placement.affinity:
+        pod_spec["affinity"] = copy.deepcopy(placement.affinity)
+    if placement.priority_class_name:
+        pod_spec["priorityClassName"] = placement.priority_class_name
 
 
 def build_agent_service(job: DistTrainJob) -> dict[str, Any]:
