@@ -20,6 +20,10 @@ user code raises), whose message is the last line of the traceback (``ValueError
 exit code, is written to the container's termination message (``terminationMessagePath``; the local runtime
 gives each node its own file through ``DISTTRAIN_TERMINATION_LOG``), where the operator reads it into the status.
 
+On a node with CUDA devices, :func:`apply_nccl_env` first sets the NCCL environment of
+:mod:`disttrain.trainer.launch.ncclenv` (async error handling, heartbeat, flight recorder) for the workers, keeping
+what the pod's env already sets (docs/gpu.md).
+
 The agent class cannot be chosen through a torchrun option, so :func:`run` makes
 ``torch.distributed.launcher.api`` build :class:`CountingAgent`, a :class:`LocalElasticAgent` whose only changes
 are :meth:`CountingAgent._monitor_workers` and that a failed agent leaves the rendezvous open. This module imports
@@ -32,10 +36,12 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, Optional
 
+import torch
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -49,9 +55,11 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.launcher import api as launcher_api
 
 from disttrain.api import env
+from disttrain.api.contract import WorkerContract
 from disttrain.api.exitcodes import ExitCode
 from disttrain.trainer.launch import (
     exitbarrier,
+    ncclenv,
     prestart,
 )
 from disttrain.trainer.launch.prestart import WARM_POOL
@@ -272,9 +280,51 @@ def _warm_popen(self: SubprocessHandler, args: tuple[str, ...], env: dict[str, s
     return _cold_popen(self, args, env)
 
 
+def apply_nccl_env(environ: MutableMapping[str, str], has_cuda: bool) -> None:
+    """Set the workers' NCCL variables (:func:`ncclenv.plan`) in ``environ`` and create the node's dump folder
+    (``<checkpoint dir>/flight-recorder/<node name>``, else under the temp dir). Nothing on a node without CUDA:
+    its group is gloo, which reads none of them."""
+    if not has_cuda:
+        return
+    folder = _dump_folder(environ)
+    nccl = ncclenv.plan(_collective_timeout_s(environ), folder, environ)
+    environ.update(nccl.to_set)
+    if nccl.kept:
+        log.info(
+            "NCCL settings kept from the pod's env: %s", " ".join(f"{k}={v}" for k, v in sorted(nccl.kept.items()))
+        )
+    log.info("NCCL settings for the workers: %s", " ".join(f"{k}={v}" for k, v in nccl.to_set.items()))
+
+
+def _collective_timeout_s(environ: Mapping[str, str]) -> int:
+    """``spec.elastic.collectiveTimeoutSeconds`` from the worker contract (its default without a readable one: the
+    trainer reports a bad contract itself)."""
+    try:
+        return WorkerContract.from_env_value(environ.get(env.CONTRACT, "")).collective_timeout_seconds
+    except ValueError:
+        default: int = WorkerContract.model_fields["collective_timeout_seconds"].default
+        return default
+
+
+def _dump_folder(environ: Mapping[str, str]) -> str:
+    """The node's flight recorder folder, created: on the checkpoint volume (shared, outlives the pod) when it can
+    be, else in the temp dir."""
+    node = environ.get(env.NODE_NAME, "")
+    roots = [environ.get(env.CHECKPOINT_DIR, ""), os.path.join(tempfile.gettempdir(), "disttrain")]
+    for root in filter(None, roots):
+        folder = ncclenv.dump_folder(root, node)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            return folder
+        except OSError as exc:
+            log.warning("cannot create the flight recorder folder %s (%s)", folder, exc)
+    return tempfile.gettempdir()
+
+
 def run(argv: Sequence[str]) -> int:
     """Run torchrun with ``argv``; the exit code the pod should end with."""
     args = torchrun.parse_args(list(argv))
+    apply_nccl_env(os.environ, torch.cuda.device_count() > 0)
     prestart.open_handover()
     launcher_api.LocalElasticAgent = CountingAgent  # type: ignore[misc]  # what launch_agent builds
     SubprocessHandler._popen = _warm_popen  # type: ignore[method-assign]  # where torchrun starts a worker

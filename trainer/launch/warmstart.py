@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import Optional
 
 from disttrain.api import env as env_names
+from disttrain.trainer.launch import ncclenv
 
 log = logging.getLogger("disttrain.launch")
 
@@ -111,7 +112,11 @@ def warm_command(args: Sequence[str], environ: Mapping[str, str] = os.environ) -
 def env_is_compatible(warm: Mapping[str, str], worker: Mapping[str, str]) -> bool:
     """Whether a worker environment differs from the one the warm interpreter started with only per worker."""
     for key in set(warm) | set(worker):
-        if warm.get(key) != worker.get(key) and key not in PER_WORKER_ENV and not key.startswith("TORCHELASTIC_"):
+        if (
+            warm.get(key) != worker.get(key)
+            and key not in PER_WORKER_ENV | ncclenv.NAMES
+            and not key.startswith("TORCHELASTIC_")
+        ):
             log.info("worker starts cold: %s differs from the warm interpreter's environment", key)
             return False
     return True
