@@ -45,6 +45,8 @@ class Reason(str, enum.Enum):
     PENDING_TIMEOUT = "PendingTimeout"
     RENDEZVOUS_COMPLETE = "RendezvousComplete"
     NODE_LOST = "NodeLost"
+    """A node's loss: the Warning Event of a node cause (NodeNotReady, HeartbeatLost, ...), and the restart cause of
+    an incident first seen as an exit that a peer's loss explains (SIGABRT, an NCCL or collective-timeout message)."""
     SCALED_UP = "ScaledUp"
     SCALED_DOWN = "ScaledDown"
     SCALE_PENDING = "ScalePending"
@@ -73,6 +75,8 @@ class Reason(str, enum.Enum):
     NODE_DRAINING = "NodeDraining"
     HEARTBEAT_LOST = "HeartbeatLost"
     """The job agent found the node silent in the rendezvous heartbeats (before Kubernetes marks it NotReady)."""
+    PART_OF_INCIDENT = "PartOfIncident"
+    """Event: a lost pod belongs to the incident already being handled (``status.incident``): replaced, not charged."""
     OUTSIDE_THE_GROUP = "OutsideTheGroup"
     """Event: a lost pod was not in the running round (a hot spare, a newcomer): replaced, and the group trains on."""
     PERMANENT_EXIT_CODE = "PermanentExitCode"

@@ -68,7 +68,8 @@ class Condition(ContractModel):
 
 class RestartCounts(ContractModel):
     total: int = 0
-    """Failures restarted so far (counted against restartPolicy.maxRestarts)."""
+    """Restarts made so far, one per incident (counted against restartPolicy.maxRestarts); an incident that finds
+    the budget spent fails the job and is not counted."""
     by_reason: dict[str, int] = Field(default_factory=dict)
     """Restarts by reason (NodeLost, PodFailed, Evicted, ...)."""
 
@@ -218,6 +219,27 @@ class StoreRejections(ContractModel):
     """The most recently rejected distinct keys, newest first."""
 
 
+class Incident(ContractModel):
+    """One unplanned loss and the losses it brought with it, charged as one restart (docs/operator.md, "Restart
+    budget"). A dead node takes its peers' workers with it (NCCL's watchdog aborts them), and a crash at start fails
+    every node at once: each is one incident, not one restart per pod."""
+
+    opened_at: str
+    """RFC 3339 time of the loss that opened it."""
+    reason: str
+    """Its cause, the ``status.restarts.byReason`` key it was charged to: PodFailed, NodeNotReady, HeartbeatLost,
+    AgentRestarted, ..., or NodeLost when the first loss seen was an exit that a peer's loss explains (SIGABRT, the
+    reform exit 84, an NCCL or collective-timeout message)."""
+    first_pod: str
+    """The pod (or job agent) whose loss opened it."""
+    covers: PackedNames = Field(default_factory=set)
+    """The worker pods that existed when it opened: a later loss of one of them is folded in. Pods the operator
+    creates while it is open (the restart's replacements, even one that takes a covered pod's freed name) leave it,
+    so a replacement that fails is a new incident: a crash loop is charged once per retry that happened."""
+    folded: PackedNames = Field(default_factory=set)
+    """The pods folded in so far: each replaced, none charged again."""
+
+
 class PendingScale(ContractModel):
     replicas: int
     """Requested node count (after clamping)."""
@@ -317,3 +339,6 @@ class DistTrainJobStatus(ContractModel):
     """Operator memory: the minMember last written to the job's PodGroup (spec.gang); 0: none written yet."""
     consecutive_failures: int = Field(0, ge=0)
     """Failures since training last progressed; the restart backoff doubles with each."""
+    incident: Optional[Incident] = None
+    """Operator memory: the unplanned loss being handled, from its first loss until a group runs again (unset
+    otherwise, and once the job finished). Losses of the pods it covers are folded into it, not charged again."""

@@ -28,6 +28,7 @@ REFORM_PHASES = tuple(p.value for p in ReformPhase)
 RESTART_REASONS = tuple(
     r.value
     for r in (
+        Reason.NODE_LOST,
         Reason.POD_FAILED,
         Reason.POD_DELETED,
         Reason.EVICTED,

@@ -26,6 +26,9 @@ The group protocol, in short:
   steps for a moment after a directive; those reports belong to the old round and never complete it.
 * A lost job agent is one restart (AgentRestarted). Worker pods that existed then fail on their own when their
   store disappears (torchrun exits 1); those failures belong to the same loss and are not counted again.
+* One incident, one restart (``status.incident``): the first unplanned loss opens an incident and is charged; a
+  later loss of a pod that existed then is folded into it (replaced, not charged) until a group runs again. An
+  incident that finds the budget spent fails the job uncharged, so ``restarts.total`` counts restarts that happened.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from disttrain.api.exitcodes import ExitCode
 from disttrain.api.plan import valid_node_counts
 from disttrain.api.reformphases import reform_phases
 from disttrain.api.spec import CleanPodPolicy, DistTrainJob, DistTrainJobSpec, SuccessPolicy
-from disttrain.api.status import CheckpointRef, DistTrainJobStatus, PendingScale, Phase, ReformRecord
+from disttrain.api.status import CheckpointRef, DistTrainJobStatus, Incident, PendingScale, Phase, ReformRecord
 from disttrain.operator import heartbeat, names
 from disttrain.operator.observed import (
     NORMAL,
@@ -61,6 +64,7 @@ from disttrain.operator.patches import copy_json, merge_patch
 # Reasons that come from an unplanned loss (replacement wait applies to them). Values: control.reason is a string.
 LOSS_REASONS = frozenset(
     {
+        Reason.NODE_LOST.value,
         Reason.POD_FAILED.value,
         Reason.POD_DELETED.value,
         Reason.EVICTED.value,
@@ -161,6 +165,46 @@ def loss_reason(pod: PodView, nodes: Optional[Mapping[str, NodeView]]) -> Option
     if pod.phase == "Unknown":
         return Reason.NODE_UNREACHABLE
     return node_loss_reason(pod.node_name, nodes)
+
+
+NODE_CAUSES = frozenset(
+    {
+        Reason.NODE_LOST,
+        Reason.NODE_NOT_READY,
+        Reason.NODE_UNREACHABLE,
+        Reason.NODE_DELETED,
+        Reason.NODE_DRAINING,
+        Reason.HEARTBEAT_LOST,
+    }
+)
+"""Loss causes that are a node's loss: their Warning Event says NodeLost. A pod's own end (PodFailed, PodDeleted,
+Evicted) is announced under its own reason: an exit 3 is not a lost node."""
+PEER_LOSS_EXIT_CODES = frozenset({128 + 6, int(ExitCode.REFORM)})
+"""Pod exit codes that a peer's loss explains: SIGABRT (NCCL's watchdog aborts every survivor of a failed
+collective when TORCH_NCCL_ASYNC_ERROR_HANDLING=1, as torchrun sets it) and the reform exit."""
+PEER_LOSS_MARKERS = (
+    "NCCL",
+    "Watchdog caught collective operation timeout",
+    "collective operation timeout",
+    "DistBackendError",
+    "DistNetworkError",
+    "Connection closed by peer",
+)
+"""Substrings of a failed pod's termination message that say a collective failed because a peer went away."""
+
+
+def is_peer_loss_exit(pod: PodView) -> bool:
+    """The pod failed the way a survivor fails when a peer dies mid-collective: a consequence, not a cause."""
+    if pod.phase != "Failed":
+        return False
+    if pod.exit_code in PEER_LOSS_EXIT_CODES:
+        return True
+    return any(marker in pod.termination_message for marker in PEER_LOSS_MARKERS)
+
+
+def loss_event_reason(cause: Reason) -> Reason:
+    """The Warning Event reason that announces a charged loss: NodeLost for a node's loss, else the cause itself."""
+    return Reason.NODE_LOST if cause in NODE_CAUSES else cause
 
 
 def backoff_seconds(spec: DistTrainJobSpec, consecutive_failures: int) -> float:
@@ -444,8 +488,7 @@ def _ensure_agent(d: _Draft) -> None:
         d.event(WARNING, Reason.AGENT_RESTARTED, f"job agent pod {name} was lost; recreating it, workers re-join")
         # One loss, one restart: the workers that fail because their store vanished are part of it (_count_lost_pod).
         d.status.agent_lost_at = timestamps.format_time(d.now)
-        _count_restart(d, Reason.AGENT_RESTARTED, f"job agent pod {name} was lost")
-        if d.is_finished:
+        if not _open_incident(d, name, Reason.AGENT_RESTARTED, f"job agent pod {name} was lost"):
             return
         if d.status.world_size > 0:
             _issue(
@@ -564,7 +607,8 @@ def _handle_workers(d: _Draft) -> None:
     _count_vanished_pods(d, victims)
     _forget_gone_victims(d)
     handled = set(d.status.handled_pods)
-    for pod in sorted(d.seen.workers, key=lambda p: p.node_index):
+    # Causes before consequences: a dead node seen with its peers' aborts opens the incident under its own reason.
+    for pod in sorted(d.seen.workers, key=lambda p: (is_peer_loss_exit(p), p.node_index)):
         reason = loss_reason(pod, d.seen.nodes)
         if reason is None and pod.name in d.silent:
             reason = Reason.HEARTBEAT_LOST
@@ -609,7 +653,9 @@ def _count_vanished_pods(d: _Draft, victims: frozenset[str]) -> None:
     for name in sorted(set(d.status.tracked_pods) - seen - {agent}):
         d.status.tracked_pods.discard(name)
         if name not in victims:
-            _count_loss(d, Reason.POD_DELETED, f"worker pod {name} disappeared", outside=is_outside_the_group(d, name))
+            _count_loss(
+                d, name, Reason.POD_DELETED, f"worker pod {name} disappeared", outside=is_outside_the_group(d, name)
+            )
 
 
 def _forget_gone_victims(d: _Draft) -> None:
@@ -688,7 +734,9 @@ def _count_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
     cause = failure_cause(pod)
     if cause:
         detail += f": {cause}"
-    _count_loss(d, reason, detail, outside=is_outside_the_group(d, pod.name))
+    _count_loss(
+        d, pod.name, reason, detail, outside=is_outside_the_group(d, pod.name), consequence=is_peer_loss_exit(pod)
+    )
 
 
 def is_outside_the_group(d: _Draft, name: str) -> bool:
@@ -732,44 +780,91 @@ def _failed_with_the_agent(st: DistTrainJobStatus, pod: PodView) -> bool:
 # -- failures, restarts and directives ---------------------------------------------------------------------------
 
 
-def _count_restart(d: _Draft, reason: Reason, message: str) -> bool:
-    """Restart counters and backoff for one failure; fails the job past the budget. False when not counted."""
+def _open_incident(d: _Draft, first: str, cause: Reason, message: str) -> bool:
+    """A loss that no open incident explains: a new incident, charged one restart (counters, backoff). It covers
+    every worker pod that exists now. An incident that finds the budget spent fails the job instead, uncharged: the
+    budget counts restarts that happened. False when nothing was charged."""
     st = d.status
     if d.is_true(ConditionType.SUCCEEDED):
         return False
+    budget = d.spec.restart_policy.max_restarts
+    if st.restarts.total >= budget:
+        _fail(
+            d,
+            Reason.RESTART_BUDGET_EXHAUSTED,
+            f"{st.restarts.total} of spec.restartPolicy.maxRestarts={budget} restarts used; no restart left for "
+            f"{message}",
+        )
+        return False
+    st.incident = Incident(
+        opened_at=timestamps.format_time(d.now),
+        reason=cause.value,
+        first_pod=first,
+        covers={p.name for p in d.seen.workers},
+    )
     st.restarts.total += 1
-    st.restarts.by_reason[reason.value] = st.restarts.by_reason.get(reason.value, 0) + 1
+    st.restarts.by_reason[cause.value] = st.restarts.by_reason.get(cause.value, 0) + 1
     st.last_failure = message[:1024]
     st.consecutive_failures += 1
     delay = backoff_seconds(d.spec, st.consecutive_failures)
     st.next_restart_time = timestamps.format_time(d.now + delay) if delay > 0 else None
-    budget = d.spec.restart_policy.max_restarts
-    if st.restarts.total > budget:
-        _fail(
-            d,
-            Reason.RESTART_BUDGET_EXHAUSTED,
-            f"{st.restarts.total} restarts exceed spec.restartPolicy.maxRestarts={budget} (last: {message})",
-        )
     return True
 
 
-def _count_loss(d: _Draft, reason: Reason, message: str, *, outside: bool = False) -> None:
-    """An unplanned loss: restart counters, backoff, NodeLost event, and a reform if a group is running.
+def _count_loss(
+    d: _Draft, name: str, reason: Reason, message: str, *, outside: bool = False, consequence: bool = False
+) -> None:
+    """An unplanned loss of worker pod ``name``: folded into the open incident when that covers the pod, else a new
+    incident (a Warning Event naming the cause, a charged restart, a reform if a group is running).
 
-    A pod ``outside`` the running group is counted too (the budget and the backoff bound a spare that keeps failing)
-    but re-forms nothing: the group never depended on it, and its replacement is created as for any missing pod."""
+    ``consequence``: the pod failed the way a peer's loss makes survivors fail (:func:`is_peer_loss_exit`); an
+    incident it opens is charged as NodeLost. A pod ``outside`` the running group is counted too (the budget and the
+    backoff bound a spare that keeps failing) but re-forms nothing: the group never depended on it, and its
+    replacement is created as for any missing pod."""
     st = d.status
     if d.is_true(ConditionType.SUCCEEDED):
         return
-    d.event(WARNING, Reason.NODE_LOST, message)
-    _count_restart(d, reason, message)
-    if d.is_finished:
+    incident = st.incident
+    if incident is not None and name in incident.covers:
+        _fold(d, incident, name, message, outside=outside)
+        return
+    cause = Reason.NODE_LOST if consequence else reason
+    d.event(WARNING, loss_event_reason(cause), message)
+    if not _open_incident(d, name, cause, message):
         return
     if outside:
         d.event(NORMAL, Reason.OUTSIDE_THE_GROUP, f"{message}; it was not in the running round: the group trains on")
         return
     if st.world_size > 0 or st.control.in_flight:
-        _issue(d, DirectiveAction.REFORM, reason, st.desired_nodes or d.spec.nodes.replicas, exclude=st.control.exclude)
+        _issue(d, DirectiveAction.REFORM, cause, st.desired_nodes or d.spec.nodes.replicas, exclude=st.control.exclude)
+
+
+def _fold(d: _Draft, incident: Incident, name: str, message: str, *, outside: bool) -> None:
+    """A loss of a pod the open incident covers: replaced (by the caller), not charged. The group is told to re-form
+    again, as for any loss: a round being formed may hold the pod just lost."""
+    st = d.status
+    incident.folded.add(name)
+    d.event(
+        NORMAL,
+        Reason.PART_OF_INCIDENT,
+        f"{message}; part of the {incident.reason} incident of {incident.first_pod} at {incident.opened_at}: "
+        "replaced, not charged again",
+    )
+    if not outside and (st.world_size > 0 or st.control.in_flight):
+        cause = Reason(incident.reason) if incident.reason in LOSS_REASONS else Reason.NODE_LOST
+        _issue(d, DirectiveAction.REFORM, cause, st.desired_nodes or d.spec.nodes.replicas, exclude=st.control.exclude)
+
+
+def _uncover_new_pods(d: _Draft) -> None:
+    """The pods this reconcile creates are the restart happening: outside the open incident, even when one takes the
+    name of a pod the incident covers (a replacement's name is free once the lost pod is gone)."""
+    if d.status.incident is not None:
+        d.status.incident.covers -= {w.name for w in d.create}
+
+
+def _close_incident(d: _Draft) -> None:
+    """A group runs again: the incident is over, and the next loss is a new one."""
+    d.status.incident = None
 
 
 def _issue(d: _Draft, action: DirectiveAction, reason: Reason, target: int, exclude: Iterable[str] = ()) -> None:
@@ -805,13 +900,19 @@ def _issue(d: _Draft, action: DirectiveAction, reason: Reason, target: int, excl
 
 
 def _fail(d: _Draft, reason: Reason, message: str) -> None:
+    """Failed is final and says why: no restart is pending (no nextRestartTime, no incident), and no condition
+    still reads as waiting for pods."""
     st = d.status
     st.phase = Phase.FAILED
     st.message = message
     st.completion_time = st.completion_time or timestamps.format_time(d.now)
+    st.next_restart_time = None
+    st.incident = None
+    st.agent_lost_at = None
     d.condition(ConditionType.FAILED, True, reason, message, announce=WARNING)
     d.condition(ConditionType.RUNNING, False, reason, message)
     d.condition(ConditionType.REFORMING, False, reason, message)
+    d.condition(ConditionType.SCHEDULED, False, reason, f"the job failed: no worker pod is scheduled again ({message})")
 
 
 def _succeed(d: _Draft) -> None:
@@ -885,6 +986,7 @@ def _suspend(d: _Draft) -> None:
     st.handled_pods = []
     st.pending_scale = None
     st.agent_lost_at = None
+    st.incident = None
     st.control.action = DirectiveAction.NONE
     st.control.exclude = []
     st.control.lost = []
@@ -992,6 +1094,7 @@ def _size(d: _Draft) -> None:
             for index in free_indices(d.seen.workers, missing, d.seen.nodes, lost=d.silent):
                 name = names.unused_worker_name(d.job.metadata.name, index, taken)
                 d.create.append(WorkerCreation(index, name, avoid_nodes=avoid))
+            _uncover_new_pods(d)
             if previous and desired > previous:
                 d.event(NORMAL, Reason.SCALED_UP, f"scaling up from {previous} to {desired} nodes")
 
@@ -1027,6 +1130,7 @@ def _complete_directive(d: _Draft, group_nodes: int) -> None:
     if not ctl.in_flight:
         if st.world_size > 0:
             st.agent_lost_at = None  # a group runs with the new agent: later failures are failures of their own
+            _close_incident(d)
             _forget_lost(d)
         return
     issued = timestamps.parse_time(ctl.issued_at) or d.now
@@ -1045,6 +1149,7 @@ def _complete_directive(d: _Draft, group_nodes: int) -> None:
         present = {p.name for p in d.seen.workers}
         ctl.exclude = [name for name in ctl.exclude if name in present]
         _forget_lost(d)
+        _close_incident(d)
         st.consecutive_failures = 0
         st.next_restart_time = None
         if st.last_reform is not None:
