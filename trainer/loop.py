@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import TensorDataset
 
+from disttrain.api import contract as contract_mod
 from disttrain.api import control as control_keys
 from disttrain.api.plan import Plan
 from disttrain.api.spec import LRSchedule, TrainingSpec
@@ -199,7 +200,7 @@ class ElasticTrainer:
         except TypeError as exc:
             exits.exit_permanent(str(exc))
         par, prec = options.parallel, options.precision
-        groups = ctx_mod.init_process_group(ctx, use_cuda=_use_cuda_or_exit(par.device))
+        groups = ctx_mod.init_process_group(ctx, use_cuda=_use_cuda_or_exit(par.device, ctx.contract.gpus_per_node))
         rank, world_size = dist.get_rank(), dist.get_world_size()
         metrics = _serve_metrics(ctx)
         training_plan = lifecycle_mod.plan_or_exit(ctx.contract.training, world_size)
@@ -500,19 +501,36 @@ def _serve_metrics(ctx: ctx_mod.ElasticContext) -> TrainerMetrics:
     return metrics
 
 
-def _use_cuda_or_exit(device: str) -> Optional[bool]:
-    """``device`` as the process group's choice; CUDA asked for and absent is a permanent error, not a CPU run."""
-    if device == "auto":
-        return None
+def _use_cuda_or_exit(device: str, gpus_per_node: int = 0) -> Optional[bool]:
+    """``device`` as the process group's choice; CUDA asked for and absent is a permanent error, not a CPU run.
+
+    Asked for means ``device='cuda'``, or ``device='auto'`` in a job whose trainer container requests GPUs
+    (``gpus_per_node`` of the contract). Checked before the group is joined, so the failure comes at once."""
     if device == "cpu":
         return False
-    if not torch.cuda.is_available():
-        exits.exit_permanent(
+    if torch.cuda.is_available():
+        return None if device == "auto" else True
+    if device == "auto" and gpus_per_node == 0:
+        return None
+    if device == "auto":
+        message = contract_mod.missing_gpu_message(
+            gpus_per_node, torch.__version__, _torch_build(), torch.cuda.device_count()
+        )
+    else:
+        message = (
             f"device='cuda' was asked for but CUDA is not available in this container (torch {torch.__version__}, "
             f"built for CUDA {torch.version.cuda or 'none'}, {torch.cuda.device_count()} devices visible): "
             "use a CUDA build of torch and request GPUs (resources.limits['nvidia.com/gpu']), or pass device='cpu'"
         )
-    return True
+    exits.exit_permanent(message)
+
+
+def _torch_build() -> str:
+    """What this torch build can drive: ``CUDA <version>``, ``ROCm <version>`` or ``CPU only``."""
+    hip = getattr(torch.version, "hip", None)
+    if torch.version.cuda:
+        return f"CUDA {torch.version.cuda}"
+    return f"ROCm {hip}" if hip else "CPU only"
 
 
 def _open_control_channel(watchdog: Watchdog) -> None:
