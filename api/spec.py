@@ -336,14 +336,20 @@ Quantity = Annotated[
 ]
 
 
+def _agent_requests() -> dict[str, Union[int, str]]:
+    return {"cpu": AGENT_CPU, "memory": AGENT_MEMORY_REQUEST}
+
+
+def _agent_limits() -> dict[str, Union[int, str]]:
+    return {"memory": AGENT_MEMORY}
+
+
 class AgentResources(ContractModel):
     """Resources of the agent's container. A map given replaces its default as a whole."""
 
-    requests: dict[str, Quantity] = Field(
-        default_factory=lambda: {"cpu": AGENT_CPU, "memory": AGENT_MEMORY_REQUEST}, max_length=16
-    )
+    requests: dict[str, Quantity] = Field(default_factory=_agent_requests, max_length=16)
     """What the scheduler reserves for the agent (cpu, memory, ephemeral-storage)."""
-    limits: dict[str, Quantity] = Field(default_factory=lambda: {"memory": AGENT_MEMORY}, max_length=16)
+    limits: dict[str, Quantity] = Field(default_factory=_agent_limits, max_length=16)
     """Caps of the agent's container. The memory limit bounds what a flood of its store can take from the node."""
 
 

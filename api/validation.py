@@ -115,10 +115,29 @@ def _template_validator() -> jsonschema.Draft7Validator:
     return jsonschema.Draft7Validator(_strict(crd.pod_template_schema()))
 
 
-def _template_problems(template: Any) -> list[Problem]:
+@functools.cache
+def _pod_spec_field_validator(field: str) -> jsonschema.Draft7Validator:
+    """The Kubernetes schema of one PodSpec field, as the CRD gives it to a field marked with it (spec.agent)."""
+    return jsonschema.Draft7Validator(_strict(crd.pod_template_schema()["properties"]["spec"]["properties"][field]))
+
+
+def _agent_problems(spec: Any) -> list[Problem]:
+    agent = spec.get("agent") if isinstance(spec, dict) else None
+    affinity = agent.get("affinity") if isinstance(agent, dict) else None
+    if not isinstance(affinity, dict):
+        return []
+    return _template_problems(affinity, _pod_spec_field_validator("affinity"), ("spec", "agent", "affinity"))
+
+
+def _template_problems(
+    template: Any,
+    validator: jsonschema.Draft7Validator | None = None,
+    prefix: tuple[str, ...] = ("spec", "template"),
+) -> list[Problem]:
     problems = []
-    for err in sorted(_template_validator().iter_errors(template), key=lambda e: list(e.absolute_path)):
-        path = _format_loc(("spec", "template", *err.absolute_path))
+    validator = validator or _template_validator()
+    for err in sorted(validator.iter_errors(template), key=lambda e: list(e.absolute_path)):
+        path = _format_loc((*prefix, *err.absolute_path))
         if err.validator == "additionalProperties":  # name each unknown field, as the API server's strict decoding
             known = set(err.schema.get("properties", {}))
             problems += [Problem(f"{path}.{key}", "unknown field") for key in sorted(err.instance) if key not in known]
@@ -218,6 +237,7 @@ def validate_object(obj: Any) -> list[Problem]:
     template = obj.get("spec", {}).get("template") if isinstance(obj.get("spec"), dict) else None
     if isinstance(template, dict):
         problems += _template_problems(template)
+    problems += _agent_problems(obj.get("spec"))
     try:
         job = DistTrainJob.model_validate(obj)
     except ValidationError as error:

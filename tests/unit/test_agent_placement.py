@@ -123,6 +123,23 @@ def test_a_bad_agent_placement_is_refused_and_named(agent, path):
     assert [p.path for p in problems] == [path], problems
 
 
+@pytest.mark.parametrize(
+    ("affinity", "path"),
+    [
+        ({"nodeAffinity": {"bogus": 1}}, "spec.agent.affinity.nodeAffinity.bogus"),
+        (
+            {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": 3}}},
+            "spec.agent.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms",
+        ),
+    ],
+    ids=["unknown-field", "wrong-type"],
+)
+def test_validate_checks_the_agents_affinity_as_the_api_server_does(affinity, path):
+    problems = validation.validate_object(job_manifest(agent={"affinity": affinity}))
+    assert [p.path for p in problems] == [path], problems
+    assert validation.validate_object(job_manifest(agent={"affinity": CPU_POOL_AFFINITY})) == []
+
+
 def test_the_crd_gives_the_agents_affinity_the_kubernetes_schema():
     from disttrain.api import crd
 
