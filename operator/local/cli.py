@@ -35,6 +35,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--resume", action="store_true", help="keep the state directory's checkpoints and continue from the newest one"
     )
     p_run.add_argument("--plain", action="store_true", help="plain log lines instead of the live panel")
+    p_run.add_argument(
+        "--device",
+        choices=("auto", "cpu"),
+        default="auto",
+        help="auto: as the manifest asks (a GPU request without CUDA here is refused); "
+        "cpu: drop the trainer container's GPU request and train on the CPU",
+    )
     p_run.set_defaults(func=cmd_run)
 
     p_scale = local.add_parser("scale", help="set the node count of a running local job")
@@ -97,6 +104,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
             return 2
         nodes.replicas = args.nodes
+    refused = _check_device(job, args.device)
+    if refused:
+        print(f"{refused}\nnothing was started.", file=sys.stderr)
+        return 2
     state = StateDir.for_job(job.metadata.name, args.state_dir)
     if state.is_running():
         print(f"a local run of {job.metadata.name} is already running with state in {state.path}", file=sys.stderr)
@@ -104,6 +115,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     if state.path.exists() and not args.resume:
         shutil.rmtree(state.path)
     return _run(job, state, chaos, args)
+
+
+def _check_device(job, device: str) -> Optional[str]:
+    """Why ``job`` cannot run on this machine as asked (it requests GPUs, CUDA is not here), or None; ``--device
+    cpu`` makes it a CPU job instead (:mod:`disttrain.operator.local.gpucheck`)."""
+    from disttrain.api import contract as contract_mod
+    from disttrain.operator.local import gpucheck
+
+    if device == "cpu":
+        dropped = gpucheck.train_on_cpu(job)
+        if dropped:
+            print(f"--device cpu: the trainer container's request of {dropped} GPU(s) is dropped; training on the CPU")
+        return None
+    if contract_mod.requested_gpus(job.spec.template) == 0:
+        return None
+    facts = gpucheck.probe_torch()
+    if isinstance(facts, str):
+        print(f"note: could not ask torch about CUDA ({facts}); the trainer checks it itself", file=sys.stderr)
+        return None
+    return gpucheck.refusal(job, facts)
 
 
 def _run(job, state: StateDir, chaos, args: argparse.Namespace) -> int:
