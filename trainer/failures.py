@@ -19,6 +19,9 @@ errors and NCCL messages that were not reproduced on this CPU-only machine.
 
 from __future__ import annotations
 
+import os
+import resource
+
 import torch.distributed as dist
 
 CHECKED_ON = "torch 2.13.0, gloo on CPU"
@@ -38,9 +41,26 @@ RUNTIME_ERROR_MARKERS: tuple[str, ...] = (
 """Substrings of a ``RuntimeError`` message that mean a collective failed."""
 
 
+FAULT_ABORT_ON_COLLECTIVE_FAILURE = "FAULT_INJECT_ABORT_ON_COLLECTIVE_FAILURE"
+"""Fault injection, for tests only: with this variable set to ``1`` a process aborts (SIGABRT) as soon as a failed
+collective is classified here, as NCCL's watchdog aborts every survivor of a dead peer
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, which torchrun sets). Gloo on CPU raises instead; the CPU test of the operator's
+failure accounting (``tests/e2e/test_incident_accounting.py``) sets it to see survivors die that way."""
+
+
 def is_collective_failure(exc: BaseException) -> bool:
     """True when ``exc`` says a collective or the group's store failed: a peer is gone or hung."""
-    if isinstance(exc, dist.DistError):
-        return True
     text = str(exc)
-    return isinstance(exc, RuntimeError) and any(marker in text for marker in RUNTIME_ERROR_MARKERS)
+    failed = isinstance(exc, dist.DistError) or (
+        isinstance(exc, RuntimeError) and any(marker in text for marker in RUNTIME_ERROR_MARKERS)
+    )
+    if failed:
+        abort_if_injected()
+    return failed
+
+
+def abort_if_injected() -> None:
+    """The fault hook of :data:`FAULT_ABORT_ON_COLLECTIVE_FAILURE`: abort without a core file when it is set."""
+    if os.environ.get(FAULT_ABORT_ON_COLLECTIVE_FAILURE) == "1":
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        os.abort()
