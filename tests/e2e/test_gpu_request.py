@@ -40,7 +40,7 @@ def test_a_gpu_job_is_refused_at_once_naming_the_request_what_torch_found_and_th
     assert f"torch {torch.__version__} (built for CPU only) sees 0 CUDA device(s)" in done.stderr
     assert "--device cpu" in done.stderr and "nothing was started." in done.stderr
     assert not state.exists()  # no node, no agent, no state
-    assert seconds < 60, f"the refusal took {seconds:.0f} s (a run that starts the nodes first takes minutes)"
+    assert seconds < 90, f"the refusal took {seconds:.0f} s (starting the nodes first took 140 s to step 1)"
 
 
 @pytest.mark.slow
