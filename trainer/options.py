@@ -48,8 +48,8 @@ class ParallelOptions:
     shard_modules: Optional[Sequence[torch.nn.Module]] = None
     """FSDP2: the modules sharded before the root (None: :func:`~disttrain.trainer.parallel.default_shard_modules`)."""
     device: str = "auto"
-    """``auto`` (``cuda:LOCAL_RANK`` when CUDA is available, else the CPU), ``cuda`` (PERMANENT without CUDA) or
-    ``cpu``."""
+    """``auto`` (``cuda:LOCAL_RANK`` when CUDA is available, else the CPU; PERMANENT without CUDA when the trainer
+    container requests GPUs, docs/gpu.md), ``cuda`` (PERMANENT without CUDA) or ``cpu``."""
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
