@@ -1,11 +1,15 @@
-# Two images from one source tree (the names the example job manifests use):
+# Three images from one source tree (the names the example job manifests use):
 #   docker build --target operator -t disttrain-operator .   # kopf operator, no torch
 #   docker build --target trainer  -t disttrain-trainer  .   # torch (CPU wheel by default), trainer, job agent, the
 #                                                            # torchrun rendezvous handler "disttrain", examples/
-# Both install the same wheel; the extras decide what comes with it. The trainer image is what worker pods and
+#   docker build --target trainer-cuda -t disttrain-trainer-cuda \   # the trainer for GPU nodes (Linux x86-64):
+#     --build-arg TORCH_LOCK=requirements/torch-cuda.txt \             # PyPI's CUDA torch and its nvidia-* libraries
+#     --build-arg TORCH_INDEX_URL=https://pypi.org/simple .
+# They install the same wheel; the extras decide what comes with it. The trainer image is what worker pods and
 # the job agent pod run: it must carry the `torchrun.handlers` entry point, which installing the wheel does.
 # Your own training code goes in an image built FROM the trainer image: see examples/custom-image/.
-# Both run as user 65532. Without docker or a registry: `make images` (buildah, a Debian base; scripts/images/).
+# All run as user 65532. Without docker or a registry: `make images` (operator, trainer) and `make image-cuda`
+# (buildah, a Debian base; scripts/images/).
 #
 # Supply chain: every package comes from a lock with the SHA-256 of each file (requirements/*.txt, made by
 # `make locks`), installed with `pip install --require-hashes --no-deps`, one index per pip call and never an extra
@@ -19,8 +23,9 @@
 #                     torch 2.13.0+cpu. Ignored when TORCH_FIND_LINKS is set.
 #   TORCH_FIND_LINKS  a folder (or page) of torch wheels to take torch from instead, no index at all; e.g. a local
 #                     wheel folder mounted into the build (`make images` mounts one at /mnt). The hash still holds.
-#   TORCH_LOCK        the torch lock in the build context (default requirements/torch-cpu.txt). A CUDA build needs a
-#                     lock of its own holding the CUDA wheel's hashes and its nvidia-* dependencies.
+#   TORCH_LOCK        the torch lock in the build context (default requirements/torch-cpu.txt). The CUDA build's is
+#                     requirements/torch-cuda.txt: PyPI's torch with every file's hash, and its nvidia-*, cuda-* and
+#                     triton dependencies (TORCH_INDEX_URL=https://pypi.org/simple, or a mirror of it).
 # Build arguments are recorded in the image's history: never put a credential in one.
 
 # The digest was taken from a public record of 2026-08-24 (no registry is reachable where this was written, so
@@ -97,3 +102,12 @@ RUN install -d -o 65532 -g 65532 /workspace
 WORKDIR /workspace
 COPY examples ./examples
 USER 65532:65532
+
+# The trainer for GPU nodes: the image above, its venv built with the CUDA lock by the build arguments at the top of
+# this file (so torch is in the image once, in the venv). ~2.7 GB of wheels, an image of ~5.3 GB.
+FROM trainer AS trainer-cuda
+# For the NVIDIA container runtime: the driver's compute libraries and nvidia-smi, and every GPU of the container.
+# The Kubernetes device plugin (and `docker run --gpus`) replaces NVIDIA_VISIBLE_DEVICES with the GPUs given.
+ENV NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
+# Without those arguments the venv holds the CPU torch: no CUDA image is made of it.
+RUN python -c 'assert __import__("torch").version.cuda, "trainer-cuda: a CPU torch, see the build arguments"'

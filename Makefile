@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 HELM := $(BIN)/helm
 CRD := crds/disttrain.dev_disttrainjobs.yaml
 
-.PHONY: demo test test-unit test-tier lint crd clean images test-images image-tools locks
+.PHONY: demo test test-unit test-tier lint crd clean images image-cuda test-images image-tools locks
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,15 @@ image-tools:
 
 images: $(STAMP) image-tools
 	PIP="$(BIN)/python -m pip" scripts/images/build.sh
+
+# The trainer for GPU nodes, localhost/disttrain-trainer-cuda (Dockerfile target trainer-cuda): the build arguments
+# put PyPI's CUDA torch and its nvidia-* libraries (requirements/torch-cuda.txt) in its venv. ~2.7 GB of wheels, an
+# image of ~5.3 GB: neither `make test` nor `make test-images` builds it, and `make test` checks its recipe
+# (tests/unit/test_cuda_image_recipe.py).
+CUDA_BUILD_ARGS := --build-arg TORCH_LOCK=requirements/torch-cuda.txt \
+    --build-arg TORCH_INDEX_URL=https://pypi.org/simple
+image-cuda: image-tools
+	scripts/images/build.sh trainer-cuda $(CUDA_BUILD_ARGS)
 
 test-images: $(STAMP) image-tools
 	DISTTRAIN_TEST_IMAGES=1 $(BIN)/python -m pytest tests/images
