@@ -6,6 +6,7 @@ wheel, as the wheel's METADATA states them (recorded in requirements/torch-cuda.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -51,7 +52,11 @@ def stages() -> dict[str, tuple[str, list[tuple[str, str]]]]:
 
 def make_image_cuda() -> list[str]:
     """The build.sh command that `make image-cuda` runs, as its words."""
-    proc = subprocess.run(["make", "-n", "image-cuda"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    # Not a parent make's flags (`make test` runs this): its jobserver or -k are no part of the recipe.
+    env = {key: value for key, value in os.environ.items() if key not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    proc = subprocess.run(
+        ["make", "-n", "image-cuda"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     [line] = [line for line in proc.stdout.splitlines() if "scripts/images/build.sh" in line]
     words = shlex.split(line)
