@@ -43,6 +43,7 @@ from disttrain.api import contract as contract_mod
 from disttrain.api import control as control_keys
 from disttrain.api.plan import Plan
 from disttrain.api.spec import LRSchedule, TrainingSpec
+from disttrain.trainer import completion as completion_mod
 from disttrain.trainer import context as ctx_mod
 from disttrain.trainer import data as data_mod
 from disttrain.trainer import exits, ordered_reduction, progress, snapshots
@@ -156,6 +157,8 @@ class ElasticTrainer:
             else None
         )
         self.blocked_seen = 0.0
+        self.completion = completion_mod.for_device(started.groups.device)
+        """The step counter moves only once the device finished the step (:mod:`disttrain.trainer.completion`)."""
         self.lifecycle = lifecycle_mod.Lifecycle(self, options.lifecycle, started.in_place, started.link)
         self._feed: Optional[data_mod.LoaderFeed] = None
         self._grad_norm: Optional[torch.Tensor] = None  # the last step's, read only when asked (a device sync)
@@ -461,6 +464,10 @@ class ElasticTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
+        self.completion.finish(self._count_step)
+
+    def _count_step(self) -> None:
+        """The step is done: advance the counter, the data cursor and what a checkpoint records with them."""
         s = self.state
         s.step += 1
         s.samples_consumed += self.plan.global_batch
