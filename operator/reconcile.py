@@ -912,7 +912,7 @@ def _fail(d: _Draft, reason: Reason, message: str) -> None:
     d.condition(ConditionType.FAILED, True, reason, message, announce=WARNING)
     d.condition(ConditionType.RUNNING, False, reason, message)
     d.condition(ConditionType.REFORMING, False, reason, message)
-    d.condition(ConditionType.SCHEDULED, False, reason, f"the job failed: no worker pod is scheduled again ({message})")
+    d.condition(ConditionType.SCHEDULED, False, reason, "the job failed: no worker pod is scheduled again")
 
 
 def _succeed(d: _Draft) -> None:
