@@ -87,7 +87,7 @@ class OperatorMetrics:
         self.max_restarts = Gauge(
             "disttrain_job_max_restarts",
             "The job's restart budget, spec.restartPolicy."
-            "maxRestarts: it fails once more restarts than this were counted.",
+            "maxRestarts: once this many were counted, the next incident fails the job.",
             job,
             registry=registry,
         )
