@@ -20,7 +20,6 @@ blocked receive (measured with torch 2.13), so the survivor only sees the failur
 from __future__ import annotations
 
 import dataclasses
-import gc
 import io
 import logging
 from collections.abc import Callable, Mapping
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.nn.parallel import DistributedDataParallel
 
+from disttrain.trainer import teardown
 from disttrain.trainer.failures import is_collective_failure
 
 log = logging.getLogger("disttrain.trainer")
@@ -150,13 +150,15 @@ def retire(ddp: Any) -> None:
     ddp.forward = stale
 
 
-def leave_groups() -> None:
-    """Destroy every process group of this process and free them now (the caller dropped its own references).
+def leave_groups(deadline_s: float = teardown.LEAVE_DEADLINE_S) -> None:
+    """Leave every process group of this process and free them now (the caller dropped its own references): abort a
+    group with an NCCL backend, destroy a gloo one (:mod:`disttrain.trainer.teardown`), within ``deadline_s`` or the
+    process exits ``REFORM``.
 
-    Why at once: a gloo group closes its connections only when the object is freed, and a peer's pending operation
-    on it fails only then (measured: at once, 0.1 s). Left to the garbage collector, the old group lived on in a
-    reference cycle; one survivor then freed its group in the middle of the next group's first broadcast, and that
-    destructor waited for an operation a peer would only fail once its own old group was freed: both stalled."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    gc.collect()
+    Why free at once: a gloo group closes its connections only when the object is freed, and a peer's pending operation
+    on it fails only then (measured: at once, 0.1 s). Left to the garbage collector, the old group lives on in a
+    reference cycle; a survivor then frees its group in the middle of the next group's first broadcast, and that
+    destructor waits for an operation a peer only fails once its own old group is freed: both stall."""
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    how = teardown.choose(backend)
+    teardown.run_with_deadline(teardown.for_backend(how), deadline_s, f"{how.value}, backend {backend}")

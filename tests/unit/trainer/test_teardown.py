@@ -1,0 +1,93 @@
+"""Leaving a group in an in-place reform: abort where a communicator may be dead, destroy gloo, never hang."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from disttrain.api.exitcodes import ExitCode
+from disttrain.api.ports import free_port
+from disttrain.trainer import inplace, teardown
+from disttrain.trainer.launch import ncclenv
+
+
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [
+        ("gloo", teardown.Teardown.DESTROY),
+        ("cpu:gloo", teardown.Teardown.DESTROY),
+        ("nccl", teardown.Teardown.ABORT),
+        ("cpu:gloo,cuda:nccl", teardown.Teardown.ABORT),
+        ("cuda:nccl,cpu:gloo", teardown.Teardown.ABORT),
+        ("cpu:gloo,xpu:xccl", teardown.Teardown.ABORT),
+    ],
+    ids=["gloo", "gloo-by-device", "nccl", "gloo-and-nccl", "nccl-first", "another-accelerator"],
+)
+def test_the_teardown_is_chosen_by_backend_name(backend: str, expected: teardown.Teardown):
+    assert teardown.choose(backend) is expected
+
+
+def test_a_teardown_that_returns_in_time_returns():
+    ran = threading.Event()
+    teardown.run_with_deadline(ran.set, deadline_s=5.0, what="test")
+    assert ran.is_set()
+
+
+def test_a_teardown_error_reaches_the_caller():
+    def failing() -> None:
+        raise RuntimeError("Invalid process group specified")
+
+    with pytest.raises(RuntimeError, match="Invalid process group"):
+        teardown.run_with_deadline(failing, deadline_s=5.0, what="test")
+
+
+def test_a_teardown_that_blocks_ends_the_process_with_reform():
+    script = textwrap.dedent(
+        """
+        import logging, threading
+        from disttrain.trainer import teardown
+
+        logging.basicConfig(level=logging.INFO)
+        never = threading.Event()
+        teardown.run_with_deadline(never.wait, deadline_s=0.5, what="abort, backend nccl")
+        print("returned")
+        """
+    )
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == int(ExitCode.REFORM), done.stderr
+    assert "returned" not in done.stdout
+    assert "did not finish within 0.5 s" in done.stderr
+    assert "abort, backend nccl" in done.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_the_deadline_leaves_time_within_the_launchers_reform_margin():
+    assert teardown.LEAVE_DEADLINE_S < ncclenv.REFORM_MARGIN_S
+
+
+@pytest.mark.parametrize("how", list(teardown.Teardown), ids=lambda t: t.value)
+def test_a_left_gloo_group_can_be_joined_again(how: teardown.Teardown):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.new_group(backend="gloo")
+    teardown.run_with_deadline(teardown.for_backend(how), deadline_s=30.0, what="test")
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == 1.0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_leave_groups_without_a_group_does_nothing():
+    inplace.leave_groups(deadline_s=5.0)
+    assert not dist.is_initialized()

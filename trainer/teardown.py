@@ -1,0 +1,98 @@
+"""Leaving a process group in an in-place reform without blocking forever: abort or destroy, under a deadline.
+
+A survivor leaves a group whose peer may be dead. ``destroy_process_group`` shuts each backend down cleanly; on NCCL
+that waits for the communicator's pending work, which on a dead communicator never ends, and it has no timeout. So a
+group with an NCCL backend is aborted (torch's ``_abort_process_group``: ``ncclCommAbort`` on every communicator,
+local, no peer needed), and a gloo-only group is destroyed (see :func:`~disttrain.trainer.inplace.leave_groups`
+for why gloo must be freed at once). Either way the teardown runs in a thread under :data:`LEAVE_DEADLINE_S`; one
+that does not return in time ends the process with ``ExitCode.REFORM``, so the launcher restarts the worker instead
+of the job hanging. torch releases the GIL in
+``ProcessGroup.abort`` and ``shutdown``, so the waiting thread can still act on a teardown blocked in them.
+
+Callers: :func:`disttrain.trainer.inplace.leave_groups`. Never used at the end of training
+(:meth:`~disttrain.trainer.loop.ElasticTrainer.close`), where every peer is alive and leaves together.
+"""
+
+from __future__ import annotations
+
+import enum
+import gc
+import logging
+import threading
+from collections.abc import Callable
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from disttrain.api.exitcodes import ExitCode
+from disttrain.trainer import exits
+
+log = logging.getLogger("disttrain.trainer")
+
+LEAVE_DEADLINE_S = 30.0
+"""How long leaving a group may take before the worker gives up and exits ``REFORM``. An abort or a gloo destroy
+returns within a second; the deadline stays below the launcher's ``REFORM_MARGIN_S`` (60 s,
+:mod:`disttrain.trainer.launch.ncclenv`), the time NCCL's heartbeat monitor leaves a survivor to leave its group."""
+
+
+class Teardown(enum.Enum):
+    """How this process leaves its groups."""
+
+    ABORT = "abort"
+    """``_abort_process_group``: abort every communicator without waiting for its work (NCCL)."""
+    DESTROY = "destroy"
+    """``destroy_process_group``: shut down cleanly (gloo, whose connections close when the group is freed)."""
+
+
+def choose(backend: str) -> Teardown:
+    """The teardown for a default group of ``backend`` as ``dist.get_backend`` names it (``"gloo"``, ``"nccl"``,
+    ``"cpu:gloo,cuda:nccl"``): destroy when every device's backend is gloo, abort otherwise (a communicator other
+    than gloo's may be dead and block a clean shutdown)."""
+    names = {part.rsplit(":", 1)[-1].strip().lower() for part in backend.split(",") if part.strip()}
+    return Teardown.DESTROY if names == {"gloo"} else Teardown.ABORT
+
+
+def abort_groups() -> None:
+    """Abort every process group of this process and free them (the caller dropped its own references)."""
+    if dist.is_initialized():
+        distributed_c10d._abort_process_group()
+    gc.collect()
+
+
+def destroy_groups() -> None:
+    """Destroy every process group of this process and free them now (the caller dropped its own references)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def for_backend(teardown: Teardown) -> Callable[[], None]:
+    """The function that performs ``teardown``."""
+    return abort_groups if teardown is Teardown.ABORT else destroy_groups
+
+
+def run_with_deadline(teardown: Callable[[], None], deadline_s: float, what: str) -> None:
+    """Run ``teardown`` in a thread and return once it returns (raising what it raised). If it is still running after
+    ``deadline_s``, log why and end the process with ``ExitCode.REFORM``: the launcher restarts the worker."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            teardown()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, name="disttrain-leave-group", daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    if thread.is_alive():
+        log.error(
+            "leaving the process group (%s) did not finish within %.1f s (a dead communicator blocks it); "
+            "exiting %d so the launcher restarts this worker",
+            what,
+            deadline_s,
+            int(ExitCode.REFORM),
+        )
+        exits.hard_exit(ExitCode.REFORM)
+    if raised:
+        raise raised[0]
