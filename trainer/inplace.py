@@ -54,6 +54,32 @@ def applies(reform_in_place: bool, is_ddp: bool) -> bool:
     return reform_in_place and is_ddp
 
 
+def fallback_reason(requested: bool, parallelism: str, prewrapped: bool, has_launcher: bool) -> Optional[str]:
+    """Why this worker restarts on a reform although ``spec.elastic.reformInPlace`` asks to stay; None: it stays (or
+    in place was not asked for). ``parallelism``: the trainer's option value; ``prewrapped``: the script passed a model
+    already wrapped in DDP; ``has_launcher``: the process has a channel to its launcher."""
+    if not requested:
+        return None
+    if not applies(requested, parallelism == "ddp"):
+        return (
+            f"parallelism={parallelism!r} shards the state (a lost node's shard is gone) and binds its mesh into "
+            "every module: in-place reform needs parallelism='ddp'"
+        )
+    if prewrapped:
+        return "the model passed is already a DistributedDataParallel: pass the unwrapped model, the trainer wraps it"
+    if not has_launcher:
+        return "the worker has no channel to the disttrain launcher (it was not started by it, or its socket failed)"
+    return None
+
+
+def log_fallback(reason: Optional[str]) -> None:
+    """Say once, at start, why a reform restarts this worker from the last checkpoint instead of keeping it."""
+    if reason is not None:
+        log.warning(
+            "spec.elastic.reformInPlace is set, but reforms restart the workers from the last checkpoint: %s", reason
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Holding:
     """What one rank of a new group holds when the group agrees on the state."""

@@ -46,7 +46,7 @@ from disttrain.api.spec import LRSchedule, TrainingSpec
 from disttrain.trainer import completion as completion_mod
 from disttrain.trainer import context as ctx_mod
 from disttrain.trainer import data as data_mod
-from disttrain.trainer import exits, ordered_reduction, progress, snapshots
+from disttrain.trainer import exits, inplace, ordered_reduction, progress, snapshots
 from disttrain.trainer import lifecycle as lifecycle_mod
 from disttrain.trainer import lr as lr_mod
 from disttrain.trainer import parallel as parallel_mod
@@ -265,6 +265,12 @@ class ElasticTrainer:
             link=WorkerLink.connect() if in_place else None,
             startup=clock,
         )
+        if rank == 0:
+            prewrapped = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+            reason = inplace.fallback_reason(
+                ctx.contract.reform_in_place, par.parallelism.value, prewrapped, started.link is not None
+            )
+            inplace.log_fallback(reason)
         components = Components(model=on_device, optimizer=optimizer, dataset=readable, scheduler=scheduler)
         trainer = cls(options, components, started)
         trainer.lifecycle.start()
