@@ -19,6 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("api", "operator", "trainer")
 """The shipped code (src/disttrain/ links to these folders)."""
+TOP_TESTS = 10
+"""How many of the most CPU-expensive tests of the last tier run to name."""
 
 
 def python_files() -> list[Path]:
@@ -72,6 +74,17 @@ def test_times(time_unit: bool) -> dict[str, str]:
         out["last tier run (wall)"] = f"{recorded['wall_s']:.0f} s ({recorded['wall_s'] / 60:.1f} min): {tiers}"
     else:
         out["last tier run"] = "none recorded (run `make test`)"
+    rows = [
+        json.loads(line)
+        for costs in sorted((REPO / "build" / "test-logs").glob("*.costs.jsonl"))
+        for line in costs.read_text().splitlines()
+        if line.strip()
+    ]
+    if rows:
+        total = sum(row["cpu_s"] for row in rows)
+        out["CPU of the last tier run"] = f"{total:.0f} s in {len(rows)} tests (>= {total / 2 / 60:.1f} min on 2 cores)"
+        for rank, row in enumerate(sorted(rows, key=lambda r: -r["cpu_s"])[:TOP_TESTS], 1):
+            out[f"costliest test {rank}"] = f"{row['cpu_s']:.0f} s CPU, {row['wall_s']:.0f} s wall  {row['test']}"
     return out
 
 

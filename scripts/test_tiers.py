@@ -6,6 +6,9 @@ jobs (trainer, e2e, security, cluster) share one lane: run side by side they slo
 timeouts (measured: a failed collective and a bitwise recovery, both green alone). The light tiers take the other
 lane. Each tier's output goes to build/test-logs/<tier>.log; a failing tier's summary is printed at the end.
 
+Each test's wall and CPU seconds go to build/test-logs/<tier>.costs.jsonl (tests/plugins/costs.py):
+`python scripts/house_figures.py` names the most expensive ones.
+
 A tier with a few failures runs those tests once more (build/test-logs/<tier>.rerun.log); the report names every
 test that passed only on its rerun, so a flaky scenario stays visible rather than failing CI at random.
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -29,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from tests.conftest import TIER_OF_FOLDER  # noqa: E402 (the repository root on the path first)
+from tests.plugins.costs import COSTS_ENV  # noqa: E402
 
 LOGS = REPO / "build" / "test-logs"
 
@@ -63,9 +68,13 @@ def run_tier(tier: str, pytest_args: list[str]) -> TierResult:
     log = LOGS / f"{tier}.log"
     start = time.monotonic()
     folders = [f"tests/{folder}" for folder, of in TIER_OF_FOLDER.items() if of == tier]  # collects only these
-    command = [sys.executable, "-m", "pytest", "-m", tier, "-p", "no:cacheprovider", *pytest_args, *folders]
+    command = [sys.executable, "-m", "pytest", "-m", tier, "-p", "no:cacheprovider", "-p", "tests.plugins.costs"]
+    command += [*pytest_args, *folders]
+    costs = LOGS / f"{tier}.costs.jsonl"
+    costs.unlink(missing_ok=True)
+    environ = {**os.environ, COSTS_ENV: str(costs)}
     with open(log, "w") as out:
-        returncode = subprocess.call(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        returncode = subprocess.call(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=environ)
     counts = _counts(log, returncode)
     failed = FAILED.findall(log.read_text(errors="replace"))
     if returncode not in (0, 5) and 0 < len(failed) <= MAX_RERUNS:
@@ -75,7 +84,7 @@ def run_tier(tier: str, pytest_args: list[str]) -> TierResult:
         rerun_log = LOGS / f"{tier}.rerun.log"
         with open(rerun_log, "w") as out:
             returncode = subprocess.call(
-                [*command[: -len(folders)], *failed], cwd=REPO, stdout=out, stderr=subprocess.STDOUT
+                [*command[: -len(folders)], *failed], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=environ
             )
         counts = f"{counts}; on rerun: {_counts(rerun_log, returncode)} (flaky: {', '.join(failed)})"
         log = rerun_log if returncode not in (0, 5) else log
@@ -87,6 +96,14 @@ def run_tier(tier: str, pytest_args: list[str]) -> TierResult:
 def _counts(log: Path, returncode: int) -> str:
     summaries = list(SUMMARY.finditer(log.read_text(errors="replace")))
     return summaries[-1].group("counts") if summaries else f"no summary (exit {returncode})"
+
+
+def tier_cpu_seconds(tier: str) -> float:
+    """CPU seconds the tier's tests spent, their processes included (tests/plugins/costs.py)."""
+    costs = LOGS / f"{tier}.costs.jsonl"
+    if not costs.exists():
+        return 0.0
+    return sum(json.loads(line)["cpu_s"] for line in costs.read_text().splitlines() if line.strip())
 
 
 def run_lanes(lanes: list[tuple[str, ...]], pytest_args: list[str]) -> list[TierResult]:
@@ -114,10 +131,12 @@ def report(results: list[TierResult], wall_s: float) -> int:
             start = text.find("short test summary info")
             print(f"\n[tiers] {result.tier} FAILED (log: {result.log.relative_to(REPO)}):")
             print(text[start - 40 :] if start >= 0 else text[-6000:])
-    print("\n[tiers] tier       seconds  result")
+    print("\n[tiers] tier       seconds  cpu s  result")
     order = [tier for lane in LANES for tier in lane]
     for result in sorted(results, key=lambda r: order.index(r.tier) if r.tier in order else len(order)):
-        print(f"[tiers] {result.tier:<10} {result.seconds:7.0f}  {'ok  ' if result.passed else 'FAIL'} {result.counts}")
+        verdict = "ok  " if result.passed else "FAIL"
+        cpu = tier_cpu_seconds(result.tier)
+        print(f"[tiers] {result.tier:<10} {result.seconds:7.0f} {cpu:6.0f}  {verdict} {result.counts}")
     print(f"[tiers] wall clock {wall_s:.0f} s ({wall_s / 60:.1f} min)")
     times = {result.tier: round(result.seconds, 1) for result in results}
     (LOGS / "times.json").write_text(json.dumps({"wall_s": round(wall_s, 1), "tiers": times}, indent=2) + "\n")
