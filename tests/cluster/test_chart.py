@@ -228,11 +228,13 @@ def _operator_command(objects: list[dict[str, Any]], kubeconfig: str, liveness_p
     [deployment] = by_kind(objects, "Deployment")
     [container] = deployment["spec"]["template"]["spec"]["containers"]
     args = [a for a in container["args"] if not a.startswith(("--metrics-port=", "--liveness="))]
+    program, *subcommand = container["command"]  # `disttrain operator`: the console script, run as its module
+    assert program == "disttrain"
     return [
         sys.executable,
         "-m",
         "disttrain.operator.cli",
-        "operator",
+        *subcommand,
         *args,
         f"--kubeconfig={kubeconfig}",
         "--metrics-port=0",
