@@ -1,13 +1,13 @@
 """What the job agent reads of its DistTrainJob: a typed view of the spec, with the spec's defaults and no others.
 
-The agent (:mod:`disttrain.trainer.agent`) reads four parts of the spec, each through the model of
+The agent (:mod:`disttrain.trainer.agent`) reads five parts of the spec, each through the model of
 :mod:`disttrain.api.spec` that defines it: ``rendezvous`` (the heartbeat rule of
-:mod:`disttrain.trainer.agent.heartbeats`),
-``checkpoint`` (the path it relays), ``reporting`` (how often it writes progress) and ``training`` (when training is
-complete). A field the job leaves out takes the spec model's default, the one the CRD renders, so the agent, the
-operator and ``kubectl get -o yaml`` agree on every value. The rest of the spec (pod template, nodes, elastic and
-restart policy) is the operator's and is not read here; unknown fields inside the parts read are refused, as the
-spec refuses them.
+:mod:`disttrain.trainer.agent.heartbeats`), ``checkpoint`` (the path it relays), ``reporting`` (how often it writes
+progress), ``training`` (when training is complete) and ``elastic`` (the stall rule of
+:mod:`disttrain.trainer.agent.stalls`). A field the job leaves out takes the spec model's default, the one the CRD
+renders, so the agent, the operator and ``kubectl get -o yaml`` agree on every value. The rest of the spec (pod
+template, nodes, restart policy) is the operator's and is not read here; unknown fields inside the parts read are
+refused, as the spec refuses them.
 
 A job the view cannot read raises :class:`SpecRefused`, which names every field that was wrong and how. Pure: no
 I/O, and never torch, kopf or kubernetes (the ``disttrain.api`` rule).
@@ -20,7 +20,15 @@ from typing import Any, Optional
 
 from pydantic import ConfigDict, Field, ValidationError
 
-from disttrain.api.spec import CheckpointSpec, ContractModel, ObjectMeta, RendezvousSpec, ReportingSpec, TrainingSpec
+from disttrain.api.spec import (
+    CheckpointSpec,
+    ContractModel,
+    ElasticSpec,
+    ObjectMeta,
+    RendezvousSpec,
+    ReportingSpec,
+    TrainingSpec,
+)
 
 MAX_VALUE_SHOWN = 80
 """Characters of an offending value quoted in a :class:`SpecRefused` message (a value may be large)."""
@@ -40,6 +48,8 @@ class AgentSpec(ContractModel):
     """How often progress is written into the status (Kubernetes only)."""
     training: TrainingSpec
     """The training length: reaching it is written into the status at once."""
+    elastic: ElasticSpec = Field(default_factory=ElasticSpec)
+    """The stall rule's settings (``stallFactor``, ``stallMinSeconds``); the rest of it is the operator's."""
 
 
 class AgentJob(ContractModel):

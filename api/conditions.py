@@ -75,6 +75,9 @@ class Reason(str, enum.Enum):
     NODE_DRAINING = "NodeDraining"
     HEARTBEAT_LOST = "HeartbeatLost"
     """The job agent found the node silent in the rendezvous heartbeats (before Kubernetes marks it NotReady)."""
+    STEP_STALLED = "StepStalled"
+    """The job agent found the node's ranks behind a step's gradient reduction while their peers waited there
+    (``spec.elastic.stallFactor``): the node is evicted as a lost one."""
     PART_OF_INCIDENT = "PartOfIncident"
     """Event: a lost pod belongs to the incident already being handled (``status.incident``): replaced, not charged."""
     OUTSIDE_THE_GROUP = "OutsideTheGroup"

@@ -46,6 +46,12 @@ FAILURE_KEY = PREFIX + "failure"
 RELIABILITY_KEY = PREFIX + "reliability"
 # IntervalReport JSON, written by global rank 0 when its automatic checkpoint interval changes.
 INTERVAL_KEY = PREFIX + "interval"
+# StepBeacon JSON under BEACON_PREFIX + <global rank>: each rank writes its own once per step, just before the
+# step's gradient reduction; the job agent's stall rule (disttrain.trainer.agent.stalls) reads them.
+BEACON_PREFIX = PREFIX + "beacon/"
+# DiagnosticsRequest JSON, written by the agent when it finds a stalled step: every rank's watchdog writes its
+# stacks (and NCCL's flight-recorder trace) once per request id.
+DIAGNOSTICS_KEY = PREFIX + "diagnostics"
 
 MAX_VALUE_BYTES = 64 * 1024
 """Largest value :func:`read_model` parses; the biggest legitimate one (a ProgressReport) is under 2 KiB. The
@@ -161,6 +167,40 @@ class IntervalReport(BaseModel):
     failures: int = Field(0, ge=0, le=MAX_COUNT)
     time: float = Field(ge=0.0, le=MAX_TIME, allow_inf_nan=False)
     """Unix time of the choice."""
+
+
+def beacon_key(rank: int) -> str:
+    """Store key of global rank ``rank``'s :class:`StepBeacon`."""
+    return f"{BEACON_PREFIX}{rank}"
+
+
+class StepBeacon(BaseModel):
+    """One rank reached a step's gradient reduction (written just before the step's last backward)."""
+
+    model_config = ConfigDict(extra="forbid")
+    step: int = Field(ge=1, le=MAX_COUNT)
+    """The step being computed (the step counter once it completes)."""
+    rank: int = Field(ge=0, le=MAX_NODES * 1024)
+    world_size: int = Field(ge=1, le=MAX_NODES * 1024)
+    group: str = Field("", max_length=MAX_NAME)
+    """The group the rank belongs to (its store endpoint, new with every round): beacons of an older group are
+    not compared with the current one's."""
+    node: str = Field("", max_length=MAX_NAME)
+    """DISTTRAIN_NODE_NAME (the pod name)."""
+    pod_uid: str = Field("", max_length=64)
+    time: float = Field(ge=0.0, le=MAX_TIME, allow_inf_nan=False)
+    """Unix time on the rank's own clock: only differences between one rank's beacons are used."""
+
+
+class DiagnosticsRequest(BaseModel):
+    """Every rank: write your stacks (and NCCL's flight-recorder trace) under ``directory``, once per ``id``."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1, max_length=MAX_NAME)
+    """What the dump files are named after (``stall-<step>``)."""
+    directory: str = Field(min_length=1, max_length=MAX_TEXT)
+    """The job's diagnostics folder (``<checkpoint dir>/diagnostics``); each rank writes under ``<node>/``."""
+    job_uid: str = Field("", max_length=MAX_NAME)
 
 
 def is_valid_time(value: str) -> bool:

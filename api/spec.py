@@ -227,6 +227,13 @@ class ElasticSpec(ContractModel):
     takes its state from the member that holds the newest step in memory (nothing since the last checkpoint is
     redone, no model is built again). DDP only: FSDP2 workers, and any worker whose collective fails outside the
     trainer's own calls, restart as when this is false."""
+    stall_factor: float = Field(10.0, ge=0, le=1_000)
+    """A step is stalled when some ranks have waited at its gradient reduction this many times the median step
+    time while others have not reached it; the lagging nodes are named, their stacks dumped, and they are evicted
+    (docs/gpu.md, "Stalled steps"). 0 turns the detection off."""
+    stall_min_seconds: float = Field(60.0, ge=1, le=86_400)
+    """The least wait that counts as a stall, whatever the median step time: a slow save or a warm-up step of a
+    few seconds never does."""
 
 
 class ExitCodeClasses(ContractModel):

@@ -31,6 +31,7 @@ AGENT_FIELDS: Final = (
     "workerFailure",
     "checkpointInterval",
     "silentNodes",
+    "stalledNodes",
     "roundMembers",
     "workerStartup",
     "storeRejections",
@@ -185,6 +186,24 @@ class SilentNode(ContractModel):
     """RFC 3339 time of its last heartbeat (the worker's clock)."""
 
 
+class StalledNode(ContractModel):
+    """A worker node whose ranks did not reach a step's gradient reduction while their peers waited there (the
+    job agent's stall rule, ``spec.elastic.stallFactor``); the operator evicts it as a lost node."""
+
+    node: str = Field(max_length=253)
+    """DISTTRAIN_NODE_NAME (the worker pod's name)."""
+    pod_uid: str = Field("", max_length=64)
+    """The pod's uid; a pod of the same name with another uid (a replacement) is not the stalled one."""
+    ranks: list[int] = Field(default_factory=list, max_length=1024)
+    """Its global ranks that lag."""
+    step: int = Field(0, ge=0)
+    """The step whose gradient reduction its peers wait at."""
+    waited_seconds: float = Field(0.0, ge=0)
+    """How long the first peer had waited there when the stall was found."""
+    diagnostics: Optional[str] = Field(None, max_length=1024)
+    """Where every rank writes its stacks (and NCCL's flight-recorder trace) for this stall."""
+
+
 STORE_KEY_CLASSES: Final = ("rendezvous", "control", "torch", "foreign")
 """Classes of store keys the job agent reports rejections for: ``rendezvous`` (torchrun's rendezvous state and
 per-round keys), ``control`` (``disttrain/*``), ``torch`` (any other key in the job's namespace), ``foreign`` (a key
@@ -277,6 +296,8 @@ class DistTrainJobStatus(ContractModel):
     """Failures restarted, total and by reason."""
     reforms: int = 0
     """Times the group was reformed (planned and unplanned)."""
+    stalls: int = 0
+    """Stalled nodes evicted (each pod counted once; ``disttrain_stalls_total``)."""
     last_checkpoint: Optional[CheckpointRef] = None
     """Newest complete checkpoint."""
     plan: Optional[PlanStatus] = None
@@ -316,6 +337,9 @@ class DistTrainJobStatus(ContractModel):
     silent_nodes: Optional[list[SilentNode]] = Field(None, max_length=1024)
     """Worker nodes silent in the rendezvous heartbeats for keepAliveMaxAttempts x keepAliveIntervalSeconds, as
     the job agent sees them (unset when none): the operator reforms without them before Kubernetes notices."""
+    stalled_nodes: Optional[list[StalledNode]] = Field(None, max_length=1024)
+    """Worker nodes behind a stalled step, as the job agent sees them (unset when none): the operator evicts them
+    and the group re-forms without them."""
     round_members: Optional[list[str]] = Field(None, max_length=1024)
     """The worker pods in the completed rendezvous round, as the job agent reads them from the rendezvous state
     (unset before the first round). A pod not named here while the group runs is waiting outside it (a hot spare,

@@ -15,7 +15,7 @@ from typing import Any
 import pydantic
 
 from disttrain.api import control
-from disttrain.api.status import SilentNode, StoreRejections
+from disttrain.api.status import SilentNode, StalledNode, StoreRejections
 from disttrain.operator import patches
 
 log = logging.getLogger("disttrain.operator")
@@ -28,6 +28,7 @@ COUNT_FIELDS = ("step", "samplesConsumed", "worldSize", "rendezvousRound")
 MAX_SILENT_NODES = 1024
 MAX_ROUND_MEMBERS = 1024
 _SILENT_NODES = pydantic.TypeAdapter(list[SilentNode])
+_STALLED_NODES = pydantic.TypeAdapter(list[StalledNode])
 
 
 def sanitize(status: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -61,6 +62,10 @@ def sanitize(status: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if problem:
             problems.append(f"status.silentNodes: {problem}")
             del clean["silentNodes"]
+    stalled = clean.get("stalledNodes")
+    if stalled is not None and (problem := _stalled_nodes_problem(stalled)):
+        problems.append(f"status.stalledNodes: {problem}")
+        del clean["stalledNodes"]
     members = clean.get("roundMembers")
     if members is not None and not (
         isinstance(members, list)
@@ -112,6 +117,17 @@ def _silent_nodes_problem(value: Any) -> str:
         if entry.last_heartbeat is not None and not control.is_valid_time(entry.last_heartbeat):
             return f"lastHeartbeat={_show(entry.last_heartbeat)} is no RFC 3339 time"
     return ""
+
+
+def _stalled_nodes_problem(value: Any) -> str:
+    """Why ``status.stalledNodes`` cannot be used ('' when it can): the whole report goes, never a part of it."""
+    if not isinstance(value, list) or len(value) > MAX_SILENT_NODES:
+        return f"{_show(value)} is no list of at most {MAX_SILENT_NODES} entries"
+    try:
+        entries = _STALLED_NODES.validate_python(value)
+    except pydantic.ValidationError as error:
+        return f"{_show(value)}: {error.errors()[0].get('loc')} {error.errors()[0].get('msg')}"
+    return "an entry has an empty node" if any(not entry.node for entry in entries) else ""
 
 
 def sanitized_job(raw: dict[str, Any], namespace: str, name: str) -> dict[str, Any]:

@@ -12,11 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Optional
 
-from disttrain.api.status import SilentNode
+from disttrain.api.status import SilentNode, StalledNode
 from disttrain.operator.observed import PodView
 
 
-def silent_pods(reports: Optional[Sequence[SilentNode]], workers: Iterable[PodView]) -> frozenset[str]:
+def silent_pods(
+    reports: Optional[Sequence[SilentNode]] | Optional[Sequence[StalledNode]], workers: Iterable[PodView]
+) -> frozenset[str]:
     """Names of the running (or pending) worker pods the report names, by name and, when given, by uid."""
     if not reports:
         return frozenset()

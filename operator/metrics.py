@@ -37,6 +37,7 @@ RESTART_REASONS = tuple(
         Reason.NODE_DELETED,
         Reason.NODE_DRAINING,
         Reason.HEARTBEAT_LOST,
+        Reason.STEP_STALLED,
         Reason.AGENT_RESTARTED,
     )
 )
@@ -93,6 +94,13 @@ class OperatorMetrics:
         )
         self.reforms = Counter(
             "disttrain_job_reforms", "Group reforms (planned and unplanned).", [*job, "reason"], registry=registry
+        )
+        self.stalls = Counter(
+            "disttrain_stalls",
+            "Nodes evicted for a stalled step: their ranks did not reach a step's gradient reduction while their "
+            "peers waited there (status.stalls; spec.elastic.stallFactor).",
+            job,
+            registry=registry,
         )
         self.reform_duration = Histogram(
             "disttrain_job_reform_duration_seconds",
@@ -187,6 +195,9 @@ class OperatorMetrics:
             self.restarts.labels(*labels, reason)  # the series exists from the first sight
             if delta > 0:
                 self.restarts.labels(*labels, reason).inc(delta)
+        stalls = status.get("stalls", 0)
+        if previous is not None and isinstance(stalls, int) and stalls > previous.get("stalls", 0):
+            self.stalls.labels(*labels).inc(stalls - previous.get("stalls", 0))
         reform = status.get("lastReform") or {}
         old_reform = (previous or {}).get("lastReform") or {}
         if previous is not None and status.get("reforms", 0) > previous.get("reforms", 0):
@@ -206,6 +217,7 @@ class OperatorMetrics:
             "storeRejections": _store_rejection_counts(status),
             "restarts": status.get("restarts"),
             "reforms": status.get("reforms", 0),
+            "stalls": stalls if isinstance(stalls, int) else 0,
             "lastReform": reform,
         }
 
@@ -229,6 +241,7 @@ class OperatorMetrics:
         """Every reason's counter and the reform-duration histogram at 0, so that increase() sees the first
         restart, reform and reform duration of each kind."""
         self.reform_duration.labels(*labels)
+        self.stalls.labels(*labels)
         for phase in REFORM_PHASES:
             self.reform_phase.labels(labels[0], phase)
         for reason in (*RESTART_REASONS, OTHER_REASON):
@@ -254,6 +267,7 @@ class OperatorMetrics:
             self.checkpoint_age,
             self.samples,
             self.reform_duration,
+            self.stalls,
             self.restarts_counted,
             self.max_restarts,
         ):

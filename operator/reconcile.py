@@ -73,6 +73,7 @@ LOSS_REASONS = frozenset(
         Reason.NODE_DELETED.value,
         Reason.NODE_DRAINING.value,
         Reason.HEARTBEAT_LOST.value,
+        Reason.STEP_STALLED.value,
         Reason.AGENT_RESTARTED.value,
     }
 )
@@ -330,6 +331,8 @@ class _Draft:
         self.apply_pod_group = False
         self.silent = heartbeat.silent_pods(self.status.silent_nodes, seen.workers)
         """Worker pods the job agent reports silent in the rendezvous heartbeats (set once, from the inputs)."""
+        self.stalled = heartbeat.silent_pods(self.status.stalled_nodes, seen.workers)
+        """Worker pods the job agent reports behind a stalled step: evicted as silent ones are."""
 
     @property
     def is_finished(self) -> bool:
@@ -612,6 +615,8 @@ def _handle_workers(d: _Draft) -> None:
         reason = loss_reason(pod, d.seen.nodes)
         if reason is None and pod.name in d.silent:
             reason = Reason.HEARTBEAT_LOST
+        if reason is None and pod.name in d.stalled:
+            reason = Reason.STEP_STALLED
         if pod.name in victims:
             _remove_exited_victim(d, pod, reason)
         elif reason is None:
@@ -627,11 +632,13 @@ def _handle_workers(d: _Draft) -> None:
             )
             return
         else:
-            if reason is Reason.HEARTBEAT_LOST:
+            if reason in (Reason.HEARTBEAT_LOST, Reason.STEP_STALLED):
                 _fence(d, pod)
             _mark_lost(d, pod)
             if pod.uid not in handled:
                 handled.add(pod.uid)
+                if reason is Reason.STEP_STALLED:
+                    d.status.stalls += 1
                 _count_lost_pod(d, pod, reason)
             _remove_lost_pod(d, pod, reason)
     # Forget handled uids whose pods are gone: the list stays as short as the set of lingering pods.
@@ -640,8 +647,9 @@ def _handle_workers(d: _Draft) -> None:
 
 
 def _fence(d: _Draft, pod: PodView) -> None:
-    """A silent pod may be alive behind a partition: keep it out of the next round (the rendezvous ``exclude``)
-    until it is gone. It is deleted too, and the checkpoint fence refuses its commits (docs/operator.md)."""
+    """A silent or stalled pod may be alive behind a partition, or still in its step: keep it out of the next round
+    (the rendezvous ``exclude``) until it is gone. It is deleted too, and the checkpoint fence refuses its commits
+    (docs/operator.md)."""
     if pod.name not in d.status.control.exclude:
         d.status.control.exclude = sorted({*d.status.control.exclude, pod.name})
 
@@ -727,6 +735,8 @@ def _count_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
         )
         return
     detail = f"worker pod {pod.name} lost: {reason.value}"
+    if reason is Reason.STEP_STALLED:
+        detail += stall_detail(d.status, pod)
     if pod.node_name and reason.value.startswith("Node"):
         detail += f" (node {pod.node_name})"
     if pod.exit_code is not None:
@@ -737,6 +747,19 @@ def _count_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
     _count_loss(
         d, pod.name, reason, detail, outside=is_outside_the_group(d, pod.name), consequence=is_peer_loss_exit(pod)
     )
+
+
+def stall_detail(status: DistTrainJobStatus, pod: PodView) -> str:
+    """What the agent's stall report says of ``pod``: its ranks, the step, the wait and where the dumps are."""
+    for entry in status.stalled_nodes or ():
+        if entry.node == pod.name and entry.pod_uid in ("", pod.uid):
+            ranks = ", ".join(str(r) for r in entry.ranks) or "?"
+            detail = (
+                f" (node {pod.name}, rank(s) {ranks} did not reach step {entry.step}'s gradient reduction; their peers "
+                f"waited {entry.waited_seconds:.0f} s"
+            )
+            return detail + (f"; stacks in {entry.diagnostics})" if entry.diagnostics else ")")
+    return ""
 
 
 def is_outside_the_group(d: _Draft, name: str) -> bool:
@@ -1090,8 +1113,8 @@ def _size(d: _Draft) -> None:
             )
         else:
             taken = {p.name for p in d.seen.workers}
-            avoid = nodes_to_avoid(d.seen.workers, silent=d.silent, lost=st.control.lost)
-            for index in free_indices(d.seen.workers, missing, d.seen.nodes, lost=d.silent):
+            avoid = nodes_to_avoid(d.seen.workers, silent=d.silent | d.stalled, lost=st.control.lost)
+            for index in free_indices(d.seen.workers, missing, d.seen.nodes, lost=d.silent | d.stalled):
                 name = names.unused_worker_name(d.job.metadata.name, index, taken)
                 d.create.append(WorkerCreation(index, name, avoid_nodes=avoid))
             _uncover_new_pods(d)
