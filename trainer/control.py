@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Optional
 from disttrain.api import control as keys
 from disttrain.api import env
 from disttrain.api.exitcodes import ExitCode
-from disttrain.trainer import startup
+from disttrain.trainer import diagnostics, startup
 from disttrain.trainer.store import channel
 
 if TYPE_CHECKING:
@@ -78,6 +78,8 @@ class Watchdog:
         self._history = threading.Lock()
         self.on_reform: Optional[Callable[[keys.ControlSignal], bool]] = None
         """Takes a ``reform`` directive instead of the exit (returns whether it did)."""
+        self.seen_diagnostics: Optional[str] = None
+        """The id of the newest diagnostics request acted on (or present at connect: history)."""
 
     @property
     def drain_requested(self) -> bool:
@@ -120,6 +122,8 @@ class Watchdog:
         self.store = channel.connect(host, port, timeout_s)
         current = read_signal(self.store)
         self.seen_generation = current.generation if current and self._is_ours(current) else -1
+        request = keys.read_model(self.store, keys.DIAGNOSTICS_KEY, keys.DiagnosticsRequest)
+        self.seen_diagnostics = request.id if request is not None else None
 
     def mark_history(self) -> None:
         """The directive in the store now is history (a worker that joins a new round in place, as one that
@@ -166,6 +170,7 @@ class Watchdog:
     def poll_once(self) -> None:
         if self.store is None:
             return  # no control channel: only SIGTERM
+        self.follow_diagnostics()
         current = read_signal(self.store)
         with self._history:  # not interleaved with mark_history: a generation is acted on once
             if current is None or not self._is_ours(current) or current.generation <= self.seen_generation:
@@ -185,6 +190,20 @@ class Watchdog:
             self._exit(int(ExitCode.REFORM))
         elif current.action == "drain":
             self.request_drain(f"drain signal generation {current.generation}: {current.reason}")
+
+    def follow_diagnostics(self) -> None:
+        """Dump this rank's stacks (:mod:`disttrain.trainer.diagnostics`) once per new request of the job agent: it
+        asks when it finds a stalled step, and this thread answers while the main thread is stuck."""
+        if self.store is None:
+            return
+        request = keys.read_model(self.store, keys.DIAGNOSTICS_KEY, keys.DiagnosticsRequest)
+        if request is None or request.id == self.seen_diagnostics:
+            return
+        self.seen_diagnostics = request.id
+        if request.job_uid and self.job_uid and request.job_uid != self.job_uid:
+            return
+        rank = int(os.environ.get("RANK", "0") or 0)
+        diagnostics.dump(request.directory, request.id, os.environ.get(env.NODE_NAME, "node"), rank)
 
     def _is_ours(self, current: keys.ControlSignal) -> bool:
         """Whether ``current`` was issued for this job (a signal or worker without a uid predates uids)."""

@@ -8,7 +8,7 @@ comes back to it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, Optional, Protocol
 
@@ -66,8 +66,16 @@ class Step:
     needs).
     """
 
-    def __init__(self, trainer: StepOwner, index: int, indices: list[int]) -> None:
+    def __init__(
+        self,
+        trainer: StepOwner,
+        index: int,
+        indices: list[int],
+        on_reduction: Optional[Callable[[int], None]] = None,
+    ) -> None:
         self.trainer = trainer
+        self.on_reduction = on_reduction
+        """Told the step number just before the last micro batch's backward (the stall rule's beacon)."""
         self.index = index
         self.indices = indices
         p = trainer.plan
@@ -126,6 +134,8 @@ class Step:
         """
         denom = float(denominator if denominator is not None else self.global_batch)
         factor = 1.0 if self.trainer.ordered is not None else self.trainer.parallel.loss_factor(self.trainer.world_size)
+        if self.on_reduction is not None and len(self._losses) == len(self.micro_indices) - 1:
+            self.on_reduction(self.index + 1)
         with self.trainer.keeping_group_failures():
             self.trainer.precision.scale(loss_sum * (factor / denom)).backward()
         self._losses.append(loss_sum.detach())

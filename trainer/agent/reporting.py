@@ -12,6 +12,7 @@ a few things only, and those never wait:
   when the directive arrives): the drain's victims are deleted once the operator sees it;
 * a worker failure: a permanent exit code fails the job;
 * a node silent in the rendezvous heartbeats (or no longer silent): the operator treats it as lost;
+* a node behind a stalled step (or no longer): the operator evicts it;
 * the end of training: the success rule reads the final step.
 
 Everything else (steps and samples within a round, a routine checkpoint) goes out with the next periodic
@@ -51,6 +52,8 @@ def urgent_reason(changes: Mapping[str, Any], status: Mapping[str, Any], trainin
         return "worker failure"
     if "silentNodes" in changes:
         return "silent node in the rendezvous heartbeats"
+    if "stalledNodes" in changes:
+        return "stalled step"
     if "roundMembers" in changes:
         return "new members of the rendezvous round"
     if is_training_complete({**status, **changes}, training):

@@ -10,7 +10,8 @@ of them. The agent
   ``TARGET_KEY``, and what the operator counted of failures into ``RELIABILITY_KEY`` (for the trainer's
   ``intervalSteps: auto``);
 * relays the trainer's ``PROGRESS_KEY``, ``CHECKPOINT_KEY``, ``FAILURE_KEY`` and ``INTERVAL_KEY`` into the job's
-  status fields it owns (:data:`disttrain.api.status.AGENT_FIELDS`; it writes no other);
+  status fields it owns (:data:`disttrain.api.status.AGENT_FIELDS`; it writes no other), and the ranks' step
+  beacons into ``stalledNodes`` (:mod:`disttrain.trainer.agent.stalls`);
 * guards the store it hosts (:mod:`disttrain.trainer.agent.guardian`): deletes what a client without the job's secret
   put in, restores sealed values deleted, garbled or replayed, re-writes its own keys when they vanish, and
   reports what it rejected in ``status.storeRejections``.
@@ -52,7 +53,7 @@ from disttrain.api.contract import job_checkpoint_dir
 from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.status import AGENT_FIELDS
 from disttrain.api.timestamps import format_time
-from disttrain.trainer.agent import guardian, heartbeats, reporting
+from disttrain.trainer.agent import guardian, heartbeats, reporting, stalls
 from disttrain.trainer.checkpoint import autointerval
 from disttrain.trainer.checkpoint.commit import step_dir_name
 
@@ -324,6 +325,8 @@ class Agent:
         only when it changes."""
         self.heartbeats = heartbeats.HeartbeatWatch(store, None if guard is None else _rendezvous_rejections(guard))
         """Silent nodes; heartbeats are distrusted while the guardian or the store sees the rendezvous tampered with."""
+        self.stalls = stalls.StallWatch(store)
+        """Stalled steps, from the ranks' step beacons (:mod:`disttrain.trainer.agent.stalls`)."""
 
     def sync(self) -> bool:
         """Follow the directive and relay progress once. False when the job is gone (the agent should exit)."""
@@ -446,6 +449,7 @@ class Agent:
             self._relay_failure,
             self._relay_interval,
             self._relay_silent,
+            self._relay_stalled,
             self._relay_rejections,
         )
         for relay in relays:
@@ -525,6 +529,32 @@ class Agent:
         if report and report != status.get("silentNodes"):
             log.warning("silent in the rendezvous heartbeats: %s", report)
         return {"silentNodes": report or None, "roundMembers": self.heartbeats.members}
+
+    def _relay_stalled(self, job: agentview.AgentJob, status: dict[str, Any]) -> dict[str, Any]:
+        """Nodes behind a stalled step (:mod:`disttrain.trainer.agent.stalls`); None clears the field. A stall just
+        found first asks every rank for its stacks (``DIAGNOSTICS_KEY``); it is reported a moment later."""
+        elastic = job.spec.elastic
+        action = (status.get("control") or {}).get("action") or keys.DirectiveAction.NONE.value
+        directory = f"{_checkpoint_dir(job)}/diagnostics"
+        report, found = self.stalls.report(
+            factor=float(elastic.stall_factor),
+            min_seconds=float(elastic.stall_min_seconds),
+            quiet=action != keys.DirectiveAction.NONE.value,
+            directory=directory,
+            now=self.clock(),
+        )
+        if found is not None:
+            log.warning(
+                "stalled at step %d for %.1f s: rank(s) %s behind; asking every rank for its stacks",
+                found.step,
+                found.waited_s,
+                ", ".join(f"{lag.rank} ({lag.node})" for lag in found.laggards),
+            )
+            request = keys.DiagnosticsRequest(
+                id=stalls.request_id(found), directory=directory, job_uid=job.metadata.uid or ""
+            )
+            self.store.set(keys.DIAGNOSTICS_KEY, request.model_dump_json())
+        return {"stalledNodes": report or None}
 
     def _relay_rejections(self, job: agentview.AgentJob, status: dict[str, Any]) -> dict[str, Any]:
         """What the store guardian rejected (``storeRejections``; the operator counts it and posts Events)."""

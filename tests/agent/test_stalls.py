@@ -1,0 +1,141 @@
+"""The stall rule (disttrain.trainer.agent.stalls): which ranks lag behind a step's gradient reduction, and when."""
+
+from __future__ import annotations
+
+import pytest
+
+from disttrain.api import control as keys
+from disttrain.trainer.agent import stalls
+
+pytestmark = pytest.mark.timeout(30)
+GROUP = "10.0.0.1:29500"
+
+
+def beacon(rank: int, step: int, *, group: str = GROUP, world: int = 3, time: float = 0.0) -> keys.StepBeacon:
+    return keys.StepBeacon(
+        step=step,
+        rank=rank,
+        world_size=world,
+        group=group,
+        node=f"demo-worker-{rank}",
+        pod_uid=f"uid-{rank}",
+        time=time,
+    )
+
+
+def seen(*entries: tuple[int, int, float], group: str = GROUP, world: int = 3) -> dict[int, stalls.Seen]:
+    """(rank, step, first seen) per rank."""
+    return {r: stalls.Seen(beacon(r, step, group=group, world=world), at) for r, step, at in entries}
+
+
+def verdict(observed, *, now=100.0, median_s=1.0, factor=10.0, min_seconds=5.0, first=None, quiet=False):
+    return stalls.detect(
+        observed,
+        median_s=median_s,
+        factor=factor,
+        min_seconds=min_seconds,
+        now=now,
+        group_first_step={GROUP: 1} if first is None else first,
+        quiet=quiet,
+    )
+
+
+def test_the_rank_that_did_not_reach_the_reduction_is_named_once_the_peers_waited_long_enough():
+    observed = seen((0, 7, 80.0), (1, 6, 70.0), (2, 7, 85.0))
+    stall = verdict(observed, now=100.0)  # rank 0 waits since 80: 20 s > max(5, 10 x 1 s)
+    assert stall is not None and stall.step == 7 and stall.waited_s == 20.0
+    assert [(lag.rank, lag.node, lag.pod_uid) for lag in stall.laggards] == [(1, "demo-worker-1", "uid-1")]
+
+
+@pytest.mark.parametrize(
+    "observed, kwargs",
+    [
+        (seen((0, 7, 95.0), (1, 6, 70.0), (2, 7, 95.0)), {}),
+        (seen((0, 7, 80.0), (1, 6, 70.0), (2, 7, 80.0)), {"min_seconds": 60.0}),
+        (seen((0, 7, 80.0), (1, 6, 70.0), (2, 7, 80.0)), {"median_s": 3.0}),
+        (seen((0, 7, 80.0), (1, 6, 70.0), (2, 7, 80.0)), {"median_s": None}),
+        (seen((0, 7, 80.0), (1, 6, 70.0), (2, 7, 80.0)), {"factor": 0.0}),
+        (seen((0, 7, 80.0), (1, 6, 70.0), (2, 7, 80.0)), {"quiet": True}),
+        (seen((0, 7, 80.0), (1, 7, 70.0), (2, 7, 80.0)), {}),
+        (seen((0, 7, 80.0), (1, 6, 70.0), (2, 7, 80.0)), {"first": {GROUP: 7}}),
+    ],
+    ids=[
+        "waited-less-than-k-medians",
+        "waited-less-than-the-floor",
+        "slow-steps-raise-the-bar",
+        "no-median-yet",
+        "detection-off",
+        "directive-in-flight",
+        "every-rank-at-the-same-step-as-in-a-save",
+        "the-groups-first-step",
+    ],
+)
+def test_no_verdict(observed, kwargs):
+    assert verdict(observed, **kwargs) is None
+
+
+def test_beacons_of_an_older_group_are_not_compared_with_the_current_one():
+    observed = seen((1, 40, 10.0), group="10.0.0.1:1111")  # rank 1 of the old group was at step 40
+    observed |= seen((0, 31, 90.0), (2, 32, 91.0))  # the new group resumed from 30
+    stall = verdict(observed, now=105.0, first={GROUP: 31, "10.0.0.1:1111": 1})
+    assert stall is not None and stall.step == 32, "the old group's step 40 is not the lead"
+    assert [lag.rank for lag in stall.laggards] == [0, 1], "rank 1 has no beacon of this group: it lags too"
+
+
+def test_the_report_puts_a_nodes_ranks_together_and_says_where_the_dumps_are():
+    stall = stalls.Stall(
+        group=GROUP,
+        step=7,
+        waited_s=12.34,
+        laggards=(stalls.Laggard(3, "demo-worker-1", "u1"), stalls.Laggard(2, "demo-worker-1", "u1")),
+    )
+    assert stalls.stalled_report(stall, "/ckpt/diagnostics") == [
+        {
+            "node": "demo-worker-1",
+            "podUid": "u1",
+            "ranks": [2, 3],
+            "step": 7,
+            "waitedSeconds": 12.3,
+            "diagnostics": "/ckpt/diagnostics/demo-worker-1/stall-7-rank*",
+        }
+    ]
+
+
+class FakeStore:
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    def check(self, keys_: list[str]) -> bool:
+        return all(k in self.values for k in keys_)
+
+    def get(self, key: str) -> bytes:
+        return self.values[key]
+
+    def put(self, b: keys.StepBeacon) -> None:
+        self.values[keys.beacon_key(b.rank)] = b.model_dump_json().encode()
+
+
+def test_the_watch_learns_the_step_time_reports_after_the_dump_grace_and_holds_the_stall_until_it_resolves():
+    store = FakeStore()
+    watch = stalls.StallWatch(store)
+    settings: dict = {"factor": 3.0, "min_seconds": 2.0, "quiet": False, "directory": "/d"}
+    for step in range(1, 5):  # 0.5 s steps on every rank's own clock
+        for rank in range(3):
+            store.put(beacon(rank, step, time=step * 0.5))
+        assert watch.report(now=float(step), **settings) == (None, None)
+    assert watch.median_s == 0.5
+    store.put(beacon(0, 5, time=2.5))
+    store.put(beacon(2, 5, time=2.5))  # rank 1 never reaches step 5
+    watch.report(now=5.0, **settings)
+    report, found = watch.report(now=7.0, **settings)  # waited 2 s: the floor
+    assert report is None and found is not None and found.step == 5, "found: the ranks dump first"
+    report, found = watch.report(now=7.5, **settings)
+    assert found is None and report is None, "within the dump grace"
+    report, _ = watch.report(now=9.0, **settings)
+    assert report is not None and [(e["node"], e["ranks"], e["waitedSeconds"]) for e in report] == [
+        ("demo-worker-1", [1], 2.0)
+    ]
+    report, _ = watch.report(now=12.0, **{**settings, "quiet": True})
+    assert report is not None, "held while the operator's directive is in flight"
+    store.put(beacon(0, 6, group="10.0.0.2:4242", world=2, time=20.0))  # the group re-formed without it
+    assert watch.report(now=13.0, **settings) == (None, None)
