@@ -28,12 +28,13 @@ demo: $(STAMP)
 	$(BIN)/disttrain local run examples/jobs/demo.yaml --chaos "kill-node@30s,add-node@50s"
 
 # Static checks over the whole tree, configured in pyproject.toml: ruff lint, mypy (strict on api/, the reconcile
-# core and checkpointing), ruff format.
+# core, checkpointing and the agent), ruff format, and the layer contract (what each package may import).
 LINTED := .
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/mypy
 	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit/test_layers.py
 
 # The tiers are pytest markers (tests/conftest.py: unit, operator, trainer, e2e, cluster, chart, security, images).
 # `make test` is what CI runs: every tier but images, in lanes side by side (scripts/test_tiers.py), the tier times
