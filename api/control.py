@@ -52,6 +52,8 @@ BEACON_PREFIX = PREFIX + "beacon/"
 # DiagnosticsRequest JSON, written by the agent when it finds a stalled step: every rank's watchdog writes its
 # stacks (and NCCL's flight-recorder trace) once per request id.
 DIAGNOSTICS_KEY = PREFIX + "diagnostics"
+DIAGNOSTICS_FOLDER = "diagnostics"
+"""Where the ranks write those, under the job's checkpoint directory: dumps outlive the pod, on the job's volume."""
 
 MAX_VALUE_BYTES = 64 * 1024
 """Largest value :func:`read_model` parses; the biggest legitimate one (a ProgressReport) is under 2 KiB. The
@@ -193,13 +195,12 @@ class StepBeacon(BaseModel):
 
 
 class DiagnosticsRequest(BaseModel):
-    """Every rank: write your stacks (and NCCL's flight-recorder trace) under ``directory``, once per ``id``."""
+    """Every rank: write your stacks (and NCCL's flight-recorder trace) once per ``id``, under
+    ``$DISTTRAIN_CHECKPOINT_DIR/diagnostics/<node>/`` (the folder is the worker's own: no path comes from the store)."""
 
     model_config = ConfigDict(extra="forbid")
     id: str = Field(min_length=1, max_length=MAX_NAME)
     """What the dump files are named after (``stall-<step>``)."""
-    directory: str = Field(min_length=1, max_length=MAX_TEXT)
-    """The job's diagnostics folder (``<checkpoint dir>/diagnostics``); each rank writes under ``<node>/``."""
     job_uid: str = Field("", max_length=MAX_NAME)
 
 

@@ -202,8 +202,13 @@ class Watchdog:
         self.seen_diagnostics = request.id
         if request.job_uid and self.job_uid and request.job_uid != self.job_uid:
             return
+        checkpoint_dir = os.environ.get(env.CHECKPOINT_DIR)
+        if not checkpoint_dir:
+            log.warning("diagnostics %s asked for, but no $%s to write to", request.id, env.CHECKPOINT_DIR)
+            return
         rank = int(os.environ.get("RANK", "0") or 0)
-        diagnostics.dump(request.directory, request.id, os.environ.get(env.NODE_NAME, "node"), rank)
+        directory = os.path.join(checkpoint_dir, keys.DIAGNOSTICS_FOLDER)
+        diagnostics.dump(directory, request.id, os.environ.get(env.NODE_NAME, "node"), rank)
 
     def _is_ours(self, current: keys.ControlSignal) -> bool:
         """Whether ``current`` was issued for this job (a signal or worker without a uid predates uids)."""

@@ -7,7 +7,9 @@ time, load time and group). ``E2E_STEP_SLEEP`` slows steps down so chaos lands m
 holds that step's commit open after every rank's files are written, before COMPLETE.json, so a node kill lands
 inside the checkpoint write. ``E2E_RAISE_AT_STEP`` raises a RuntimeError after that step on every rank (a
 deterministic bug), with ``E2E_RAISE_ONCE=1`` on the first process only; ``E2E_EXIT_AT_START`` exits with that
-code before anything else.
+code before anything else. ``E2E_STALL_STEP`` with ``E2E_STALL_NODE`` makes that node's ranks sleep
+``E2E_STALL_SECONDS`` (default 600) in that step, before the backward that reaches its gradient reduction: a
+stalled rank, which its peers wait for.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ def main() -> None:
     out_dir = os.environ["E2E_OUT"]
     hook = hold_commit(hold_step, 30.0, out_dir) if hold_step else None
     node = os.environ.get("DISTTRAIN_NODE_NAME", "node")
+    stall_step = int(os.environ.get("E2E_STALL_STEP", "0"))
+    stall_here = stall_step and os.environ.get("E2E_STALL_NODE") == node
+    stall_seconds = float(os.environ.get("E2E_STALL_SECONDS", "600"))
     with (
         ElasticTrainer.from_env(model, optimizer, dataset, log_every=1, on_checkpoint_phase=hook) as trainer,
         toymodel.open_records(out_dir, node) as records,
@@ -51,6 +56,8 @@ def main() -> None:
                 loaded, load_seconds[0], last_group = load_seconds[0], 0.0, group
 
             def record(loss_sum: float, count: int, step=step, loaded=loaded, group=group) -> None:
+                if stall_here and step.index + 1 == stall_step:
+                    time.sleep(stall_seconds)  # stalled: evicted before it wakes
                 toymodel.write_record(
                     records,
                     dict(

@@ -535,7 +535,7 @@ class Agent:
         found first asks every rank for its stacks (``DIAGNOSTICS_KEY``); it is reported a moment later."""
         elastic = job.spec.elastic
         action = (status.get("control") or {}).get("action") or keys.DirectiveAction.NONE.value
-        directory = f"{_checkpoint_dir(job)}/diagnostics"
+        directory = f"{_checkpoint_dir(job)}/{keys.DIAGNOSTICS_FOLDER}"
         report, found = self.stalls.report(
             factor=float(elastic.stall_factor),
             min_seconds=float(elastic.stall_min_seconds),
@@ -550,9 +550,7 @@ class Agent:
                 found.waited_s,
                 ", ".join(f"{lag.rank} ({lag.node})" for lag in found.laggards),
             )
-            request = keys.DiagnosticsRequest(
-                id=stalls.request_id(found), directory=directory, job_uid=job.metadata.uid or ""
-            )
+            request = keys.DiagnosticsRequest(id=stalls.request_id(found), job_uid=job.metadata.uid or "")
             self.store.set(keys.DIAGNOSTICS_KEY, request.model_dump_json())
         return {"stalledNodes": report or None}
 

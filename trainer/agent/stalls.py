@@ -87,6 +87,8 @@ def detect(
     newest = max(seen.values(), key=lambda s: (s.first_seen, s.beacon.step))
     group, world = newest.beacon.group, newest.beacon.world_size
     current = {r: s for r, s in seen.items() if s.beacon.group == group and r < world}
+    if not current:
+        return None
     lead = max(s.beacon.step for s in current.values())
     if lead <= group_first_step.get(group, lead):
         return None
