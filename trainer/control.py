@@ -199,9 +199,9 @@ class Watchdog:
         request = keys.read_model(self.store, keys.DIAGNOSTICS_KEY, keys.DiagnosticsRequest)
         if request is None or request.id == self.seen_diagnostics:
             return
-        self.seen_diagnostics = request.id
         if request.job_uid and self.job_uid and request.job_uid != self.job_uid:
-            return
+            return  # another job's (one recreated under this name): not ours to answer
+        self.seen_diagnostics = request.id
         checkpoint_dir = os.environ.get(env.CHECKPOINT_DIR)
         if not checkpoint_dir:
             log.warning("diagnostics %s asked for, but no $%s to write to", request.id, env.CHECKPOINT_DIR)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import threading
 
-from disttrain.trainer import diagnostics
+from disttrain.api import control as keys
+from disttrain.api import env
+from disttrain.trainer import control, diagnostics
 
 
 def test_the_dump_names_the_stuck_threads_function(tmp_path):
@@ -29,3 +31,39 @@ def test_the_dump_names_the_stuck_threads_function(tmp_path):
 def test_an_unsafe_node_name_stays_inside_the_folder(tmp_path):
     written = diagnostics.dump(str(tmp_path), "stall-1", "../../etc", 0)
     assert written and all(path.startswith(str(tmp_path) + "/") and "/../" not in path for path in written)
+
+
+class _Store:
+    """The two calls the watchdog reads the control keys with."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    def check(self, keys_: list[str]) -> bool:
+        return all(k in self.values for k in keys_)
+
+    def get(self, key: str) -> bytes:
+        return self.values[key]
+
+
+def test_the_watchdog_dumps_once_per_request_of_its_own_job(tmp_path, monkeypatch):
+    monkeypatch.setenv(env.CHECKPOINT_DIR, str(tmp_path))
+    monkeypatch.setenv(env.NODE_NAME, "demo-worker-0")
+    monkeypatch.setenv("RANK", "2")
+    watchdog = control.Watchdog(None, job_uid="uid-1")
+    store = _Store()
+    watchdog.store = store  # type: ignore[assignment]
+    stacks = tmp_path / keys.DIAGNOSTICS_FOLDER / "demo-worker-0" / "stall-9-rank2.stacks.txt"
+
+    def ask(request_id: str, job_uid: str) -> None:
+        request = keys.DiagnosticsRequest(id=request_id, job_uid=job_uid)
+        store.values[keys.DIAGNOSTICS_KEY] = request.model_dump_json().encode()
+        watchdog.follow_diagnostics()
+
+    ask("stall-9", "uid-other")
+    assert not stacks.exists(), "another job's request"
+    ask("stall-9", "uid-1")
+    assert stacks.exists()
+    stacks.unlink()
+    watchdog.follow_diagnostics()
+    assert not stacks.exists(), "once per request"
