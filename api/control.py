@@ -190,6 +190,8 @@ class StepBeacon(BaseModel):
     node: str = Field("", max_length=MAX_NAME)
     """DISTTRAIN_NODE_NAME (the pod name)."""
     pod_uid: str = Field("", max_length=64)
+    saving: bool = False
+    """An asynchronous save of this rank was still in flight: the stall rule waits twice as long."""
     time: float = Field(ge=0.0, le=MAX_TIME, allow_inf_nan=False)
     """Unix time on the rank's own clock: only differences between one rank's beacons are used."""
 

@@ -82,6 +82,7 @@ def send_beacon(trainer: ElasticTrainer, step: int) -> None:
         group=f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}",
         node=os.environ.get(env.NODE_NAME, ""),
         pod_uid=os.environ.get(env.POD_UID, ""),
+        saving=bool(trainer.checkpoints.local_pending_state()[0]),
         time=time.time(),
     )
     trainer.watchdog.publish(control_keys.beacon_key(trainer.rank), beacon.model_dump_json())

@@ -74,6 +74,13 @@ def test_no_verdict(observed, kwargs):
     assert verdict(observed, **kwargs) is None
 
 
+def test_a_save_in_flight_gets_one_more_threshold_to_finish():
+    observed = seen((0, 7, 80.0), (1, 6, 70.0), (2, 7, 80.0))
+    observed[0] = stalls.Seen(observed[0].beacon.model_copy(update={"saving": True}), 80.0)
+    assert verdict(observed, now=95.0) is None, "15 s < 2 x 10 s"
+    assert verdict(observed, now=101.0) is not None
+
+
 def test_beacons_of_an_older_group_are_not_compared_with_the_current_one():
     observed = seen((1, 40, 10.0), group="10.0.0.1:1111")  # rank 1 of the old group was at step 40
     observed |= seen((0, 31, 90.0), (2, 32, 91.0))  # the new group resumed from 30

@@ -9,8 +9,10 @@ time, and at least ``stallMinSeconds``. It gives no verdict
 
 * without a median step time (no two beacons of one rank yet), nor on the group's first step (a warm-up, a load);
 * while a directive is in flight: a drain or reform stops ranks at different points on purpose;
-* while every rank of the group is at the same step, which is where a save happens (at the step boundary, after
-  every rank passed the reduction): a slow save never makes ranks disagree on the step, so it never counts.
+* for a save: a synchronous one holds every rank at the step boundary, where all agree on the step (no rank is
+  behind). A rank whose asynchronous save is still in flight says so in its beacon, and the wait then must be twice
+  as long: the save gets one full threshold to finish. Not a veto: the flag is as old as the beacon, and a rank
+  that hangs right after a save began would otherwise never be named.
 
 Durations come from one rank's own clock (two of its beacons); how long the peers have waited comes from the agent's
 clock (when it first saw their beacon), so no two clocks are ever compared. A stall stays reported (its wait as it was
@@ -94,7 +96,8 @@ def detect(
         return None
     waiting_since = min(s.first_seen for s in current.values() if s.beacon.step == lead)
     waited = now - waiting_since
-    if waited < threshold_s(median_s, factor, min_seconds):
+    saving = any(s.beacon.saving for s in current.values())
+    if waited < threshold_s(median_s, factor, min_seconds) * (2 if saving else 1):
         return None
     laggards = []
     for rank in range(world):
