@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
+import time
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -36,6 +37,9 @@ MAX_DURATIONS = 64
 READ_INTERVAL_S = 1.0
 """How often the agent reads the beacons (one ``check`` and ``get`` per rank): a stall is never shorter than
 ``stallMinSeconds`` (at least 1 s), so reading more often buys nothing."""
+READ_SHARE = 0.2
+"""The most of the agent's time reading the beacons may take: a read of many ranks (about 0.5 ms each, measured on
+loopback on a loaded 2-core machine) spaces the next one out to 1 / this times its own length."""
 DUMP_GRACE_S = 2.0
 """Seconds between asking every rank for its stacks and reporting the stall: the lagging node is evicted after its
 dump, not before (the workers' watchdogs poll every 0.2 s)."""
@@ -161,6 +165,7 @@ class StallWatch:
         self.stall: Optional[Stall] = None
         self.found_at = 0.0
         self._read_at: Optional[float] = None
+        self._read_every = READ_INTERVAL_S
         self._report: list[dict[str, Any]] = []
 
     @property
@@ -196,9 +201,11 @@ class StallWatch:
         self, *, factor: float, min_seconds: float, quiet: bool, directory: str, now: float
     ) -> tuple[Optional[list[dict[str, Any]]], Optional[Stall]]:
         """(``status.stalledNodes`` or None, the stall just found when the ranks are to dump their stacks)."""
-        if self._read_at is None or now - self._read_at >= READ_INTERVAL_S:
+        if self._read_at is None or now - self._read_at >= self._read_every:
             self._read_at = now
+            began = time.monotonic()
             self.read(now)
+            self._read_every = max(READ_INTERVAL_S, (time.monotonic() - began) / READ_SHARE)
         new = None
         if self.stall is not None and is_resolved(self.stall, self.seen):
             self.stall, self._report = None, []
