@@ -131,6 +131,10 @@ class ProgressReport(BaseModel):
     """Unix time of the report."""
     startup: Optional[WorkerStartup] = None
     """When this process started, phase by phase (the agent relays it into ``status.workerStartup``)."""
+    in_place_fallback: Optional[str] = Field(None, max_length=512)
+    """Why reforms restart this group's workers from the last checkpoint although ``spec.elastic.reformInPlace``
+    asks to keep them (FSDP2, a model passed already wrapped, no launcher channel); None: in place applies, or was
+    not asked for. The agent relays it into ``status.inPlaceFallback``."""
 
     @field_validator("plan")
     @classmethod

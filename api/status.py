@@ -34,6 +34,7 @@ AGENT_FIELDS: Final = (
     "stalledNodes",
     "roundMembers",
     "workerStartup",
+    "inPlaceFallback",
     "storeRejections",
 )
 """Wire names of the status fields the job agent owns; it writes no other, and the operator never writes these."""
@@ -347,6 +348,10 @@ class DistTrainJobStatus(ContractModel):
     worker_startup: Optional[WorkerStartup] = None
     """When the current group's rank 0 started, phase by phase, and when the previous group exited (relayed by
     the job agent); the operator computes ``lastReform.phases`` from it."""
+    in_place_fallback: Optional[str] = Field(None, max_length=512)
+    """Why a reform restarts the current group's workers from the last checkpoint although
+    ``spec.elastic.reformInPlace`` asks to keep them (relayed by the job agent from rank 0); unset while in-place
+    reform applies or was not asked for."""
     store_rejections: Optional[StoreRejections] = None
     """Values the job agent found invalid in its store and removed or repaired (unset while there were none): a
     sign that something without the job's secret writes to the store."""

@@ -113,6 +113,8 @@ class Started:
     link: Optional[WorkerLink]
     """This process's channel to its launcher (None: it cannot wait for the next round and restarts instead)."""
     startup: startup_mod.StartupClock
+    in_place_fallback: Optional[str] = None
+    """Why reforms restart this job's workers although in place was asked for (rank 0 reports it); None: they stay."""
 
 
 class ElasticTrainer:
@@ -144,6 +146,7 @@ class ElasticTrainer:
         self.metrics = started.metrics
         self.startup = started.startup
         """This process's startup stamps, sent with rank 0's progress."""
+        self.in_place_fallback = started.in_place_fallback
         self.sampler = sampler_mod.GlobalSampler(len(components.dataset), self.training.seed)
         self.state = ckpt_mod.TrainerState()
         self.lr_state = lr_mod.LRState(started.plan.lr_scale, started.plan.lr_scale, 0)
@@ -271,6 +274,7 @@ class ElasticTrainer:
                 ctx.contract.reform_in_place, par.parallelism.value, prewrapped, started.link is not None
             )
             inplace.log_fallback(reason)
+            started = dataclasses.replace(started, in_place_fallback=reason)
         components = Components(model=on_device, optimizer=optimizer, dataset=readable, scheduler=scheduler)
         trainer = cls(options, components, started)
         trainer.lifecycle.start()

@@ -65,6 +65,7 @@ def report_step(trainer: ElasticTrainer, step: Step, seconds: float) -> None:
             process_id=trainer.process_id,
             time=time.time(),
             startup=trainer.startup.report(),
+            in_place_fallback=trainer.in_place_fallback,
         )
         trainer.watchdog.publish(control_keys.PROGRESS_KEY, report.model_dump_json())
 

@@ -409,6 +409,23 @@ def test_the_throughput_of_rank_0_is_relayed_with_the_progress(tmp_path, store_p
     assert source.read()["status"]["samplesPerSecond"] == 812.5
 
 
+def test_why_reforms_restart_the_workers_is_relayed_and_cleared_by_a_group_that_reforms_in_place(tmp_path, store_pair):
+    """status.inPlaceFallback says why spec.elastic.reformInPlace does not apply (FSDP2, ...); a later group for which
+    it applies removes the reason rather than leaving a stale one."""
+    server, client = store_pair
+    write_job(tmp_path)
+    source = agent_mod.FileJobSource(tmp_path)
+    agent = agent_mod.Agent(source, server)
+    reason = "parallelism='fsdp2' shards the state: in-place reform needs parallelism='ddp'"
+    report = keys.ProgressReport.model_validate_json(progress(3))
+    client.set(keys.PROGRESS_KEY, report.model_copy(update={"in_place_fallback": reason}).model_dump_json())
+    agent.sync()
+    assert source.read()["status"]["inPlaceFallback"] == reason
+    client.set(keys.PROGRESS_KEY, progress(1, process="p2"))  # a new group, in place
+    agent.sync()
+    assert source.read()["status"].get("inPlaceFallback") is None
+
+
 def test_failure_history_goes_to_the_trainer_and_its_interval_comes_back_to_status(tmp_path, store_pair):
     """intervalSteps: auto: the operator's failure count reaches the trainer through the store, and rank 0's
     choice reaches status.checkpointInterval."""

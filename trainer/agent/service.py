@@ -480,6 +480,7 @@ class Agent:
                 lastProgressTime=format_time(report.time),
                 rendezvousRound=self._rounds,
                 roundStartTime=self._round_start,
+                inPlaceFallback=report.in_place_fallback,  # None removes a previous group's reason
             )
             if report.samples_per_second is not None:
                 wanted["samplesPerSecond"] = round(report.samples_per_second, 1)
