@@ -1,0 +1,525 @@
+"""GPU failover: local nodes on their own GPUs with NCCL, one node SIGKILLed mid-step, against the same job
+uninterrupted and a plain DDP loop.
+
+    python bench/gpu_failover.py [--device cuda|cpu] [--nodes 2] [--steps 200] [--kill-at 60]
+                                 [--width 2048] [--depth 4] [--micro-batch 64]
+
+One invocation runs, one after the other, with the same model, data and batch:
+
+(a) the job uninterrupted (local mode: reconcile, job agent, torchrun, the trainer);
+(b) the same job with the last node SIGKILLed (its whole process tree, as ``--chaos kill-node`` does) while its
+    rank is inside step ``--kill-at``: it stops before the backward that reaches the gradient reduction, so its
+    peers wait in the collective when it dies, as when a machine dies mid-step;
+(c) a plain DDP loop (torchrun, no disttrain) of ``--steps`` steps: the step-time baseline.
+
+Each node's processes see only their own GPUs: this script is also the nodes' training program (``--worker``),
+and it sets ``CUDA_VISIBLE_DEVICES`` from the node's index before CUDA starts (the job's env is the same for
+every node, so the local runtime cannot). NCCL refuses two ranks of one communicator on one device, so with
+fewer GPUs than ``--nodes`` x ``--nproc-per-node`` the benchmark says so and runs one node instead: the node is
+killed, its replacement resumes from the last checkpoint (no survivor, so no abort to time), and step time is
+compared at one process. ``--device cpu`` runs everything with gloo, to check the script where there is no GPU.
+
+Prints, as the last lines, one ``name value`` each:
+
+- ``device``, ``gpu_model`` (``torch.cuda.get_device_name``), ``nodes``, ``nproc_per_node``;
+- ``reform_seconds``: from the SIGKILL to the first step of the new group;
+- ``lost_steps``: steps executed by more than one group plus steps never executed, from the per-step records;
+- ``group_leave``, ``nccl_abort_seconds``: how a survivor left the broken group and how long that took (timed
+  around :func:`disttrain.trainer.teardown.abort_groups`/``destroy_groups`` in the survivors; ``n/a`` on gloo or
+  without a survivor), and ``survivor_leave_after_kill_seconds``, from the kill to the survivor starting to leave;
+- ``restarts_charged``: ``status.restarts.total`` of run (b), and ``reform_phases`` (``status.lastReform.phases``);
+- ``step_time_ms`` (median of run (a)), ``plain_ddp_step_time_ms`` and ``step_time_ratio``;
+- ``max_abs_loss_diff``: between (a) and (b) over the steps after the kill, ``..._same_world`` over the steps
+  (b) ran at the world size of (a), and ``bitwise_equal_same_world``.
+
+On the device (no network: the wheels in ``.whl/`` and the checkout only), the one prepared command::
+
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . && \\
+    timeout 420 python3 bench/gpu_failover.py --steps 200 --kill-at 60 2>&1 | tee $OUT/gpu_failover.log | tail -40
+
+Here, to check the script on the CPU: ``python bench/gpu_failover.py --device cpu --steps 40 --kill-at 15``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import pathlib
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple, Optional
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SCRIPT = "bench/gpu_failover.py"
+INPUT_DIM = 128
+KILL_MARKER = "kill-marker"
+"""File the victim's rank writes once it is held inside the kill step; the driver then kills its node."""
+LEAVE_EVENT = "leave"
+
+
+# ---- pure parts: records to figures ---------------------------------------------------------------------------------
+
+
+def step_records(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The per-step records (other events, such as a group leave, carry no ``step``)."""
+    return [r for r in records if "step" in r]
+
+
+def executions(records: Iterable[Mapping[str, Any]]) -> dict[int, list[list[Mapping[str, Any]]]]:
+    """step -> its executions in time order; an execution is the records of one group (one per rank)."""
+    by_group: dict[tuple[int, str], list[Mapping[str, Any]]] = collections.defaultdict(list)
+    for record in step_records(records):
+        by_group[(record["step"], record["group"])].append(record)
+    ordered = sorted(by_group.items(), key=lambda kv: min(r["time"] for r in kv[1]))
+    steps: dict[int, list[list[Mapping[str, Any]]]] = collections.defaultdict(list)
+    for (step, _group), found in ordered:
+        steps[step].append(found)
+    return dict(steps)
+
+
+def lost_steps(records: Iterable[Mapping[str, Any]], last_step: int) -> tuple[int, int]:
+    """(steps executed again by a later group, steps in 1..``last_step`` never executed): the work a failure cost."""
+    runs = executions(records)
+    redone = sum(len(found) - 1 for found in runs.values())
+    missing = sum(1 for step in range(1, last_step + 1) if step not in runs)
+    return redone, missing
+
+
+class StepLoss(NamedTuple):
+    loss: float
+    world: int
+
+
+def final_losses(records: Iterable[Mapping[str, Any]]) -> dict[int, StepLoss]:
+    """step -> the mean loss of the execution that counted (the last one) and its world size."""
+    out = {}
+    for step, found in executions(records).items():
+        last = found[-1]
+        count = sum(r["count"] for r in last)
+        out[step] = StepLoss(sum(r["loss_sum"] for r in last) / count, last[0]["world"])
+    return dict(sorted(out.items()))
+
+
+class TrajectoryDiff(NamedTuple):
+    steps: int
+    """Steps compared (after the kill, present in both runs)."""
+    max_abs: float
+    same_world_steps: int
+    max_abs_same_world: float
+    bitwise_same_world: bool
+    """Every compared step at the reference's world size has exactly the reference's loss."""
+
+
+def trajectory_diff(reference: Mapping[int, StepLoss], other: Mapping[int, StepLoss], after: int) -> TrajectoryDiff:
+    """How far ``other``'s losses are from ``reference``'s at every step after ``after`` that both ran."""
+    steps = [s for s in sorted(other) if s > after and s in reference]
+    diffs = {s: abs(other[s].loss - reference[s].loss) for s in steps}
+    same = [s for s in steps if other[s].world == reference[s].world]
+    return TrajectoryDiff(
+        steps=len(steps),
+        max_abs=max(diffs.values(), default=0.0),
+        same_world_steps=len(same),
+        max_abs_same_world=max((diffs[s] for s in same), default=0.0),
+        bitwise_same_world=all(other[s].loss == reference[s].loss for s in same),
+    )
+
+
+def median_step_ms(times: list[float], skip: int = 3) -> float:
+    """Median interval between consecutive step times (seconds), in ms, after ``skip`` warm-up steps."""
+    gaps = [b - a for a, b in zip(times[skip:], times[skip + 1 :], strict=False)]
+    if not gaps:
+        raise ValueError(f"{len(times)} step times: too few to time a step after {skip} warm-up steps; raise --steps")
+    return statistics.median(gaps) * 1000.0
+
+
+def rank0_step_times(records: Iterable[Mapping[str, Any]]) -> list[float]:
+    """Times of global rank 0's records, one per step, of a run without failures."""
+    return [r["time"] for r in sorted(step_records(records), key=lambda r: r["time"]) if r["rank"] == 0]
+
+
+def first_step_after(records: Iterable[Mapping[str, Any]], at: float, old_groups: set[str]) -> Optional[float]:
+    """Time of the first step record after ``at`` by a group other than ``old_groups``."""
+    times = [r["time"] for r in step_records(records) if r["time"] > at and r["group"] not in old_groups]
+    return min(times, default=None)
+
+
+class NodePlan(NamedTuple):
+    nodes: int
+    note: str
+    """Empty when the requested nodes run; else why fewer do."""
+
+
+def plan_nodes(device: str, gpus: int, nodes: int, nproc: int) -> NodePlan:
+    """How many nodes can run: on CUDA every rank needs a GPU of its own (NCCL refuses two ranks of one communicator
+    on one device), so with too few GPUs one node runs (its kill is then a whole-group loss and restart)."""
+    if device == "cpu" or gpus >= nodes * nproc:
+        return NodePlan(nodes, "")
+    if gpus >= nproc:
+        return NodePlan(
+            1,
+            f"{gpus} GPU(s) < {nodes} nodes x {nproc} processes: NCCL cannot put two ranks of one communicator on "
+            "one device, so 1 node runs; its kill is a whole-group loss (no survivor, no abort to time)",
+        )
+    raise SystemExit(f"gpu_failover: {gpus} GPU(s) < --nproc-per-node={nproc}; nothing was run")
+
+
+def visible_devices(node_index: int, nproc: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` of node ``node_index``: its own ``nproc`` GPUs."""
+    return ",".join(str(node_index * nproc + i) for i in range(nproc))
+
+
+# ---- the model, shared by the nodes' program and the plain DDP loop --------------------------------------------------
+
+
+def build_model(width: int, depth: int) -> Any:
+    import torch
+
+    torch.manual_seed(1234)  # the same initial weights on every rank and in every run
+    layers: list[torch.nn.Module] = [torch.nn.Linear(INPUT_DIM, width), torch.nn.Tanh()]
+    for _ in range(depth - 1):
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1), torch.nn.Flatten(0))
+
+
+def build_dataset(samples: int) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(samples, INPUT_DIM, generator=g)
+    y = x[:, :8].sum(-1) * 0.3 + torch.randn(samples, generator=g) * 0.1
+    return torch.utils.data.TensorDataset(x, y)
+
+
+# ---- (a) and (b): the nodes' program ---------------------------------------------------------------------------------
+
+
+def worker() -> None:
+    """One rank of a local node: train, and append one JSON line per step (and per group leave) to ``GF_OUT``."""
+    index, nproc = int(os.environ.get("DISTTRAIN_NODE_INDEX", "0")), int(os.environ["GF_NPROC"])
+    if os.environ.get("GF_DEVICE") == "cuda":
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(index, nproc)  # before anything starts CUDA
+    import torch
+
+    from disttrain.trainer import teardown
+    from disttrain.trainer.loop import ElasticTrainer
+
+    out = pathlib.Path(os.environ["GF_OUT"])
+    out.mkdir(parents=True, exist_ok=True)
+    kill_at = int(os.environ.get("GF_KILL_AT", "0"))
+    victim = kill_at and index == int(os.environ["GF_VICTIM"]) and not (out / KILL_MARKER).exists()
+    model = build_model(int(os.environ["GF_WIDTH"]), int(os.environ["GF_DEPTH"]))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    dataset = build_dataset(int(os.environ["GF_SAMPLES"]))
+    with (
+        open(out / f"node{index}-{os.getpid()}.jsonl", "a", buffering=1) as records,  # line-buffered: a kill loses none
+        ElasticTrainer.from_env(model, optimizer, dataset) as trainer,
+    ):
+        _time_group_leaves(teardown, records)
+        for step in trainer.steps():
+            env = os.environ  # re-read: a worker re-formed in place runs in the next round's environment
+            group = f"{env.get('TORCHELASTIC_RUN_ID')}:{env.get('MASTER_PORT')}:{trainer.world_size}"
+            group += f":{trainer.resumed_from}"
+            loss_sum, count = 0.0, 0
+            last = len(step.micro_indices) - 1
+            for i, mb in enumerate(step):
+                xb, yb = mb.data
+                loss = torch.nn.functional.mse_loss(trainer.model(xb), yb, reduction="sum")
+                loss_sum += float(loss.detach())
+                count += len(mb.indices)
+                if i == last:
+                    if victim and step.index + 1 == kill_at:
+                        (out / KILL_MARKER).write_text(str(time.time()))
+                        time.sleep(600)  # held before the gradient reduction until the node is killed
+                    record = {"step": step.index + 1, "rank": trainer.rank, "world": trainer.world_size}
+                    record.update(group=group, loss_sum=loss_sum, count=count, time=time.time())
+                    records.write(json.dumps(record) + "\n")
+                step.backward(loss)
+
+
+def _time_group_leaves(teardown: Any, records: Any) -> None:
+    """Wrap the teardown's abort and destroy so a survivor records when it left a group and how long it took."""
+
+    def timed(how: str, original: Any) -> Any:
+        def leave() -> None:
+            began = time.time()
+            try:
+                original()
+            finally:
+                event = {"event": LEAVE_EVENT, "how": how, "began": began, "seconds": time.time() - began}
+                records.write(json.dumps(event) + "\n")
+
+        return leave
+
+    teardown.abort_groups = timed("abort", teardown.abort_groups)
+    teardown.destroy_groups = timed("destroy", teardown.destroy_groups)
+
+
+# ---- (c): the plain DDP loop -----------------------------------------------------------------------------------------
+
+
+def plain_ddp(width: int, depth: int, micro_batch: int, steps: int) -> None:
+    """One rank of plain DDP under torchrun: the same model, per-rank batch and loss; rank 0 prints its step time."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    cuda = os.environ.get("GF_DEVICE") == "cuda"
+    if cuda:
+        torch.cuda.set_device(local)
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
+    model = DistributedDataParallel(build_model(width, depth).to(device), device_ids=[local] if cuda else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = build_dataset(micro_batch * world * steps)
+    times = []
+    for step in range(steps):
+        at = (step * world + rank) * micro_batch
+        xb, yb = (t[at : at + micro_batch].to(device) for t in data.tensors)
+        loss = torch.nn.functional.mse_loss(model(xb), yb, reduction="sum")
+        float(loss.detach())  # the same host sync per step as the nodes' program
+        (loss / micro_batch).backward()  # DDP averages over the ranks: the global mean
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.time())
+    if rank == 0:
+        print(f"plain_ddp_step_time_ms {median_step_ms(times):.3f}", flush=True)
+    dist.destroy_process_group()
+
+
+# ---- the driver ------------------------------------------------------------------------------------------------------
+
+
+def job(name: str, out: pathlib.Path, args: argparse.Namespace, nodes: int, kill_at: int) -> dict[str, Any]:
+    global_batch = args.micro_batch * nodes * args.nproc_per_node
+    env = {
+        "GF_OUT": str(out),
+        "GF_DEVICE": args.device,
+        "GF_NPROC": str(args.nproc_per_node),
+        "GF_WIDTH": str(args.width),
+        "GF_DEPTH": str(args.depth),
+        "GF_SAMPLES": str(global_batch * args.steps),
+        "GF_KILL_AT": str(kill_at),
+        "GF_VICTIM": str(nodes - 1),
+    }
+    container: dict[str, Any] = {
+        "name": "trainer",
+        "image": "local",
+        "env": [{"name": k, "value": v} for k, v in env.items()],
+        "command": ["python", "-u", SCRIPT, "--worker"],
+    }
+    if args.device == "cuda":
+        container["resources"] = {"limits": {"nvidia.com/gpu": args.nproc_per_node}}
+    else:
+        container["env"].append({"name": "CUDA_VISIBLE_DEVICES", "value": ""})
+    return {
+        "apiVersion": "disttrain.dev/v1alpha1",
+        "kind": "DistTrainJob",
+        "metadata": {"name": name},
+        "spec": {
+            "nodes": {"min": 1, "max": nodes, "replicas": nodes},
+            "nprocPerNode": args.nproc_per_node,
+            "template": {"spec": {"containers": [container]}},
+            "rendezvous": {
+                "joinTimeoutSeconds": 120,
+                "lastCallTimeoutSeconds": 30,
+                "keepAliveIntervalSeconds": 1,
+                "keepAliveMaxAttempts": 3,
+            },
+            "training": {
+                "globalBatchSize": global_batch,
+                "microBatchSize": args.micro_batch,
+                "lr": {"base": 0.01},
+                "maxSteps": args.steps,
+                "seed": 3,
+            },
+            "checkpoint": {"claimName": "local", "path": "/ckpt", "intervalSteps": args.checkpoint_interval, "keep": 3},
+            "elastic": {
+                "scaleDebounceSeconds": 0,
+                "replacementWaitSeconds": args.replacement_wait,
+                "drainTimeoutSeconds": 60,
+                "collectiveTimeoutSeconds": 30,
+            },
+            "restartPolicy": {"backoffSeconds": 0, "maxRestarts": 10},
+        },
+    }
+
+
+def read_records(out: pathlib.Path) -> list[dict[str, Any]]:
+    found = []
+    for path in sorted(out.glob("*.jsonl")):
+        found += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return found
+
+
+class RunResult(NamedTuple):
+    records: list[dict[str, Any]]
+    status: dict[str, Any]
+    phase: str
+    kill_time: Optional[float]
+
+
+def run_job(name: str, base: pathlib.Path, args: argparse.Namespace, nodes: int, kill_at: int) -> RunResult:
+    """Run one local-mode job to its end; with ``kill_at``, SIGKILL the last node once its rank is held in that step."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import _localbench as lb
+
+    out = base / name / "records"
+    seen: dict[str, Any] = {"status": {}}
+
+    def kill_when_held(runtime: Any, snapshot: Any) -> None:
+        seen["status"] = snapshot.status
+        if kill_at and "kill" not in seen and (out / KILL_MARKER).exists():
+            seen["kill"] = time.time()
+            runtime.apply_chaos(lb.parse_chaos(f"kill-node:{nodes - 1}@0s")[0])
+
+    runtime = lb.run(
+        job(name, out, args, nodes, kill_at), base / name / "state", on_tick=kill_when_held, timeout_s=args.timeout
+    )
+    return RunResult(read_records(out), seen["status"], runtime.summary.phase, seen.get("kill"))
+
+
+def run_plain_ddp(args: argparse.Namespace, world: int) -> float:
+    env = dict(os.environ, GF_DEVICE=args.device, OMP_NUM_THREADS="1")
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        SCRIPT,
+        "--plain-ddp",
+        f"--width={args.width}",
+        f"--depth={args.depth}",
+        f"--micro-batch={args.micro_batch}",
+        f"--steps={args.steps}",
+    ]
+    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=args.timeout, check=False)
+    found = re.findall(r"^plain_ddp_step_time_ms ([\d.]+)$", done.stdout, re.M)
+    if done.returncode != 0 or not found:
+        sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])
+        raise SystemExit(f"gpu_failover: the plain DDP loop exited {done.returncode}")
+    return float(found[-1])
+
+
+def device_facts(device: str) -> tuple[int, str]:
+    import torch
+
+    if device == "cpu":
+        return 0, "none (cpu, gloo)"
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        print("gpu_failover: no CUDA GPU here (torch.cuda.is_available() is False); use --device cpu", file=sys.stderr)
+        raise SystemExit(2)
+    return torch.cuda.device_count(), torch.cuda.get_device_name(0)
+
+
+def figures(args: argparse.Namespace, plan: NodePlan, gpu_model: str) -> list[str]:
+    import tempfile
+
+    base = pathlib.Path(tempfile.mkdtemp(prefix="disttrain-bench-gpu-failover-"))
+    world = plan.nodes * args.nproc_per_node
+    began = time.time()
+    plain_ms = run_plain_ddp(args, world)
+    clean = run_job("clean", base, args, plan.nodes, 0)
+    killed = run_job("killed", base, args, plan.nodes, args.kill_at)
+    for name, result in (("clean", clean), ("killed", killed)):
+        if result.phase != "Succeeded":
+            raise SystemExit(f"gpu_failover: run {name} ended {result.phase}; its state is in {base / name}")
+    if killed.kill_time is None:
+        raise SystemExit(f"gpu_failover: the kill never happened (step {args.kill_at} not reached?); see {base}")
+    kill_time = killed.kill_time
+    before = {r["group"] for r in step_records(killed.records) if r["time"] <= kill_time}
+    first_new = first_step_after(killed.records, kill_time, before)
+    redone, missing = lost_steps(killed.records, args.steps)
+    leaves = [r for r in killed.records if r.get("event") == LEAVE_EVENT and r["began"] >= kill_time]
+    leave = min(leaves, key=lambda r: r["began"]) if leaves else None
+    step_ms = median_step_ms(rank0_step_times(clean.records))
+    diff = trajectory_diff(final_losses(clean.records), final_losses(killed.records), args.kill_at - 1)
+    restarts = (killed.status.get("restarts") or {}).get("total", 0)
+    phases = (killed.status.get("lastReform") or {}).get("phases") or {}
+    lines = [
+        f"note {plan.note}" if plan.note else "",
+        f"bench_wall_seconds {time.time() - began:.0f} (records under {base})",
+        f"device {args.device}",
+        f"gpu_model {gpu_model}",
+        f"nodes {plan.nodes}",
+        f"nproc_per_node {args.nproc_per_node}",
+        f"model width={args.width} depth={args.depth} micro_batch={args.micro_batch} steps={args.steps}",
+        f"reform_seconds {first_new - kill_time:.2f}" if first_new is not None else "reform_seconds n/a (no new group)",
+        f"lost_steps {redone + missing} (redone {redone}, never run {missing})",
+        f"group_leave {leave['how'] if leave else 'none (no survivor left a group)'}",
+        f"nccl_abort_seconds {leave['seconds']:.3f}" if leave and leave["how"] == "abort" else "nccl_abort_seconds n/a",
+        f"survivor_leave_after_kill_seconds {leave['began'] - kill_time:.2f}" if leave else "",
+        f"group_leave_seconds {leave['seconds']:.3f}" if leave else "",
+        f"restarts_charged {restarts}",
+        f"reform_phases {json.dumps(phases, sort_keys=True)}",
+        f"step_time_ms {step_ms:.3f}",
+        f"plain_ddp_step_time_ms {plain_ms:.3f}",
+        f"step_time_ratio {step_ms / plain_ms:.3f}",
+        f"loss_steps_compared {diff.steps} (same world size: {diff.same_world_steps})",
+        f"max_abs_loss_diff {diff.max_abs:.3e}",
+        f"max_abs_loss_diff_same_world {diff.max_abs_same_world:.3e}",
+        f"bitwise_equal_same_world {str(diff.bitwise_same_world).lower() if diff.same_world_steps else 'n/a'}",
+    ]
+    if not args.keep:
+        shutil.rmtree(base, ignore_errors=True)
+        lines[1] = f"bench_wall_seconds {time.time() - began:.0f}"
+    return [line for line in lines if line]
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--nproc-per-node", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--kill-at", type=int, default=60, help="the step inside which the last node is killed")
+    parser.add_argument("--width", type=int, help="hidden width (default: 2048 on cuda, 64 on cpu)")
+    parser.add_argument("--depth", type=int, default=4, help="hidden layers")
+    parser.add_argument("--micro-batch", type=int, default=64, help="samples per rank and step")
+    parser.add_argument("--checkpoint-interval", type=int, default=10, help="spec.checkpoint.intervalSteps")
+    parser.add_argument(
+        "--replacement-wait",
+        type=int,
+        default=60,
+        help="spec.elastic.replacementWaitSeconds: how long the survivors wait for the killed node's replacement "
+        "before they go on without it (60: they re-form at full size, so every step compares at the same world size)",
+    )
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds each run may take")
+    parser.add_argument("--keep", action="store_true", help="keep the records and state folders")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--plain-ddp", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.width is None:
+        args.width = 2048 if args.device == "cuda" else 64
+    if not (args.worker or args.plain_ddp) and not 1 < args.kill_at < args.steps:
+        parser.error(f"--kill-at={args.kill_at} must lie between 1 and --steps={args.steps} (both excluded)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker()
+        return
+    if args.plain_ddp:
+        plain_ddp(args.width, args.depth, args.micro_batch, args.steps)
+        return
+    gpus, gpu_model = device_facts(args.device)
+    plan = plan_nodes(args.device, gpus, args.nodes, args.nproc_per_node)
+    if plan.note:
+        print(f"gpu_failover: {plan.note}", file=sys.stderr)
+    print("\n".join(figures(args, plan, gpu_model)))
+
+
+if __name__ == "__main__":
+    main()
