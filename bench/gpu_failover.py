@@ -32,10 +32,16 @@ Prints, as the last lines, one ``name value`` each:
 - ``max_abs_loss_diff``: between (a) and (b) over the steps after the kill, ``..._same_world`` over the steps
   (b) ran at the world size of (a), and ``bitwise_equal_same_world``.
 
-On the device (no network: the wheels in ``.whl/`` and the checkout only), the one prepared command::
+On the device machine (no network: only its own torch, the checkout, and the wheels this project lacks there,
+carried in the git-ignored ``.whl/``, ``carry: [".whl"]``), the one prepared command::
 
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && \\
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 && \\
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . && \\
-    timeout 420 python3 bench/gpu_failover.py --steps 200 --kill-at 60 2>&1 | tee $OUT/gpu_failover.log | tail -40
+    timeout 480 python3 bench/gpu_failover.py --steps 300 --kill-at 100 --timeout 150 2>&1 | tail -40
+
+(not yet run on a GPU; on this project's 2-core CPU one run of everything takes about 90 s; each of the three runs
+must finish within ``--timeout`` seconds).
 
 Here, to check the script on the CPU: ``python bench/gpu_failover.py --device cpu --steps 40 --kill-at 15``.
 """
@@ -237,7 +243,7 @@ def worker() -> None:
                     if victim and step.index + 1 == kill_at:
                         (out / KILL_MARKER).write_text(str(time.time()))
                         time.sleep(600)  # held before the gradient reduction until the node is killed
-                    record = {"step": step.index + 1, "rank": trainer.rank, "world": trainer.world_size}
+                    record: dict[str, Any] = {"step": step.index + 1, "rank": trainer.rank, "world": trainer.world_size}
                     record.update(group=group, loss_sum=loss_sum, count=count, time=time.time())
                     records.write(json.dumps(record) + "\n")
                 step.backward(loss)
@@ -380,7 +386,7 @@ def run_job(name: str, base: pathlib.Path, args: argparse.Namespace, nodes: int,
             seen["kill"] = time.time()
             runtime.apply_chaos(lb.parse_chaos(f"kill-node:{nodes - 1}@0s")[0])
 
-    runtime = lb.run(
+    runtime: Any = lb.run(  # the runner sets .summary on the runtime it returns
         job(name, out, args, nodes, kill_at), base / name / "state", on_tick=kill_when_held, timeout_s=args.timeout
     )
     return RunResult(read_records(out), seen["status"], runtime.summary.phase, seen.get("kill"))
