@@ -28,7 +28,7 @@ from disttrain.api.exitcodes import ExitCode
 from disttrain.api.plan import InvalidWorldSizeError, Plan, plan
 from disttrain.api.spec import TrainingSpec
 from disttrain.trainer import context as ctx_mod
-from disttrain.trainer import exits, inplace, ordered_reduction, progress
+from disttrain.trainer import exits, inplace, ordered_reduction, progress, teardown
 from disttrain.trainer import parallel as parallel_mod
 from disttrain.trainer import sampler as sampler_mod
 from disttrain.trainer import startup as startup_mod
@@ -193,8 +193,11 @@ class Lifecycle:
         trainer = self.trainer
         step = trainer.state.step
         self.group_failure = None  # its traceback holds the old group's objects: they must go now (_leave_group)
-        startup_mod.note_exit(trainer.watchdog.store)
-        self._leave_group()
+        # Every wait in leaving has a deadline (the save in flight, the teardown); this bounds the rest.
+        bound = trainer.ctx.contract.collective_timeout_seconds + 5.0 + teardown.LEAVE_DEADLINE_S
+        with teardown.hang_guard(bound + teardown.HANG_MARGIN_S, "leaving the group"):
+            startup_mod.note_exit(trainer.watchdog.store)
+            self._leave_group()
         env = self.link.request_round(step, self.options.round_wait_s) if self.link is not None else None
         if env is None:
             log.warning("no next round for this worker (%s); exiting %d", cause, int(ExitCode.REFORM))

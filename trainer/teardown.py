@@ -15,11 +15,14 @@ Callers: :func:`disttrain.trainer.inplace.leave_groups`. Never used at the end o
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import faulthandler
 import gc
 import logging
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
@@ -69,6 +72,26 @@ def destroy_groups() -> None:
 def for_backend(teardown: Teardown) -> Callable[[], None]:
     """The function that performs ``teardown``."""
     return abort_groups if teardown is Teardown.ABORT else destroy_groups
+
+
+HANG_MARGIN_S = 30.0
+"""What :func:`hang_guard`'s callers add to the sum of the deadlines inside the guarded section."""
+
+
+@contextlib.contextmanager
+def hang_guard(seconds: float, what: str) -> Iterator[None]:
+    """End the process (exit 1) with every thread's stack on stderr if the ``with`` body runs longer than ``seconds``.
+
+    Why: the body's own deadlines are Python threads, and a call that blocks while holding the GIL (a C++ wait that
+    does not release it) stops them too, so a survivor could hang with nothing logged. ``faulthandler``'s timer is a
+    C thread that needs no GIL: the stacks say where it hung, and the exit lets the launcher restart the worker.
+    Process-wide: one guard at a time (faulthandler keeps a single timer)."""
+    log.debug("%s: guarded for %.0f s", what, seconds)
+    faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def run_with_deadline(teardown: Callable[[], None], deadline_s: float, what: str) -> None:

@@ -69,6 +69,45 @@ def test_a_teardown_that_blocks_ends_the_process_with_reform():
     assert time.monotonic() - started < 60
 
 
+def test_a_hang_that_holds_the_gil_is_ended_by_the_guard_with_every_threads_stack():
+    """A Python deadline cannot fire while a C call holds the GIL; the guard's C timer still does, says where."""
+    script = textwrap.dedent(
+        """
+        import re
+        from disttrain.trainer import teardown
+
+        def leaving():
+            re.fullmatch(r"(a+)+$", "a" * 64 + "b")  # catastrophic backtracking: minutes, GIL held throughout
+
+        with teardown.hang_guard(1.0, "leaving the group"):
+            leaving()
+        print("returned")
+        """
+    )
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "returned" not in done.stdout
+    assert "Timeout" in done.stderr and "in leaving" in done.stderr, done.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_a_guarded_section_that_ends_in_time_cancels_the_guard():
+    script = textwrap.dedent(
+        """
+        import time
+        from disttrain.trainer import teardown
+
+        with teardown.hang_guard(1.0, "leaving the group"):
+            pass
+        time.sleep(2.0)
+        print("returned")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "returned" in done.stdout, done.stderr
+
+
 def test_the_deadline_leaves_time_within_the_launchers_reform_margin():
     assert teardown.LEAVE_DEADLINE_S < ncclenv.REFORM_MARGIN_S
 
