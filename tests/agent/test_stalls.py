@@ -53,7 +53,7 @@ def test_the_rank_that_did_not_reach_the_reduction_is_named_once_the_peers_waite
         (seen((0, 7, 95.0), (1, 6, 70.0), (2, 7, 95.0)), {}),
         (seen((0, 7, 80.0), (1, 6, 70.0), (2, 7, 80.0)), {"min_seconds": 60.0}),
         (seen((0, 7, 80.0), (1, 6, 70.0), (2, 7, 80.0)), {"median_s": 3.0}),
-        (seen((0, 7, 80.0), (1, 6, 70.0), (2, 7, 80.0)), {"median_s": None}),
+        (seen((0, 7, 96.0), (1, 6, 70.0), (2, 7, 96.0)), {"median_s": None}),
         (seen((0, 7, 80.0), (1, 6, 70.0), (2, 7, 80.0)), {"factor": 0.0}),
         (seen((0, 7, 80.0), (1, 6, 70.0), (2, 7, 80.0)), {"quiet": True}),
         (seen((0, 7, 80.0), (1, 7, 70.0), (2, 7, 80.0)), {}),
@@ -63,7 +63,7 @@ def test_the_rank_that_did_not_reach_the_reduction_is_named_once_the_peers_waite
         "waited-less-than-k-medians",
         "waited-less-than-the-floor",
         "slow-steps-raise-the-bar",
-        "no-median-yet",
+        "no-median-yet-and-waited-less-than-the-floor",
         "detection-off",
         "directive-in-flight",
         "every-rank-at-the-same-step-as-in-a-save",
@@ -72,6 +72,14 @@ def test_the_rank_that_did_not_reach_the_reduction_is_named_once_the_peers_waite
 )
 def test_no_verdict(observed, kwargs):
     assert verdict(observed, **kwargs) is None
+
+
+def test_a_stall_in_a_groups_first_seconds_is_named_by_the_floor_alone():
+    """The agent reads beacons about once a second: a rank that stalls before it saw two of one rank's beacons
+    leaves no median, and no new beacon ever comes. The floor still names it."""
+    observed = seen((0, 7, 80.0), (1, 6, 70.0), (2, 7, 80.0))
+    stall = verdict(observed, now=100.0, median_s=None, min_seconds=15.0)
+    assert stall is not None and [lag.rank for lag in stall.laggards] == [1]
 
 
 def test_a_save_in_flight_gets_one_more_threshold_to_finish():

@@ -2,7 +2,7 @@
 
 Local mode, 2 nodes x 1 process: at step 7 the ranks of node 1 sleep before their step's gradient reduction (as a rank
 stuck in its forward, or a slow machine, would). Their peers wait in the all-reduce; the job agent sees the beacons
-disagree for longer than ``stallMinSeconds`` (steps take ~0.05 s, so the floor rules), asks every rank for its stacks,
+disagree for longer than ``stallMinSeconds`` (steps take ~0.3 s, so the floor rules), asks every rank for its stacks,
 and reports the node; the operator evicts it under StepStalled, long before the 20 s collective timeout, and the job
 finishes with one restart.
 """
@@ -36,7 +36,7 @@ def test_a_stalled_node_is_named_dumped_and_evicted_and_the_job_finishes(tmp_pat
             tmp_path / "records",
             replicas=2,
             max_steps=12,
-            step_sleep=0.02,
+            step_sleep=0.3,  # the agent reads the beacons about once a second: a few reads before the stall
             extra_env={"E2E_STALL_STEP": str(STALL_STEP), "E2E_STALL_NODE": "stall-worker-1"},
         )
         .set("spec.elastic.stallFactor", 5)

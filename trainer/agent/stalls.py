@@ -5,9 +5,10 @@ Every rank writes a :class:`~disttrain.api.control.StepBeacon` (step, rank, node
 each step's last backward (:func:`disttrain.trainer.progress.send_beacon`). The rule (:func:`detect`): in the current
 group (the group of the beacon that changed last), the ranks at the highest step N wait in N's reduction; the ranks
 of the group behind N are stalled once the first of the waiting ranks has waited ``stallFactor`` times the median step
-time, and at least ``stallMinSeconds``. It gives no verdict
+time, and at least ``stallMinSeconds``; before the agent has a median (no two beacons of one rank yet: a rank that
+stalls in a group's first seconds), ``stallMinSeconds`` alone. It gives no verdict
 
-* without a median step time (no two beacons of one rank yet), nor on the group's first step (a warm-up, a load);
+* on the group's first step (a warm-up, a load);
 * while a directive is in flight: a drain or reform stops ranks at different points on purpose;
 * for a save: a synchronous one holds every rank at the step boundary, where all agree on the step (no rank is
   behind). A rank whose asynchronous save is still in flight says so in its beacon, and the wait then must be twice
@@ -88,7 +89,7 @@ def detect(
     """The stall in ``seen`` (rank -> newest beacon) at ``now``, or None (the rules of the module docstring).
 
     ``group_first_step`` is the first step the agent saw each group beacon; ``quiet``: a directive is in flight."""
-    if quiet or factor <= 0 or median_s is None or not seen:
+    if quiet or factor <= 0 or not seen:
         return None
     newest = max(seen.values(), key=lambda s: (s.first_seen, s.beacon.step))
     group, world = newest.beacon.group, newest.beacon.world_size
@@ -101,7 +102,7 @@ def detect(
     waiting_since = min(s.first_seen for s in current.values() if s.beacon.step == lead)
     waited = now - waiting_since
     saving = any(s.beacon.saving for s in current.values())
-    if waited < threshold_s(median_s, factor, min_seconds) * (2 if saving else 1):
+    if waited < threshold_s(median_s or 0.0, factor, min_seconds) * (2 if saving else 1):
         return None
     laggards = []
     for rank in range(world):
