@@ -86,7 +86,8 @@ def run_tier(tier: str, pytest_args: list[str]) -> TierResult:
             returncode = subprocess.call(
                 [*command[: -len(folders)], *failed], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=environ
             )
-        counts = f"{counts}; on rerun: {_counts(rerun_log, returncode)} (flaky: {', '.join(failed)})"
+        verdict = "flaky" if returncode in (0, 5) else "failed twice"
+        counts = f"{counts}; on rerun: {_counts(rerun_log, returncode)} ({verdict}: {', '.join(failed)})"
         log = rerun_log if returncode not in (0, 5) else log
     seconds = time.monotonic() - start
     print(f"[tiers] {tier}: {counts} in {seconds:.0f} s", flush=True)
