@@ -23,6 +23,12 @@ class TrainerMetrics:
         self.accum_steps = prom.Gauge(
             "disttrain_trainer_grad_accum_steps", "Micro batches per optimizer step", registry=r
         )
+        self.loss = prom.Gauge(
+            "disttrain_trainer_loss",
+            "Global loss of the last reported step: every rank's summed loss over the step's denominator "
+            "(the global batch, or the global token count of a token-weighted loss); the same on every rank",
+            registry=r,
+        )
         self.lr_scale = prom.Gauge("disttrain_trainer_lr_scale", "World-size LR factor in effect (ramped)", registry=r)
         self.grad_norm = prom.Gauge(
             "disttrain_trainer_grad_norm", "Global gradient norm before clipping (set when clipping is on)", registry=r

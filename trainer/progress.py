@@ -2,7 +2,8 @@
 boundary agreement (with rank 0's automatic checkpoint interval).
 
 Called by :class:`~disttrain.trainer.loop.ElasticTrainer` after each optimizer step. It reads the trainer and never
-changes its training state; the loss is read from the device only when something reports it.
+changes its training state. The loss it reports is the step's global loss (docs/trainer.md, "The loss contract"),
+reduced over the ranks only at the steps :func:`is_loss_read` names and read from the device only then.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("disttrain.trainer")
 
 
+def is_loss_read(trainer: ElasticTrainer, step_number: int) -> bool:
+    """Whether step ``step_number``'s global loss is reduced and reported: at rank 0's log lines (every
+    ``log_every`` steps and step 1) and, with a control channel, at every step (the progress record carries it).
+    Decided from the step number and the job's configuration alone, so every rank agrees (the reduction is a
+    collective); at other steps nothing reads the loss, so no rank waits for the device to produce it."""
+    logging_due = step_number % trainer.options.log_every == 0 or step_number == 1
+    return logging_due or bool(trainer.watchdog.endpoint)
+
+
 def report_step(trainer: ElasticTrainer, step: Step, seconds: float) -> None:
     """Feed the interval planner, set the step metrics and, on rank 0, log and publish the progress record."""
     ckpts = trainer.checkpoints
@@ -36,12 +46,12 @@ def report_step(trainer: ElasticTrainer, step: Step, seconds: float) -> None:
     m.accum_steps.set(trainer.plan.accum_steps)
     rate = trainer.plan.global_batch / seconds if seconds > 0 else 0.0
     m.samples_per_second.set(rate)
+    loss = step.global_loss  # None where the step did not reduce it (is_loss_read)
+    if loss is not None:
+        m.loss.set(loss)
     if trainer.rank != 0:
         return
     logging_due = state.step % trainer.options.log_every == 0 or state.step == 1
-    if not logging_due and trainer.watchdog.store is None:
-        return  # nothing reads the loss this step: do not wait for the device to produce it
-    loss = step.loss_sum / step.loss_count if step.loss_count else None
     if logging_due:
         log.info(
             "step %d loss %s lr %.4g world %d samples/s %.0f",

@@ -8,7 +8,7 @@ comes back to it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Optional, Protocol
 
@@ -59,11 +59,27 @@ class MicroBatch:
         return self._seeds
 
 
+def global_loss(reduced: Sequence[float]) -> Optional[float]:
+    """The step's global loss from its :data:`LOSS_TOTALS` summed over the ranks: every rank's summed loss over the
+    step's denominator (the same on every rank that ran a backward). None when no rank ran one."""
+    loss_sum, denominators, ranks = reduced
+    if ranks <= 0 or denominators <= 0:
+        return None
+    return loss_sum / (denominators / ranks)
+
+
+LOSS_TOTALS = ("loss_sum", "denominator", "ranks")
+"""What each rank adds to the step's loss reduction: its summed loss, the step's denominator and 1 (0 for each when
+it ran no backward), so the sum over the ranks gives :func:`global_loss`."""
+
+
 class Step:
     """One optimizer step on this rank: iterate it for micro batches, call :meth:`backward` once per micro batch.
 
     Iteration turns gradient sync (DDP, FSDP2) off for all but the last micro batch (forward included, as DDP
-    needs).
+    needs). With ``reduce_loss`` (the loop decides it from the step number alone, so every rank agrees) the end of
+    the iteration starts an asynchronous all-reduce of this rank's :data:`LOSS_TOTALS` on the loss's device; it runs
+    beside the optimizer step and :attr:`global_loss` waits for it.
     """
 
     def __init__(
@@ -72,6 +88,7 @@ class Step:
         index: int,
         indices: list[int],
         on_reduction: Optional[Callable[[int], None]] = None,
+        reduce_loss: bool = False,
     ) -> None:
         self.trainer = trainer
         self.on_reduction = on_reduction
@@ -85,6 +102,13 @@ class Step:
             self.micro_indices = [indices[i * p.micro_batch : (i + 1) * p.micro_batch] for i in range(p.accum_steps)]
         self._losses: list[torch.Tensor] = []  # detached, read once when reported (no device sync per backward)
         self.loss_count = 0
+        """This rank's count of loss terms (``count`` of :meth:`backward`); informational, the global loss divides
+        by the denominator."""
+        self.denominator: Optional[float] = None
+        """The denominator of the step's backward passes (None before the first)."""
+        self.reduce_loss = reduce_loss
+        self._reduction: Optional[tuple[torch.Tensor, Optional[dist.Work]]] = None
+        self._global_loss: Optional[float] = None
 
     @property
     def global_batch(self) -> int:
@@ -111,14 +135,54 @@ class Step:
                 yield MicroBatch(self.trainer.fetch(idx), idx, seed, self.index)
         finally:
             parallel.set_gradient_sync(True)
+        if self.reduce_loss and self.trainer.group_failure is None:
+            self._start_loss_reduction()
+
+    @property
+    def global_loss(self) -> Optional[float]:
+        """The step's loss over every rank: (sum over ranks and micro batches of the summed loss) / the step's
+        denominator (the global batch, or :meth:`global_count`'s result). None when the step did not reduce it
+        (``reduce_loss`` off, the group broke, no backward). Waits for the reduction and reads it from the device
+        the first time (the device is idle then: the step's completion waited for it)."""
+        if self._reduction is not None:
+            tensor, work = self._reduction
+            self._reduction = None
+            with self.trainer.keeping_group_failures():
+                if work is not None:
+                    work.wait()
+                self._global_loss = global_loss(tensor.tolist())
+        return self._global_loss
+
+    def loss_totals(self) -> torch.Tensor:
+        """This rank's :data:`LOSS_TOTALS` of the step, float64 on the model's device (the same backend on every
+        rank); summed over the ranks, :func:`global_loss` turns them into the step's loss."""
+        device = _model_device(self.trainer.parallel.module)
+        if not self._losses:
+            return torch.zeros(len(LOSS_TOTALS), dtype=torch.float64, device=device)
+        local = torch.stack([t.to(device, torch.float64).reshape(()) for t in self._losses]).sum()
+        # Ranks that read the same samples (one tensor-parallel group) each hold that group's whole loss.
+        replicas = self.trainer.world_size // getattr(self.trainer.plan, "data_degree", self.trainer.world_size)
+        if replicas > 1:
+            local = local / replicas
+        rest = torch.tensor([float(self.denominator or 0.0), 1.0], dtype=torch.float64, device=device)
+        return torch.cat([local.reshape(1), rest])
+
+    def _start_loss_reduction(self) -> None:
+        """Start summing :meth:`loss_totals` over the group (collective: every rank that reduces the step's loss
+        calls it once, after its last backward)."""
+        tensor = self.loss_totals()
+        with self.trainer.keeping_group_failures():
+            work = dist.all_reduce(tensor, async_op=True) if dist.is_initialized() else None
+            self._reduction = (tensor, work)
 
     def global_count(self, local_count: float | int | torch.Tensor) -> float:
         """Sum of a count over all ranks (e.g. non-padding tokens in this step): the denominator of a
         token-weighted loss. Collective: every rank calls it once per step, before its backward passes."""
         t = torch.as_tensor(local_count, dtype=torch.float64).reshape(1).clone()
+        readers = self.trainer.world_size // self.trainer.plan.data_degree  # TP ranks count the same samples
         with self.trainer.keeping_group_failures():
             dist.all_reduce(t)
-            return float(t.item())
+            return float(t.item()) / readers
         return float(t.item()) * self.trainer.world_size  # the group broke: any value (this step is redone)
 
     def backward(
@@ -133,6 +197,7 @@ class Step:
         and micro batches. Under fp16 the loss is scaled by the GradScaler first.
         """
         denom = float(denominator if denominator is not None else self.global_batch)
+        self.denominator = denom
         factor = 1.0 if self.trainer.ordered is not None else self.trainer.parallel.loss_factor(self.trainer.world_size)
         if self.on_reduction is not None and len(self._losses) == len(self.micro_indices) - 1:
             self.on_reduction(self.index + 1)
@@ -140,6 +205,13 @@ class Step:
             self.trainer.precision.scale(loss_sum * (factor / denom)).backward()
         self._losses.append(loss_sum.detach())
         self.loss_count += int(count if count is not None else len(self.micro_indices[0]) if self.micro_indices else 0)
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    """Where the model computes (its first parameter's device; the CPU for a model without parameters)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
 
 
 def to_device(data: Any, device: torch.device) -> Any:
