@@ -365,7 +365,13 @@ class ElasticTrainer:
             positions = sampler_mod.rank_positions(
                 self.state.data_cursor, self.plan.global_batch, self.world_size, self.rank
             )
-            step = Step(self, self.state.step, self.sampler.indices(positions), lambda n: progress.send_beacon(self, n))
+            step = Step(
+                self,
+                self.state.step,
+                self.sampler.indices(positions),
+                lambda n: progress.send_beacon(self, n),
+                reduce_loss=progress.is_loss_read(self, self.state.step + 1),
+            )
             yield step
             if life.group_failure is None and life.reform_signal is None:
                 with self.keeping_group_failures():
