@@ -73,6 +73,9 @@ class Reason(str, enum.Enum):
     NODE_UNREACHABLE = "NodeUnreachable"
     NODE_DELETED = "NodeDeleted"
     NODE_DRAINING = "NodeDraining"
+    NODE_DEPARTING = "NodeDeparting"
+    """Event and drain reason: a worker's node announced its end (``spec.elastic.departure``); the worker is drained
+    off it and replaced elsewhere, with no restart charged."""
     HEARTBEAT_LOST = "HeartbeatLost"
     """The job agent found the node silent in the rendezvous heartbeats (before Kubernetes marks it NotReady)."""
     STEP_STALLED = "StepStalled"

@@ -209,6 +209,38 @@ class CheckpointSpec(ContractModel):
         return self.interval_steps == "auto"
 
 
+DEFAULT_DEPARTURE_TAINTS: tuple[str, ...] = (
+    "ToBeDeletedByClusterAutoscaler",
+    "karpenter.sh/disrupted",
+    "karpenter.sh/disruption",
+    "cloud.google.com/impending-node-termination",
+    "aws-node-termination-handler/spot-itn",
+    "aws-node-termination-handler/scheduled-maintenance",
+    "aws-node-termination-handler/asg-lifecycle-termination",
+)
+"""Taints that announce a node's end: the cluster autoscaler's and Karpenter's scale-in, GKE's graceful node shutdown,
+and AWS Node Termination Handler's spot interruption, maintenance and scale-in notices."""
+
+_QUALIFIED_NAME = r"^[A-Za-z0-9]([-A-Za-z0-9_./]*[A-Za-z0-9])?$"
+TaintKey = Annotated[str, Field(min_length=1, max_length=317, pattern=_QUALIFIED_NAME)]
+NodeConditionType = Annotated[str, Field(min_length=1, max_length=316, pattern=_QUALIFIED_NAME)]
+
+
+class DepartureSpec(ContractModel):
+    """What announces that a worker's node is about to go. A worker on such a node is drained off it at the next
+    step boundary (a checkpoint, then the group re-forms without it) and replaced elsewhere: no step is lost and no
+    restart is charged. A node that is already NotReady or gone is a loss, not a departure."""
+
+    on_cordon: bool = True
+    """A cordoned node (spec.unschedulable: ``kubectl cordon``, the first half of ``kubectl drain``) is leaving."""
+    taints: list[TaintKey] = Field(default_factory=lambda: list(DEFAULT_DEPARTURE_TAINTS), max_length=64)
+    """Keys of NoSchedule or NoExecute taints that announce the node's end (spot and preemption notices, scale-in).
+    Setting the list replaces the defaults."""
+    conditions: list[NodeConditionType] = Field(default_factory=list, max_length=64)
+    """Node condition types that announce the node's end when their status is True (for example a node problem
+    detector's or a cloud's termination notice condition)."""
+
+
 class ElasticSpec(ContractModel):
     scale_debounce_seconds: int = Field(10, ge=0, le=3_600)
     """A scale request must stand this long before pods are drained or added (absorbs HPA flapping)."""
@@ -234,6 +266,8 @@ class ElasticSpec(ContractModel):
     stall_min_seconds: float = Field(60.0, ge=1, le=86_400)
     """The least wait that counts as a stall, whatever the median step time: a slow save or a warm-up step of a
     few seconds never does."""
+    departure: DepartureSpec = Field(default_factory=DepartureSpec)
+    """Node signals that drain a worker off its node before the node goes (``kubectl drain``, scale-in, spot)."""
 
 
 class ExitCodeClasses(ContractModel):

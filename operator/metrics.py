@@ -42,8 +42,8 @@ RESTART_REASONS = tuple(
     )
 )
 """Causes of an unplanned loss: the keys of status.restarts.byReason (the reconcile core's LOSS_REASONS)."""
-REFORM_REASONS = (*RESTART_REASONS, Reason.SCALED_DOWN.value, Reason.SCALED_UP.value)
-"""Reasons a reform starts with: every restart cause, and the planned scale-down and scale-up."""
+REFORM_REASONS = (*RESTART_REASONS, Reason.SCALED_DOWN.value, Reason.SCALED_UP.value, Reason.NODE_DEPARTING.value)
+"""Reasons a reform starts with: every restart cause, the planned scale-down and scale-up, and a node's departure."""
 MAX_DELETED_REMEMBERED = 10_000
 OTHER_REASON = "Other"
 """The label of any reason that is not one of ours: label values come only from our enums, never from a status

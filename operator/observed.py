@@ -68,7 +68,7 @@ class PodView:
 
 @dataclasses.dataclass(frozen=True)
 class NodeView:
-    """A cluster node: Ready status and whether it is being drained."""
+    """A cluster node: Ready status, and what announces that it is being drained or is about to go."""
 
     name: str
     ready: Optional[bool] = True
@@ -77,6 +77,10 @@ class NodeView:
     """spec.unschedulable (cordoned)."""
     draining: bool = False
     """Cordoned nodes that are being emptied carry a NoExecute or autoscaler to-be-deleted taint."""
+    taints: frozenset[str] = frozenset()
+    """Keys of its NoSchedule and NoExecute taints (what ``spec.elastic.departure.taints`` is matched against)."""
+    conditions: frozenset[str] = frozenset()
+    """Types of its conditions other than Ready whose status is True (``spec.elastic.departure.conditions``)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,7 +45,7 @@ from disttrain.api.plan import valid_node_counts
 from disttrain.api.reformphases import reform_phases
 from disttrain.api.spec import CleanPodPolicy, DistTrainJob, DistTrainJobSpec, SuccessPolicy
 from disttrain.api.status import CheckpointRef, DistTrainJobStatus, Incident, PendingScale, Phase, ReformRecord
-from disttrain.operator import heartbeat, names
+from disttrain.operator import departures, heartbeat, names
 from disttrain.operator.observed import (
     NORMAL,
     WARNING,
@@ -320,6 +320,9 @@ class _Draft:
         self.status = DistTrainJobStatus.model_validate(raw)
         self.members: list[PodView] = []
         """Worker pods that exist, are not lost and are not scale-down victims (set by :func:`_handle_workers`)."""
+        self.departing: list[tuple[PodView, str]] = []
+        """Worker pods whose node announced its end, with why (:mod:`disttrain.operator.departures`): drained off
+        it, never members again."""
         self.events: list[Event] = []
         self.create: list[WorkerCreation] = []
         self.create_agent = False
@@ -617,8 +620,15 @@ def _handle_workers(d: _Draft) -> None:
             reason = Reason.HEARTBEAT_LOST
         if reason is None and pod.name in d.stalled:
             reason = Reason.STEP_STALLED
+        why = None
+        if reason in (None, Reason.NODE_DRAINING, Reason.POD_DELETED):  # it can still checkpoint
+            why = departures.pod_departure(pod, d.seen.nodes, d.spec.elastic.departure)
+            reason = None if why is not None else reason
         if pod.name in victims:
             _remove_exited_victim(d, pod, reason)
+        elif why is not None:
+            d.departing.append((pod, why))
+            d.status.tracked_pods.add(pod.name)
         elif reason is None:
             d.members.append(pod)
             d.status.tracked_pods.add(pod.name)
@@ -716,8 +726,16 @@ def _count_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
     """First sight of a lost pod: a restart, unless it drained as asked or fell with the job agent."""
     st = d.status
     st.tracked_pods.discard(pod.name)
-    if pod.phase == "Failed" and pod.exit_code == ExitCode.DRAINED and st.control.action is DirectiveAction.DRAIN:
-        return  # planned: it checkpointed and exited on our drain
+    if pod.phase == "Failed" and pod.exit_code == ExitCode.DRAINED:
+        if st.control.action is not DirectiveAction.DRAIN:  # a SIGTERM of its own: eviction, node shutdown
+            d.event(
+                NORMAL,
+                Reason.NODE_DEPARTING,
+                f"worker pod {pod.name} drained after a checkpoint on a SIGTERM of its own"
+                + (f" ({pod.reason})" if pod.reason else "")
+                + ": replaced, not a restart",
+            )
+        return  # planned: it committed a checkpoint holding every step it ran, then exited
     if reason is Reason.POD_FAILED and _failed_with_the_agent(st, pod):
         d.event(
             NORMAL,
@@ -1067,6 +1085,7 @@ def _size(d: _Draft) -> None:
     group_nodes = st.world_size // nproc if nproc else 0
 
     _complete_directive(d, group_nodes)
+    _drain_departing(d, group_nodes)
 
     live = list(d.members)
     wanted = desired + spec.nodes.spares  # the group's nodes and the hot spares waiting beside it
@@ -1113,8 +1132,10 @@ def _size(d: _Draft) -> None:
             )
         else:
             taken = {p.name for p in d.seen.workers}
+            leaving = {p.name for p, _ in d.departing}
             avoid = nodes_to_avoid(d.seen.workers, silent=d.silent | d.stalled, lost=st.control.lost)
-            for index in free_indices(d.seen.workers, missing, d.seen.nodes, lost=d.silent | d.stalled):
+            avoid = tuple(sorted({*avoid, *(p.node_name for p, _ in d.departing if p.node_name)}))
+            for index in free_indices(d.seen.workers, missing, d.seen.nodes, lost=d.silent | d.stalled | leaving):
                 name = names.unused_worker_name(d.job.metadata.name, index, taken)
                 d.create.append(WorkerCreation(index, name, avoid_nodes=avoid))
             _uncover_new_pods(d)
@@ -1122,6 +1143,27 @@ def _size(d: _Draft) -> None:
                 d.event(NORMAL, Reason.SCALED_UP, f"scaling up from {previous} to {desired} nodes")
 
     _choose_target(d, live, group_nodes)
+
+
+def _drain_departing(d: _Draft, group_nodes: int) -> None:
+    """Workers whose node announced its end leave the group at the next step boundary: a drain directive (a
+    checkpoint, then the group re-forms without them) at the size the other running members allow, or the desired
+    size when they are too few (the group then waits for the replacements, which :func:`_size` creates at once).
+    While another directive is in flight they join its exclusions (a drain in flight deletes them after its
+    checkpoint, a reform at once: its group re-forms without them either way). Never a restart."""
+    st, ctl = d.status, d.status.control
+    new = [(pod, why) for pod, why in d.departing if pod.name not in ctl.exclude]
+    if not new:
+        return
+    for pod, why in new:
+        d.event(NORMAL, Reason.NODE_DEPARTING, departures.departure_message(pod, why))
+    leaving = [pod.name for pod, _ in new]
+    if ctl.in_flight or group_nodes == 0:
+        ctl.exclude = sorted({*ctl.exclude, *leaving})
+        return
+    running = len([p for p in d.members if p.is_running and p.ready])
+    target = snap_to_valid(d.spec, min(running, st.desired_nodes), allow_up=False) or st.desired_nodes
+    _issue(d, DirectiveAction.DRAIN, Reason.NODE_DEPARTING, target, exclude=[*ctl.exclude, *leaving])
 
 
 def nodes_to_avoid(workers: Sequence[PodView], *, silent: Collection[str], lost: Collection[str]) -> tuple[str, ...]:

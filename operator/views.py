@@ -63,13 +63,27 @@ def node_view(node: Mapping[str, Any]) -> NodeView:
     meta = node.get("metadata") or {}
     spec = node.get("spec") or {}
     ready: Optional[bool] = None
+    true_conditions: set[str] = set()
     for condition in (node.get("status") or {}).get("conditions") or []:
-        if condition.get("type") == "Ready":
+        kind = condition.get("type")
+        if kind == "Ready":
             ready = {"True": True, "False": False}.get(condition.get("status"))
-    taints = {t.get("key") for t in spec.get("taints") or [] if t.get("effect") in ("NoExecute", "NoSchedule")}
+        elif isinstance(kind, str) and condition.get("status") == "True":
+            true_conditions.add(kind)
+    taints = {
+        t.get("key")
+        for t in spec.get("taints") or []
+        if t.get("effect") in ("NoExecute", "NoSchedule") and isinstance(t.get("key"), str)
+    }
     unschedulable = bool(spec.get("unschedulable"))
-    draining = bool(taints & DRAIN_TAINTS)
-    return NodeView(name=meta.get("name", ""), ready=ready, unschedulable=unschedulable, draining=draining)
+    return NodeView(
+        name=meta.get("name", ""),
+        ready=ready,
+        unschedulable=unschedulable,
+        draining=bool(taints & DRAIN_TAINTS),
+        taints=frozenset(taints),
+        conditions=frozenset(true_conditions),
+    )
 
 
 def observe(job_name: str, pods: Iterable[Mapping[str, Any]], nodes: Optional[Iterable[Mapping[str, Any]]]) -> Observed:

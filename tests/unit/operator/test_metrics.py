@@ -16,7 +16,7 @@ def _value(registry: CollectorRegistry, name: str, **labels: str) -> float | Non
 
 def test_the_restart_reasons_are_the_reconcile_cores_loss_reasons():
     assert set(RESTART_REASONS) == set(reconcile.LOSS_REASONS)
-    assert set(REFORM_REASONS) == set(RESTART_REASONS) | {"ScaledDown", "ScaledUp"}
+    assert set(REFORM_REASONS) == set(RESTART_REASONS) | {"ScaledDown", "ScaledUp", "NodeDeparting"}
 
 
 def test_every_reason_series_exists_at_zero_from_the_first_sight():

@@ -761,16 +761,6 @@ def test_a_pod_on_a_deleted_node_is_force_deleted_at_once():
     assert world.status["restarts"]["byReason"] == {"NodeDeleted": 1}
 
 
-def test_a_drained_node_loses_its_pod_but_a_cordoned_one_does_not():
-    world = World(job_manifest(replicas=2))
-    world.nodes = {"node-0": NodeView("node-0"), "node-1": NodeView("node-1"), "node-agent": NodeView("node-agent")}
-    world.running_world(2)
-    world.nodes["node-1"] = NodeView("node-1", unschedulable=True)
-    assert world.step(1).delete_pods == ()
-    world.nodes["node-1"] = NodeView("node-1", unschedulable=True, draining=True)
-    assert [d.name for d in world.step(1).delete_pods] == ["demo-worker-1"]
-
-
 def test_below_min_the_job_waits_for_nodes_and_says_so():
     world = World(job_manifest(replicas=2, min=2)).running_world(2)
     world.set_worker(1, phase="Failed", exit_code=1).step(1)
