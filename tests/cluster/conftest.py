@@ -2,19 +2,23 @@
 
 Fixtures: ``control_plane`` (session; see :class:`ControlPlane`), ``controllers`` (the same control plane with
 kube-controller-manager and kube-scheduler running), ``crd`` (the DistTrainJob CRD applied server-side and
-Established), ``namespace`` (a fresh namespace per test). Without the binaries the tier is skipped locally and
-fails under CI (``CI=true``): a skipped test proves nothing.
+Established), ``namespace`` (a fresh namespace per test), ``operator`` (one per module), ``kubelets`` and ``cluster``
+(simulated nodes that only report pods Running, and a namespace's helpers). Without the binaries the tier is skipped
+locally and fails under CI (``CI=true``): a skipped test proves nothing.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from disttrain.api import constants
 from tests.cluster.controlplane import ControlPlane, start_or_skip
+from tests.cluster.harness import Cluster, checkpoint_claim
+from tests.cluster.kubelet import Kubelets
 from tests.cluster.operator_process import OperatorProcess
 from tests.cluster.rbac import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, install_operator_rbac
 from tests.conftest import REPO_ROOT
@@ -71,3 +75,17 @@ def operator(controllers: ControlPlane, crd: ControlPlane, tmp_path_factory) -> 
     process.kill()
     forbidden = process.forbidden_lines()
     assert not forbidden, "the operator hit 403s under the chart's RBAC:\n" + "\n".join(forbidden[:20])
+
+
+@pytest.fixture
+def kubelets(controllers: ControlPlane) -> Iterator[Kubelets]:
+    sim = Kubelets(controllers)
+    yield sim
+    sim.stop()
+
+
+@pytest.fixture
+def cluster(controllers: ControlPlane, namespace: str, kubelets: Kubelets, operator: OperatorProcess) -> Cluster:
+    """A namespace with the checkpoint claim the jobs name; the kubelets only report pods Running."""
+    checkpoint_claim(controllers, namespace, Path(f"/tmp/pv-{namespace}"))
+    return Cluster(controllers, namespace, kubelets)

@@ -14,7 +14,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,26 +31,11 @@ from tests.cluster.harness import (
     eventually,
     silent_node_reform,
 )
-from tests.cluster.kubelet import Kubelets
 from tests.cluster.operator_process import OperatorProcess
 from tests.cluster.process_kubelet import ProcessKubelets
 from tests.conftest import JobBuilder
 
 pytestmark = [pytest.mark.usefixtures("crd"), pytest.mark.timeout(180)]
-
-
-@pytest.fixture
-def kubelets(controllers: ControlPlane) -> Iterator[Kubelets]:
-    sim = Kubelets(controllers)
-    yield sim
-    sim.stop()
-
-
-@pytest.fixture
-def cluster(controllers, namespace, kubelets, operator) -> Cluster:
-    """A namespace with the checkpoint claim the jobs name; the kubelets only report pods Running."""
-    checkpoint_claim(controllers, namespace, Path(f"/tmp/pv-{namespace}"))
-    return Cluster(controllers, namespace, kubelets)
 
 
 @pytest.fixture
