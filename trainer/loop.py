@@ -43,10 +43,10 @@ from disttrain.api import contract as contract_mod
 from disttrain.api import control as control_keys
 from disttrain.api.plan import Plan
 from disttrain.api.spec import LRSchedule, TrainingSpec
+from disttrain.trainer import activation, exits, inplace, ordered_reduction, progress, snapshots
 from disttrain.trainer import completion as completion_mod
 from disttrain.trainer import context as ctx_mod
 from disttrain.trainer import data as data_mod
-from disttrain.trainer import exits, inplace, ordered_reduction, progress, snapshots
 from disttrain.trainer import lifecycle as lifecycle_mod
 from disttrain.trainer import lr as lr_mod
 from disttrain.trainer import parallel as parallel_mod
@@ -215,6 +215,7 @@ class ElasticTrainer:
             model, torch.nn.parallel.DistributedDataParallel
         )
         try:
+            activation.apply(on_device, par.activation_checkpointing)  # before wrapping: the model's own modules
             wrapped = parallel_mod.wrap(
                 on_device,
                 optimizer,

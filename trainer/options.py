@@ -19,7 +19,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import default_collate
 
 from disttrain.api.contract import WorkerContract
-from disttrain.trainer import inplace
+from disttrain.trainer import activation, inplace
 from disttrain.trainer.checkpoint.manager import PhaseHook
 from disttrain.trainer.parallel import Parallelism, Precision
 
@@ -50,8 +50,15 @@ class ParallelOptions:
     device: str = "auto"
     """``auto`` (``cuda:LOCAL_RANK`` when CUDA is available, else the CPU; PERMANENT without CUDA when the trainer
     container requests GPUs, docs/gpu.md), ``cuda`` (PERMANENT without CUDA) or ``cpu``."""
+    activation_checkpointing: Optional[activation.Target] = None
+    """Modules whose activations are recomputed in the backward instead of kept (:mod:`~disttrain.trainer.activation`):
+    a module class (the transformer block), several, or a predicate; None: none. Less memory, one more forward of
+    each."""
 
     def __post_init__(self) -> None:
+        problem = activation.check(self.activation_checkpointing)
+        if problem is not None:
+            raise OptionError(f"activation_checkpointing={self.activation_checkpointing!r}: {problem}")
         if self.device not in DEVICES:
             allowed = ", ".join(repr(d) for d in DEVICES)
             raise OptionError(f"device={self.device!r} is not supported; allowed: {allowed}")
@@ -123,6 +130,7 @@ class TrainerKwargs(TypedDict, total=False):
     parallelism: str | Parallelism
     precision: str | Precision
     shard_modules: Optional[Sequence[torch.nn.Module]]
+    activation_checkpointing: Optional[activation.Target]
     clip_grad_norm: Optional[float]
     user_state: Optional[Mapping[str, Stateful]]
     grad_scaler: Optional[ShardedGradScaler]
@@ -157,6 +165,7 @@ class TrainerOptions:
                 parallelism=parallelism,
                 shard_modules=kwargs.get("shard_modules"),
                 device=kwargs.get("device", "auto"),
+                activation_checkpointing=kwargs.get("activation_checkpointing"),
             ),
             precision=PrecisionOptions(
                 precision=precision,
