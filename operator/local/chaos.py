@@ -5,6 +5,9 @@ Actions:
 * ``kill-node`` (or ``kill-node:INDEX``): SIGKILL a node's whole process tree, as when a machine dies. Without
   an index the newest running node is chosen (never the one the group started with at index 0 unless it is
   the only one, so a demo keeps rank 0's log readable).
+* ``drain-node`` (or ``drain-node:INDEX``): cordon a node's machine, as ``kubectl drain`` or a spot notice does: the
+  operator drains the worker off it at a checkpoint and replaces it (``spec.elastic.departure``). The node is chosen
+  as for kill-node.
 * ``add-node``: a join; the desired node count grows by one (as ``disttrain local scale --replicas N+1``).
 * ``remove-node``: a planned scale-down by one node.
 * ``kill-agent``: SIGKILL the job agent; the runtime recreates it and the workers re-join.
@@ -19,7 +22,9 @@ import dataclasses
 import re
 from typing import Optional
 
-ACTIONS = ("kill-node", "add-node", "remove-node", "kill-agent")
+ACTIONS = ("kill-node", "drain-node", "add-node", "remove-node", "kill-agent")
+INDEXED = ("kill-node", "drain-node")
+"""Actions that take a node index (ACTION:INDEX)."""
 
 
 class ChaosSyntaxError(ValueError):
@@ -34,7 +39,7 @@ class ChaosEvent:
     at_step: Optional[int] = None
     """Trainer step (as relayed in status.step) at or after which the event fires."""
     index: Optional[int] = None
-    """Node index for kill-node:INDEX."""
+    """Node index for kill-node:INDEX and drain-node:INDEX."""
 
     def is_due(self, elapsed: float, step: int) -> bool:
         if self.at_step is not None:
@@ -68,8 +73,8 @@ def parse_chaos(text: str) -> list[ChaosEvent]:
         action = match["action"]
         if action not in ACTIONS:
             raise ChaosSyntaxError(f"--chaos item {raw!r}: unknown action {action!r}; allowed: {', '.join(ACTIONS)}")
-        if match["index"] is not None and action != "kill-node":
-            raise ChaosSyntaxError(f"--chaos item {raw!r}: only kill-node takes a node index")
+        if match["index"] is not None and action not in INDEXED:
+            raise ChaosSyntaxError(f"--chaos item {raw!r}: only {' and '.join(INDEXED)} take a node index")
         if match["step"]:
             events.append(
                 ChaosEvent(

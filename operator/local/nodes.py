@@ -41,6 +41,8 @@ class LocalPod:
     deleting_since: Optional[float] = None
     node_lost: bool = False
     """The machine died (its processes are killed); see :attr:`is_marked_lost` for when anyone is told."""
+    cordoned: bool = False
+    """The machine was cordoned (chaos drain-node): its node reads unschedulable, as ``kubectl drain`` leaves it."""
     not_ready_at: float = 0.0
     """Wall time from which a lost machine's node reads NotReady (kill time + the runtime's NotReady delay)."""
     exit_code: Optional[int] = None
@@ -135,7 +137,7 @@ class LocalPod:
             return ""
 
     def node_view(self) -> NodeView:
-        return NodeView(name=self.node, ready=not self.is_marked_lost)
+        return NodeView(name=self.node, ready=not self.is_marked_lost, unschedulable=self.cordoned)
 
     def kill_machine(self, not_ready_after: float = 0.0) -> None:
         """The machine dies: every process of the pod gets SIGKILL; the node turns NotReady ``not_ready_after``

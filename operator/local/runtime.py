@@ -231,17 +231,30 @@ class LocalRuntime:
             self.chaos.remove(event)
             self.apply_chaos(event)
 
+    def chaos_victim(self, event: ChaosEvent) -> Optional[LocalPod]:
+        """The node a kill-node or drain-node hits: a member of the group rather than an idle hot spare, not index 0
+        (rank 0) when another will do, the newest first; None (and a ChaosSkipped event) when none runs."""
+        alive = [p for p in self.workers.values() if p.is_alive and not p.node_lost and p.deleting_since is None]
+        alive = [p for p in alive if not p.cordoned]
+        if event.index is not None:
+            alive = [p for p in alive if p.index == event.index]
+        if not alive:
+            self.record_event("Warning", "ChaosSkipped", f"{event}: no running node")
+            return None
+        return max(alive, key=lambda p: (p.is_training(), p.index != 0, p.created_at))
+
     def apply_chaos(self, event: ChaosEvent) -> None:
-        if event.action == "kill-node":
-            alive = [p for p in self.workers.values() if p.is_alive and not p.node_lost and p.deleting_since is None]
-            if event.index is not None:
-                alive = [p for p in alive if p.index == event.index]
-            if not alive:
-                self.record_event("Warning", "ChaosSkipped", f"{event}: no running node to kill")
+        if event.action == "drain-node":
+            victim = self.chaos_victim(event)
+            if victim is not None:
+                self.record_event(
+                    "Normal", "ChaosDrainNode", f"{event}: cordon of machine {victim.node} ({victim.name})"
+                )
+                victim.cordoned = True
+        elif event.action == "kill-node":
+            victim = self.chaos_victim(event)
+            if victim is None:
                 return
-            # A member of the group rather than an idle hot spare, not index 0 (rank 0) when another will do, the
-            # newest first.
-            victim = max(alive, key=lambda p: (p.is_training(), p.index != 0, p.created_at))
             self.record_event(
                 "Warning",
                 "ChaosKillNode",

@@ -136,3 +136,24 @@ def test_scaled_batch_policy_applies_the_plan_after_each_reform(tmp_path):
         expected = make_plan(training, world)
         assert records[0]["global_batch"] == expected.global_batch, step
         assert math.isclose(records[0]["lrs"][0], 0.05 * expected.lr_scale, rel_tol=1e-6), (step, records[0]["lrs"])
+
+
+@pytest.mark.timeout(300)
+def test_a_drained_node_leaves_at_a_checkpoint_and_the_job_grows_back_without_a_restart(tmp_path):
+    """``kubectl drain`` (chaos drain-node: its machine is cordoned) with real trainers: the worker leaves at a
+    checkpoint, its replacement starts on another machine and is drained in, and no step runs twice."""
+    steps = 300  # 30 s of training after the drain: the replacement is Ready in time even on a loaded machine
+    run = run_job(
+        tmp_path,
+        e2e_job("departure", tmp_path / "records", replicas=2, max_steps=steps, dataset=960, step_sleep=0.1),
+        chaos="drain-node@step=15",
+    )
+    assert run.summary.succeeded, run.reasons()
+    reforms = [(r.reason, r.from_nodes, r.to_nodes) for r in run.summary.reforms]
+    assert reforms == [("NodeDeparting", 2, 1), ("ScaledUp", 1, 2)], (reforms, run.reasons())
+    executions = run.executions()
+    redone = {step: len(runs) for step, runs in executions.items() if len(runs) > 1}
+    assert redone == {}, f"steps executed more than once (lost work): {redone}"
+    assert sorted(executions) == list(range(1, steps + 1))
+    assert run.summary.lost_steps == 0 and run.summary.restarts_by_reason == {}
+    assert "NodeDeparting" in run.reasons()

@@ -32,7 +32,7 @@ def test_chaos_items_parse(text, expected):
     [
         ("explode@3s", "unknown action 'explode'"),
         ("kill-node", "expected ACTION[:INDEX]@TIME"),
-        ("add-node:1@3s", "only kill-node takes a node index"),
+        ("add-node:1@3s", "only kill-node and drain-node take a node index"),
         ("kill-node@soon", "expected ACTION[:INDEX]@TIME"),
     ],
     ids=["unknown-action", "no-time", "index-on-add", "bad-time"],
