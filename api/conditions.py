@@ -86,6 +86,9 @@ class Reason(str, enum.Enum):
     OUTSIDE_THE_GROUP = "OutsideTheGroup"
     """Event: a lost pod was not in the running round (a hot spare, a newcomer): replaced, and the group trains on."""
     PERMANENT_EXIT_CODE = "PermanentExitCode"
+    COLLECTIVE_DESYNC = "CollectiveDesync"
+    """Failed: ranks called different collectives (``spec.debug.distributed: DETAIL`` caught it); the message names
+    the ranks and the operations. A program bug: no restart."""
     RESTART_BUDGET_EXHAUSTED = "RestartBudgetExhausted"
     DEADLINE_EXCEEDED = "DeadlineExceeded"
     INVALID_SPEC = "InvalidSpec"
@@ -95,6 +98,16 @@ class Reason(str, enum.Enum):
     NAME_HELD = "NameHeld"
     """Created=False: an object of the name the job needs belongs to another owner (an older job of the same name
     whose dependents are still being deleted); the job waits for it to go."""
+
+
+DESYNC_MARKER = "collective desync:"
+"""Starts the trainer's message of a :attr:`Reason.COLLECTIVE_DESYNC` failure (``disttrain.trainer.failures``)."""
+
+
+def failure_reason(message: str) -> Reason:
+    """The Failed reason of a permanent worker failure: :attr:`Reason.COLLECTIVE_DESYNC` when the trainer's message
+    says so, else :attr:`Reason.PERMANENT_EXIT_CODE`."""
+    return Reason.COLLECTIVE_DESYNC if DESYNC_MARKER in message else Reason.PERMANENT_EXIT_CODE
 
 
 def find_condition(conditions: Sequence[Condition], type_: ConditionType) -> Optional[Condition]:

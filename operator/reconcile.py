@@ -636,7 +636,7 @@ def _handle_workers(d: _Draft) -> None:
             cause = failure_cause(pod)
             _fail(
                 d,
-                Reason.PERMANENT_EXIT_CODE,
+                conditions.failure_reason(cause or ""),
                 f"worker pod {pod.name} exited with code {pod.exit_code}, listed as permanent in "
                 f"spec.restartPolicy.exitCodes.permanent" + (f": {cause}" if cause else ""),
             )
@@ -981,7 +981,7 @@ def _check_terminal(d: _Draft) -> None:
     ):
         _fail(
             d,
-            Reason.PERMANENT_EXIT_CODE,
+            conditions.failure_reason(failure.message),
             f"worker {failure.node or '?'} exited with permanent code {failure.exit_code}: {failure.message}",
         )
         return

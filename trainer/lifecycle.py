@@ -28,7 +28,7 @@ from disttrain.api.exitcodes import ExitCode
 from disttrain.api.plan import InvalidWorldSizeError, Plan, plan
 from disttrain.api.spec import TrainingSpec
 from disttrain.trainer import context as ctx_mod
-from disttrain.trainer import exits, inplace, ordered_reduction, progress, teardown
+from disttrain.trainer import exits, failures, inplace, ordered_reduction, progress, teardown
 from disttrain.trainer import parallel as parallel_mod
 from disttrain.trainer import sampler as sampler_mod
 from disttrain.trainer import startup as startup_mod
@@ -106,11 +106,16 @@ class Lifecycle:
             inplace.guard_buffer_sync(model, self.note_group_failure)
 
     def exit_on_error(self, exc: BaseException) -> None:
-        """A user error exits PERMANENT and a failed collective REFORM, without Python's shutdown (it can block on a
-        dead peer); anything else is written to torchrun's error file (the launcher puts its last line in the pod's
-        termination message) and propagates (exit 1, retryable)."""
+        """A user error or a collective desync exits PERMANENT and a failed collective REFORM, without Python's
+        shutdown (it can block on a dead peer); anything else is written to torchrun's error file (the launcher puts
+        its last line in the pod's termination message) and propagates (exit 1, retryable)."""
         if isinstance(exc, (sampler_mod.DatasetChangedError, InvalidWorldSizeError, ctx_mod.ContractError)):
             exits.exit_permanent(str(exc))
+        desync = failures.find_desync(exc)
+        if desync is not None:  # a program bug: every new group would repeat it
+            log.error("torch: %s", " ".join(str(exc).split()))
+            exits.record_error(failures.CollectiveDesyncError(desync.message()))
+            exits.exit_permanent(desync.message())
         if is_collective_failure(exc):
             log.error(
                 "a collective failed (%s: %s); exiting %d so the group re-forms from the last checkpoint",
