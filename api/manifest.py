@@ -18,12 +18,16 @@ an older round never shadows what a newer round committed, even at a higher or t
 from __future__ import annotations
 
 import posixpath
-from typing import Optional
+from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MANIFEST_FILE = "COMPLETE.json"
 MANIFEST_FORMAT_VERSION = 1
+EFFECT_NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
+"""An effect's name: lower-case letters, digits, ``_``, ``.``, ``-`` (it names a confirmation file too)."""
+MAX_EFFECTS = 4096
+"""Most effects one checkpoint records: effects are for rare events (an upload, an evaluation), not every step."""
 
 
 class DatasetFingerprint(BaseModel):
@@ -41,6 +45,21 @@ class FileDigest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     size: int = Field(ge=0)
     digest: str
+
+
+class EffectRecord(BaseModel):
+    """A side effect declared during ``step`` and recorded with the checkpoint that covers it: carried out after
+    that commit, with ``key``, until confirmed (see disttrain.trainer.effects)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=EFFECT_NAME_PATTERN)
+    """The handler the script registered under this name."""
+    step: int = Field(ge=1)
+    """The global step during which it was declared."""
+    key: str = Field(min_length=1, max_length=400)
+    """``<run id>/<step>/<name>`` of the run that declared it: the same at every attempt to carry it out."""
+    payload: dict[str, Any]
+    """The JSON the script declared with it (bounded when declared)."""
 
 
 class CheckpointManifest(BaseModel):
@@ -74,6 +93,9 @@ class CheckpointManifest(BaseModel):
     fence_round: Optional[int] = Field(None, ge=1)
     """Fence round of the group that committed it (see disttrain.trainer.checkpoint.fence); None before rounds
     existed."""
+    effects: list[EffectRecord] = Field(default_factory=list, max_length=MAX_EFFECTS)
+    """Side effects of the steps it covers that were not confirmed carried out when it was saved: a run that
+    resumes from it carries out those still unconfirmed."""
 
     @property
     def order(self) -> tuple[int, int]:

@@ -47,8 +47,11 @@ from disttrain.trainer import activation, exits, inplace, ordered_reduction, pro
 from disttrain.trainer import completion as completion_mod
 from disttrain.trainer import context as ctx_mod
 from disttrain.trainer import data as data_mod
+from disttrain.trainer import effects as effects_mod
+from disttrain.trainer import evaluation as evaluation_mod
 from disttrain.trainer import lifecycle as lifecycle_mod
 from disttrain.trainer import lr as lr_mod
+from disttrain.trainer import mesh as mesh_mod
 from disttrain.trainer import parallel as parallel_mod
 from disttrain.trainer import precision as precision_mod
 from disttrain.trainer import sampler as sampler_mod
@@ -163,6 +166,8 @@ class ElasticTrainer:
         self.completion = completion_mod.for_device(started.groups.device)
         """The step counter moves only once the device finished the step (:mod:`disttrain.trainer.completion`)."""
         self.lifecycle = lifecycle_mod.Lifecycle(self, options.lifecycle, started.in_place, started.link)
+        self.effects, self.evaluator = _side_effects(options, started)
+        """Side effects once per committed step (:mod:`disttrain.trainer.effects`); evaluation in the loop."""
         self._feed: Optional[data_mod.LoaderFeed] = None
         self._grad_norm: Optional[torch.Tensor] = None  # the last step's, read only when asked (a device sync)
         if options.precision.clip_grad_norm is not None:
@@ -224,6 +229,8 @@ class ElasticTrainer:
                 prec.precision,
                 par.shard_modules,
                 init_sync=not in_place,
+                layout=mesh_mod.layout(ctx.contract.training.mesh, world_size),
+                tp_plan=par.tp_plan,
             )
             precision_state = precision_mod.PrecisionState(prec.precision, groups.device, prec.grad_scaler)
             ordered = ordered_reduction.for_training(
@@ -300,6 +307,12 @@ class ElasticTrainer:
         return self.state.step
 
     @property
+    def data_rank(self) -> int:
+        """Which samples this rank reads: the rank, or its TP group's index on an FSDP x TP mesh (whose ranks read
+        the same samples)."""
+        return sampler_mod.data_rank(self.rank, self.world_size, self.plan.data_degree)
+
+    @property
     def samples_consumed(self) -> int:
         return self.state.samples_consumed
 
@@ -334,6 +347,13 @@ class ElasticTrainer:
         """Checkpoint at the next step boundary, then exit ``ExitCode.DRAINED`` (as SIGTERM does)."""
         self.watchdog.request_drain(reason, then_exit=True)
 
+    def declare_effect(self, name: str, payload: Optional[dict[str, Any]] = None) -> str:
+        """Declare the side effect ``name`` (a handler of the ``effects`` option) of the step being run, with a
+        small JSON ``payload``: rank 0 calls ``handler(key, payload)`` after the checkpoint covering this step
+        commits, once per committed step (the contract: :mod:`disttrain.trainer.effects`). Returns the key
+        ``<run id>/<step>/<name>``. Declare it on every rank (rank 0's declarations are the ones recorded)."""
+        return self.effects.declare(name, payload or {}, self.state.step + 1)
+
     def full_model_state_dict(self) -> dict[str, Any]:
         """The whole model's weights as plain CPU tensors on global rank 0 (empty elsewhere), under DDP or FSDP2
         alike: the way to export the trained model. Collective: every rank calls it."""
@@ -364,7 +384,7 @@ class ElasticTrainer:
         while not self.done:
             self._apply_lr()
             positions = sampler_mod.rank_positions(
-                self.state.data_cursor, self.plan.global_batch, self.world_size, self.rank
+                self.state.data_cursor, self.plan.global_batch, self.plan.data_degree, self.data_rank
             )
             step = Step(
                 self,
@@ -390,6 +410,7 @@ class ElasticTrainer:
             t_prev = now
             with self.keeping_group_failures():
                 self._boundary()
+                self._settle_effects()
             if life.group_failure is not None or life.drained_in_place:
                 life.reform_in_place()
                 first, t_prev = True, time.monotonic()
@@ -429,6 +450,21 @@ class ElasticTrainer:
         self.checkpoints.wait_pending()
         if self.checkpoints.last_saved_step != self.state.step:
             self._save(force_sync=True)
+        self._settle_effects()
+
+    def _settle_effects(self) -> None:
+        """Effects of a save that committed become due; rank 0 carries out what is due."""
+        self.effects.note_committed(self.checkpoints.last_committed_step)
+        self.effects.carry_out()
+
+    def _evaluate_if_due(self, last: bool) -> None:
+        """Evaluate at this boundary when due (every rank alike), before a save here records the result."""
+        ev, step = self.evaluator, self.state.step
+        if ev is None or not ev.is_due(step, self.rank, last=last):
+            return
+        result = ev.evaluate(self.model, step, self.world_size, self.rank)
+        payload = {"step": step, "metrics": evaluation_mod.jsonable(result)}
+        self.effects.declare(evaluation_mod.EVAL_EFFECT, payload, step)
 
     def _start_feed(self) -> data_mod.LoaderFeed:
         """A DataLoader that reads ahead exactly the micro batches the steps from the restored cursor will ask for."""
@@ -437,8 +473,8 @@ class ElasticTrainer:
             self.sampler,
             self.state.data_cursor,
             p.global_batch,
-            self.world_size,
-            self.rank,
+            p.data_degree,
+            self.data_rank,
             p.micro_batch,
             p.accum_steps,
         )
@@ -497,6 +533,7 @@ class ElasticTrainer:
         """Agree on drain / save state with every rank (:mod:`disttrain.trainer.boundary`), then complete a save
         every rank finished, drain, or checkpoint when due."""
         last = self.done
+        self._evaluate_if_due(last)
         agreed = self.agreement.exchange(progress.boundary_flags(self), read_now=last)
         if agreed is None:
             # The first boundary of a run has no agreement yet; a save due by step count needs none (every rank
@@ -516,6 +553,27 @@ class ElasticTrainer:
             return  # drained in place (otherwise the process has exited)
         if self.checkpoints.should_save(self.state.step, last=last) or agreed.seconds_due or self.checkpoints.retry_due:
             self._save(force_sync=last)
+
+
+def _side_effects(
+    options: TrainerOptions, started: Started
+) -> tuple[effects_mod.EffectLedger, Optional[evaluation_mod.Evaluator]]:
+    """The effect ledger (rank 0 carries out) and the evaluator, with their metrics on the worker's registry."""
+    handlers = dict(options.effects.handlers)
+    evaluation = options.effects.evaluation
+    evaluator = None
+    if evaluation is not None:
+        handlers[evaluation_mod.EVAL_EFFECT] = evaluation_mod.result_handler(evaluation)
+        metrics = evaluation_mod.EvalMetrics(started.metrics.registry)
+        evaluator = evaluation_mod.Evaluator(evaluation, started.groups.device, metrics)
+    ledger = effects_mod.EffectLedger(
+        handlers,
+        started.context.run_id or started.context.job_uid,
+        started.context.checkpoint_dir,
+        runner=started.rank == 0,
+        metrics=effects_mod.EffectMetrics(started.metrics.registry),
+    )
+    return ledger, evaluator
 
 
 def _serve_metrics(ctx: ctx_mod.ElasticContext) -> TrainerMetrics:

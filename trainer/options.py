@@ -16,10 +16,13 @@ from typing import TYPE_CHECKING, Any, Optional, TypedDict, TypeVar
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils.data import default_collate
 
 from disttrain.api.contract import WorkerContract
 from disttrain.trainer import activation, inplace
+from disttrain.trainer import effects as effects_mod
+from disttrain.trainer import evaluation as evaluation_mod
 from disttrain.trainer.checkpoint.manager import PhaseHook
 from disttrain.trainer.parallel import Parallelism, Precision
 
@@ -47,6 +50,9 @@ class ParallelOptions:
     """``ddp`` or ``fsdp2``."""
     shard_modules: Optional[Sequence[torch.nn.Module]] = None
     """FSDP2: the modules sharded before the root (None: :func:`~disttrain.trainer.parallel.default_shard_modules`)."""
+    tp_plan: Optional[Mapping[str, ParallelStyle]] = None
+    """FSDP x TP (``spec.training.mesh.tensorParallel``): the ``parallelize_module`` plan, module names (``*`` for
+    any one name) to ``ColwiseParallel()``/``RowwiseParallel()``; required there, refused elsewhere."""
     device: str = "auto"
     """``auto`` (``cuda:LOCAL_RANK`` when CUDA is available, else the CPU; PERMANENT without CUDA when the trainer
     container requests GPUs, docs/gpu.md), ``cuda`` (PERMANENT without CUDA) or ``cpu``."""
@@ -110,6 +116,29 @@ class CheckpointOptions:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class EffectOptions:
+    """Side effects carried out once per committed step (:mod:`disttrain.trainer.effects`) and evaluation in the
+    loop (:mod:`disttrain.trainer.evaluation`)."""
+
+    handlers: Mapping[str, effects_mod.Handler] = dataclasses.field(default_factory=dict)
+    """``name -> handler(key, payload)``: what :meth:`~disttrain.trainer.loop.ElasticTrainer.declare_effect` may
+    name; rank 0 calls it after the commit that records the declaration."""
+    evaluation: Optional[evaluation_mod.EvalOptions] = None
+    """Periodic evaluation on a held-out dataset (None: none)."""
+
+    def __post_init__(self) -> None:
+        for name, handler in self.handlers.items():
+            try:
+                effects_mod.check_name(name)
+            except ValueError as exc:
+                raise OptionError(f"effects: {exc}") from None
+            if name == evaluation_mod.EVAL_EFFECT:
+                raise OptionError(f"effects: {name!r} is the trainer's own (evaluation results); choose another name")
+            if not callable(handler):
+                raise OptionError(f"effects[{name!r}]={handler!r} is not callable: pass fn(key, payload)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LifecycleOptions:
     """How a group ends: in-place reforms (``spec.elastic.reformInPlace``) and their time limits."""
 
@@ -131,12 +160,15 @@ class TrainerKwargs(TypedDict, total=False):
     precision: str | Precision
     shard_modules: Optional[Sequence[torch.nn.Module]]
     activation_checkpointing: Optional[activation.Target]
+    tp_plan: Optional[Mapping[str, ParallelStyle]]
     clip_grad_norm: Optional[float]
     user_state: Optional[Mapping[str, Stateful]]
     grad_scaler: Optional[ShardedGradScaler]
     num_workers: int
     prefetch_factor: Optional[int]
     device: str
+    effects: Optional[Mapping[str, effects_mod.Handler]]
+    evaluation: Optional[evaluation_mod.EvalOptions]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,6 +180,7 @@ class TrainerOptions:
     data: DataOptions = dataclasses.field(default_factory=DataOptions)
     checkpoint: CheckpointOptions = dataclasses.field(default_factory=CheckpointOptions)
     lifecycle: LifecycleOptions = dataclasses.field(default_factory=LifecycleOptions)
+    effects: EffectOptions = dataclasses.field(default_factory=EffectOptions)
     log_every: int = 10
     """Rank 0 logs the loss every this many steps (and at step 1)."""
 
@@ -164,6 +197,7 @@ class TrainerOptions:
             parallel=ParallelOptions(
                 parallelism=parallelism,
                 shard_modules=kwargs.get("shard_modules"),
+                tp_plan=kwargs.get("tp_plan"),
                 device=kwargs.get("device", "auto"),
                 activation_checkpointing=kwargs.get("activation_checkpointing"),
             ),
@@ -184,6 +218,7 @@ class TrainerOptions:
             lifecycle=LifecycleOptions(
                 reform_in_place=inplace.applies(contract.reform_in_place, parallelism is Parallelism.DDP)
             ),
+            effects=EffectOptions(handlers=dict(kwargs.get("effects") or {}), evaluation=kwargs.get("evaluation")),
             log_every=kwargs.get("log_every", 10),
         )
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from disttrain.api.contract import training_config_hash
 from disttrain.api.manifest import CheckpointManifest
+from disttrain.trainer import evaluation as evaluation_mod
 from disttrain.trainer import inplace
 from disttrain.trainer import lr as lr_mod
 from disttrain.trainer import precision as precision_mod
@@ -68,6 +69,7 @@ def manifest(trainer: ElasticTrainer) -> CheckpointManifest:
         config_hash=training_config_hash(training),
         job=trainer.ctx.job,
         job_uid=trainer.ctx.job_uid or None,
+        effects=trainer.effects.record_for(state.step),
     )
 
 
@@ -86,6 +88,7 @@ def resume(trainer: ElasticTrainer) -> None:
         source = inplace.choose_source(holdings)
         if source is not None:
             resume_from_memory(trainer, source, holdings)
+            restore_effects(trainer, found)
             return
         if found is None:
             inplace.broadcast_module(trainer.raw_model)  # what DDP's construction did before init_sync=False
@@ -99,6 +102,7 @@ def resume(trainer: ElasticTrainer) -> None:
             )
         trainer.lr_state = lr_mod.ramp_after_resume(None, None, 0, trainer.plan.lr_scale, 0, ramp)
         trainer.watchdog.start()
+        restore_effects(trainer, None)
         return
     sampler_mod.check_fingerprint(found.dataset, trainer.sampler.fingerprint)
     if found.config_hash != training_config_hash(trainer.training):
@@ -127,6 +131,7 @@ def resume(trainer: ElasticTrainer) -> None:
         ramp,
     )
     trainer.watchdog.start(recorded_generation=s.control_generation, recorded_uid=found.job_uid)
+    restore_effects(trainer, found)
 
 
 def resume_from_memory(trainer: ElasticTrainer, source: int, holdings: list[inplace.Holding]) -> None:
@@ -162,6 +167,22 @@ def resume_from_memory(trainer: ElasticTrainer, source: int, holdings: list[inpl
     )
     if not trainer.watchdog.started:
         trainer.watchdog.start(recorded_generation=s.control_generation, recorded_uid=trainer.ctx.job_uid or None)
+
+
+def restore_effects(trainer: ElasticTrainer, found: Optional[CheckpointManifest]) -> None:
+    """After a resume: the effects the newest commit holds and no confirmation covers are owed (rank 0 carries them
+    out now), declarations of steps that will be redone go, and an evaluation the commit records is not run
+    again."""
+    ledger = trainer.effects
+    ledger.runner = trainer.rank == 0
+    if not ledger.runner:
+        ledger.due = []
+    ledger.restore(found, trainer.state.step)
+    if trainer.evaluator is not None:
+        trainer.evaluator.reset()
+        recorded = [r.step for r in (found.effects if found else []) if r.name == evaluation_mod.EVAL_EFFECT]
+        trainer.evaluator.last_step = max([trainer.evaluator.last_step, *recorded])
+    ledger.carry_out()
 
 
 def _restore_lr(trainer: ElasticTrainer) -> None:
