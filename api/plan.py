@@ -4,7 +4,9 @@ fixed mode keeps the global batch and lets gradient accumulation absorb the worl
 the same batch at every size; a size that cannot divide it is invalid. scaled mode keeps the per-process batch
 and grows the global batch with the world, scaling the LR by linear / sqrt / none relative to the reference
 batch, reached over a ramp. The LR schedule is a function of samples consumed, so its length never depends on
-the world size.
+the world size. On a 2-D mesh (``training.mesh``) these rules see the data degree, the ranks that read different
+samples (world size / tensorParallel; the world size under HSDP), and a world size the inner degree does not divide
+is invalid.
 """
 
 from __future__ import annotations
@@ -40,6 +42,13 @@ class Plan(BaseModel):
     accum_steps: int
     global_batch: int
     lr_scale: float
+    data_parallel: int = 0
+    """Ranks that read different samples (the sampler's world); 0 stands for ``world_size`` (a 1-D mesh)."""
+
+    @property
+    def data_degree(self) -> int:
+        """Ranks that read different samples: the world size, or world / tensorParallel on an FSDP x TP mesh."""
+        return self.data_parallel or self.world_size
 
     def to_status(self) -> dict[str, float | int]:
         """The camelCase form used in ``status.plan`` and the checkpoint manifest."""
@@ -62,16 +71,28 @@ def lr_factor(scaling: LRScaling, batch: int, reference: int) -> float:
     return 1.0
 
 
+def data_degree(training: TrainingSpec, world_size: int) -> int:
+    """Ranks of ``world_size`` that read different samples (:attr:`Plan.data_degree`)."""
+    return training.mesh.data_degree(world_size) if training.mesh is not None else world_size
+
+
+def _mesh_fits(training: TrainingSpec, world_size: int) -> bool:
+    return training.mesh is None or world_size % training.mesh.inner_degree == 0
+
+
 def _fixed_mode_divisor_ok(training: TrainingSpec, world_size: int) -> bool:
-    return training.global_batch_size % (training.micro_batch_size * world_size) == 0
+    if not _mesh_fits(training, world_size):
+        return False
+    return training.global_batch_size % (training.micro_batch_size * data_degree(training, world_size)) == 0
 
 
 def valid_world_sizes(training: TrainingSpec, sizes: Iterable[int] | None = None) -> list[int]:
     """World sizes (from ``sizes``, default every size up to the global batch) that can run this contract."""
-    limit = max(1, training.global_batch_size // training.micro_batch_size)
+    readers = (training.mesh.tensor_parallel or 1) if training.mesh is not None else 1  # TP ranks share samples
+    limit = max(1, training.global_batch_size // training.micro_batch_size) * readers
     candidates = list(sizes) if sizes is not None else range(1, limit + 1)
     if training.batch_policy is BatchPolicy.SCALED:
-        return sorted(w for w in candidates if w >= 1)
+        return sorted(w for w in candidates if w >= 1 and _mesh_fits(training, w))
     return sorted(w for w in candidates if w >= 1 and _fixed_mode_divisor_ok(training, w))
 
 
@@ -88,20 +109,34 @@ def plan(training: TrainingSpec, world_size: int) -> Plan:
     if world_size < 1:
         raise InvalidWorldSizeError(world_size, "it must be at least 1", [])
     micro = training.micro_batch_size
+    if not _mesh_fits(training, world_size):
+        assert training.mesh is not None
+        name = "tensorParallel" if training.mesh.tensor_parallel else "shard"
+        reason = f"it is not a multiple of training.mesh.{name} = {training.mesh.inner_degree}"
+        raise InvalidWorldSizeError(world_size, reason, valid_world_sizes(training))
+    data = data_degree(training, world_size)
     if training.batch_policy is BatchPolicy.FIXED:
         if not _fixed_mode_divisor_ok(training, world_size):
+            size = "worldSize" if data == world_size else "dataDegree"
             reason = (
                 f"globalBatchSize {training.global_batch_size} is not a multiple of "
-                f"microBatchSize x worldSize = {micro} x {world_size} = {micro * world_size}"
+                f"microBatchSize x {size} = {micro} x {data} = {micro * data}"
             )
             raise InvalidWorldSizeError(world_size, reason, valid_world_sizes(training))
-        accum = training.global_batch_size // (micro * world_size)
+        accum = training.global_batch_size // (micro * data)
         global_batch = training.global_batch_size
     else:
         accum = training.accumulation_steps
-        global_batch = micro * accum * world_size
+        global_batch = micro * accum * data
     scale = lr_factor(training.lr.scaling, global_batch, training.reference_batch)
-    return Plan(world_size=world_size, micro_batch=micro, accum_steps=accum, global_batch=global_batch, lr_scale=scale)
+    return Plan(
+        world_size=world_size,
+        micro_batch=micro,
+        accum_steps=accum,
+        global_batch=global_batch,
+        lr_scale=scale,
+        data_parallel=data if data != world_size else 0,
+    )
 
 
 def ramped_lr_scale(start: float, target: float, steps_since_change: int, ramp_steps: int) -> float:

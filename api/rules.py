@@ -77,6 +77,27 @@ def _fixed_batch_divides(spec: Node) -> bool:
     return bool(training["globalBatchSize"] % (micro * replicas * nproc) == 0)
 
 
+def _mesh_degree(spec: Node) -> tuple[str, int]:
+    """The inner dimension of ``spec.training.mesh`` (its field name and degree); ("", 1) without a mesh."""
+    mesh = spec["training"].get("mesh") or {}
+    if "tensorParallel" in mesh:
+        return "tensorParallel", mesh["tensorParallel"]
+    if "shard" in mesh:
+        return "shard", mesh["shard"]
+    return "", 1
+
+
+def _mesh_degree_divides_nproc(spec: Node) -> bool:
+    _, degree = _mesh_degree(spec)
+    return degree < 1 or spec["nprocPerNode"] % degree == 0
+
+
+_MESH_DEGREE_CEL = (
+    "(has(self.training.mesh.tensorParallel) ? self.training.mesh.tensorParallel : "
+    "has(self.training.mesh.shard) ? self.training.mesh.shard : 1)"
+)
+
+
 def _checkpoint_volume_declared(spec: Node) -> bool:
     name = spec["checkpoint"].get("volumeName")
     if name is None:
@@ -161,6 +182,23 @@ RULES: tuple[Rule, ...] = (
         field_path=".training.globalBatchSize",
     ),
     exactly_one_of("spec.training", "maxSteps", "maxSamples"),
+    exactly_one_of("spec.training.mesh", "shard", "tensorParallel"),
+    Rule(
+        node="spec",
+        cel=f"!has(self.training.mesh) || {_MESH_DEGREE_CEL} < 1 || self.nprocPerNode % {_MESH_DEGREE_CEL} == 0",
+        message=(
+            "training.mesh.%s = %d must divide nprocPerNode = %d: the inner mesh dimension stays within a node, "
+            "so every world size nodes x nprocPerNode splits into whole groups"
+        ),
+        cel_args=(
+            "has(self.training.mesh.tensorParallel) ? 'tensorParallel' : 'shard'",
+            _MESH_DEGREE_CEL,
+            "self.nprocPerNode",
+        ),
+        holds=_mesh_degree_divides_nproc,
+        args=lambda s: (*_mesh_degree(s), s["nprocPerNode"]),
+        field_path=".training.mesh",
+    ),
     exactly_one_of("spec.checkpoint", "claimName", "volumeName"),
     Rule(
         node="spec",

@@ -119,6 +119,31 @@ class LRSpec(ContractModel):
     """Floor of the decaying schedules, as a fraction of the base LR."""
 
 
+class MeshSpec(ContractModel):
+    """A 2-D device mesh: a fixed inner dimension of ``shard`` or ``tensorParallel`` ranks inside a node, and an
+    elastic outer dimension of world size / inner degree groups that grows and shrinks with the node count
+    (docs/trainer.md, "Meshes"). Exactly one of shard and tensorParallel; it must divide nprocPerNode, so every
+    world size of the node range splits into whole groups and no group spans two nodes."""
+
+    shard: Optional[int] = Field(None, ge=1, le=1_024)
+    """HSDP: parameters, gradients and optimizer state are sharded over groups of this many ranks and replicated
+    across the groups (the elastic dimension). Every rank reads its own samples. Needs the trainer's parallelism
+    fsdp2."""
+    tensor_parallel: Optional[int] = Field(None, ge=1, le=1_024)
+    """FSDP x TP: the layers of the script's TP plan are split over groups of this many ranks, which read the same
+    samples; FSDP2 shards over the elastic data dimension (world size / this). Batch, accumulation and LR rules see
+    the data degree. Needs the trainer's parallelism fsdp2 and a tp_plan."""
+
+    @property
+    def inner_degree(self) -> int:
+        """Ranks in the fixed inner dimension (1: a 1-D mesh)."""
+        return self.tensor_parallel or self.shard or 1
+
+    def data_degree(self, world_size: int) -> int:
+        """Ranks that read different samples: world size / tensorParallel (every rank under HSDP)."""
+        return world_size // self.tensor_parallel if self.tensor_parallel else world_size
+
+
 class TrainingSpec(ContractModel):
     global_batch_size: int = Field(ge=1, le=100_000_000)
     """Samples per optimizer step. In fixed mode the exact global batch at every world size; in scaled mode the
@@ -145,6 +170,9 @@ class TrainingSpec(ContractModel):
     the same at every world size, so in fixed mode a resume at another world size is bitwise exact too. Needs
     the trainer's parallelism ddp in fp32; costs memory (2 x accumulation steps x parameters) and
     communication that grow with gradient accumulation (docs/trainer.md)."""
+    mesh: Optional[MeshSpec] = None
+    """A 2-D device mesh with the node count as its elastic outer dimension (HSDP or FSDP x TP); unset: the 1-D
+    mesh of the trainer's parallelism."""
 
     @property
     def reference_batch(self) -> int:

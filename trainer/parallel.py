@@ -8,20 +8,26 @@ Mixed precision is decided here too, because each parallelism does it differentl
 boundaries through its ``MixedPrecisionPolicy``; DDP runs the forward under ``torch.autocast``. Either way the
 floating-point outputs come back in fp32, so the user's loss is computed in full precision, and gradients are
 reduced in fp32.
+
+On a 2-D mesh (:mod:`disttrain.trainer.mesh`) FSDP2 does both dimensions: HSDP is ``fully_shard`` on the whole
+(replicate, shard) mesh; FSDP x TP first splits the layers of the script's TP plan over the ``tensor`` dimension
+(``parallelize_module``), then ``fully_shard`` shards over the elastic ``data`` dimension, as TorchTitan does.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
+
+from disttrain.trainer import mesh as mesh_mod
 
 
 class Parallelism(str, enum.Enum):
@@ -94,11 +100,16 @@ def wrap(
     precision: Precision,
     shard_modules: Optional[Sequence[nn.Module]] = None,
     init_sync: bool = True,
+    layout: Optional[mesh_mod.Layout] = None,
+    tp_plan: Optional[Mapping[str, ParallelStyle]] = None,
 ) -> ParallelModel:
     """``model`` (already on ``device``) wrapped for ``parallelism``; under FSDP2 the optimizer's param groups are
     pointed at the sharded parameters, because ``fully_shard`` replaces every parameter object. ``init_sync=False``:
     DDP does not broadcast rank 0's weights at construction (in-place reforms agree on the state themselves,
-    :mod:`disttrain.trainer.inplace`)."""
+    :mod:`disttrain.trainer.inplace`). ``layout``: the mesh (None: 1-D over the world); ``tp_plan``: the
+    ``parallelize_module`` plan of an FSDP x TP mesh (module names, ``*`` for any one name, to ParallelStyles)."""
+    where = layout or mesh_mod.Layout(mesh_mod.MeshKind.FLAT, dist.get_world_size(), 1)
+    _check_mesh(where, parallelism, tp_plan)
     if parallelism is Parallelism.DDP:
         if shard_modules is not None:
             raise ValueError("shard_modules is an FSDP2 option; it is not allowed with parallelism='ddp'")
@@ -109,7 +120,7 @@ def wrap(
         return ParallelModel(ddp, parallelism, sums_gradients=sums)
     if isinstance(model, DistributedDataParallel):
         raise ValueError("parallelism='fsdp2' needs the plain model, not one already wrapped in DDP")
-    _shard(model, optimizer, device, precision, shard_modules)
+    _shard(model, optimizer, device, precision, shard_modules, where, tp_plan)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -128,6 +139,24 @@ def default_shard_modules(model: nn.Module) -> list[nn.Module]:
     if blocks:
         return blocks
     return [c for c in model.children() if any(True for _ in c.parameters())]
+
+
+def _check_mesh(
+    where: mesh_mod.Layout, parallelism: Parallelism, tp_plan: Optional[Mapping[str, ParallelStyle]]
+) -> None:
+    """Refuse the option combinations a mesh cannot run, naming the option and the field."""
+    if where.kind is not mesh_mod.MeshKind.FLAT and parallelism is not Parallelism.FSDP2:
+        raise ValueError(
+            f"spec.training.mesh ({where.kind.value}) needs parallelism='fsdp2', got {parallelism.value!r}: "
+            "both mesh dimensions are FSDP2's (HSDP) or FSDP2's and tensor parallelism's"
+        )
+    if where.kind is mesh_mod.MeshKind.TP and not tp_plan:
+        raise ValueError(
+            "spec.training.mesh.tensorParallel needs a tp_plan: pass tp_plan={module name: ColwiseParallel() | "
+            "RowwiseParallel() ...} to ElasticTrainer.from_env"
+        )
+    if tp_plan and where.kind is not mesh_mod.MeshKind.TP:
+        raise ValueError("tp_plan was passed but spec.training.mesh.tensorParallel is not set: declare the degree")
 
 
 def _data_parallel(
@@ -164,6 +193,8 @@ def _shard(
     device: torch.device,
     precision: Precision,
     shard_modules: Optional[Sequence[nn.Module]],
+    where: mesh_mod.Layout,
+    tp_plan: Optional[Mapping[str, ParallelStyle]],
 ) -> None:
     if optimizer.state:
         raise ValueError(
@@ -171,7 +202,12 @@ def _shard(
             "and the trainer moves the optimizer onto the sharded ones"
         )
     names = {id(p): name for name, p in model.named_parameters()}
-    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    mesh = mesh_mod.build(device.type, where)
+    if where.kind is mesh_mod.MeshKind.TP:
+        assert tp_plan is not None
+        data_dim, tensor_dim = mesh_mod.DIM_NAMES[mesh_mod.MeshKind.TP]
+        parallelize_module(model, mesh[tensor_dim], dict(tp_plan))
+        mesh = mesh[data_dim]  # FSDP2 shards over the elastic dimension; TP's layers stay split over the inner one
     dtype = precision.compute_dtype
     inner = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     root = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)

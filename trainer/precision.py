@@ -82,8 +82,16 @@ def clip_global_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tens
     """
     params = [p for p in model.parameters() if p.grad is not None]
     grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:  # an FSDP x TP model holds gradients on two meshes, which one norm cannot mix
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = [_full_norm(group) for group in by_mesh.values()] or [_full_norm([])]
+    norm = norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm(norms, norm_type=2.0)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm.detach()
+
+
+def _full_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of gradients on one mesh, reduced over its shards (a plain tensor)."""
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -54,6 +54,12 @@ def rank_positions(cursor: int, global_batch: int, world_size: int, rank: int) -
     return list(range(cursor + rank, cursor + global_batch, world_size))
 
 
+def data_rank(rank: int, world_size: int, data_degree: int) -> int:
+    """The sampler's rank of global ``rank`` when only ``data_degree`` of the ``world_size`` ranks read different
+    samples: consecutive runs of world / data ranks (a TP group, :mod:`disttrain.trainer.mesh`) share one."""
+    return rank // (world_size // data_degree)
+
+
 class GlobalSampler:
     """Maps stream positions to dataset indices; holds no position itself (the cursor lives in trainer state)."""
 

@@ -40,6 +40,18 @@ MALFORMED = [
         "not a multiple",
     ),
     (
+        "mesh-degree-not-dividing-nproc",
+        lambda b: b.set("spec.nprocPerNode", 4).set("spec.training.mesh", {"tensorParallel": 3}),
+        "spec.training.mesh",
+        "training.mesh.tensorParallel = 3 must divide nprocPerNode = 4",
+    ),
+    (
+        "mesh-shard-and-tensor-parallel",
+        lambda b: b.set("spec.training.mesh", {"shard": 2, "tensorParallel": 2}),
+        "spec.training.mesh",
+        "exactly one of mesh.shard and mesh.tensorParallel must be set",
+    ),
+    (
         "unknown-batch-policy",
         lambda b: b.set("spec.training.batchPolicy", "elastic"),
         "spec.training.batchPolicy",
