@@ -6,6 +6,9 @@ the model: ``small`` (default, trains on a CPU in a minute), ``medium`` or ``lar
 LR, length, checkpoints) come from the worker contract like any disttrain program; run directly without one, it
 takes the contract of ``examples/jobs/tinylm.yaml`` and checkpoints under ``./runs/gptlm``:
 ``torchrun --nproc-per-node=2 examples/gptlm/train.py``.
+
+On a job whose ``spec.training.mesh.tensorParallel`` is set, the attention and MLP of every block are split over the
+TP group with :data:`TP_PLAN` (FSDP x TP); ``--tensor-parallel K`` declares that mesh on a plain run.
 """
 
 from __future__ import annotations
@@ -14,10 +17,15 @@ import argparse
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+if TYPE_CHECKING:
+    from disttrain.api.spec import MeshSpec
 
 HERE = Path(__file__).resolve().parent
 CORPUS = HERE.parent / "tinylm" / "corpus.txt"
@@ -26,10 +34,20 @@ SIZES = {  # d_model, layers, heads, block
     "medium": (512, 8, 8, 256),
     "large": (2048, 24, 16, 1024),
 }
+TP_PLAN: dict[str, ParallelStyle] = {
+    "blocks.*.qkv": ColwiseParallel(),  # whole heads per rank: the fused weight is laid out head by head
+    "blocks.*.proj": RowwiseParallel(),
+    "blocks.*.mlp.0": ColwiseParallel(),
+    "blocks.*.mlp.2": RowwiseParallel(),
+}
+"""Megatron's split of each block (TorchTitan's ``apply_tp``): the heads' q, k, v and the MLP's first layer by output
+column, the attention projection and the MLP's second layer by input row, so each block needs one all-reduce in its
+forward and one in its backward. Norms, embeddings and the head stay whole on every TP rank."""
 
 
-def default_contract_env() -> None:
-    """Plain runs: read the tinylm job manifest (the operator sets these variables itself)."""
+def default_contract_env(tensor_parallel: int = 0) -> None:
+    """Plain runs: read the tinylm job manifest (the operator sets these variables itself), with a TP mesh of
+    ``tensor_parallel`` ranks when it is above 0."""
     if os.environ.get("DISTTRAIN_CONTRACT"):
         return
     import yaml
@@ -37,17 +55,21 @@ def default_contract_env() -> None:
     from disttrain.api.contract import WorkerContract
     from disttrain.api.spec import DistTrainJob
 
-    job = DistTrainJob.model_validate(yaml.safe_load((HERE.parent / "jobs" / "tinylm.yaml").read_text()))
+    manifest = yaml.safe_load((HERE.parent / "jobs" / "tinylm.yaml").read_text())
+    if tensor_parallel:
+        manifest["spec"]["training"]["mesh"] = {"tensorParallel": tensor_parallel}
+    job = DistTrainJob.model_validate(manifest)
     os.environ["DISTTRAIN_CONTRACT"] = WorkerContract.from_spec(job.spec).to_env_value()
     os.environ.setdefault("DISTTRAIN_CHECKPOINT_DIR", str(Path("runs") / "gptlm"))
 
 
 class Block(nn.Module):
-    """Pre-norm causal self-attention and MLP; one FSDP2 unit."""
+    """Pre-norm causal self-attention and MLP; one FSDP2 unit. The forward reads the head count from the width of
+    ``qkv``'s output, so it runs unchanged on a TP rank that holds some of the heads."""
 
     def __init__(self, d_model: int, heads: int) -> None:
         super().__init__()
-        self.heads = heads
+        self.head_dim = d_model // heads
         self.norm1 = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
@@ -55,10 +77,10 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, -1, 3, self.head_dim).unbind(3)  # per head: its q, k, v
         att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, -1))
         return x + self.mlp(self.norm2(x))
 
 
@@ -89,13 +111,23 @@ def build_dataset(block: int) -> tuple[torch.utils.data.TensorDataset, int]:
     return torch.utils.data.TensorDataset(x, y), len(chars)
 
 
+def trainer_mesh() -> Optional[MeshSpec]:
+    """The job's ``spec.training.mesh``, from the worker contract."""
+    from disttrain.api.contract import WorkerContract
+
+    return WorkerContract.from_env_value(os.environ["DISTTRAIN_CONTRACT"]).training.mesh
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
     parser.add_argument("--clip", type=float, default=1.0, help="max global gradient norm (0: no clipping)")
+    parser.add_argument(
+        "--tensor-parallel", type=int, default=0, help="plain runs: declare an FSDP x TP mesh of this TP degree"
+    )
     args = parser.parse_args()
-    default_contract_env()
+    default_contract_env(args.tensor_parallel)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
 
     from disttrain.trainer.loop import ElasticTrainer
@@ -105,11 +137,15 @@ def main() -> None:
     torch.manual_seed(0)  # identical initial weights on every rank; the checkpoint takes over after a restart
     model = GPT(vocab, d_model, layers, heads, block)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, betas=(0.9, 0.95))
-    options = {"parallelism": "fsdp2", "precision": args.precision, "clip_grad_norm": args.clip or None}
+    options: dict[str, Any] = {"parallelism": "fsdp2", "precision": args.precision, "clip_grad_norm": args.clip or None}
+    mesh = trainer_mesh()
+    if mesh is not None and mesh.tensor_parallel:
+        options["tp_plan"] = TP_PLAN
     with ElasticTrainer.from_env(model, optimizer, dataset, log_every=20, **options) as trainer:
         if trainer.rank == 0:
+            layout = f"FSDP x TP{mesh.tensor_parallel}" if "tp_plan" in options and mesh else "FSDP2"
             print(
-                f"gptlm ({args.size}, FSDP2, {args.precision}): {sum(p.numel() for p in model.parameters())} "
+                f"gptlm ({args.size}, {layout}, {args.precision}): {sum(p.numel() for p in model.parameters())} "
                 f"parameters, vocab {vocab}; uniform loss would be {math.log(vocab):.2f}",
                 flush=True,
             )
