@@ -2,8 +2,9 @@
 
 ``evaluation=EvalOptions(dataset=held_out, fn=loss_sums, every_steps=100)``: at the step boundary of a due step,
 every rank puts the model in eval mode, runs ``fn(model, batch)`` over its share of ``dataset`` (batches dealt out
-round-robin; a rank whose share ran out runs a padding batch whose result is dropped, so wrapped models that talk
-during ``forward`` stay in lockstep), sums what ``fn`` returned, and the sums are all-reduced over the group. The
+round-robin by data rank, so a TP group shares one; a rank whose share ran out runs a padding batch whose result is
+dropped, so wrapped models that talk during ``forward`` stay in lockstep), sums what ``fn`` returned, and the sums
+are all-reduced over the group. The
 result is exported as metrics and declared as the side effect ``disttrain.eval`` of that step
 (:mod:`disttrain.trainer.effects`): the checkpoint covering the step records it, and rank 0 hands it to
 ``on_result`` with its key exactly once per committed step. The loop evaluates before it saves at the same boundary,
@@ -144,16 +145,23 @@ class Evaluator:
         previous[1].wait()
         return bool(int(previous[0].item()))
 
-    def evaluate(self, model: torch.nn.Module, step: int, world_size: int, rank: int) -> dict[str, float]:
-        """Run the evaluation of ``step`` on every rank and return the global result (the same on every rank)."""
+    def evaluate(
+        self, model: torch.nn.Module, step: int, world_size: int, rank: int, shards: int = 0, shard: int = -1
+    ) -> dict[str, float]:
+        """Run the evaluation of ``step`` on every rank and return the global result (the same on every rank).
+
+        ``shards``/``shard``: how many different shares of the dataset there are and which one this rank reads
+        (default: one per rank). On an FSDP x TP mesh the ranks of a TP group read the same share (the sampler's
+        data rank) and each reports the same sums, so the global sums are divided by the group's size."""
         o = self.options
+        shards, shard = (shards, shard) if shards > 0 else (world_size, rank)
         t0 = time.monotonic()
         sums: dict[str, float] = {}
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad():
-                for indices in rank_batches(len(o.dataset), o.batch_size, world_size, rank):
+                for indices in rank_batches(len(o.dataset), o.batch_size, shards, shard):
                     out = o.fn(model, self._batch(indices or [0]))
                     if indices:
                         for name, value in out.items():
@@ -165,7 +173,8 @@ class Evaluator:
         agreed = sorted(set().union(*names))
         total = torch.tensor([sums.get(n, 0.0) for n in agreed], dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
-        result = dict(zip(agreed, (float(v) for v in total.tolist()), strict=True))
+        copies = world_size // shards
+        result = dict(zip(agreed, (float(v) / copies for v in total.tolist()), strict=True))
         if o.summarize is not None:
             result = {k: float(v) for k, v in o.summarize(result).items()}
         self.last_step, self.last_time, self.last_result = step, time.monotonic(), result

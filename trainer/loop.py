@@ -462,7 +462,7 @@ class ElasticTrainer:
         ev, step = self.evaluator, self.state.step
         if ev is None or not ev.is_due(step, self.rank, last=last):
             return
-        result = ev.evaluate(self.model, step, self.world_size, self.rank)
+        result = ev.evaluate(self.model, step, self.world_size, self.rank, self.plan.data_degree, self.data_rank)
         payload = {"step": step, "metrics": evaluation_mod.jsonable(result)}
         self.effects.declare(evaluation_mod.EVAL_EFFECT, payload, step)
 
