@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from disttrain.api import constants, containers
-from disttrain.api.spec import CheckpointSpec, DistTrainJobSpec, TrainingSpec
+from disttrain.api.spec import CheckpointSpec, DebugSpec, DistTrainJobSpec, TrainingSpec
 
 GPU_RESOURCES: tuple[str, ...] = (constants.GPU_RESOURCE, "amd.com/gpu")
 """Extended resources that request GPUs (NVIDIA's and AMD's device plugins); torch sees either as ``cuda``."""
@@ -35,6 +35,9 @@ class WorkerContract(BaseModel):
     """GPUs the trainer container requests (:data:`GPU_RESOURCES`, limits else requests); 0: none. A trainer on
     ``device='auto'`` that finds no CUDA device while this is above 0 exits PERMANENT instead of training on the
     CPU: the job asked for GPUs, and a silent CPU run is slower by orders of magnitude."""
+    debug: Optional[DebugSpec] = None
+    """``spec.debug`` when any of it is on (the launcher sets the workers' debug environment and log files from it);
+    None otherwise, so the contract of a job without debug mode is the same document as without the field."""
 
     @classmethod
     def from_spec(cls, spec: DistTrainJobSpec) -> WorkerContract:
@@ -47,6 +50,7 @@ class WorkerContract(BaseModel):
             max_nodes=spec.nodes.max,
             reform_in_place=spec.elastic.reform_in_place,
             gpus_per_node=requested_gpus(spec.template),
+            debug=spec.debug if spec.debug.is_on else None,
         )
 
     def to_env_value(self) -> str:

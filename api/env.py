@@ -39,6 +39,9 @@ STORE_SECRET: Final = "DISTTRAIN_STORE_SECRET"
 TERMINATION_LOG: Final = "DISTTRAIN_TERMINATION_LOG"
 # "0" turns off warm worker interpreters (disttrain.trainer.launch.warmstart): every worker then starts a cold Python.
 WARM_WORKERS: Final = "DISTTRAIN_WARM_WORKERS"
+# The launcher's debug folder (spec.debug; disttrain.trainer.launch.debugenv): NCCL's debug files and the per-rank
+# logs of this start of the pod. Unset without debug mode.
+DEBUG_DIR: Final = "DISTTRAIN_DEBUG_DIR"
 # The worker's launcher listens here (a Unix socket; "@name" is Linux's abstract namespace) for workers that wait for
 # the next rendezvous round in place instead of exiting (disttrain.trainer.launch.handover). Unset: every reform
 # restarts

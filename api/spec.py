@@ -469,6 +469,63 @@ class AgentPlacementSpec(ContractModel):
     cluster's default."""
 
 
+class DistributedDebugLevel(str, enum.Enum):
+    """How much torch.distributed checks and says (``TORCH_DISTRIBUTED_DEBUG``)."""
+
+    OFF = "OFF"
+    INFO = "INFO"
+    DETAIL = "DETAIL"
+
+
+class NcclDebugSubsystem(str, enum.Enum):
+    """A subsystem of NCCL's debug output (``NCCL_DEBUG_SUBSYS``), as NCCL names it."""
+
+    INIT = "INIT"
+    COLL = "COLL"
+    P2P = "P2P"
+    SHM = "SHM"
+    NET = "NET"
+    GRAPH = "GRAPH"
+    TUNING = "TUNING"
+    ENV = "ENV"
+    ALLOC = "ALLOC"
+    CALL = "CALL"
+    PROXY = "PROXY"
+    NVLS = "NVLS"
+    BOOTSTRAP = "BOOTSTRAP"
+    REG = "REG"
+    PROFILE = "PROFILE"
+    RAS = "RAS"
+    ALL = "ALL"
+
+
+class DebugSpec(ContractModel):
+    """Diagnosis of distributed bugs, at a cost in speed and log volume: off by default (docs/trainer.md, "Debug
+    mode"). A variable the trainer container's env sets itself is kept."""
+
+    distributed: DistributedDebugLevel = DistributedDebugLevel.OFF
+    """OFF, INFO or DETAIL: TORCH_DISTRIBUTED_DEBUG for the workers, with c10d's C++ log at INFO and NCCL's debug
+    output on. DETAIL checks before every collective that all ranks call the same one (op, shapes, dtypes): ranks
+    that call collectives in a different order fail the job at once, as CollectiveDesync naming the ranks and the
+    operations, instead of hanging until elastic.collectiveTimeoutSeconds. It costs an extra gloo exchange per
+    collective."""
+    nccl_subsystems: list[NcclDebugSubsystem] = Field(default_factory=list, max_length=17)
+    """NCCL_DEBUG_SUBSYS: the NCCL subsystems that log (INIT, COLL, NET, ...); empty: NCCL's default (INIT, BOOTSTRAP,
+    ENV). Naming any turns NCCL's debug output on even with distributed OFF. It goes to one file per process,
+    nccl.<host>.<pid>.log, in the launcher's debug folder (<checkpoint dir>/debug/<node>/<start time>-<unique>/, a
+    new one for every start of a worker pod)."""
+    per_rank_logs: bool = False
+    """Copy each worker's stdout and stderr to its own files in the launcher's debug folder
+    (logs/<run id>_<unique>/attempt_<restart>/<local rank>/{stdout,stderr}.log): new files for every start of a
+    pod and every restart of its workers, so nothing is overwritten; the pod's log keeps the output too. Workers
+    start cold (no prestarted interpreter) when this is on."""
+
+    @property
+    def is_on(self) -> bool:
+        """Whether any debug setting is on."""
+        return self.distributed is not DistributedDebugLevel.OFF or bool(self.nccl_subsystems) or self.per_rank_logs
+
+
 class DistTrainJobSpec(ContractModel):
     template: dict[str, Any] = Field(json_schema_extra={"x-disttrain-pod-template": True})
     """Pod template of a worker node (PodTemplateSpec): image, resources such as nvidia.com/gpu, volumes,
@@ -500,6 +557,8 @@ class DistTrainJobSpec(ContractModel):
     gang: Optional[GangSpec] = None
     """Gang scheduling through a Volcano or scheduler-plugins PodGroup. Unset: pods are scheduled one by one
     (for Kueue, label the job with kueue.x-k8s.io/queue-name instead; see docs/operator.md)."""
+    debug: DebugSpec = Field(default_factory=DebugSpec)
+    """Debug mode of the workers: torch.distributed's collective checks, NCCL's debug output, per-rank log files."""
 
     def trainer_container(self) -> dict[str, Any]:
         """The container that runs the trainer: the one named `trainer`, else the only one."""

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
+from disttrain.trainer import debugmode
 from disttrain.trainer import mesh as mesh_mod
 
 
@@ -182,6 +183,9 @@ def _data_parallel(
         if dtype is not None:
             raise ValueError(f"precision={precision.value!r} needs the plain model, not one already wrapped in DDP")
         return model
+    debug_group = debugmode.ddp_process_group()  # spec.debug DETAIL on gloo: see disttrain.trainer.debugmode
+    if debug_group is not None:
+        kwargs["process_group"] = debug_group
     if dtype is None:
         return DistributedDataParallel(model, **kwargs)
     return _AutocastDDP(model, dtype, **kwargs)

@@ -22,7 +22,8 @@ gives each node its own file through ``DISTTRAIN_TERMINATION_LOG``), where the o
 
 On a node with CUDA devices, :func:`apply_nccl_env` first sets the NCCL environment of
 :mod:`disttrain.trainer.launch.ncclenv` (async error handling, heartbeat, flight recorder) for the workers, keeping
-what the pod's env already sets (docs/gpu.md).
+what the pod's env already sets (docs/gpu.md). ``spec.debug`` (:mod:`disttrain.trainer.launch.debugenv`) is set in
+``__main__``, before torch is imported; :func:`apply_per_rank_logs` adds its per-rank log files to torchrun's args.
 
 The agent class cannot be chosen through a torchrun option, so :func:`run` makes
 ``torch.distributed.launcher.api`` build :class:`CountingAgent`, a :class:`LocalElasticAgent` whose only changes
@@ -58,6 +59,7 @@ from disttrain.api import env
 from disttrain.api.contract import WorkerContract
 from disttrain.api.exitcodes import ExitCode
 from disttrain.trainer.launch import (
+    debugenv,
     exitbarrier,
     ncclenv,
     prestart,
@@ -296,6 +298,23 @@ def apply_nccl_env(environ: MutableMapping[str, str], has_cuda: bool) -> None:
     log.info("NCCL settings for the workers: %s", " ".join(f"{k}={v}" for k, v in nccl.to_set.items()))
 
 
+def apply_per_rank_logs(args: Any, environ: Mapping[str, str]) -> None:
+    """``spec.debug.perRankLogs``: torchrun's ``--log-dir`` in the launcher's debug folder and ``--tee 3`` (files,
+    and the pod's log as before), unless the command line sets its own. torchrun makes a fresh folder per launcher
+    and per restart (``<run id>_<unique>/attempt_<n>/<local rank>/``): no file is ever overwritten."""
+    debug = debugenv.contract_debug(environ)
+    if debug is not None and debug.is_on:
+        log.info("debug mode for the workers: %s", debugenv.describe(environ))
+    folder = debugenv.log_dir(environ)
+    if debug is None or not debug.per_rank_logs or folder is None:
+        return
+    if args.log_dir is None:
+        args.log_dir = folder
+    if args.redirects == "0" and args.tee == "0":
+        args.tee = debugenv.TEE_ALL
+    log.info("per-rank logs of the workers under %s", args.log_dir)
+
+
 def _collective_timeout_s(environ: Mapping[str, str]) -> int:
     """``spec.elastic.collectiveTimeoutSeconds`` from the worker contract (its default without a readable one: the
     trainer reports a bad contract itself)."""
@@ -324,6 +343,7 @@ def _dump_folder(environ: Mapping[str, str]) -> str:
 def run(argv: Sequence[str]) -> int:
     """Run torchrun with ``argv``; the exit code the pod should end with."""
     args = torchrun.parse_args(list(argv))
+    apply_per_rank_logs(args, os.environ)
     apply_nccl_env(os.environ, torch.cuda.device_count() > 0)
     prestart.open_handover()
     launcher_api.LocalElasticAgent = CountingAgent  # type: ignore[misc]  # what launch_agent builds
