@@ -9,7 +9,8 @@ inside the checkpoint write. ``E2E_RAISE_AT_STEP`` raises a RuntimeError after t
 deterministic bug), with ``E2E_RAISE_ONCE=1`` on the first process only; ``E2E_EXIT_AT_START`` exits with that
 code before anything else. ``E2E_STALL_STEP`` with ``E2E_STALL_NODE`` makes that node's ranks sleep
 ``E2E_STALL_SECONDS`` (default 600) in that step, before the backward that reaches its gradient reduction: a
-stalled rank, which its peers wait for.
+stalled rank, which its peers wait for. ``E2E_DESYNC_STEP`` with ``E2E_DESYNC_SKIP_RANK``: after that step's
+backward every other rank broadcasts an extra tensor that rank skips (a data-dependent collective), a desync.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def main() -> None:
     stall_step = int(os.environ.get("E2E_STALL_STEP", "0"))
     stall_here = stall_step and os.environ.get("E2E_STALL_NODE") == node
     stall_seconds = float(os.environ.get("E2E_STALL_SECONDS", "600"))
+    desync_step = int(os.environ.get("E2E_DESYNC_STEP", "0"))
+    skip_rank = int(os.environ.get("E2E_DESYNC_SKIP_RANK", "-1"))
     with (
         ElasticTrainer.from_env(model, optimizer, dataset, log_every=1, on_checkpoint_phase=hook) as trainer,
         toymodel.open_records(out_dir, node) as records,
@@ -71,6 +74,8 @@ def main() -> None:
                 )
 
             toymodel.train_step(trainer, step, before_sync=record)
+            if desync_step and step.index + 1 == desync_step and trainer.rank != skip_rank:
+                torch.distributed.broadcast(torch.zeros(5), src=0)  # the skipping rank goes on to the boundary
             if sleep:
                 time.sleep(sleep)
             if raise_at and step.index + 1 == raise_at and _first_to_claim(out_dir, once):
