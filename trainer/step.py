@@ -161,7 +161,7 @@ class Step:
             return torch.zeros(len(LOSS_TOTALS), dtype=torch.float64, device=device)
         local = torch.stack([t.to(device, torch.float64).reshape(()) for t in self._losses]).sum()
         # Ranks that read the same samples (one tensor-parallel group) each hold that group's whole loss.
-        replicas = self.trainer.world_size // getattr(self.trainer.plan, "data_degree", self.trainer.world_size)
+        replicas = self.trainer.world_size // self.trainer.plan.data_degree
         if replicas > 1:
             local = local / replicas
         rest = torch.tensor([float(self.denominator or 0.0), 1.0], dtype=torch.float64, device=device)

@@ -22,7 +22,7 @@ def _trainer(model: torch.nn.Module, world_size: int = 2) -> types.SimpleNamespa
     return types.SimpleNamespace(
         keeping_group_failures=contextlib.nullcontext,
         group_failure=None,
-        plan=types.SimpleNamespace(accum_steps=2, micro_batch=1, global_batch=2 * world_size),
+        plan=types.SimpleNamespace(accum_steps=2, micro_batch=1, global_batch=2 * world_size, data_degree=world_size),
         parallel=parallel.ParallelModel(model, parallel.Parallelism.DDP, sums_gradients=True),
         precision=precision.PrecisionState(parallel.Precision.FP32, torch.device("cpu")),
         ordered=None,
