@@ -29,7 +29,7 @@ class PodView:
     name: str
     uid: str
     node_index: int = -1
-    """Value of the node-index label (the node's slot in rank order, see ``reconcile.free_indices``); -1 for the
+    """Value of the node-index label (the node's slot in rank order, see ``sizing.free_indices``); -1 for the
     agent. Not always the number in the pod's name: a replacement takes the index of the pod it replaces."""
     phase: PodPhase = "Pending"
     """Pending, Running, Succeeded, Failed or Unknown (pod.status.phase)."""

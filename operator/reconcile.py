@@ -1,6 +1,9 @@
 """The reconcile core: ``reconcile(job, observed, now) -> Actions``. Pure: no I/O, no kopf, no clock.
 
-Every policy is a small named function below; :func:`reconcile` is the pipeline that strings them together.
+Every step is a small named function below; :func:`reconcile` is the pipeline that strings them together. Beside
+it: the working state of one reconcile (:mod:`~disttrain.operator.draft`), why a pod is lost
+(:mod:`~disttrain.operator.losses`), how a loss is charged (:mod:`~disttrain.operator.incidents`), nodes that announce
+their end (:mod:`~disttrain.operator.departures`) and the sizing rules (:mod:`~disttrain.operator.sizing`).
 All memory lives in ``status`` (tracked pods, handled losses, pending scale, the directive in flight,
 backoff), so the result depends only on the inputs and a restarted operator continues where it stopped.
 
@@ -34,49 +37,56 @@ The group protocol, in short:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Optional, TypedDict
+from collections.abc import Callable
+from typing import Optional
 
 from disttrain.api import conditions, constants, containers, rules, timestamps
 from disttrain.api.conditions import ConditionType, Reason
 from disttrain.api.control import DirectiveAction, is_drain_checkpoint
-from disttrain.api.exitcodes import ExitCode
-from disttrain.api.plan import valid_node_counts
 from disttrain.api.reformphases import reform_phases
 from disttrain.api.spec import CleanPodPolicy, DistTrainJob, DistTrainJobSpec, SuccessPolicy
-from disttrain.api.status import CheckpointRef, DistTrainJobStatus, Incident, PendingScale, Phase, ReformRecord
-from disttrain.operator import departures, heartbeat, names
+from disttrain.api.status import CheckpointRef, DistTrainJobStatus, PendingScale, Phase
+from disttrain.operator import departures, names
+from disttrain.operator.draft import Draft, fail, issue
+from disttrain.operator.incidents import (
+    close_incident,
+    count_loss,
+    count_lost_pod,
+    is_outside_the_group,
+    open_incident,
+    uncover_new_pods,
+)
+from disttrain.operator.losses import (
+    LOSS_REASONS,
+    failure_cause,
+    is_agent_lost,
+    is_force_delete_due,
+    is_on_dead_node,
+    is_peer_loss_exit,
+    is_permanent_exit,
+    loss_reason,
+)
 from disttrain.operator.observed import (
     NORMAL,
     WARNING,
     Actions,
     CreateFailure,
     Event,
-    EventType,
-    NodeView,
     Observed,
-    PodDeletion,
     PodView,
     WorkerCreation,
 )
-from disttrain.operator.patches import copy_json, merge_patch
-
-# Reasons that come from an unplanned loss (replacement wait applies to them). Values: control.reason is a string.
-LOSS_REASONS = frozenset(
-    {
-        Reason.NODE_LOST.value,
-        Reason.POD_FAILED.value,
-        Reason.POD_DELETED.value,
-        Reason.EVICTED.value,
-        Reason.NODE_NOT_READY.value,
-        Reason.NODE_UNREACHABLE.value,
-        Reason.NODE_DELETED.value,
-        Reason.NODE_DRAINING.value,
-        Reason.HEARTBEAT_LOST.value,
-        Reason.STEP_STALLED.value,
-        Reason.AGENT_RESTARTED.value,
-    }
+from disttrain.operator.sizing import (
+    PendingScaleWire,
+    choose_victims,
+    clamp_nodes,
+    debounce_scale,
+    free_indices,
+    nodes_to_avoid,
+    snap_to_valid,
+    world_column,
 )
+
 REFUSED_RETRY_SECONDS = 10.0
 """How often a pod creation the API server refused (Pod Security, quota) is tried again."""
 CHECKPOINT_MESSAGE_REFRESH_SECONDS = 60.0
@@ -85,198 +95,6 @@ CHECKPOINT_MESSAGE_REFRESH_SECONDS = 60.0
 # --------------------------------------------------------------------------------------------------------------
 # Small policies (each unit-tested on its own)
 # --------------------------------------------------------------------------------------------------------------
-
-
-class PendingScaleWire(TypedDict):
-    """``status.pendingScale`` on the wire: a scale request waiting out the debounce."""
-
-    replicas: int
-    since: str
-
-
-def clamp_nodes(spec: DistTrainJobSpec, requested: int) -> int:
-    """``requested`` limited to [nodes.min, nodes.max]."""
-    return max(spec.nodes.min, min(spec.nodes.max, requested))
-
-
-def snap_to_valid(spec: DistTrainJobSpec, count: int, *, allow_up: bool = True) -> Optional[int]:
-    """The largest valid node count <= ``count``; if none and ``allow_up``, the smallest valid one above it.
-
-    Valid means within [min, max] and dividing the batch contract (``plan.valid_node_counts``).
-    """
-    valid = valid_node_counts(spec)
-    below = [n for n in valid if n <= count]
-    if below:
-        return below[-1]
-    if allow_up:
-        above = [n for n in valid if n > count]
-        return above[0] if above else None
-    return None
-
-
-def debounce_scale(
-    current: int, requested: int, pending: Optional[PendingScaleWire], debounce_s: float, now: float
-) -> tuple[int, Optional[PendingScaleWire]]:
-    """(desired now, pendingScale to keep). A request must stand ``debounce_s`` before it takes effect.
-
-    ``current`` 0 means the job has no size yet: the request applies at once.
-    """
-    if current == 0 or requested == current:
-        return requested if current == 0 else current, None
-    if pending is not None and pending["replicas"] == requested:
-        since = timestamps.parse_time(pending["since"]) or now
-        if now - since >= debounce_s:
-            return requested, None
-        return current, pending
-    if debounce_s <= 0:
-        return requested, None
-    return current, {"replicas": requested, "since": timestamps.format_time(now)}
-
-
-def is_permanent_exit(spec: DistTrainJobSpec, code: Optional[int]) -> bool:
-    """Exit codes in restartPolicy.exitCodes.permanent fail the job; retryable wins if listed in both."""
-    classes = spec.restart_policy.exit_codes
-    return code is not None and code in classes.permanent and code not in classes.retryable
-
-
-def node_loss_reason(node_name: Optional[str], nodes: Optional[Mapping[str, NodeView]]) -> Optional[Reason]:
-    """Why a pod's node makes it lost: deleted, NotReady, unreachable, or cordoned and being drained."""
-    if not node_name or nodes is None:
-        return None
-    node = nodes.get(node_name)
-    if node is None:
-        return Reason.NODE_DELETED
-    if node.ready is False:
-        return Reason.NODE_NOT_READY
-    if node.ready is None:
-        return Reason.NODE_UNREACHABLE
-    if node.unschedulable and node.draining:
-        return Reason.NODE_DRAINING
-    return None
-
-
-def loss_reason(pod: PodView, nodes: Optional[Mapping[str, NodeView]]) -> Optional[Reason]:
-    """Why a worker pod no longer counts as a member, or None when it is healthy (or Succeeded)."""
-    if pod.phase == "Succeeded":
-        return None
-    if pod.phase == "Failed":
-        return Reason.EVICTED if pod.reason == "Evicted" else Reason.POD_FAILED
-    if pod.is_terminating:
-        return Reason.POD_DELETED
-    if pod.phase == "Unknown":
-        return Reason.NODE_UNREACHABLE
-    return node_loss_reason(pod.node_name, nodes)
-
-
-NODE_CAUSES = frozenset(
-    {
-        Reason.NODE_LOST,
-        Reason.NODE_NOT_READY,
-        Reason.NODE_UNREACHABLE,
-        Reason.NODE_DELETED,
-        Reason.NODE_DRAINING,
-        Reason.HEARTBEAT_LOST,
-    }
-)
-"""Loss causes that are a node's loss: their Warning Event says NodeLost. A pod's own end (PodFailed, PodDeleted,
-Evicted) is announced under its own reason: an exit 3 is not a lost node."""
-PEER_LOSS_EXIT_CODES = frozenset({128 + 6, int(ExitCode.REFORM)})
-"""Pod exit codes that a peer's loss explains: SIGABRT (NCCL's watchdog aborts every survivor of a failed
-collective when TORCH_NCCL_ASYNC_ERROR_HANDLING=1, as torchrun sets it) and the reform exit."""
-PEER_LOSS_MARKERS = (
-    "NCCL",
-    "Watchdog caught collective operation timeout",
-    "collective operation timeout",
-    "DistBackendError",
-    "DistNetworkError",
-    "Connection closed by peer",
-)
-"""Substrings of a failed pod's termination message that say a collective failed because a peer went away."""
-
-
-def is_peer_loss_exit(pod: PodView) -> bool:
-    """The pod failed the way a survivor fails when a peer dies mid-collective: a consequence, not a cause."""
-    if pod.phase != "Failed":
-        return False
-    if pod.exit_code in PEER_LOSS_EXIT_CODES:
-        return True
-    return any(marker in pod.termination_message for marker in PEER_LOSS_MARKERS)
-
-
-def loss_event_reason(cause: Reason) -> Reason:
-    """The Warning Event reason that announces a charged loss: NodeLost for a node's loss, else the cause itself."""
-    return Reason.NODE_LOST if cause in NODE_CAUSES else cause
-
-
-def backoff_seconds(spec: DistTrainJobSpec, consecutive_failures: int) -> float:
-    """Delay before restarting after the n-th consecutive failure: backoff x 2^(n-1), capped."""
-    policy = spec.restart_policy
-    if consecutive_failures <= 0:
-        return 0.0
-    return min(policy.max_backoff_seconds, policy.backoff_seconds * 2.0 ** min(consecutive_failures - 1, 30))
-
-
-def choose_victims(live: Iterable[PodView], count: int) -> list[PodView]:
-    """Pods to remove on scale-down: not-running ones first (they hold no work), then the highest index.
-
-    The lowest index usually hosts rank 0; keeping it avoids moving rank-0-only duties without need.
-    """
-    ordered = sorted(live, key=lambda p: (p.is_running and p.ready, p.is_running, -p.node_index))
-    return ordered[:count]
-
-
-def free_indices(
-    existing: Iterable[PodView],
-    count: int,
-    nodes: Optional[Mapping[str, NodeView]] = None,
-    lost: Iterable[str] = (),
-) -> list[int]:
-    """The ``count`` lowest node indices that no live worker pod holds.
-
-    A lost pod (:func:`loss_reason`, or named in ``lost``: silent in the heartbeats) frees its index even while
-    the pod still exists, so its replacement takes that index and, through the rendezvous handler's rank order,
-    the lost node's ranks.
-    """
-    gone = frozenset(lost)
-    taken = {p.node_index for p in existing if loss_reason(p, nodes) is None and p.name not in gone}
-    found: list[int] = []
-    index = 0
-    while len(found) < count:
-        if index not in taken:
-            found.append(index)
-        index += 1
-    return found
-
-
-def is_force_delete_due(
-    pod: PodView, spec: DistTrainJobSpec, nodes: Optional[Mapping[str, NodeView]], now: float
-) -> bool:
-    """A Terminating pod is force-deleted when its node is gone or it has been stuck past the timeout."""
-    if pod.deleting_since is None:
-        return False
-    if node_loss_reason(pod.node_name, nodes) is Reason.NODE_DELETED:
-        return True
-    return now - pod.deleting_since >= spec.elastic.stuck_pod_timeout_seconds
-
-
-def is_agent_lost(agent: Optional[PodView], nodes: Optional[Mapping[str, NodeView]]) -> bool:
-    """The job agent is missing, exited, unreachable, being deleted, or on a lost node."""
-    return (
-        agent is None
-        or agent.is_finished
-        or agent.phase == "Unknown"
-        or agent.is_terminating
-        or node_loss_reason(agent.node_name, nodes) is not None
-    )
-
-
-DEAD_NODE_REASONS = frozenset({Reason.NODE_NOT_READY, Reason.NODE_UNREACHABLE, Reason.NODE_DELETED})
-"""Node states in which no kubelet runs the node's pods or confirms their deletion."""
-
-
-def is_on_dead_node(pod: PodView, nodes: Optional[Mapping[str, NodeView]]) -> bool:
-    """The pod's node is NotReady, unreachable or deleted, or the pod's phase is Unknown (its node went silent)."""
-    return pod.phase == "Unknown" or node_loss_reason(pod.node_name, nodes) in DEAD_NODE_REASONS
 
 
 def training_complete(spec: DistTrainJobSpec, status: DistTrainJobStatus) -> bool:
@@ -301,92 +119,10 @@ def is_success(spec: DistTrainJobSpec, status: DistTrainJobStatus, members: list
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The working state of one reconcile
-# --------------------------------------------------------------------------------------------------------------
-
-
-class _Draft:
-    """The mutable working state of one reconcile: the typed status being decided and the actions collected so
-    far; frozen into :class:`Actions` at the end."""
-
-    def __init__(self, job: DistTrainJob, seen: Observed, now: float) -> None:
-        self.job = job
-        self.spec = job.spec
-        self.seen = seen
-        self.now = now
-        raw = copy_json(job.status or {})
-        # Patches are computed against what the API holds, so the first one also writes the defaults.
-        self.old = copy_json(raw)
-        self.status = DistTrainJobStatus.model_validate(raw)
-        self.members: list[PodView] = []
-        """Worker pods that exist, are not lost and are not scale-down victims (set by :func:`_handle_workers`)."""
-        self.departing: list[tuple[PodView, str]] = []
-        """Worker pods whose node announced its end, with why (:mod:`disttrain.operator.departures`): drained off
-        it, never members again."""
-        self.events: list[Event] = []
-        self.create: list[WorkerCreation] = []
-        self.create_agent = False
-        self.deletions: dict[str, PodDeletion] = {}
-        self.timers: list[float] = []
-        self.delete_job = False
-        self.agent_lost_node: Optional[str] = None
-        """The dead node the job agent was lost with in this reconcile: the workers lost with it are that loss."""
-        self.apply_pod_group = False
-        self.silent = heartbeat.silent_pods(self.status.silent_nodes, seen.workers)
-        """Worker pods the job agent reports silent in the rendezvous heartbeats (set once, from the inputs)."""
-        self.stalled = heartbeat.silent_pods(self.status.stalled_nodes, seen.workers)
-        """Worker pods the job agent reports behind a stalled step: evicted as silent ones are."""
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status.phase.is_finished
-
-    def is_true(self, type_: ConditionType) -> bool:
-        return conditions.is_true(self.status.conditions, type_)
-
-    def event(self, type_: EventType, reason: Reason, message: str) -> None:
-        self.events.append(Event(type_, reason.value, message))
-
-    def condition(
-        self, type_: ConditionType, ok: bool, reason: Reason, message: str, *, announce: Optional[EventType] = None
-    ) -> bool:
-        """Set a condition; emit an event (type ``announce``) when it turns True. Returns whether it flipped."""
-        self.status.conditions, flipped = conditions.set_condition(
-            self.status.conditions, type_, ok, reason, message, self.now
-        )
-        if flipped and ok and announce:
-            self.event(announce, reason, message)
-        return flipped
-
-    def delete(self, pod: PodView, reason: Reason, force: bool = False) -> None:
-        if pod.is_terminating and not force:
-            return
-        self.deletions[pod.name] = PodDeletion(pod.name, force=force, reason=reason.value)
-
-    def timer(self, at: Optional[float]) -> None:
-        if at is not None:
-            self.timers.append(max(0.0, at - self.now))
-
-    def freeze(self) -> Actions:
-        new = self.status.to_wire()
-        return Actions(
-            create_workers=tuple(sorted(self.create, key=lambda w: w.node_index)),
-            create_agent=self.create_agent,
-            delete_pods=tuple(self.deletions.values()),
-            status_patch=merge_patch(self.old, new),
-            status=new,
-            events=tuple(self.events),
-            requeue_after=min(self.timers) if self.timers else None,
-            delete_job=self.delete_job,
-            apply_pod_group=self.apply_pod_group,
-        )
-
-
-# --------------------------------------------------------------------------------------------------------------
 # The pipeline
 # --------------------------------------------------------------------------------------------------------------
 
-Step = Callable[[_Draft], None]
+Step = Callable[[Draft], None]
 
 
 def reconcile(job: DistTrainJob, seen: Observed, now: float) -> Actions:
@@ -395,7 +131,7 @@ def reconcile(job: DistTrainJob, seen: Observed, now: float) -> Actions:
     The steps run in order until one finishes the job (success, failure, budget, deadline); a finished job,
     whether it finished now or earlier, only has its pods cleaned up.
     """
-    d = _Draft(job, seen, now)
+    d = Draft(job, seen, now)
     for step in _steps(d.spec):
         if d.is_finished:
             break
@@ -443,14 +179,14 @@ def unrunnable(spec: DistTrainJobSpec) -> Optional[str]:
     return None
 
 
-def _refuse_unrunnable(d: _Draft) -> None:
+def _refuse_unrunnable(d: Draft) -> None:
     """A spec no pod can be built from fails at once (InvalidSpec), instead of a pod creation retried forever."""
     problem = unrunnable(d.spec)
     if problem is not None:
-        _fail(d, Reason.INVALID_SPEC, problem)
+        fail(d, Reason.INVALID_SPEC, problem)
 
 
-def _bootstrap(d: _Draft) -> None:
+def _bootstrap(d: Draft) -> None:
     """First sight of the job (or after a resume): start time, selector, Created condition."""
     st = d.status
     if st.start_time is None:
@@ -469,7 +205,7 @@ def _bootstrap(d: _Draft) -> None:
     )
 
 
-def _ensure_agent(d: _Draft) -> None:
+def _ensure_agent(d: Draft) -> None:
     """The agent pod exists and is healthy; a lost agent is recreated and the workers re-join it."""
     agent = d.seen.agent
     name = names.agent_name(d.job.metadata.name)
@@ -492,12 +228,12 @@ def _ensure_agent(d: _Draft) -> None:
     if lost and name in tracked:
         tracked.discard(name)
         d.event(WARNING, Reason.AGENT_RESTARTED, f"job agent pod {name} was lost; recreating it, workers re-join")
-        # One loss, one restart: the workers that fail because their store vanished are part of it (_count_lost_pod).
+        # One loss, one restart: the workers that fail because their store vanished are part of it (count_lost_pod).
         d.status.agent_lost_at = timestamps.format_time(d.now)
-        if not _open_incident(d, name, Reason.AGENT_RESTARTED, f"job agent pod {name} was lost"):
+        if not open_incident(d, name, Reason.AGENT_RESTARTED, f"job agent pod {name} was lost"):
             return
         if d.status.world_size > 0:
-            _issue(
+            issue(
                 d,
                 DirectiveAction.REFORM,
                 Reason.AGENT_RESTARTED,
@@ -520,7 +256,7 @@ def checkpoint_refresh_seconds(job_key: str) -> float:
     return CHECKPOINT_MESSAGE_REFRESH_SECONDS * (1.0 + 0.5 * fraction)
 
 
-def _announce_checkpoint(d: _Draft) -> None:
+def _announce_checkpoint(d: Draft) -> None:
     """The Checkpointed condition names the newest complete checkpoint; CheckpointCommitted is an event only on a
     transition: the first checkpoint, and the first one committed after training resumed from a checkpoint.
 
@@ -568,7 +304,7 @@ _REJECTION_TEXT = {
 }
 
 
-def _announce_store_rejections(d: _Draft) -> None:
+def _announce_store_rejections(d: Draft) -> None:
     """A Warning Event naming each key the job agent recently rejected in its store: something without the job's
     secret reaches the store. The message holds only the key, its class and the reason, so the Event filter
     (repeats dropped for 10 min, a budget per job) turns this into one Event per key per rate window; the counts
@@ -603,7 +339,7 @@ def resumed_message(ckpt: CheckpointRef) -> str:
 # -- worker pods: losses and members -----------------------------------------------------------------------------
 
 
-def _handle_workers(d: _Draft) -> None:
+def _handle_workers(d: Draft) -> None:
     """Sort every worker pod into member, scale-down victim or lost pod; count and remove the lost ones.
 
     The books in status make this safe to repeat: ``trackedPods`` (seen alive) reveals pods that vanished
@@ -634,7 +370,7 @@ def _handle_workers(d: _Draft) -> None:
             d.status.tracked_pods.add(pod.name)
         elif pod.phase == "Failed" and is_permanent_exit(d.spec, pod.exit_code):
             cause = failure_cause(pod)
-            _fail(
+            fail(
                 d,
                 conditions.failure_reason(cause or ""),
                 f"worker pod {pod.name} exited with code {pod.exit_code}, listed as permanent in "
@@ -649,14 +385,14 @@ def _handle_workers(d: _Draft) -> None:
                 handled.add(pod.uid)
                 if reason is Reason.STEP_STALLED:
                     d.status.stalls += 1
-                _count_lost_pod(d, pod, reason)
+                count_lost_pod(d, pod, reason)
             _remove_lost_pod(d, pod, reason)
     # Forget handled uids whose pods are gone: the list stays as short as the set of lingering pods.
     present = {p.uid for p in d.seen.workers}
     d.status.handled_pods = sorted(uid for uid in handled if uid in present)
 
 
-def _fence(d: _Draft, pod: PodView) -> None:
+def _fence(d: Draft, pod: PodView) -> None:
     """A silent or stalled pod may be alive behind a partition, or still in its step: keep it out of the next round
     (the rendezvous ``exclude``) until it is gone. It is deleted too, and the checkpoint fence refuses its commits
     (docs/operator.md)."""
@@ -664,24 +400,24 @@ def _fence(d: _Draft, pod: PodView) -> None:
         d.status.control.exclude = sorted({*d.status.control.exclude, pod.name})
 
 
-def _count_vanished_pods(d: _Draft, victims: frozenset[str]) -> None:
+def _count_vanished_pods(d: Draft, victims: frozenset[str]) -> None:
     """Pods that vanished without us seeing them lost (force-deleted, or deleted while we were down)."""
     seen = {p.name for p in d.seen.workers}
     agent = names.agent_name(d.job.metadata.name)
     for name in sorted(set(d.status.tracked_pods) - seen - {agent}):
         d.status.tracked_pods.discard(name)
         if name not in victims:
-            _count_loss(
+            count_loss(
                 d, name, Reason.POD_DELETED, f"worker pod {name} disappeared", outside=is_outside_the_group(d, name)
             )
 
 
-def _forget_gone_victims(d: _Draft) -> None:
+def _forget_gone_victims(d: Draft) -> None:
     seen = {p.name for p in d.seen.workers}
     d.status.control.exclude = [name for name in d.status.control.exclude if name in seen]
 
 
-def _mark_lost(d: _Draft, pod: PodView) -> None:
+def _mark_lost(d: Draft, pod: PodView) -> None:
     """List a lost pod in ``control.lost``: the survivors drop it from the finished rendezvous round at once
     instead of waiting for its heartbeats to expire. Kept until the next group runs even if the pod is gone
     first (pod names are never reused), so the survivors see it whenever they re-join."""
@@ -689,13 +425,13 @@ def _mark_lost(d: _Draft, pod: PodView) -> None:
         d.status.control.lost = sorted({*d.status.control.lost, pod.name})
 
 
-def _forget_lost(d: _Draft) -> None:
+def _forget_lost(d: Draft) -> None:
     """Once a group runs again, only the lost pods still lingering stay listed."""
     present = {p.name for p in d.seen.workers}
     d.status.control.lost = [name for name in d.status.control.lost if name in present]
 
 
-def _remove_exited_victim(d: _Draft, pod: PodView, reason: Optional[Reason]) -> None:
+def _remove_exited_victim(d: Draft, pod: PodView, reason: Optional[Reason]) -> None:
     """A scale-down victim that exited or was lost anyway is deleted now (a planned removal, never counted)."""
     if reason is not None and not _left_as_planned(d, reason):
         _mark_lost(d, pod)
@@ -703,7 +439,7 @@ def _remove_exited_victim(d: _Draft, pod: PodView, reason: Optional[Reason]) -> 
         d.delete(pod, Reason.SCALED_DOWN, force=is_force_delete_due(pod, d.spec, d.seen.nodes, d.now))
 
 
-def _left_as_planned(d: _Draft, reason: Reason) -> bool:
+def _left_as_planned(d: Draft, reason: Reason) -> bool:
     """A victim going away (deleted) after its drain's checkpoint, or once the group re-formed: the running or next
     group never counts it (it is in ``control.exclude``), so listing it lost would tell the survivors nothing and
     cost a status write per scale-down. A victim that failed, lost its node, or was deleted before the checkpoint
@@ -714,7 +450,7 @@ def _left_as_planned(d: _Draft, reason: Reason) -> bool:
     return action is DirectiveAction.NONE or (action is DirectiveAction.DRAIN and _drain_checkpointed(d))
 
 
-def _drain_checkpointed(d: _Draft) -> bool:
+def _drain_checkpointed(d: Draft) -> bool:
     """The status names a checkpoint committed after the drain in flight was issued."""
     st = d.status
     issued = timestamps.parse_time(st.control.issued_at) or d.now
@@ -722,77 +458,7 @@ def _drain_checkpointed(d: _Draft) -> bool:
     return is_drain_checkpoint(issued, ckpt_time)  # the agent writes this one at once (trainer/agent/reporting.py)
 
 
-def _count_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
-    """First sight of a lost pod: a restart, unless it drained as asked or fell with the job agent."""
-    st = d.status
-    st.tracked_pods.discard(pod.name)
-    if pod.phase == "Failed" and pod.exit_code == ExitCode.DRAINED:
-        if st.control.action is not DirectiveAction.DRAIN:  # a SIGTERM of its own: eviction, node shutdown
-            d.event(
-                NORMAL,
-                Reason.NODE_DEPARTING,
-                f"worker pod {pod.name} drained after a checkpoint on a SIGTERM of its own"
-                + (f" ({pod.reason})" if pod.reason else "")
-                + ": replaced, not a restart",
-            )
-        return  # planned: it committed a checkpoint holding every step it ran, then exited
-    if reason is Reason.POD_FAILED and _failed_with_the_agent(st, pod):
-        d.event(
-            NORMAL,
-            Reason.AGENT_RESTARTED,
-            f"worker pod {pod.name} exited (code {pod.exit_code}) after the job agent was lost; "
-            f"restarting it as part of that restart",
-        )
-        return
-    if d.agent_lost_node is not None and pod.node_name == d.agent_lost_node:
-        d.event(
-            NORMAL,
-            Reason.AGENT_RESTARTED,
-            f"worker pod {pod.name} was lost with the job agent's node {pod.node_name}; replacing it as part of "
-            "that restart",
-        )
-        return
-    detail = f"worker pod {pod.name} lost: {reason.value}"
-    if reason is Reason.STEP_STALLED:
-        detail += stall_detail(d.status, pod)
-    if pod.node_name and reason.value.startswith("Node"):
-        detail += f" (node {pod.node_name})"
-    if pod.exit_code is not None:
-        detail += f", exit code {pod.exit_code}"
-    cause = failure_cause(pod)
-    if cause:
-        detail += f": {cause}"
-    _count_loss(
-        d, pod.name, reason, detail, outside=is_outside_the_group(d, pod.name), consequence=is_peer_loss_exit(pod)
-    )
-
-
-def stall_detail(status: DistTrainJobStatus, pod: PodView) -> str:
-    """What the agent's stall report says of ``pod``: its ranks, the step, the wait and where the dumps are."""
-    for entry in status.stalled_nodes or ():
-        if entry.node == pod.name and entry.pod_uid in ("", pod.uid):
-            ranks = ", ".join(str(r) for r in entry.ranks) or "?"
-            detail = (
-                f" (node {pod.name}, rank(s) {ranks} did not reach step {entry.step}'s gradient reduction; their peers "
-                f"waited {entry.waited_seconds:.0f} s"
-            )
-            return detail + (f"; stacks in {entry.diagnostics})" if entry.diagnostics else ")")
-    return ""
-
-
-def is_outside_the_group(d: _Draft, name: str) -> bool:
-    """The pod waits outside the running group (a hot spare, a newcomer not drained in yet), by the agent's report of
-    the round's pods (``status.roundMembers``). Only trusted while that report describes the group that runs: no
-    directive re-forms it, and it names as many pods as the group has nodes. Otherwise the pod counts as a member."""
-    st = d.status
-    members = st.round_members
-    nproc = d.spec.nproc_per_node
-    if not members or st.control.in_flight or nproc < 1 or len(members) * nproc != st.world_size:
-        return False
-    return name not in members
-
-
-def _remove_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
+def _remove_lost_pod(d: Draft, pod: PodView, reason: Reason) -> None:
     """Delete a lost pod; force-delete it when its node is gone or it is stuck Terminating."""
     force = is_force_delete_due(pod, d.spec, d.seen.nodes, d.now)
     if force:
@@ -802,161 +468,10 @@ def _remove_lost_pod(d: _Draft, pod: PodView, reason: Reason) -> None:
     d.delete(pod, reason, force=force or reason is Reason.NODE_DELETED)
 
 
-def failure_cause(pod: PodView) -> str:
-    """The last line of a failed pod's termination message (the launcher writes the exit code and the last line
-    of the user's traceback there), at most 512 characters; '' when there is none."""
-    lines = [line.strip() for line in pod.termination_message.splitlines() if line.strip()]
-    return lines[-1][:512] if lines else ""
-
-
-def _failed_with_the_agent(st: DistTrainJobStatus, pod: PodView) -> bool:
-    """The pod existed when the job agent was lost and failed while that reform is in flight: torchrun exits
-    when its rendezvous store disappears, so this failure is the agent loss, already counted once."""
-    lost_at = timestamps.parse_time(st.agent_lost_at)
-    if lost_at is None:
-        return False
-    return pod.created_at is None or pod.created_at <= lost_at
-
-
 # -- failures, restarts and directives ---------------------------------------------------------------------------
 
 
-def _open_incident(d: _Draft, first: str, cause: Reason, message: str) -> bool:
-    """A loss that no open incident explains: a new incident, charged one restart (counters, backoff). It covers
-    every worker pod that exists now. An incident that finds the budget spent fails the job instead, uncharged: the
-    budget counts restarts that happened. False when nothing was charged."""
-    st = d.status
-    if d.is_true(ConditionType.SUCCEEDED):
-        return False
-    budget = d.spec.restart_policy.max_restarts
-    if st.restarts.total >= budget:
-        _fail(
-            d,
-            Reason.RESTART_BUDGET_EXHAUSTED,
-            f"{st.restarts.total} of spec.restartPolicy.maxRestarts={budget} restarts used; no restart left for "
-            f"{message}",
-        )
-        return False
-    st.incident = Incident(
-        opened_at=timestamps.format_time(d.now),
-        reason=cause.value,
-        first_pod=first,
-        covers={p.name for p in d.seen.workers},
-    )
-    st.restarts.total += 1
-    st.restarts.by_reason[cause.value] = st.restarts.by_reason.get(cause.value, 0) + 1
-    st.last_failure = message[:1024]
-    st.consecutive_failures += 1
-    delay = backoff_seconds(d.spec, st.consecutive_failures)
-    st.next_restart_time = timestamps.format_time(d.now + delay) if delay > 0 else None
-    return True
-
-
-def _count_loss(
-    d: _Draft, name: str, reason: Reason, message: str, *, outside: bool = False, consequence: bool = False
-) -> None:
-    """An unplanned loss of worker pod ``name``: folded into the open incident when that covers the pod, else a new
-    incident (a Warning Event naming the cause, a charged restart, a reform if a group is running).
-
-    ``consequence``: the pod failed the way a peer's loss makes survivors fail (:func:`is_peer_loss_exit`); an
-    incident it opens is charged as NodeLost. A pod ``outside`` the running group is counted too (the budget and the
-    backoff bound a spare that keeps failing) but re-forms nothing: the group never depended on it, and its
-    replacement is created as for any missing pod."""
-    st = d.status
-    if d.is_true(ConditionType.SUCCEEDED):
-        return
-    incident = st.incident
-    if incident is not None and name in incident.covers:
-        _fold(d, incident, name, message, outside=outside)
-        return
-    cause = Reason.NODE_LOST if consequence else reason
-    d.event(WARNING, loss_event_reason(cause), message)
-    if not _open_incident(d, name, cause, message):
-        return
-    if outside:
-        d.event(NORMAL, Reason.OUTSIDE_THE_GROUP, f"{message}; it was not in the running round: the group trains on")
-        return
-    if st.world_size > 0 or st.control.in_flight:
-        _issue(d, DirectiveAction.REFORM, cause, st.desired_nodes or d.spec.nodes.replicas, exclude=st.control.exclude)
-
-
-def _fold(d: _Draft, incident: Incident, name: str, message: str, *, outside: bool) -> None:
-    """A loss of a pod the open incident covers: replaced (by the caller), not charged. The group is told to re-form
-    again, as for any loss: a round being formed may hold the pod just lost."""
-    st = d.status
-    incident.folded.add(name)
-    d.event(
-        NORMAL,
-        Reason.PART_OF_INCIDENT,
-        f"{message}; part of the {incident.reason} incident of {incident.first_pod} at {incident.opened_at}: "
-        "replaced, not charged again",
-    )
-    if not outside and (st.world_size > 0 or st.control.in_flight):
-        cause = Reason(incident.reason) if incident.reason in LOSS_REASONS else Reason.NODE_LOST
-        _issue(d, DirectiveAction.REFORM, cause, st.desired_nodes or d.spec.nodes.replicas, exclude=st.control.exclude)
-
-
-def _uncover_new_pods(d: _Draft) -> None:
-    """The pods this reconcile creates are the restart happening: outside the open incident, even when one takes the
-    name of a pod the incident covers (a replacement's name is free once the lost pod is gone)."""
-    if d.status.incident is not None:
-        d.status.incident.covers -= {w.name for w in d.create}
-
-
-def _close_incident(d: _Draft) -> None:
-    """A group runs again: the incident is over, and the next loss is a new one."""
-    d.status.incident = None
-
-
-def _issue(d: _Draft, action: DirectiveAction, reason: Reason, target: int, exclude: Iterable[str] = ()) -> None:
-    """A new directive generation for the agent; the reform record starts here."""
-    st = d.status
-    ctl = st.control
-    first_of_episode = not ctl.in_flight
-    ctl.generation += 1
-    ctl.action = action
-    ctl.reason = reason.value
-    ctl.target_nodes = target
-    ctl.issued_at = timestamps.format_time(d.now)
-    ctl.issued_round = st.rendezvous_round
-    ctl.exclude = sorted(set(exclude))
-    if first_of_episode:
-        st.reforms += 1
-        nproc = d.spec.nproc_per_node
-        st.last_reform = ReformRecord.model_validate(
-            {"reason": reason.value, "from": st.world_size // nproc if nproc else 0, "to": 0, "start": ctl.issued_at}
-        )
-    if action is DirectiveAction.DRAIN:
-        d.event(
-            NORMAL,
-            Reason.DRAINING,
-            f"drain (checkpoint at the next step boundary, then exit) for {reason.value}; target {target} nodes",
-        )
-    else:
-        d.event(
-            WARNING,
-            Reason.REFORMING,
-            f"reform (survivors exit at once and re-rendezvous) for {reason.value}; target {target} nodes",
-        )
-
-
-def _fail(d: _Draft, reason: Reason, message: str) -> None:
-    """Failed is final and says why: no restart is pending (no nextRestartTime, no incident), and no condition
-    still reads as waiting for pods."""
-    st = d.status
-    st.phase = Phase.FAILED
-    st.message = message
-    st.completion_time = st.completion_time or timestamps.format_time(d.now)
-    st.next_restart_time = None
-    st.incident = None
-    st.agent_lost_at = None
-    d.condition(ConditionType.FAILED, True, reason, message, announce=WARNING)
-    d.condition(ConditionType.RUNNING, False, reason, message)
-    d.condition(ConditionType.REFORMING, False, reason, message)
-    d.condition(ConditionType.SCHEDULED, False, reason, "the job failed: no worker pod is scheduled again")
-
-
-def _succeed(d: _Draft) -> None:
+def _succeed(d: Draft) -> None:
     st = d.status
     st.phase = Phase.SUCCEEDED
     st.completion_time = st.completion_time or timestamps.format_time(d.now)
@@ -969,7 +484,7 @@ def _succeed(d: _Draft) -> None:
 # -- the end of a job: terminal checks, cleanup, suspend -----------------------------------------------------------
 
 
-def _check_terminal(d: _Draft) -> None:
+def _check_terminal(d: Draft) -> None:
     """Permanent failure reported by a worker, active deadline, success rule."""
     st, spec = d.status, d.spec
     failure = st.worker_failure
@@ -979,7 +494,7 @@ def _check_terminal(d: _Draft) -> None:
         and is_permanent_exit(spec, failure.exit_code)
         and (timestamps.parse_time(failure.time) or d.now) >= started - 1
     ):
-        _fail(
+        fail(
             d,
             conditions.failure_reason(failure.message),
             f"worker {failure.node or '?'} exited with permanent code {failure.exit_code}: {failure.message}",
@@ -989,14 +504,14 @@ def _check_terminal(d: _Draft) -> None:
     if deadline is not None:
         ends = started + st.suspended_seconds + deadline  # time spent suspended does not count
         if d.now >= ends:
-            _fail(d, Reason.DEADLINE_EXCEEDED, f"job ran longer than spec.runPolicy.activeDeadlineSeconds={deadline}")
+            fail(d, Reason.DEADLINE_EXCEEDED, f"job ran longer than spec.runPolicy.activeDeadlineSeconds={deadline}")
             return
         d.timer(ends)
     if is_success(spec, st, d.members):
         _succeed(d)
 
 
-def _clean_up_finished(d: _Draft) -> None:
+def _clean_up_finished(d: Draft) -> None:
     """Finished jobs: delete pods per cleanPodPolicy, always the agent; delete the job after the TTL."""
     policy = d.spec.run_policy.clean_pod_policy
     why = Reason.SUCCEEDED if d.status.phase is Phase.SUCCEEDED else Reason.FAILED
@@ -1016,7 +531,7 @@ def _clean_up_finished(d: _Draft) -> None:
             d.timer(done + ttl)
 
 
-def _suspend(d: _Draft) -> None:
+def _suspend(d: Draft) -> None:
     """No pods while suspended; status (checkpoint, counters) kept; restarts are not counted."""
     st = d.status
     for pod in d.seen.workers:
@@ -1045,7 +560,7 @@ def _suspend(d: _Draft) -> None:
     d.condition(ConditionType.REFORMING, False, Reason.SUSPENDED, message)
 
 
-def _resume_if_suspended(d: _Draft) -> None:
+def _resume_if_suspended(d: Draft) -> None:
     st = d.status
     if st.phase is not Phase.SUSPENDED:
         return
@@ -1067,7 +582,7 @@ def _resume_if_suspended(d: _Draft) -> None:
 # -- size: scale requests, directives, pod creation ----------------------------------------------------------------
 
 
-def _size(d: _Draft) -> None:
+def _size(d: Draft) -> None:
     """Desired size (clamp, valid sizes, debounce), directives for scale and replacement, pod creation."""
     st, spec, now = d.status, d.spec, d.now
     requested = snap_to_valid(spec, clamp_nodes(spec, spec.nodes.replicas)) or clamp_nodes(spec, spec.nodes.replicas)
@@ -1102,7 +617,7 @@ def _size(d: _Draft) -> None:
                 and ctl.target_nodes == desired
             )
             if not already_asked:
-                _issue(
+                issue(
                     d,
                     DirectiveAction.DRAIN,
                     Reason.SCALED_DOWN,
@@ -1138,14 +653,14 @@ def _size(d: _Draft) -> None:
             for index in free_indices(d.seen.workers, missing, d.seen.nodes, lost=d.silent | d.stalled | leaving):
                 name = names.unused_worker_name(d.job.metadata.name, index, taken)
                 d.create.append(WorkerCreation(index, name, avoid_nodes=avoid))
-            _uncover_new_pods(d)
+            uncover_new_pods(d)
             if previous and desired > previous:
                 d.event(NORMAL, Reason.SCALED_UP, f"scaling up from {previous} to {desired} nodes")
 
     _choose_target(d, live, group_nodes)
 
 
-def _drain_departing(d: _Draft, group_nodes: int) -> None:
+def _drain_departing(d: Draft, group_nodes: int) -> None:
     """Workers whose node announced its end leave the group at the next step boundary: a drain directive (a
     checkpoint, then the group re-forms without them) at the size the other running members allow, or the desired
     size when they are too few (the group then waits for the replacements, which :func:`_size` creates at once).
@@ -1163,27 +678,10 @@ def _drain_departing(d: _Draft, group_nodes: int) -> None:
         return
     running = len([p for p in d.members if p.is_running and p.ready])
     target = snap_to_valid(d.spec, min(running, st.desired_nodes), allow_up=False) or st.desired_nodes
-    _issue(d, DirectiveAction.DRAIN, Reason.NODE_DEPARTING, target, exclude=[*ctl.exclude, *leaving])
+    issue(d, DirectiveAction.DRAIN, Reason.NODE_DEPARTING, target, exclude=[*ctl.exclude, *leaving])
 
 
-def nodes_to_avoid(workers: Sequence[PodView], *, silent: Collection[str], lost: Collection[str]) -> tuple[str, ...]:
-    """Nodes a new worker must not land on: where a pod went silent in the rendezvous heartbeats, or where a pod
-    declared lost lingers Terminating (no kubelet confirms its deletion). Kubernetes may still read such a node
-    Ready for its whole grace period, and the scheduler would place the replacement there, to be lost again (seen
-    on the real control plane: the replacement of a HeartbeatLost pod went to the dead node, and its NodeUnreachable
-    loss 20 s later cost a second restart)."""
-    return tuple(
-        sorted(
-            {
-                p.node_name
-                for p in workers
-                if p.node_name and (p.name in silent or (p.is_terminating and p.name in lost))
-            }
-        )
-    )
-
-
-def _complete_directive(d: _Draft, group_nodes: int) -> None:
+def _complete_directive(d: Draft, group_nodes: int) -> None:
     """A directive is done when a new rendezvous round runs at the target size.
 
     New: the agent reports a round newer than ``control.issuedRound`` (the old group keeps reporting steps of
@@ -1195,7 +693,7 @@ def _complete_directive(d: _Draft, group_nodes: int) -> None:
     if not ctl.in_flight:
         if st.world_size > 0:
             st.agent_lost_at = None  # a group runs with the new agent: later failures are failures of their own
-            _close_incident(d)
+            close_incident(d)
             _forget_lost(d)
         return
     issued = timestamps.parse_time(ctl.issued_at) or d.now
@@ -1214,7 +712,7 @@ def _complete_directive(d: _Draft, group_nodes: int) -> None:
         present = {p.name for p in d.seen.workers}
         ctl.exclude = [name for name in ctl.exclude if name in present]
         _forget_lost(d)
-        _close_incident(d)
+        close_incident(d)
         st.consecutive_failures = 0
         st.next_restart_time = None
         if st.last_reform is not None:
@@ -1233,7 +731,7 @@ def _complete_directive(d: _Draft, group_nodes: int) -> None:
         )
 
 
-def _remove_drained_victims(d: _Draft) -> None:
+def _remove_drained_victims(d: Draft) -> None:
     st, spec = d.status, d.spec
     ctl = st.control
     victims = [p for p in d.seen.workers if p.name in ctl.exclude]
@@ -1259,7 +757,7 @@ def _remove_drained_victims(d: _Draft) -> None:
         d.timer(issued + spec.elastic.drain_timeout_seconds)
 
 
-def _choose_target(d: _Draft, live: list[PodView], group_nodes: int) -> None:
+def _choose_target(d: Draft, live: list[PodView], group_nodes: int) -> None:
     """The node count the next rendezvous round completes with, and a ScaleUp drain when new nodes run.
 
     While some desired pods are not Running and Ready yet, the target stays at the desired size until their wait
@@ -1300,7 +798,7 @@ def _choose_target(d: _Draft, live: list[PodView], group_nodes: int) -> None:
     if not ctl.in_flight and group_nodes > 0:
         grown = snap_to_valid(spec, min(len(running), desired), allow_up=False) or 0
         if (enough or not (waiting or missing)) and grown > group_nodes:
-            _issue(d, DirectiveAction.DRAIN, Reason.SCALED_UP, grown)
+            issue(d, DirectiveAction.DRAIN, Reason.SCALED_UP, grown)
             target = grown
         elif target < group_nodes and not ctl.exclude:
             target = group_nodes
@@ -1314,12 +812,7 @@ def _choose_target(d: _Draft, live: list[PodView], group_nodes: int) -> None:
         ctl.target_nodes = target
 
 
-def world_column(world_size: int, desired_world_size: int) -> str:
-    """``status.world``, the WORLD column of ``kubectl get dtj``: the running group's world size / the desired."""
-    return f"{world_size}/{desired_world_size}"
-
-
-def _gang(d: _Draft) -> None:
+def _gang(d: Draft) -> None:
     """The PodGroup of ``spec.gang``: written before the first pod of a gang is created (and again whenever pods
     are created, so one deleted by hand comes back) and whenever ``spec.nodes.min`` moved."""
     if d.spec.gang is None:
@@ -1338,7 +831,7 @@ def refusal_message(answer: str) -> str:
     return f"the API server refuses to create the job's pods: {answer}"[:1024]
 
 
-def _announce_refusal(d: _Draft, answer: str) -> None:
+def _announce_refusal(d: Draft, answer: str) -> None:
     """Scheduled=False (PodRejected) names the API server's answer; a Warning event whenever the answer changes.
     The adapter keeps retrying the creation: an administrator may relabel the namespace or raise the quota."""
     message = refusal_message(answer)
@@ -1356,7 +849,7 @@ def create_failure_message(failure: CreateFailure) -> str:
     return f"the API server did not create {failure.kind} {failure.name}: {failure.message}"[:1024]
 
 
-def _announce_create_failure(d: _Draft, failure: CreateFailure) -> None:
+def _announce_create_failure(d: Draft, failure: CreateFailure) -> None:
     """Created=False names the object the adapter could not create (CreateFailed) or whose name another owner
     holds (NameHeld); a Warning event whenever that changes (the adapter rate-limits repeats). The adapter
     retries the creation after its backoff."""
@@ -1368,7 +861,7 @@ def _announce_create_failure(d: _Draft, failure: CreateFailure) -> None:
     d.condition(ConditionType.CREATED, False, reason, message)
 
 
-def _publish(d: _Draft) -> None:
+def _publish(d: Draft) -> None:
     """Counts, phase and conditions from what was decided."""
     st = d.status
     live = [p for p in d.members if p.name not in st.control.exclude]

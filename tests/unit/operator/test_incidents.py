@@ -11,7 +11,7 @@ import pytest
 from tests.unit.operator.world import World, job_manifest
 
 from disttrain.api import nameset
-from disttrain.operator import reconcile as core
+from disttrain.operator import losses
 from disttrain.operator.observed import NodeView, PodView
 
 pytestmark = pytest.mark.timeout(30)
@@ -62,7 +62,7 @@ def reasons_of(world: World, reason: str) -> list[str]:
     ids=["sigabrt", "reform-exit", "nccl-error", "collective-timeout", "exit-3", "sigkill", "running"],
 )
 def test_exits_a_peers_loss_explains(pod, expected):
-    assert core.is_peer_loss_exit(pod) is expected
+    assert losses.is_peer_loss_exit(pod) is expected
 
 
 def test_a_lost_node_then_seven_watchdog_aborts_is_one_restart():

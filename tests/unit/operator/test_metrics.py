@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from disttrain.operator import reconcile
+from disttrain.operator import losses
 from disttrain.operator.metrics import REFORM_REASONS, RESTART_REASONS, OperatorMetrics
 
 JOB = {"namespace": "team-a", "job": "demo"}
@@ -15,7 +15,7 @@ def _value(registry: CollectorRegistry, name: str, **labels: str) -> float | Non
 
 
 def test_the_restart_reasons_are_the_reconcile_cores_loss_reasons():
-    assert set(RESTART_REASONS) == set(reconcile.LOSS_REASONS)
+    assert set(RESTART_REASONS) == set(losses.LOSS_REASONS)
     assert set(REFORM_REASONS) == set(RESTART_REASONS) | {"ScaledDown", "ScaledUp", "NodeDeparting"}
 
 

@@ -19,7 +19,7 @@ from tests.unit.operator.world import T0, World, job_manifest
 
 from disttrain.api import conditions as cond
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import names
+from disttrain.operator import losses, names, patches, sizing
 from disttrain.operator import reconcile as core
 from disttrain.operator.observed import NodeView, Observed, PodView
 
@@ -42,7 +42,7 @@ def created(actions) -> list[int]:
     "requested, expected", [(0, 1), (1, 1), (3, 3), (9, 4)], ids=["below-min", "min", "inside", "above-max"]
 )
 def test_clamp_limits_requests_to_min_max(requested, expected):
-    assert core.clamp_nodes(spec_of(min=1, max=4, replicas=2), requested) == expected
+    assert sizing.clamp_nodes(spec_of(min=1, max=4, replicas=2), requested) == expected
 
 
 @pytest.mark.parametrize(
@@ -60,7 +60,7 @@ def test_clamp_limits_requests_to_min_max(requested, expected):
 def test_snap_to_valid_uses_the_batch_contract(count, allow_up, expected):
     # globalBatch 16, micro 2: world sizes dividing 8 -> node counts 1, 2, 4 are valid, 3 is not.
     spec = spec_of(min=1, max=4, replicas=2, training__globalBatchSize=16)
-    assert core.snap_to_valid(spec, count, allow_up=allow_up) == expected
+    assert sizing.snap_to_valid(spec, count, allow_up=allow_up) == expected
 
 
 @pytest.mark.parametrize(
@@ -99,7 +99,7 @@ def test_snap_to_valid_uses_the_batch_contract(count, allow_up, expected):
     ],
 )
 def test_debounce(current, requested, pending, now, expected_desired, expected_pending):
-    assert core.debounce_scale(current, requested, pending, 10, now) == (expected_desired, expected_pending)
+    assert sizing.debounce_scale(current, requested, pending, 10, now) == (expected_desired, expected_pending)
 
 
 NODES = {
@@ -143,12 +143,12 @@ NODES = {
     ],
 )
 def test_lost_pod_detection(pod, expected):
-    reason = core.loss_reason(pod, NODES)
+    reason = losses.loss_reason(pod, NODES)
     assert (reason.value if reason else None) == expected
 
 
 def test_pods_are_not_judged_by_nodes_the_operator_cannot_see():
-    assert core.loss_reason(PodView("p", "u", 0, "Running", True, "gone"), None) is None
+    assert losses.loss_reason(PodView("p", "u", 0, "Running", True, "gone"), None) is None
 
 
 @pytest.mark.parametrize(
@@ -157,7 +157,7 @@ def test_pods_are_not_judged_by_nodes_the_operator_cannot_see():
     ids=["none", "first", "doubles", "doubles-again", "capped"],
 )
 def test_backoff_doubles_and_is_capped(failures, expected):
-    assert core.backoff_seconds(spec_of(), failures) == expected
+    assert sizing.backoff_seconds(spec_of(), failures) == expected
 
 
 @pytest.mark.parametrize(
@@ -173,7 +173,7 @@ def test_backoff_doubles_and_is_capped(failures, expected):
 )
 def test_exit_code_classes(code, permanent, retryable, expected):
     spec = spec_of(restartPolicy__exitCodes={"permanent": permanent, "retryable": retryable})
-    assert core.is_permanent_exit(spec, code) is expected
+    assert losses.is_permanent_exit(spec, code) is expected
 
 
 def test_victims_prefer_pods_that_are_not_running_then_the_highest_index():
@@ -183,7 +183,7 @@ def test_victims_prefer_pods_that_are_not_running_then_the_highest_index():
         PodView("w2", "c", 2, "Pending"),
         PodView("w3", "d", 3, "Running", True),
     ]
-    assert [p.name for p in core.choose_victims(pods, 2)] == ["w2", "w3"]
+    assert [p.name for p in sizing.choose_victims(pods, 2)] == ["w2", "w3"]
 
 
 @pytest.mark.parametrize(
@@ -201,7 +201,7 @@ def test_victims_prefer_pods_that_are_not_running_then_the_highest_index():
 def test_a_lost_pod_frees_its_node_index_at_once_a_live_one_keeps_it(lost, expected):
     nodes = {"dead": NodeView("dead", ready=False), "fine": NodeView("fine")}
     pods = [PodView("w0", "a", 0), lost, PodView("w3", "d", 3)]
-    assert core.free_indices(pods, 2, nodes) == expected
+    assert sizing.free_indices(pods, 2, nodes) == expected
 
 
 @pytest.mark.parametrize(
@@ -219,7 +219,7 @@ def test_a_replacement_gets_a_name_no_existing_pod_holds(taken, expected):
 
 
 def test_merge_patch_removes_keys_with_null():
-    assert core.merge_patch({"a": 1, "b": {"c": 1, "d": 2}}, {"b": {"c": 1}, "e": 3}) == {
+    assert patches.merge_patch({"a": 1, "b": {"c": 1, "d": 2}}, {"b": {"c": 1}, "e": 3}) == {
         "a": None,
         "b": {"d": None},
         "e": 3,

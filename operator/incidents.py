@@ -1,0 +1,178 @@
+"""One incident, one restart: how an unplanned loss is charged (``status.incident``), pure.
+
+The first unplanned loss opens an incident covering every worker pod that exists then and is charged one restart (a
+Warning event, the counters, the backoff, a reform); a later loss of a covered pod is folded into it (replaced, not
+charged) until a group runs again; an incident that finds the restart budget spent fails the job uncharged. Planned
+exits (a drain's, one that fell with the job agent) are never charged.
+"""
+
+from __future__ import annotations
+
+from disttrain.api import timestamps
+from disttrain.api.conditions import ConditionType, Reason
+from disttrain.api.control import DirectiveAction
+from disttrain.api.exitcodes import ExitCode
+from disttrain.api.status import DistTrainJobStatus, Incident
+from disttrain.operator.draft import Draft, fail, issue
+from disttrain.operator.losses import (
+    LOSS_REASONS,
+    failure_cause,
+    is_peer_loss_exit,
+    loss_event_reason,
+    stall_detail,
+)
+from disttrain.operator.observed import NORMAL, WARNING, PodView
+from disttrain.operator.sizing import backoff_seconds
+
+
+def is_outside_the_group(d: Draft, name: str) -> bool:
+    """The pod waits outside the running group (a hot spare, a newcomer not drained in yet), by the agent's report of
+    the round's pods (``status.roundMembers``). Only trusted while that report describes the group that runs: no
+    directive re-forms it, and it names as many pods as the group has nodes. Otherwise the pod counts as a member."""
+    st = d.status
+    members = st.round_members
+    nproc = d.spec.nproc_per_node
+    if not members or st.control.in_flight or nproc < 1 or len(members) * nproc != st.world_size:
+        return False
+    return name not in members
+
+
+def count_lost_pod(d: Draft, pod: PodView, reason: Reason) -> None:
+    """First sight of a lost pod: a restart, unless it drained as asked or fell with the job agent."""
+    st = d.status
+    st.tracked_pods.discard(pod.name)
+    if pod.phase == "Failed" and pod.exit_code == ExitCode.DRAINED:
+        if st.control.action is not DirectiveAction.DRAIN:  # a SIGTERM of its own: eviction, node shutdown
+            d.event(
+                NORMAL,
+                Reason.NODE_DEPARTING,
+                f"worker pod {pod.name} drained after a checkpoint on a SIGTERM of its own"
+                + (f" ({pod.reason})" if pod.reason else "")
+                + ": replaced, not a restart",
+            )
+        return  # planned: it committed a checkpoint holding every step it ran, then exited
+    if reason is Reason.POD_FAILED and failed_with_the_agent(st, pod):
+        d.event(
+            NORMAL,
+            Reason.AGENT_RESTARTED,
+            f"worker pod {pod.name} exited (code {pod.exit_code}) after the job agent was lost; "
+            f"restarting it as part of that restart",
+        )
+        return
+    if d.agent_lost_node is not None and pod.node_name == d.agent_lost_node:
+        d.event(
+            NORMAL,
+            Reason.AGENT_RESTARTED,
+            f"worker pod {pod.name} was lost with the job agent's node {pod.node_name}; replacing it as part of "
+            "that restart",
+        )
+        return
+    detail = f"worker pod {pod.name} lost: {reason.value}"
+    if reason is Reason.STEP_STALLED:
+        detail += stall_detail(d.status, pod)
+    if pod.node_name and reason.value.startswith("Node"):
+        detail += f" (node {pod.node_name})"
+    if pod.exit_code is not None:
+        detail += f", exit code {pod.exit_code}"
+    cause = failure_cause(pod)
+    if cause:
+        detail += f": {cause}"
+    count_loss(
+        d, pod.name, reason, detail, outside=is_outside_the_group(d, pod.name), consequence=is_peer_loss_exit(pod)
+    )
+
+
+def failed_with_the_agent(st: DistTrainJobStatus, pod: PodView) -> bool:
+    """The pod existed when the job agent was lost and failed while that reform is in flight: torchrun exits
+    when its rendezvous store disappears, so this failure is the agent loss, already counted once."""
+    lost_at = timestamps.parse_time(st.agent_lost_at)
+    if lost_at is None:
+        return False
+    return pod.created_at is None or pod.created_at <= lost_at
+
+
+def open_incident(d: Draft, first: str, cause: Reason, message: str) -> bool:
+    """A loss that no open incident explains: a new incident, charged one restart (counters, backoff). It covers
+    every worker pod that exists now. An incident that finds the budget spent fails the job instead, uncharged: the
+    budget counts restarts that happened. False when nothing was charged."""
+    st = d.status
+    if d.is_true(ConditionType.SUCCEEDED):
+        return False
+    budget = d.spec.restart_policy.max_restarts
+    if st.restarts.total >= budget:
+        fail(
+            d,
+            Reason.RESTART_BUDGET_EXHAUSTED,
+            f"{st.restarts.total} of spec.restartPolicy.maxRestarts={budget} restarts used; no restart left for "
+            f"{message}",
+        )
+        return False
+    st.incident = Incident(
+        opened_at=timestamps.format_time(d.now),
+        reason=cause.value,
+        first_pod=first,
+        covers={p.name for p in d.seen.workers},
+    )
+    st.restarts.total += 1
+    st.restarts.by_reason[cause.value] = st.restarts.by_reason.get(cause.value, 0) + 1
+    st.last_failure = message[:1024]
+    st.consecutive_failures += 1
+    delay = backoff_seconds(d.spec, st.consecutive_failures)
+    st.next_restart_time = timestamps.format_time(d.now + delay) if delay > 0 else None
+    return True
+
+
+def count_loss(
+    d: Draft, name: str, reason: Reason, message: str, *, outside: bool = False, consequence: bool = False
+) -> None:
+    """An unplanned loss of worker pod ``name``: folded into the open incident when that covers the pod, else a new
+    incident (a Warning Event naming the cause, a charged restart, a reform if a group is running).
+
+    ``consequence``: the pod failed the way a peer's loss makes survivors fail (:func:`is_peer_loss_exit`); an
+    incident it opens is charged as NodeLost. A pod ``outside`` the running group is counted too (the budget and the
+    backoff bound a spare that keeps failing) but re-forms nothing: the group never depended on it, and its
+    replacement is created as for any missing pod."""
+    st = d.status
+    if d.is_true(ConditionType.SUCCEEDED):
+        return
+    incident = st.incident
+    if incident is not None and name in incident.covers:
+        fold(d, incident, name, message, outside=outside)
+        return
+    cause = Reason.NODE_LOST if consequence else reason
+    d.event(WARNING, loss_event_reason(cause), message)
+    if not open_incident(d, name, cause, message):
+        return
+    if outside:
+        d.event(NORMAL, Reason.OUTSIDE_THE_GROUP, f"{message}; it was not in the running round: the group trains on")
+        return
+    if st.world_size > 0 or st.control.in_flight:
+        issue(d, DirectiveAction.REFORM, cause, st.desired_nodes or d.spec.nodes.replicas, exclude=st.control.exclude)
+
+
+def fold(d: Draft, incident: Incident, name: str, message: str, *, outside: bool) -> None:
+    """A loss of a pod the open incident covers: replaced (by the caller), not charged. The group is told to re-form
+    again, as for any loss: a round being formed may hold the pod just lost."""
+    st = d.status
+    incident.folded.add(name)
+    d.event(
+        NORMAL,
+        Reason.PART_OF_INCIDENT,
+        f"{message}; part of the {incident.reason} incident of {incident.first_pod} at {incident.opened_at}: "
+        "replaced, not charged again",
+    )
+    if not outside and (st.world_size > 0 or st.control.in_flight):
+        cause = Reason(incident.reason) if incident.reason in LOSS_REASONS else Reason.NODE_LOST
+        issue(d, DirectiveAction.REFORM, cause, st.desired_nodes or d.spec.nodes.replicas, exclude=st.control.exclude)
+
+
+def uncover_new_pods(d: Draft) -> None:
+    """The pods this reconcile creates are the restart happening: outside the open incident, even when one takes the
+    name of a pod the incident covers (a replacement's name is free once the lost pod is gone)."""
+    if d.status.incident is not None:
+        d.status.incident.covers -= {w.name for w in d.create}
+
+
+def close_incident(d: Draft) -> None:
+    """A group runs again: the incident is over, and the next loss is a new one."""
+    d.status.incident = None
