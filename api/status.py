@@ -27,6 +27,7 @@ AGENT_FIELDS: Final = (
     "roundStartTime",
     "lastProgressTime",
     "samplesPerSecond",
+    "loss",
     "lastCheckpoint",
     "workerFailure",
     "checkpointInterval",
@@ -289,6 +290,9 @@ class DistTrainJobStatus(ContractModel):
     the WORLD column of `kubectl get`."""
     samples_per_second: Optional[float] = None
     """Global training throughput at the newest progress report (the job agent relays rank 0's figure)."""
+    loss: Optional[float] = None
+    """The global, token-weighted loss of the newest reported step: the sum of every rank's summed loss over the
+    step's denominator (docs/trainer.md, "The loss contract"); absent when the value is not finite."""
     rendezvous_round: int = 0
     """Completed rendezvous rounds (counted by the job agent: a new group's first progress report bumps it)."""
     round_start_time: Optional[str] = None

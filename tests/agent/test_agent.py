@@ -57,9 +57,10 @@ def store_pair():
     yield server, client
 
 
-def progress(step, world=2, run="r1", restart=0, process="p1", rate=None):
+def progress(step, world=2, run="r1", restart=0, process="p1", rate=None, loss=None):
     return keys.ProgressReport(
         step=step,
+        loss=loss,
         samples_consumed=step * 24,
         world_size=world,
         samples_per_second=rate,
@@ -407,6 +408,22 @@ def test_the_throughput_of_rank_0_is_relayed_with_the_progress(tmp_path, store_p
     client.set(keys.PROGRESS_KEY, progress(4, rate=812.4567))
     agent.sync()
     assert source.read()["status"]["samplesPerSecond"] == 812.5
+
+
+def test_the_global_loss_is_relayed_with_the_progress_and_a_non_finite_one_never(tmp_path, store_pair):
+    """status.loss is the step's global, token-weighted loss as rank 0 reports it; NaN or infinity (a diverged step)
+    cannot go into a JSON status and is left out rather than written as something else."""
+    server, client = store_pair
+    write_job(tmp_path)
+    source = agent_mod.FileJobSource(tmp_path)
+    agent = agent_mod.Agent(source, server)
+    client.set(keys.PROGRESS_KEY, progress(4, loss=130 / 110))
+    agent.sync()
+    assert source.read()["status"]["loss"] == 1.18182
+    client.set(keys.PROGRESS_KEY, progress(5, loss=float("nan")))
+    agent.sync()
+    status = source.read()["status"]
+    assert status["step"] == 5 and status["loss"] == 1.18182, "the last finite value stays"
 
 
 def test_why_reforms_restart_the_workers_is_relayed_and_cleared_by_a_group_that_reforms_in_place(tmp_path, store_pair):

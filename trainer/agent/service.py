@@ -37,6 +37,7 @@ import copy
 import datetime
 import json
 import logging
+import math
 import os
 import pathlib
 import random
@@ -484,6 +485,8 @@ class Agent:
             )
             if report.samples_per_second is not None:
                 wanted["samplesPerSecond"] = round(report.samples_per_second, 1)
+            if report.loss is not None and math.isfinite(report.loss):
+                wanted["loss"] = float(f"{report.loss:.6g}")
             startup = report.startup
             if startup is not None and status.get("workerStartup") != startup.model_dump(
                 by_alias=True, exclude_none=True
