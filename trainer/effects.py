@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import stat
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -127,7 +128,7 @@ class Confirmations:
         """Write the mark atomically and durably: tmp (exclusive, no links) -> fsync -> rename -> dir fsync."""
         self._ensure_dir()
         final = self.path(record)
-        tmp = self.dir / f".{final.name}.{os.getpid()}.tmp"
+        tmp = self.dir / f".{final.name}.{uuid.uuid4().hex[:12]}.tmp"
         body = Confirmation(
             key=record.key, confirmed_at=datetime.datetime.now(datetime.timezone.utc).isoformat()
         ).model_dump_json()

@@ -3,8 +3,8 @@ phase of the commit (real torchrun, gloo, SIGKILL of global rank 0).
 
 The worker (``workers/effects_worker.py``) declares the effect ``notify`` at every step and evaluates every second
 step; both reach a downstream sink that refuses a key it has seen. One chain of runs, each a new torchrun (another
-run id, as a recreated job has) resuming from the previous one's checkpoints, each killed at another moment of a
-save, the last one finishing.
+run id, as a recreated job has; one at another world size) resuming from the previous one's checkpoints, each
+killed at another moment of a save, the last one finishing.
 """
 
 from __future__ import annotations
@@ -24,18 +24,25 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 WORKER = Path(__file__).resolve().parent / "workers" / "effects_worker.py"
 
 CHAIN = [
-    # (run, where rank 0 dies, at which step's save, the checkpoint the run resumed from)
-    ("a", CheckpointPhase.FILES_WRITTEN.value, 2, None),  # nothing committed
-    ("b", CheckpointPhase.BEFORE_MANIFEST.value, 4, 0),  # step-2 committed, step-4 never
-    ("c", CheckpointPhase.BEFORE_PUBLISH.value, 6, 2),  # COMPLETE.json written, never published
-    ("d", CheckpointPhase.PUBLISHED.value, 8, 4),  # step-8 committed, its effects not carried out
-    ("e", "in_handler", 10, 8),  # the sink took step 10's key, the confirmation never came
-    ("f", "", 12, 10),  # finishes
+    # (run, workers, where rank 0 dies, at which step's save, the checkpoint the run resumed from)
+    ("a", 2, CheckpointPhase.FILES_WRITTEN.value, 2, None),  # nothing committed
+    ("b", 2, CheckpointPhase.BEFORE_MANIFEST.value, 4, 0),  # step-2 committed, step-4 never
+    ("c", 1, CheckpointPhase.BEFORE_PUBLISH.value, 6, 2),  # another world size; COMPLETE.json never published
+    ("d", 2, CheckpointPhase.PUBLISHED.value, 8, 4),  # step-8 committed, its effects not carried out
+    ("e", 2, "in_handler", 10, 8),  # the sink took step 10's key, the confirmation never came
+    ("f", 2, "", 12, 10),  # finishes
 ]
 
 
-def run(harness, contract: str, name: str, **env: str) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", "--max-restarts=0"]
+def run(harness, nproc: int, contract: str, name: str, **env: str) -> tuple[int, str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--standalone",
+        "--max-restarts=0",
+    ]
     with open(harness.out / f"{name}.log", "w") as log:
         p = subprocess.Popen(
             [*cmd, str(WORKER)], env=harness.env(contract, name, **env), stdout=log, stderr=subprocess.STDOUT
@@ -50,8 +57,8 @@ def lines(path: Path) -> list[str]:
 
 def test_each_committed_step_has_its_effect_and_evaluation_exactly_once_across_kills_at_every_phase(harness):
     contract = harness.contract(global_batch=4, micro=1, max_steps=12, interval=2, keep=2)
-    for name, where, step, resumed in CHAIN:
-        rc, log = run(harness, contract, name, EFFECT_FAULT=f"{where}:{step}" if where else "")
+    for name, nproc, where, step, resumed in CHAIN:
+        rc, log = run(harness, nproc, contract, name, EFFECT_FAULT=f"{where}:{step}" if where else "")
         assert (rc == 0) == (not where), log[-3000:]
         assert not where or "fault injection: SIGKILL" in log, log[-3000:]
         if resumed:
