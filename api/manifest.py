@@ -93,7 +93,7 @@ class CheckpointManifest(BaseModel):
     fence_round: Optional[int] = Field(None, ge=1)
     """Fence round of the group that committed it (see disttrain.trainer.checkpoint.fence); None before rounds
     existed."""
-    effects: list[EffectRecord] = Field(default_factory=list, max_length=MAX_EFFECTS)
+    effects: list[EffectRecord] = Field(default_factory=list, max_length=MAX_EFFECTS, exclude_if=lambda v: not v)
     """Side effects of the steps it covers that were not confirmed carried out when it was saved: a run that
     resumes from it carries out those still unconfirmed."""
 
