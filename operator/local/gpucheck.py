@@ -1,7 +1,7 @@
 """``disttrain local run``'s GPU check: a job that requests GPUs on a machine without CUDA is refused at once.
 
 Without it such a run starts every node, each worker imports torch, joins the group and only then exits PERMANENT
-(the trainer's own check, :func:`disttrain.trainer.loop._use_cuda_or_exit`), minutes later with 16 processes on a
+(the trainer's own check, :func:`disttrain.trainer.bootstrap._use_cuda_or_exit`), minutes later with 16 processes on a
 laptop. The refusal says the same as the trainer (:func:`disttrain.api.contract.missing_gpu_message`). torch is
 asked in a child interpreter, the one the nodes run (the operator side never imports torch), and only when the job
 requests GPUs. ``--device cpu`` is the way out: :func:`train_on_cpu` drops the GPU request and hides CUDA from the
