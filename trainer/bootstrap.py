@@ -170,11 +170,13 @@ def start(
         rank,
         world_size,
         groups.checkpoint,
-        metrics=metrics,
-        on_commit=lambda m: watchdog.publish(control_keys.CHECKPOINT_KEY, m.model_dump_json()),
-        on_phase=options.checkpoint.on_phase,
-        job_uid=ctx.job_uid,
-        node=ctx.node_name,
+        ckpt_mod.ManagerOptions(
+            metrics=metrics,
+            on_commit=lambda m: watchdog.publish(control_keys.CHECKPOINT_KEY, m.model_dump_json()),
+            on_phase=options.checkpoint.on_phase,
+            job_uid=ctx.job_uid,
+            node=ctx.node_name,
+        ),
     )
     _open_control_channel(watchdog)
     if scheduler is not None and ctx.contract.training.lr.schedule is not LRSchedule.CONSTANT:

@@ -18,7 +18,7 @@ from tests.checkpoint_tensors import load_tensors
 from disttrain.api.manifest import CheckpointManifest, DatasetFingerprint
 from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer.checkpoint import commit
-from disttrain.trainer.checkpoint.manager import CheckpointManager, CheckpointPhase
+from disttrain.trainer.checkpoint.manager import CheckpointManager, CheckpointPhase, ManagerOptions
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,7 +55,7 @@ def state(value: float) -> dict:
 def test_a_stale_group_cannot_publish_or_delete_the_new_groups_save(tmp_path, group, caplog):
     root = tmp_path / "ckpt"
     spec = CheckpointSpec(keep=1, intervalSteps=1)
-    old = CheckpointManager(root, spec, 0, 1, group, job_uid="uid-1", node="node-a")
+    old = CheckpointManager(root, spec, 0, 1, group, ManagerOptions(job_uid="uid-1", node="node-a"))
     assert old.find_latest() is None
     old.save(2, state(2.0), manifest(2))
     assert (root / "step-2").is_dir()
@@ -68,7 +68,9 @@ def test_a_stale_group_cannot_publish_or_delete_the_new_groups_save(tmp_path, gr
             old.save(3, state(3.0), manifest(3))  # the partitioned old rank 0 finishes its commit late
             old.join_retention()
 
-    new = CheckpointManager(root, spec, 0, 1, group, job_uid="uid-1", node="node-b", on_phase=old_group_commits_now)
+    new = CheckpointManager(
+        root, spec, 0, 1, group, ManagerOptions(job_uid="uid-1", node="node-b", on_phase=old_group_commits_now)
+    )
     found = new.find_latest()
     assert found is not None and found.step == 2
     new.load(found, state(0.0))
@@ -99,7 +101,9 @@ def test_a_stale_group_frozen_before_its_rename_cannot_replace_the_newer_groups_
 
     def new_group_commits_while_the_old_one_is_frozen(phase: CheckpointPhase, step: int) -> None:
         if phase is CheckpointPhase.BEFORE_PUBLISH and step == 4 and not woke:
-            woke["new"] = new = CheckpointManager(root, spec, 0, 1, group, job_uid="uid-1", node="node-b")
+            woke["new"] = new = CheckpointManager(
+                root, spec, 0, 1, group, ManagerOptions(job_uid="uid-1", node="node-b")
+            )
             found = new.find_latest()
             assert found is not None and found.step == 2
             new.load(found, state(0.0))
@@ -107,7 +111,12 @@ def test_a_stale_group_frozen_before_its_rename_cannot_replace_the_newer_groups_
             new.join_retention()
 
     old = CheckpointManager(
-        root, spec, 0, 1, group, job_uid="uid-1", node="node-a", on_phase=new_group_commits_while_the_old_one_is_frozen
+        root,
+        spec,
+        0,
+        1,
+        group,
+        ManagerOptions(job_uid="uid-1", node="node-a", on_phase=new_group_commits_while_the_old_one_is_frozen),
     )
     assert old.find_latest() is None
     old.save(2, state(2.0), manifest(2))
@@ -132,13 +141,20 @@ def test_a_stale_groups_late_commit_at_a_higher_step_never_shadows_the_newer_rou
 
     def new_group_resumes_while_the_old_one_is_frozen(phase: CheckpointPhase, step: int) -> None:
         if phase is CheckpointPhase.BEFORE_PUBLISH and step == 5:
-            groups["new"] = new = CheckpointManager(root, spec, 0, 1, group, job_uid="uid-1", node="node-b")
+            groups["new"] = new = CheckpointManager(
+                root, spec, 0, 1, group, ManagerOptions(job_uid="uid-1", node="node-b")
+            )
             found = new.find_latest()
             assert found is not None and found.step == 2
             new.load(found, state(0.0))
 
     old = CheckpointManager(
-        root, spec, 0, 1, group, job_uid="uid-1", node="node-a", on_phase=new_group_resumes_while_the_old_one_is_frozen
+        root,
+        spec,
+        0,
+        1,
+        group,
+        ManagerOptions(job_uid="uid-1", node="node-a", on_phase=new_group_resumes_while_the_old_one_is_frozen),
     )
     assert old.find_latest() is None
     old.save(2, state(2.0), manifest(2))
@@ -149,7 +165,7 @@ def test_a_stale_groups_late_commit_at_a_higher_step_never_shadows_the_newer_rou
     new = groups["new"]
     new.save(4, state(4.0), manifest(4))
     new.join_retention()
-    third = CheckpointManager(root, spec, 0, 1, group, job_uid="uid-1", node="node-c")
+    third = CheckpointManager(root, spec, 0, 1, group, ManagerOptions(job_uid="uid-1", node="node-c"))
     found = third.find_latest()
     assert found is not None and (found.step, found.fence_round) == (4, 2)
     assert sorted(p.name for p in root.iterdir() if p.name != ".fence") == ["step-2", "step-4", "step-5"]
@@ -166,7 +182,7 @@ def test_with_keep_1_the_previous_checkpoint_survives_until_the_new_one_reads_ba
             data[len(data) // 2] ^= 0xFF  # the bytes on the volume are not the bytes written
             shard.write_bytes(bytes(data))
 
-    ckpt = CheckpointManager(root, spec, 0, 1, group, on_phase=damage_right_after_the_rename)
+    ckpt = CheckpointManager(root, spec, 0, 1, group, ManagerOptions(on_phase=damage_right_after_the_rename))
     assert ckpt.find_latest() is None
     ckpt.save(2, state(2.0), manifest(2))
     ckpt.join_retention()

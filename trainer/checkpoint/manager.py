@@ -198,6 +198,25 @@ def _files_of_rank(directory: Path, rank: int) -> list[str]:
     return names
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ManagerOptions:
+    """How a :class:`CheckpointManager` reports and retries, besides the policy of ``spec.checkpoint``."""
+
+    metrics: Optional[TrainerMetrics] = None
+    max_consecutive_failures: int = 2
+    """Saves that may fail in a row before the trainer stops (a full disk, a lost volume)."""
+    writer_threads: int = 2
+    """DCP's writer threads per rank."""
+    on_commit: Optional[Callable[[CheckpointManifest], None]] = None
+    """Called on rank 0 after each commit (the trainer tells the job agent)."""
+    on_phase: Optional[PhaseHook] = None
+    """Called at each :class:`CheckpointPhase` of a save (tests inject faults there)."""
+    job_uid: str = ""
+    """The job's uid, kept in the fence (:mod:`disttrain.trainer.checkpoint.fence`)."""
+    node: str = ""
+    """This worker's node (pod) name, kept in the fence."""
+
+
 class CheckpointManager:
     """Owns the "when" (interval in steps or seconds, the last step, a drain) and the "how" of checkpoints."""
 
@@ -208,22 +227,18 @@ class CheckpointManager:
         rank: int,
         world_size: int,
         group: Optional[dist.ProcessGroup],
-        metrics: Optional[TrainerMetrics] = None,
-        max_consecutive_failures: int = 2,
-        writer_threads: int = 2,
-        on_commit: Optional[Callable[[CheckpointManifest], None]] = None,
-        on_phase: Optional[PhaseHook] = None,
-        job_uid: str = "",
-        node: str = "",
+        options: Optional[ManagerOptions] = None,
     ) -> None:
+        options = options or ManagerOptions()
+        self.options = options
         self.root = Path(root)
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
         self.group = group
-        self.metrics = metrics
-        self.max_consecutive_failures = max_consecutive_failures
-        self.writer_threads = writer_threads
+        self.metrics = options.metrics
+        self.max_consecutive_failures = options.max_consecutive_failures
+        self.writer_threads = options.writer_threads
         self.consecutive_failures = 0
         self.last_save_time = time.monotonic()
         self.last_saved_step: Optional[int] = None
@@ -231,14 +246,14 @@ class CheckpointManager:
         """The newest step this process saw committed (or loaded): what an abandoned save falls back to."""
         self.loaded_step: Optional[int] = None
         self.pending: Optional[_Pending] = None
-        self.on_commit = on_commit  # rank 0, after each commit (the trainer tells the job agent)
-        self.on_phase = on_phase
+        self.on_commit = options.on_commit
+        self.on_phase = options.on_phase
         self._stager: Optional[DefaultStager] = None
         self._staging: Any = None
         self._retention: Optional[threading.Thread] = None
         self._session: Optional[str] = None
-        self.job_uid = job_uid
-        self.node = node
+        self.job_uid = options.job_uid
+        self.node = options.node
         self.fence_round: Optional[int] = None  # claimed by rank 0 of this group at its first collective
         self._validity: dict[str, tuple[tuple[int, int, int], bool]] = {}  # step dir -> (manifest stat, valid)
         self._saves = 0
@@ -643,20 +658,7 @@ class CheckpointManager:
         """The manager of the next group of this process (an in-place reform): the same policy and history (last
         save, what was loaded, failures in a row, the agreed automatic interval), a new rank, size and group, and
         a fence round of its own, claimed at its first collective."""
-        successor = CheckpointManager(
-            self.root,
-            self.spec,
-            rank,
-            world_size,
-            group,
-            metrics=self.metrics,
-            max_consecutive_failures=self.max_consecutive_failures,
-            writer_threads=self.writer_threads,
-            on_commit=self.on_commit,
-            on_phase=self.on_phase,
-            job_uid=self.job_uid,
-            node=self.node,
-        )
+        successor = CheckpointManager(self.root, self.spec, rank, world_size, group, self.options)
         for name in (
             "consecutive_failures",
             "last_save_time",
