@@ -80,14 +80,15 @@ def clip_global_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tens
     all-reduce that makes it the norm of the whole gradient, the same on every rank, before any gradient is
     scaled by it (as TorchTitan does).
     """
-    params = [p for p in model.parameters() if p.grad is not None]
-    grads = [p.grad for p in params if p.grad is not None]
     by_mesh: dict[Any, list[torch.Tensor]] = {}
-    for g in grads:  # an FSDP x TP model holds gradients on two meshes, which one norm cannot mix
-        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
-    norms = [_full_norm(group) for group in by_mesh.values()] or [_full_norm([])]
+    for p in model.parameters():  # an FSDP x TP model holds gradients on two meshes, which one op cannot mix
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    groups = list(by_mesh.values()) or [[]]
+    norms = [_full_norm([p.grad for p in group if p.grad is not None]) for group in groups]
     norm = norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm(norms, norm_type=2.0)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    for group in groups:
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm.detach()
 
 

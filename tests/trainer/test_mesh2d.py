@@ -1,6 +1,7 @@
 """2-D meshes (``spec.training.mesh``) resume across a change of the elastic dimension with the trajectory kept.
 
-The example GPT (tests/trainer/workers/mesh2d.py) with the example's TP plan, 6 steps of a global batch of 8.
+The example GPT (tests/trainer/workers/mesh2d.py) with the example's TP plan, 6 steps of a global batch of 8, its
+gradient clipped to a norm of 0.5 (under FSDP x TP the gradients live on two meshes).
 Reference: FSDP x TP on 4 ranks (data 2 x tensor 2), uninterrupted. Interrupted: the same, drained after step 3
 (checkpoint at step 4), resumed on 2 ranks (data 1 x tensor 2). HSDP: replicate 2 x shard 2 drained the same way,
 resumed at replicate 1 x shard 2.
@@ -34,6 +35,7 @@ WORKER = REPO / "tests" / "trainer" / "workers" / "mesh2d.py"
 STEPS = 6
 LR = 0.001
 HEAD_DIM = 8  # the worker's GPT: width 32, 4 heads
+CLIP = "0.5"  # every run clips (FSDP x TP: gradients on two meshes, reduced and scaled per mesh)
 TP = {"tensorParallel": 2}
 HSDP = {"shard": 2}
 
@@ -57,7 +59,7 @@ def contract(mesh: dict) -> str:
 
 def launch(harness: Harness, nproc: int, mesh: dict, run: str, ckpt: Path, **extra: str) -> tuple[int, str]:
     """torchrun of the mesh worker; its records and log land in the harness's out folder."""
-    env = harness.env(contract(mesh), run, ckpt, MESH_OUT=str(harness.out), MESH_RUN=run, **extra)
+    env = harness.env(contract(mesh), run, ckpt, MESH_OUT=str(harness.out), MESH_RUN=run, MESH_CLIP=CLIP, **extra)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=0"]
     with open(harness.out / f"{run}.log", "w") as log:
         rc = subprocess.run(
@@ -128,6 +130,8 @@ def test_an_fsdp_x_tp_run_resumed_on_half_the_ranks_follows_the_uninterrupted_tr
         (2, 8)
     }, "the plan must see the data degree (2, then 1), not the world size"
     assert {r["data_rank"] for r in before} == {0, 1} and {r["data_rank"] for r in after} == {0}
+    norms = [r["grad_norm"] for r in before + after if r["grad_norm"] is not None]  # None: no step before it ran
+    assert len(norms) >= STEPS - 2 and max(norms) > float(CLIP), "the clipping threshold was never reached"
     first, second = losses(before), losses(after)
     assert list(first) == [1, 2, 3, 4] and list(second) == [5, 6]
     assert first == {s: ref_losses[s] for s in first}, "same world, same mesh: the losses must be bitwise equal"

@@ -65,6 +65,7 @@ def main() -> None:
                 "accum": trainer.plan.accum_steps,
                 "indices": step.indices,
                 "loss": float(total) / readers / tokens,
+                "grad_norm": trainer.last_grad_norm,  # the step before's (recorded before this step's update)
             }
             records.write(json.dumps(record) + "\n")
             if drain_at and step.index + 1 == drain_at:
