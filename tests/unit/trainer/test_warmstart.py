@@ -16,8 +16,9 @@ def test_this_python_with_a_script_or_module_is_warm_startable() -> None:
     assert warm_command([sys.executable, "-u", "-m", "pkg.train", "x"]) == (["-u"], ["-m", "pkg.train", "x"])
 
 
-def test_anything_else_starts_cold() -> None:
-    assert warm_command(["python", "train.py"]) is None  # not an absolute path: which python is unknown
+def test_anything_else_starts_cold(tmp_path) -> None:
+    # A bare name that the worker's PATH does not resolve to this interpreter (here: to nothing at all).
+    assert warm_command(["python", "train.py"], {"PATH": str(tmp_path)}) is None
     assert warm_command(["/usr/bin/env", "python", "train.py"]) is None
     assert warm_command([sys.executable, "-O", "train.py"]) is None  # an interpreter flag the pool does not use
     assert warm_command([sys.executable, "-c", "print(1)"]) is None
