@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 
 from tests.cluster.harness import Cluster, _try, eventually
-from tests.cluster.test_operator import cluster, kubelets  # noqa: F401 (fixtures)
 from tests.conftest import JobBuilder
 
 pytestmark = [pytest.mark.usefixtures("crd", "pod_group_crds"), pytest.mark.timeout(180)]
@@ -23,7 +22,7 @@ def operator_after_crds(pod_group_crds, operator):
     return operator
 
 
-def _pod_group(cluster: Cluster, api: str, name: str) -> dict | None:  # noqa: F811
+def _pod_group(cluster: Cluster, api: str, name: str) -> dict | None:
     """The PodGroup, or None while the API server answers 404 (until the operator applied it)."""
     return _try(lambda: cluster.plane.request("GET", f"/apis/{api}/namespaces/{cluster.ns}/podgroups/{name}"))
 
@@ -38,7 +37,7 @@ def _pod_group(cluster: Cluster, api: str, name: str) -> dict | None:  # noqa: F
 )
 def test_a_gang_job_gets_an_owned_pod_group_that_follows_nodes_min(
     operator_after_crds,
-    cluster,  # noqa: F811 (the fixture imported above)
+    cluster,
     tmp_path,
     scheduler,
     api,
@@ -69,7 +68,7 @@ def test_a_gang_job_gets_an_owned_pod_group_that_follows_nodes_min(
 
 def test_a_job_with_a_kueue_queue_label_gives_its_workers_kueues_pod_group_metadata(
     operator_after_crds,
-    cluster,  # noqa: F811 (the fixture imported above)
+    cluster,
     tmp_path,
 ):
     builder = JobBuilder("queued").nodes(1, 4, 3).set("metadata.labels", {"kueue.x-k8s.io/queue-name": "team-a"})
