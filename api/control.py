@@ -120,6 +120,8 @@ class ProgressReport(BaseModel):
     world_size: int = Field(ge=1, le=MAX_NODES * 1024)
     plan: dict[str, float | int] = Field(max_length=32)
     loss: Optional[float] = None
+    """The step's global, token-weighted loss (docs/trainer.md, "The loss contract"); the agent relays it into
+    status.loss when finite."""
     samples_per_second: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)
     restart_count: int = Field(0, ge=0, le=MAX_COUNT)
     run_id: str = Field("", max_length=MAX_NAME)
