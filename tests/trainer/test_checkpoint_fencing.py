@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from tests.checkpoint_tensors import load_tensors
+from tests.manifests import bare_manifest
 
-from disttrain.api.manifest import CheckpointManifest, DatasetFingerprint
+from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer.checkpoint import commit
 from disttrain.trainer.checkpoint.manager import CheckpointManager, CheckpointPhase, ManagerOptions
@@ -32,20 +33,7 @@ def group(tmp_path: Path):
 
 
 def manifest(step: int) -> CheckpointManifest:
-    return CheckpointManifest(
-        step=step,
-        samples_consumed=step,
-        data_cursor=step,
-        world_size=1,
-        plan={},
-        lr_scale=1.0,
-        dataset=DatasetFingerprint(length=9, seed=0),
-        metadata_sha256="pending",
-        files={},
-        created_at="pending",
-        code_version="t",
-        config_hash="h",
-    )
+    return bare_manifest(step)
 
 
 def state(value: float) -> dict:

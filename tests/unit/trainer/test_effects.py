@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.manifests import bare_manifest
 
-from disttrain.api.manifest import CheckpointManifest, DatasetFingerprint, EffectRecord
+from disttrain.api.manifest import CheckpointManifest, EffectRecord
 from disttrain.trainer import effects
 from disttrain.trainer.evaluation import jsonable, rank_batches
 
@@ -31,21 +32,7 @@ def ledger(root: Path, sink: Sink, run_id: str = "run-a", runner: bool = True) -
 
 
 def manifest(step: int, records: list[EffectRecord]) -> CheckpointManifest:
-    return CheckpointManifest(
-        step=step,
-        samples_consumed=step,
-        data_cursor=step,
-        world_size=1,
-        plan={},
-        lr_scale=1.0,
-        dataset=DatasetFingerprint(length=9, seed=0),
-        metadata_sha256="x",
-        files={},
-        created_at="now",
-        code_version="0",
-        config_hash="h",
-        effects=records,
-    )
+    return bare_manifest(step, effects=records)
 
 
 def test_a_declaration_is_carried_out_only_after_the_save_covering_its_step_commits(tmp_path):
