@@ -249,10 +249,14 @@ class Incident(ContractModel):
     """RFC 3339 time of the loss that opened it."""
     reason: str
     """Its cause, the ``status.restarts.byReason`` key it was charged to: PodFailed, NodeNotReady, HeartbeatLost,
-    AgentRestarted, ..., or NodeLost when the first loss seen was an exit that a peer's loss explains (SIGABRT, the
-    reform exit 84, an NCCL or collective-timeout message)."""
+    ..., or NodeLost when the first loss seen was an exit that a peer's loss explains (SIGABRT, the reform exit 84, an
+    NCCL or collective-timeout message); AgentRestarted for an uncharged one (``charged``)."""
     first_pod: str
-    """The pod (or job agent) whose loss opened it."""
+    """The pod whose loss opened it."""
+    charged: bool = True
+    """Whether it was charged a restart. False for worker pods that failed because the job agent was lost (a
+    torchrun caught inside a rendezvous join when its store vanished): they are replaced and the group re-formed as
+    for any loss, but the user's restart budget does not pay for the operator's own pod."""
     covers: PackedNames = Field(default_factory=set)
     """The worker pods that existed when it opened: a later loss of one of them is folded in. Pods the operator
     creates while it is open (the restart's replacements, even one that takes a covered pod's freed name) leave it,
@@ -332,9 +336,10 @@ class DistTrainJobStatus(ContractModel):
     last_progress_time: Optional[str] = None
     """RFC 3339 time of the newest trainer progress report relayed by the job agent."""
     agent_lost_at: Optional[str] = None
-    """RFC 3339 time the job agent was lost, while the reform it caused is in flight: worker pods that existed
-    then and fail before the group re-forms (torchrun exits when its store disappears) were restarted by that
-    one loss (counted once, as AgentRestarted), not each as a PodFailed."""
+    """RFC 3339 time the job agent was last lost, until the workers report progress through its replacement: a
+    worker pod that existed then and fails meanwhile (a torchrun inside a rendezvous join exits when its store
+    disappears) is replaced in an uncharged incident (AgentRestarted), not charged as a PodFailed. The agent's loss
+    itself is no restart: the workers train on and reconnect to the new agent behind the same Service name."""
     worker_failure: Optional[WorkerFailureStatus] = None
     """The newest failure a worker reported through the job agent (e.g. a permanent user error)."""
     checkpoint_interval: Optional[CheckpointIntervalStatus] = None

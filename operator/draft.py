@@ -54,8 +54,6 @@ class Draft:
         self.deletions: dict[str, PodDeletion] = {}
         self.timers: list[float] = []
         self.delete_job = False
-        self.agent_lost_node: Optional[str] = None
-        """The dead node the job agent was lost with in this reconcile: the workers lost with it are that loss."""
         self.apply_pod_group = False
         self.silent = heartbeat.silent_pods(self.status.silent_nodes, seen.workers)
         """Worker pods the job agent reports silent in the rendezvous heartbeats (set once, from the inputs)."""

@@ -3,7 +3,8 @@
 The first unplanned loss opens an incident covering every worker pod that exists then and is charged one restart (a
 Warning event, the counters, the backoff, a reform); a later loss of a covered pod is folded into it (replaced, not
 charged) until a group runs again; an incident that finds the restart budget spent fails the job uncharged. Planned
-exits (a drain's, one that fell with the job agent) are never charged.
+exits (a drain's) are never charged, and neither are the failures the job agent's loss causes: those open an
+uncharged incident (``charged=False``), since the agent is the operator's pod, not the user's.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def is_outside_the_group(d: Draft, name: str) -> bool:
 
 
 def count_lost_pod(d: Draft, pod: PodView, reason: Reason) -> None:
-    """First sight of a lost pod: a restart, unless it drained as asked or fell with the job agent."""
+    """First sight of a lost pod: a restart, unless it drained as asked or failed because the job agent was lost
+    (then an uncharged incident). A pod lost with the agent's node is a node loss like any other: charged."""
     st = d.status
     st.tracked_pods.discard(pod.name)
     if pod.phase == "Failed" and pod.exit_code == ExitCode.DRAINED:
@@ -51,21 +53,12 @@ def count_lost_pod(d: Draft, pod: PodView, reason: Reason) -> None:
                 + ": replaced, not a restart",
             )
         return  # planned: it committed a checkpoint holding every step it ran, then exited
+    outside = is_outside_the_group(d, pod.name)
     if reason is Reason.POD_FAILED and failed_with_the_agent(st, pod):
-        d.event(
-            NORMAL,
-            Reason.AGENT_RESTARTED,
-            f"worker pod {pod.name} exited (code {pod.exit_code}) after the job agent was lost; "
-            f"restarting it as part of that restart",
+        message = (
+            f"worker pod {pod.name} exited (code {pod.exit_code}) after the job agent was lost at {st.agent_lost_at}"
         )
-        return
-    if d.agent_lost_node is not None and pod.node_name == d.agent_lost_node:
-        d.event(
-            NORMAL,
-            Reason.AGENT_RESTARTED,
-            f"worker pod {pod.name} was lost with the job agent's node {pod.node_name}; replacing it as part of "
-            "that restart",
-        )
+        count_loss(d, pod.name, Reason.AGENT_RESTARTED, message, outside=outside, charged=False)
         return
     detail = f"worker pod {pod.name} lost: {reason.value}"
     if reason is Reason.STEP_STALLED:
@@ -77,27 +70,38 @@ def count_lost_pod(d: Draft, pod: PodView, reason: Reason) -> None:
     cause = failure_cause(pod)
     if cause:
         detail += f": {cause}"
-    count_loss(
-        d, pod.name, reason, detail, outside=is_outside_the_group(d, pod.name), consequence=is_peer_loss_exit(pod)
-    )
+    count_loss(d, pod.name, reason, detail, outside=outside, consequence=is_peer_loss_exit(pod))
 
 
 def failed_with_the_agent(st: DistTrainJobStatus, pod: PodView) -> bool:
-    """The pod existed when the job agent was lost and failed while that reform is in flight: torchrun exits
-    when its rendezvous store disappears, so this failure is the agent loss, already counted once."""
+    """The pod existed when the job agent was lost and failed before the workers reported progress through its
+    replacement (``status.agentLostAt`` is still set): a torchrun inside a rendezvous join exits when its store
+    disappears, so the failure is the agent's loss, not the user's. A pod created later fails on its own."""
     lost_at = timestamps.parse_time(st.agent_lost_at)
     if lost_at is None:
         return False
     return pod.created_at is None or pod.created_at <= lost_at
 
 
-def open_incident(d: Draft, first: str, cause: Reason, message: str) -> bool:
+def open_incident(d: Draft, first: str, cause: Reason, message: str, *, charged: bool = True) -> bool:
     """A loss that no open incident explains: a new incident, charged one restart (counters, backoff). It covers
     every worker pod that exists now. An incident that finds the budget spent fails the job instead, uncharged: the
-    budget counts restarts that happened. False when nothing was charged."""
+    budget counts restarts that happened. False when the job failed (or had succeeded) instead.
+
+    ``charged=False``: a loss the user does not pay for (the job agent's): no counter, no backoff, and no budget
+    check, so it never fails the job; it still folds the losses that follow until a group runs again."""
     st = d.status
     if d.is_true(ConditionType.SUCCEEDED):
         return False
+    if not charged:
+        st.incident = Incident(
+            opened_at=timestamps.format_time(d.now),
+            reason=cause.value,
+            first_pod=first,
+            covers={p.name for p in d.seen.workers},
+            charged=False,
+        )
+        return True
     budget = d.spec.restart_policy.max_restarts
     if st.restarts.total >= budget:
         fail(
@@ -123,10 +127,18 @@ def open_incident(d: Draft, first: str, cause: Reason, message: str) -> bool:
 
 
 def count_loss(
-    d: Draft, name: str, reason: Reason, message: str, *, outside: bool = False, consequence: bool = False
+    d: Draft,
+    name: str,
+    reason: Reason,
+    message: str,
+    *,
+    outside: bool = False,
+    consequence: bool = False,
+    charged: bool = True,
 ) -> None:
     """An unplanned loss of worker pod ``name``: folded into the open incident when that covers the pod, else a new
-    incident (a Warning Event naming the cause, a charged restart, a reform if a group is running).
+    incident (a Warning Event naming the cause, a charged restart, a reform if a group is running). ``charged=False``
+    opens it uncharged (:func:`open_incident`), announced by a Normal Event under ``reason``.
 
     ``consequence``: the pod failed the way a peer's loss makes survivors fail (:func:`is_peer_loss_exit`); an
     incident it opens is charged as NodeLost. A pod ``outside`` the running group is counted too (the budget and the
@@ -140,8 +152,11 @@ def count_loss(
         fold(d, incident, name, message, outside=outside)
         return
     cause = Reason.NODE_LOST if consequence else reason
-    d.event(WARNING, loss_event_reason(cause), message)
-    if not open_incident(d, name, cause, message):
+    if charged:
+        d.event(WARNING, loss_event_reason(cause), message)
+    else:
+        d.event(NORMAL, cause, f"{message}: replaced, not charged")
+    if not open_incident(d, name, cause, message, charged=charged):
         return
     if outside:
         d.event(NORMAL, Reason.OUTSIDE_THE_GROUP, f"{message}; it was not in the running round: the group trains on")
@@ -159,7 +174,7 @@ def fold(d: Draft, incident: Incident, name: str, message: str, *, outside: bool
         NORMAL,
         Reason.PART_OF_INCIDENT,
         f"{message}; part of the {incident.reason} incident of {incident.first_pod} at {incident.opened_at}: "
-        "replaced, not charged again",
+        + ("replaced, not charged again" if incident.charged else "replaced, not charged"),
     )
     if not outside and (st.world_size > 0 or st.control.in_flight):
         cause = Reason(incident.reason) if incident.reason in LOSS_REASONS else Reason.NODE_LOST

@@ -27,8 +27,10 @@ The group protocol, in short:
 * A directive completes when the agent reports a rendezvous round newer than the one running when it was issued
   (``control.issuedRound``), at the target size, with progress after the issue. The old group keeps reporting
   steps for a moment after a directive; those reports belong to the old round and never complete it.
-* A lost job agent is one restart (AgentRestarted). Worker pods that existed then fail on their own when their
-  store disappears (torchrun exits 1); those failures belong to the same loss and are not counted again.
+* A lost job agent is recreated behind the same Service name and is no restart: the workers train on (training
+  needs no store once the communicators exist) and reconnect to it. A worker pod that existed then and fails
+  because its store vanished (a torchrun inside a rendezvous join exits 1) is replaced in an uncharged incident,
+  with a reform as for any loss; one lost with the agent's node is an ordinary, charged node loss.
 * One incident, one restart (``status.incident``): the first unplanned loss opens an incident and is charged; a
   later loss of a pod that existed then is folded into it (replaced, not charged) until a group runs again. An
   incident that finds the budget spent fails the job uncharged, so ``restarts.total`` counts restarts that happened.
@@ -53,7 +55,6 @@ from disttrain.operator.incidents import (
     count_loss,
     count_lost_pod,
     is_outside_the_group,
-    open_incident,
     uncover_new_pods,
 )
 from disttrain.operator.losses import (
@@ -205,8 +206,20 @@ def _bootstrap(d: Draft) -> None:
     )
 
 
+AGENT_RECONNECT_GRACE_S = 10.0
+"""How long after the job agent's loss was seen the workers' progress must be stamped before the loss is over
+(``status.agentLostAt`` cleared). It bounds how late a worker pod may still fail because of the loss and not be
+charged: a client of the agent's store gives up on a silent server within about 10 s, so a torchrun caught inside a
+rendezvous join has failed by then; it also absorbs the skew between rank 0's clock (progress stamps) and the
+operator's."""
+
+
 def _ensure_agent(d: Draft) -> None:
-    """The agent pod exists and is healthy; a lost agent is recreated and the workers re-join it."""
+    """The agent pod exists and is healthy; a lost agent is recreated behind the same Service name.
+
+    Its loss is announced (a Warning Event, ``status.agentLostAt``) but is no restart: no incident, no counter, no
+    directive. The workers train on and reconnect to the new agent; the ones that fail meanwhile are handled by
+    :func:`~disttrain.operator.incidents.count_lost_pod` (uncharged)."""
     agent = d.seen.agent
     name = names.agent_name(d.job.metadata.name)
     tracked = d.status.tracked_pods
@@ -219,7 +232,6 @@ def _ensure_agent(d: Draft) -> None:
         )
         d.delete(agent, Reason.AGENT_RESTARTED, force=force)
         if force:
-            d.agent_lost_node = agent.node_name
             d.create_agent = True  # applied after the deletion; a 409 is retried by the next reconcile
         elif agent.is_terminating:
             d.timer((agent.deleting_since or d.now) + d.spec.elastic.stuck_pod_timeout_seconds)
@@ -227,21 +239,31 @@ def _ensure_agent(d: Draft) -> None:
         d.create_agent = True
     if lost and name in tracked:
         tracked.discard(name)
-        d.event(WARNING, Reason.AGENT_RESTARTED, f"job agent pod {name} was lost; recreating it, workers re-join")
-        # One loss, one restart: the workers that fail because their store vanished are part of it (count_lost_pod).
+        where = f" (node {agent.node_name})" if agent is not None and agent.node_name else ""
+        d.event(
+            WARNING,
+            Reason.AGENT_RESTARTED,
+            f"job agent pod {name} was lost{where}; recreating it: the workers train on and reconnect to it, "
+            "no restart",
+        )
         d.status.agent_lost_at = timestamps.format_time(d.now)
-        if not open_incident(d, name, Reason.AGENT_RESTARTED, f"job agent pod {name} was lost"):
-            return
-        if d.status.world_size > 0:
-            issue(
-                d,
-                DirectiveAction.REFORM,
-                Reason.AGENT_RESTARTED,
-                d.status.desired_nodes,
-                exclude=d.status.control.exclude,
-            )
     elif agent is not None and not lost and agent.is_running:
         tracked.add(name)
+        _forget_agent_loss(d)
+
+
+def _forget_agent_loss(d: Draft) -> None:
+    """The agent's loss is over once the new agent runs and relays progress stamped at least
+    :data:`AGENT_RECONNECT_GRACE_S` after the loss was seen: only the new agent can relay it (the old one is gone;
+    a stamp restored from before the loss is older), so the workers reach its store. A worker that fails after that
+    fails on its own and is charged. Until then a failure of a pod that existed at the loss is the loss's
+    (:func:`~disttrain.operator.incidents.failed_with_the_agent`); a job that never progresses keeps the mark, which
+    costs at most one uncharged replacement per pod that existed then. Pure: compares two status stamps."""
+    st = d.status
+    lost_at = timestamps.parse_time(st.agent_lost_at)
+    progressed = timestamps.parse_time(st.last_progress_time)
+    if lost_at is not None and progressed is not None and progressed >= lost_at + AGENT_RECONNECT_GRACE_S:
+        st.agent_lost_at = None
 
 
 def checkpoint_refresh_seconds(job_key: str) -> float:
@@ -692,7 +714,6 @@ def _complete_directive(d: Draft, group_nodes: int) -> None:
     ctl = st.control
     if not ctl.in_flight:
         if st.world_size > 0:
-            st.agent_lost_at = None  # a group runs with the new agent: later failures are failures of their own
             close_incident(d)
             _forget_lost(d)
         return
@@ -707,7 +728,6 @@ def _complete_directive(d: Draft, group_nodes: int) -> None:
         reason = ctl.reason
         planned = ctl.action is DirectiveAction.DRAIN
         ctl.action = DirectiveAction.NONE
-        st.agent_lost_at = None
         # Victims still shutting down stay excluded so they are not mistaken for members again.
         present = {p.name for p in d.seen.workers}
         ctl.exclude = [name for name in ctl.exclude if name in present]

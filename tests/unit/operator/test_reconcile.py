@@ -19,6 +19,7 @@ from tests.unit.operator.world import T0, World, job_manifest
 
 from disttrain.api import conditions as cond
 from disttrain.api.spec import DistTrainJob
+from disttrain.api.status import DistTrainJobStatus, Incident
 from disttrain.operator import losses, names, patches, sizing
 from disttrain.operator import reconcile as core
 from disttrain.operator.observed import NodeView, Observed, PodView
@@ -396,17 +397,40 @@ def test_a_replacement_takes_the_lost_nodes_index_while_the_lost_pod_lingers(los
     assert {n: world.workers[n].node_index for n in survivors} == survivors
 
 
-def test_anchor_elastic_115_losing_the_agent_recreates_it_and_keeps_the_workers():
+NO_RESTART = {"total": 0, "byReason": {}}
+
+
+def incident(world: World) -> Incident:
+    return DistTrainJobStatus.model_validate(world.status).incident
+
+
+def test_anchor_elastic_115_losing_the_agent_recreates_it_and_the_workers_train_on():
+    """The agent's loss is no restart: no incident, no counter, no directive; the workers keep their pods (they
+    reconnect to the new agent behind the same Service name). It is announced, and remembered until the workers
+    report progress through the new agent at least AGENT_RECONNECT_GRACE_S after the loss."""
     world = World(job_manifest(replicas=2)).running_world(2)
     uids = {n: p.uid for n, p in world.workers.items()}
+    generation = world.control["generation"]
     world.agent = None
     actions = world.step(1)
+    lost_at = cond.parse_time(world.status["agentLostAt"])
     assert actions.create_agent
     assert actions.delete_pods == () and created(actions) == []
-    assert world.control["action"] == "reform" and world.control["reason"] == "AgentRestarted"
-    assert world.status["restarts"] == {"total": 1, "byReason": {"AgentRestarted": 1}}
+    assert world.control["action"] == "none" and world.control["generation"] == generation
+    assert world.status["restarts"] == NO_RESTART and "incident" not in world.status
+    assert world.status["phase"] == "Running" and "nextRestartTime" not in world.status
     assert {n: p.uid for n, p in world.workers.items()} == uids
-    assert "AgentRestarted" in world.reasons()
+    [message] = [m for r, m in world.events if r == "AgentRestarted"]
+    assert "no restart" in message and "Reforming" not in world.reasons()
+    world.run_all().step(1)  # the new agent runs
+    world.now = lost_at + core.AGENT_RECONNECT_GRACE_S - 1
+    world.progress(2, step=6, same_round=True).step(0)
+    assert world.status["agentLostAt"], "progress stamped within the grace: the loss is still recent"
+    world.now = lost_at + core.AGENT_RECONNECT_GRACE_S
+    world.progress(2, step=7, same_round=True).step(0)
+    assert "agentLostAt" not in world.status
+    assert world.status["restarts"] == NO_RESTART and world.control["generation"] == generation
+    assert {n: p.uid for n, p in world.workers.items()} == uids
 
 
 @pytest.mark.parametrize(
@@ -424,8 +448,8 @@ def test_an_agent_on_a_dead_node_is_force_deleted_and_recreated_at_once(node):
     actions = world.step(1)
     assert [(d.name, d.force) for d in actions.delete_pods] == [("demo-agent", True)]
     assert actions.create_agent and world.agent.uid != old
-    assert world.status["restarts"] == {"total": 1, "byReason": {"AgentRestarted": 1}}
-    assert world.control["action"] == "reform"
+    assert world.status["restarts"] == NO_RESTART and world.control["action"] == "none"
+    assert "node node-agent" in dict(world.events)["AgentRestarted"]
 
 
 def test_an_agent_on_a_draining_node_is_deleted_gracefully():
@@ -440,56 +464,67 @@ def test_an_agent_on_a_draining_node_is_deleted_gracefully():
     assert not actions.create_agent
 
 
-def test_a_worker_lost_with_the_agents_node_is_part_of_that_one_restart():
-    world = World(job_manifest(replicas=2)).running_world(2)
-    world.agent = dataclasses.replace(world.agent, node_name="node-1")  # the agent shares worker 1's node
-    world.nodes = {"node-0": NodeView("node-0"), "node-1": NodeView("node-1", ready=None)}
-    actions = world.step(1)
-    assert world.status["restarts"] == {"total": 1, "byReason": {"AgentRestarted": 1}}
-    assert actions.create_agent and "demo-worker-1" in {d.name for d in actions.delete_pods}
-    assert "NodeLost" not in world.reasons()
-
-
-def test_a_lost_agent_is_one_restart_even_when_every_worker_then_fails():
-    """torchrun exits 1 when its store vanishes: N worker failures after an agent loss are that one loss."""
+def test_a_worker_lost_with_the_agents_node_is_one_charged_node_loss():
+    """The agent's node took a worker with it: that worker's loss is a node loss like any other (charged once,
+    a reform without it), and the survivor's store failure right after is part of that incident."""
     world = World(job_manifest(replicas=3)).running_world(3)
+    world.agent = dataclasses.replace(world.agent, node_name="node-1")  # the agent shares worker 1's node
+    world.nodes = {f"node-{i}": NodeView(f"node-{i}") for i in range(3)} | {"node-1": NodeView("node-1", ready=None)}
+    actions = world.step(1)
+    assert actions.create_agent and "demo-worker-1" in {d.name for d in actions.delete_pods}
+    assert world.status["restarts"] == {"total": 1, "byReason": {"NodeUnreachable": 1}}
+    assert world.control["action"] == "reform" and world.control["reason"] == "NodeUnreachable"
+    assert "NodeLost" in world.reasons() and incident(world).first_pod == "demo-worker-1"
+    world.set_worker(2, phase="Failed", exit_code=1).step(1)  # its torchrun was joining the next round
+    assert world.status["restarts"] == {"total": 1, "byReason": {"NodeUnreachable": 1}}
+    assert incident(world).folded == {"demo-worker-2"}
+
+
+def test_workers_that_fail_after_an_agent_loss_are_replaced_uncharged():
+    """A torchrun inside a rendezvous join exits 1 when its store vanishes: each such failure of a pod that existed
+    at the loss is replaced and the group re-formed as for any loss, in one uncharged incident, even with no
+    restart left in the budget. Once the workers progress through the new agent, a failure is charged again."""
+    world = World(job_manifest(replicas=3, restartPolicy__maxRestarts=0)).running_world(3)
     old_uids = {p.uid for p in world.workers.values()}
     world.agent = None
     world.step(1)
     world.run_all().step(1)  # the new agent runs
-    for index in range(3):
+    world.set_worker(0, phase="Failed", exit_code=1).step(1)
+    assert world.control["action"] == "reform" and world.control["reason"] == "AgentRestarted"
+    assert not incident(world).charged and "nextRestartTime" not in world.status
+    for index in (1, 2):
         world.set_worker(index, phase="Failed", exit_code=1)
     world.step(1)
-    assert world.status["restarts"] == {"total": 1, "byReason": {"AgentRestarted": 1}}
-    assert world.status["phase"] == "Reforming" and "NodeLost" not in world.reasons()
-    for _ in range(4):  # backoff of the one restart, then the workers come back
-        world.step(2)
-    assert sorted(world.workers) == ["demo-worker-0", "demo-worker-1", "demo-worker-2"]
+    assert world.status["restarts"] == NO_RESTART and world.status["phase"] == "Reforming"
+    assert incident(world).folded == {"demo-worker-1", "demo-worker-2"}
+    assert not {"NodeLost", "PodFailed"} & set(world.reasons())
+    assert sorted(p.node_index for p in world.workers.values()) == [0, 1, 2], "no backoff: replaced at once"
     assert not {p.uid for p in world.workers.values()} & old_uids, "every worker pod was recreated"
-    world.run_all().step(1)
+    world.run_all().step(core.AGENT_RECONNECT_GRACE_S)
     world.progress(3, step=6).step(1)
     assert world.status["phase"] == "Running" and world.control["action"] == "none"
-    assert world.status["restarts"] == {"total": 1, "byReason": {"AgentRestarted": 1}}
-    assert "agentLostAt" not in world.status
-    # After the group re-formed, a worker failure is its own restart again.
+    assert world.status["restarts"] == NO_RESTART
+    assert "agentLostAt" not in world.status and "incident" not in world.status
+    # After the workers progressed through the new agent, a worker failure is charged (here: no budget left).
     world.set_worker(0, phase="Failed", exit_code=1).step(1)
-    assert world.status["restarts"] == {"total": 2, "byReason": {"AgentRestarted": 1, "PodFailed": 1}}
+    assert world.status["phase"] == "Failed"
+    assert world.condition("Failed")["reason"] == "RestartBudgetExhausted"
 
 
 def test_a_replacement_that_fails_after_an_agent_loss_is_counted():
-    """Only pods that existed when the agent was lost belong to that loss: a crash-looping new pod still counts."""
+    """Only pods that existed when the agent was lost fail because of it: a crash-looping new pod still counts."""
     world = World(job_manifest(replicas=2)).running_world(2)
     world.agent = None
     world.step(1)
     old = set(world.workers)
-    world.set_worker(1, phase="Failed", exit_code=1).step(10)
+    world.set_worker(1, phase="Failed", exit_code=1).step(1)
+    assert world.status["restarts"] == NO_RESTART
     world.step(1)
     world.run_all().step(1)
-    assert world.status["restarts"]["total"] == 1
     [new] = [p for n, p in world.workers.items() if n not in old]
     assert new.created_at > cond.parse_time(world.status["agentLostAt"])
     world.set_worker(new.node_index, phase="Failed", exit_code=1).step(1)
-    assert world.status["restarts"] == {"total": 2, "byReason": {"AgentRestarted": 1, "PodFailed": 1}}
+    assert world.status["restarts"] == {"total": 1, "byReason": {"PodFailed": 1}}
 
 
 def test_progress_of_the_old_group_after_a_directive_does_not_complete_it():
