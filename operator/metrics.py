@@ -92,6 +92,13 @@ class OperatorMetrics:
             job,
             registry=registry,
         )
+        self.agent_replacements = Counter(
+            "disttrain_job_agent_replacements",
+            "Job agent pods lost and recreated (status.agentLostAt set anew). No restart: the workers train on and "
+            "reconnect to the new agent.",
+            job,
+            registry=registry,
+        )
         self.reforms = Counter(
             "disttrain_job_reforms", "Group reforms (planned and unplanned).", [*job, "reason"], registry=registry
         )
@@ -195,6 +202,9 @@ class OperatorMetrics:
             self.restarts.labels(*labels, reason)  # the series exists from the first sight
             if delta > 0:
                 self.restarts.labels(*labels, reason).inc(delta)
+        agent_lost_at = status.get("agentLostAt")
+        if previous is not None and agent_lost_at is not None and agent_lost_at != previous.get("agentLostAt"):
+            self.agent_replacements.labels(*labels).inc()
         stalls = status.get("stalls", 0)
         if previous is not None and isinstance(stalls, int) and stalls > previous.get("stalls", 0):
             self.stalls.labels(*labels).inc(stalls - previous.get("stalls", 0))
@@ -219,6 +229,7 @@ class OperatorMetrics:
             "reforms": status.get("reforms", 0),
             "stalls": stalls if isinstance(stalls, int) else 0,
             "lastReform": reform,
+            "agentLostAt": agent_lost_at,
         }
 
     def _observe_store_rejections(
@@ -242,6 +253,7 @@ class OperatorMetrics:
         restart, reform and reform duration of each kind."""
         self.reform_duration.labels(*labels)
         self.stalls.labels(*labels)
+        self.agent_replacements.labels(*labels)
         for phase in REFORM_PHASES:
             self.reform_phase.labels(labels[0], phase)
         for reason in (*RESTART_REASONS, OTHER_REASON):
@@ -268,6 +280,7 @@ class OperatorMetrics:
             self.samples,
             self.reform_duration,
             self.stalls,
+            self.agent_replacements,
             self.restarts_counted,
             self.max_restarts,
         ):

@@ -111,3 +111,19 @@ def test_each_reform_phase_is_observed_once_per_reform():
 def phase_sample(registry: CollectorRegistry, kind: str, phase: str) -> float | None:
     labels = {"namespace": "team-a", "phase": phase}
     return registry.get_sample_value(f"disttrain_job_reform_phase_seconds_{kind}", labels)
+
+
+def test_each_agent_loss_counts_one_replacement():
+    """status.agentLostAt set anew is one replacement; the same mark seen again, or cleared, is none."""
+    registry = CollectorRegistry()
+    metrics = OperatorMetrics(registry)
+    metrics.observe_job("team-a", "demo", {"phase": "Running"}, now=1)
+    assert _value(registry, "disttrain_job_agent_replacements_total") == 0
+    lost = {"phase": "Running", "agentLostAt": "2026-01-01T00:00:00Z"}
+    metrics.observe_job("team-a", "demo", lost, now=2)
+    metrics.observe_job("team-a", "demo", lost, now=3)
+    metrics.observe_job("team-a", "demo", {"phase": "Running"}, now=4)
+    assert _value(registry, "disttrain_job_agent_replacements_total") == 1
+    metrics.observe_job("team-a", "demo", {"phase": "Running", "agentLostAt": "2026-01-01T00:05:00Z"}, now=5)
+    assert _value(registry, "disttrain_job_agent_replacements_total") == 2
+    assert _value(registry, "disttrain_job_restarts_counted") == 0
