@@ -153,8 +153,8 @@ def _gone(plane: ControlPlane, path: str) -> bool:
 
 def test_a_node_lost_to_the_node_lifecycle_controller_is_replaced(cluster, tmp_path):
     agent = cluster.running("lost", JobBuilder("lost"), tmp_path, replicas=2)
-    # Power off a node that does not host the agent pod: losing the agent with it is one AgentRestarted loss
-    # (the workers re-join a new agent), not the NodeUnreachable this test is about.
+    # Power off a node that does not host the agent pod: this test is about a worker's node alone (the agent's
+    # node is test_losing_the_agents_node_replaces_the_agent_in_seconds_and_charges_no_restart).
     agent_node = cluster.pods("agent")["lost-agent"]["spec"]["nodeName"]
     victim = next(p for _, p in sorted(cluster.pods().items()) if p["spec"]["nodeName"] != agent_node)
     victim_name = victim["metadata"]["name"]
