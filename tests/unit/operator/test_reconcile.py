@@ -511,6 +511,21 @@ def test_workers_that_fail_after_an_agent_loss_are_replaced_uncharged():
     assert world.condition("Failed")["reason"] == "RestartBudgetExhausted"
 
 
+def test_a_hot_spare_that_fails_after_an_agent_loss_is_replaced_uncharged_and_the_group_trains_on():
+    """A hot spare waits inside a rendezvous join, so its torchrun is the one that exits when the store vanishes:
+    replaced, not charged, and the running group is not re-formed."""
+    world = World(job_manifest(replicas=3, min=2, nodes__spares=1)).running_world(3)
+    world.status["roundMembers"] = sorted(world.worker(i).name for i in range(3))
+    world.agent = None
+    world.step(1)
+    world.run_all().step(1)
+    spare = world.worker(3).name
+    actions = world.set_worker(3, phase="Failed", exit_code=1).step(1)
+    assert world.status["restarts"] == NO_RESTART and world.control["action"] == "none"
+    assert "OutsideTheGroup" in world.reasons() and spare in {d.name for d in actions.delete_pods}
+    assert created(actions) == [3]
+
+
 def test_a_replacement_that_fails_after_an_agent_loss_is_counted():
     """Only pods that existed when the agent was lost fail because of it: a crash-looping new pod still counts."""
     world = World(job_manifest(replicas=2)).running_world(2)
