@@ -17,6 +17,7 @@ secret
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -29,7 +30,7 @@ from disttrain.api import control as keys
 from disttrain.api import env
 from disttrain.api.exitcodes import ExitCode
 from disttrain.trainer import diagnostics, startup
-from disttrain.trainer.store import channel
+from disttrain.trainer.store import channel, resilient
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -225,8 +226,10 @@ class Watchdog:
         """Write a progress/checkpoint record for the agent (best effort: the agent may be restarting)."""
         if self.store is None:
             return
+        link = resilient.resilient_of(self.store)
         try:
-            self.store.set(key, value)
+            with link.quick() if link is not None else contextlib.nullcontext():
+                self.store.set(key, value)
         except Exception as exc:  # noqa: BLE001
             log.debug("could not publish %s: %s", key, exc)
 

@@ -20,6 +20,7 @@ from typing import Optional
 from torch.distributed import PrefixStore, Store, TCPStore
 
 from disttrain.api import env, storeauth
+from disttrain.trainer.store.resilient import ResilientStore
 from disttrain.trainer.store.signedstore import RejectHook, SignedStore
 
 
@@ -67,7 +68,11 @@ def signed_of(store: Store) -> Optional[SignedStore]:
 
 
 def connect(host: str, port: int, timeout_s: float, secret: Optional[str] = None) -> Store:
-    """A client of the agent's store, signed and under the job's key prefix (see :func:`scoped`)."""
+    """A client of the agent's store, signed and under the job's key prefix (see :func:`scoped`), that reconnects to
+    ``host:port`` when the agent is lost and recreated (:class:`~disttrain.trainer.store.resilient.ResilientStore`)."""
     key = _secret(secret)  # before connecting: a missing secret is a configuration error, not a network one
-    client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    return scoped(client, key)
+
+    def client(timeout: timedelta) -> TCPStore:
+        return TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+
+    return scoped(ResilientStore(client, timedelta(seconds=timeout_s), address=(host, port)), key)

@@ -1,0 +1,145 @@
+"""The agent's store client outlives the agent: real TCPStore servers in their own processes, killed, frozen and
+started again on the same port (as the operator recreates the agent behind the same Service)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from tests.conftest import REPO_ROOT
+from torch.distributed import DistStoreError, TCPStore
+
+from disttrain.api.ports import free_port
+from disttrain.trainer.store import channel, resilient
+
+SECRET = "r" * 64
+SERVER = REPO_ROOT / "tests" / "trainer" / "workers" / "store_server.py"
+
+
+class Server:
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(SERVER), str(self.port)], stdout=subprocess.PIPE, text=True, env=os.environ.copy()
+        )
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def freeze(self) -> None:
+        """Alive but silent: no answer and no reset, as a server on a powered-off node."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+
+@pytest.fixture
+def server():
+    srv = Server(free_port())
+    srv.start()
+    yield srv
+    if srv.proc is not None and srv.proc.poll() is None:
+        srv.proc.send_signal(signal.SIGCONT)
+        srv.kill()
+
+
+def client(port: int) -> resilient.ResilientStore:
+    def connect(timeout: timedelta) -> TCPStore:
+        return TCPStore("127.0.0.1", port, is_master=False, timeout=timeout, wait_for_workers=False)
+
+    return resilient.ResilientStore(connect, timedelta(seconds=30), op_timeout_s=4.0)
+
+
+def until(predicate, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_server_fails_calls_at_once_and_a_new_one_on_the_same_port_is_reconnected(server):
+    raw = client(server.port)
+    store = channel.scoped(raw, SECRET, "uid-r")
+    reconnected = threading.Event()
+    raw.on_reconnect.append(reconnected.set)
+    state_key = "torch.rendezvous.job"
+    state = pickle.dumps({"round": 7})
+    store.set(state_key, state)
+    assert store.get(state_key) == state
+    store.set("progress", "1")
+
+    server.kill()
+    with pytest.raises(DistStoreError):
+        store.get("progress")
+    began = time.monotonic()
+    for _ in range(20):  # while the server is away every call fails at once, none waits for it
+        with pytest.raises(DistStoreError):
+            store.set("progress", "2")
+    assert time.monotonic() - began < 1.0
+    assert not raw.connected
+
+    server.start()
+    assert reconnected.wait(15), "no reconnection to the server on the same port"
+    assert raw.connected and raw.generation == 1
+    # The new server is empty. The rendezvous state is put back by the first reader that saw it (torch cannot cope
+    # with its absence); other keys are simply absent until their writers write again.
+    assert store.get(state_key) == state
+    assert not store.check(["progress"])
+    store.set("progress", "3")
+    assert store.get("progress") == b"3"
+
+
+@pytest.mark.timeout(90)
+def test_a_silent_server_costs_a_caller_a_bounded_wait_never_the_connections_timeout(server):
+    raw = client(server.port)
+    store = channel.scoped(raw, SECRET, "uid-r")
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    server.freeze()
+    failed: list[Exception] = []
+
+    def poll() -> None:
+        try:
+            store.get("k")
+        except DistStoreError as exc:
+            failed.append(exc)
+
+    stuck = threading.Thread(target=poll, daemon=True)
+    stuck.start()  # a poller caught in a read that the silent server never answers
+    time.sleep(0.3)
+    waits = []
+    for _ in range(6):  # the training thread's best-effort writes meanwhile
+        began = time.monotonic()
+        with raw.quick(), pytest.raises(DistStoreError):
+            store.set("progress", "x")
+        waits.append(time.monotonic() - began)
+        time.sleep(0.2)
+    assert max(waits) < resilient.QUICK_WAIT_S + 0.5, waits
+    until(lambda: not raw.connected, timeout=resilient.STUCK_S + 5)
+    began = time.monotonic()
+    with pytest.raises(DistStoreError):
+        store.set("progress", "y")
+    assert time.monotonic() - began < 0.5
+    stuck.join(10)
+    assert failed, "the read the silent server never answered did not fail"
+
+    server.kill()
+    server.start()
+    until(lambda: raw.connected)
+    store.set("k", "w")
+    assert store.get("k") == b"w"
