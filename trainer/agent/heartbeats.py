@@ -225,6 +225,10 @@ class SilenceTracker:
         """The freshest heartbeat of anyone seen since the rendezvous (re)started."""
         self._tampered_at: Optional[float] = None
         self._dropped: dict[str, _Silent] = {}
+        self._first_state = True
+        """No state seen yet. An agent that starts beside a running group (its predecessor was lost) finds the
+        state the survivors put back, with heartbeats as old as the outage, until each survivor's next keep-alive:
+        the first state is held as a restore is (:attr:`hold_s`)."""
 
     def trusted(self, now: float) -> bool:
         """Whether heartbeats may be judged at ``now``: no tampering seen within :attr:`hold_s`."""
@@ -242,7 +246,9 @@ class SilenceTracker:
             return {}
         current = {n: view.heartbeats[n] for n in view.participants if n in view.heartbeats}
         went_back = any(beat < self._last[n][0] for n, beat in current.items() if n in self._last)
-        if tampered or went_back:
+        restored = self._first_state and view.complete
+        self._first_state = False
+        if tampered or went_back or restored:
             self._tampered_at = now
         trusted = self.trusted(now)
         freshest = {n: max(beat, self._last[n][0]) if n in self._last else beat for n, beat in current.items()}

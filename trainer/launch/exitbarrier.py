@@ -63,6 +63,15 @@ def _seen(store: Any, key: str, wait_s: float) -> bool:
         return False
 
 
+def _write(store: Any, key: str) -> bool:
+    """Write this node's ``key``; False while the store cannot be reached (the next turn writes it again)."""
+    try:
+        store.set(key, "1")
+    except DistStoreError:
+        return False
+    return True
+
+
 def _look(store: Any, kind: str, ranks: set[int], found: set[int], turn: int) -> None:
     """Add to ``found`` the ranks in ``ranks`` whose ``kind`` key is seen: a quick look at all on a sweep's turn, then
     a blocking look at one of the rest (a different one on each turn)."""
@@ -78,12 +87,16 @@ def wait_for_all(store: Any, world: int, me: int, timeout_s: float) -> bool:
     progress, everyone = Progress(world, me), set(range(world))
     start, turn, linger_until = time.monotonic(), 0, None
     while True:
-        store.set(_key("arrived", me), "1")
+        if not _write(store, _key("arrived", me)):
+            if time.monotonic() - start >= timeout_s:
+                return progress.all_arrived()
+            time.sleep(POLL_S)  # the agent's store is away: its replacement comes behind the same address
+            continue
         if not progress.all_arrived():
             _look(store, "done", everyone - {me}, progress.done, turn)
             _look(store, "arrived", everyone, progress.arrived, turn)
         if progress.all_arrived():
-            store.set(_key("done", me), "1")
+            _write(store, _key("done", me))
             linger_until = time.monotonic() + LINGER_S if linger_until is None else linger_until
             _look(store, "done", everyone - {me}, progress.done, turn)
             if progress.all_done() or time.monotonic() >= linger_until:

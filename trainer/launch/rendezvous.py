@@ -56,10 +56,10 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any, Optional
 
-from torch.distributed import Store, TCPStore
+from torch.distributed import DistStoreError, Store, TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, c10d_rendezvous_backend
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -68,6 +68,7 @@ from disttrain.api import constants, control, env
 from disttrain.trainer.agent import heartbeats
 from disttrain.trainer.launch import rank_order
 from disttrain.trainer.store import channel
+from disttrain.trainer.store.resilient import ResilientStore
 
 log = logging.getLogger("disttrain.rendezvous")
 
@@ -138,16 +139,20 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
         if isinstance(state_handler, dyn._RendezvousJoinOp):
             join = state_handler
             # Before this node can appear among the participants, so whoever completes the round can read it.
-            rank_order.publish_index(self._store, self._settings.run_id, self._node, self._node_index)
-            # Which pod this node is, for the job agent's silence report (disttrain.trainer.agent.heartbeats).
-            if self._node_name:
-                identity = heartbeats.NodeIdentity(self._node_name, self._pod_uid)
-                self._store.set(heartbeats.identity_key(self._settings.run_id, self._node), identity.to_json())
+            self.publish_identity()
 
             def state_handler(ctx: dyn._RendezvousContext, deadline: float) -> dyn._Action:
                 return self._join_polling(join, ctx, deadline)
 
         super().run(state_handler, deadline, update_deadline)
+
+    def publish_identity(self) -> None:
+        """This node's index (for the ranks) and pod (for the job agent's silence report,
+        :mod:`disttrain.trainer.agent.heartbeats`)."""
+        rank_order.publish_index(self._store, self._settings.run_id, self._node, self._node_index)
+        if self._node_name:
+            identity = heartbeats.NodeIdentity(self._node_name, self._pod_uid)
+            self._store.set(heartbeats.identity_key(self._settings.run_id, self._node), identity.to_json())
 
     def _join_polling(self, join: dyn._RendezvousJoinOp, ctx: dyn._RendezvousContext, deadline: float) -> dyn._Action:
         """The join, re-read every :func:`sync_poll_seconds` while it only waits (``SYNC``) instead of the stock
@@ -258,6 +263,43 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
         )
 
 
+class _ReconnectingStateHolder(dyn._BackendRendezvousStateHolder):
+    """torch's state holder, for a store that may be lost and recreated empty behind the same address.
+
+    After a reconnection the state in the new store is the one the first survivor put back (the signed store writes
+    back the last valid state it saw), with every heartbeat as old as the outage. torch's sanitizer, which runs after
+    each read, would drop every participant whose heartbeat is older than ``keep_alive_interval x
+    keep_alive_max_attempt`` by this node's clock, and a dropped node never heartbeats again: the agent would report
+    the whole running group silent. So the first state read after each reconnection (:attr:`ResilientStore.generation`
+    moved) has its heartbeats brought forward to now before torch judges them, and is written back so; a node that
+    really died meanwhile is found one expiry later, by its silence in the new store."""
+
+    def __init__(self, backend: Any, settings: dyn.RendezvousSettings, generation: Callable[[], int]) -> None:
+        super().__init__(backend, settings)
+        self._generation = generation
+        self._seen_generation = generation()
+
+    def _sanitize(self) -> None:
+        generation = self._generation()
+        if generation != self._seen_generation:
+            self._seen_generation = generation
+            now = datetime.now(timezone.utc)
+            beats = self._state.last_heartbeats
+            for node, beat in beats.items():
+                beats[node] = max(beat, now)
+            if beats:
+                # Written by the next sync (at once: torchrun's monitor loop syncs ten times a second): a cached
+                # re-read of the store's old heartbeats a second later would otherwise drop every node after all.
+                self.mark_dirty()
+                log.info(
+                    "rendezvous %s round %d: the agent's store came back; %d heartbeat(s) brought forward",
+                    self._settings.run_id,
+                    self._state.round,
+                    len(beats),
+                )
+        super()._sanitize()
+
+
 class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
     """A :class:`DynamicRendezvousHandler` that follows the operator's target plan (see the module docstring)."""
 
@@ -267,6 +309,7 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
         super().__init__(node, settings, backend_name, store, state_holder)
         self._target_store = store
         self._leave_open = False
+        self._store_away = False
         self._op_executor = _TargetAwareOpExecutor(
             node,
             state_holder,
@@ -298,14 +341,34 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
         return super().shutdown()
 
     def num_nodes_waiting(self) -> int:
-        """0 while the operator steers (it re-forms the group by a drain at a checkpoint); else c10d's count."""
-        waiting = super().num_nodes_waiting()
-        if waiting and self.target() is not None:
+        """0 while the operator steers (it re-forms the group by a drain at a checkpoint); else c10d's count.
+
+        Also 0 while the agent's store is away: torchrun's monitor loop asks this ten times a second, and torch
+        would end the node on the first failed read; the group trains on without the store and the client
+        reconnects to the agent's replacement (:mod:`disttrain.trainer.store.resilient`)."""
+        try:
+            waiting = super().num_nodes_waiting()
+            if waiting and self.target() is not None:
+                return 0
+        except (dyn.RendezvousError, DistStoreError) as exc:
+            if not self._store_away:
+                log.warning(
+                    "rendezvous %s: the agent's store is away (%s); training goes on", self._settings.run_id, exc
+                )
+            self._store_away = True
             return 0
+        self._store_away = False
         return waiting
 
+    def republish_identity(self) -> None:
+        """After the store came back empty: this node's index and pod, which the agent's silence report and the next
+        round's ranks read (written once per join otherwise)."""
+        executor = self._op_executor
+        if isinstance(executor, _TargetAwareOpExecutor):
+            executor.publish_identity()
 
-def connect_store(params: RendezvousParameters) -> TCPStore:
+
+def connect_store(params: RendezvousParameters) -> Store:
     """The raw client of the agent's store, built from the parameters ``c10d`` reads (``store_type``,
     ``read_timeout``, ``is_host``), without torch's ``create_backend``: that also builds a backend over the *raw*
     client, whose constructor writes an unsigned ``torch.rendezvous.<run id>`` placeholder outside the job's key
@@ -318,12 +381,14 @@ def connect_store(params: RendezvousParameters) -> TCPStore:
     if read_timeout is None or read_timeout <= 0:
         raise ValueError(f"rdzv-conf read_timeout is {read_timeout!r}; it must be a positive number of seconds")
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
-    return TCPStore(
-        host,
-        port,
-        is_master=params.get_as_bool("is_host") is True,
-        multi_tenant=True,
-        timeout=timedelta(seconds=read_timeout),
+    if params.get_as_bool("is_host") is True:
+        return TCPStore(host, port, is_master=True, multi_tenant=True, timeout=timedelta(seconds=read_timeout))
+
+    def client(timeout: timedelta) -> TCPStore:
+        return TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)
+
+    return ResilientStore(
+        client, timedelta(seconds=read_timeout), name=f"agent store {host}:{port}", address=(host, port)
     )
 
 
@@ -333,7 +398,8 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     state it
     unpickles, the per-round MASTER_ADDR/MASTER_PORT, rank-info and barrier keys) are sealed when written and
     verified before torch sees a byte, like the control keys; a forged or garbled value is absent to torch."""
-    store = channel.scoped(connect_store(params))
+    raw = connect_store(params)
+    store = channel.scoped(raw)
     backend = c10d_rendezvous_backend.C10dRendezvousBackend(store, params.run_id)
 
     def seconds(key: str) -> Optional[timedelta]:
@@ -341,17 +407,21 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         return None if value is None else timedelta(seconds=value)
 
     timeout = dyn.RendezvousTimeout(seconds("join"), seconds("last_call"), seconds("close"), seconds("heartbeat"))
-    handler = DisttrainRendezvousHandler.from_backend(
+    # As DynamicRendezvousHandler.from_backend, with a state holder that survives the store's loss.
+    settings = dyn.RendezvousSettings(
         params.run_id,
-        store,
-        backend,
         params.min_nodes,
         params.max_nodes,
-        params.local_addr,
         timeout,
-        keep_alive_interval=int(params.get_as_int("keep_alive_interval", 5) or 5),
+        keep_alive_interval=timedelta(seconds=int(params.get_as_int("keep_alive_interval", 5) or 5)),
         keep_alive_max_attempt=int(params.get_as_int("keep_alive_max_attempt", 3) or 3),
     )
+    generation = (lambda: raw.generation) if isinstance(raw, ResilientStore) else (lambda: 0)
+    holder = _ReconnectingStateHolder(backend, settings, generation)
+    node = DisttrainRendezvousHandler._node_desc_generator.generate(params.local_addr)
+    handler = DisttrainRendezvousHandler(node, settings, backend.name, store, holder)
+    if isinstance(raw, ResilientStore):
+        raw.on_reconnect.append(handler.republish_identity)
     return handler
 
 
