@@ -18,6 +18,7 @@ from torch.distributed import TCPStore
 
 from disttrain.api import control as keys
 from disttrain.api import env
+from disttrain.api.reformphases import WorkerStartup
 from disttrain.trainer.agent import service as agent_mod
 from disttrain.trainer.control import read_signal
 from disttrain.trainer.store import channel
@@ -160,6 +161,27 @@ def test_a_new_group_at_the_same_size_and_restart_count_is_a_new_round(tmp_path,
     assert status["rendezvousRound"] == 2
     assert status["roundStartTime"] == "2023-11-14T22:13:29.500Z", "the new round's first report, not its latest"
     assert status["lastProgressTime"] == "2023-11-14T22:13:30.500Z"
+
+
+def test_an_agent_replacing_a_lost_one_keeps_the_round_of_the_group_that_trained_on(tmp_path, store_pair):
+    """The group trained on through the agent's loss and reports to the new agent: the same round (a new one would
+    complete a directive in flight); a group that starts later is a new round, as ever."""
+    server, client = store_pair
+    stamps = WorkerStartup(spawned=1_699_999_990.0, first_step=1_699_999_995.0)
+    wire = stamps.model_dump(by_alias=True, exclude_none=True)
+    write_job(tmp_path, rendezvousRound=3, roundStartTime="2023-11-14T22:13:00.000Z", worldSize=2, workerStartup=wire)
+    source = agent_mod.FileJobSource(tmp_path)
+    agent = agent_mod.Agent(source, server)
+    report = keys.ProgressReport.model_validate_json(progress(20, process="rank0"))
+    client.set(keys.PROGRESS_KEY, report.model_copy(update={"startup": stamps}).model_dump_json())
+    agent.sync()
+    status = source.read()["status"]
+    assert status["rendezvousRound"] == 3 and status["roundStartTime"] == "2023-11-14T22:13:00.000Z"
+    later = WorkerStartup(spawned=1_700_000_100.0, first_step=1_700_000_104.0)
+    newer = keys.ProgressReport.model_validate_json(progress(21, process="new-rank0"))
+    client.set(keys.PROGRESS_KEY, newer.model_copy(update={"startup": later}).model_dump_json())
+    agent.sync()
+    assert source.read()["status"]["rendezvousRound"] == 4
 
 
 def test_only_changes_are_patched(tmp_path, store_pair):

@@ -470,9 +470,13 @@ class Agent:
             # repeat (a replaced node that becomes rank 0 after a reform at the same size), the process id not.
             round_key = (report.run_id, report.restart_count, report.world_size, report.process_id)
             if round_key != self._round_key:
+                adopted = self._round_key is None and _same_group(report, status)
                 self._round_key = round_key
-                self._rounds += 1
-                self._round_start = format_time(report.time)
+                if adopted:  # this agent replaces a lost one beside the group that trained on: not a new round
+                    self._round_start = status.get("roundStartTime") or format_time(report.time)
+                else:
+                    self._rounds += 1
+                    self._round_start = format_time(report.time)
             wanted.update(
                 step=report.step,
                 samplesConsumed=report.samples_consumed,
@@ -631,6 +635,17 @@ def start_store(port: int, host: str = "0.0.0.0", timeout_s: float = 60.0) -> An
         timeout=datetime.timedelta(seconds=timeout_s),
         use_libuv=True,
     )
+
+
+def _same_group(report: keys.ProgressReport, status: dict[str, Any]) -> bool:
+    """Whether ``report`` comes from the group the status describes: the same size and the same rank 0 start-up
+    stamps (times of that one process's start, which no other group shares). An agent started after its
+    predecessor was lost reads the group that trained on through the loss, which must not count as a new round."""
+    startup = report.startup
+    if startup is None or not status.get("workerStartup"):
+        return False
+    same_size = int(status.get("worldSize") or 0) == report.world_size
+    return same_size and status.get("workerStartup") == startup.model_dump(by_alias=True, exclude_none=True)
 
 
 def _rendezvous_rejections(guard: guardian.Guardian) -> Callable[[], int]:
