@@ -3,7 +3,9 @@ the checkpoint claim, and the silent-node scenario run on pods whose processes r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 import json
 import time
 import urllib.error
@@ -19,6 +21,7 @@ from disttrain.api.conditions import format_time
 from tests.cluster.controlplane import REPO_ROOT, ControlPlane
 from tests.cluster.kubelet import Kubelets
 from tests.cluster.operator_process import OperatorProcess
+from tests.cluster.process_kubelet import ProcessKubelets
 from tests.cluster.rbac import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, install_operator_rbac
 from tests.conftest import JobBuilder
 from tests.e2e.conftest import e2e_job
@@ -272,3 +275,162 @@ def silent_node_reform(cluster: Cluster, tmp_path: Path, name: str = "hb", spare
 
     back = eventually(reformed, timeout=120, what="training at 3 nodes again, with the replacement")
     return SilentNodeReform(victim["metadata"]["name"], detected, control, ready, back)
+
+
+AGENT_POOL = "test.disttrain.dev/agent-pool"
+"""Label of the nodes that host only job agents: no worker shares the agent's node."""
+
+
+def reserve_agent_nodes(cluster: Cluster, builder: JobBuilder, count: int = 2) -> JobBuilder:
+    """``count`` nodes labelled for job agents only (two: the replacement has a node to go to); the job's agent is
+    pinned to them (spec.agent.nodeSelector) and its workers kept off them (the template's node affinity)."""
+    for index in range(count):
+        cluster.kubelets.add_node(f"{cluster.tag}-agents{index}", labels={AGENT_POOL: "true"})
+    off_the_pool = {"matchExpressions": [{"key": AGENT_POOL, "operator": "DoesNotExist"}]}
+    affinity = {
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [off_the_pool]}}
+    }
+    return builder.set("spec.agent", {"nodeSelector": {AGENT_POOL: "true"}}).set(
+        "spec.template.spec.affinity", affinity
+    )
+
+
+def read_records(records: Path) -> list[dict[str, Any]]:
+    """Every line the e2e recorder wrote (one per rank and executed step)."""
+    found = []
+    for path in sorted(records.glob("*.jsonl")):
+        found += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return found
+
+
+def step_times(records: list[dict[str, Any]]) -> dict[int, float]:
+    """step -> when its first rank recorded it."""
+    times: dict[int, float] = {}
+    for record in records:
+        times[record["step"]] = min(times.get(record["step"], record["time"]), record["time"])
+    return times
+
+
+def log_times(text: str, needle: str) -> list[float]:
+    """The ``asctime`` stamps (this machine's local time, as the trainer's and launcher's logging writes them) of the
+    lines that contain ``needle``."""
+    stamps = []
+    for line in text.splitlines():
+        if needle in line:
+            with contextlib.suppress(ValueError):
+                stamps.append(datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp())
+    return stamps
+
+
+@dataclasses.dataclass
+class AgentNodeLoss:
+    """What the agent-node-loss scenario saw. Times are this machine's ``time.time()``."""
+
+    name: str
+    max_steps: int
+    powered_off_at: float
+    node_not_ready_at: float
+    """When the node-lifecycle controller's NotReady (or Unknown) was first seen."""
+    agent_deleted_at: float
+    """When the lost agent pod was first seen deleted (deletionTimestamp, gone, or replaced)."""
+    agent_back_at: float
+    """When the new agent pod was first seen Running."""
+    before: dict[str, Any]
+    """The job's status at the power-off."""
+    status: dict[str, Any]
+    """The job's status once Succeeded."""
+    workers_before: dict[str, str]
+    workers_when_back: dict[str, str]
+    """Worker pod name -> uid at the power-off and once the new agent runs."""
+    agent_uids: tuple[str, str]
+    """The lost agent pod's uid and its replacement's."""
+    records: list[dict[str, Any]] = dataclasses.field(repr=False)
+    agent_log: str = dataclasses.field(repr=False)
+    """Both agents' logs (one pod name, one file)."""
+    worker_logs: str = dataclasses.field(repr=False)
+    events: list[dict[str, Any]] = dataclasses.field(repr=False)
+
+    @property
+    def reconnected_at(self) -> float | None:
+        """When the workers' last store client said it reconnected (the logs' stamps have millisecond resolution)."""
+        stamps = [t for t in log_times(self.worker_logs, "reconnected after") if t >= self.powered_off_at - 1]
+        return max(stamps) if stamps else None
+
+    def steps_between(self, start: float, end: float) -> list[int]:
+        return sorted(step for step, at in step_times(self.records).items() if start < at < end)
+
+
+def logs_of(cluster: Cluster, pod: str) -> str:
+    """What the processes of ``pod`` wrote (every pod of that name, in order): only kubelets that run pods keep logs."""
+    assert isinstance(cluster.kubelets, ProcessKubelets), "only ProcessKubelets run pods"
+    return cluster.kubelets.log_of(pod)
+
+
+def agent_node_loss(
+    cluster: Cluster, tmp_path: Path, name: str = "agentnode", max_steps: int = 160, step_sleep: float = 0.25
+) -> AgentNodeLoss:
+    """A 2-node job of the e2e recorder trains on pods whose processes run (``ProcessKubelets``), its agent alone on
+    a node of the agent pool; once it trains, that node dies (its processes SIGKILLed, its Lease no longer renewed).
+    The scenario waits for the node-lifecycle controller, the replacement agent and the job's end, and returns what
+    it saw. ``max_steps`` x ``step_sleep`` must outlast the 20 s grace period and the new agent's start."""
+    cluster.nodes(2)
+    records = tmp_path / "records"
+    job = (
+        e2e_job(name, records, replicas=2, max_steps=max_steps, dataset=max_steps * 12, step_sleep=step_sleep)
+        .set("spec.checkpoint", {"claimName": "ckpt", "path": "/ckpt", "intervalSteps": 50, "keep": 2})
+        .set("spec.restartPolicy", {"backoffSeconds": 0, "maxRestarts": 5})
+    )
+    cluster.apply(reserve_agent_nodes(cluster, job), tmp_path)
+    before = eventually(
+        lambda: (s := cluster.status(name)).get("phase") == "Running" and s.get("step", 0) >= 5 and s,
+        timeout=180,
+        what="2 nodes training (real agent progress)",
+    )
+    old = cluster.pods("agent")[f"{name}-agent"]
+    node = old["spec"]["nodeName"]
+    workers_before = {n: p["metadata"]["uid"] for n, p in cluster.live_workers().items()}
+    assert node not in {p["spec"]["nodeName"] for p in cluster.live_workers().values()}, "a worker shares the node"
+    powered_off_at = time.time()
+    cluster.kubelets.power_off(node)
+
+    seen: dict[str, Any] = {}
+
+    def node_ready() -> str:
+        conditions = cluster.plane.request("GET", f"/api/v1/nodes/{node}")["status"].get("conditions", [])
+        return next((c["status"] for c in conditions if c["type"] == "Ready"), "")
+
+    def back() -> bool:
+        now = time.time()
+        if "not_ready" not in seen and node_ready() != "True":
+            seen["not_ready"] = now
+        agent = cluster.pods("agent").get(f"{name}-agent")
+        replaced = agent is None or agent["metadata"]["uid"] != old["metadata"]["uid"]
+        if "deleted" not in seen and (replaced or (agent or {}).get("metadata", {}).get("deletionTimestamp")):
+            seen["deleted"] = now
+        if replaced and agent is not None and agent["status"].get("phase") == "Running":
+            seen["back"] = now
+            seen["new_uid"] = agent["metadata"]["uid"]
+        return "back" in seen
+
+    eventually(back, timeout=120, interval=0.1, what="a new agent pod running")
+    workers_when_back = {n: p["metadata"]["uid"] for n, p in cluster.live_workers().items()}
+    status = eventually(lambda: cluster.phase(name, "Succeeded"), timeout=180, interval=0.5, what="the job Succeeded")
+    time.sleep(1)  # the last lines reach the logs
+    events = cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/events")["items"]
+    return AgentNodeLoss(
+        name=name,
+        max_steps=max_steps,
+        powered_off_at=powered_off_at,
+        node_not_ready_at=seen.get("not_ready", float("nan")),
+        agent_deleted_at=seen["deleted"],
+        agent_back_at=seen["back"],
+        before=before,
+        status=status,
+        workers_before=workers_before,
+        workers_when_back=workers_when_back,
+        agent_uids=(old["metadata"]["uid"], seen["new_uid"]),
+        records=read_records(records),
+        agent_log=logs_of(cluster, f"{name}-agent"),
+        worker_logs="".join(logs_of(cluster, w) for w in sorted(workers_before)),
+        events=[e for e in events if e["involvedObject"].get("name") == name],
+    )

@@ -1,0 +1,80 @@
+"""Issue 30 on the real-control-plane tier: the job agent's node dies under real trainers.
+
+Real processes (:mod:`tests.cluster.process_kubelet`: the job agent, torchrun and the trainer of every pod) on a real
+control plane; the agent runs alone on its node. That node dies (processes SIGKILLed, Lease no longer renewed): the
+workers train on without their store, the node-lifecycle controller marks the node NotReady after its grace period,
+the operator recreates the agent, the workers' store clients reconnect to it behind the same address, and the job
+ends with every step run once, no restart charged and no reform. The scenario itself is
+:func:`tests.cluster.harness.agent_node_loss` (``bench/agent_loss_cluster.py`` times it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.cluster.harness import Cluster, agent_node_loss, checkpoint_claim, delete_jobs
+from tests.cluster.process_kubelet import ProcessKubelets
+
+pytestmark = [pytest.mark.usefixtures("crd"), pytest.mark.timeout(360)]
+
+
+@pytest.fixture
+def process_cluster(controllers, namespace, operator, tmp_path) -> Iterator[Cluster]:
+    """A namespace whose pods run as local processes: the real job agent, torchrun and trainer."""
+    volume_root = tmp_path / "volume"
+    volume_root.mkdir()
+    checkpoint_claim(controllers, namespace, volume_root)
+    sim = ProcessKubelets(controllers, volume_root, tmp_path / "pods", namespaces={namespace})
+    try:
+        yield Cluster(controllers, namespace, sim)
+    finally:
+        delete_jobs(controllers, namespace)
+        sim.stop()
+
+
+def test_the_group_trains_through_the_loss_of_its_agents_node_and_ends_with_every_step_run_once(
+    process_cluster, tmp_path
+):
+    seen = agent_node_loss(process_cluster, tmp_path)
+    status = seen.status
+    assert status["phase"] == "Succeeded", status
+    assert status["restarts"] == {"total": 0, "byReason": {}}, status["restarts"]
+    assert status.get("lastReform") == seen.before.get("lastReform"), "the agent's loss re-formed the group"
+    assert status.get("rendezvousRound") == seen.before.get("rendezvousRound"), (seen.before, status)
+    assert not status.get("silentNodes"), status
+    assert status.get("step") == seen.max_steps, "the last step is relayed by the new agent"
+
+    # The agent was replaced, the workers were not.
+    old_uid, new_uid = seen.agent_uids
+    assert new_uid != old_uid
+    assert seen.workers_when_back == seen.workers_before, "the workers' pods stay"
+    reasons = [e["reason"] for e in seen.events]
+    assert "AgentRestarted" in reasons, reasons
+    assert seen.agent_log.count("serving the store") == 2, "the agent was not recreated"
+    assert "silent in the rendezvous heartbeats" not in seen.agent_log, "the new agent took the survivors for dead"
+    assert "reconnected after" in seen.worker_logs
+
+    # Every step ran exactly once, by one group of 2 ranks.
+    groups = {r["group"] for r in seen.records}
+    assert len(groups) == 1, f"the group re-formed: {groups}"
+    ranks_by_step: dict[int, list[int]] = {}
+    for record in seen.records:
+        ranks_by_step.setdefault(record["step"], []).append(record["rank"])
+    assert sorted(ranks_by_step) == list(range(1, seen.max_steps + 1)), "a step is missing"
+    twice = {step: ranks for step, ranks in ranks_by_step.items() if sorted(ranks) != [0, 1]}
+    assert not twice, f"steps run twice or by one rank only: {twice}"
+
+    # Training went on during the outage: steps right after the power-off, and steps after Kubernetes noticed
+    # (NotReady, 20 s later) and before the new agent ran.
+    assert seen.node_not_ready_at <= seen.agent_deleted_at <= seen.agent_back_at, seen
+    assert seen.steps_between(seen.powered_off_at, seen.powered_off_at + 5), "training paused at the power-off"
+    assert seen.steps_between(seen.node_not_ready_at, seen.agent_back_at), "training paused before the new agent"
+    assert seen.steps_between(seen.agent_back_at, float("inf")), "the job ended before the new agent came"
+    print(
+        f"power-off -> agent pod deleted {seen.agent_deleted_at - seen.powered_off_at:.1f} s, -> new agent Running "
+        f"{seen.agent_back_at - seen.powered_off_at:.1f} s, -> reconnected "
+        f"{(seen.reconnected_at or float('nan')) - seen.powered_off_at:.1f} s; "
+        f"{len(seen.steps_between(seen.powered_off_at, seen.agent_back_at))} steps during the outage"
+    )
