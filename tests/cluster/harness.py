@@ -381,11 +381,12 @@ def agent_node_loss(
         .set("spec.restartPolicy", {"backoffSeconds": 0, "maxRestarts": 5})
     )
     cluster.apply(reserve_agent_nodes(cluster, job), tmp_path)
-    before = eventually(
-        lambda: (s := cluster.status(name)).get("phase") == "Running" and s.get("step", 0) >= 5 and s,
-        timeout=180,
-        what="2 nodes training (real agent progress)",
-    )
+
+    def training() -> dict[str, Any] | None:
+        status = cluster.status(name)
+        return status if status.get("phase") == "Running" and status.get("step", 0) >= 5 else None
+
+    before = eventually(training, timeout=180, what="2 nodes training (real agent progress)") or {}
     old = cluster.pods("agent")[f"{name}-agent"]
     node = old["spec"]["nodeName"]
     workers_before = {n: p["metadata"]["uid"] for n, p in cluster.live_workers().items()}
@@ -414,7 +415,9 @@ def agent_node_loss(
 
     eventually(back, timeout=120, interval=0.1, what="a new agent pod running")
     workers_when_back = {n: p["metadata"]["uid"] for n, p in cluster.live_workers().items()}
-    status = eventually(lambda: cluster.phase(name, "Succeeded"), timeout=180, interval=0.5, what="the job Succeeded")
+    status = (
+        eventually(lambda: cluster.phase(name, "Succeeded"), timeout=180, interval=0.5, what="the job Succeeded") or {}
+    )
     time.sleep(1)  # the last lines reach the logs
     events = cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/events")["items"]
     return AgentNodeLoss(

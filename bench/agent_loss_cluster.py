@@ -1,0 +1,135 @@
+"""Issue 30 on the real-control-plane tier: what losing the job agent's node costs a running job.
+
+The control plane of ``tests/cluster`` (etcd, kube-apiserver, kube-controller-manager with node-monitor-grace-period
+20 s, kube-scheduler from ``../shared/k8s``), the real operator under the chart's RBAC, and kubelets that run every
+pod as local processes (``tests/cluster/process_kubelet.py``: the real job agent, torchrun and trainer). A 2-node job
+of the e2e recorder trains with its agent alone on a node of an agent pool; that node dies (its processes SIGKILLed,
+its Lease no longer renewed). The scenario is ``tests.cluster.harness.agent_node_loss``, the one
+``tests/cluster/test_agent_node_loss.py`` asserts on. Printed per run, all from the power-off:
+
+* ``noticed_seconds``: -> the lost agent pod deleted by the operator (it emits ``AgentRestarted`` then); bounded
+  below by the node-lifecycle controller's grace period, since the operator acts on the node's NotReady;
+* ``agent_back_seconds``: -> the new agent pod Running;
+* ``reconnected_seconds``: -> the last "reconnected after" line of the workers' store clients (their logs);
+* ``longest_step_gap_seconds``: the largest gap between two consecutive steps recorded from the power-off to the
+  reconnection, beside ``median_step_seconds`` over the whole run: whether training paused;
+* ``steps_during_outage``: steps recorded between the power-off and the new agent's Running;
+* ``steps_lost``: steps run more than once or never; ``restarts``: status.restarts.total at the end.
+
+    python bench/agent_loss_cluster.py [--runs 2] [--max-steps 160] [--step-sleep 0.25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import itertools
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests.cluster: the control plane, operator process and kubelets of the test tier
+
+from tests.cluster.controlplane import ControlPlane  # noqa: E402
+from tests.cluster.harness import (  # noqa: E402
+    AgentNodeLoss,
+    Cluster,
+    agent_node_loss,
+    checkpoint_claim,
+    delete_jobs,
+    start_operator,
+    step_times,
+)
+from tests.cluster.process_kubelet import ProcessKubelets  # noqa: E402
+
+
+@dataclasses.dataclass
+class Outcome:
+    noticed_seconds: float
+    agent_back_seconds: float
+    reconnected_seconds: float
+    longest_step_gap_seconds: float
+    median_step_seconds: float
+    steps_during_outage: int
+    steps_lost: int
+    restarts: int
+
+
+def outcome_of(seen: AgentNodeLoss) -> Outcome:
+    off = seen.powered_off_at
+    reconnected = seen.reconnected_at
+    times = sorted(step_times(seen.records).values())
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    # The gaps that overlap the outage: from the last step before the power-off to the first after the reconnection.
+    outage_end = max(seen.agent_back_at, reconnected or 0.0)
+    during = [b - a for a, b in itertools.pairwise(times) if b > off and a < outage_end]
+    executions: dict[int, collections.Counter[int]] = collections.defaultdict(collections.Counter)
+    for record in seen.records:
+        executions[record["step"]][record["rank"]] += 1
+    twice = sum(1 for ranks in executions.values() if max(ranks.values()) > 1)
+    missing = len(set(range(1, seen.max_steps + 1)) - set(executions))
+    return Outcome(
+        noticed_seconds=seen.agent_deleted_at - off,
+        agent_back_seconds=seen.agent_back_at - off,
+        reconnected_seconds=(reconnected or float("nan")) - off,
+        longest_step_gap_seconds=max(during, default=float("nan")),
+        median_step_seconds=statistics.median(gaps),
+        steps_during_outage=len(seen.steps_between(off, seen.agent_back_at)),
+        steps_lost=twice + missing,
+        restarts=int((seen.status.get("restarts") or {}).get("total", 0)),
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--max-steps", type=int, default=160, help="the job's maxSteps (must outlive the outage)")
+    parser.add_argument("--step-sleep", type=float, default=0.25, help="seconds each step sleeps (E2E_STEP_SLEEP)")
+    args = parser.parse_args()
+    work = pathlib.Path(tempfile.mkdtemp(prefix="disttrain-agent-loss-"))
+    began = time.time()
+    outcomes = []
+    with ControlPlane() as plane:
+        plane.start_controllers()
+        operator = start_operator(plane, work / "operator.log")
+        try:
+            for run in range(args.runs):
+                namespace = plane.create_namespace(f"agentloss-{run}")
+                run_dir = work / namespace
+                (run_dir / "volume").mkdir(parents=True)
+                checkpoint_claim(plane, namespace, run_dir / "volume")
+                kubelets = ProcessKubelets(plane, run_dir / "volume", run_dir / "pods", namespaces={namespace})
+                try:
+                    seen = agent_node_loss(
+                        Cluster(plane, namespace, kubelets),
+                        run_dir,
+                        max_steps=args.max_steps,
+                        step_sleep=args.step_sleep,
+                    )
+                finally:
+                    delete_jobs(plane, namespace)
+                    kubelets.stop()
+                outcome = outcome_of(seen)
+                outcomes.append(outcome)
+                print(f"run {run}: {outcome}", flush=True)
+        finally:
+            operator.kill()
+    print(
+        f"node-monitor-grace-period 20 s, {args.max_steps} steps, step sleep {args.step_sleep} s; "
+        f"bench wall time {time.time() - began:.0f}s; work dir {work}"
+    )
+    fields = [f.name for f in dataclasses.fields(Outcome)]
+    print("| run | " + " | ".join(fields) + " |")
+    print("|---" * (len(fields) + 1) + "|")
+    for run, o in enumerate(outcomes):
+        values = [getattr(o, f) for f in fields]
+        print(f"| {run} | " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in values) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
