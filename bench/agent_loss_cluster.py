@@ -64,9 +64,7 @@ def outcome_of(seen: AgentNodeLoss) -> Outcome:
     reconnected = seen.reconnected_at
     times = sorted(step_times(seen.records).values())
     gaps = [b - a for a, b in itertools.pairwise(times)]
-    # The gaps that overlap the outage: from the last step before the power-off to the first after the reconnection.
     outage_end = max(seen.agent_back_at, reconnected or 0.0)
-    during = [b - a for a, b in itertools.pairwise(times) if b > off and a < outage_end]
     executions: dict[int, collections.Counter[int]] = collections.defaultdict(collections.Counter)
     for record in seen.records:
         executions[record["step"]][record["rank"]] += 1
@@ -76,7 +74,7 @@ def outcome_of(seen: AgentNodeLoss) -> Outcome:
         noticed_seconds=seen.agent_deleted_at - off,
         agent_back_seconds=seen.agent_back_at - off,
         reconnected_seconds=(reconnected or float("nan")) - off,
-        longest_step_gap_seconds=max(during, default=float("nan")),
+        longest_step_gap_seconds=seen.longest_step_gap(off, outage_end),
         median_step_seconds=statistics.median(gaps),
         steps_during_outage=len(seen.steps_between(off, seen.agent_back_at)),
         steps_lost=twice + missing,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import itertools
 import json
 import time
 import urllib.error
@@ -358,6 +359,11 @@ class AgentNodeLoss:
 
     def steps_between(self, start: float, end: float) -> list[int]:
         return sorted(step for step, at in step_times(self.records).items() if start < at < end)
+
+    def longest_step_gap(self, start: float, end: float) -> float:
+        """The longest time between two consecutive steps of a pair that overlaps ``start``..``end`` (0 if none)."""
+        times = sorted(step_times(self.records).values())
+        return max((b - a for a, b in itertools.pairwise(times) if b > start and a < end), default=0.0)
 
 
 def logs_of(cluster: Cluster, pod: str) -> str:

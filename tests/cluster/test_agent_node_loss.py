@@ -66,12 +66,15 @@ def test_the_group_trains_through_the_loss_of_its_agents_node_and_ends_with_ever
     twice = {step: ranks for step, ranks in ranks_by_step.items() if sorted(ranks) != [0, 1]}
     assert not twice, f"steps run twice or by one rank only: {twice}"
 
-    # Training went on during the outage: steps right after the power-off, and steps after Kubernetes noticed
-    # (NotReady, 20 s later) and before the new agent ran.
-    assert seen.node_not_ready_at <= seen.agent_deleted_at <= seen.agent_back_at, seen
-    assert seen.steps_between(seen.powered_off_at, seen.powered_off_at + 5), "training paused at the power-off"
-    assert seen.steps_between(seen.node_not_ready_at, seen.agent_back_at), "training paused before the new agent"
-    assert seen.steps_between(seen.agent_back_at, float("inf")), "the job ended before the new agent came"
+    # Training went on through the outage, without a pause: steps right after the power-off and right before the new
+    # agent ran (the node-lifecycle controller's grace period, 20 s, lies between), no gap near a store timeout.
+    off, back = seen.powered_off_at, seen.agent_back_at
+    assert off < seen.agent_deleted_at <= back, seen
+    assert seen.steps_between(off, off + 3), "training paused at the power-off"
+    assert seen.steps_between(back - 3, back), "training paused before the new agent came"
+    assert seen.steps_between(back, float("inf")), "the job ended before the new agent came"
+    gap = seen.longest_step_gap(off, max(back, seen.reconnected_at or back))
+    assert gap < 5, f"training paused {gap:.1f} s during the outage"
     print(
         f"power-off -> agent pod deleted {seen.agent_deleted_at - seen.powered_off_at:.1f} s, -> new agent Running "
         f"{seen.agent_back_at - seen.powered_off_at:.1f} s, -> reconnected "
