@@ -17,7 +17,8 @@ serialises a client's operations. :class:`ResilientStore` keeps both from reachi
 
 Values stay sealed and verified above this class (:mod:`disttrain.trainer.store.signedstore`): it sees only bytes and
 never reads them. The logical timeout of ``get``/``wait`` is :attr:`timeout` (the caller's); each operation on the
-wire is bounded by the connection's own short timeout (``op_timeout_s``).
+wire is waited for at most ``op_timeout_s`` (plus a ``wait``'s own timeout) by the caller, on a thread of the
+connection's own, since torch's client does not bound every read.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import queue
 import socket
 import threading
 import time
@@ -49,8 +51,6 @@ RETRY_S = 0.5
 """Pause between two reconnection attempts."""
 PROBE_S = 0.5
 """How long the plain connect that precedes each attempt may take."""
-ATTEMPT_S = 2.0
-"""How long one reconnection attempt may take (a dead address answers nothing; a refused one fails at once)."""
 EXIT_JOIN_S = 3.0
 """How long the interpreter's exit waits for a reconnection attempt in flight (see :func:`_close_all`)."""
 
@@ -68,11 +68,54 @@ class StoreUnavailable(DistStoreError):
     """The agent's store is not reachable now; a reconnection is under way."""
 
 
+class _Pending:
+    def __init__(self, op: str, args: tuple[Any, ...]) -> None:
+        self.op, self.args = op, args
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: Optional[BaseException] = None
+
+
 class _Connection:
+    """One raw client and the daemon thread that makes its calls. torch's client does not bound every read by its
+    timeout (a server that was frozen, not reset, kept a ``compare_set`` waiting for good in tests), so the caller
+    waits for the answer with a bound of its own; a call that outlasts it leaves only this thread waiting, and the
+    connection is dropped."""
+
     def __init__(self, raw: Any) -> None:
         self.raw = raw
         self.lock = threading.Lock()
         self.busy_since: Optional[float] = None
+        self._calls: queue.SimpleQueue[Optional[_Pending]] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="disttrain-store-client", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            pending = self._calls.get()
+            if pending is None:
+                return
+            try:
+                pending.value = getattr(self.raw, pending.op)(*pending.args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, who decides
+                pending.error = exc
+            pending.done.set()
+
+    def call(self, op: str, args: tuple[Any, ...], limit_s: float) -> Any:
+        """The call's result; raises its error, or :class:`StoreUnavailable` when no answer came within ``limit_s``."""
+        pending = _Pending(op, args)
+        self._calls.put(pending)
+        if not pending.done.wait(limit_s):
+            raise _NoAnswer(f"no answer to {op} within {limit_s:.1f} s")
+        if pending.error is not None:
+            raise pending.error
+        return pending.value
+
+    def close(self) -> None:
+        self._calls.put(None)
+
+
+class _NoAnswer(Exception):
+    """The server did not answer a call in time (internal: becomes :class:`StoreUnavailable`)."""
 
 
 class ResilientStore(Store):
@@ -94,7 +137,7 @@ class ResilientStore(Store):
         self._name = name
         self._op_timeout = timedelta(seconds=min(op_timeout_s, timeout.total_seconds()))
         self._state = threading.Lock()
-        self._conn: Optional[_Connection] = _Connection(self._bounded(connect(timeout)))
+        self._conn: Optional[_Connection] = _Connection(self._first_connection(timeout))
         self._reconnecting: Optional[threading.Thread] = None
         self._closed = threading.Event()
         self._local = threading.local()
@@ -113,6 +156,13 @@ class ResilientStore(Store):
         conn = self._conn
         return conn is not None and not self._stuck(conn)
 
+    @property
+    def busy_seconds(self) -> float:
+        """How long the operation in flight on the connection has been waiting (0 when none is)."""
+        conn = self._conn
+        since = conn.busy_since if conn is not None else None
+        return 0.0 if since is None else time.monotonic() - since
+
     def close(self, join_s: float = 0.0) -> None:
         """Stop reconnecting (the process is ending); wait up to ``join_s`` for an attempt in flight."""
         self._closed.set()
@@ -130,9 +180,18 @@ class ResilientStore(Store):
         finally:
             self._local.wait_s = previous
 
-    def _bounded(self, raw: Any) -> Any:
-        raw.set_timeout(self._op_timeout)
-        return raw
+    def _first_connection(self, timeout: timedelta) -> Any:
+        """A raw client within ``timeout``, made of attempts bounded by the operation timeout: torch's client keeps the
+        timeout it was built with for every read on its socket, so a client built with the caller's long timeout
+        would let one unanswered read hold its thread that long."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            try:
+                return self._connect(self._op_timeout)
+            except Exception:  # retried until the caller's timeout, then raised
+                if time.monotonic() + RETRY_S >= deadline:
+                    raise
+                time.sleep(RETRY_S)
 
     @staticmethod
     def _stuck(conn: _Connection) -> bool:
@@ -144,6 +203,7 @@ class ResilientStore(Store):
             if self._conn is not conn:
                 return
             self._conn = None
+            conn.close()  # its thread ends after the call it may still be waiting in
             self.lost_at = time.monotonic()
             log.warning("%s lost (%s): training goes on; reconnecting every %.1f s", self._name, why, RETRY_S)
             self._start_reconnecting()
@@ -172,7 +232,7 @@ class ResilientStore(Store):
                 self._closed.wait(RETRY_S)
                 continue
             try:
-                raw = self._bounded(self._connect(timedelta(seconds=min(ATTEMPT_S, self._op_timeout.total_seconds()))))
+                raw = self._connect(self._op_timeout)
             except Exception as exc:  # noqa: BLE001 - any failure to connect means: not there yet
                 log.debug("%s: reconnection failed: %s", self._name, exc)
                 self._closed.wait(RETRY_S)
@@ -201,9 +261,15 @@ class ResilientStore(Store):
         wait_s = getattr(self._local, "wait_s", None) or LOCK_WAIT_S
         if not conn.lock.acquire(timeout=wait_s):
             raise StoreUnavailable(f"{self._name} busy for {wait_s:.2f} s (another operation is waiting on it)")
+        limit_s = self._op_timeout.total_seconds()
+        if op == "wait" and len(args) > 1:
+            limit_s += args[1].total_seconds()  # the caller's own wait, plus the answer's bound
         try:
             conn.busy_since = time.monotonic()
-            return getattr(conn.raw, op)(*args)
+            return conn.call(op, args, limit_s)
+        except _NoAnswer as exc:
+            self._drop(conn, str(exc))
+            raise StoreUnavailable(f"{self._name}: {exc}; reconnecting") from exc
         except DistStoreError as exc:
             if op == "wait" and "timeout" in str(exc).lower():
                 raise  # a key not there within the caller's own wait: an answer, not a loss
