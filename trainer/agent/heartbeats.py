@@ -211,7 +211,7 @@ class SilenceTracker:
       torch's own expiry, a collective error or its pod's status: a stranger costs a delay, never a restart.
     """
 
-    def __init__(self, interval_s: float, max_attempts: int) -> None:
+    def __init__(self, interval_s: float, max_attempts: int, *, hold_first: bool = False) -> None:
         self.expiry = datetime.timedelta(seconds=interval_s * max_attempts)
         # A node torch dropped was expired when dropped; the write that dropped it may carry a heartbeat of the
         # dropper up to one interval old. One that left on its own had a heartbeat within about one interval.
@@ -225,10 +225,10 @@ class SilenceTracker:
         """The freshest heartbeat of anyone seen since the rendezvous (re)started."""
         self._tampered_at: Optional[float] = None
         self._dropped: dict[str, _Silent] = {}
-        self._first_state = True
-        """No state seen yet. An agent that starts beside a running group (its predecessor was lost) finds the
-        state the survivors put back, with heartbeats as old as the outage, until each survivor's next keep-alive:
-        the first state is held as a restore is (:attr:`hold_s`)."""
+        self._first_state = hold_first
+        """Hold the first complete state as a restore is (:attr:`hold_s`): an agent that starts beside a running
+        group (its predecessor was lost) finds the state the survivors put back, with heartbeats as old as the
+        outage, until each survivor has reconnected and brought its own forward."""
 
     def trusted(self, now: float) -> bool:
         """Whether heartbeats may be judged at ``now``: no tampering seen within :attr:`hold_s`."""
@@ -247,7 +247,7 @@ class SilenceTracker:
         current = {n: view.heartbeats[n] for n in view.participants if n in view.heartbeats}
         went_back = any(beat < self._last[n][0] for n, beat in current.items() if n in self._last)
         restored = self._first_state and view.complete
-        self._first_state = False
+        self._first_state = self._first_state and not view.complete
         if tampered or went_back or restored:
             self._tampered_at = now
         trusted = self.trusted(now)
@@ -345,6 +345,9 @@ class HeartbeatWatch:
         self._identities: dict[str, Optional[NodeIdentity]] = {}
         self.members: Optional[list[str]] = None
         """Pod names of the last completed round seen (``status.roundMembers``); None before one is known."""
+        self.beside_running_group = False
+        """The agent started while its job's group was running (its predecessor was lost): the silence rule holds
+        its first verdicts (:class:`SilenceTracker`, ``hold_first``)."""
 
     def report(self, job: agentview.AgentJob, now: float) -> list[dict[str, str]]:
         """Silent nodes of ``job``'s rendezvous at ``now`` (agent monotonic time), judged by its ``spec.rendezvous``
@@ -352,7 +355,8 @@ class HeartbeatWatch:
         run_id, rdzv = job.run_id, job.spec.rendezvous
         settings = (run_id, float(rdzv.keep_alive_interval_seconds), rdzv.keep_alive_max_attempts)
         if self._tracker is None or settings != self._settings:
-            self._tracker, self._settings, self._identities = SilenceTracker(settings[1], settings[2]), settings, {}
+            tracker = SilenceTracker(settings[1], settings[2], hold_first=self.beside_running_group)
+            self._tracker, self._settings, self._identities = tracker, settings, {}
         view = read_state(self.store, run_id)
         evidence = tamper_count(self.store, run_id) + (self.tampering() if self.tampering is not None else 0)
         tampered = self._evidence is not None and evidence != self._evidence

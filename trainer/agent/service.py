@@ -533,6 +533,7 @@ class Agent:
     def _relay_silent(self, job: agentview.AgentJob, status: dict[str, Any]) -> dict[str, Any]:
         """Nodes silent in the rendezvous heartbeats (:mod:`disttrain.trainer.agent.heartbeats`); None clears the field.
         With them the pods of the completed round, read from the same state."""
+        self.heartbeats.beside_running_group = int(status.get("worldSize") or 0) > 0
         report = self.heartbeats.report(job, self.clock())
         if report and report != status.get("silentNodes"):
             log.warning("silent in the rendezvous heartbeats: %s", report)

@@ -84,21 +84,15 @@ def view(round_: int, beats: dict[dyn._NodeDesc, float], *, complete: bool = Tru
     )
 
 
-def formed(tracker: hb.SilenceTracker) -> hb.SilenceTracker:
-    """The agent saw the round form (it started before the group, as at a job's start)."""
-    tracker.observe(view(1, {A: 9, B: 9, C: 9}, complete=False), now=-1)
-    return tracker
-
-
 def test_a_participant_three_intervals_behind_the_newest_heartbeat_is_silent() -> None:
-    tracker = formed(hb.SilenceTracker(interval_s=1, max_attempts=3))
+    tracker = hb.SilenceTracker(interval_s=1, max_attempts=3)
     assert tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0) == {}
     assert tracker.observe(view(1, {A: 12, B: 12, C: 10}), now=2) == {}  # 2 s behind: not yet
     assert tracker.observe(view(1, {A: 13, B: 13, C: 10}), now=3) == {repr(C): T0 + timedelta(seconds=10)}
 
 
 def test_a_node_torch_dropped_for_silence_stays_reported() -> None:
-    tracker = formed(hb.SilenceTracker(interval_s=1, max_attempts=3))
+    tracker = hb.SilenceTracker(interval_s=1, max_attempts=3)
     tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0)
     tracker.observe(view(1, {A: 12, B: 12, C: 10}), now=2)
     # A survivor's write removed C (expired) before the agent saw it 3 s behind.
@@ -176,7 +170,7 @@ def test_a_silence_report_is_written_at_once_not_with_the_periodic_progress() ->
 def test_an_agent_started_beside_a_running_group_holds_its_verdicts_until_every_survivor_heartbeated() -> None:
     """Its predecessor was lost: the survivors put the state back with heartbeats as old as the outage and bring
     them forward one by one as each reconnects."""
-    tracker = hb.SilenceTracker(interval_s=1, max_attempts=3)
+    tracker = hb.SilenceTracker(interval_s=1, max_attempts=3, hold_first=True)
     assert tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0) == {}
     assert tracker.observe(view(1, {A: 30, B: 10, C: 10}), now=0.5) == {}  # A reconnected first
     assert tracker.observe(view(1, {A: 31, B: 31, C: 10}), now=1.5) == {}
