@@ -28,7 +28,7 @@ def test_a_killed_job_agent_is_recreated_and_the_group_trains_on_through_its_los
     """Issue 30: the agent is no single point. Its replacement serves an empty store on the same address; the
     workers reconnect, put the rendezvous state back and keep training: no restart, no reform, no step redone."""
     run = run_job(
-        tmp_path, e2e_job("agentkill", tmp_path / "records", replicas=2, step_sleep=0.3), chaos="kill-agent@step=6"
+        tmp_path, e2e_job("agentkill", tmp_path / "records", replicas=2, step_sleep=0.8), chaos="kill-agent@step=6"
     )
     assert run.summary.succeeded, run.reasons()
     reasons = run.reasons()
@@ -43,10 +43,11 @@ def test_a_killed_job_agent_is_recreated_and_the_group_trains_on_through_its_los
     assert sorted(executions) == list(range(1, 25))
     assert all(len(runs) == 1 for runs in executions.values()), "a step ran twice"
     assert len({r["group"] for r in run.records()}) == 1, "the group re-formed"
-    killed_at = next(e["time"] for e in run.events if e["reason"] == "ChaosKillAgent")
-    assert max(r["time"] for r in run.records()) > killed_at + 2, "the job ended before the agent came back"
     logs = "".join(p.read_text() for p in run.state.logs_dir.glob("agentkill-worker*.log"))
-    assert "reconnected after" in logs
+    # 18 steps of 0.8 s after the kill outlast the new agent's start (Python and torch: seconds on a loaded machine);
+    # the trainers' own channels and the launchers' rendezvous clients both reconnect.
+    assert "[disttrain rank 0] WARNING agent store reconnected" in logs
+    assert "disttrain.store: agent store 127.0.0.1" in logs and "reconnected after" in logs
     assert run.summary.steps == 24  # relayed by the new agent
     _covers_epoch_once(run, 288)
 
