@@ -270,33 +270,42 @@ class _ReconnectingStateHolder(dyn._BackendRendezvousStateHolder):
     back the last valid state it saw), with every heartbeat as old as the outage. torch's sanitizer, which runs after
     each read, would drop every participant whose heartbeat is older than ``keep_alive_interval x
     keep_alive_max_attempt`` by this node's clock, and a dropped node never heartbeats again: the agent would report
-    the whole running group silent. So the first state read after each reconnection (:attr:`ResilientStore.generation`
-    moved) has its heartbeats brought forward to now before torch judges them, and is written back so; a node that
-    really died meanwhile is found one expiry later, by its silence in the new store."""
+    the whole running group silent. So for one expiry after this node saw a reconnection
+    (:attr:`ResilientStore.generation` moved), every state it reads has its heartbeats raised to at least the time it
+    saw it, and a state so changed is written back. Each read, not only the first: the survivors reconnect one by
+    one, and a survivor's write that lost the race puts old heartbeats back (seen in CI: a node dropped itself). A
+    node that really died meanwhile is found one expiry after that floor, by its silence in the new store."""
 
     def __init__(self, backend: Any, settings: dyn.RendezvousSettings, generation: Callable[[], int]) -> None:
         super().__init__(backend, settings)
         self._generation = generation
         self._seen_generation = generation()
+        self._floor: Optional[datetime] = None
+        self._floor_until = 0.0
 
     def _sanitize(self) -> None:
         generation = self._generation()
         if generation != self._seen_generation:
             self._seen_generation = generation
-            now = datetime.now(timezone.utc)
+            self._floor = datetime.now(timezone.utc)
+            expiry = self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
+            self._floor_until = time.monotonic() + expiry.total_seconds()
+            log.info(
+                "rendezvous %s round %d: the agent's store came back; heartbeats held up for %.0f s",
+                self._settings.run_id,
+                self._state.round,
+                expiry.total_seconds(),
+            )
+        floor = self._floor
+        if floor is not None and time.monotonic() < self._floor_until:
             beats = self._state.last_heartbeats
-            for node, beat in beats.items():
-                beats[node] = max(beat, now)
-            if beats:
-                # Written by the next sync (at once: torchrun's monitor loop syncs ten times a second): a cached
-                # re-read of the store's old heartbeats a second later would otherwise drop every node after all.
+            raised = [node for node, beat in beats.items() if beat < floor]
+            for node in raised:
+                beats[node] = floor
+            if raised:
+                # Written by the next sync (at once: torchrun's monitor loop syncs ten times a second), so the other
+                # nodes read it too.
                 self.mark_dirty()
-                log.info(
-                    "rendezvous %s round %d: the agent's store came back; %d heartbeat(s) brought forward",
-                    self._settings.run_id,
-                    self._state.round,
-                    len(beats),
-                )
         super()._sanitize()
 
 
