@@ -17,9 +17,10 @@ import pytest
 
 from disttrain.api import constants
 from tests.cluster.controlplane import ControlPlane, start_or_skip
-from tests.cluster.harness import Cluster, checkpoint_claim
+from tests.cluster.harness import Cluster, checkpoint_claim, delete_jobs
 from tests.cluster.kubelet import Kubelets
 from tests.cluster.operator_process import OperatorProcess
+from tests.cluster.process_kubelet import ProcessKubelets
 from tests.cluster.rbac import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, install_operator_rbac
 from tests.conftest import REPO_ROOT
 
@@ -89,3 +90,19 @@ def cluster(controllers: ControlPlane, namespace: str, kubelets: Kubelets, opera
     """A namespace with the checkpoint claim the jobs name; the kubelets only report pods Running."""
     checkpoint_claim(controllers, namespace, Path(f"/tmp/pv-{namespace}"))
     return Cluster(controllers, namespace, kubelets)
+
+
+@pytest.fixture
+def process_cluster(
+    controllers: ControlPlane, namespace: str, operator: OperatorProcess, tmp_path: Path
+) -> Iterator[Cluster]:
+    """A namespace whose pods run as local processes: the real job agent, torchrun and trainer."""
+    volume_root = tmp_path / "volume"
+    volume_root.mkdir()
+    checkpoint_claim(controllers, namespace, volume_root)
+    sim = ProcessKubelets(controllers, volume_root, tmp_path / "pods", namespaces={namespace})
+    try:
+        yield Cluster(controllers, namespace, sim)
+    finally:
+        delete_jobs(controllers, namespace)
+        sim.stop()

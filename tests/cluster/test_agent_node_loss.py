@@ -10,28 +10,11 @@ ends with every step run once, no restart charged and no reform. The scenario it
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
-from tests.cluster.harness import Cluster, agent_node_loss, checkpoint_claim, delete_jobs
-from tests.cluster.process_kubelet import ProcessKubelets
+from tests.cluster.harness import agent_node_loss
 
 pytestmark = [pytest.mark.usefixtures("crd"), pytest.mark.timeout(360)]
-
-
-@pytest.fixture
-def process_cluster(controllers, namespace, operator, tmp_path) -> Iterator[Cluster]:
-    """A namespace whose pods run as local processes: the real job agent, torchrun and trainer."""
-    volume_root = tmp_path / "volume"
-    volume_root.mkdir()
-    checkpoint_claim(controllers, namespace, volume_root)
-    sim = ProcessKubelets(controllers, volume_root, tmp_path / "pods", namespaces={namespace})
-    try:
-        yield Cluster(controllers, namespace, sim)
-    finally:
-        delete_jobs(controllers, namespace)
-        sim.stop()
 
 
 def test_the_group_trains_through_the_loss_of_its_agents_node_and_ends_with_every_step_run_once(

@@ -13,7 +13,6 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,32 +23,14 @@ from disttrain.trainer.agent.service import KubeJobSource
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.harness import (
     PHASES,
-    Cluster,
     _try,
-    checkpoint_claim,
-    delete_jobs,
     eventually,
     silent_node_reform,
 )
 from tests.cluster.operator_process import OperatorProcess
-from tests.cluster.process_kubelet import ProcessKubelets
 from tests.conftest import JobBuilder
 
 pytestmark = [pytest.mark.usefixtures("crd"), pytest.mark.timeout(180)]
-
-
-@pytest.fixture
-def process_cluster(controllers, namespace, operator, tmp_path) -> Iterator[Cluster]:
-    """The same, with kubelets that run every pod: the real job agent, torchrun and trainer as local processes."""
-    volume_root = tmp_path / "volume"
-    volume_root.mkdir()
-    checkpoint_claim(controllers, namespace, volume_root)
-    sim = ProcessKubelets(controllers, volume_root, tmp_path / "pods", namespaces={namespace})
-    try:
-        yield Cluster(controllers, namespace, sim)
-    finally:
-        delete_jobs(controllers, namespace)
-        sim.stop()
 
 
 def test_created_objects_are_owned_and_collected_by_the_garbage_collector(cluster, tmp_path):
