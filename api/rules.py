@@ -134,7 +134,30 @@ def agent_service_account_rule(field: str) -> Rule:
     )
 
 
+def _silence_within_expiry(rdzv: Node) -> bool:
+    silence, interval, attempts = (
+        rdzv.get(k) for k in ("silentAfterSeconds", "keepAliveIntervalSeconds", "keepAliveMaxAttempts")
+    )
+    return silence is None or interval is None or attempts is None or bool(silence <= interval * attempts)
+
+
 RULES: tuple[Rule, ...] = (
+    Rule(
+        node="spec.rendezvous",
+        # has(): the API server checks the CRD's default (``rendezvous: {}``) against the rule with no nested defaults.
+        cel=(
+            "!has(self.silentAfterSeconds) || !has(self.keepAliveIntervalSeconds) || !has(self.keepAliveMaxAttempts) "
+            "|| self.silentAfterSeconds <= double(self.keepAliveIntervalSeconds * self.keepAliveMaxAttempts)"
+        ),
+        message=(
+            "rendezvous.silentAfterSeconds must be <= keepAliveIntervalSeconds x keepAliveMaxAttempts = %d, torch's "
+            "expiry: beyond it torch drops the node first"
+        ),
+        cel_args=("self.keepAliveIntervalSeconds * self.keepAliveMaxAttempts",),
+        holds=_silence_within_expiry,
+        args=lambda n: (n["keepAliveIntervalSeconds"] * n["keepAliveMaxAttempts"],),
+        field_path=".silentAfterSeconds",
+    ),
     Rule(
         node="spec.nodes",
         cel="self.min <= self.max",

@@ -82,6 +82,12 @@ class NodesSpec(ContractModel):
     resources while it waits. Not part of the world size: `replicas` and the scale subresource count without them."""
 
 
+DEFAULT_SILENCE_S = 1.0
+"""TorchFT's lighthouse declares a replica dead after 1 s without its 100 ms heartbeats; the agent does the same."""
+BEAT_INTERVAL_S = 0.25
+"""Period of each node's liveness beat to the job agent (`spec.rendezvous.silentAfterSeconds`)."""
+
+
 class RendezvousSpec(ContractModel):
     port: int = Field(29400, ge=1, le=65535)
     """TCP port of the c10d rendezvous store hosted by the job agent."""
@@ -97,9 +103,20 @@ class RendezvousSpec(ContractModel):
     close_timeout_seconds: int = Field(10, ge=1, le=3_600)
     """Time to wait for a closed rendezvous to be noticed by all nodes (torchrun close_timeout)."""
     keep_alive_interval_seconds: int = Field(1, ge=1, le=600)
-    """Heartbeat period of each node in the rendezvous (torchrun keep_alive_interval)."""
+    """Heartbeat period of each node in the rendezvous (torchrun keep_alive_interval). Each is a compare-and-set of
+    the whole rendezvous state in the agent's store, so it stays at seconds: the job agent's silence rule reads a
+    lighter beat of its own (`silentAfterSeconds`)."""
     keep_alive_max_attempts: int = Field(3, ge=1, le=100)
-    """Missed heartbeats after which a node is considered dead (torchrun keep_alive_max_attempt)."""
+    """Missed heartbeats after which torch itself drops a node from the rendezvous (torchrun
+    keep_alive_max_attempt). Every node judges the others' heartbeats against its own clock here, so keep
+    interval x attempts (torch's expiry, 3 s by default) at seconds: clock skew or a starved node must not split
+    a round."""
+    silent_after_seconds: float = Field(DEFAULT_SILENCE_S, ge=0.5, le=3_600)
+    """Silence after which the job agent reports a node lost (`status.silentNodes`; the operator fences its pod and
+    re-forms the group). Every node's launcher beats 4 times a second into the agent's store besides torch's
+    heartbeats; a node whose beats are this far behind the newest beat of any node (compared with each other, never
+    with a clock) in a round that has run unchanged for torch's expiry is silent; otherwise, at torch's expiry.
+    At most keepAliveIntervalSeconds x keepAliveMaxAttempts."""
 
 
 class LRSpec(ContractModel):

@@ -65,7 +65,15 @@ def test_a_node_that_stops_heartbeating_is_reported_with_its_pod(tmp_path, monke
     assert agent.source.read()["status"].get("roundMembers") == ["demo-worker-0", "demo-worker-1"]
     for h in handlers:  # the heartbeats are driven below: two handlers in one process share torch's timer badly
         h._stop_heartbeats()
-    # The machine of demo-worker-1 dies; demo-worker-0 goes on heartbeating (torch's own keep-alive).
+    # Beyond torch's expiry (2 s) without a torch heartbeat, as a node inside a blocking store call or a join: the
+    # launchers' beats keep both alive.
+    until = time.monotonic() + 3.0
+    while time.monotonic() < until:
+        agent.sync()
+        assert agent.source.read()["status"].get("silentNodes") is None, "a node that beats is not silent"
+        time.sleep(0.25)
+    # The machine of demo-worker-1 dies (its beat stops with it); demo-worker-0 goes on (torch's keep-alive too).
+    handlers[1].beat.stop()
     deadline = time.monotonic() + 20
     silent = None
     while time.monotonic() < deadline and not silent:
@@ -74,6 +82,7 @@ def test_a_node_that_stops_heartbeating_is_reported_with_its_pod(tmp_path, monke
         silent = agent.source.read()["status"].get("silentNodes")
         time.sleep(0.25)
     assert silent and [(s["node"], s["podUid"]) for s in silent] == [("demo-worker-1", "uid-1")]
+    handlers[0].beat.stop()
 
 
 def _attack_state(port: int, key: str, stop: threading.Event) -> dict[str, int]:

@@ -26,7 +26,8 @@ def test_a_lost_node_whose_survivors_abort_is_one_restart_and_the_job_recovers(t
         extra_env={FAULT_ABORT_ON_COLLECTIVE_FAILURE: "1"},
     ).set("spec.restartPolicy", {"maxRestarts": 3, "backoffSeconds": 0})
     # Heartbeat silence is not what this test is about: a loaded machine can stall a starting node for seconds.
-    job.set("spec.rendezvous.keepAliveMaxAttempts", 30)
+    job.set("spec.rendezvous.keepAliveIntervalSeconds", 1).set("spec.rendezvous.keepAliveMaxAttempts", 30)
+    job.set("spec.rendezvous.silentAfterSeconds", 30)
     # The dead machine reads NotReady 2 s after it died, as Kubernetes notices late.
     run = run_job(tmp_path, job, chaos="kill-node@step=6", timeout_s=150, not_ready_delay_s=2.0)
     status = run.runtime.obj["status"]

@@ -4,9 +4,9 @@ Kubernetes marks the node NotReady (``node-monitor-grace-period``: 20-50 s).
 Every torchrun agent writes a heartbeat time into the c10d rendezvous state (``_RendezvousState.last_heartbeats``,
 pickled and base64-encoded under ``torch.rendezvous.<run id>``) every ``keepAliveIntervalSeconds``. The agent hosts
 that store, so it reads the state and reports a participant of the round as silent when its heartbeat is
-``keepAliveMaxAttempts x keepAliveIntervalSeconds`` older than the newest one in the state. Times are compared
-with each other, never with the agent's clock: they all come from the workers, whose clocks torch's own expiry
-already compares. torch's sanitizer removes an expired node from the state at its next write, so a node that
+``silentAfterSeconds`` (1 s by default, with 0.25 s heartbeats) older than the newest one in the state. Times are
+compared with each other, never with the agent's clock: they all come from the workers, whose clocks torch's own
+expiry already compares. torch's sanitizer removes an expired node from the state at its next write, so a node that
 vanished from the participants with a heartbeat that old is silent too (one that leaves on its own, to re-join
 or to exit, has a fresh heartbeat when it goes). A node that is missed is still caught by Kubernetes' signals;
 a healthy node reported silent would be fenced for nothing, so every rule errs towards missing. Under attack
@@ -45,6 +45,8 @@ NULL_SENTINEL = b"Y2FuaW1hZGFt"
 """What the c10d backend stores before the first state (``C10dRendezvousBackend._NULL_SENTINEL``)."""
 MAX_STATE_BYTES = 1 << 20
 """A larger state is refused unread: hundreds of nodes fit in a few KiB."""
+MAX_BEAT_TIME = 1e11
+"""A beat's time is seconds since the epoch; anything beyond the year 5000 (or not finite) is no beat."""
 MIN_RETENTION_S = 30.0
 """How long a node dropped for silence stays reported at least (the operator acts on it within a reconcile)."""
 
@@ -154,6 +156,28 @@ def state_key(run_id: str) -> str:
     return "torch.rendezvous." + run_id
 
 
+def encode_beat(at: float) -> str:
+    """The value of a beat: the node's wall-clock time (compared only with other nodes' times, as torch's are)."""
+    return json.dumps({"at": round(at, 3)})
+
+
+def decode_beat(raw: bytes) -> Optional[float]:
+    """The time of a beat; None for anything that is not one."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    at = value.get("at") if isinstance(value, dict) else None
+    if not isinstance(at, (int, float)) or isinstance(at, bool) or not 0 < at < MAX_BEAT_TIME:
+        return None
+    return float(at)
+
+
+def beat_key(run_id: str, node: object) -> str:
+    """Store key of a node's liveness beat, which its launcher writes (``disttrain.trainer.launch.beat``)."""
+    return f"torch.rendezvous.{run_id}/disttrain.beat/{node}"  # str(_NodeDesc) is its repr
+
+
 def identity_key(run_id: str, node: object) -> str:
     """Store key of a participant's pod (name and uid), beside the node index of :mod:`rank_order`."""
     return f"torch.rendezvous.{run_id}/disttrain.node-identity/{node}"  # str(_NodeDesc) is its repr
@@ -211,8 +235,27 @@ class SilenceTracker:
       torch's own expiry, a collective error or its pod's status: a stranger costs a delay, never a restart.
     """
 
-    def __init__(self, interval_s: float, max_attempts: int, *, hold_first: bool = False) -> None:
-        self.expiry = datetime.timedelta(seconds=interval_s * max_attempts)
+    def __init__(
+        self, interval_s: float, max_attempts: int, *, silence_s: Optional[float] = None, hold_first: bool = False
+    ) -> None:
+        self.torch_expiry = datetime.timedelta(seconds=interval_s * max_attempts)
+        self.expiry = self.torch_expiry if silence_s is None else datetime.timedelta(seconds=silence_s)
+        """Silence after which a participant of a calm round is reported (``spec.rendezvous.silentAfterSeconds``);
+        torch's own expiry (interval x attempts) when not given."""
+        self.settle_s = interval_s * max_attempts
+        """How long a complete round must stay as it is (same round, no node joining, no new verdict) before
+        :attr:`expiry` applies; until then, and in a round still forming, a participant is judged at torch's
+        expiry, the longer of the two. A node inside ``next_rendezvous`` has torch's heartbeat timer stopped and
+        heartbeats only between the join's reads; nodes that just joined start their workers; on a loaded machine
+        both silenced live nodes for over a second."""
+        self._calm_key: Optional[tuple[int, bool, frozenset[str]]] = None
+        self._calm_since = 0.0
+        self._reported: set[str] = set()
+        self._directive_round: Optional[int] = None
+        """The round a directive (drain, reform) was published in, until a later complete round is seen: nodes leave
+        that round at their own pace (a drained node exits without leaving it; survivors stop torch's timer to
+        re-join), so it is never calm again."""
+        self._round = -1
         # A node torch dropped was expired when dropped; the write that dropped it may carry a heartbeat of the
         # dropper up to one interval old. One that left on its own had a heartbeat within about one interval.
         self.vanish = datetime.timedelta(seconds=max(interval_s * (max_attempts - 1), 1.5 * interval_s))
@@ -229,6 +272,10 @@ class SilenceTracker:
         """Hold the first complete state as a restore is (:attr:`hold_s`): an agent that starts beside a running
         group (its predecessor was lost) finds the state the survivors put back, with heartbeats as old as the
         outage, until each survivor has reconnected and brought its own forward."""
+
+    def directive_published(self) -> None:
+        """A drain or reform directive went to the nodes: the current round is judged at torch's expiry from now on."""
+        self._directive_round = self._round
 
     def trusted(self, now: float) -> bool:
         """Whether heartbeats may be judged at ``now``: no tampering seen within :attr:`hold_s`."""
@@ -265,8 +312,23 @@ class SilenceTracker:
             if node in current or (newer_round and now - (silent.dropped_at or now) >= MIN_RETENTION_S):
                 del self._dropped[node]
         found = {node: s.heartbeat for node, s in self._dropped.items()}
+        calm_key = (view.round, view.complete, view.participants)
+        if self._calm_key is None or calm_key[:2] != self._calm_key[:2] or view.participants - self._calm_key[2]:
+            self._calm_since = now  # a new round, its completion or a node joining; one leaving changes no one's pace
+        self._calm_key = calm_key
+        self._round = view.round
+        if self._directive_round is not None and view.complete and view.round > self._directive_round:
+            self._directive_round = None
+        calm = view.complete and self._directive_round is None and now - self._calm_since >= self.settle_s
         if newest is not None and trusted:
-            found.update({node: beat for node, beat in freshest.items() if newest - beat >= self.expiry})
+            for node, beat in freshest.items():
+                # A node once reported stays reported while as silent (no verdict flaps off with the calm).
+                fast = calm or node in self._reported
+                if newest - beat >= (self.expiry if fast else max(self.expiry, self.torch_expiry)):
+                    found[node] = beat
+        if set(found) - self._reported:
+            self._calm_since = now  # a verdict starts a reform: the other nodes are about to leave the round
+        self._reported = set(found)
         return found
 
 
@@ -323,6 +385,27 @@ def tamper_count(store: Any, run_id: str) -> int:
     return 0
 
 
+def read_beats(store: Any, run_id: str, nodes: frozenset[str]) -> dict[str, datetime.datetime]:
+    """The last beat of each of ``nodes`` that has one (a signed timestamp; anything else is no beat)."""
+    found = {}
+    for node in nodes:
+        key = beat_key(run_id, node)
+        if store.check([key]):
+            at = decode_beat(bytes(store.get(key)))
+            if at is not None:
+                found[node] = datetime.datetime.fromtimestamp(at, datetime.timezone.utc)
+    return found
+
+
+def with_beats(view: RendezvousView, beats: Mapping[str, datetime.datetime]) -> RendezvousView:
+    """``view`` with each participant's heartbeat raised to its last beat when that is fresher."""
+    merged = dict(view.heartbeats)
+    for node, at in beats.items():
+        if node in view.participants and (node not in merged or at > merged[node]):
+            merged[node] = at
+    return dataclasses.replace(view, heartbeats=merged)
+
+
 def read_identity(store: Any, run_id: str, node: str) -> Optional[NodeIdentity]:
     key = identity_key(run_id, node)
     if not store.check([key]):
@@ -341,7 +424,7 @@ class HeartbeatWatch:
         deleted, garbled, replayed values it swept); None: only the agent's own store is asked."""
         self._evidence: Optional[int] = None
         self._tracker: Optional[SilenceTracker] = None
-        self._settings: Optional[tuple[str, float, int]] = None
+        self._settings: Optional[tuple[str, float, int, float]] = None
         self._identities: dict[str, Optional[NodeIdentity]] = {}
         self.members: Optional[list[str]] = None
         """Pod names of the last completed round seen (``status.roundMembers``); None before one is known."""
@@ -349,15 +432,29 @@ class HeartbeatWatch:
         """The agent started while its job's group was running (its predecessor was lost): the silence rule holds
         its first verdicts (:class:`SilenceTracker`, ``hold_first``)."""
 
+    def directive_published(self) -> None:
+        """See :meth:`SilenceTracker.directive_published`."""
+        if self._tracker is not None:
+            self._tracker.directive_published()
+
     def report(self, job: agentview.AgentJob, now: float) -> list[dict[str, str]]:
         """Silent nodes of ``job``'s rendezvous at ``now`` (agent monotonic time), judged by its ``spec.rendezvous``
-        heartbeat interval and attempts; a change of either (or of the run id) starts the rule afresh."""
+        heartbeat settings (``silentAfterSeconds``); a change of any (or of the run id) starts the rule afresh."""
         run_id, rdzv = job.run_id, job.spec.rendezvous
-        settings = (run_id, float(rdzv.keep_alive_interval_seconds), rdzv.keep_alive_max_attempts)
+        settings = (
+            run_id,
+            float(rdzv.keep_alive_interval_seconds),
+            rdzv.keep_alive_max_attempts,
+            rdzv.silent_after_seconds,
+        )
         if self._tracker is None or settings != self._settings:
-            tracker = SilenceTracker(settings[1], settings[2], hold_first=self.beside_running_group)
+            tracker = SilenceTracker(
+                settings[1], settings[2], silence_s=settings[3], hold_first=self.beside_running_group
+            )
             self._tracker, self._settings, self._identities = tracker, settings, {}
         view = read_state(self.store, run_id)
+        if view is not None and not view.closed:
+            view = with_beats(view, read_beats(self.store, run_id, view.participants))
         evidence = tamper_count(self.store, run_id) + (self.tampering() if self.tampering is not None else 0)
         tampered = self._evidence is not None and evidence != self._evidence
         self._evidence = evidence

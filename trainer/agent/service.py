@@ -410,6 +410,8 @@ class Agent:
             self.store.set(keys.SIGNAL_KEY, signal_value)
             self._written_signal = signal_value
             log.info("directive %s", signal_value)
+            if control.get("action", "none") != "none":
+                self.heartbeats.directive_published()
         if target_nodes > 0 and target_value != self._written_target:
             self.store.set(keys.TARGET_KEY, target_value)
             self._written_target = target_value

@@ -41,6 +41,10 @@ so survivors keep their ranks and a replacement takes the ranks of the node it r
 (:mod:`disttrain.trainer.launch.rank_order`; the executor re-orders the ranks right after the stock assignment when it
 marks a round complete).
 
+Beside torch's heartbeats, **each node beats four times a second** under a key of its own
+(:mod:`disttrain.trainer.launch.beat`), which the job agent's silence rule reads, and **reaches the rendezvous state
+over a connection of its own**, apart from the one torchrun's blocking reads use.
+
 The changes are made by wrapping the stock join operation (:class:`_TargetAwareOpExecutor`), not by copying it.
 Workers must run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (the pod builder sets it): with a shared store a
 scale-up deadlocks whenever the running node sorts first and keeps rank 0. It reuses its cached store address, so
@@ -67,6 +71,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from disttrain.api import constants, control, env
 from disttrain.trainer.agent import heartbeats
 from disttrain.trainer.launch import rank_order
+from disttrain.trainer.launch.beat import NodeBeat
 from disttrain.trainer.store import channel
 from disttrain.trainer.store.resilient import ResilientStore
 
@@ -317,6 +322,9 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
     ) -> None:
         super().__init__(node, settings, backend_name, store, state_holder)
         self._target_store = store
+        self.beat: Optional[NodeBeat] = None
+        """This node's liveness beat to the job agent (:mod:`disttrain.trainer.launch.beat`), from creation to
+        :meth:`shutdown`."""
         self._leave_open = False
         self._store_away = False
         self._op_executor = _TargetAwareOpExecutor(
@@ -344,6 +352,8 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
 
     def shutdown(self) -> bool:
         """Stop heartbeating; close the rendezvous only when this node finished training (see :meth:`leave_open`)."""
+        if self.beat is not None:
+            self.beat.stop()
         if self._leave_open:
             self._stop_heartbeats()
             return True
@@ -401,6 +411,19 @@ def connect_store(params: RendezvousParameters) -> Store:
     )
 
 
+def keep_alive_interval(params: RendezvousParameters) -> float:
+    """``keep_alive_interval`` in seconds, fractions allowed (torch's ``c10d`` reads whole seconds only): a
+    sub-second heartbeat lets the job agent report a dead node within about a second."""
+    raw = params.get("keep_alive_interval", 5)
+    try:
+        seconds = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"rdzv-conf keep_alive_interval is {raw!r}; it must be a number of seconds") from None
+    if not 0.01 <= seconds <= 3_600:
+        raise ValueError(f"rdzv-conf keep_alive_interval is {raw!r}; it must be within [0.01, 3600] seconds")
+    return seconds
+
+
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Build the handler from torchrun's parameters, exactly as ``c10d`` reads them, over the agent's store seen
     through the signed store (:mod:`disttrain.trainer.store.channel`): torch's own keys under it (the rendezvous
@@ -409,7 +432,13 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     verified before torch sees a byte, like the control keys; a forged or garbled value is absent to torch."""
     raw = connect_store(params)
     store = channel.scoped(raw)
-    backend = c10d_rendezvous_backend.C10dRendezvousBackend(store, params.run_id)
+    # The rendezvous state (joins and heartbeats) has a connection of its own: torchrun makes blocking reads on the
+    # handler's store (the rank assignment waits for the other nodes' keys; the exit barrier), and one client runs
+    # one call at a time, so on a shared connection a slow peer would hold this node's heartbeats up with it and
+    # the job agent would report a live node silent.
+    raw_state = raw if params.get_as_bool("is_host") is True else connect_store(params)
+    state_store = channel.scoped(raw_state)
+    backend = c10d_rendezvous_backend.C10dRendezvousBackend(state_store, params.run_id)
 
     def seconds(key: str) -> Optional[timedelta]:
         value = params.get_as_int(f"{key}_timeout")
@@ -422,15 +451,17 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         params.min_nodes,
         params.max_nodes,
         timeout,
-        keep_alive_interval=timedelta(seconds=int(params.get_as_int("keep_alive_interval", 5) or 5)),
+        keep_alive_interval=timedelta(seconds=keep_alive_interval(params)),
         keep_alive_max_attempt=int(params.get_as_int("keep_alive_max_attempt", 3) or 3),
     )
-    generation = (lambda: raw.generation) if isinstance(raw, ResilientStore) else (lambda: 0)
+    generation = (lambda: raw_state.generation) if isinstance(raw_state, ResilientStore) else (lambda: 0)
     holder = _ReconnectingStateHolder(backend, settings, generation)
     node = DisttrainRendezvousHandler._node_desc_generator.generate(params.local_addr)
     handler = DisttrainRendezvousHandler(node, settings, backend.name, store, holder)
     if isinstance(raw, ResilientStore):
         raw.on_reconnect.append(handler.republish_identity)
+    handler.beat = NodeBeat(state_store, heartbeats.beat_key(params.run_id, node))
+    handler.beat.start()
     return handler
 
 

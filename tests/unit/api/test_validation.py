@@ -24,6 +24,20 @@ MALFORMED = [
     ("replicas-above-max", lambda b: b.nodes(1, 4, 6), "spec.nodes.replicas", "within [1, 4], got 6"),
     ("replicas-below-min", lambda b: b.nodes(3, 4, 2), "spec.nodes.replicas", "within [3, 4], got 2"),
     ("missing-nodes", lambda b: b.delete("spec.nodes"), "spec.nodes", "required"),
+    (
+        "silence-under-two-beats",
+        lambda b: b.set("spec.rendezvous", {"silentAfterSeconds": 0.25}),
+        "spec.rendezvous.silentAfterSeconds",
+        "greater than or equal to 0.5",
+    ),
+    (
+        "silence-beyond-torch-expiry",
+        lambda b: b.set(
+            "spec.rendezvous", {"keepAliveIntervalSeconds": 1, "keepAliveMaxAttempts": 3, "silentAfterSeconds": 4}
+        ),
+        "spec.rendezvous.silentAfterSeconds",
+        "<= keepAliveIntervalSeconds x keepAliveMaxAttempts = 3, torch's expiry",
+    ),
     ("missing-replicas", lambda b: b.delete("spec.nodes.replicas"), "spec.nodes.replicas", "required"),
     ("missing-training", lambda b: b.delete("spec.training"), "spec.training", "required"),
     ("missing-template", lambda b: b.delete("spec.template"), "spec.template", "required"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 import pickle
 from datetime import datetime, timedelta, timezone
@@ -10,6 +11,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
+from disttrain.api.spec import RendezvousSpec
 from disttrain.trainer.agent import heartbeats as hb
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -89,6 +91,75 @@ def test_a_participant_three_intervals_behind_the_newest_heartbeat_is_silent() -
     assert tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0) == {}
     assert tracker.observe(view(1, {A: 12, B: 12, C: 10}), now=2) == {}  # 2 s behind: not yet
     assert tracker.observe(view(1, {A: 13, B: 13, C: 10}), now=3) == {repr(C): T0 + timedelta(seconds=10)}
+
+
+def quarter_second_tracker() -> hb.SilenceTracker:
+    """The spec's defaults: torch's heartbeats every second and its expiry at 3 s; the beats of
+    :mod:`disttrain.trainer.launch.beat` every 0.25 s (the views below carry the freshest of both); silence 1 s."""
+    rdzv = RendezvousSpec()
+    assert (rdzv.keep_alive_interval_seconds * rdzv.keep_alive_max_attempts, rdzv.silent_after_seconds) == (3, 1.0)
+    return hb.SilenceTracker(
+        rdzv.keep_alive_interval_seconds, rdzv.keep_alive_max_attempts, silence_s=rdzv.silent_after_seconds
+    )
+
+
+def test_with_quarter_second_heartbeats_a_node_of_a_calm_round_is_silent_after_one_second() -> None:
+    tracker = quarter_second_tracker()
+    assert tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0) == {}
+    assert tracker.observe(view(1, {A: 13, B: 13, C: 13}), now=3) == {}  # the round has been as it is for 3 s
+    assert tracker.observe(view(1, {A: 13.75, B: 13.5, C: 13}), now=3.75) == {}  # 3 heartbeats late: not yet
+    assert tracker.observe(view(1, {A: 14, B: 14, C: 13}), now=4) == {repr(C): T0 + timedelta(seconds=13)}
+
+
+def test_a_round_that_just_changed_is_judged_at_torchs_expiry() -> None:
+    """Nodes that just joined start their workers (blocking store calls, a loaded machine): a second of silence
+    then is no evidence; three are, as before sub-second heartbeats."""
+    tracker = quarter_second_tracker()
+    assert tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0) == {}
+    assert tracker.observe(view(1, {A: 11.5, B: 11.5, C: 10}), now=1.5) == {}  # 1.5 s behind, 1.5 s into the round
+    assert tracker.observe(view(1, {A: 13, B: 13, C: 10}), now=3) == {repr(C): T0 + timedelta(seconds=10)}
+
+
+def test_survivors_leaving_a_round_after_a_failed_collective_leave_the_dead_node_judged_after_one_second() -> None:
+    tracker = quarter_second_tracker()
+    tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0)
+    tracker.observe(view(1, {A: 13, B: 13, C: 13}), now=3)
+    # C's process died (its peers' collectives failed at once): A left to re-join; its heartbeat stays in the state.
+    leaving = view(1, {A: 13.5, B: 13.5, C: 13})
+    leaving = dataclasses.replace(leaving, participants=frozenset({repr(B), repr(C)}))
+    assert tracker.observe(leaving, now=3.5) == {}
+    assert set(tracker.observe(view(1, {B: 14, C: 13}), now=4)) == {repr(C)}
+
+
+def test_a_round_still_forming_is_judged_at_torchs_expiry_however_long_it_waits() -> None:
+    """Nodes waiting in a join heartbeat only between its reads (torch stops the timer in ``next_rendezvous``)."""
+    tracker = quarter_second_tracker()
+    tracker.observe(view(0, {A: 10, B: 10}, complete=False), now=0)
+    tracker.observe(view(0, {A: 15, B: 15}, complete=False), now=5)
+    assert tracker.observe(view(0, {A: 17, B: 15.5}, complete=False), now=7) == {}
+    assert set(tracker.observe(view(0, {A: 18.5, B: 15.5}, complete=False), now=8.5)) == {repr(B)}
+
+
+def test_after_a_drain_or_reform_directive_the_round_is_judged_at_torchs_expiry_until_the_next_one() -> None:
+    """A drained node exits without leaving the round (the survivors drop it when they re-join)."""
+    tracker = quarter_second_tracker()
+    tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0)
+    tracker.observe(view(1, {A: 13, B: 13, C: 13}), now=3)
+    tracker.directive_published()
+    assert tracker.observe(view(1, {A: 20, B: 20, C: 19}), now=10) == {}  # still the directive's round
+    tracker.observe(view(2, {A: 20.5, B: 20.5}), now=10.5)  # the drained C is out of the next round
+    tracker.observe(view(2, {A: 23.5, B: 23.5}), now=13.5)
+    assert set(tracker.observe(view(2, {A: 24.5, B: 23.5}), now=14.5)) == {repr(B)}  # a new round, calm again
+
+
+def test_after_a_verdict_the_others_are_judged_at_torchs_expiry_while_they_leave_for_the_reform() -> None:
+    tracker = quarter_second_tracker()
+    tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0)
+    tracker.observe(view(1, {A: 13, B: 13, C: 13}), now=3)
+    assert set(tracker.observe(view(1, {A: 14, B: 14, C: 13}), now=4)) == {repr(C)}
+    # B stops its heartbeat timer to re-join (torch's next_rendezvous) a moment after the reform directive.
+    assert set(tracker.observe(view(1, {A: 15.5, B: 14.25, C: 13}), now=5.5)) == {repr(C)}
+    assert set(tracker.observe(view(1, {A: 17.5, B: 14.25, C: 13}), now=7.5)) == {repr(C), repr(B)}
 
 
 def test_a_node_torch_dropped_for_silence_stays_reported() -> None:
@@ -177,3 +248,18 @@ def test_an_agent_started_beside_a_running_group_holds_its_verdicts_until_every_
     assert tracker.observe(view(1, {A: 33, B: 33, C: 10}), now=tracker.hold_s + 0.1) == {
         repr(C): T0 + timedelta(seconds=10)
     }  # C never came back: judged once the hold ended
+
+
+@pytest.mark.parametrize(
+    "raw", [b"", b"not json", b"[]", b'{"at": "1"}', b'{"at": true}', b'{"at": -1}', b'{"at": 1e308}', b'{"at": NaN}']
+)
+def test_a_beat_that_is_not_a_time_is_no_beat(raw: bytes) -> None:
+    assert hb.decode_beat(raw) is None
+
+
+def test_a_beat_raises_a_participants_heartbeat_and_names_nobody_else() -> None:
+    state = view(1, {A: 10, B: 10})
+    beats = {repr(A): T0 + timedelta(seconds=12), repr(B): T0 + timedelta(seconds=9), repr(C): T0}
+    merged = hb.with_beats(state, beats)
+    assert merged.heartbeats == {repr(A): T0 + timedelta(seconds=12), repr(B): T0 + timedelta(seconds=10)}
+    assert hb.decode_beat(hb.encode_beat(1_800_000_000.25).encode()) == 1_800_000_000.25

@@ -1,0 +1,56 @@
+"""Each node's liveness beat to the job agent: a signed timestamp under its own key, four times a second.
+
+Why not torch's heartbeats alone: torch writes a node's heartbeat into the shared rendezvous state by
+compare-and-set of the whole state. At four a second from every node, the writes contend: on a loaded 2-core
+machine the nodes' compare-and-sets failed one another until a round never completed. A beat is a blind write of
+the node's own key, so beats never contend, and the agent (:class:`disttrain.trainer.agent.heartbeats.HeartbeatWatch`)
+reads them beside torch's heartbeats for its silence rule (``spec.rendezvous.silentAfterSeconds``).
+
+The beat runs in the launcher (torchrun's agent process), not in a training process, so a long step never
+silences it; it writes through the signed store, so a stranger can neither forge a node alive nor garble its beat
+(the agent refuses an unsigned value). A write that fails (the agent's store is away) is skipped; the next one goes
+to the replacement.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from disttrain.api.spec import BEAT_INTERVAL_S
+from disttrain.trainer.agent.heartbeats import encode_beat
+
+log = logging.getLogger("disttrain.rendezvous")
+
+
+class NodeBeat:
+    """A daemon thread writing the node's time (``heartbeats.encode_beat``) under ``key`` every ``interval_s``,
+    until :meth:`stop`."""
+
+    def __init__(self, store: Any, key: str, interval_s: float = BEAT_INTERVAL_S) -> None:
+        self._store = store
+        self._key = key
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="disttrain-node-beat", daemon=True)
+        self._failing = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._store.set(self._key, encode_beat(time.time()))
+                self._failing = False
+            except Exception as exc:  # noqa: BLE001 - the store is away or the process exits: skip this beat
+                if not self._failing:
+                    log.debug("beat %s not written: %r", self._key, exc)
+                self._failing = True
+            if self._stop.wait(self._interval_s):
+                return
