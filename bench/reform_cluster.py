@@ -11,10 +11,12 @@ worker dies (its processes SIGKILLed, its Lease no longer renewed). Printed, per
 * ``reform_seconds.<phase>``: ``status.lastReform.phases`` once the group trains at 3 nodes again with the
   replacement that the real scheduler placed.
 
-    python bench/reform_cluster.py [--runs 2] [--spares 1]
+    python bench/reform_cluster.py [--runs 2] [--spares 1 | --replacement-wait 0]
 
 With ``--spares 1`` the job keeps a hot spare (``spec.nodes.spares``): the victim is a member of the round, and the
 reform completes with the spare instead of waiting for the replacement pod to be created, scheduled and started.
+With ``--replacement-wait 0`` (``spec.elastic.replacementWaitSeconds: 0``) the survivors re-form at 2 nodes at once
+and the replacement joins later with a scale-up; the reform timed is the first one.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--spares", type=int, default=0, help="spec.nodes.spares of the job (hot spares)")
+    parser.add_argument(
+        "--replacement-wait", type=int, default=60, help="spec.elastic.replacementWaitSeconds (0: survivors go on)"
+    )
     args = parser.parse_args()
     work = pathlib.Path(tempfile.mkdtemp(prefix="disttrain-reform-cluster-"))
     began = time.time()
@@ -60,7 +65,12 @@ def main() -> int:
                 checkpoint_claim(plane, namespace, run_dir / "volume")
                 kubelets = ProcessKubelets(plane, run_dir / "volume", run_dir / "pods", namespaces={namespace})
                 try:
-                    seen = silent_node_reform(Cluster(plane, namespace, kubelets), run_dir, spares=args.spares)
+                    seen = silent_node_reform(
+                        Cluster(plane, namespace, kubelets),
+                        run_dir,
+                        spares=args.spares,
+                        replacement_wait_s=args.replacement_wait,
+                    )
                 finally:
                     delete_jobs(plane, namespace)
                     kubelets.stop()

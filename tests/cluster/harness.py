@@ -220,11 +220,15 @@ def _is_ready(pod: dict[str, Any]) -> bool:
     )
 
 
-def silent_node_reform(cluster: Cluster, tmp_path: Path, name: str = "hb", spares: int = 0) -> SilentNodeReform:
+def silent_node_reform(
+    cluster: Cluster, tmp_path: Path, name: str = "hb", spares: int = 0, replacement_wait_s: int = 60
+) -> SilentNodeReform:
     """A 3-node job of the e2e recorder trains on pods whose processes run (``ProcessKubelets``); the machine of a
     worker that does not host the agent dies (processes SIGKILLed, Lease no longer renewed); wait for the reform
     directive, then for training at 3 nodes again with the replacement. With ``spares``, the victim is a member
-    of the round (``status.roundMembers``) and the loss comes once the spares are Ready."""
+    of the round (``status.roundMembers``) and the loss comes once the spares are Ready. With
+    ``replacement_wait_s`` 0 (``spec.elastic.replacementWaitSeconds``) the survivors re-form at 2 nodes at once:
+    the reform waited for is that one."""
     cluster.nodes(5 + spares)
     job = (
         e2e_job(name, tmp_path / "records", replicas=3, max_steps=5000, dataset=60_000, step_sleep=0.05)
@@ -233,7 +237,7 @@ def silent_node_reform(cluster: Cluster, tmp_path: Path, name: str = "hb", spare
             "spec.elastic",
             {
                 "scaleDebounceSeconds": 0,
-                "replacementWaitSeconds": 60,
+                "replacementWaitSeconds": replacement_wait_s,
                 "drainTimeoutSeconds": 60,
                 "collectiveTimeoutSeconds": 20,
             },
@@ -272,9 +276,10 @@ def silent_node_reform(cluster: Cluster, tmp_path: Path, name: str = "hb", spare
     def reformed() -> dict[str, Any] | None:
         status = cluster.status(name)
         last = status.get("lastReform") or {}
-        return status if status.get("phase") == "Running" and last.get("to") == 3 and last.get("phases") else None
+        size = 3 if replacement_wait_s or spares else 2
+        return status if status.get("phase") == "Running" and last.get("to") == size and last.get("phases") else None
 
-    back = eventually(reformed, timeout=120, what="training at 3 nodes again, with the replacement")
+    back = eventually(reformed, timeout=120, what="training again after the loss")
     return SilentNodeReform(victim["metadata"]["name"], detected, control, ready, back)
 
 
