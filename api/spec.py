@@ -84,7 +84,7 @@ class NodesSpec(ContractModel):
 
 DEFAULT_SILENCE_S = 1.0
 """TorchFT's lighthouse declares a replica dead after 1 s without its 100 ms heartbeats; the agent does the same."""
-BEAT_INTERVAL_S = 0.25
+BEAT_INTERVAL_S = 0.1
 """Period of each node's liveness beat to the job agent (`spec.rendezvous.silentAfterSeconds`)."""
 
 
@@ -113,7 +113,7 @@ class RendezvousSpec(ContractModel):
     a round."""
     silent_after_seconds: float = Field(DEFAULT_SILENCE_S, ge=0.5, le=3_600)
     """Silence after which the job agent reports a node lost (`status.silentNodes`; the operator fences its pod and
-    re-forms the group). Every node's launcher beats 4 times a second into the agent's store besides torch's
+    re-forms the group). Every node's launcher beats 10 times a second into the agent's store besides torch's
     heartbeats; a node whose beats are this far behind the newest beat of any node (compared with each other, never
     with a clock) in a round that has run unchanged for torch's expiry is silent; otherwise, at torch's expiry.
     At most keepAliveIntervalSeconds x keepAliveMaxAttempts."""

@@ -4,7 +4,7 @@ Kubernetes marks the node NotReady (``node-monitor-grace-period``: 20-50 s).
 Every torchrun agent writes a heartbeat time into the c10d rendezvous state (``_RendezvousState.last_heartbeats``,
 pickled and base64-encoded under ``torch.rendezvous.<run id>``) every ``keepAliveIntervalSeconds``. The agent hosts
 that store, so it reads the state and reports a participant of the round as silent when its heartbeat is
-``silentAfterSeconds`` (1 s by default, with 0.25 s heartbeats) older than the newest one in the state. Times are
+``silentAfterSeconds`` (1 s by default, with 0.1 s beats) older than the newest one in the state. Times are
 compared with each other, never with the agent's clock: they all come from the workers, whose clocks torch's own
 expiry already compares. torch's sanitizer removes an expired node from the state at its next write, so a node that
 vanished from the participants with a heartbeat that old is silent too (one that leaves on its own, to re-join
@@ -397,11 +397,18 @@ def read_beats(store: Any, run_id: str, nodes: frozenset[str]) -> dict[str, date
     return found
 
 
+def beating_nodes(view: RendezvousView) -> frozenset[str]:
+    """The nodes whose beats count: the participants and every node with a heartbeat in the state (the nodes
+    waiting for the next round, whose beats keep the newest time fresh while the participants are judged)."""
+    return view.participants | frozenset(view.heartbeats)
+
+
 def with_beats(view: RendezvousView, beats: Mapping[str, datetime.datetime]) -> RendezvousView:
-    """``view`` with each participant's heartbeat raised to its last beat when that is fresher."""
+    """``view`` with the heartbeat of each of :func:`beating_nodes` raised to its last beat when that is fresher."""
     merged = dict(view.heartbeats)
+    counted = beating_nodes(view)
     for node, at in beats.items():
-        if node in view.participants and (node not in merged or at > merged[node]):
+        if node in counted and (node not in merged or at > merged[node]):
             merged[node] = at
     return dataclasses.replace(view, heartbeats=merged)
 
@@ -454,7 +461,7 @@ class HeartbeatWatch:
             self._tracker, self._settings, self._identities = tracker, settings, {}
         view = read_state(self.store, run_id)
         if view is not None and not view.closed:
-            view = with_beats(view, read_beats(self.store, run_id, view.participants))
+            view = with_beats(view, read_beats(self.store, run_id, beating_nodes(view)))
         evidence = tamper_count(self.store, run_id) + (self.tampering() if self.tampering is not None else 0)
         tampered = self._evidence is not None and evidence != self._evidence
         self._evidence = evidence

@@ -302,7 +302,7 @@ class Agent:
         source: JobSource,
         store: Any,
         *,
-        poll_seconds: float = 0.25,
+        poll_seconds: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
         guard: Optional[guardian.Guardian] = None,
     ) -> None:
@@ -693,8 +693,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--poll-seconds",
         type=float,
-        default=0.25,
-        help="how often the store is read for progress, checkpoints and failures",
+        default=0.1,
+        help="how often the store is read for progress, checkpoints, failures and the nodes' beats",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

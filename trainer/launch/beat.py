@@ -1,7 +1,7 @@
-"""Each node's liveness beat to the job agent: a signed timestamp under its own key, four times a second.
+"""Each node's liveness beat to the job agent: a signed timestamp under its own key, ten times a second.
 
 Why not torch's heartbeats alone: torch writes a node's heartbeat into the shared rendezvous state by
-compare-and-set of the whole state. At four a second from every node, the writes contend: on a loaded 2-core
+compare-and-set of the whole state. At four a second from every node the writes contended: on a loaded 2-core
 machine the nodes' compare-and-sets failed one another until a round never completed. A beat is a blind write of
 the node's own key, so beats never contend, and the agent (:class:`disttrain.trainer.agent.heartbeats.HeartbeatWatch`)
 reads them beside torch's heartbeats for its silence rule (``spec.rendezvous.silentAfterSeconds``).

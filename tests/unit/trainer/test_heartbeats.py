@@ -95,7 +95,7 @@ def test_a_participant_three_intervals_behind_the_newest_heartbeat_is_silent() -
 
 def quarter_second_tracker() -> hb.SilenceTracker:
     """The spec's defaults: torch's heartbeats every second and its expiry at 3 s; the beats of
-    :mod:`disttrain.trainer.launch.beat` every 0.25 s (the views below carry the freshest of both); silence 1 s."""
+    :mod:`disttrain.trainer.launch.beat` every 0.1 s (the views below carry the freshest of both); silence 1 s."""
     rdzv = RendezvousSpec()
     assert (rdzv.keep_alive_interval_seconds * rdzv.keep_alive_max_attempts, rdzv.silent_after_seconds) == (3, 1.0)
     return hb.SilenceTracker(
@@ -150,6 +150,18 @@ def test_after_a_drain_or_reform_directive_the_round_is_judged_at_torchs_expiry_
     tracker.observe(view(2, {A: 20.5, B: 20.5}), now=10.5)  # the drained C is out of the next round
     tracker.observe(view(2, {A: 23.5, B: 23.5}), now=13.5)
     assert set(tracker.observe(view(2, {A: 24.5, B: 23.5}), now=14.5)) == {repr(B)}  # a new round, calm again
+
+
+def test_survivors_waiting_for_the_next_round_keep_the_newest_time_fresh_with_their_beats() -> None:
+    """A killed node's peers see their collective fail and wait for the next round, out of the participants: their
+    torch heartbeats come once a second, their beats ten times."""
+    tracker = quarter_second_tracker()
+    tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0)
+    tracker.observe(view(1, {A: 13, B: 13, C: 13}), now=3)
+    left = dataclasses.replace(view(1, {A: 13.1, B: 13.1, C: 13}), participants=frozenset({repr(C)}))
+    assert tracker.observe(left, now=3.1) == {}
+    beats = {repr(A): T0 + timedelta(seconds=14.05), repr(B): T0 + timedelta(seconds=14.05)}
+    assert set(tracker.observe(hb.with_beats(left, beats), now=4.05)) == {repr(C)}
 
 
 def test_after_a_verdict_the_others_are_judged_at_torchs_expiry_while_they_leave_for_the_reform() -> None:
@@ -257,9 +269,19 @@ def test_a_beat_that_is_not_a_time_is_no_beat(raw: bytes) -> None:
     assert hb.decode_beat(raw) is None
 
 
-def test_a_beat_raises_a_participants_heartbeat_and_names_nobody_else() -> None:
+def test_a_beat_raises_the_heartbeat_of_a_node_in_the_state_and_names_nobody_else() -> None:
     state = view(1, {A: 10, B: 10})
-    beats = {repr(A): T0 + timedelta(seconds=12), repr(B): T0 + timedelta(seconds=9), repr(C): T0}
-    merged = hb.with_beats(state, beats)
-    assert merged.heartbeats == {repr(A): T0 + timedelta(seconds=12), repr(B): T0 + timedelta(seconds=10)}
+    waiting = {**state.heartbeats, repr(C): T0 + timedelta(seconds=10)}  # C waits for the next round
+    state = dataclasses.replace(state, heartbeats=waiting)
+    beats = {
+        repr(A): T0 + timedelta(seconds=12),
+        repr(B): T0 + timedelta(seconds=9),
+        repr(C): T0 + timedelta(seconds=11),
+    }
+    merged = hb.with_beats(state, {**beats, "d_4_0": T0 + timedelta(seconds=20)})
+    assert merged.heartbeats == {
+        repr(A): T0 + timedelta(seconds=12),
+        repr(B): T0 + timedelta(seconds=10),
+        repr(C): T0 + timedelta(seconds=11),
+    }
     assert hb.decode_beat(hb.encode_beat(1_800_000_000.25).encode()) == 1_800_000_000.25
