@@ -7,7 +7,7 @@ own ServiceAccount token, real torchrun and trainer). A 3-node job of the e2e re
 worker dies (its processes SIGKILLed, its Lease no longer renewed). Printed, per run:
 
 * ``detect_seconds``: the machine's death -> the reform directive in the job's status (reason ``HeartbeatLost``,
-  from the rendezvous heartbeats; goal <= 4 s, independent of Kubernetes' grace period, which is 20 s here);
+  from the launchers' beats; goal <= 1.5 s, independent of Kubernetes' grace period, which is 20 s here);
 * ``reform_seconds.<phase>``: ``status.lastReform.phases`` once the group trains at 3 nodes again with the
   replacement that the real scheduler placed.
 
