@@ -412,8 +412,9 @@ def connect_store(params: RendezvousParameters) -> Store:
 
 
 def keep_alive_interval(params: RendezvousParameters) -> float:
-    """``keep_alive_interval`` in seconds, fractions allowed (torch's ``c10d`` reads whole seconds only): a
-    sub-second heartbeat lets the job agent report a dead node within about a second."""
+    """``keep_alive_interval`` in seconds, fractions allowed (torch's ``c10d`` reads whole seconds only). Each
+    heartbeat is a compare-and-set of the whole state, so the spec keeps it at seconds; the job agent's fast
+    silence rule reads the launchers' beats instead (:mod:`disttrain.trainer.launch.beat`)."""
     raw = params.get("keep_alive_interval", 5)
     try:
         seconds = float(raw)
