@@ -242,7 +242,7 @@ class SilenceTracker:
         self.expiry = self.torch_expiry if silence_s is None else datetime.timedelta(seconds=silence_s)
         """Silence after which a participant of a calm round is reported (``spec.rendezvous.silentAfterSeconds``);
         torch's own expiry (interval x attempts) when not given."""
-        self.settle_s = interval_s * max_attempts
+        self.settle_s = self.torch_expiry.total_seconds()
         """How long a complete round must stay as it is (same round, no node joining, no new verdict) before
         :attr:`expiry` applies; until then, and in a round still forming, a participant is judged at torch's
         expiry, the longer of the two. A node inside ``next_rendezvous`` has torch's heartbeat timer stopped and

@@ -437,7 +437,11 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # handler's store (the rank assignment waits for the other nodes' keys; the exit barrier), and one client runs
     # one call at a time, so on a shared connection a slow peer would hold this node's heartbeats up with it and
     # the job agent would report a live node silent.
-    raw_state = raw if params.get_as_bool("is_host") is True else connect_store(params)
+
+    def another_connection() -> Store:
+        return raw if params.get_as_bool("is_host") is True else connect_store(params)  # a host has one server
+
+    raw_state = another_connection()
     state_store = channel.scoped(raw_state)
     backend = c10d_rendezvous_backend.C10dRendezvousBackend(state_store, params.run_id)
 
@@ -462,7 +466,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     if isinstance(raw, ResilientStore):
         raw.on_reconnect.append(handler.republish_identity)
     # The beat has a connection of its own too: ten writes a second stay out of the joins' way.
-    beat_store = channel.scoped(raw if params.get_as_bool("is_host") is True else connect_store(params))
+    beat_store = channel.scoped(another_connection())
     handler.beat = NodeBeat(beat_store, heartbeats.beat_key(params.run_id, node))
     handler.beat.start()
     return handler
