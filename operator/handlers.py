@@ -60,11 +60,11 @@ a priority level of its own."""
 REQUEST_TIMEOUT_S = 30.0
 """Client-side timeout of every API call the adapter makes."""
 INTERNAL_ERROR_RETRY_S = 5.0
+"""After a bug (not an API error, whose wait :mod:`disttrain.operator.retry` computes)."""
 LOOP_STOP_TIMEOUT_S = 5.0
 """On operator shutdown, how long the job loops may take to finish their current reconcile before cancellation."""
 FINALIZER = f"{constants.GROUP}/operator"
 """The finalizer operators before issue 27 put on every job; this one adds none and removes it where it finds it."""
-"""After a bug (not an API error, whose wait :mod:`disttrain.operator.retry` computes)."""
 
 
 class NameHeld(Exception):
@@ -311,12 +311,31 @@ def failure_message(error: k8s.ApiException) -> str:
     return f"{error.status} {error.reason}: {api_error_message(error)}"
 
 
-async def _create(kube: Kube, failures: Failures, job: DistTrainJob, obj: dict[str, Any]) -> Optional[dict[str, Any]]:
+@dataclasses.dataclass
+class Writer:
+    """What every job's reconcile shares, built once per operator (:func:`register`): the API, the watch caches,
+    the metrics, the settings of the objects it creates, and what the last applies left for the next reconcile
+    (refused pods, failed creations, the Event rate limits)."""
+
+    kube: Kube
+    cache: ClusterCache
+    metrics: OperatorMetrics
+    agent_image: Optional[str] = None
+    """Every job agent's image (None: :func:`disttrain.operator.pods.default_agent_image`)."""
+    network: access.NetworkPolicySettings = access.DEFAULT_NETWORK
+    refusals: Refusals = dataclasses.field(default_factory=dict)
+    failures: Failures = dataclasses.field(default_factory=dict)
+    events: Optional[eventrate.EventFilter] = None
+    """Which Events go out (rate limits); None: every one."""
+
+
+async def _create(writer: Writer, job: DistTrainJob, obj: dict[str, Any]) -> Optional[dict[str, Any]]:
     """Create one of the job's objects; a failure is remembered for the next reconcile (which names it in the
     Created condition and an Event) and raised (the job's loop retries after a backoff)."""
     key = (job.metadata.namespace, job.metadata.name)
+    failures = writer.failures
     try:
-        return await kube.create(obj)
+        return await writer.kube.create(obj)
     except NameHeld as held:
         failures[key] = CreateFailure(held.kind, held.name, str(held), held_by=",".join(sorted(held.owners)))
         raise
@@ -329,15 +348,14 @@ REFUSED: dict[str, Any] = {}
 """What :func:`_create_pod` returns for a refused pod (compared by identity)."""
 
 
-async def _create_pod(
-    kube: Kube, refusals: Refusals, failures: Failures, job: DistTrainJob, pod: dict[str, Any]
-) -> Optional[dict[str, Any]]:
+async def _create_pod(writer: Writer, job: DistTrainJob, pod: dict[str, Any]) -> Optional[dict[str, Any]]:
     """Create a pod. A refusal is not raised: it is remembered for the next reconcile, which names it in the
     status and an Event and retries the creation on its own timer; the rest of this apply (events) goes on.
     Any other failure is one of :func:`_create`'s."""
     key = (job.metadata.namespace, job.metadata.name)
+    refusals, failures = writer.refusals, writer.failures
     try:
-        created = await kube.create(pod)
+        created = await writer.kube.create(pod)
     except NameHeld as held:
         failures[key] = CreateFailure(held.kind, held.name, str(held), held_by=",".join(sorted(held.owners)))
         raise
@@ -354,27 +372,15 @@ async def _create_pod(
     return created
 
 
-async def apply(
-    kube: Kube,
-    cache: ClusterCache,
-    job: DistTrainJob,
-    actions: Actions,
-    now: float,
-    refusals: Optional[Refusals] = None,
-    agent_image: Optional[str] = None,
-    events: Optional[eventrate.EventFilter] = None,
-    network: access.NetworkPolicySettings = access.DEFAULT_NETWORK,
-    failures: Optional[Failures] = None,
-) -> Optional[dict[str, Any]]:
+async def apply(writer: Writer, job: DistTrainJob, actions: Actions, now: float) -> Optional[dict[str, Any]]:
     """Apply in crash-safe order: the PodGroup (idempotent, so before the status that records it), status
     (memory), then deletions, creations, events (those ``events`` admits), TTL deletion. What the API server
     answers goes into the cache. Returns the API server's answer to the status write (None: none).
 
-    A failed creation (of any object) is remembered in ``failures`` and raised: the rest waits for the retry.
-    ``failures`` holds the outcome of the last apply that reached its creations: cleared when they all went."""
+    A failed creation (of any object) is remembered in ``writer.failures`` and raised: the rest waits for the
+    retry. It holds the outcome of the last apply that reached its creations: cleared when they all went."""
     ns, name = job.metadata.namespace, job.metadata.name
-    refusals = {} if refusals is None else refusals
-    failures = {} if failures is None else failures
+    kube, cache = writer.kube, writer.cache
     seen = time.monotonic()
     answer: Optional[dict[str, Any]] = None
     pod_group_failed: Optional[k8s.ApiException] = None
@@ -385,7 +391,9 @@ async def apply(
             try:
                 await kube.apply_pod_group(pod_group)
             except k8s.ApiException as error:
-                failures[(ns, name)] = CreateFailure("PodGroup", pod_group["metadata"]["name"], failure_message(error))
+                writer.failures[(ns, name)] = CreateFailure(
+                    "PodGroup", pod_group["metadata"]["name"], failure_message(error)
+                )
                 pod_group_failed = error
                 status_patch.pop("podGroupMinMember", None)  # the status must not record a PodGroup that failed
     try:  # the events go out whatever failed: the one naming the previous failure is among them
@@ -398,56 +406,41 @@ async def apply(
             deleted = await kube.delete_pod(ns, deletion.name, deletion.force)
             if deleted is not None:
                 cache.put_pod(deleted, time.monotonic())
-        await _create_all(kube, cache, job, actions, refusals, failures, agent_image, network)
+        await _create_all(writer, job, actions)
     finally:
-        await _post_events(kube, job, actions, now, events)
+        await _post_events(writer, job, actions, now)
     if actions.delete_job:
         await kube.delete_job(ns, name)
     return answer
 
 
-async def _create_all(
-    kube: Kube,
-    cache: ClusterCache,
-    job: DistTrainJob,
-    actions: Actions,
-    refusals: Refusals,
-    failures: Failures,
-    agent_image: Optional[str],
-    network: access.NetworkPolicySettings,
-) -> None:
+async def _create_all(writer: Writer, job: DistTrainJob, actions: Actions) -> None:
     """The agent with its Secret, Services, RBAC and NetworkPolicies, then the workers; the first failure raises."""
     ns, name = job.metadata.namespace, job.metadata.name
     if actions.create_agent:
-        await _create(kube, failures, job, access.build_store_secret(job, storeauth.new_secret()))  # 409: ours stays
-        for obj in builders.build_support_objects(job, network):
-            await _create(kube, failures, job, obj)
-        created = await _create_pod(kube, refusals, failures, job, builders.build_agent_pod(job, agent_image))
-        _remember_pod(cache, None if created is REFUSED else created)
+        await _create(writer, job, access.build_store_secret(job, storeauth.new_secret()))  # 409: ours stays
+        for obj in builders.build_support_objects(job, writer.network):
+            await _create(writer, job, obj)
+        created = await _create_pod(writer, job, builders.build_agent_pod(job, writer.agent_image))
+        _remember_pod(writer.cache, None if created is REFUSED else created)
     for worker in actions.create_workers:
-        created = await _create_pod(
-            kube,
-            refusals,
-            failures,
-            job,
-            builders.build_worker_pod(job, worker.node_index, name=worker.name, avoid_nodes=worker.avoid_nodes),
-        )
+        pod = builders.build_worker_pod(job, worker.node_index, name=worker.name, avoid_nodes=worker.avoid_nodes)
+        created = await _create_pod(writer, job, pod)
         if created is REFUSED:
             break  # the next pods would be refused too: one answer per reconcile, retried on the core's timer
-        _remember_pod(cache, created)
-    failures.pop((ns, name), None)
+        _remember_pod(writer.cache, created)
+    writer.failures.pop((ns, name), None)
 
 
-async def _post_events(
-    kube: Kube, job: DistTrainJob, actions: Actions, now: float, events: Optional[eventrate.EventFilter]
-) -> None:
-    """Post the events ``events`` admits (rate limits); best effort: a refused Event is logged, not raised."""
+async def _post_events(writer: Writer, job: DistTrainJob, actions: Actions, now: float) -> None:
+    """Post the events ``writer.events`` admits (rate limits); best effort: a refused Event is logged, not raised."""
     ns, name = job.metadata.namespace, job.metadata.name
+    events = writer.events
     for event in actions.events:
         if events is not None and not events.admit((ns, name, event.type, event.reason, event.message), now):
             continue
         try:
-            await kube.create(event_object(job, event.type, event.reason, event.message, now))
+            await writer.kube.create(event_object(job, event.type, event.reason, event.message, now))
         except k8s.ApiException as error:  # events are best effort
             log.warning("could not post event %s: %s", event.reason, error.reason)
 
@@ -457,20 +450,10 @@ def _remember_pod(cache: ClusterCache, created: Optional[dict[str, Any]]) -> Non
         cache.put_pod(created, time.monotonic())
 
 
-async def reconcile_once(
-    kube: Kube,
-    cache: ClusterCache,
-    metrics: OperatorMetrics,
-    namespace: str,
-    name: str,
-    refusals: Optional[Refusals] = None,
-    agent_image: Optional[str] = None,
-    events: Optional[eventrate.EventFilter] = None,
-    network: access.NetworkPolicySettings = access.DEFAULT_NETWORK,
-    failures: Optional[Failures] = None,
-) -> Optional[Reconciled]:
+async def reconcile_once(writer: Writer, namespace: str, name: str) -> Optional[Reconciled]:
     """Decide on the cached state and write. Returns the actions (None when the job is gone)."""
     started = time.perf_counter()
+    cache, metrics = writer.cache, writer.metrics
     raw = cache.job(namespace, name)
     if raw is None:
         return None
@@ -480,16 +463,14 @@ async def reconcile_once(
     job = DistTrainJob.model_validate(
         {**{k: v for k, v in raw.items() if k in ("apiVersion", "kind", "spec", "status")}, "metadata": meta}
     )
-    refusals = {} if refusals is None else refusals
-    failures = {} if failures is None else failures
     observed = dataclasses.replace(
         cache.observe(namespace, name, job.metadata.uid),
-        refused=refusals.get((namespace, name)),
-        create_failure=failures.get((namespace, name)),
+        refused=writer.refusals.get((namespace, name)),
+        create_failure=writer.failures.get((namespace, name)),
     )
     now = time.time()
     actions = reconcile(job, observed, now)
-    answer = await apply(kube, cache, job, actions, now, refusals, agent_image, events, network, failures=failures)
+    answer = await apply(writer, job, actions, now)
     metrics.reconcile_duration.observe(time.perf_counter() - started)
     metrics.observe_job(
         namespace, name, actions.status, now, max_restarts=job.spec.restart_policy.max_restarts, uid=job.metadata.uid
@@ -578,10 +559,23 @@ def register(
     events = eventrate.EventFilter()
     box: dict[str, Any] = {}
 
+    def writer() -> Writer:
+        """Built at the first reconcile, as the API client was before: not at registration."""
+        if "writer" not in box:
+            box["writer"] = Writer(
+                Kube(api_client_factory()),
+                cache,
+                metrics,
+                agent_image=agent_image,
+                network=network,
+                refusals=refusals,
+                failures=failures,
+                events=events,
+            )
+        return box["writer"]
+
     def kube() -> Kube:
-        if "kube" not in box:
-            box["kube"] = Kube(api_client_factory())
-        return box["kube"]
+        return writer().kube
 
     async def list_scope(scope: listing.Scope) -> list[dict[str, Any]]:
         return await kube().list_scope(scope)
@@ -623,9 +617,7 @@ def register(
                     await listings.ensure_synced(namespace)
                     refused = refusals.get((namespace, name))
                     failed = failures.get((namespace, name))
-                    result = await reconcile_once(
-                        kube(), cache, metrics, namespace, name, refusals, agent_image, events, network, failures
-                    )
+                    result = await reconcile_once(writer(), namespace, name)
                     if result is None:
                         return
                     backoff.succeeded()
