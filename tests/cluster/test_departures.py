@@ -85,8 +85,11 @@ def test_kubectl_drain_of_a_workers_node_is_a_drain_not_a_restart_and_no_pdb_blo
     }
     cluster.plane.kubectl("apply", "-f", "-", input=json.dumps(budget))
     victim, node = worker_off_the_agents_node(cluster)
+    # --delete-emptydir-data as an operator drains a shared node: another test's operator pod (an emptyDir) may
+    # have been scheduled there, and without it kubectl refuses the whole node (seen in a full run).
+    command = ["drain", node, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=120s"]
     drain = subprocess.Popen(
-        [KUBECTL, f"--kubeconfig={cluster.plane.kubeconfig}", "drain", node, "--ignore-daemonsets", "--timeout=120s"],
+        [KUBECTL, f"--kubeconfig={cluster.plane.kubeconfig}", *command],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
