@@ -156,9 +156,11 @@ def state_key(run_id: str) -> str:
     return "torch.rendezvous." + run_id
 
 
-def encode_beat(at: float) -> str:
-    """The value of a beat: the node's wall-clock time (compared only with other nodes' times, as torch's are)."""
-    return json.dumps({"at": round(at, 3)})
+def encode_beat(at: float, *, leaving: bool = False) -> str:
+    """The value of a beat: the node's wall-clock time (compared only with other nodes' times, as torch's are).
+    ``leaving``: the launcher's last beat, written as it shuts down (its workers finished or failed): the node's
+    silence from then on is its way out, which its pod's exit will say (:func:`is_leaving`)."""
+    return json.dumps({"at": round(at, 3), "leaving": True} if leaving else {"at": round(at, 3)})
 
 
 def decode_beat(raw: bytes) -> Optional[float]:
@@ -171,6 +173,15 @@ def decode_beat(raw: bytes) -> Optional[float]:
     if not isinstance(at, (int, float)) or isinstance(at, bool) or not 0 < at < MAX_BEAT_TIME:
         return None
     return float(at)
+
+
+def is_leaving(raw: bytes) -> bool:
+    """Whether a beat (one :func:`decode_beat` accepts) is a launcher's last."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return decode_beat(raw) is not None and isinstance(value, dict) and value.get("leaving") is True
 
 
 def beat_key(run_id: str, node: object) -> str:
@@ -282,8 +293,15 @@ class SilenceTracker:
         return self._tampered_at is None or now - self._tampered_at >= self.hold_s
 
     def observe(
-        self, view: Optional[RendezvousView], now: float, tampered: bool = False
+        self,
+        view: Optional[RendezvousView],
+        now: float,
+        tampered: bool = False,
+        leaving: frozenset[str] = frozenset(),
     ) -> dict[str, datetime.datetime]:
+        """``leaving``: the nodes whose launchers said they are shutting down (their last beat): judged at torch's
+        expiry, never at :attr:`expiry`, so that the exit of their pods, not their silence, names what happened (a
+        crash is ``PodFailed``; a launcher still exiting on a loaded machine took over a second)."""
         if view is None or view.closed:
             if view is None and self._last:
                 self._tampered_at = now  # torch never deletes the state: it was taken away, or put back stale
@@ -323,7 +341,7 @@ class SilenceTracker:
         if newest is not None and trusted:
             for node, beat in freshest.items():
                 # A node once reported stays reported while as silent (no verdict flaps off with the calm).
-                fast = calm or node in self._reported
+                fast = node in self._reported or (calm and node not in leaving)
                 if newest - beat >= (self.expiry if fast else max(self.expiry, self.torch_expiry)):
                     found[node] = beat
         if set(found) - self._reported:
@@ -385,16 +403,27 @@ def tamper_count(store: Any, run_id: str) -> int:
     return 0
 
 
-def read_beats(store: Any, run_id: str, nodes: frozenset[str]) -> dict[str, datetime.datetime]:
+@dataclasses.dataclass(frozen=True)
+class Beats:
+    times: dict[str, datetime.datetime]
+    """The last beat of each node that has one."""
+    leaving: frozenset[str]
+    """The nodes whose last beat is their launcher's last (:func:`is_leaving`)."""
+
+
+def read_beats(store: Any, run_id: str, nodes: frozenset[str]) -> Beats:
     """The last beat of each of ``nodes`` that has one (a signed timestamp; anything else is no beat)."""
-    found = {}
+    found, leaving = {}, set()
     for node in nodes:
         key = beat_key(run_id, node)
         if store.check([key]):
-            at = decode_beat(bytes(store.get(key)))
+            raw = bytes(store.get(key))
+            at = decode_beat(raw)
             if at is not None:
                 found[node] = datetime.datetime.fromtimestamp(at, datetime.timezone.utc)
-    return found
+                if is_leaving(raw):
+                    leaving.add(node)
+    return Beats(found, frozenset(leaving))
 
 
 def beating_nodes(view: RendezvousView) -> frozenset[str]:
@@ -460,8 +489,10 @@ class HeartbeatWatch:
             )
             self._tracker, self._settings, self._identities = tracker, settings, {}
         view = read_state(self.store, run_id)
+        leaving: frozenset[str] = frozenset()
         if view is not None and not view.closed:
-            view = with_beats(view, read_beats(self.store, run_id, beating_nodes(view)))
+            beats = read_beats(self.store, run_id, beating_nodes(view))
+            view, leaving = with_beats(view, beats.times), beats.leaving
         evidence = tamper_count(self.store, run_id) + (self.tampering() if self.tampering is not None else 0)
         tampered = self._evidence is not None and evidence != self._evidence
         self._evidence = evidence
@@ -469,7 +500,7 @@ class HeartbeatWatch:
             for node in view.participants:
                 if self._identities.get(node) is None:
                     self._identities[node] = read_identity(self.store, run_id, node)
-        silent = self._tracker.observe(view, now, tampered)
+        silent = self._tracker.observe(view, now, tampered, leaving)
         if view is None:
             self.members = None
         elif view.complete and not view.closed:

@@ -9,7 +9,8 @@ reads them beside torch's heartbeats for its silence rule (``spec.rendezvous.sil
 The beat runs in the launcher (torchrun's agent process), not in a training process, so a long step never
 silences it; it writes through the signed store, so a stranger can neither forge a node alive nor garble its beat
 (the agent refuses an unsigned value). A write that fails (the agent's store is away) is skipped; the next one goes
-to the replacement.
+to the replacement. When the launcher shuts down (its workers finished or failed), its last beat says so
+(:meth:`NodeBeat.leave`): the agent then leaves the verdict to the pod's exit rather than to the silence.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ from disttrain.trainer.agent.heartbeats import encode_beat
 
 log = logging.getLogger("disttrain.rendezvous")
 
+LEAVE_TIMEOUT_S = 1.0
+"""The longest :meth:`NodeBeat.leave` holds the launcher's shutdown for the last beat's write."""
+
 
 class NodeBeat:
     """A daemon thread writing the node's time (``heartbeats.encode_beat``) under ``key`` every ``interval_s``,
-    until :meth:`stop`."""
+    until :meth:`stop` or :meth:`leave`."""
 
     def __init__(self, store: Any, key: str, interval_s: float = BEAT_INTERVAL_S) -> None:
         self._store = store
@@ -36,21 +40,35 @@ class NodeBeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="disttrain-node-beat", daemon=True)
         self._failing = False
+        self._leaving = False
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop beating without a word (the beat of a node whose machine died stops so)."""
         self._stop.set()
 
+    def leave(self) -> None:
+        """Stop beating with a last beat that says the launcher is shutting down (waits up to
+        :data:`LEAVE_TIMEOUT_S` for its write)."""
+        self._leaving = True
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(LEAVE_TIMEOUT_S)
+
     def _run(self) -> None:
-        while True:
-            try:
-                self._store.set(self._key, encode_beat(time.time()))
-                self._failing = False
-            except Exception as exc:  # noqa: BLE001 - the store is away or the process exits: skip this beat
-                if not self._failing:
-                    log.debug("beat %s not written: %r", self._key, exc)
-                self._failing = True
-            if self._stop.wait(self._interval_s):
-                return
+        while not self._stop.is_set():
+            self._write(leaving=False)
+            self._stop.wait(self._interval_s)
+        if self._leaving:  # set before the stop: seen here whenever leave() ended the loop
+            self._write(leaving=True)
+
+    def _write(self, *, leaving: bool) -> None:
+        try:
+            self._store.set(self._key, encode_beat(time.time(), leaving=leaving))
+            self._failing = False
+        except Exception as exc:  # noqa: BLE001 - the store is away or the process exits: skip this beat
+            if not self._failing:
+                log.debug("beat %s not written: %r", self._key, exc)
+            self._failing = True

@@ -353,7 +353,7 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
     def shutdown(self) -> bool:
         """Stop heartbeating; close the rendezvous only when this node finished training (see :meth:`leave_open`)."""
         if self.beat is not None:
-            self.beat.stop()
+            self.beat.leave()
         if self._leave_open:
             self._stop_heartbeats()
             return True

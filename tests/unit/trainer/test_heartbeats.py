@@ -111,6 +111,22 @@ def test_with_quarter_second_heartbeats_a_node_of_a_calm_round_is_silent_after_o
     assert tracker.observe(view(1, {A: 14, B: 14, C: 13}), now=4) == {repr(C): T0 + timedelta(seconds=13)}
 
 
+def test_a_node_whose_launcher_said_it_is_leaving_is_judged_at_torchs_expiry_not_after_one_second() -> None:
+    """A crashed worker's launcher shuts down (its last beat says so) before its pod's exit is seen: that exit, not a
+    second of silence, must name the incident (PodFailed). A launcher that never exits is still caught."""
+    tracker = quarter_second_tracker()
+    tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0)
+    tracker.observe(view(1, {A: 13, B: 13, C: 13}), now=3)  # a calm round
+    leaving = frozenset({repr(C)})
+    assert tracker.observe(view(1, {A: 14.5, B: 14.5, C: 13}), now=4.5, leaving=leaving) == {}
+    assert set(tracker.observe(view(1, {A: 16, B: 16, C: 13}), now=6, leaving=leaving)) == {repr(C)}
+    # Without the last beat, the same silence is a verdict after one second.
+    silent = quarter_second_tracker()
+    silent.observe(view(1, {A: 10, B: 10, C: 10}), now=0)
+    silent.observe(view(1, {A: 13, B: 13, C: 13}), now=3)
+    assert set(silent.observe(view(1, {A: 14.5, B: 14.5, C: 13}), now=4.5)) == {repr(C)}
+
+
 def test_a_round_that_just_changed_is_judged_at_torchs_expiry() -> None:
     """Nodes that just joined start their workers (blocking store calls, a loaded machine): a second of silence
     then is no evidence; three are, as before sub-second heartbeats."""
@@ -285,3 +301,11 @@ def test_a_beat_raises_the_heartbeat_of_a_node_in_the_state_and_names_nobody_els
         repr(C): T0 + timedelta(seconds=11),
     }
     assert hb.decode_beat(hb.encode_beat(1_800_000_000.25).encode()) == 1_800_000_000.25
+
+
+def test_a_last_beat_is_a_beat_that_says_so_and_nothing_else_does() -> None:
+    last = hb.encode_beat(1_800_000_000.25, leaving=True).encode()
+    assert hb.decode_beat(last) == 1_800_000_000.25 and hb.is_leaving(last)
+    assert not hb.is_leaving(hb.encode_beat(1_800_000_000.25).encode())
+    for raw in (b'{"leaving": true}', b'{"at": -1, "leaving": true}', b'{"at": 5, "leaving": 1}', b"garbage"):
+        assert not hb.is_leaving(raw), raw
