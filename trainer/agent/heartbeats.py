@@ -163,8 +163,8 @@ def encode_beat(at: float, *, leaving: bool = False) -> str:
     return json.dumps({"at": round(at, 3), "leaving": True} if leaving else {"at": round(at, 3)})
 
 
-def decode_beat(raw: bytes) -> Optional[float]:
-    """The time of a beat; None for anything that is not one."""
+def parse_beat(raw: bytes) -> Optional[tuple[float, bool]]:
+    """A beat's time and whether it is its launcher's last; None for anything that is not a beat."""
     try:
         value = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
@@ -172,16 +172,19 @@ def decode_beat(raw: bytes) -> Optional[float]:
     at = value.get("at") if isinstance(value, dict) else None
     if not isinstance(at, (int, float)) or isinstance(at, bool) or not 0 < at < MAX_BEAT_TIME:
         return None
-    return float(at)
+    return float(at), value.get("leaving") is True
+
+
+def decode_beat(raw: bytes) -> Optional[float]:
+    """The time of a beat; None for anything that is not one."""
+    parsed = parse_beat(raw)
+    return None if parsed is None else parsed[0]
 
 
 def is_leaving(raw: bytes) -> bool:
     """Whether a beat (one :func:`decode_beat` accepts) is a launcher's last."""
-    try:
-        value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return False
-    return decode_beat(raw) is not None and isinstance(value, dict) and value.get("leaving") is True
+    parsed = parse_beat(raw)
+    return parsed is not None and parsed[1]
 
 
 def beat_key(run_id: str, node: object) -> str:
@@ -417,11 +420,10 @@ def read_beats(store: Any, run_id: str, nodes: frozenset[str]) -> Beats:
     for node in nodes:
         key = beat_key(run_id, node)
         if store.check([key]):
-            raw = bytes(store.get(key))
-            at = decode_beat(raw)
-            if at is not None:
-                found[node] = datetime.datetime.fromtimestamp(at, datetime.timezone.utc)
-                if is_leaving(raw):
+            parsed = parse_beat(bytes(store.get(key)))
+            if parsed is not None:
+                found[node] = datetime.datetime.fromtimestamp(parsed[0], datetime.timezone.utc)
+                if parsed[1]:
                     leaving.add(node)
     return Beats(found, frozenset(leaving))
 
