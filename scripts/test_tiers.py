@@ -86,8 +86,12 @@ def run_tier(tier: str, pytest_args: list[str]) -> TierResult:
             returncode = subprocess.call(
                 [*command[: -len(folders)], *failed], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=environ
             )
-        verdict = "flaky" if returncode in (0, 5) else "failed twice"
-        counts = f"{counts}; on rerun: {_counts(rerun_log, returncode)} ({verdict}: {', '.join(failed)})"
+        twice = FAILED.findall(rerun_log.read_text(errors="replace")) if returncode not in (0, 5) else []
+        flaky = [test for test in failed if test not in twice]
+        verdicts = [
+            f"{name}: {', '.join(tests)}" for name, tests in (("failed twice", twice), ("flaky", flaky)) if tests
+        ]
+        counts = f"{counts}; on rerun: {_counts(rerun_log, returncode)} ({'; '.join(verdicts)})"
         log = rerun_log if returncode not in (0, 5) else log
     seconds = time.monotonic() - start
     print(f"[tiers] {tier}: {counts} in {seconds:.0f} s", flush=True)

@@ -147,6 +147,18 @@ def _flow_schema_of(plane: ControlPlane, token: str, method: str = "GET", path: 
     return headers["X-Kubernetes-PF-FlowSchema-UID"], headers["X-Kubernetes-PF-PriorityLevel-UID"]
 
 
+def _first_progress_schema(plane: ControlPlane, flow: str) -> dict[str, Any]:
+    """Of the chart's progress FlowSchemas on the server (one per release installed), the one priority and fairness
+    tries first: the lowest matchingPrecedence, then the lowest name."""
+    schemas = plane.request("GET", f"{flow}/flowschemas")["items"]
+    ours = [
+        s
+        for s in schemas
+        if s["metadata"]["name"].endswith("-progress") and "helm.sh/chart" in s["metadata"].get("labels", {})
+    ]
+    return min(ours, key=lambda s: (s["spec"]["matchingPrecedence"], s["metadata"]["name"]))
+
+
 def _assert_operator_requests_have_their_own_priority_level(
     plane: ControlPlane, namespace: str, user: str, objects: list[dict[str, Any]]
 ) -> None:
@@ -177,11 +189,18 @@ def _assert_operator_requests_have_their_own_priority_level(
     assert agent_schema != ours["metadata"]["uid"] and agent_level != level["metadata"]["uid"]  # names them
     assert agent_level != progress_level["metadata"]["uid"]  # its reads keep their level
     status = f"/apis/{GROUP}/{VERSION}/namespaces/{jobs}/disttrainjobs/job/status"
+    winner = _first_progress_schema(plane, flow)  # other releases on this server match the same writes
+    assert winner["spec"]["matchingPrecedence"] == progress["spec"]["matchingPrecedence"]
+    assert winner["spec"]["rules"] == progress["spec"]["rules"]
     deadline = time.monotonic() + 30
-    while _flow_schema_of(plane, agent, "PATCH", status)[0] != progress["metadata"]["uid"]:
+    while _flow_schema_of(plane, agent, "PATCH", status)[0] != winner["metadata"]["uid"]:
         assert time.monotonic() < deadline, "an agent's status write never matched the chart's progress FlowSchema"
         time.sleep(0.5)
-    assert _flow_schema_of(plane, agent, "PATCH", status)[1] == progress_level["metadata"]["uid"]
+    winner_level = plane.request(
+        "GET", f"{flow}/prioritylevelconfigurations/{winner['spec']['priorityLevelConfiguration']['name']}"
+    )
+    assert winner_level["spec"] == progress_level["spec"]  # the chart's bounded level, whichever release made it
+    assert _flow_schema_of(plane, agent, "PATCH", status)[1] == winner_level["metadata"]["uid"]
     # The operator's own status writes stay in its level (its FlowSchema comes first).
     assert _flow_schema_of(plane, operator, "PATCH", status)[0] == ours["metadata"]["uid"]
 
