@@ -87,6 +87,8 @@ class _Connection:
         self.lock = threading.Lock()
         self.busy_since: Optional[float] = None
         self._calls: queue.SimpleQueue[Optional[_Pending]] = queue.SimpleQueue()
+        self._queue = threading.Lock()
+        self._closed = False
         threading.Thread(target=self._serve, name="disttrain-store-client", daemon=True).start()
 
     def _serve(self) -> None:
@@ -103,7 +105,10 @@ class _Connection:
     def call(self, op: str, args: tuple[Any, ...], limit_s: float) -> Any:
         """The call's result; raises its error, or :class:`StoreUnavailable` when no answer came within ``limit_s``."""
         pending = _Pending(op, args)
-        self._calls.put(pending)
+        with self._queue:  # a call queued after close() would wait out limit_s for a thread that has ended
+            if self._closed:
+                raise _Closed(f"{op} on a connection already dropped")
+            self._calls.put(pending)
         if not pending.done.wait(limit_s):
             raise _NoAnswer(f"no answer to {op} within {limit_s:.1f} s")
         if pending.error is not None:
@@ -111,11 +116,17 @@ class _Connection:
         return pending.value
 
     def close(self) -> None:
-        self._calls.put(None)
+        with self._queue:
+            self._closed = True
+            self._calls.put(None)
 
 
 class _NoAnswer(Exception):
     """The server did not answer a call in time (internal: becomes :class:`StoreUnavailable`)."""
+
+
+class _Closed(Exception):
+    """A caller took the connection just as another dropped it (internal: becomes :class:`StoreUnavailable`)."""
 
 
 class ResilientStore(Store):
@@ -261,6 +272,9 @@ class ResilientStore(Store):
         wait_s = getattr(self._local, "wait_s", None) or LOCK_WAIT_S
         if not conn.lock.acquire(timeout=wait_s):
             raise StoreUnavailable(f"{self._name} busy for {wait_s:.2f} s (another operation is waiting on it)")
+        if self._conn is not conn:  # dropped by the caller this one waited for
+            conn.lock.release()
+            raise StoreUnavailable(f"{self._name} lost; reconnecting")
         limit_s = self._op_timeout.total_seconds()
         if op == "wait" and len(args) > 1:
             limit_s += args[1].total_seconds()  # the caller's own wait, plus the answer's bound
@@ -270,6 +284,8 @@ class ResilientStore(Store):
         except _NoAnswer as exc:
             self._drop(conn, str(exc))
             raise StoreUnavailable(f"{self._name}: {exc}; reconnecting") from exc
+        except _Closed as exc:
+            raise StoreUnavailable(f"{self._name} lost; reconnecting") from exc
         except DistStoreError as exc:
             if op == "wait" and "timeout" in str(exc).lower():
                 raise  # a key not there within the caller's own wait: an answer, not a loss

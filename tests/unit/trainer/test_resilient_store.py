@@ -143,3 +143,43 @@ def test_a_silent_server_costs_a_caller_a_bounded_wait_never_the_connections_tim
     until(lambda: raw.connected)
     store.set("k", "w")
     assert store.get("k") == b"w"
+
+
+class SlowLink:
+    """A real client behind a slow network: every operation takes 0.3 s more."""
+
+    def __init__(self, raw: TCPStore) -> None:
+        self.raw = raw
+
+    def __getattr__(self, name: str):
+        op = getattr(self.raw, name)
+
+        def slow(*args):
+            time.sleep(0.3)
+            return op(*args)
+
+        return slow
+
+
+@pytest.mark.timeout(60)
+def test_a_caller_that_waited_for_a_connection_another_dropped_fails_at_once(server):
+    def connect(timeout: timedelta) -> SlowLink:
+        return SlowLink(TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout, wait_for_workers=False))
+
+    raw = resilient.ResilientStore(connect, timedelta(seconds=30), op_timeout_s=4.0)
+    raw.set("k", b"v")
+    server.kill()
+    failures: dict[str, float] = {}
+
+    def call(name: str, op) -> None:
+        began = time.monotonic()
+        with pytest.raises(DistStoreError):
+            op()
+        failures[name] = time.monotonic() - began
+
+    first = threading.Thread(target=call, args=("poller", lambda: raw.get("k")))
+    first.start()  # its read fails on the dead server and drops the connection...
+    time.sleep(0.1)
+    call("training", lambda: raw.set("progress", b"x"))  # ...while this write waits for the connection
+    first.join(10)
+    assert failures["training"] < 1.0, failures  # not the operation's 4 s on a connection nobody serves
