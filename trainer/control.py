@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Optional
 
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("disttrain.trainer")
 
 STOP_JOIN_S = 2.0
+RELIABILITY_READ_SECONDS = 2.0
+"""How often the watchdog's thread reads the agent's failure history once someone asked for it."""
 """How long :meth:`Watchdog.stop` waits for the polling thread to finish its current store call."""
 
 
@@ -81,6 +84,9 @@ class Watchdog:
         """Takes a ``reform`` directive instead of the exit (returns whether it did)."""
         self.seen_diagnostics: Optional[str] = None
         """The id of the newest diagnostics request acted on (or present at connect: history)."""
+        self._reliability: Optional[keys.ReliabilityReport] = None
+        self._reliability_wanted = False
+        self._reliability_read_at: Optional[float] = None
 
     @property
     def drain_requested(self) -> bool:
@@ -125,6 +131,8 @@ class Watchdog:
         self.seen_generation = current.generation if current and self._is_ours(current) else -1
         request = keys.read_model(self.store, keys.DIAGNOSTICS_KEY, keys.DiagnosticsRequest)
         self.seen_diagnostics = request.id if request is not None else None
+        self._reliability = keys.read_model(self.store, keys.RELIABILITY_KEY, keys.ReliabilityReport)
+        self._reliability_read_at = time.monotonic()
 
     def mark_history(self) -> None:
         """The directive in the store now is history (a worker that joins a new round in place, as one that
@@ -168,10 +176,30 @@ class Watchdog:
         if thread is not None and thread is not threading.current_thread():
             thread.join(join_s)
 
+    def reliability(self) -> Optional[keys.ReliabilityReport]:
+        """The agent's failure history as this watchdog's thread last read it (None before the first read or
+        without a control channel). The training thread asks here rather than reading the store: a read from a
+        store on a powered-off node waits out the operation's timeout, and the whole group's step with it."""
+        self._reliability_wanted = True
+        return self._reliability
+
+    def follow_reliability(self) -> None:
+        """Read the failure history again when it is due (once :meth:`reliability` has been asked for)."""
+        now = time.monotonic()
+        if self.store is None or not self._reliability_wanted:
+            return
+        if self._reliability_read_at is not None and now - self._reliability_read_at < RELIABILITY_READ_SECONDS:
+            return
+        self._reliability_read_at = now
+        self._reliability = keys.read_model(self.store, keys.RELIABILITY_KEY, keys.ReliabilityReport) or (
+            self._reliability
+        )
+
     def poll_once(self) -> None:
         if self.store is None:
             return  # no control channel: only SIGTERM
         self.follow_diagnostics()
+        self.follow_reliability()
         current = read_signal(self.store)
         with self._history:  # not interleaved with mark_history: a generation is acted on once
             if current is None or not self._is_ours(current) or current.generation <= self.seen_generation:
@@ -241,8 +269,6 @@ def report_failure(exit_code: int, message: str, endpoint: Optional[str] = None,
     carry ``ExitCode.PERMANENT``; the ``FAILURE_KEY`` record can, and the operator fails the job on it instead
     of crash-looping. Works before the contract or the process group exists: it only needs the endpoint.
     """
-    import time
-
     endpoint = endpoint if endpoint is not None else os.environ.get(env.AGENT_ENDPOINT)
     if not endpoint:
         return False

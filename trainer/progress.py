@@ -126,8 +126,6 @@ def _propose_interval(trainer: ElasticTrainer) -> int:
 
 
 def read_reliability(watchdog: Watchdog) -> Optional[control_keys.ReliabilityReport]:
-    """The agent's failure-rate estimate for the interval planner (None without a control channel or before one)."""
-    store = watchdog.store
-    if store is None:
-        return None
-    return control_keys.read_model(store, control_keys.RELIABILITY_KEY, control_keys.ReliabilityReport)
+    """The agent's failure-rate estimate for the interval planner (None without a control channel or before the
+    watchdog's thread first read it)."""
+    return watchdog.reliability()
