@@ -39,9 +39,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("disttrain.trainer")
 
 STOP_JOIN_S = 2.0
+"""How long :meth:`Watchdog.stop` waits for the polling thread to finish its current store call."""
 RELIABILITY_READ_SECONDS = 2.0
 """How often the watchdog's thread reads the agent's failure history once someone asked for it."""
-"""How long :meth:`Watchdog.stop` waits for the polling thread to finish its current store call."""
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
