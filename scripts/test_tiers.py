@@ -10,7 +10,8 @@ Each test's wall and CPU seconds go to build/test-logs/<tier>.costs.jsonl (tests
 `python scripts/house_figures.py` names the most expensive ones.
 
 A tier with a few failures runs those tests once more (build/test-logs/<tier>.rerun.log); the report names every
-test that passed only on its rerun, so a flaky scenario stays visible rather than failing CI at random.
+test that passed only on its rerun and prints what its first run said, so a flaky scenario stays visible (and
+explained) rather than failing CI at random.
 
     python scripts/test_tiers.py                  # every tier of `make test`
     python scripts/test_tiers.py unit chart       # these tiers only, one lane each
@@ -57,6 +58,8 @@ class TierResult:
     seconds: float = 0.0
     counts: str = "not run"
     log: Path = field(default_factory=Path)
+    first_failures: list[str] = field(default_factory=list)
+    """The short summary lines of the tests that failed on the first run (why a flaky test failed)."""
 
     @property
     def passed(self) -> bool:
@@ -76,7 +79,9 @@ def run_tier(tier: str, pytest_args: list[str]) -> TierResult:
     with open(log, "w") as out:
         returncode = subprocess.call(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=environ)
     counts = _counts(log, returncode)
-    failed = FAILED.findall(log.read_text(errors="replace"))
+    first_log = log.read_text(errors="replace")
+    failed = FAILED.findall(first_log)
+    first_failures = [line for line in first_log.splitlines() if FAILED.match(line)]
     if returncode not in (0, 5) and 0 < len(failed) <= MAX_RERUNS:
         # Once, and only the tests that failed: on 2 cores a few multi-process scenarios miss a deadline now and
         # then. A test that fails twice fails the tier; one that passed on its rerun is named in the report.
@@ -95,7 +100,7 @@ def run_tier(tier: str, pytest_args: list[str]) -> TierResult:
         log = rerun_log if returncode not in (0, 5) else log
     seconds = time.monotonic() - start
     print(f"[tiers] {tier}: {counts} in {seconds:.0f} s", flush=True)
-    return TierResult(tier, returncode, seconds, counts, log)
+    return TierResult(tier, returncode, seconds, counts, log, first_failures)
 
 
 def _counts(log: Path, returncode: int) -> str:
@@ -136,6 +141,11 @@ def report(results: list[TierResult], wall_s: float) -> int:
             start = text.find("short test summary info")
             print(f"\n[tiers] {result.tier} FAILED (log: {result.log.relative_to(REPO)}):")
             print(text[start - 40 :] if start >= 0 else text[-6000:])
+    for result in results:
+        if result.passed and result.first_failures:  # green on the rerun: say why the first run failed
+            print(f"\n[tiers] {result.tier}: passed on the rerun; the first run said:")
+            for line in result.first_failures:
+                print(f"[tiers]   {line[:400]}")
     print("\n[tiers] tier       seconds  cpu s  result")
     order = [tier for lane in LANES for tier in lane]
     for result in sorted(results, key=lambda r: order.index(r.tier) if r.tier in order else len(order)):
