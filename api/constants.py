@@ -33,6 +33,9 @@ DNS_1035_LABEL: Final = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 # Name of the container in the job agent pod (the only one).
 AGENT_CONTAINER: Final = "agent"
+# The job agent's own heartbeat (disttrain.operator.agentbeat): by default it renews its Lease this often (the
+# operator's --agent-heartbeat-seconds), and the Lease is held for three renewals (for readers of the object).
+AGENT_LEASE_RENEW_SECONDS: Final = 1.0
 
 # torchrun's rendezvous backend in worker pods: the c10d handler that completes a round as soon as the operator's
 # target node count joined and never closes the rendezvous when one node leaves. The trainer package registers it

@@ -15,6 +15,9 @@ NODE_NAME: Final = "DISTTRAIN_NODE_NAME"
 # The worker pod's uid (downward API ``metadata.uid``): with the node name it tells the operator which pod the job
 # agent found silent in the rendezvous heartbeats, and never a later pod of the same name.
 POD_UID: Final = "DISTTRAIN_POD_UID"
+# The Lease the job agent renews (its own heartbeat, read by the operator), and how often; unset: it renews none.
+AGENT_LEASE: Final = "DISTTRAIN_AGENT_LEASE"
+AGENT_LEASE_RENEW_SECONDS: Final = "DISTTRAIN_AGENT_LEASE_RENEW_SECONDS"
 # Stable node index of this node (the pod's ``disttrain.dev/node-index`` label). The ``disttrain`` rendezvous
 # handler orders ranks by it, and a replacement pod takes the index of the node it replaces, so every rank
 # lands on the same node slot after a reform. Never a rank itself (indices may have gaps after a scale-down:

@@ -54,7 +54,7 @@ from disttrain.api.contract import job_checkpoint_dir
 from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.status import AGENT_FIELDS
 from disttrain.api.timestamps import format_time
-from disttrain.trainer.agent import guardian, heartbeats, reporting, stalls
+from disttrain.trainer.agent import guardian, heartbeats, lease, reporting, stalls
 from disttrain.trainer.checkpoint import autointerval
 from disttrain.trainer.checkpoint.commit import step_dir_name
 
@@ -711,8 +711,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     agent = Agent(source, store, poll_seconds=args.poll_seconds, guard=guard)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop_event.set())
     log.info("agent for %s serving the store on %s:%d", args.name or args.state_dir, args.host, args.port)
+    renewer = _start_lease(source)
     try:
         return agent.run()
     finally:
+        if renewer is not None:
+            renewer.stop()
         if guard is not None:
             guard.stop()
+
+
+def _start_lease(source: JobSource) -> Optional[lease.LeaseRenewer]:
+    """Renew the Lease the operator named (Kubernetes only; an older operator names none)."""
+    name, holder = os.environ.get(env.AGENT_LEASE), os.environ.get(env.POD_UID)
+    if not isinstance(source, KubeJobSource) or not name or not holder:
+        return None
+    coordination = _kubernetes().client.CoordinationV1Api(source.api.api_client)
+    try:
+        renew_s = float(os.environ.get(env.AGENT_LEASE_RENEW_SECONDS) or constants.AGENT_LEASE_RENEW_SECONDS)
+    except ValueError:
+        renew_s = constants.AGENT_LEASE_RENEW_SECONDS
+    renewer = lease.LeaseRenewer(coordination, source.namespace, name, holder, renew_s if renew_s > 0 else 1.0)
+    renewer.start()
+    return renewer
