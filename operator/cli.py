@@ -12,10 +12,21 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from disttrain.api import crd, validation
+from disttrain.api import constants, crd, validation
 
 if TYPE_CHECKING:
     from disttrain.operator import access
+
+
+def _non_negative_seconds(text: str) -> float:
+    """An argparse type: seconds, 0 or more (a clear error otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be 0 (off) or a positive number of seconds")
+    return value
 
 
 def cmd_crd(args: argparse.Namespace) -> int:
@@ -162,7 +173,14 @@ def cmd_operator(args: argparse.Namespace) -> int:
         return client.ApiClient(configuration)
 
     registry = kopf.get_default_registry()  # carries kopf's own login handlers (in-cluster, kubeconfig)
-    handlers.register(registry, api_client, OperatorMetrics(), agent_image=args.agent_image or None, network=network)
+    handlers.register(
+        registry,
+        api_client,
+        OperatorMetrics(),
+        agent_image=args.agent_image or None,
+        network=network,
+        agent_heartbeat_s=args.agent_heartbeat_seconds,
+    )
 
     @kopf.on.startup(registry=registry)
     def startup(settings: kopf.OperatorSettings, **_: object) -> None:
@@ -246,6 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="IMAGE",
         help="image of every job agent pod, a disttrain trainer image (default: ghcr.io/disttrain/trainer at this "
         "operator's version); never the user's template image",
+    )
+    p_operator.add_argument(
+        "--agent-heartbeat-seconds",
+        type=_non_negative_seconds,
+        default=constants.AGENT_LEASE_RENEW_SECONDS,
+        metavar="SECONDS",
+        help="how often every job agent renews its Lease, so that the loss of its node is noticed in three periods "
+        "rather than at NotReady; one small API write per job per period (0: no Lease; default %(default)s)",
     )
     p_operator.add_argument(
         "--network-policy",

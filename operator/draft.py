@@ -51,6 +51,7 @@ class Draft:
         self.events: list[Event] = []
         self.create: list[WorkerCreation] = []
         self.create_agent = False
+        self.agent_avoid_nodes: tuple[str, ...] = ()
         self.deletions: dict[str, PodDeletion] = {}
         self.timers: list[float] = []
         self.delete_job = False
@@ -95,6 +96,7 @@ class Draft:
         return Actions(
             create_workers=tuple(sorted(self.create, key=lambda w: w.node_index)),
             create_agent=self.create_agent,
+            agent_avoid_nodes=self.agent_avoid_nodes if self.create_agent else (),
             delete_pods=tuple(self.deletions.values()),
             status_patch=merge_patch(self.old, new),
             status=new,

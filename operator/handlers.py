@@ -36,11 +36,22 @@ from kubernetes import client as k8s
 
 from disttrain.api import constants, storeauth, timestamps
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import access, agentfields, diffbase, eventrate, listing, patches, retry, scheduling
+from disttrain.operator import (
+    access,
+    agentbeat,
+    agentfields,
+    diffbase,
+    eventrate,
+    listing,
+    names,
+    patches,
+    retry,
+    scheduling,
+)
 from disttrain.operator import pods as builders
 from disttrain.operator.caches import ClusterCache, JobKey, is_owned_by, owner_uids
 from disttrain.operator.metrics import OperatorMetrics
-from disttrain.operator.observed import Actions, CreateFailure
+from disttrain.operator.observed import Actions, CreateFailure, PodView
 from disttrain.operator.reconcile import reconcile
 
 log = logging.getLogger("disttrain.operator")
@@ -91,6 +102,7 @@ class Kube:
         self.core = k8s.CoreV1Api(api_client)
         self.rbac = k8s.RbacAuthorizationV1Api(api_client)
         self.networking = k8s.NetworkingV1Api(api_client)
+        self.coordination = k8s.CoordinationV1Api(api_client)
         self.custom = k8s.CustomObjectsApi(api_client)
         self._threads = concurrent.futures.ThreadPoolExecutor(API_CONCURRENCY, thread_name_prefix="kube-api")
 
@@ -186,6 +198,7 @@ class Kube:
             "RoleBinding": self.rbac.create_namespaced_role_binding,
             "Secret": self.core.create_namespaced_secret,
             "NetworkPolicy": self.networking.create_namespaced_network_policy,
+            "Lease": self.coordination.create_namespaced_lease,
             "Event": self.core.create_namespaced_event,
         }
         try:
@@ -212,6 +225,7 @@ class Kube:
             "Role": self.rbac.read_namespaced_role,
             "RoleBinding": self.rbac.read_namespaced_role_binding,
             "NetworkPolicy": self.networking.read_namespaced_network_policy,
+            "Lease": self.coordination.read_namespaced_lease,
         }
         try:
             return self._body(await self._call(readers[kind], name, namespace))
@@ -327,6 +341,10 @@ class Writer:
     failures: Failures = dataclasses.field(default_factory=dict)
     events: Optional[eventrate.EventFilter] = None
     """Which Events go out (rate limits); None: every one."""
+    agent_heartbeat_s: float = constants.AGENT_LEASE_RENEW_SECONDS
+    """How often every job agent renews its Lease (0: no Lease, the agent's loss is Kubernetes' to notice)."""
+    beats: agentbeat.AgentBeats = dataclasses.field(default_factory=agentbeat.AgentBeats)
+    """The job agents' Lease renewals, as the Lease watch delivered them."""
 
 
 async def _create(writer: Writer, job: DistTrainJob, obj: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -419,9 +437,13 @@ async def _create_all(writer: Writer, job: DistTrainJob, actions: Actions) -> No
     ns, name = job.metadata.namespace, job.metadata.name
     if actions.create_agent:
         await _create(writer, job, access.build_store_secret(job, storeauth.new_secret()))  # 409: ours stays
-        for obj in builders.build_support_objects(job, writer.network):
+        for obj in builders.build_support_objects(job, writer.network, writer.agent_heartbeat_s):
             await _create(writer, job, obj)
-        created = await _create_pod(writer, job, builders.build_agent_pod(job, writer.agent_image))
+        created = await _create_pod(
+            writer,
+            job,
+            builders.build_agent_pod(job, writer.agent_image, actions.agent_avoid_nodes, writer.agent_heartbeat_s),
+        )
         _remember_pod(writer.cache, None if created is REFUSED else created)
     for worker in actions.create_workers:
         pod = builders.build_worker_pod(job, worker.node_index, name=worker.name, avoid_nodes=worker.avoid_nodes)
@@ -463,10 +485,12 @@ async def reconcile_once(writer: Writer, namespace: str, name: str) -> Optional[
     job = DistTrainJob.model_validate(
         {**{k: v for k, v in raw.items() if k in ("apiVersion", "kind", "spec", "status")}, "metadata": meta}
     )
+    seen = cache.observe(namespace, name, job.metadata.uid)
     observed = dataclasses.replace(
-        cache.observe(namespace, name, job.metadata.uid),
+        seen,
         refused=writer.refusals.get((namespace, name)),
         create_failure=writer.failures.get((namespace, name)),
+        agent_silent=writer.beats.is_silent((namespace, name), seen.agent, time.monotonic()),
     )
     now = time.time()
     actions = reconcile(job, observed, now)
@@ -548,16 +572,19 @@ def register(
     metrics: OperatorMetrics,
     agent_image: Optional[str] = None,
     network: access.NetworkPolicySettings = access.DEFAULT_NETWORK,
+    agent_heartbeat_s: float = constants.AGENT_LEASE_RENEW_SECONDS,
 ) -> None:
     """Register every handler on ``registry`` (a fresh one in tests, kopf's default one in ``disttrain operator``);
     ``agent_image`` is the image of every job agent (None: :func:`disttrain.operator.pods.default_agent_image`),
-    ``network`` the per-job NetworkPolicies' settings (``--network-policy`` and the scraper's selectors)."""
+    ``network`` the per-job NetworkPolicies' settings (``--network-policy`` and the scraper's selectors),
+    ``agent_heartbeat_s`` how often the agents renew their Lease (``--agent-heartbeat-seconds``; 0: no Lease)."""
     pokes = Pokes()
     cache = ClusterCache()
     refusals: Refusals = {}
     failures: Failures = {}
     events = eventrate.EventFilter()
     box: dict[str, Any] = {}
+    beats = agentbeat.AgentBeats(agent_heartbeat_s or constants.AGENT_LEASE_RENEW_SECONDS)
 
     def writer() -> Writer:
         """Built at the first reconcile, as the API client was before: not at registration."""
@@ -571,6 +598,8 @@ def register(
                 refusals=refusals,
                 failures=failures,
                 events=events,
+                agent_heartbeat_s=agent_heartbeat_s,
+                beats=beats,
             )
         return box["writer"]
 
@@ -691,6 +720,35 @@ def register(
         if key is not None:
             pokes.poke(*key)
 
+    def agent_of(key: JobKey) -> Optional[PodView]:
+        record = cache.pods.get((key[0], names.agent_name(key[1])))
+        return None if record is None else record.view
+
+    async def wake_silent_agents() -> None:
+        """A silent agent brings no watch event: look on a timer and wake its job (it replaces the agent)."""
+        while True:
+            await asyncio.sleep(agentbeat.CHECK_S)
+            for namespace, name in beats.newly_silent(agent_of, time.monotonic()):
+                log.warning("job %s/%s: its agent stopped renewing its Lease", namespace, name)
+                pokes.poke(namespace, name)
+
+    checker: list[asyncio.Task[None]] = []
+
+    @kopf.on.event(
+        "coordination.k8s.io", "v1", "leases", labels={constants.LABEL_JOB_NAME: kopf.PRESENT}, registry=registry
+    )
+    async def lease_changed(*, type: Optional[str], body: kopf.Body, namespace: Optional[str], **_: Any) -> None:
+        job = (body.get("metadata", {}).get("labels") or {}).get(constants.LABEL_JOB_NAME)
+        if not job:
+            return
+        key = (_namespaced(namespace), str(job))
+        if type == "DELETED":
+            beats.forget(key)
+        else:
+            beats.renewed(key, body, time.monotonic())
+        if not checker or checker[0].done():
+            checker[:] = [asyncio.create_task(wake_silent_agents(), name="agent beats")]
+
     @kopf.on.event("v1", "nodes", registry=registry)
     async def node_changed(*, type: Optional[str], body: kopf.Body, **_: Any) -> None:
         now = time.monotonic()
@@ -701,6 +759,8 @@ def register(
     @kopf.on.cleanup(registry=registry)
     async def stop_sweeps(**_: Any) -> None:
         await listings.close()
+        for task in checker:
+            task.cancel()
         running = [task for task, _stop in loops.values()]
         for namespace, name in list(loops):
             stop_loop(namespace, name)
@@ -714,7 +774,7 @@ def register(
         return len(pokes.events)
 
 
-WATCH_SINKS = ("job_changed", "pod_changed", "node_changed")
+WATCH_SINKS = ("job_changed", "pod_changed", "node_changed", "lease_changed")
 """The event handlers that only feed the caches: one call per watch event of every job, pod and node."""
 
 
@@ -743,3 +803,4 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.watching.server_timeout = 300
     # Watch only our pods (server-side): the rest of the cluster's pods never reach the operator.
     settings.watching.label_selectors["v1", "pods"] = constants.LABEL_JOB_NAME
+    settings.watching.label_selectors["coordination.k8s.io", "leases"] = constants.LABEL_JOB_NAME

@@ -27,6 +27,11 @@ def agent_name(job: str) -> str:
     return f"{job}-agent"
 
 
+def agent_lease_name(job: str) -> str:
+    """The Lease the job's agent renews (its own heartbeat, :mod:`disttrain.operator.agentbeat`)."""
+    return f"{job}-agent-heartbeat"
+
+
 def agent_service_name(job: str) -> str:
     return f"{job}-agent"
 

@@ -112,6 +112,8 @@ class Observed:
     create_failure: Optional[CreateFailure] = None
     """The failed creation of the adapter's last apply (any object, a pod's admission refusal excepted: that is
     :attr:`refused`); None when it created everything it was asked to."""
+    agent_silent: bool = False
+    """The agent pod stopped renewing its Lease (:mod:`disttrain.operator.agentbeat`): its node is taken for dead."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +152,9 @@ class Actions:
     create_workers: tuple[WorkerCreation, ...] = ()
     """Worker pods to create, by node index."""
     create_agent: bool = False
+    agent_avoid_nodes: tuple[str, ...] = ()
+    """Nodes the new agent must not be scheduled on: its predecessor's, when only its silent Lease says the node
+    died (Kubernetes still has it Ready and schedulable)."""
     delete_pods: tuple[PodDeletion, ...] = ()
     status_patch: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """JSON merge patch (RFC 7386) of status.* fields the operator owns; empty when nothing changed."""

@@ -9,6 +9,7 @@ everything (on a real cluster; the kmock emulator has no garbage collector).
 from __future__ import annotations
 
 import copy
+import math
 import shlex
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -17,7 +18,7 @@ from disttrain.api import constants, containers, env
 from disttrain.api import spec as spec_module
 from disttrain.api.contract import WorkerContract, job_checkpoint_dir
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import access, graceperiod, names, podsecurity, scheduling
+from disttrain.operator import access, agentbeat, graceperiod, names, podsecurity, scheduling
 
 # torchrun counts every worker-group failure (our drain and reform exits included) against --max-restarts;
 # the operator owns the restart budget, so torchrun's must never run out.
@@ -272,7 +273,12 @@ def default_agent_image() -> str:
         return f"{AGENT_IMAGE_REPOSITORY}:latest"
 
 
-def build_agent_pod(job: DistTrainJob, image: Optional[str] = None) -> dict[str, Any]:
+def build_agent_pod(
+    job: DistTrainJob,
+    image: Optional[str] = None,
+    avoid_nodes: Sequence[str] = (),
+    heartbeat_s: float = constants.AGENT_LEASE_RENEW_SECONDS,
+) -> dict[str, Any]:
     """The job agent: hosts the TCPStore, follows the job, relays progress.
 
     Its image is the operator's choice (``--agent-image``, default :func:`default_agent_image`), never the user's
@@ -281,6 +287,8 @@ def build_agent_pod(job: DistTrainJob, image: Optional[str] = None) -> dict[str,
     and affinity are the workers' (GPU nodes), and its securityContext is meant for the user's image, not the
     operator's (which runs as a non-root user); the agent gets the restricted defaults. The template's
     imagePullSecrets are kept: a private registry mirror usually serves the operator's image with the same secret.
+    Never scheduled on ``avoid_nodes`` (node affinity, on top of ``spec.agent``'s). It renews its Lease every
+    ``heartbeat_s`` (0: it has none).
     """
     template_spec = job.spec.template.get("spec") or {}
     placement = job.spec.agent
@@ -306,7 +314,15 @@ def build_agent_pod(job: DistTrainJob, image: Optional[str] = None) -> dict[str,
     }
     if template_spec.get("imagePullSecrets"):
         spec["imagePullSecrets"] = copy.deepcopy(template_spec["imagePullSecrets"])
+    if heartbeat_s > 0:
+        container["env"] += [
+            {"name": env.POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+            {"name": env.AGENT_LEASE, "value": names.agent_lease_name(job.metadata.name)},
+            {"name": env.AGENT_LEASE_RENEW_SECONDS, "value": f"{heartbeat_s:g}"},
+        ]
     _place_agent(placement, spec)
+    if avoid_nodes:
+        _avoid_nodes(spec, avoid_nodes)
     access.mount_store_secret(job, spec, container)
     podsecurity.apply_restricted_defaults(spec)  # it keeps its token: it watches its job and patches status
     meta = _metadata(job, name, constants.ROLE_AGENT, {access.LABEL_JOB_UID: job.metadata.uid or ""})
@@ -362,7 +378,7 @@ def build_service_account(job: DistTrainJob) -> dict[str, Any]:
 
 
 def build_role(job: DistTrainJob) -> dict[str, Any]:
-    """The agent may read its own job and patch only its status: nothing else, no other job."""
+    """The agent may read its own job, patch only its status, and renew its own Lease: nothing else, no other job."""
     only = [job.metadata.name]
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -381,7 +397,25 @@ def build_role(job: DistTrainJob) -> dict[str, Any]:
                 "resourceNames": only,
                 "verbs": ["get", "patch"],
             },
+            {
+                "apiGroups": ["coordination.k8s.io"],
+                "resources": ["leases"],
+                "resourceNames": [names.agent_lease_name(job.metadata.name)],
+                "verbs": ["patch"],
+            },
         ],
+    }
+
+
+def build_agent_lease(job: DistTrainJob, heartbeat_s: float = constants.AGENT_LEASE_RENEW_SECONDS) -> dict[str, Any]:
+    """The Lease the agent renews every ``heartbeat_s`` (:mod:`disttrain.operator.agentbeat`); created here, not by
+    the agent, so that the agent may patch this one Lease and create none."""
+    name = names.agent_lease_name(job.metadata.name)
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": _metadata(job, name, constants.ROLE_AGENT),
+        "spec": {"leaseDurationSeconds": max(1, math.ceil(agentbeat.SILENT_RENEWALS * heartbeat_s))},
     }
 
 
@@ -403,15 +437,19 @@ def build_role_binding(job: DistTrainJob) -> dict[str, Any]:
 
 
 def build_support_objects(
-    job: DistTrainJob, network: access.NetworkPolicySettings = access.DEFAULT_NETWORK
+    job: DistTrainJob,
+    network: access.NetworkPolicySettings = access.DEFAULT_NETWORK,
+    heartbeat_s: float = constants.AGENT_LEASE_RENEW_SECONDS,
 ) -> list[dict[str, Any]]:
     """Everything but pods and the store Secret (random: see handlers), in creation order (RBAC before the agent
-    needs it; the NetworkPolicies, unless ``network`` turns them off, before the agent and workers listen)."""
+    needs it; the NetworkPolicies, unless ``network`` turns them off, before the agent and workers listen; the
+    agent's Lease unless ``heartbeat_s`` is 0)."""
     return [
         *access.build_network_policies(job, METRICS_PORT, network),
         build_service_account(job),
         build_role(job),
         build_role_binding(job),
+        *([build_agent_lease(job, heartbeat_s)] if heartbeat_s > 0 else []),
         build_agent_service(job),
         build_headless_service(job),
     ]

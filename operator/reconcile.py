@@ -223,16 +223,22 @@ def _ensure_agent(d: Draft) -> None:
     agent = d.seen.agent
     name = names.agent_name(d.job.metadata.name)
     tracked = d.status.tracked_pods
-    lost = is_agent_lost(agent, d.seen.nodes)
+    silent = agent is not None and d.seen.agent_silent and not agent.is_finished
+    lost = is_agent_lost(agent, d.seen.nodes) or silent
     if agent is not None and lost:
         # No kubelet will confirm the deletion of a pod on a dead node: force it at once so that the replacement
-        # (same name) starts now, not after stuckPodTimeoutSeconds while the workers have no store.
-        force = is_on_dead_node(agent, d.seen.nodes) or (
-            agent.is_terminating and is_force_delete_due(agent, d.spec, d.seen.nodes, d.now)
+        # (same name) starts now, not after stuckPodTimeoutSeconds while the workers have no store. A silent
+        # agent's node is taken for dead before Kubernetes says so (its kubelet, if alive, stops the old one).
+        force = (
+            silent
+            or is_on_dead_node(agent, d.seen.nodes)
+            or (agent.is_terminating and is_force_delete_due(agent, d.spec, d.seen.nodes, d.now))
         )
         d.delete(agent, Reason.AGENT_RESTARTED, force=force)
         if force:
             d.create_agent = True  # applied after the deletion; a 409 is retried by the next reconcile
+        if silent and agent.node_name:
+            d.agent_avoid_nodes = (agent.node_name,)  # still Ready to the scheduler
         elif agent.is_terminating:
             d.timer((agent.deleting_since or d.now) + d.spec.elastic.stuck_pod_timeout_seconds)
     if agent is None:
@@ -240,10 +246,11 @@ def _ensure_agent(d: Draft) -> None:
     if lost and name in tracked:
         tracked.discard(name)
         where = f" (node {agent.node_name})" if agent is not None and agent.node_name else ""
+        why = ", silent in its Lease" if silent else ""
         d.event(
             WARNING,
             Reason.AGENT_RESTARTED,
-            f"job agent pod {name} was lost{where}; recreating it: the workers train on and reconnect to it, "
+            f"job agent pod {name} was lost{where}{why}; recreating it: the workers train on and reconnect to it, "
             "no restart",
         )
         d.status.agent_lost_at = timestamps.format_time(d.now)

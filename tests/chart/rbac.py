@@ -22,6 +22,7 @@ KOPF = (
     _expand("apiextensions.k8s.io", ["customresourcedefinitions"], ["list", "watch"])  # resource observer
     | _expand("disttrain.dev", ["disttrainjobs"], ["list", "watch", "patch"])  # watch; finalizer, annotations
     | _expand("", ["pods", "nodes"], ["list", "watch"])  # @kopf.on.event("v1", "pods" / "nodes")
+    | _expand("coordination.k8s.io", ["leases"], ["list", "watch"])  # the agents' Leases (operator/agentbeat.py)
     | _expand("", ["events"], ["create"])
 )  # kopf's own Events (core/v1) about handler failures
 """kopf 1.45 itself (kopf/_core/reactor/observation.py, posting.py) for the handlers in operator/handlers.py."""
@@ -37,6 +38,7 @@ ADAPTER = (
     | _expand("", ["services", "serviceaccounts", "events", "secrets"], ["create"])  # Kube.create
     | _expand("networking.k8s.io", ["networkpolicies"], ["create"])  # Kube.create (operator/access.py)
     | _expand("rbac.authorization.k8s.io", ["roles", "rolebindings"], ["create"])
+    | _expand("coordination.k8s.io", ["leases"], ["create", "get"])  # Kube.create, Kube.read: the agent's Lease
     # Kube.read: after a 409 on create, whose the existing object is (owner uid)
     | _expand("", ["pods", "services", "serviceaccounts"], ["get"])  # not secrets: names.store_secret_name
     | _expand("networking.k8s.io", ["networkpolicies"], ["get"])

@@ -81,11 +81,13 @@ def test_operator_may_create_every_object_it_builds():
         "Event": "events",
         "Secret": "secrets",
         "NetworkPolicy": "networkpolicies",
+        "Lease": "leases",
     }
     groups = {
         "Role": "rbac.authorization.k8s.io",
         "RoleBinding": "rbac.authorization.k8s.io",
         "NetworkPolicy": "networking.k8s.io",
+        "Lease": "coordination.k8s.io",
     }
     assert created <= set(plural), created - set(plural)
     held = granted(_only(render(), "ClusterRole")["rules"])

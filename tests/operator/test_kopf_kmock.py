@@ -95,6 +95,7 @@ async def test_apply_creates_agent_services_rbac_and_workers_owned_by_the_job(op
         "/api/v1/namespaces/default/serviceaccounts/demo-agent",
         "/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles/demo-agent",
         "/apis/rbac.authorization.k8s.io/v1/namespaces/default/rolebindings/demo-agent",
+        "/apis/coordination.k8s.io/v1/namespaces/default/leases/demo-agent-heartbeat",  # the agent's heartbeat
     ):
         obj = await k.get(path)
         assert obj is not None, path

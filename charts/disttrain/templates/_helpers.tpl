@@ -76,6 +76,11 @@ Namespaced, in the ClusterRole when serving all namespaces, else in a Role per w
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "create"]
+# The job agents' Leases (their own heartbeat): created with each agent, watched; patch is what the agent's Role
+# grants (RBAC lets the operator grant only what it holds).
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]

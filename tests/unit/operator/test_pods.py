@@ -253,11 +253,27 @@ def test_builders_are_pure():
     assert json.dumps(job.spec.template, sort_keys=True) == before
 
 
-def test_agent_role_allows_only_its_own_job_and_status_patch():
-    role = pods.build_role(make_job())
-    assert all(rule["resourceNames"] == ["demo"] for rule in role["rules"])
+def test_agent_role_allows_only_its_own_job_its_status_and_a_patch_of_its_own_lease():
+    job = make_job()
+    role = pods.build_role(job)
+    lease, agent = pods.build_agent_lease(job), pods.build_agent_pod(job)
+    names = {tuple(rule["resources"]): rule["resourceNames"] for rule in role["rules"]}
+    assert names == {
+        ("disttrainjobs",): ["demo"],
+        ("disttrainjobs/status",): ["demo"],
+        ("leases",): [lease["metadata"]["name"]],
+    }
     verbs = {tuple(rule["resources"]): rule["verbs"] for rule in role["rules"]}
-    assert verbs == {("disttrainjobs",): ["get", "watch"], ("disttrainjobs/status",): ["get", "patch"]}
+    assert verbs == {
+        ("disttrainjobs",): ["get", "watch"],
+        ("disttrainjobs/status",): ["get", "patch"],
+        ("leases",): ["patch"],  # no create: the operator makes the Lease, so the agent can touch no other
+    }
+    container_env = {e["name"]: e for e in agent["spec"]["containers"][0]["env"]}
+    assert container_env["DISTTRAIN_AGENT_LEASE"]["value"] == lease["metadata"]["name"]
+    assert container_env["DISTTRAIN_POD_UID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+    assert lease in pods.build_support_objects(job)  # created with every agent
+    assert lease["metadata"]["ownerReferences"][0]["uid"] == job.metadata.uid  # and goes with the job
     binding = pods.build_role_binding(make_job())
     assert binding["subjects"][0]["name"] == pods.build_agent_pod(make_job())["spec"]["serviceAccountName"]
 
@@ -387,3 +403,24 @@ def test_the_operator_refuses_a_bad_scraper_selector_before_it_starts(capsys):
     code = cli.main(["operator", "--all-namespaces", "--metrics-scraper-pod-selector", '{"app": "prometheus"}'])
     assert code == 2
     assert "--metrics-scraper-pod-selector: unknown keys ['app']" in capsys.readouterr().err
+
+
+def test_a_replacement_agent_avoids_its_predecessors_node_and_keeps_its_own_placement():
+    manifest = job_manifest()
+    manifest["spec"]["agent"] = {"nodeSelector": {"pool": "agents"}}
+    pod = pods.build_agent_pod(DistTrainJob.model_validate(manifest), avoid_nodes=["node-a"])
+    assert pod["spec"]["nodeSelector"] == {"pool": "agents"}
+    [term] = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert term["matchFields"] == [{"key": "metadata.name", "operator": "NotIn", "values": ["node-a"]}]
+    assert "affinity" not in pods.build_agent_pod(DistTrainJob.model_validate(manifest))["spec"]
+
+
+def test_an_agent_heartbeat_of_zero_means_no_lease_and_no_renewals():
+    job = make_job()
+    assert not [obj for obj in pods.build_support_objects(job, heartbeat_s=0) if obj["kind"] == "Lease"]
+    names = {e["name"] for e in pods.build_agent_pod(job, heartbeat_s=0)["spec"]["containers"][0]["env"]}
+    assert "DISTTRAIN_AGENT_LEASE" not in names
+    lease = pods.build_agent_lease(job, heartbeat_s=2.5)
+    assert lease["spec"]["leaseDurationSeconds"] == 8  # three periods, rounded up

@@ -1044,3 +1044,22 @@ def test_a_lost_pod_is_listed_for_the_survivors_rendezvous_until_the_next_group_
     world.run_all().progress(3, step=6).step(1)
     assert world.status["phase"] == "Running" and world.control["action"] == "none"
     assert world.control.get("lost", []) == []
+
+
+def test_an_agent_silent_in_its_lease_is_force_deleted_and_recreated_before_its_node_is_notready():
+    """Its node still looks Ready (Kubernetes has not noticed yet): the Lease's silence is enough. No restart, no
+    directive; the replacement, a new pod, is not judged by its predecessor's silence."""
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.nodes = {name: NodeView(name) for name in ("node-0", "node-1", "node-agent")}
+    old = world.agent.uid
+    world.renew_agent_lease().step(1)
+    world.renew_agent_lease().step(world.beats.silent_s - 0.5)
+    assert world.agent.uid == old and world.last.delete_pods == (), "silent for less than SILENT_S"
+    actions = world.step(1)
+    assert [(d.name, d.force) for d in actions.delete_pods] == [("demo-agent", True)]
+    assert actions.create_agent and world.agent.uid != old
+    assert actions.agent_avoid_nodes == ("node-agent",), "the scheduler still has the dead node Ready"
+    assert world.status["restarts"] == NO_RESTART and world.control["action"] == "none"
+    assert "silent in its Lease" in dict(world.events)["AgentRestarted"]
+    world.run_all().step(world.beats.silent_s * 3)  # the new agent has not renewed yet: the old silence is not its own
+    assert world.last.delete_pods == () and not world.last.create_agent

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from disttrain.api import timestamps
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import names, patches
+from disttrain.operator import agentbeat, names, patches
 from disttrain.operator.observed import Actions, NodeView, Observed, PodView
 from disttrain.operator.reconcile import reconcile
 
@@ -74,6 +74,8 @@ class World:
     auto_schedule: bool = True
     refused: Optional[str] = None
     """What the API server answered the last refused pod creation (the adapter's memory)."""
+    beats: agentbeat.AgentBeats = dataclasses.field(default_factory=agentbeat.AgentBeats)
+    """The agent's Lease renewals as the adapter saw them (the world's clock stands for its monotonic one)."""
 
     @property
     def name(self) -> str:
@@ -84,7 +86,22 @@ class World:
         return self.manifest.setdefault("status", {})
 
     def observed(self) -> Observed:
-        return Observed(workers=tuple(self.workers.values()), agent=self.agent, nodes=self.nodes, refused=self.refused)
+        key = (self.manifest["metadata"].get("namespace", "default"), self.name)
+        return Observed(
+            workers=tuple(self.workers.values()),
+            agent=self.agent,
+            nodes=self.nodes,
+            refused=self.refused,
+            agent_silent=self.beats.is_silent(key, self.agent, self.now),
+        )
+
+    def renew_agent_lease(self) -> World:
+        """The current agent renews its Lease now (the Lease watch delivers it at once)."""
+        assert self.agent is not None
+        key = (self.manifest["metadata"].get("namespace", "default"), self.name)
+        lease = {"spec": {"holderIdentity": self.agent.uid, "renewTime": f"renewed at {self.now}"}}
+        self.beats.renewed(key, lease, self.now)
+        return self
 
     def step(self, seconds: float = 0.0) -> Actions:
         self.now += seconds
