@@ -8,6 +8,7 @@ import dataclasses
 import datetime
 import itertools
 import json
+import re
 import time
 import urllib.error
 import uuid
@@ -358,8 +359,18 @@ class AgentNodeLoss:
 
     @property
     def reconnected_at(self) -> float | None:
-        """When the workers' last store client said it reconnected (the logs' stamps have millisecond resolution)."""
-        stamps = [t for t in log_times(self.worker_logs, "reconnected after") if t >= self.powered_off_at - 1]
+        """When the workers' last store client said it reconnected after a loss that the outage caused (the logs'
+        stamps have millisecond resolution; a line says how long its client was away, so the loss time is known,
+        and a reconnection at the job's end, after a loss of its own, is not counted)."""
+        stamps = []
+        for line in self.worker_logs.splitlines():
+            away = re.search(r"reconnected after ([\d.]+) s", line)
+            if away is None:
+                continue
+            with contextlib.suppress(ValueError):
+                at = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                if self.powered_off_at - 1 <= at - float(away.group(1)) <= self.agent_back_at:
+                    stamps.append(at)
         return max(stamps) if stamps else None
 
     def steps_between(self, start: float, end: float) -> list[int]:
