@@ -7,14 +7,17 @@ of the e2e recorder trains with its agent alone on a node of an agent pool; that
 its Lease no longer renewed). The scenario is ``tests.cluster.harness.agent_node_loss``, the one
 ``tests/cluster/test_agent_node_loss.py`` asserts on. Printed per run, all from the power-off:
 
-* ``noticed_seconds``: -> the lost agent pod deleted by the operator (it emits ``AgentRestarted`` then); bounded
-  below by the node-lifecycle controller's grace period, since the operator acts on the node's NotReady;
+* ``noticed_seconds``: -> the lost agent pod deleted by the operator (it emits ``AgentRestarted`` then): the
+  agent's Lease silent for three renewal periods, or, on the old path (``--agent-heartbeat-seconds 0``), the
+  node's NotReady after the node-lifecycle controller's grace period;
 * ``agent_back_seconds``: -> the new agent pod Running;
 * ``reconnected_seconds``: -> the last "reconnected after" line of the workers' store clients (their logs);
 * ``longest_step_gap_seconds``: the largest gap between two consecutive steps recorded from the power-off to the
   reconnection, beside ``median_step_seconds`` over the whole run: whether training paused;
 * ``steps_during_outage``: steps recorded between the power-off and the new agent's Running;
 * ``steps_lost``: steps run more than once or never; ``restarts``: status.restarts.total at the end.
+
+Each run is made with the agent's Lease (the default) and then on the old path, side by side.
 
     python bench/agent_loss_cluster.py [--runs 2] [--max-steps 160] [--step-sleep 0.25]
 """
@@ -90,43 +93,46 @@ def main() -> int:
     args = parser.parse_args()
     work = pathlib.Path(tempfile.mkdtemp(prefix="disttrain-agent-loss-"))
     began = time.time()
-    outcomes = []
+    outcomes: list[tuple[str, Outcome]] = []
+    paths = (("lease 1 s", ()), ("NotReady only", ("--agent-heartbeat-seconds=0",)))
     with ControlPlane() as plane:
         plane.start_controllers()
-        operator = start_operator(plane, work / "operator.log")
-        try:
-            for run in range(args.runs):
-                namespace = plane.create_namespace(f"agentloss-{run}")
-                run_dir = work / namespace
-                (run_dir / "volume").mkdir(parents=True)
-                checkpoint_claim(plane, namespace, run_dir / "volume")
-                kubelets = ProcessKubelets(plane, run_dir / "volume", run_dir / "pods", namespaces={namespace})
-                try:
-                    seen = agent_node_loss(
-                        Cluster(plane, namespace, kubelets),
-                        run_dir,
-                        max_steps=args.max_steps,
-                        step_sleep=args.step_sleep,
-                    )
-                finally:
-                    delete_jobs(plane, namespace)
-                    kubelets.stop()
-                outcome = outcome_of(seen)
-                outcomes.append(outcome)
-                print(f"run {run}: {outcome}", flush=True)
-        finally:
-            operator.kill()
+        for path, flags in paths:
+            operator = start_operator(plane, work / f"operator-{len(outcomes)}.log", flags)
+            try:
+                outcomes += [(path, run_once(plane, work, len(outcomes), args)) for _ in range(args.runs)]
+            finally:
+                operator.kill()
     print(
         f"node-monitor-grace-period 20 s, {args.max_steps} steps, step sleep {args.step_sleep} s; "
         f"bench wall time {time.time() - began:.0f}s; work dir {work}"
     )
     fields = [f.name for f in dataclasses.fields(Outcome)]
-    print("| run | " + " | ".join(fields) + " |")
+    print("| path | " + " | ".join(fields) + " |")
     print("|---" * (len(fields) + 1) + "|")
-    for run, o in enumerate(outcomes):
+    for path, o in outcomes:
         values = [getattr(o, f) for f in fields]
-        print(f"| {run} | " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in values) + " |")
+        print(f"| {path} | " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in values) + " |")
     return 0
+
+
+def run_once(plane: ControlPlane, work: pathlib.Path, run: int, args: argparse.Namespace) -> Outcome:
+    """One job through the loss of its agent's node, in a namespace of its own."""
+    namespace = plane.create_namespace(f"agentloss-{run}")
+    run_dir = work / namespace
+    (run_dir / "volume").mkdir(parents=True)
+    checkpoint_claim(plane, namespace, run_dir / "volume")
+    kubelets = ProcessKubelets(plane, run_dir / "volume", run_dir / "pods", namespaces={namespace})
+    try:
+        seen = agent_node_loss(
+            Cluster(plane, namespace, kubelets), run_dir, max_steps=args.max_steps, step_sleep=args.step_sleep
+        )
+    finally:
+        delete_jobs(plane, namespace)
+        kubelets.stop()
+    outcome = outcome_of(seen)
+    print(f"run {run}: {outcome}", flush=True)
+    return outcome
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import re
 import time
 import urllib.error
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -177,13 +177,15 @@ def checkpoint_claim(controllers: ControlPlane, namespace: str, volume_root: Pat
     )
 
 
-def start_operator(plane: ControlPlane, log: Path) -> OperatorProcess:
+def start_operator(plane: ControlPlane, log: Path, extra_args: Sequence[str] = ()) -> OperatorProcess:
     """The CRD as users apply it, the chart's RBAC and FlowSchema, and ``disttrain operator`` as a process logged in
-    as the chart's ServiceAccount (what the benchmarks run against)."""
+    as the chart's ServiceAccount (what the benchmarks run against), with ``extra_args``."""
     plane.kubectl("apply", "--server-side", "-f", str(REPO_ROOT / "crds"))
     plane.wait_established(constants.CRD_NAME)
     install_operator_rbac(plane)
-    operator = OperatorProcess(plane.service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT), log)
+    operator = OperatorProcess(
+        plane.service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT), log, extra_args
+    )
     operator.start(timeout=120)
     return operator
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from tests.cluster.controlplane import free_port
@@ -27,9 +28,11 @@ NOT_RBAC = re.compile(r"violates PodSecurity|error looking up service account")
 
 
 class OperatorProcess:
-    def __init__(self, kubeconfig: Path, log: Path) -> None:
+    def __init__(self, kubeconfig: Path, log: Path, extra_args: Sequence[str] = ()) -> None:
         self.kubeconfig = kubeconfig
         self.log = log
+        self.extra_args = tuple(extra_args)
+        """More ``disttrain operator`` flags (a benchmark's old path, for one)."""
         self.proc: subprocess.Popen[bytes] | None = None
         self.metrics_port = 0
 
@@ -47,6 +50,7 @@ class OperatorProcess:
             f"--metrics-port={self.metrics_port}",
             "--metrics-address=127.0.0.1",
             f"--liveness=http://127.0.0.1:{liveness}/healthz",
+            *self.extra_args,
         ]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
