@@ -40,8 +40,10 @@ STORE_SECRET: Final = "DISTTRAIN_STORE_SECRET"
 # File the worker's launcher writes the root cause of a failure to (exit code, the traceback's last line): the
 # trainer container's terminationMessagePath on Kubernetes, a file of the node's own in local mode.
 TERMINATION_LOG: Final = "DISTTRAIN_TERMINATION_LOG"
-# "0" turns off warm worker interpreters (disttrain.trainer.launch.warmstart): every worker then starts a cold Python.
+# Warm worker interpreters (disttrain.trainer.launch.warmstart): "0" turns them off (every worker starts a cold
+# Python); "spawn" keeps one per local worker that becomes the worker, instead of one per node that forks them.
 WARM_WORKERS: Final = "DISTTRAIN_WARM_WORKERS"
+WARM_SPAWN: Final = "spawn"
 # The launcher's debug folder (spec.debug; disttrain.trainer.launch.debugenv): NCCL's debug files and the per-rank
 # logs of this start of the pod. Unset without debug mode.
 DEBUG_DIR: Final = "DISTTRAIN_DEBUG_DIR"

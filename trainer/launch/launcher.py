@@ -363,9 +363,9 @@ def run(argv: Sequence[str]) -> int:
         return 0
     finally:
         READINESS.close()
+        if prestart.HANDOVER is not None:  # first: workers waiting in place end gracefully, before the warm
+            prestart.HANDOVER.close()  # interpreter that forked them ends (and takes its workers with it)
         WARM_POOL.close()
-        if prestart.HANDOVER is not None:
-            prestart.HANDOVER.close()
     return 0
 
 
