@@ -139,11 +139,12 @@ class Harness:
         run: str,
         torchrun_args: Optional[list[str]] = None,
         ckpt: Optional[Path] = None,
-        launcher: str = "torch.distributed.run",
+        launcher: str = "disttrain.trainer.launch",
         **extra: str,
     ) -> subprocess.Popen:
-        """``launcher``: torchrun itself, or the worker pod's launcher ``disttrain.trainer.launch`` (torchrun's
-        arguments, its own agent: warm interpreters, in-place reforms)."""
+        """``launcher``: the worker pod's launcher ``disttrain.trainer.launch`` (torchrun with the project's agent:
+        workers forked from one warm interpreter, in-place reforms, the worker's own exit code), or
+        ``torch.distributed.run``, torchrun itself, which the trainer library also runs under."""
         args = torchrun_args if torchrun_args is not None else ["--standalone", "--max-restarts=0"]
         cmd = [sys.executable, "-m", launcher, f"--nproc-per-node={nproc}", *args, str(TOY)]
         with open(self.out / f"{run}.log", "w") as log:
@@ -157,6 +158,12 @@ class Harness:
         p = self.start(nproc, contract, run, **kw)
         rc = p.wait(timeout=timeout)
         return rc, self.log(run)
+
+    @staticmethod
+    def assert_exited(rc: int, log: str, code: int) -> None:
+        """The run ended with the workers' exit ``code``: the launcher's own exit code, or torchrun's failure
+        table (torchrun itself exits 1)."""
+        assert rc == code or f"exitcode  : {code}" in log, f"exit {rc}:\n{log[-3000:]}"
 
     def ckpt_names(self, ckpt: Optional[Path] = None) -> list[str]:
         """What the checkpoint directory holds, sorted, without the fence records (``.fence``)."""

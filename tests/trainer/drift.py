@@ -97,7 +97,7 @@ def train(scenario: Scenario, world: int, ckpt: pathlib.Path, out: pathlib.Path,
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "disttrain.trainer.launch",
         "--standalone",
         f"--nproc-per-node={world}",
         "--max-restarts=0",

@@ -62,9 +62,9 @@ def test_drain_reform_progress_and_metrics_through_the_agent_store(harness):
     assert "disttrain_trainer_world_size 2.0" in scrape(metrics_port + 1)  # local rank 1 serves on port + 1
 
     store.set(control.SIGNAL_KEY, control.ControlSignal(generation=4, action="drain", reason="scale").model_dump_json())
-    proc.wait(timeout=60)
+    rc = proc.wait(timeout=60)
     log = harness.log("one")
-    assert "exitcode  : 83" in log, log[-3000:]
+    harness.assert_exited(rc, log, 83)
     drained = int(re.search(r"drained at step (\d+)", log).group(1))
 
     proc = harness.start(2, contract, "two", **extra)  # generation 4 is still in the store: not acted on again
@@ -72,9 +72,10 @@ def test_drain_reform_progress_and_metrics_through_the_agent_store(harness):
     assert proc.poll() is None
     t0 = time.monotonic()
     store.set(control.SIGNAL_KEY, control.ControlSignal(generation=5, action="reform", reason="x").model_dump_json())
-    proc.wait(timeout=30)
+    rc = proc.wait(timeout=30)
     log = harness.log("two")
-    assert "exitcode  : 84" in log and "reform signal (generation 5" in log, log[-3000:]
+    harness.assert_exited(rc, log, 84)
+    assert "reform signal (generation 5" in log, log[-3000:]
     assert time.monotonic() - t0 < 10
     assert f"resumed from checkpoint step-{drained}" in log
 
@@ -89,10 +90,11 @@ def test_reform_exits_at_once_even_while_a_collective_is_stuck(harness):
     assert proc.poll() is None
     t0 = time.monotonic()
     store.set(control.SIGNAL_KEY, control.ControlSignal(generation=1, action="reform", reason="t").model_dump_json())
-    proc.wait(timeout=30)
+    rc = proc.wait(timeout=30)
     assert time.monotonic() - t0 < 10
     log = harness.log("stuck")
-    assert log.count("reform signal (generation 1") == 2 and "exitcode  : 84" in log, log[-3000:]
+    harness.assert_exited(rc, log, 84)
+    assert log.count("reform signal (generation 1") == 2, log[-3000:]
 
 
 def test_a_seconds_interval_checkpoints_on_rank_zeros_clock(harness):
@@ -131,8 +133,7 @@ def test_a_job_recreated_under_the_same_name_obeys_its_own_directives_after_resu
     )
     harness.wait_for_step("old", 3)
     drain(connect(old_port, "uid-old"), 3, "uid-old")
-    old.wait(timeout=60)
-    assert "exitcode  : 83" in harness.log("old"), harness.log("old")[-3000:]
+    harness.assert_exited(old.wait(timeout=60), harness.log("old"), 83)
 
     new_port = harness.start_store()
     new_store = connect(new_port, "uid-new")
@@ -150,7 +151,8 @@ def test_a_job_recreated_under_the_same_name_obeys_its_own_directives_after_resu
     harness.wait_for_step("new", drained + 3)
     assert new.poll() is None, "the old job's signal was not obeyed"
     drain(new_store, 1, "uid-new")
-    new.wait(timeout=60)
+    rc = new.wait(timeout=60)
     log = harness.log("new")
-    assert f"resumed from checkpoint step-{drained}" in log and "exitcode  : 83" in log, log[-3000:]
+    harness.assert_exited(rc, log, 83)
+    assert f"resumed from checkpoint step-{drained}" in log, log[-3000:]
     assert "drain signal generation 1" in log

@@ -23,7 +23,7 @@ def test_tinylm_loss_falls_within_a_minute_on_two_processes(harness):
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "disttrain.trainer.launch",
         "--standalone",
         "--nproc-per-node=2",
         "examples/tinylm/train.py",
@@ -50,7 +50,7 @@ def test_the_gpt_example_trains_with_fsdp2_bf16_and_clipping_on_two_processes(ha
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "disttrain.trainer.launch",
         "--standalone",
         "--nproc-per-node=2",
         "examples/gptlm/train.py",

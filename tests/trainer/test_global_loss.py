@@ -1,5 +1,8 @@
 """The loss in rank 0's log and progress record is the step's global, token-weighted loss, with unequal token counts
-and padding per rank, before and after a world-size change (2 -> 3 processes)."""
+and padding per rank, before and after a world-size change (2 -> 3 processes).
+
+It runs under torchrun itself (``torch.distributed.run``), where the other scenarios use the worker pod's launcher:
+the trainer library needs nothing of the disttrain launcher."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ pytestmark = [
 def test_device_auto_with_a_gpu_request_and_no_cuda_exits_permanent_before_the_first_step(harness):
     contract = json.loads(harness.contract(global_batch=4, micro=1, max_steps=2))
     contract["gpus_per_node"] = 8
-    _, log = harness.run(1, json.dumps(contract), "gpus")
-    assert "exitcode  : 85" in log, log[-3000:]  # PERMANENT: the operator fails the job at once
+    rc, log = harness.run(1, json.dumps(contract), "gpus")
+    harness.assert_exited(rc, log, 85)  # PERMANENT: the operator fails the job at once
     assert "the trainer container requests 8 GPU(s) per node" in log
     assert f"torch {torch.__version__} (built for CPU only) sees 0 CUDA device(s)" in log
     assert harness.records("gpus") == []  # not one step on the CPU

@@ -48,9 +48,9 @@ def test_sigterm_at_an_arbitrary_moment_checkpoints_at_the_next_boundary_and_exi
     proc = harness.start(2, contract, "term", TOY_STEP_SLEEP="0.05")
     harness.wait_for_step("term", 7)
     proc.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers, as the kubelet's SIGTERM would
-    proc.wait(timeout=60)
+    rc = proc.wait(timeout=60)
     log = harness.log("term")
-    assert "exitcode  : 83" in log or "exiting 83" in log, log[-3000:]
+    assert rc == 83 or "exitcode  : 83" in log or "exiting 83" in log, log[-3000:]
     last = max(r["step"] for r in harness.records("term"))
     steps = sorted(int(p.name.split("-")[1]) for p in harness.ckpt.glob("step-*"))
     assert steps == [last], (steps, last)  # the checkpoint holds every step that ran: 0 steps lost

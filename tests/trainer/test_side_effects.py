@@ -38,7 +38,7 @@ def run(harness, nproc: int, contract: str, name: str, **env: str) -> tuple[int,
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "disttrain.trainer.launch",
         f"--nproc-per-node={nproc}",
         "--standalone",
         "--max-restarts=0",
