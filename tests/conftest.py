@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import pathlib
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -91,6 +93,25 @@ TIER_OF_FOLDER: dict[str, str] = {
     "security": "security",
     "images": "images",
 }
+
+
+STORE_CLOSE_JOIN_S = 15.0
+"""Longest wait for a reconnection attempt in flight: torch's connect retries within the client's 4-10 s timeout."""
+
+
+@pytest.fixture(autouse=True)
+def _close_the_tests_store_clients() -> Iterator[None]:
+    """Stop the reconnection of every store client a test made in this process once it ends. Left running, one
+    kept probing its server's port after the server was gone, connected to whatever later listened there, and was
+    inside torch's C++ connect when pytest exited: the interpreter aborted (``terminate called without an active
+    exception``) after every test had passed."""
+    resilient = sys.modules.get("disttrain.trainer.store.resilient")
+    before = set(resilient._ALL) if resilient is not None else set()
+    yield
+    resilient = sys.modules.get("disttrain.trainer.store.resilient")
+    if resilient is not None:
+        for store in set(resilient._ALL) - before:
+            store.close(join_s=STORE_CLOSE_JOIN_S)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -166,7 +166,8 @@ def test_a_caller_that_waited_for_a_connection_another_dropped_fails_at_once(ser
     def connect(timeout: timedelta) -> SlowLink:
         return SlowLink(TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout, wait_for_workers=False))
 
-    raw = resilient.ResilientStore(connect, timedelta(seconds=30), op_timeout_s=4.0)
+    address = ("127.0.0.1", server.port)  # reconnections probe it first, as channel.connect's do
+    raw = resilient.ResilientStore(connect, timedelta(seconds=30), op_timeout_s=4.0, address=address)
     raw.set("k", b"v")
     server.kill()
     failures: dict[str, float] = {}
