@@ -40,8 +40,6 @@ READY_FD_ENV = "DISTTRAIN_WARM_READY_FD"
 """The pipe a warm interpreter answers on: its ready line once its imports are done, then one line per request."""
 HANDOVER_ENV = "DISTTRAIN_WARM_HANDOVER_TIME"
 """Set in a warm worker's environment: the Unix time it became the worker (its process started long before)."""
-IDLE_ARG = "--idle"
-"""Import at ``SCHED_IDLE`` (a refill while training runs must not slow the training down)."""
 NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 """torch's switch for a CUDA availability check that does not load the driver (documented as fork-safe)."""
 PR_SET_PDEATHSIG = 1
@@ -171,17 +169,16 @@ def _run(argv: list[str]) -> None:
     runpy.run_path(argv[0], run_name="__main__")
 
 
-def _set_idle(idle: bool) -> None:
-    """Every thread of this process to ``SCHED_IDLE`` or back to ``SCHED_OTHER`` (allowed unprivileged since
-    Linux 2.6.39); best effort."""
-    policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
-    if not idle and os.sched_getscheduler(0) != os.SCHED_IDLE:
+def _leave_idle() -> None:
+    """Every thread of this process back to ``SCHED_OTHER`` if the pool started it at ``SCHED_IDLE`` (a refill);
+    allowed unprivileged since Linux 2.6.39; best effort."""
+    if os.sched_getscheduler(0) != os.SCHED_IDLE:
         return
     for tid in os.listdir("/proc/self/task"):
         try:
-            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
         except OSError as exc:
-            print(f"disttrain warm interpreter: cannot set scheduling policy {policy}: {exc}", file=sys.stderr)
+            print(f"disttrain warm interpreter: cannot leave SCHED_IDLE: {exc}", file=sys.stderr)
 
 
 def become(request: dict[str, Any]) -> None:
@@ -193,7 +190,7 @@ def become(request: dict[str, Any]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.environ[HANDOVER_ENV] = repr(time.time())
-    _set_idle(False)
+    _leave_idle()
     _run(request["argv"])
 
 
