@@ -21,7 +21,7 @@ from torch.distributed import PrefixStore, Store, TCPStore
 
 from disttrain.api import env, storeauth
 from disttrain.trainer.store.resilient import ResilientStore
-from disttrain.trainer.store.signedstore import RejectHook, SignedStore
+from disttrain.trainer.store.signedstore import ExitSafePrefixStore, RejectHook, SignedStore
 
 
 class MissingSecret(RuntimeError):
@@ -53,7 +53,7 @@ def scoped(
     key = _secret(secret)
     uid = os.environ.get(env.JOB_UID, "") if job_uid is None else job_uid
     signed = SignedStore(store, key, uid, on_reject=on_reject)
-    return PrefixStore(storeauth.key_prefix(key), signed)
+    return ExitSafePrefixStore(storeauth.key_prefix(key), signed)
 
 
 def signed_of(store: Store) -> Optional[SignedStore]:

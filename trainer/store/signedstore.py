@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Optional, Union
 
-from torch.distributed import DistStoreError, Store
+from torch.distributed import DistStoreError, PrefixStore, Store
 
 from disttrain.api import storeauth
 
@@ -415,3 +415,33 @@ class SignedStore(Store):
         """Every key on the server (names are public; only values are authenticated)."""
         with _call():
             return list(self.raw.list_keys())
+
+
+class ExitSafePrefixStore(PrefixStore):
+    """A ``PrefixStore`` whose calls from Python count as SignedStore calls in flight for :func:`_drain_at_exit`.
+
+    Why: a Python thread calling a C++ ``PrefixStore`` over a SignedStore is inside C++ frames twice: torch's
+    binding, then pybind's trampoline back into Python. The SignedStore method's own count ends when the inner
+    Python returns, while the thread still has to take the GIL back in the outer binding; if the exit drain sees no
+    call in flight in between, the interpreter finalises under that thread and the process aborts (exit 134,
+    "terminate called without an active exception"). Counted here, the call ends only back in plain Python. C++
+    callers (a process group's store) see an ordinary ``PrefixStore``."""
+
+
+def _counted(name: str) -> Callable[..., Any]:
+    method = getattr(PrefixStore, name)
+
+    def call(self: ExitSafePrefixStore, *args: Any, **kwargs: Any) -> Any:
+        with _call():
+            return method(self, *args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = method.__doc__
+    return call
+
+
+for _name in (
+    "add", "append", "barrier", "check", "compare_set", "delete_key", "get", "list_keys", "multi_get", "multi_set",
+    "num_keys", "queue_len", "queue_pop", "queue_push", "set", "wait",
+):  # fmt: skip
+    setattr(ExitSafePrefixStore, _name, _counted(_name))
