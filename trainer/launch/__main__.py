@@ -1,17 +1,19 @@
 """``python -m disttrain.trainer.launch``: the worker pod's launcher (:mod:`disttrain.trainer.launch.launcher`).
 
-The handover socket opens and the warm interpreters start before this process imports torch: they import it
-meanwhile."""
+Before the launcher proper, this process imports torch and forks the first workers' warm interpreter from itself
+(:func:`disttrain.trainer.launch.prestart.become_warm_interpreter`); the fork runs the interpreter here, at the top
+level, and ends as ``python -m disttrain.trainer.launch.warmproc`` would."""
 
 import os
 import sys
 
-from disttrain.trainer.launch import debugenv, prestart
+from disttrain.trainer.launch import debugenv, prestart, warmproc
 
-debugenv.apply(os.environ)  # spec.debug: torch reads TORCH_DISTRIBUTED_DEBUG at import, in the warm interpreters too
-prestart.open_handover()  # first: the prestarted interpreters get the workers' whole environment
-prestart.WARM_POOL.prestart(sys.argv[1:])
+debugenv.apply(os.environ)  # spec.debug: torch reads TORCH_DISTRIBUTED_DEBUG at import, in the warm interpreter too
 
-from disttrain.trainer.launch.launcher import main  # noqa: E402 (torch, after the prestart on purpose)
+if prestart.become_warm_interpreter(sys.argv[1:]):
+    warmproc.main()
+else:
+    from disttrain.trainer.launch.launcher import main
 
-main()
+    main()

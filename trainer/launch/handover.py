@@ -140,11 +140,31 @@ class Broker:
         self._lock = threading.Lock()
         self._workers: dict[int, _Worker] = {}  # by pid
         self._detached: dict[int, tuple[_Worker, subprocess.Popen[bytes]]] = {}  # by local rank
-        threading.Thread(target=self._accept, name="disttrain-handover", daemon=True).start()
+        self._accepting: Optional[threading.Thread] = None
 
     @classmethod
     def listen(cls) -> Optional[Broker]:
-        """A broker on a fresh abstract socket; None where Unix sockets are unavailable (then no in-place reforms)."""
+        """A broker on a fresh abstract socket, accepting workers; None where Unix sockets are unavailable (then no
+        in-place reforms)."""
+        broker = cls.bind()
+        return broker.start() if broker is not None else None
+
+    def start(self) -> Broker:
+        """Accept workers (once; connections made before wait in the socket's backlog). Apart from :meth:`bind` so
+        that the launcher can fork its warm interpreter in between, while it runs no thread."""
+        if self._accepting is None:
+            self._accepting = threading.Thread(target=self._accept, name="disttrain-handover", daemon=True)
+            self._accepting.start()
+        return self
+
+    def forget_in_fork(self) -> None:
+        """In a forked child: close this process's copy of the listening socket (the parent goes on serving it)."""
+        self._server.close()
+
+    @classmethod
+    def bind(cls) -> Optional[Broker]:
+        """A broker on a fresh abstract socket, not accepting yet (:meth:`start`); None where Unix sockets are
+        unavailable."""
         name = f"{ABSTRACT_PREFIX}disttrain-handover-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

@@ -64,16 +64,22 @@ def fork_refusal() -> Optional[str]:
     return None
 
 
-def _import_preload() -> None:
+def _import(names: tuple[str, ...]) -> None:
     unset = NVML_CHECK_ENV not in os.environ
     if unset:
         os.environ[NVML_CHECK_ENV] = "1"
     try:
-        for name in PRELOAD:
+        for name in names:
             importlib.import_module(name)
     finally:
         if unset:
             os.environ.pop(NVML_CHECK_ENV, None)
+
+
+def import_torch() -> None:
+    """Import torch as a warm interpreter does, for a launcher that forks its warm interpreter from itself
+    (:func:`disttrain.trainer.launch.prestart.become_warm_interpreter`)."""
+    _import(("torch",))
 
 
 def _answer(fd: int, message: dict[str, Any]) -> None:
@@ -196,7 +202,7 @@ def become(request: dict[str, Any]) -> None:
 
 def main() -> None:
     """Import, say ready (and whether workers can be forked), serve, and run a worker where asked to."""
-    _import_preload()
+    _import(PRELOAD)
     answer_fd = int(os.environ.pop(READY_FD_ENV, "-1"))
     spawn = os.environ.get(env.WARM_WORKERS) == env.WARM_SPAWN
     refusal = f"{env.WARM_WORKERS}={env.WARM_SPAWN}" if spawn else fork_refusal()

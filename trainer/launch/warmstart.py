@@ -3,9 +3,11 @@
 Why: a reform restarts the worker processes, and a new Python process spends seconds importing torch, torch's
 compiler stack (which ``AdamW`` pulls in lazily) and disttrain before it can build the model (``imports`` and
 ``modelBuild`` in ``status.lastReform.phases``). Meanwhile the node's torchrun agent sits in the rendezvous,
-waiting for the other nodes. So the launcher starts a warm interpreter *before* each rendezvous (:class:`WarmPool`,
+waiting for the other nodes. So the launcher has a warm interpreter *before* each rendezvous (:class:`WarmPool`,
 from :meth:`disttrain.trainer.launch.launcher.CountingAgent._initialize_workers`): it runs
-:mod:`disttrain.trainer.launch.warmproc`, imports torch and the trainer, and waits for requests. When torchrun then
+:mod:`disttrain.trainer.launch.warmproc`, imports torch and the trainer, and waits for requests. The first one is a
+fork of the launcher made once the launcher imported torch (:meth:`WarmPool.prestart_here`), so the node does not
+import torch twice; later ones are fresh interpreters. When torchrun then
 starts a worker, the launcher asks the warm interpreter to fork it instead of starting a cold Python
 (:meth:`WarmPool.take`): the child sets ``os.environ``, ``sys.argv`` and ``sys.path[0]`` as ``python script.py``
 would, and runs the script as ``__main__``. torchrun gets a :class:`ForkedWorker`, a ``Popen`` whose exit code the
@@ -26,6 +28,7 @@ import, which a fork would not carry over).
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -34,7 +37,8 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
 
 from disttrain.api import env as env_names
@@ -127,6 +131,87 @@ def env_is_compatible(warm: Mapping[str, str], worker: Mapping[str, str]) -> boo
     return True
 
 
+def operator_form(launcher_argv: Sequence[str]) -> Optional[tuple[int, list[str]]]:
+    """``(nproc per node, worker command)`` from a launcher command line of the operator's form
+    (``--nproc-per-node=N ... --no-python <command>``); None for any other form (torchrun parses those later)."""
+    argv = list(launcher_argv)
+    counts = [a.split("=", 1)[1] for a in argv if a.startswith(("--nproc-per-node=", "--nproc_per_node="))]
+    if "--no-python" not in argv or len(counts) != 1 or not counts[0].isdigit():
+        return None
+    return int(counts[0]), argv[argv.index("--no-python") + 1 :]
+
+
+def worker_env_defaults(launcher_argv: Sequence[str]) -> dict[str, str]:
+    """What torchrun will add to this process's environment for its workers (:func:`workers_environment`), known
+    from the launcher's command line before torch is imported; empty when the form is not the operator's."""
+    form = operator_form(launcher_argv)
+    if form is None:
+        return {}
+    return {k: v for k, v in workers_environment(form[0]).items() if os.environ.get(k) != v}
+
+
+def interpreter_options(orig_argv: Sequence[str]) -> list[str]:
+    """The options ``orig_argv`` (``sys.orig_argv``) gave the interpreter itself, before ``-m``, ``-c`` or a script."""
+    options: list[str] = []
+    for arg in orig_argv[1:]:
+        if arg in ("-m", "-c") or not arg.startswith("-"):
+            break
+        options.append(arg)
+    return options
+
+
+def fork_here_refusal(flags: tuple[str, ...], environ: Mapping[str, str]) -> Optional[str]:
+    """Why a fork of this process would not be the interpreter ``python [flags] -m warmproc`` with ``environ``
+    would be, or None. Threads would not survive the fork; the environment counts at torch's import; the
+    interpreter's options are this process's (only ``-u`` can be added, by the child)."""
+    if not hasattr(os, "fork"):
+        return "this platform has no fork"
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return "this process has not imported torch"
+    if threading.active_count() > 1:
+        return "this process runs threads"
+    if torch.cuda.is_initialized():
+        return "CUDA is initialised in this process"
+    if dict(os.environ) != dict(environ):
+        return "the workers' environment is not this process's"
+    options = interpreter_options(sys.orig_argv)
+    if not set(options) <= ALLOWED_FLAGS:
+        return f"this process runs with interpreter options {options}"
+    if "-u" in options and "-u" not in flags:
+        return "this process's output is unbuffered (-u), the workers' is not"
+    return None
+
+
+def _unbuffer_stdio() -> None:
+    """``sys.stdout`` and ``sys.stderr`` as ``python -u`` makes them: unbuffered binary layer, write-through text."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is None or isinstance(getattr(stream, "buffer", None), io.FileIO):
+            continue
+        stream.flush()
+        raw = io.FileIO(stream.fileno(), "w", closefd=False)
+        unbuffered = io.TextIOWrapper(raw, encoding=stream.encoding, errors=stream.errors, write_through=True)
+        _REPLACED_STREAMS.append(stream)
+        setattr(sys, name, unbuffered)
+        setattr(sys, f"__{name}__", unbuffered)
+
+
+_REPLACED_STREAMS: list[object] = []
+"""The standard streams :func:`_unbuffer_stdio` replaced, kept: nothing is closed or collected mid-run."""
+
+
+def _enter_forked_interpreter(requests: int, answer_fd: int, unbuffered: bool) -> None:
+    """Make this fork child what :meth:`_Warm.spawn` starts: own session, requests on stdin, the answer pipe named
+    in the environment, ``-u``'s streams if asked."""
+    os.setsid()
+    os.dup2(requests, 0)
+    os.close(requests)
+    os.environ[READY_FD_ENV] = str(answer_fd)
+    if unbuffered:
+        _unbuffer_stdio()
+
+
 def workers_environment(nproc_per_node: int, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The environment torchrun will give its workers, known before torchrun has parsed its arguments: the
     launcher's, plus ``OMP_NUM_THREADS=1`` when more than one worker runs per node and it is unset (torchrun's own
@@ -138,26 +223,28 @@ def workers_environment(nproc_per_node: int, environ: Mapping[str, str] = os.env
     return workers
 
 
-class ForkedWorker(subprocess.Popen):
-    """torchrun's handle on a worker forked by a warm interpreter: the ``Popen`` calls torchrun and the launcher
-    make (``pid``, ``poll``, ``wait``, signals; torchrun signals the worker's session with ``killpg``), with the exit
-    code the interpreter, the worker's parent, reports. ``Popen.__init__`` is not called: nothing is spawned here."""
+class _Forked(subprocess.Popen):
+    """A ``Popen`` for a process this package forked (``Popen.__init__`` is not called: nothing is spawned): the
+    calls torchrun and the launcher make (``pid``, ``poll``, ``wait``, signals; torchrun signals a worker's session
+    with ``killpg``), with the exit code from :meth:`_exit_code`."""
 
-    def __init__(self, pid: int, args: Sequence[str], warm: _Warm) -> None:
+    def __init__(self, pid: int, args: Sequence[str]) -> None:
         self.args = list(args)
         self.pid = pid
         self.returncode: Optional[int] = None
         self.stdin = self.stdout = self.stderr = None
-        self._warm = warm
+
+    def _exit_code(self, timeout: Optional[float]) -> Optional[int]:
+        raise NotImplementedError
 
     def poll(self) -> Optional[int]:
         if self.returncode is None:
-            self.returncode = self._warm.exit_code(self.pid, timeout=0)
+            self.returncode = self._exit_code(0)
         return self.returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:
         if self.returncode is None:
-            self.returncode = self._warm.exit_code(self.pid, timeout)
+            self.returncode = self._exit_code(timeout)
             if self.returncode is None:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0)
         return self.returncode
@@ -176,17 +263,71 @@ class ForkedWorker(subprocess.Popen):
         self.send_signal(signal.SIGKILL)
 
     def __del__(self) -> None:
-        pass  # Popen's would look for a child of this process to reap: the warm interpreter reaps this one
+        pass  # Popen's would reap through state Popen.__init__ sets up
 
     def __repr__(self) -> str:
-        return f"<ForkedWorker: pid={self.pid} returncode={self.returncode}>"
+        return f"<{type(self).__name__}: pid={self.pid} returncode={self.returncode}>"
+
+
+class ForkedWorker(_Forked):
+    """torchrun's handle on a worker forked by a warm interpreter, which is its parent, reaps it and reports its
+    exit code."""
+
+    def __init__(self, pid: int, args: Sequence[str], warm: _Warm) -> None:
+        super().__init__(pid, args)
+        self._warm = warm
+
+    def _exit_code(self, timeout: Optional[float]) -> Optional[int]:
+        return self._warm.exit_code(self.pid, timeout)
+
+
+class _ForkedInterpreter(_Forked):
+    """A warm interpreter this process forked from itself (:meth:`WarmPool.prestart_here`): its child, reaped here,
+    by polling (another thread may wait for it too: a blocking ``waitpid`` of one would leave the other none)."""
+
+    POLL_S = 0.05
+
+    def __init__(self, pid: int, args: Sequence[str], requests: int) -> None:
+        super().__init__(pid, args)
+        self.stdin = os.fdopen(requests, "wb")
+        self._reaping = threading.Lock()
+
+    def _exit_code(self, timeout: Optional[float]) -> Optional[int]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._reaping:
+                if self.returncode is not None:
+                    return self.returncode
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # reaped by someone else: its status is lost
+                    return -signal.SIGKILL
+                if pid:
+                    return os.waitstatus_to_exitcode(status)
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(self.POLL_S if deadline is None else max(0.0, min(self.POLL_S, deadline - time.monotonic())))
+
+
+class InWarmInterpreter(BaseException):
+    """Raised in the child of :meth:`WarmPool.prestart_here`, which is now the warm interpreter: the launcher's
+    ``__main__`` runs :func:`disttrain.trainer.launch.warmproc.main` at its top level, so the process ends as an
+    interpreter ends (threads joined, atexit, finalisation), not inside the launcher's frames."""
 
 
 class _Warm:
     """One warm interpreter: its flags, the environment it started with, its process, and what it answered
     (readiness, whether it forks, its forked workers' exits), read by a thread of its own."""
 
-    def __init__(self, flags: tuple[str, ...], environ: dict[str, str], idle: bool) -> None:
+    def __init__(
+        self,
+        flags: tuple[str, ...],
+        environ: dict[str, str],
+        idle: bool,
+        start: Callable[[int, int], subprocess.Popen[bytes]],
+    ) -> None:
+        """``start(answer_fd, read_end)`` starts the interpreter, which answers on ``answer_fd`` (closed here
+        afterwards; ``read_end`` is this process's, for a fork to close)."""
         self.flags, self.environ, self.idle = flags, environ, idle
         self.ready = False
         self.refused: Optional[str] = None
@@ -198,13 +339,14 @@ class _Warm:
         self._changed = threading.Condition()
         self._ask = threading.Lock()
         answers_r, answers_w = os.pipe()
-        self.proc = subprocess.Popen(
-            [sys.executable, *flags, "-m", warmproc.__name__],
-            stdin=subprocess.PIPE,
-            env={**environ, READY_FD_ENV: str(answers_w)},
-            pass_fds=(answers_w,),
-            start_new_session=True,  # as torchrun starts its workers
-        )
+        try:
+            self.proc = start(answers_w, answers_r)
+        except InWarmInterpreter:
+            raise  # in the fork: the write end is its answer pipe
+        except BaseException:
+            os.close(answers_r)
+            os.close(answers_w)
+            raise
         os.close(answers_w)
         if idle:  # from its first instruction (its own module imports pydantic): later threads inherit it
             try:
@@ -213,6 +355,41 @@ class _Warm:
                 log.info("warm interpreter %d keeps normal priority: %s", self.proc.pid, exc)
         self._reader = threading.Thread(target=self._read, args=(answers_r,), name=f"warm-{self.proc.pid}", daemon=True)
         self._reader.start()
+
+    @classmethod
+    def spawn(cls, flags: tuple[str, ...], environ: dict[str, str], idle: bool) -> _Warm:
+        """A fresh ``python [flags] -m warmproc`` (it imports everything itself)."""
+
+        def start(answer_fd: int, _: int) -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                [sys.executable, *flags, "-m", warmproc.__name__],
+                stdin=subprocess.PIPE,
+                env={**environ, READY_FD_ENV: str(answer_fd)},
+                pass_fds=(answer_fd,),
+                start_new_session=True,  # as torchrun starts its workers
+            )
+
+        return cls(flags, environ, idle, start)
+
+    @classmethod
+    def fork_here(cls, flags: tuple[str, ...], environ: dict[str, str]) -> _Warm:
+        """A fork of this process (see :meth:`WarmPool.prestart_here`); in the child, raises
+        :class:`InWarmInterpreter` with the child set up as :meth:`spawn`'s would be."""
+
+        def start(answer_fd: int, answers_read_end: int) -> subprocess.Popen[bytes]:
+            requests_r, requests_w = os.pipe()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                os.close(requests_w)
+                os.close(answers_read_end)
+                _enter_forked_interpreter(requests_r, answer_fd, "-u" in flags)
+                raise InWarmInterpreter()
+            os.close(requests_r)
+            return _ForkedInterpreter(pid, [*sys.orig_argv[:1], *flags, "-m", warmproc.__name__], requests_w)
+
+        return cls(flags, environ, False, start)
 
     def is_alive(self) -> bool:
         return not self._gone and self.proc.poll() is None
@@ -335,12 +512,31 @@ class WarmPool:
         torch itself: on a node's first start the two imports then overlap instead of following each other. Only
         the operator's form is read (``--nproc-per-node=N ... --no-python <command>``); anything else waits for
         :meth:`fill` from the agent."""
-        argv = list(launcher_argv)
-        counts = [a.split("=", 1)[1] for a in argv if a.startswith(("--nproc-per-node=", "--nproc_per_node="))]
-        if "--no-python" not in argv or len(counts) != 1 or not counts[0].isdigit():
+        form = operator_form(launcher_argv)
+        if form is not None:
+            self.fill(form[0], form[1], environ=workers_environment(form[0]))
+
+    def prestart_here(self, launcher_argv: Sequence[str]) -> None:
+        """:meth:`prestart`, forking the interpreter from this process where that gives the same interpreter
+        (:func:`fork_here_refusal`): the launcher has imported torch, and the fork inherits it instead of
+        importing it again (2-3 CPU-seconds of each node's start). Raises :class:`InWarmInterpreter` in the child.
+        ``DISTTRAIN_WARM_WORKERS=spawn`` (several interpreters) and any refusal start a fresh one instead."""
+        form = operator_form(launcher_argv)
+        if form is None:
             return
-        nproc = int(counts[0])
-        self.fill(nproc, argv[argv.index("--no-python") + 1 :], environ=workers_environment(nproc))
+        environ = workers_environment(form[0])
+        command = warm_command(form[1], environ)
+        if command is None or not enabled(environ):
+            return
+        flags = tuple(command[0])
+        refusal = "several interpreters are wanted" if not forking(environ) else fork_here_refusal(flags, environ)
+        if refusal is not None:
+            log.info("the warm interpreter starts afresh, not forked from the launcher: %s", refusal)
+            self.prestart(launcher_argv)
+            return
+        with self._lock:
+            if not any(warm.flags == flags for warm in self._ready):
+                self._ready.append(_Warm.fork_here(flags, environ))
 
     def fill(
         self, count: int, args: Sequence[str], *, idle: bool = False, environ: Optional[Mapping[str, str]] = None
@@ -364,7 +560,7 @@ class WarmPool:
                 self._forking = False
         wanted = 1 if self._forking and forking(environ) else count
         while sum(1 for w in self._ready if w.flags == flags) < wanted:
-            self._ready.append(_Warm(flags, dict(environ), idle))
+            self._ready.append(_Warm.spawn(flags, dict(environ), idle))
 
     def take(self, args: Sequence[str], environ: Mapping[str, str]) -> Optional[subprocess.Popen[bytes]]:
         """A process now running the worker ``args`` with ``environ``, forked from a warm interpreter or a warm
