@@ -137,11 +137,15 @@ def test_a_malformed_manifest_is_refused_naming_the_field_and_nothing_starts(tmp
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "state").exists()
     # No process of ours outlived the command (no agent, no torchrun).
-    assert [pid for pid in set(os.listdir("/proc")) - before if pid.isdigit() and _is_ours(pid)] == []
+    assert [pid for pid in set(os.listdir("/proc")) - before if pid.isdigit() and _is_ours(pid, tmp_path)] == []
 
 
-def _is_ours(pid: str) -> bool:
+def _is_ours(pid: str, tmp_path: pathlib.Path) -> bool:
+    """A disttrain process this test's command started: it names the test's folder (state dir, manifest) in its
+    command line or environment. Other tiers' jobs run on the machine meanwhile."""
     try:
-        return b"disttrain" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+        proc = pathlib.Path(f"/proc/{pid}")
+        cmdline = (proc / "cmdline").read_bytes()
+        return b"disttrain" in cmdline and str(tmp_path).encode() in cmdline + (proc / "environ").read_bytes()
     except OSError:
         return False

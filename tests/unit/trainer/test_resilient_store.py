@@ -121,7 +121,7 @@ def test_a_silent_server_costs_a_caller_a_bounded_wait_never_the_connections_tim
 
     stuck = threading.Thread(target=poll, daemon=True)
     stuck.start()  # a poller caught in a read that the silent server never answers
-    until(lambda: raw.busy_seconds > 0.2, timeout=5)
+    until(lambda: raw.busy_seconds > 0.2, timeout=15)
     waits = []
     for _ in range(6):  # the training thread's best-effort writes meanwhile
         began = time.monotonic()
