@@ -1,11 +1,11 @@
 """Run the test tiers (pytest markers given by tests/conftest.py) as `make test` does, lanes side by side, and print
 each tier's time, counts and result at the end.
 
-A lane runs its tiers one after the other; lanes run at once. The tiers that run real multi-process jobs
-(trainer, e2e, security, cluster) are split over two lanes of about the same length, the light tiers first in the
-second. This fits 2 cores since a node's workers fork from one warm interpreter (the trainer tier's CPU halved):
-measured 28.4 min, all green, against 53 min with the multi-process tiers in one lane. Each tier's output goes to
-build/test-logs/<tier>.log; a failing tier's summary is printed at the end.
+A lane runs its tiers one after the other; lanes run at once. The two longest tiers (trainer, e2e) run as two
+shards each, split by file on the wall times in tests/tier_costs.json (`--save-costs` rewrites it from the last
+run), so that three lanes of about the same length keep both cores busy: the lanes' processes wait on timeouts,
+rendezvous and the control plane much of the time. Each tier's (shard's) output goes to
+build/test-logs/<tier>.log (<tier>-<i>.log); a failing tier's summary is printed at the end.
 
 Each test's wall and CPU seconds go to build/test-logs/<tier>.costs.jsonl (tests/plugins/costs.py):
 `python scripts/house_figures.py` names the most expensive ones.
@@ -17,6 +17,7 @@ explained) rather than failing CI at random.
     python scripts/test_tiers.py                  # every tier of `make test`
     python scripts/test_tiers.py unit chart       # these tiers only, one lane each
     python scripts/test_tiers.py --serial         # one tier at a time
+    python scripts/test_tiers.py --save-costs     # tests/tier_costs.json from the last run
 """
 
 from __future__ import annotations
@@ -40,10 +41,17 @@ from tests.plugins.costs import COSTS_ENV  # noqa: E402
 LOGS = REPO / "build" / "test-logs"
 
 LANES: tuple[tuple[str, ...], ...] = (
-    ("trainer", "security"),
-    ("unit", "operator", "chart", "e2e", "cluster"),
+    ("trainer/1", "e2e/1"),
+    ("trainer/2", "e2e/2"),
+    ("unit", "operator", "chart", "security", "cluster"),
 )
-"""What `make test` runs (every tier but images, which `make test-images` builds and checks)."""
+"""What `make test` runs (every tier but images, which `make test-images` builds and checks). ``tier/i`` is the
+i-th of a tier's shards (:func:`shard_files`)."""
+SHARDS = 2
+"""How many shards a sharded tier has (every ``tier/i`` of :data:`LANES` names one of them)."""
+COST_TABLE = REPO / "tests" / "tier_costs.json"
+"""Wall seconds per test file from a full run (``--save-costs``), for :func:`shard_files`; a file missing from it
+counts as the median."""
 
 FAILED = re.compile(r"^(?:FAILED|ERROR) (tests/\S+?)(?: - .*)?$", re.MULTILINE)
 """A failed test's node id in pytest's short summary (``-ra``)."""
@@ -67,14 +75,42 @@ class TierResult:
         return self.returncode in (0, 5)  # 5: no test in the tier was selected
 
 
-def run_tier(tier: str, pytest_args: list[str]) -> TierResult:
+def tier_folders(tier: str) -> list[str]:
+    return [f"tests/{folder}" for folder, of in TIER_OF_FOLDER.items() if of == tier]
+
+
+def shard_files(tier: str, count: int) -> list[list[str]]:
+    """The tier's test files in ``count`` shards of about the same wall time by :data:`COST_TABLE` (longest file
+    first into the lightest shard); deterministic, so every shard of one run sees the same split."""
+    paths = [path for folder in tier_folders(tier) for path in (REPO / folder).rglob("test_*.py")]
+    files = sorted(str(path.relative_to(REPO)) for path in paths)
+    table = json.loads(COST_TABLE.read_text()) if COST_TABLE.exists() else {}
+    known = sorted(table[f] for f in files if f in table)
+    default = known[len(known) // 2] if known else 1.0
+    shards: list[list[str]] = [[] for _ in range(count)]
+    loads = [0.0] * count
+    for file in sorted(files, key=lambda f: (-table.get(f, default), f)):
+        lightest = loads.index(min(loads))
+        shards[lightest].append(file)
+        loads[lightest] += table.get(file, default)
+    return [sorted(shard) for shard in shards]
+
+
+def log_name(name: str) -> str:
+    """``trainer/1`` -> ``trainer-1``: a shard's logs beside the tiers'."""
+    return name.replace("/", "-")
+
+
+def run_tier(name: str, pytest_args: list[str]) -> TierResult:
+    """Run the tier (or shard, ``tier/i``) ``name``."""
     LOGS.mkdir(parents=True, exist_ok=True)
-    log = LOGS / f"{tier}.log"
+    log = LOGS / f"{log_name(name)}.log"
     start = time.monotonic()
-    folders = [f"tests/{folder}" for folder, of in TIER_OF_FOLDER.items() if of == tier]  # collects only these
+    tier, _, shard = name.partition("/")
+    folders = shard_files(tier, SHARDS)[int(shard) - 1] if shard else tier_folders(tier)  # collects only these
     command = [sys.executable, "-m", "pytest", "-m", tier, "-p", "no:cacheprovider", "-p", "tests.plugins.costs"]
     command += [*pytest_args, *folders]
-    costs = LOGS / f"{tier}.costs.jsonl"
+    costs = LOGS / f"{log_name(name)}.costs.jsonl"
     costs.unlink(missing_ok=True)
     environ = {**os.environ, COSTS_ENV: str(costs)}
     with open(log, "w") as out:
@@ -86,8 +122,8 @@ def run_tier(tier: str, pytest_args: list[str]) -> TierResult:
     if returncode not in (0, 5) and 0 < len(failed) <= MAX_RERUNS:
         # Once, and only the tests that failed: on 2 cores a few multi-process scenarios miss a deadline now and
         # then. A test that fails twice fails the tier; one that passed on its rerun is named in the report.
-        print(f"[tiers] {tier}: {counts}; running the failed tests once more: {' '.join(failed)}", flush=True)
-        rerun_log = LOGS / f"{tier}.rerun.log"
+        print(f"[tiers] {name}: {counts}; running the failed tests once more: {' '.join(failed)}", flush=True)
+        rerun_log = LOGS / f"{log_name(name)}.rerun.log"
         with open(rerun_log, "w") as out:
             returncode = subprocess.call(
                 [*command[: -len(folders)], *failed], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=environ
@@ -100,8 +136,8 @@ def run_tier(tier: str, pytest_args: list[str]) -> TierResult:
         counts = f"{counts}; on rerun: {_counts(rerun_log, returncode)} ({'; '.join(verdicts)})"
         log = rerun_log if returncode not in (0, 5) else log
     seconds = time.monotonic() - start
-    print(f"[tiers] {tier}: {counts} in {seconds:.0f} s", flush=True)
-    return TierResult(tier, returncode, seconds, counts, log, first_failures)
+    print(f"[tiers] {name}: {counts} in {seconds:.0f} s", flush=True)
+    return TierResult(name, returncode, seconds, counts, log, first_failures)
 
 
 def _counts(log: Path, returncode: int) -> str:
@@ -109,12 +145,32 @@ def _counts(log: Path, returncode: int) -> str:
     return summaries[-1].group("counts") if summaries else f"no summary (exit {returncode})"
 
 
-def tier_cpu_seconds(tier: str) -> float:
-    """CPU seconds the tier's tests spent, their processes included (tests/plugins/costs.py)."""
-    costs = LOGS / f"{tier}.costs.jsonl"
+def costs_of(name: str) -> list[dict]:
+    """The per-test cost rows of tier or shard ``name`` (tests/plugins/costs.py)."""
+    costs = LOGS / f"{log_name(name)}.costs.jsonl"
     if not costs.exists():
-        return 0.0
-    return sum(json.loads(line)["cpu_s"] for line in costs.read_text().splitlines() if line.strip())
+        return []
+    return [json.loads(line) for line in costs.read_text().splitlines() if line.strip()]
+
+
+def tier_cpu_seconds(name: str) -> float:
+    """CPU seconds the tier's tests spent, their processes included."""
+    return sum(row["cpu_s"] for row in costs_of(name))
+
+
+def save_costs() -> None:
+    """Write :data:`COST_TABLE` from the last runs' per-test costs: wall seconds per file, each test counted once
+    (the newest costs file that has it: a tier run alone and as shards writes two)."""
+    by_test: dict[str, float] = {}
+    for costs in sorted(LOGS.glob("*.costs.jsonl"), key=lambda path: path.stat().st_mtime):
+        for row in (json.loads(line) for line in costs.read_text().splitlines() if line.strip()):
+            by_test[row["test"]] = row["wall_s"]
+    table: dict[str, float] = {}
+    for test, wall_s in by_test.items():
+        file = test.split("::")[0]
+        table[file] = round(table.get(file, 0.0) + wall_s, 1)
+    COST_TABLE.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
+    print(f"[tiers] wrote {COST_TABLE.relative_to(REPO)}: {len(table)} files")
 
 
 def run_lanes(lanes: list[tuple[str, ...]], pytest_args: list[str]) -> list[TierResult]:
@@ -163,7 +219,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tiers", nargs="*", help="tiers to run (default: every tier of `make test`)")
     parser.add_argument("--serial", action="store_true", help="one tier at a time")
+    parser.add_argument("--save-costs", action="store_true", help=f"write {COST_TABLE.name} from the last run")
     args, pytest_args = parser.parse_known_args()
+    if args.save_costs:
+        save_costs()
+        return 0
     lanes = [(tier,) for tier in args.tiers] if args.tiers else list(LANES)
     if args.serial:
         lanes = [tuple(tier for lane in lanes for tier in lane)]
