@@ -28,6 +28,7 @@ import, which a fork would not carry over).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -141,13 +142,39 @@ def operator_form(launcher_argv: Sequence[str]) -> Optional[tuple[int, list[str]
     return int(counts[0]), argv[argv.index("--no-python") + 1 :]
 
 
+def launch_form(launcher_argv: Sequence[str]) -> Optional[tuple[int, list[str]]]:
+    """:func:`operator_form`, or else torchrun's own reading of the command line (once torch is imported): the
+    worker command torchrun will build (``python -u [-m] script args`` unless ``--no-python``); None where the
+    local world size is not a number or the arguments are wrong (the launcher reports those)."""
+    form = operator_form(launcher_argv)
+    if form is not None or "torch" not in sys.modules:
+        return form
+    from torch.distributed import run as torchrun
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            args = torchrun.parse_args(list(launcher_argv))
+    except SystemExit:
+        return None
+    if not str(args.nproc_per_node).isdigit() or args.run_path:
+        return None
+    script = [args.training_script, *args.training_script_args]
+    if args.no_python:
+        return int(args.nproc_per_node), script
+    python = [os.environ.get("PYTHON_EXEC", sys.executable), "-u", *(["-m"] if args.module else [])]
+    return int(args.nproc_per_node), [*python, *script]
+
+
 def worker_env_defaults(launcher_argv: Sequence[str]) -> dict[str, str]:
     """What torchrun will add to this process's environment for its workers (:func:`workers_environment`), known
-    from the launcher's command line before torch is imported; empty when the form is not the operator's."""
-    form = operator_form(launcher_argv)
-    if form is None:
+    from the launcher's command line before torch is imported (``--nproc-per-node``); empty when it is not a
+    number."""
+    argv = list(launcher_argv)
+    counts = [a.split("=", 1)[1] for a in argv if a.startswith(("--nproc-per-node=", "--nproc_per_node="))]
+    counts += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--nproc-per-node", "--nproc_per_node")]
+    if len(counts) != 1 or not counts[0].isdigit():
         return {}
-    return {k: v for k, v in workers_environment(form[0]).items() if os.environ.get(k) != v}
+    return {k: v for k, v in workers_environment(int(counts[0])).items() if os.environ.get(k) != v}
 
 
 def interpreter_options(orig_argv: Sequence[str]) -> list[str]:
@@ -521,7 +548,7 @@ class WarmPool:
         (:func:`fork_here_refusal`): the launcher has imported torch, and the fork inherits it instead of
         importing it again (2-3 CPU-seconds of each node's start). Raises :class:`InWarmInterpreter` in the child.
         ``DISTTRAIN_WARM_WORKERS=spawn`` (several interpreters) and any refusal start a fresh one instead."""
-        form = operator_form(launcher_argv)
+        form = launch_form(launcher_argv)
         if form is None:
             return
         environ = workers_environment(form[0])
