@@ -444,4 +444,5 @@ for _name in (
     "add", "append", "barrier", "check", "compare_set", "delete_key", "get", "list_keys", "multi_get", "multi_set",
     "num_keys", "queue_len", "queue_pop", "queue_push", "set", "wait",
 ):  # fmt: skip
-    setattr(ExitSafePrefixStore, _name, _counted(_name))
+    if hasattr(PrefixStore, _name):  # an older torch may lack a few (queue_*, list_keys)
+        setattr(ExitSafePrefixStore, _name, _counted(_name))
