@@ -159,16 +159,20 @@ def tier_cpu_seconds(name: str) -> float:
 
 
 def save_costs() -> None:
-    """Write :data:`COST_TABLE` from the last runs' per-test costs: wall seconds per file, each test counted once
-    (the newest costs file that has it: a tier run alone and as shards writes two)."""
+    """Update :data:`COST_TABLE` from the last runs' per-test costs: wall seconds per file, each test counted once
+    (the newest costs file that has it: a tier run alone and as shards writes two), averaged with the table's."""
     by_test: dict[str, float] = {}
     for costs in sorted(LOGS.glob("*.costs.jsonl"), key=lambda path: path.stat().st_mtime):
         for row in (json.loads(line) for line in costs.read_text().splitlines() if line.strip()):
             by_test[row["test"]] = row["wall_s"]
-    table: dict[str, float] = {}
+    measured: dict[str, float] = {}
     for test, wall_s in by_test.items():
         file = test.split("::")[0]
-        table[file] = round(table.get(file, 0.0) + wall_s, 1)
+        measured[file] = measured.get(file, 0.0) + wall_s
+    # A file's wall time moves by half from run to run with what the other lanes do: the mean of this run and
+    # the table's, so one run does not reshuffle the shards.
+    old = json.loads(COST_TABLE.read_text()) if COST_TABLE.exists() else {}
+    table = {file: round((wall_s + old.get(file, wall_s)) / 2, 1) for file, wall_s in measured.items()}
     COST_TABLE.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
     print(f"[tiers] wrote {COST_TABLE.relative_to(REPO)}: {len(table)} files")
 
