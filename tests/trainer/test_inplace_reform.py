@@ -44,7 +44,11 @@ def test_survivors_keep_their_processes_and_continue_from_memory_not_from_the_ch
     def full_world_steps() -> list[int]:
         return [r["step"] for run in runs for r in harness.records(run) if r["world"] == world]
 
-    harness.wait_until("the whole world trains", lambda: bool(full_world_steps()), timeout=120)
+    try:
+        harness.wait_until("the whole world trains", lambda: bool(full_world_steps()), timeout=120)
+    except AssertionError as exc:  # a rare CI failure: what each node said, to find out why
+        tails = "\n".join(f"--- node {run}:\n{harness.log(run)[-2500:]}" for run in runs)
+        raise AssertionError(f"{exc}\n{tails}") from None
     first = min(full_world_steps())
     # Past a checkpoint (every 5 steps) and a few steps more, so the survivors hold a newer step than the disk.
     harness.wait_until("steps at the whole world", lambda: max(full_world_steps()) >= first + 8, timeout=90)
