@@ -16,19 +16,24 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Optional
 
-MARKER_ENV = "DISTTRAIN_LOCAL_MARKER"
+from disttrain.api import env as env_names
+
+MARKER_ENV = env_names.LOCAL_MARKER
 """Environment variable whose value identifies the node a process belongs to (inherited by all descendants)."""
 
 _PROC = Path("/proc")
 
 
+def marked(env: Mapping[str, str], marker: str) -> dict[str, str]:
+    """``env`` with the node's ``marker``, which every process of the node inherits."""
+    return {**env, MARKER_ENV: marker}
+
+
 def spawn(argv: Sequence[str], env: Mapping[str, str], cwd: str, log: IO[bytes], marker: str) -> subprocess.Popen:
     """Start ``argv`` in a new session with ``marker`` in its environment; stdout and stderr go to ``log``."""
-    full_env = dict(env)
-    full_env[MARKER_ENV] = marker
     return subprocess.Popen(
         list(argv),
-        env=full_env,
+        env=marked(env, marker),
         cwd=cwd,
         stdin=subprocess.DEVNULL,
         stdout=log,

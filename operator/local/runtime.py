@@ -23,6 +23,7 @@ from disttrain.api.spec import DistTrainJob
 from disttrain.operator import agentfields, eventrate, names, pods, reconcile
 from disttrain.operator.local import agentlink, proctree, translate
 from disttrain.operator.local.chaos import ChaosEvent
+from disttrain.operator.local.forkserver import ForkServers
 from disttrain.operator.local.logtail import LogTail
 from disttrain.operator.local.metrics import LocalMetrics
 from disttrain.operator.local.nodes import LocalPod
@@ -109,6 +110,8 @@ class LocalRuntime:
         self.stop_requested = ""
         self.rdzv_fallback = rendezvous_fallback()
         self.cluster_checkpoint_dir = pods.checkpoint_dir(job)
+        self.forks = ForkServers(state.logs_dir)
+        """Pods start as forks of a process that imported torch once (the same program, without the import)."""
 
     # ---- the job object --------------------------------------------------------------------------------
     @property
@@ -175,7 +178,8 @@ class LocalRuntime:
         log.write(f"==== {time.strftime('%H:%M:%S')} {name} (uid {uid}) on {machine}: {' '.join(spec.argv)}\n".encode())
         log.flush()
         marker = f"{self.obj['metadata']['uid']}/{uid}"
-        proc = proctree.spawn(spec.argv, spec.env, spec.cwd, log, marker)
+        forked = self.forks.start(spec.argv, proctree.marked(spec.env, marker), spec.cwd, log, spec.per_pod)
+        proc = forked or proctree.spawn(spec.argv, spec.env, spec.cwd, log, marker)
         return LocalPod(
             name=name,
             uid=uid,
@@ -189,6 +193,18 @@ class LocalRuntime:
             readiness_port=readiness_port,
             termination_log=termination_log,
         )
+
+    def prepare_forks(self) -> None:
+        """Start the fork servers of the agent and the nodes at once: they import torch side by side, and the first
+        tick's pods wait for both together rather than one after the other."""
+        job = self.job()
+        agent = agentlink.localize_agent_pod(pods.build_agent_pod(job), self.state, self.store_port)
+        worker = pods.build_worker_pod(
+            job, 0, endpoint=f"127.0.0.1:{self.store_port}", checkpoint_directory=str(self.state.checkpoints_dir)
+        )
+        for pod in (agent, worker):
+            spec = translate.to_process(pod, self.site(), "local-0", 0, 0)
+            self.forks.prepare(spec.argv, spec.env, spec.per_pod)
 
     def create_worker(self, worker: WorkerCreation) -> None:
         job = self.job()
@@ -211,6 +227,7 @@ class LocalRuntime:
         )
 
     def create_agent(self) -> None:
+        self.write_state()  # the agent takes a missing job.json for a deleted job, and a forked one reads it at once
         job = self.job()
         pod = pods.build_agent_pod(job)
         pod = agentlink.localize_agent_pod(pod, self.state, self.store_port)
@@ -411,6 +428,7 @@ class LocalRuntime:
                 f"nodes use {self.rdzv_fallback!r} (rounds wait for last-call timeouts, scale-ups may "
                 "reform twice)",
             )
+        self.prepare_forks()
         try:
             while not self.is_done() and not self.stop_requested:
                 actions = self.tick()
@@ -437,5 +455,6 @@ class LocalRuntime:
             pod.close()
         self.workers.clear()
         self.agent = None
+        self.forks.close()
         self.metrics.shutdown()
         self.write_state()

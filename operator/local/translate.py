@@ -55,6 +55,9 @@ class ProcessSpec:
     argv: tuple[str, ...]
     env: Mapping[str, str]
     cwd: str
+    per_pod: frozenset[str] = frozenset()
+    """Variables whose value is the pod's own (``valueFrom.fieldRef``: its name, uid, node): they differ from pod to
+    pod of one job."""
 
 
 def trainer_container(pod: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -166,7 +169,10 @@ def to_process(
         env[env_names.STORE_SECRET] = site.store_secret
     workdir = container.get("workingDir")
     cwd = site.workdir if not workdir or not _exists(workdir) else workdir
-    return ProcessSpec(tuple(argv), env, cwd)
+    per_pod = frozenset(
+        item["name"] for item in container.get("env", []) or [] if item.get("name") and "value" not in item
+    )
+    return ProcessSpec(tuple(argv), env, cwd, per_pod)
 
 
 def _exists(path: str) -> bool:

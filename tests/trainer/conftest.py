@@ -20,6 +20,8 @@ from typing import Any, Optional
 
 import pytest
 
+from disttrain.operator.local.forkserver import ForkServers
+
 REPO = Path(__file__).resolve().parents[2]
 TOY = REPO / "tests" / "workers" / "toy.py"
 STORE_SERVER = REPO / "tests" / "trainer" / "workers" / "store_server.py"
@@ -99,7 +101,10 @@ def kill_tree(pid: int) -> None:
 
 
 class Harness:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, forks: Optional[ForkServers] = None) -> None:
+        """``forks``: launchers start as forks of a process that imported torch (local mode's fork servers), the
+        same launcher without its import; None: as cold interpreters."""
+        self.forks = forks
         self.tmp = tmp
         self.out = tmp / "out"
         self.out.mkdir()
@@ -147,10 +152,11 @@ class Harness:
         ``torch.distributed.run``, torchrun itself, which the trainer library also runs under."""
         args = torchrun_args if torchrun_args is not None else ["--standalone", "--max-restarts=0"]
         cmd = [sys.executable, "-m", launcher, f"--nproc-per-node={nproc}", *args, str(TOY)]
+        env = self.env(contract, run, ckpt, **extra)
         with open(self.out / f"{run}.log", "w") as log:
-            p = subprocess.Popen(
-                cmd, env=self.env(contract, run, ckpt, **extra), stdout=log, stderr=subprocess.STDOUT, cwd=REPO
-            )
+            p = self.forks.start(cmd, env, str(REPO), log) if self.forks else None
+            if p is None:
+                p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         self.procs.append(p)
         return p
 
@@ -219,8 +225,16 @@ class Harness:
                 p.wait(timeout=10)
 
 
+@pytest.fixture(scope="session")
+def fork_servers(tmp_path_factory: pytest.TempPathFactory):
+    """Fork servers shared by the session's tests: the ``TOY_*`` settings are read by the toy at run time."""
+    servers = ForkServers(tmp_path_factory.mktemp("fork-servers"), run_time=("TOY_",))
+    yield servers
+    servers.close()
+
+
 @pytest.fixture
-def harness(tmp_path: Path):
-    h = Harness(tmp_path)
+def harness(tmp_path: Path, fork_servers: ForkServers):
+    h = Harness(tmp_path, fork_servers)
     yield h
     h.cleanup()

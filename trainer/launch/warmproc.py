@@ -29,6 +29,7 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any, Optional
 
 from disttrain.api import env
@@ -64,7 +65,8 @@ def fork_refusal() -> Optional[str]:
     return None
 
 
-def _import(names: tuple[str, ...]) -> None:
+def import_modules(names: tuple[str, ...]) -> None:
+    """Import ``names`` as a warm interpreter does: with torch's CUDA check that does not load the driver."""
     unset = NVML_CHECK_ENV not in os.environ
     if unset:
         os.environ[NVML_CHECK_ENV] = "1"
@@ -79,10 +81,10 @@ def _import(names: tuple[str, ...]) -> None:
 def import_torch() -> None:
     """Import torch as a warm interpreter does, for a launcher that forks its warm interpreter from itself
     (:func:`disttrain.trainer.launch.prestart.become_warm_interpreter`)."""
-    _import(("torch",))
+    import_modules(("torch",))
 
 
-def _answer(fd: int, message: dict[str, Any]) -> None:
+def answer(fd: int, message: dict[str, Any]) -> None:
     """One JSON line (far below ``PIPE_BUF``: written at once); a launcher that went away reads none."""
     try:
         os.write(fd, json.dumps(message).encode() + b"\n")
@@ -109,7 +111,7 @@ def _reap(answer_fd: int, pidfds: dict[int, int]) -> None:
             if child == pid:
                 os.close(fd)
                 del pidfds[fd]
-        _answer(answer_fd, {"exit": pid, "status": status})
+        answer(answer_fd, {"exit": pid, "status": status})
 
 
 def _fork_worker(pidfds: dict[int, int]) -> int:
@@ -134,10 +136,13 @@ def _fork_worker(pidfds: dict[int, int]) -> int:
     return pid
 
 
-def serve(answer_fd: int, refusal: Optional[str]) -> Optional[dict[str, Any]]:
+def serve(
+    answer_fd: int, refusal: Optional[str], refuse: Callable[[dict[str, Any]], Optional[str]] = lambda _: None
+) -> Optional[dict[str, Any]]:
     """Serve requests until this process is to run a worker: returns that request (in a forked child, or on
     ``become``), or None when the launcher closed stdin (this interpreter then ends, and its forked workers with
-    it: they are the launcher's, which is gone)."""
+    it: they are the launcher's, which is gone). ``refuse(request)``: why this one request is not forked, or
+    None."""
     pidfds: dict[int, int] = {}
     pending = b""
     while True:
@@ -154,16 +159,17 @@ def serve(answer_fd: int, refusal: Optional[str]) -> Optional[dict[str, Any]]:
             request = json.loads(line)
             if request.get("op") != "fork":
                 return request
-            if refusal is not None:
-                _answer(answer_fd, {"refused": refusal})
+            why = refusal if refusal is not None else refuse(request)
+            if why is not None:
+                answer(answer_fd, {"refused": why})
                 continue
             pid = _fork_worker(pidfds)
             if pid == 0:
                 return request
-            _answer(answer_fd, {"spawned": pid})
+            answer(answer_fd, {"spawned": pid})
 
 
-def _run(argv: list[str]) -> None:
+def run_as_main(argv: list[str]) -> None:
     """Run ``argv`` (``script args`` or ``-m module args``) as ``python`` would run it as ``__main__``."""
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
@@ -197,16 +203,16 @@ def become(request: dict[str, Any]) -> None:
     os.environ.update(request["env"])
     os.environ[HANDOVER_ENV] = repr(time.time())
     _leave_idle()
-    _run(request["argv"])
+    run_as_main(request["argv"])
 
 
 def main() -> None:
     """Import, say ready (and whether workers can be forked), serve, and run a worker where asked to."""
-    _import(PRELOAD)
+    import_modules(PRELOAD)
     answer_fd = int(os.environ.pop(READY_FD_ENV, "-1"))
     spawn = os.environ.get(env.WARM_WORKERS) == env.WARM_SPAWN
     refusal = f"{env.WARM_WORKERS}={env.WARM_SPAWN}" if spawn else fork_refusal()
-    _answer(answer_fd, {"ready": True, "refused": refusal})
+    answer(answer_fd, {"ready": True, "refused": refusal})
     request = serve(answer_fd, refusal)
     if request is None:
         os._exit(0)  # the agent went away or closed the pool

@@ -165,16 +165,16 @@ def launch_form(launcher_argv: Sequence[str]) -> Optional[tuple[int, list[str]]]
     return int(args.nproc_per_node), [*python, *script]
 
 
-def worker_env_defaults(launcher_argv: Sequence[str]) -> dict[str, str]:
-    """What torchrun will add to this process's environment for its workers (:func:`workers_environment`), known
-    from the launcher's command line before torch is imported (``--nproc-per-node``); empty when it is not a
+def worker_env_defaults(launcher_argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """What torchrun will add to the launcher's environment ``environ`` for its workers (:func:`workers_environment`),
+    known from the launcher's command line before torch is imported (``--nproc-per-node``); empty when it is not a
     number."""
     argv = list(launcher_argv)
     counts = [a.split("=", 1)[1] for a in argv if a.startswith(("--nproc-per-node=", "--nproc_per_node="))]
     counts += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--nproc-per-node", "--nproc_per_node")]
     if len(counts) != 1 or not counts[0].isdigit():
         return {}
-    return {k: v for k, v in workers_environment(int(counts[0])).items() if os.environ.get(k) != v}
+    return {k: v for k, v in workers_environment(int(counts[0]), environ).items() if environ.get(k) != v}
 
 
 def interpreter_options(orig_argv: Sequence[str]) -> list[str]:

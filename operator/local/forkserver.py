@@ -1,0 +1,277 @@
+"""Local pods started as forks of a fork server that imported torch once, instead of cold interpreters.
+
+Why: every local pod runs the same Python, and a cold start imports torch again (about 3 CPU-s on 2 cores) on the
+cores the other nodes train on: a replacement's start slows the survivors, and a test of a few nodes spends most
+of its CPU importing. :class:`ForkServers` keeps one server per kind of pod command (``python -m
+disttrain.trainer.launch.forkserver``, :mod:`disttrain.trainer.launch.forkserver`, started lazily with the first
+such pod's command and environment) and asks it to fork each pod; :class:`ForkedPod` is the ``Popen`` the
+runtime keeps, whose exit code the server (the pod's parent) reports.
+
+Anything the server refuses (another interpreter, an environment that differs where torch reads it at import,
+debug mode, the CUDA driver loaded) starts cold with :func:`proctree.spawn`, as before; so does every pod with
+``DISTTRAIN_LOCAL_FORK=0``. A pod forked from a server dies with it: :meth:`ForkServers.close` ends the servers
+after the runtime ended their pods.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, Optional
+
+from disttrain.api import env as env_names
+
+log = logging.getLogger("disttrain.local")
+
+SERVER_MODULE = "disttrain.trainer.launch.forkserver"
+READY_FD_ENV = "DISTTRAIN_WARM_READY_FD"
+"""The pipe the server answers on (the warm interpreter's protocol, :mod:`disttrain.trainer.launch.warmproc`)."""
+ANSWER_TIMEOUT_S = 120.0
+"""Longest a pod's start waits for its fork (the server may still be importing on a loaded machine); past it the
+server is ended and the pod starts cold."""
+PER_POD_PREFIX = "DISTTRAIN_"
+"""Variables that differ from pod to pod without needing another server (read at run time, never at import)."""
+
+
+def enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get(env_names.LOCAL_FORK, "1") != "0"
+
+
+def server_key(
+    argv: Sequence[str], environ: Mapping[str, str], run_time: Sequence[str] = (), per_pod: Collection[str] = ()
+) -> Optional[tuple[Any, ...]]:
+    """Which server can fork ``argv``: one per interpreter, its options, module or script, and environment but
+    for ``DISTTRAIN_*``, the ``run_time`` prefixes and the ``per_pod`` names; None for a command no server runs
+    (not this Python)."""
+    if not argv or not _is_this_python(argv[0]):
+        return None
+    options = tuple(_leading_options(argv[1:]))
+    rest = list(argv[1 + len(options) :])
+    if not rest or rest[0] == "-c" or (rest[0] == "-m" and len(rest) < 2):
+        return None
+    program = tuple(rest[:2]) if rest[0] == "-m" else tuple(rest[:1])
+    prefixes = (PER_POD_PREFIX, *run_time)
+    comparable = frozenset((k, v) for k, v in environ.items() if not k.startswith(prefixes) and k not in per_pod)
+    return argv[0], options, program, comparable
+
+
+def _is_this_python(program: str) -> bool:
+    try:
+        return os.path.samefile(program, sys.executable)
+    except OSError:
+        return False
+
+
+def _leading_options(args: Sequence[str]) -> list[str]:
+    options = []
+    for arg in args:
+        if arg in ("-m", "-c") or not arg.startswith("-"):
+            break
+        options.append(arg)
+    return options
+
+
+class ForkedPod(subprocess.Popen):
+    """The runtime's handle on a pod its fork server forked (``Popen.__init__`` is not called: nothing is spawned
+    here): ``pid``, ``poll``, ``wait`` and signals, with the exit code the server reports."""
+
+    def __init__(self, pid: int, args: Sequence[str], server: _Server) -> None:
+        self.args = list(args)
+        self.pid = pid
+        self.returncode: Optional[int] = None
+        self.stdin = self.stdout = self.stderr = None
+        self._server = server
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            self.returncode = self._server.exit_code(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._server.exit_code(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def __del__(self) -> None:
+        pass  # Popen's would reap through state Popen.__init__ sets up
+
+    def __repr__(self) -> str:
+        return f"<ForkedPod: pid={self.pid} returncode={self.returncode}>"
+
+
+class _Server:
+    """One fork server: its process and what it answered (its forks, their exits), read by a thread of its own."""
+
+    def __init__(self, argv: Sequence[str], environ: Mapping[str, str], log_path: Path) -> None:
+        options = _leading_options(argv[1:])
+        answers_r, answers_w = os.pipe()
+        placeholder = "." * env_names.LOCAL_MARKER_ROOM
+        try:
+            with open(log_path, "ab") as server_log:
+                self.proc = subprocess.Popen(
+                    [argv[0], *options, "-m", SERVER_MODULE, *argv],
+                    stdin=subprocess.PIPE,
+                    stdout=server_log,
+                    stderr=subprocess.STDOUT,
+                    env={**environ, env_names.LOCAL_MARKER: placeholder, READY_FD_ENV: str(answers_w)},
+                    pass_fds=(answers_w,),
+                    start_new_session=True,
+                )
+        finally:
+            os.close(answers_w)
+        self.refused: Optional[str] = None
+        self._exits: dict[int, int] = {}
+        self._forked: set[int] = set()
+        self._answers: list[dict[str, Any]] = []
+        self._gone = False
+        self._changed = threading.Condition()
+        self._ask = threading.Lock()
+        self._reader = threading.Thread(target=self._read, args=(answers_r,), name="fork-server", daemon=True)
+        self._reader.start()
+
+    def _read(self, fd: int) -> None:
+        with os.fdopen(fd, "rb") as answers:
+            for line in answers:
+                try:
+                    answer = json.loads(line)
+                except ValueError:
+                    continue
+                with self._changed:
+                    self._take(answer)
+                    self._changed.notify_all()
+        with self._changed:  # the server is gone, and its forked pods with it (PR_SET_PDEATHSIG)
+            self._gone = True
+            for pid in self._forked - set(self._exits):
+                self._exits[pid] = -signal.SIGKILL
+            self._changed.notify_all()
+
+    def _take(self, answer: dict[str, Any]) -> None:
+        if "ready" in answer:
+            self.refused = str(answer["refused"]) if answer.get("refused") else None
+        elif "exit" in answer:
+            pid, status = answer["exit"], answer.get("status")
+            if isinstance(pid, int) and isinstance(status, int):
+                self._exits[pid] = os.waitstatus_to_exitcode(status)
+        else:
+            self._answers.append(answer)
+
+    def exit_code(self, pid: int, timeout: Optional[float]) -> Optional[int]:
+        with self._changed:
+            self._changed.wait_for(lambda: pid in self._exits, timeout)
+            return self._exits.get(pid)
+
+    def fork(self, request: dict[str, Any]) -> Optional[ForkedPod]:
+        """The pod, forked; None: refused (the reason is logged) or the server is gone."""
+        with self._ask:
+            with self._changed:
+                self._answers.clear()
+                if self._gone or self.proc.stdin is None:
+                    return None
+            try:
+                self.proc.stdin.write(json.dumps({"op": "fork", **request}).encode() + b"\n")
+                self.proc.stdin.flush()
+            except OSError:
+                return None
+            with self._changed:
+                answered = self._changed.wait_for(lambda: bool(self._answers) or self._gone, ANSWER_TIMEOUT_S)
+                answer = self._answers.pop(0) if self._answers else {}
+                spawned = answer.get("spawned")
+                if isinstance(spawned, int):
+                    self._forked.add(spawned)
+                    return ForkedPod(spawned, request["argv"], self)
+            if not answered:
+                log.warning("fork server %d did not answer in %.0f s; ending it", self.proc.pid, ANSWER_TIMEOUT_S)
+                self.close()
+            elif "refused" in answer:
+                log.info("fork server %d: a pod starts cold: %s", self.proc.pid, answer["refused"])
+            return None
+
+    def close(self) -> None:
+        """End the server (and any pod it forked that still runs: they die with it)."""
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(timeout=5)
+
+
+class ForkServers:
+    """The runtime's fork servers, one per :func:`server_key`, started on first use; logs go to ``logs_dir``.
+    ``run_time``: prefixes of more variables that may differ between pods of one server, for a caller that knows
+    its programs read them at run time only (a test's own settings)."""
+
+    def __init__(self, logs_dir: Path, environ: Mapping[str, str] = os.environ, run_time: Sequence[str] = ()) -> None:
+        self.logs_dir = logs_dir
+        self.enabled = enabled(environ)
+        self.run_time = tuple(run_time)
+        self._servers: dict[tuple[Any, ...], _Server] = {}
+        self._refused: set[tuple[Any, ...]] = set()
+
+    def _server(
+        self, argv: Sequence[str], environ: Mapping[str, str], per_pod: Collection[str]
+    ) -> Optional[tuple[tuple[Any, ...], _Server]]:
+        key = server_key(argv, environ, self.run_time, per_pod) if self.enabled else None
+        if key is None or key in self._refused:
+            return None
+        server = self._servers.get(key)
+        if server is None:
+            path = self.logs_dir / f"fork-server-{len(self._servers) + len(self._refused) + 1}.log"
+            server = self._servers[key] = _Server(argv, environ, path)
+        return key, server
+
+    def prepare(self, argv: Sequence[str], environ: Mapping[str, str], per_pod: Collection[str] = ()) -> None:
+        """Start the server for pods like ``argv`` now, without waiting: several import torch side by side."""
+        self._server(argv, environ, per_pod)
+
+    def start(
+        self,
+        argv: Sequence[str],
+        environ: Mapping[str, str],
+        cwd: str,
+        output: IO[bytes],
+        per_pod: Collection[str] = (),
+    ) -> Optional[ForkedPod]:
+        """The pod ``argv`` with ``environ`` (its marker included) in ``cwd``, output appended to ``output``'s file,
+        as a fork (waiting for its server's imports); None where it must start cold. ``per_pod``: variables that are
+        the pod's own (its name, uid), read at run time."""
+        found = self._server(argv, environ, per_pod)
+        if found is None:
+            return None
+        key, server = found
+        output.flush()
+        request = {"argv": list(argv), "env": dict(environ), "cwd": cwd, "stdout": output.name}
+        pod = server.fork({**request, "run_time": list(self.run_time), "per_pod": sorted(per_pod)})
+        if pod is None:  # one refusal holds for every pod of this key: the same command and environment
+            self._refused.add(key)
+            self._servers.pop(key).close()
+        return pod
+
+    def close(self) -> None:
+        for server in self._servers.values():
+            server.close()
+        self._servers.clear()
