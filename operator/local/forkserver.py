@@ -36,6 +36,8 @@ READY_FD_ENV = "DISTTRAIN_WARM_READY_FD"
 ANSWER_TIMEOUT_S = 120.0
 """Longest a pod's start waits for its fork (the server may still be importing on a loaded machine); past it the
 server is ended and the pod starts cold."""
+MAX_SERVERS = 3
+"""Servers kept at once (each holds torch imported, about 300 MB): a local job needs two (its agent, its nodes)."""
 PER_POD_PREFIX = "DISTTRAIN_"
 """Variables that differ from pod to pod without needing another server (read at run time, never at import)."""
 
@@ -177,6 +179,11 @@ class _Server:
         else:
             self._answers.append(answer)
 
+    def is_busy(self) -> bool:
+        """A pod it forked still runs (it would die with the server)."""
+        with self._changed:
+            return not self._gone and bool(self._forked - set(self._exits))
+
     def exit_code(self, pid: int, timeout: Optional[float]) -> Optional[int]:
         with self._changed:
             self._changed.wait_for(lambda: pid in self._exits, timeout)
@@ -229,6 +236,7 @@ class ForkServers:
         self.logs_dir = logs_dir
         self.enabled = enabled(environ)
         self.run_time = tuple(run_time)
+        self._started = 0
         self._servers: dict[tuple[Any, ...], _Server] = {}
         self._refused: set[tuple[Any, ...]] = set()
 
@@ -238,11 +246,24 @@ class ForkServers:
         key = server_key(argv, environ, self.run_time, per_pod) if self.enabled else None
         if key is None or key in self._refused:
             return None
-        server = self._servers.get(key)
+        server = self._servers.pop(key, None)
         if server is None:
-            path = self.logs_dir / f"fork-server-{len(self._servers) + len(self._refused) + 1}.log"
-            server = self._servers[key] = _Server(argv, environ, path)
+            if not self._make_room():
+                return None
+            self._started += 1
+            server = _Server(argv, environ, self.logs_dir / f"fork-server-{self._started}.log")
+        self._servers[key] = server  # the most recently used last
         return key, server
+
+    def _make_room(self) -> bool:
+        """Below :data:`MAX_SERVERS` servers, ending the least recently used idle one if needed; False: every one
+        has pods running (this pod then starts cold)."""
+        for key, server in list(self._servers.items()):
+            if len(self._servers) < MAX_SERVERS:
+                break
+            if not server.is_busy():
+                self._servers.pop(key).close()
+        return len(self._servers) < MAX_SERVERS
 
     def prepare(self, argv: Sequence[str], environ: Mapping[str, str], per_pod: Collection[str] = ()) -> None:
         """Start the server for pods like ``argv`` now, without waiting: several import torch side by side."""

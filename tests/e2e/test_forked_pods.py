@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from disttrain.api import env as env_names
-from disttrain.operator.local import proctree
+from disttrain.operator.local import forkserver, proctree
 from disttrain.operator.local.forkserver import ForkedPod, ForkServers
 
 pytestmark = pytest.mark.timeout(180)
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(180)
 POD = """
 import json, os, subprocess, sys, time
 print(json.dumps({
-    "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "value": os.environ.get("POD_VALUE"),
+    "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "value": os.environ.get("DISTTRAIN_POD_VALUE"),
     "stdin": sys.stdin.read(), "own_session": os.getsid(0) == os.getpid(), "main": __name__,
 }), flush=True)
 if os.fork() == 0:  # a forked and an exec'd descendant in sessions of their own, as torchrun's workers are
@@ -48,11 +48,12 @@ def _wait_tree(marker: str, count: int) -> set[int]:
     return proctree.find_tree(marker)
 
 
-def _start(servers: ForkServers, tmp_path: Path, n: int, hold_s: float, value: str):
+def _start(servers: ForkServers, tmp_path: Path, n: int, hold_s: float, value: str, **extra: str):
     script = tmp_path / "pod.py"
     script.write_text(POD)
     out = (tmp_path / f"pod-{n}.log").open("ab")
-    environ = proctree.marked({**os.environ, "POD_VALUE": value, "DISTTRAIN_NODE_INDEX": str(n)}, _marker(n))
+    environ = {**os.environ, "DISTTRAIN_POD_VALUE": value, "DISTTRAIN_NODE_INDEX": str(n), **extra}
+    environ = proctree.marked(environ, _marker(n))
     argv = [sys.executable, str(script), str(hold_s)]
     forked = servers.start(argv, environ, str(tmp_path), out)
     return forked or proctree.spawn(argv, environ, str(tmp_path), out, _marker(n)), out
@@ -66,6 +67,7 @@ def test_a_forked_pod_runs_as_a_cold_one_and_every_process_of_it_carries_its_mar
         again, again_out = _start(servers, tmp_path, 2, 0.0, "v2")
         assert not isinstance(cold, ForkedPod)
         assert isinstance(forked, ForkedPod) and isinstance(again, ForkedPod), "the fork server refused (see its log)"
+        assert len(list(tmp_path.glob("fork-server-*.log"))) == 1, "pods that differ in DISTTRAIN_* share a server"
         for proc in (cold, forked, again):
             assert proc.wait(timeout=60) == 7
         records = [json.loads((tmp_path / f"pod-{n}.log").read_text().splitlines()[0]) for n in range(3)]
@@ -103,5 +105,26 @@ def test_a_killed_forked_pod_reports_its_signal_and_a_closed_server_takes_its_po
         proctree.kill_tree(_marker(2))
         out1.close()
         out2.close()
+    finally:
+        servers.close()
+
+
+def test_servers_beyond_the_cap_replace_idle_ones_and_never_end_a_running_pod(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(forkserver, "MAX_SERVERS", 1)
+    servers = ForkServers(tmp_path)
+    try:
+        running, out1 = _start(servers, tmp_path, 1, 120.0, "a")
+        assert isinstance(running, ForkedPod)
+        other, out2 = _start(servers, tmp_path, 2, 0.0, "b", OTHER_KIND="1")  # another server's pod: no room
+        assert not isinstance(other, ForkedPod) and other.wait(timeout=60) == 7
+        assert running.poll() is None, "the busy server was ended"
+        running.kill()
+        assert running.wait(timeout=30) == -signal.SIGKILL
+        third, out3 = _start(servers, tmp_path, 3, 0.0, "c", OTHER_KIND="1")  # the idle server makes room
+        assert isinstance(third, ForkedPod) and third.wait(timeout=60) == 7
+        for n in (1, 2, 3):
+            proctree.kill_tree(_marker(n))
+        for out in (out1, out2, out3):
+            out.close()
     finally:
         servers.close()

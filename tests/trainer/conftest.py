@@ -227,8 +227,9 @@ class Harness:
 
 @pytest.fixture(scope="session")
 def fork_servers(tmp_path_factory: pytest.TempPathFactory):
-    """Fork servers shared by the session's tests: the ``TOY_*`` settings are read by the toy at run time."""
-    servers = ForkServers(tmp_path_factory.mktemp("fork-servers"), run_time=("TOY_",))
+    """Fork servers shared by the session's tests: the ``TOY_*`` settings are read by the toy at run time, and
+    pytest names the current test in ``PYTEST_CURRENT_TEST``."""
+    servers = ForkServers(tmp_path_factory.mktemp("fork-servers"), run_time=("TOY_", "PYTEST_CURRENT_TEST"))
     yield servers
     servers.close()
 
