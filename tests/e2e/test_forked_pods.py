@@ -18,6 +18,8 @@ from disttrain.operator.local.forkserver import ForkedPod, ForkServers
 
 pytestmark = pytest.mark.timeout(180)
 
+ON = {env_names.LOCAL_FORK: "1"}
+
 POD = """
 import json, os, subprocess, sys, time
 print(json.dumps({
@@ -60,7 +62,7 @@ def _start(servers: ForkServers, tmp_path: Path, n: int, hold_s: float, value: s
 
 
 def test_a_forked_pod_runs_as_a_cold_one_and_every_process_of_it_carries_its_marker(tmp_path: Path):
-    servers = ForkServers(tmp_path)
+    servers = ForkServers(tmp_path, ON)
     try:
         cold, cold_out = _start(ForkServers(tmp_path, {env_names.LOCAL_FORK: "0"}), tmp_path, 0, 0.0, "v0")
         forked, forked_out = _start(servers, tmp_path, 1, 0.0, "v1")
@@ -87,7 +89,7 @@ def test_a_forked_pod_runs_as_a_cold_one_and_every_process_of_it_carries_its_mar
 
 
 def test_a_killed_forked_pod_reports_its_signal_and_a_closed_server_takes_its_pods_with_it(tmp_path: Path):
-    servers = ForkServers(tmp_path)
+    servers = ForkServers(tmp_path, ON)
     try:
         killed, out1 = _start(servers, tmp_path, 1, 120.0, "a")
         left, out2 = _start(servers, tmp_path, 2, 120.0, "b")
@@ -111,7 +113,7 @@ def test_a_killed_forked_pod_reports_its_signal_and_a_closed_server_takes_its_po
 
 def test_servers_beyond_the_cap_replace_idle_ones_and_never_end_a_running_pod(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(forkserver, "MAX_SERVERS", 1)
-    servers = ForkServers(tmp_path)
+    servers = ForkServers(tmp_path, ON)
     try:
         running, out1 = _start(servers, tmp_path, 1, 120.0, "a")
         assert isinstance(running, ForkedPod)

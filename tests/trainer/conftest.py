@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import pytest
 
+from disttrain.api import env as env_names
 from disttrain.operator.local.forkserver import ForkServers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -229,7 +230,11 @@ class Harness:
 def fork_servers(tmp_path_factory: pytest.TempPathFactory):
     """Fork servers shared by the session's tests: the ``TOY_*`` settings are read by the toy at run time, and
     pytest names the current test in ``PYTEST_CURRENT_TEST``."""
-    servers = ForkServers(tmp_path_factory.mktemp("fork-servers"), run_time=("TOY_", "PYTEST_CURRENT_TEST"))
+    servers = ForkServers(
+        tmp_path_factory.mktemp("fork-servers"),
+        {env_names.LOCAL_FORK: "1"},
+        run_time=("TOY_", "PYTEST_CURRENT_TEST"),
+    )
     yield servers
     servers.close()
 

@@ -134,6 +134,7 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
         self._node_index = node_index
         self._floor_logged_round = -1
         self._names: dict[Any, str] = {}  # participant -> DISTTRAIN_NODE_NAME, from its identity key
+        self._indices: dict[Any, int] = {}  # participant -> DISTTRAIN_NODE_INDEX, from its published index key
 
     def run(
         self,
@@ -252,11 +253,21 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
             self._names[node] = identity.name
         return self._names[node]
 
+    def _indices_of(self, nodes: list[Any]) -> dict[Any, Optional[int]]:
+        """Each node's published index, read once per node: the completion is retried whenever another node's
+        write (a keep-alive) lands between this node's read of the state and its compare-and-set, and store reads
+        inside that window, slow on a loaded machine, made it lose every time (a round retried for minutes)."""
+        missing = [node for node in nodes if node not in self._indices]
+        for node, index in rank_order.read_indices(self._store, self._settings.run_id, missing).items():
+            if index is not None:  # a node publishes its index before it joins; misses are not cached
+                self._indices[node] = index
+        return {node: self._indices.get(node) for node in nodes}
+
     def _mark_rendezvous_complete(self) -> None:
         """The stock completion (ranks by node descriptor), then the ranks re-assigned by node index."""
         super()._mark_rendezvous_complete()
         state = self._state
-        indices = rank_order.read_indices(self._store, self._settings.run_id, list(state.participants))
+        indices = self._indices_of(list(state.participants))
         ordered = rank_order.rank_order(list(state.participants), indices)
         for rank, node in enumerate(ordered):
             state.participants[node] = rank

@@ -9,7 +9,7 @@ import pytest
 from tests.trainer.conftest import make_contract
 
 from disttrain.api import env as env_names
-from disttrain.operator.local.forkserver import server_key
+from disttrain.operator.local.forkserver import enabled, server_key
 from disttrain.trainer.launch.forkserver import import_environment, pod_refusal
 
 PY = sys.executable
@@ -69,3 +69,9 @@ def test_one_server_serves_every_node_of_a_job_and_another_kind_of_pod_gets_its_
     assert server_key([PY, "-u", *LAUNCHER[1:]], BASE) != node
     assert server_key(["/bin/sh", "-c", "true"], BASE) is None
     assert server_key([PY, "-c", "print(1)"], BASE) is None
+
+
+def test_local_pods_start_cold_unless_forking_is_asked_for():
+    assert not enabled({})
+    assert not enabled({env_names.LOCAL_FORK: "0"})
+    assert enabled({env_names.LOCAL_FORK: "1"})
