@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any, Optional
 
 from disttrain.api import env as env_names
+from disttrain.api.forkedpopen import ForkedPopen
 
 log = logging.getLogger("disttrain.local")
 
@@ -82,47 +83,15 @@ def _leading_options(args: Sequence[str]) -> list[str]:
     return options
 
 
-class ForkedPod(subprocess.Popen):
-    """The runtime's handle on a pod its fork server forked (``Popen.__init__`` is not called: nothing is spawned
-    here): ``pid``, ``poll``, ``wait`` and signals, with the exit code the server reports."""
+class ForkedPod(ForkedPopen):
+    """The runtime's handle on a pod its fork server forked, with the exit code the server (its parent) reports."""
 
     def __init__(self, pid: int, args: Sequence[str], server: _Server) -> None:
-        self.args = list(args)
-        self.pid = pid
-        self.returncode: Optional[int] = None
-        self.stdin = self.stdout = self.stderr = None
+        super().__init__(pid, args)
         self._server = server
 
-    def poll(self) -> Optional[int]:
-        if self.returncode is None:
-            self.returncode = self._server.exit_code(self.pid, 0)
-        return self.returncode
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        if self.returncode is None:
-            self.returncode = self._server.exit_code(self.pid, timeout)
-            if self.returncode is None:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0)
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def __del__(self) -> None:
-        pass  # Popen's would reap through state Popen.__init__ sets up
-
-    def __repr__(self) -> str:
-        return f"<ForkedPod: pid={self.pid} returncode={self.returncode}>"
+    def _exit_code(self, timeout: Optional[float]) -> Optional[int]:
+        return self._server.exit_code(self.pid, timeout)
 
 
 class _Server:

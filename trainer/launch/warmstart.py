@@ -43,6 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
 
 from disttrain.api import env as env_names
+from disttrain.api.forkedpopen import ForkedPopen
 from disttrain.trainer.launch import ncclenv, warmproc
 from disttrain.trainer.launch.warmproc import HANDOVER_ENV, PRELOAD, READY_FD_ENV
 
@@ -250,50 +251,9 @@ def workers_environment(nproc_per_node: int, environ: Mapping[str, str] = os.env
     return workers
 
 
-class _Forked(subprocess.Popen):
-    """A ``Popen`` for a process this package forked (``Popen.__init__`` is not called: nothing is spawned): the
-    calls torchrun and the launcher make (``pid``, ``poll``, ``wait``, signals; torchrun signals a worker's session
-    with ``killpg``), with the exit code from :meth:`_exit_code`."""
-
-    def __init__(self, pid: int, args: Sequence[str]) -> None:
-        self.args = list(args)
-        self.pid = pid
-        self.returncode: Optional[int] = None
-        self.stdin = self.stdout = self.stderr = None
-
-    def _exit_code(self, timeout: Optional[float]) -> Optional[int]:
-        raise NotImplementedError
-
-    def poll(self) -> Optional[int]:
-        if self.returncode is None:
-            self.returncode = self._exit_code(0)
-        return self.returncode
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        if self.returncode is None:
-            self.returncode = self._exit_code(timeout)
-            if self.returncode is None:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0)
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def __del__(self) -> None:
-        pass  # Popen's would reap through state Popen.__init__ sets up
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__}: pid={self.pid} returncode={self.returncode}>"
+class _Forked(ForkedPopen):
+    """A process this package forked; see :class:`disttrain.api.forkedpopen.ForkedPopen` (torchrun signals a
+    worker's session with ``killpg``, which needs only its ``pid``)."""
 
 
 class ForkedWorker(_Forked):
