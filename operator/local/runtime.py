@@ -197,13 +197,18 @@ class LocalRuntime:
     def prepare_forks(self) -> None:
         """Start the fork servers of the agent and the nodes at once: they import torch side by side, and the first
         tick's pods wait for both together rather than one after the other."""
+        if not self.forks.enabled:
+            return
         job = self.job()
         agent = agentlink.localize_agent_pod(pods.build_agent_pod(job), self.state, self.store_port)
         worker = pods.build_worker_pod(
             job, 0, endpoint=f"127.0.0.1:{self.store_port}", checkpoint_directory=str(self.state.checkpoints_dir)
         )
         for pod in (agent, worker):
-            spec = translate.to_process(pod, self.site(), "local-0", 0, 0)
+            try:
+                spec = translate.to_process(pod, self.site(), "local-0", 0, 0)
+            except ValueError:
+                continue  # a pod that cannot run here: creating it reports why
             self.forks.prepare(spec.argv, spec.env, spec.per_pod)
 
     def create_worker(self, worker: WorkerCreation) -> None:
