@@ -16,7 +16,10 @@ LAUNCHER = "disttrain.trainer.launch"
 
 
 def launcher_args(port: int, nodes: int) -> list[str]:
-    conf = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
+    """``last_call_timeout`` 30 s: the first round waits that long for a node started late on a loaded machine (at
+    1 s the others completed it without that node, trained to the end at the smaller size, and the test waited for a
+    whole world in vain); a round with every node completes at once."""
+    conf = "is_host=false,last_call_timeout=30,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
     return [
         f"--nnodes=1:{nodes}",
         "--rdzv-backend=c10d",
