@@ -55,8 +55,8 @@ LAUNCHER_SOCKET: Final = "DISTTRAIN_LAUNCHER_SOCKET"
 # Local mode (disttrain.operator.local): the node a process belongs to, inherited by every process of the node's tree
 # and read from /proc/<pid>/environ to find and kill the whole tree (torchrun starts workers in sessions of their own).
 LOCAL_MARKER: Final = "DISTTRAIN_LOCAL_MARKER"
-# Local mode: "1" starts local pods as forks of a fork server that imported torch once (disttrain.operator.local.
-# forkserver) instead of cold processes. Off by default: see docs/local.md.
+# Local mode: "1" (the default) starts local pods as forks of a fork server that imported torch once
+# (disttrain.operator.local.forkserver); "0" starts every pod as a cold process.
 LOCAL_FORK: Final = "DISTTRAIN_LOCAL_FORK"
 # Local mode: bytes the fork server's placeholder for LOCAL_MARKER holds, the longest marker a forked pod can carry.
 LOCAL_MARKER_ROOM: Final = 128

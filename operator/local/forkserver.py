@@ -8,8 +8,8 @@ such pod's command and environment) and asks it to fork each pod; :class:`Forked
 runtime keeps, whose exit code the server (the pod's parent) reports.
 
 Anything the server refuses (another interpreter, an environment that differs where torch reads it at import,
-debug mode, the CUDA driver loaded) starts cold with :func:`proctree.spawn`; so does every pod unless
-``DISTTRAIN_LOCAL_FORK=1`` (:func:`enabled`). A pod forked from a server dies with it: :meth:`ForkServers.close`
+debug mode, the CUDA driver loaded) starts cold with :func:`proctree.spawn`; so does every pod with
+``DISTTRAIN_LOCAL_FORK=0`` (:func:`enabled`). A pod forked from a server dies with it: :meth:`ForkServers.close`
 ends the servers after the runtime ended their pods.
 """
 
@@ -44,9 +44,9 @@ PER_POD_PREFIX = "DISTTRAIN_"
 
 
 def enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """Off unless ``DISTTRAIN_LOCAL_FORK=1``: nodes forked in the same instant made torch's rendezvous completion
-    retry for minutes on a loaded machine (see docs/local.md), more often than cold nodes do."""
-    return environ.get(env_names.LOCAL_FORK, "0") == "1"
+    """On unless ``DISTTRAIN_LOCAL_FORK=0`` (every pod cold, as before the fork server: to compare, or to rule it
+    out)."""
+    return environ.get(env_names.LOCAL_FORK, "1") != "0"
 
 
 def server_key(

@@ -227,10 +227,9 @@ class Harness:
 
 @pytest.fixture(scope="session")
 def fork_servers(tmp_path_factory: pytest.TempPathFactory):
-    """Fork servers shared by the session's tests, used with ``DISTTRAIN_LOCAL_FORK=1`` as local mode uses them (off
-    by default: launchers forked in the same instant made 3-node rounds complete without a node under CI's load,
-    docs/local.md). The ``TOY_*`` settings are read by the toy at run time, and pytest names the current test in
-    ``PYTEST_CURRENT_TEST``."""
+    """Fork servers shared by the session's tests, under ``DISTTRAIN_LOCAL_FORK`` as local mode uses them (on by
+    default; ``DISTTRAIN_LOCAL_FORK=0`` starts every launcher cold). The ``TOY_*`` settings are read by the toy at
+    run time, and pytest names the current test in ``PYTEST_CURRENT_TEST``."""
     servers = ForkServers(tmp_path_factory.mktemp("fork-servers"), run_time=("TOY_", "PYTEST_CURRENT_TEST"))
     yield servers
     servers.close()

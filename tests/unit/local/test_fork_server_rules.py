@@ -71,7 +71,7 @@ def test_one_server_serves_every_node_of_a_job_and_another_kind_of_pod_gets_its_
     assert server_key([PY, "-c", "print(1)"], BASE) is None
 
 
-def test_local_pods_start_cold_unless_forking_is_asked_for():
-    assert not enabled({})
+def test_local_pods_are_forked_unless_cold_starts_are_asked_for():
+    assert enabled({})
     assert not enabled({env_names.LOCAL_FORK: "0"})
     assert enabled({env_names.LOCAL_FORK: "1"})
