@@ -825,7 +825,8 @@ def _choose_target(d: Draft, live: list[PodView], group_nodes: int) -> None:
     if not ctl.in_flight and group_nodes > 0:
         grown = snap_to_valid(spec, min(len(running), desired), allow_up=False) or 0
         if (enough or not (waiting or missing)) and grown > group_nodes:
-            issue(d, DirectiveAction.DRAIN, Reason.SCALED_UP, grown)
+            # Scale-down victims still terminating stay excluded: out of the round, and their end no loss.
+            issue(d, DirectiveAction.DRAIN, Reason.SCALED_UP, grown, exclude=ctl.exclude)
             target = grown
         elif target < group_nodes and not ctl.exclude:
             target = group_nodes

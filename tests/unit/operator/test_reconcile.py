@@ -328,6 +328,29 @@ def test_anchor_1509_scale_down_drains_then_deletes_only_the_victims():
     assert "Draining" in world.reasons() and "Reformed" in world.reasons() and "ScaledDown" in world.reasons()
 
 
+def test_a_scale_up_while_a_scale_down_victim_still_terminates_charges_no_loss():
+    """The victim's grace period outlasts the reform, and a scale-up comes meanwhile (local mode's forked newcomer
+    is Ready within a second): the victim stays excluded, and its end is no loss."""
+    world = World(job_manifest(replicas=3)).running_world(3)
+    world.spec("nodes.replicas", 2).step(0)
+    world.step(10)
+    world.checkpoint(6).step(1)
+    assert [d.name for d in world.last.delete_pods] == ["demo-worker-2"]
+    world.progress(2, step=7).step(1)  # the group re-formed at 2; the victim is still Terminating
+    assert world.control["action"] == "none" and world.control["exclude"] == ["demo-worker-2"]
+    world.spec("nodes.replicas", 3).step(0)
+    assert [w.name for w in world.step(10).create_workers] == ["demo-worker-2-1"]
+    world.run_all().step(1)
+    assert world.control["action"] == "drain" and world.control["reason"] == "ScaledUp"
+    assert world.control["exclude"] == ["demo-worker-2"], "the victim still terminating stays out of the round"
+    world.step(1)
+    world.finish_terminations().step(1)
+    assert world.status["restarts"]["total"] == 0, world.reasons()
+    world.checkpoint(8).progress(3, step=9).step(1)
+    assert world.control["action"] == "none" and world.control["exclude"] == []
+    assert world.status["restarts"]["total"] == 0 and "PodDeleted" not in world.reasons()
+
+
 def test_scale_down_victims_are_deleted_after_the_drain_timeout_without_a_checkpoint():
     world = World(job_manifest(replicas=3)).running_world(3)
     world.spec("nodes.replicas", 2).step(0)
