@@ -54,6 +54,9 @@ class Draft:
         self.agent_avoid_nodes: tuple[str, ...] = ()
         self.deletions: dict[str, PodDeletion] = {}
         self.timers: list[float] = []
+        self.completed_directive = False
+        """This reconcile completed a directive: its reform record stays in the status until the next reconcile,
+        so a watcher, the metrics and ``disttrain local`` see every reform complete (set by ``_complete_directive``)."""
         self.delete_job = False
         self.apply_pod_group = False
         self.silent = heartbeat.silent_pods(self.status.silent_nodes, seen.workers)

@@ -735,6 +735,7 @@ def _complete_directive(d: Draft, group_nodes: int) -> None:
         reason = ctl.reason
         planned = ctl.action is DirectiveAction.DRAIN
         ctl.action = DirectiveAction.NONE
+        d.completed_directive = True
         # Victims still shutting down stay excluded so they are not mistaken for members again.
         present = {p.name for p in d.seen.workers}
         ctl.exclude = [name for name in ctl.exclude if name in present]
@@ -825,9 +826,13 @@ def _choose_target(d: Draft, live: list[PodView], group_nodes: int) -> None:
     if not ctl.in_flight and group_nodes > 0:
         grown = snap_to_valid(spec, min(len(running), desired), allow_up=False) or 0
         if (enough or not (waiting or missing)) and grown > group_nodes:
-            # Scale-down victims still terminating stay excluded: out of the round, and their end no loss.
-            issue(d, DirectiveAction.DRAIN, Reason.SCALED_UP, grown, exclude=ctl.exclude)
-            target = grown
+            if d.completed_directive:
+                d.timer(now)  # drained in by the next reconcile, once the completed reform's record was published
+                target = group_nodes
+            else:
+                # Scale-down victims still terminating stay excluded: out of the round, and their end no loss.
+                issue(d, DirectiveAction.DRAIN, Reason.SCALED_UP, grown, exclude=ctl.exclude)
+                target = grown
         elif target < group_nodes and not ctl.exclude:
             target = group_nodes
     if ctl.in_flight:

@@ -653,6 +653,10 @@ def test_a_replacement_running_after_the_wait_does_not_strand_the_reform_at_the_
     assert world.control["targetNodes"] == 2, "a published lower target is never raised while in flight"
     world.progress(2, step=6).step(1)
     assert "Reformed" in world.reasons(), "the reform completed at the size the round formed with"
+    # The completed reform's record is published before the next directive replaces it (watchers, metrics).
+    assert world.status["lastReform"]["to"] == 2 and world.status["lastReform"]["durationSeconds"] is not None
+    assert world.control["action"] == "none" and world.last.requeue_after == 0
+    world.step(0)
     assert world.control["action"] == "drain" and world.control["reason"] == "ScaledUp"
     assert world.control["targetNodes"] == 3
     world.step(1)
