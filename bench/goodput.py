@@ -26,7 +26,10 @@ members of the group (a pod whose worker serves its metrics), never the idle spa
 ``--replacement-wait S`` sets the job's ``spec.elastic.replacementWaitSeconds`` in every run (the demo's is 30: the
 survivors wait for the replacement's cold start; 0: they re-form at once and the replacement joins once Ready).
 
+``--kinds`` picks the runs (default all four); a figure whose runs were left out is not printed.
+
     python bench/goodput.py [--window 130] [--period 60] [--replacement-wait S] [--rounds 3] [--spares 1]
+                            [--kinds clean,fixed,auto,spare]
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ import _localbench as lb
 
 from disttrain.api import timestamps
 
+KINDS = ("clean", "fixed", "auto", "spare")
+"""The runs: no failures; a kill every --period with intervalSteps 20, with auto, and with hot spares."""
 PROGRESS_INTERVAL_S = 1
 """The benchmark's job reports progress every second: the window's ends are read from these records."""
 SETTLE_S = 10.0
@@ -197,13 +202,18 @@ def main() -> None:
         help="rounds of the three runs, each round in another order; the ratios are of the summed rates (this "
         "machine's throughput drifts by 20%% between runs minutes apart, more than the gap to the goal)",
     )
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated runs to make, of {', '.join(KINDS)}")
     args = parser.parse_args()
+    kinds = [kind for kind in KINDS if kind in args.kinds.split(",")]
+    unknown = set(args.kinds.split(",")) - set(KINDS)
+    if unknown or not kinds:
+        parser.error(f"--kinds {args.kinds!r}: each must be one of {', '.join(KINDS)}")
     backend = lb.use_registered_backend()
     wait = args.replacement_wait
-    kinds = ["clean", "fixed", "auto", "spare"]
-    losses_of = {kind: Losses() for kind in kinds[1:]}
+    failing = [kind for kind in kinds if kind != "clean"]
+    losses_of = {kind: Losses() for kind in failing}
     runs: dict[str, list[Run]] = {kind: [] for kind in kinds}
-    restarts: dict[str, dict] = {kind: {} for kind in kinds[1:]}
+    restarts: dict[str, dict] = {kind: {} for kind in failing}
     chosen: dict = {}
     for round_ in range(args.rounds):
         turn = round_ % len(kinds)
@@ -236,26 +246,26 @@ def main() -> None:
         return sum(r.kept for r in runs[kind]) / sum(r.seconds * r.settled_rate() for r in runs[kind])
 
     print(f"rendezvous backend: {backend}; {args.rounds} x {args.window:.0f}s windows, a kill every {args.period:.0f}s")
-    for kind in kinds[1:]:
+    for kind in failing:
         print(f"{kind} runs: {sum(len(r.kills) for r in runs[kind])} node kills; restarts {restarts[kind]}")
         if kind == "auto":
             print(f"last status.checkpointInterval of an auto run: {chosen}")
         print("\n".join(losses_of[kind].lines()))
-    clean = kept_rate("clean")
-    print(
-        f"failure-free run's own in-run ratio (settled vs whole window; ~1 when the measure is sound): "
-        f"{in_run_ratio('clean'):.3f}"
-    )
-    print(f"samples_per_second_clean: {clean:.1f}")
-    print(f"samples_per_second_with_failures: {kept_rate('fixed'):.1f}")
-    print(f"samples_per_second_with_failures_auto_interval: {kept_rate('auto'):.1f}")
-    print(f"samples_per_second_with_failures_spare: {kept_rate('spare'):.1f}")
-    print(f"goodput_ratio_vs_clean_run: {kept_rate('fixed') / clean:.3f}")
-    print(f"goodput_ratio_vs_clean_run_auto_interval: {kept_rate('auto') / clean:.3f}")
-    print(f"goodput_ratio_vs_clean_run_spare: {kept_rate('spare') / clean:.3f}")
-    print(f"goodput_ratio: {in_run_ratio('fixed'):.3f}")
-    print(f"goodput_ratio_auto_interval: {in_run_ratio('auto'):.3f}")
-    print(f"goodput_ratio_spare: {in_run_ratio('spare'):.3f}")
+    suffix = {"fixed": "", "auto": "_auto_interval", "spare": "_spare"}
+    if "clean" in kinds:
+        clean = kept_rate("clean")
+        print(
+            f"failure-free run's own in-run ratio (settled vs whole window; ~1 when the measure is sound): "
+            f"{in_run_ratio('clean'):.3f}"
+        )
+        print(f"samples_per_second_clean: {clean:.1f}")
+    for kind in failing:
+        print(f"samples_per_second_with_failures{suffix[kind]}: {kept_rate(kind):.1f}")
+    if "clean" in kinds:
+        for kind in failing:
+            print(f"goodput_ratio_vs_clean_run{suffix[kind]}: {kept_rate(kind) / clean:.3f}")
+    for kind in failing:
+        print(f"goodput_ratio{suffix[kind]}: {in_run_ratio(kind):.3f}")
 
 
 if __name__ == "__main__":
