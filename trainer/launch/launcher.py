@@ -260,7 +260,16 @@ class CountingAgent(LocalElasticAgent):
                     describe(rank, failure),
                 )
                 self._remaining_restarts = 0  # torchrun stops the workers and returns this result
+                self._announce_leaving()
         return result
+
+    def _announce_leaving(self) -> None:
+        """This node's last beat, now: its workers failed and the pod exits once torchrun stopped them, which takes
+        seconds on a loaded machine; meanwhile the agent leaves the verdict to the pod's exit (``PodFailed`` with the
+        user's code), never to the beat's silence (``HeartbeatLost``)."""
+        handler = self._worker_group.spec.rdzv_handler
+        if isinstance(handler, DisttrainRendezvousHandler) and handler.beat is not None:
+            handler.beat.leave()
 
 
 READINESS = Readiness()
