@@ -20,6 +20,7 @@ import pytest
 
 from disttrain.api import conditions as cond
 from disttrain.operator import cli
+from disttrain.operator.local import chaos as chaos_mod
 from disttrain.operator.local.runtime import LocalRuntime, Snapshot
 from tests.chart import dashboard
 from tests.e2e.conftest import Run, e2e_job, run_job
@@ -29,6 +30,8 @@ pytestmark = [pytest.mark.slow]
 
 JOB, NAMESPACE = "obs", "default"
 SELECTOR = f'{{namespace="{NAMESPACE}", job="{JOB}"}}'
+KILL_AT_STEP = 6
+"""A node's machine dies past this step (and once Prometheus scraped the restart counters at 0)."""
 LOG_STEP = re.compile(r"\bstep (\d+) loss \S+ lr \S+ world (\d+) samples/s (\d+)")
 
 
@@ -62,15 +65,26 @@ class Observed:
 
 
 class Choreography:
-    """On every tick: keep Prometheus' targets in step with the live processes, record the status, and once the
-    group has re-formed after the node loss and trained a few steps, scale down by one (``disttrain local scale``,
-    as from another terminal)."""
+    """On every tick: keep Prometheus' targets in step with the live processes, record the status; past step
+    :data:`KILL_AT_STEP`, once Prometheus has scraped the job's restart counters at 0 (a counter first scraped at 1
+    shows no increase), kill a node; once the group has re-formed after the loss and trained a few steps, scale down by
+    one (``disttrain local scale``, as from another terminal)."""
 
     def __init__(self, prometheus: Prometheus) -> None:
         self.prometheus = prometheus
         self.ticks: list[float] = []
         self.statuses: list[dict[str, Any]] = []
         self.scaled_down_at_step = 0
+        self.killed = False
+        self._looked_at = 0.0
+
+    def _counters_scraped(self, now: float) -> bool:
+        """Prometheus holds two samples of the job's restart counters (looked at twice a second at most)."""
+        if now - self._looked_at < 0.5:
+            return False
+        self._looked_at = now
+        series = self.prometheus.samples("disttrain_job_restarts_total" + SELECTOR, at=now, lookback_s=60)
+        return any(len(samples) >= 2 for samples in series.values())
 
     def __call__(self, runtime: LocalRuntime, snapshot: Snapshot) -> None:
         status = snapshot.status
@@ -86,6 +100,10 @@ class Choreography:
                 if pod.metrics_port
             ],
         )
+        now = self.ticks[-1]
+        if not self.killed and status.get("step", 0) >= KILL_AT_STEP and self._counters_scraped(now):
+            self.killed = True
+            runtime.apply_chaos(chaos_mod.parse_chaos("kill-node@0s")[0])
         restarted = (status.get("restarts") or {}).get("total", 0) >= 1
         settled = status.get("phase") == "Running" and (status.get("control") or {}).get("action", "none") == "none"
         reformed_step = (status.get("lastReform") or {}).get("durationSeconds") is not None
@@ -119,7 +137,7 @@ def observed(tmp_path_factory):
                 "collectiveTimeoutSeconds": 20,
             },
         )
-        run = run_job(tmp, builder, chaos="kill-node@step=6", on_tick=choreography, timeout_s=180)
+        run = run_job(tmp, builder, on_tick=choreography, timeout_s=180)
         prometheus.set_targets("operator", [])
         prometheus.set_targets("workers", [])
         yield Observed(run, prometheus, choreography.ticks, choreography.statuses, end=choreography.ticks[-1] + 2)
@@ -206,8 +224,12 @@ def test_checkpoint_step_and_age_are_the_status_checkpoint(observed):
         step = int(steps[at])
         assert step in committed, (at, step, sorted(committed))
         # The age is computed when scraped (a job that stops progressing is reconciled no more, and its age must
-        # still grow): the scrape's own time minus the commit time, within the scrape's latency.
-        assert abs(age - (at - committed[step])) < 0.5, (at, age, step, at - committed[step])
+        # still grow): the scrape's own time minus the commit time, within the scrape's latency. A scrape that
+        # reads the step gauge just before a status update and the age just after it pairs the step with the next
+        # checkpoint's age (two gauges, read one after the other while the runtime updates them).
+        later = [committed[s] for s in sorted(committed) if s > step][:1]
+        ages_fit = [abs(age - (at - commit)) < 0.5 for commit in [committed[step], *later]]
+        assert any(ages_fit), (at, age, step, at - committed[step])
         checked.add(step)
     assert len(ages) >= 10 and len(checked) >= 3, (len(ages), checked)
     assert int(steps[max(steps)]) == observed.statuses[-1]["lastCheckpoint"]["step"]
