@@ -33,14 +33,16 @@ torch and never kopf or the operator.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, MutableMapping, Sequence
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import torch
 from torch.distributed import run as torchrun
@@ -380,4 +382,25 @@ def run(argv: Sequence[str]) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sys.exit(run(sys.argv[1:] if argv is None else argv))
+    exit_now(run(sys.argv[1:] if argv is None else argv))
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the pod's process with ``code``: what Python's exit does up to its atexit hooks (non-daemon threads
+    joined, the hooks run, the streams flushed), without the interpreter's finalisation after them.
+
+    Why: with torch loaded that teardown took 0.6 s here, 1.2 s in a local pod forked from a fork server (it writes to
+    every page the pod shares with the server), several seconds under CI's load; the pod's exit, which names what
+    happened (a crash is ``PodFailed`` with the user's code), came after the agent's silence rule had named it
+    ``HeartbeatLost``. The launcher's work is done by then: its workers are gone and its store calls drained."""
+    main_thread = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main_thread and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to write
+            pass
+    os._exit(code)
