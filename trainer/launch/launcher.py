@@ -277,6 +277,22 @@ class CountingAgent(LocalElasticAgent):
 READINESS = Readiness()
 """The pod's readiness port (``DISTTRAIN_READY_PORT``)."""
 _cold_popen = SubprocessHandler._popen
+_stock_close = SubprocessHandler.close
+
+
+def close_worker(self: SubprocessHandler, death_sig: Optional[signal.Signals] = None) -> None:
+    """torchrun's stop of one worker (``killpg`` of its session), for a worker whose session is already gone.
+
+    A warm worker is its warm interpreter's child, reaped there the moment it exits, so ``killpg`` can find no
+    process left (``ProcessLookupError``) where a cold worker would still be the launcher's zombie. torchrun's
+    close then raised out of its monitor loop, and the launcher ended with exit 1 instead of the workers' code
+    (seen in CI: a drained worker's exit 83)."""
+    try:
+        _stock_close(self, death_sig)
+    except ProcessLookupError:
+        for stream in (self._stdout, self._stderr):
+            if stream:
+                stream.close()
 
 
 def _warm_popen(self: SubprocessHandler, args: tuple[str, ...], env: dict[str, str]) -> Any:
@@ -359,6 +375,7 @@ def run(argv: Sequence[str]) -> int:
     prestart.open_handover()
     launcher_api.LocalElasticAgent = CountingAgent  # type: ignore[misc]  # what launch_agent builds
     SubprocessHandler._popen = _warm_popen  # type: ignore[method-assign]  # where torchrun starts a worker
+    SubprocessHandler.close = close_worker  # type: ignore[method-assign]  # where torchrun stops one
     try:
         torchrun.run(args)
     except ChildFailedError as error:
