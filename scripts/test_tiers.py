@@ -42,8 +42,8 @@ LOGS = REPO / "build" / "test-logs"
 
 LANES: tuple[tuple[str, ...], ...] = (
     ("trainer/1", "e2e/1"),
-    ("trainer/2", "e2e/2"),
-    ("unit", "operator", "chart", "security", "cluster"),
+    ("trainer/2", "e2e/2", "security"),
+    ("unit", "operator", "chart", "cluster"),
 )
 """What `make test` runs (every tier but images, which `make test-images` builds and checks). ``tier/i`` is the
 i-th of a tier's shards (:func:`shard_files`)."""
