@@ -74,9 +74,12 @@ class LocalRuntime:
         on_tick: Optional[Callable[[Snapshot], None]] = None,
         on_event: Optional[Callable[[dict[str, Any]], None]] = None,
         not_ready_delay_s: float = 0.0,
+        forks: Optional[ForkServers] = None,
     ) -> None:
         """``not_ready_delay_s``: how long after a chaos ``kill-node`` its machine reads NotReady (0: at once; 40 is
-        Kubernetes' default ``node-monitor-grace-period``). Meanwhile only the rendezvous heartbeats tell."""
+        Kubernetes' default ``node-monitor-grace-period``). Meanwhile only the rendezvous heartbeats tell.
+        ``forks``: fork servers the caller keeps across runs (it closes them; a test session runs many jobs of the
+        same programs, each of which would otherwise import torch twice more); by default the run's own."""
         self.state = state
         obj = job.model_dump(mode="json", by_alias=True, exclude_none=True)
         obj["metadata"]["uid"] = obj["metadata"].get("uid") or str(uuid.uuid4())
@@ -110,8 +113,9 @@ class LocalRuntime:
         self.stop_requested = ""
         self.rdzv_fallback = rendezvous_fallback()
         self.cluster_checkpoint_dir = pods.checkpoint_dir(job)
-        self.forks = ForkServers(state.logs_dir)
+        self.forks = forks if forks is not None else ForkServers(state.logs_dir)
         """Pods start as forks of a process that imported torch once (the same program, without the import)."""
+        self._owns_forks = forks is None
 
     # ---- the job object --------------------------------------------------------------------------------
     @property
@@ -460,6 +464,7 @@ class LocalRuntime:
             pod.close()
         self.workers.clear()
         self.agent = None
-        self.forks.close()
+        if self._owns_forks:
+            self.forks.close()
         self.metrics.shutdown()
         self.write_state()

@@ -7,10 +7,13 @@ events, the per-step records of every process, and the state directory.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
+import functools
 import json
 import pathlib
+import tempfile
 import urllib.request
 from collections.abc import Callable
 from typing import Any, Optional
@@ -19,12 +22,29 @@ import yaml
 
 from disttrain.api import validation
 from disttrain.operator.local import chaos as chaos_mod
+from disttrain.operator.local import forkserver
 from disttrain.operator.local.runtime import LocalRuntime, Snapshot
 from disttrain.operator.local.statedir import StateDir
 from disttrain.operator.local.summary import Summary
 from tests.conftest import REPO_ROOT, JobBuilder
 
 RECORDER = "tests/workers/recorder.py"
+
+
+@functools.cache
+def _session_fork_servers() -> forkserver.ForkServers:
+    """Fork servers kept for the whole test process: its jobs run the same agent and recorder programs, and a run's
+    own servers would import torch twice per job. The recorder reads its ``E2E_*`` settings at run time, and pytest
+    names the current test in ``PYTEST_CURRENT_TEST``. A server ends with this process (its stdin closes)."""
+    logs = pathlib.Path(tempfile.mkdtemp(prefix="disttrain-e2e-fork-servers-"))
+    servers = forkserver.ForkServers(logs, run_time=("E2E_", "PYTEST_CURRENT_TEST"))
+    atexit.register(servers.close)
+    return servers
+
+
+def shared_fork_servers() -> Optional[forkserver.ForkServers]:
+    """The session's fork servers, or None where ``DISTTRAIN_LOCAL_FORK=0`` is set now (a run's pods start cold)."""
+    return _session_fork_servers() if forkserver.enabled() else None
 
 
 def e2e_job(
@@ -142,6 +162,7 @@ def run_job(
         workdir=str(REPO_ROOT),
         on_tick=tick,
         not_ready_delay_s=not_ready_delay_s,
+        forks=shared_fork_servers(),
     )
     holder["runtime"] = runtime
     summary = runtime.run(timeout_s=timeout_s)
