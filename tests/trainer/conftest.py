@@ -152,11 +152,15 @@ class Harness:
         ``torch.distributed.run``, torchrun itself, which the trainer library also runs under."""
         args = torchrun_args if torchrun_args is not None else ["--standalone", "--max-restarts=0"]
         cmd = [sys.executable, "-m", launcher, f"--nproc-per-node={nproc}", *args, str(TOY)]
-        env = self.env(contract, run, ckpt, **extra)
-        with open(self.out / f"{run}.log", "w") as log:
-            p = self.forks.start(cmd, env, str(REPO), log) if self.forks else None
+        return self.popen(cmd, self.env(contract, run, ckpt, **extra), self.out / f"{run}.log")
+
+    def popen(self, cmd: list[str], env: dict[str, str], log_path: Path, cwd: Path = REPO) -> subprocess.Popen:
+        """``cmd`` with its output in ``log_path``: a fork of a fork server where one can run it (a Python launcher
+        or torchrun: the same program without its import of torch), else a cold process. The harness ends it."""
+        with open(log_path, "w") as log:
+            p = self.forks.start(cmd, env, str(cwd), log) if self.forks else None
             if p is None:
-                p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+                p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
         self.procs.append(p)
         return p
 
@@ -225,12 +229,16 @@ class Harness:
                 p.wait(timeout=10)
 
 
+RUN_TIME_SETTINGS = ("TOY_", "MESH_", "PROBE_", "EFFECT_", "PYTEST_CURRENT_TEST")
+"""Variables the test programs (tests/trainer/workers, tests/workers) read when they run, never torch or disttrain
+at import: a fork server's pods may differ in them."""
+
+
 @pytest.fixture(scope="session")
 def fork_servers(tmp_path_factory: pytest.TempPathFactory):
     """Fork servers shared by the session's tests, under ``DISTTRAIN_LOCAL_FORK`` as local mode uses them (on by
-    default; ``DISTTRAIN_LOCAL_FORK=0`` starts every launcher cold). The ``TOY_*`` settings are read by the toy at
-    run time, and pytest names the current test in ``PYTEST_CURRENT_TEST``."""
-    servers = ForkServers(tmp_path_factory.mktemp("fork-servers"), run_time=("TOY_", "PYTEST_CURRENT_TEST"))
+    default; ``DISTTRAIN_LOCAL_FORK=0`` starts every launcher cold), :data:`RUN_TIME_SETTINGS` apart."""
+    servers = ForkServers(tmp_path_factory.mktemp("fork-servers"), run_time=RUN_TIME_SETTINGS)
     yield servers
     servers.close()
 

@@ -3,7 +3,6 @@
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,9 +31,9 @@ def test_tinylm_loss_falls_within_a_minute_on_two_processes(harness):
         "--layers",
         "1",
     ]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=150)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-3000:]
+    rc = harness.popen(cmd, env, harness.out / "tinylm.log").wait(timeout=150)
+    log = harness.log("tinylm")
+    assert rc == 0, log[-3000:]
     losses = [float(x) for x in re.findall(r"\[disttrain rank 0\] INFO step \d+ loss ([\d.]+)", log)]
     assert len(losses) >= 3, log[-3000:]
     assert losses[-1] < losses[0] - 0.8, losses
@@ -57,9 +56,9 @@ def test_the_gpt_example_trains_with_fsdp2_bf16_and_clipping_on_two_processes(ha
         "--size",
         "small",
     ]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=150)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-3000:]
+    rc = harness.popen(cmd, env, harness.out / "gptlm.log").wait(timeout=150)
+    log = harness.log("gptlm")
+    assert rc == 0, log[-3000:]
     assert "gptlm (small, FSDP2, bf16)" in log
     losses = [float(x) for x in re.findall(r"\[disttrain rank 0\] INFO step \d+ loss ([\d.]+)", log)]
     assert len(losses) >= 3, log[-3000:]

@@ -7,7 +7,6 @@ the trainer library needs nothing of the disttrain launcher."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,9 +24,9 @@ def _train(harness, nproc: int, max_steps: int, run: str, port: int) -> str:
     contract = harness.contract(global_batch=12, micro=2, max_steps=max_steps, interval=2)
     env = harness.env(contract, run, DISTTRAIN_AGENT_ENDPOINT=f"127.0.0.1:{port}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER)]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=150)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-3000:]
+    rc = harness.popen(cmd, env, harness.out / f"{run}.log").wait(timeout=150)
+    log = harness.log(run)
+    assert rc == 0, log[-3000:]
     return log
 
 

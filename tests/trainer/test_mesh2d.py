@@ -20,7 +20,6 @@ normalised update turns into steps of up to the LR (1e-3): measured 6.4e-5 apart
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -61,10 +60,7 @@ def launch(harness: Harness, nproc: int, mesh: dict, run: str, ckpt: Path, **ext
     """torchrun of the mesh worker; its records and log land in the harness's out folder."""
     env = harness.env(contract(mesh), run, ckpt, MESH_OUT=str(harness.out), MESH_RUN=run, MESH_CLIP=CLIP, **extra)
     cmd = [sys.executable, "-m", "disttrain.trainer.launch", "--standalone", "--max-restarts=0"]
-    with open(harness.out / f"{run}.log", "w") as log:
-        rc = subprocess.run(
-            [*cmd, f"--nproc-per-node={nproc}", str(WORKER)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO
-        ).returncode
+    rc = harness.popen([*cmd, f"--nproc-per-node={nproc}", str(WORKER)], env, harness.out / f"{run}.log").wait()
     return rc, harness.log(run)
 
 

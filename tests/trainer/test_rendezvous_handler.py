@@ -69,10 +69,7 @@ def start_node(
     env.pop("DISTTRAIN_NODE_INDEX", None)
     if index is not None:
         env["DISTTRAIN_NODE_INDEX"] = str(index)
-    with open(out / f"{name}.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    harness.procs.append(proc)
-    return proc
+    return harness.popen(cmd, env, out / f"{name}.log")
 
 
 def read_records(out: Path) -> dict[str, dict]:

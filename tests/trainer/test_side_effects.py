@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -43,11 +42,7 @@ def run(harness, nproc: int, contract: str, name: str, **env: str) -> tuple[int,
         "--standalone",
         "--max-restarts=0",
     ]
-    with open(harness.out / f"{name}.log", "w") as log:
-        p = subprocess.Popen(
-            [*cmd, str(WORKER)], env=harness.env(contract, name, **env), stdout=log, stderr=subprocess.STDOUT
-        )
-    harness.procs.append(p)
+    p = harness.popen([*cmd, str(WORKER)], harness.env(contract, name, **env), harness.out / f"{name}.log")
     return p.wait(timeout=120), harness.log(name)
 
 
