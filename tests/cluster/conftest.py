@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from disttrain.api import constants
+from disttrain.operator.local.forkserver import ForkServers
 from tests.cluster.controlplane import ControlPlane, start_or_skip
 from tests.cluster.harness import Cluster, checkpoint_claim, delete_jobs
 from tests.cluster.kubelet import Kubelets
@@ -92,15 +93,25 @@ def cluster(controllers: ControlPlane, namespace: str, kubelets: Kubelets, opera
     return Cluster(controllers, namespace, kubelets)
 
 
+@pytest.fixture(scope="session")
+def fork_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServers]:
+    """Fork servers for the session's job pods (as local mode's, under ``DISTTRAIN_LOCAL_FORK``): each pod would
+    import torch again, a few CPU-s on the 2 cores the whole tier shares. The e2e recorder reads ``E2E_*`` at run
+    time."""
+    servers = ForkServers(tmp_path_factory.mktemp("fork-servers"), run_time=("E2E_",))
+    yield servers
+    servers.close()
+
+
 @pytest.fixture
 def process_cluster(
-    controllers: ControlPlane, namespace: str, operator: OperatorProcess, tmp_path: Path
+    controllers: ControlPlane, namespace: str, operator: OperatorProcess, tmp_path: Path, fork_servers: ForkServers
 ) -> Iterator[Cluster]:
     """A namespace whose pods run as local processes: the real job agent, torchrun and trainer."""
     volume_root = tmp_path / "volume"
     volume_root.mkdir()
     checkpoint_claim(controllers, namespace, volume_root)
-    sim = ProcessKubelets(controllers, volume_root, tmp_path / "pods", namespaces={namespace})
+    sim = ProcessKubelets(controllers, volume_root, tmp_path / "pods", namespaces={namespace}, forks=fork_servers)
     try:
         yield Cluster(controllers, namespace, sim)
     finally:

@@ -28,13 +28,14 @@ import time
 import urllib.error
 import uuid
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Optional
 
 from disttrain.api import constants, env, storeauth
 from disttrain.api.ports import free_port
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import access, names, pods
 from disttrain.operator.local import proctree, translate
+from disttrain.operator.local.forkserver import ForkServers
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.kubelet import Kubelets
 
@@ -60,10 +61,20 @@ class _Container:
 class ProcessKubelets(Kubelets):
     """Nodes whose pods run as local process trees (one tree per pod, like a container)."""
 
-    def __init__(self, plane: ControlPlane, volume_root: Path, logs: Path, namespaces: set[str]) -> None:
+    def __init__(
+        self,
+        plane: ControlPlane,
+        volume_root: Path,
+        logs: Path,
+        namespaces: set[str],
+        forks: Optional[ForkServers] = None,
+    ) -> None:
         """``namespaces``: whose pods run here. A pod of another namespace bound to these nodes stays Pending (the
-        jobs of earlier tests, replaced by the operator when their nodes went away, must not run in this one)."""
-        self.volume_root, self.logs, self.namespaces = volume_root, logs, namespaces
+        jobs of earlier tests, replaced by the operator when their nodes went away, must not run in this one).
+        ``forks``: a job's pods start as forks of these fork servers where one can run them (as local mode's do:
+        the same programs without their import of torch; the caller closes them); None: cold, as on a node, for
+        benchmarks that time a pod's start."""
+        self.volume_root, self.logs, self.namespaces, self.forks = volume_root, logs, namespaces, forks
         self.containers: dict[str, _Container] = {}
         self._store_ports: dict[str, int] = {}
         self._agent_addresses: dict[str, str] = {}
@@ -182,7 +193,14 @@ class ProcessKubelets(Kubelets):
             )
         log = (self.logs / f"{meta['name']}.log").open("ab")
         marker = f"cluster-{uuid.uuid4().hex}"
-        proc = proctree.spawn(spec.argv, spec.env, spec.cwd, log, marker)
+        # KUBECONFIG names the agent's own account's token: read when it runs, one per job
+        per_pod = spec.per_pod | {"KUBECONFIG"}
+        forked = (
+            self.forks.start(spec.argv, proctree.marked(spec.env, marker), spec.cwd, log, per_pod)
+            if self.forks
+            else None
+        )
+        proc = forked or proctree.spawn(spec.argv, spec.env, spec.cwd, log, marker)
         return _Container(meta["name"], ns, meta["uid"], pod["spec"]["nodeName"], marker, proc, log, readiness_port)
 
     def _start_plain(self, pod: dict[str, Any]) -> _Container:

@@ -172,13 +172,15 @@ def test_each_jobs_network_policies_select_exactly_its_pods_and_admit_only_its_w
 
 
 @pytest.fixture
-def process_cluster(controllers, namespace, operator, tmp_path) -> Iterator[tuple[Cluster, str]]:
+def process_cluster(controllers, namespace, operator, tmp_path, fork_servers) -> Iterator[tuple[Cluster, str]]:
     """Kubelets that run every pod as local processes, in the job's namespace and in an outsider's."""
     other = controllers.create_namespace(f"t-outsider-{namespace[2:]}")
     volume_root = tmp_path / "volume"
     volume_root.mkdir()
     checkpoint_claim(controllers, namespace, volume_root)
-    sim = ProcessKubelets(controllers, volume_root, tmp_path / "pods", namespaces={namespace, other})
+    sim = ProcessKubelets(
+        controllers, volume_root, tmp_path / "pods", namespaces={namespace, other}, forks=fork_servers
+    )
     try:
         yield Cluster(controllers, namespace, sim), other
     finally:
