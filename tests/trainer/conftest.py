@@ -207,10 +207,10 @@ class Harness:
     def start_store(self) -> int:
         """A TCPStore server in its own process (the job agent's role); returns its port."""
         port = free_port()
-        p = subprocess.Popen([sys.executable, str(STORE_SERVER), str(port)], stdout=subprocess.PIPE, text=True)
-        self.procs.append(p)
-        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-        p.stdout.close()
+        log = self.tmp / f"store-{port}.log"
+        p = self.popen([sys.executable, str(STORE_SERVER), str(port)], dict(os.environ), log)
+        self.wait_until(f"the store server on port {port}", lambda: "ready" in log.read_text() or p.poll() is not None)
+        assert p.poll() is None, f"the store server exited {p.returncode}:\n{log.read_text()[-3000:]}"
         return port
 
     def client(self, port: int, job_uid: Optional[str] = None, timeout_s: float = 10) -> Any:

@@ -30,20 +30,16 @@ LAUNCH = [
 
 def launch(harness, nproc: int, command: list[str], run: str, **env: str) -> tuple[int, str, str]:
     termination = harness.tmp / f"{run}.termination"
-    with open(harness.out / f"{run}.log", "w") as log:
-        proc = subprocess.Popen(
-            [*LAUNCH, f"--nproc-per-node={nproc}", *command],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=harness.env(harness.contract(max_steps=8), run, DISTTRAIN_TERMINATION_LOG=str(termination), **env),
-            cwd=REPO,
-        )
-        harness.procs.append(proc)
-        try:
-            rc = proc.wait(timeout=150)
-        except subprocess.TimeoutExpired:
-            harness.kill_tree(proc.pid)
-            raise AssertionError(f"the launcher kept restarting:\n{harness.log(run)[-3000:]}") from None
+    proc = harness.popen(
+        [*LAUNCH, f"--nproc-per-node={nproc}", *command],
+        harness.env(harness.contract(max_steps=8), run, DISTTRAIN_TERMINATION_LOG=str(termination), **env),
+        harness.out / f"{run}.log",
+    )
+    try:
+        rc = proc.wait(timeout=150)
+    except subprocess.TimeoutExpired:
+        harness.kill_tree(proc.pid)
+        raise AssertionError(f"the launcher kept restarting:\n{harness.log(run)[-3000:]}") from None
     return rc, termination.read_text() if termination.exists() else "", harness.log(run)
 
 
