@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime
+import functools
 import hashlib
 import ipaddress
 import json
@@ -386,6 +387,11 @@ class ControlPlane:
         path.chmod(0o600)
         return path
 
+    @functools.cached_property
+    def tls_context(self) -> ssl.SSLContext:
+        """One client context for every request (loading the CA each time cost the kubelets' loops CPU)."""
+        return ssl.create_default_context(cafile=str(self.pki.ca_crt))
+
     def request(
         self,
         method: str,
@@ -397,7 +403,7 @@ class ControlPlane:
         raw: bool = False,
     ) -> Any:
         """One HTTPS request as admin (or ``token``); JSON in and out. HTTP errors raise ``urllib.error.HTTPError``."""
-        context = ssl.create_default_context(cafile=str(self.pki.ca_crt))
+        context = self.tls_context
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
             self.server + path,
