@@ -289,8 +289,13 @@ class DepartureSpec(ContractModel):
 class ElasticSpec(ContractModel):
     scale_debounce_seconds: int = Field(10, ge=0, le=3_600)
     """A scale request must stand this long before pods are drained or added (absorbs HPA flapping)."""
-    replacement_wait_seconds: int = Field(30, ge=0, le=86_400)
-    """After an unplanned node loss, wait this long for a replacement before reforming with the survivors."""
+    replacement_wait_seconds: Union[int, Literal["auto"]] = Field(
+        "auto",
+        json_schema_extra={"x-kubernetes-int-or-string": True, "minimum": 0, "maximum": 86_400, "pattern": "^auto$"},
+    )
+    """After an unplanned node loss, wait this long for a replacement before reforming with the survivors, or
+    `auto`: wait a few seconds only where this job's pods start that fast, otherwise re-form at once and take the
+    replacement in when it is Ready (disttrain.operator.replacement)."""
     drain_timeout_seconds: int = Field(120, ge=1, le=86_400)
     """How long a drain (checkpoint at the next step boundary, then exit) may take before pods are deleted."""
     stuck_pod_timeout_seconds: int = Field(300, ge=1, le=86_400)
@@ -313,6 +318,16 @@ class ElasticSpec(ContractModel):
     few seconds never does."""
     departure: DepartureSpec = Field(default_factory=DepartureSpec)
     """Node signals that drain a worker off its node before the node goes (``kubectl drain``, scale-in, spot)."""
+
+    @field_validator("replacement_wait_seconds", mode="before")
+    @classmethod
+    def _seconds_or_auto(cls, value: Any) -> Any:
+        """One clear message for both halves of the union (pydantic would report each branch)."""
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 86_400:
+            raise ValueError(f"replacementWaitSeconds must be an integer from 0 to 86400 or 'auto', got {value!r}")
+        return value
 
 
 class ExitCodeClasses(ContractModel):

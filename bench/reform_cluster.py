@@ -11,12 +11,14 @@ worker dies (its processes SIGKILLed, its Lease no longer renewed). Printed, per
 * ``reform_seconds.<phase>``: ``status.lastReform.phases`` once the group trains at 3 nodes again with the
   replacement that the real scheduler placed.
 
-    python bench/reform_cluster.py [--runs 2] [--spares 1 | --replacement-wait 0]
+    python bench/reform_cluster.py [--runs 2] [--spares 1 | --replacement-wait 0 | --replacement-wait auto]
 
 With ``--spares 1`` the job keeps a hot spare (``spec.nodes.spares``): the victim is a member of the round, and the
 reform completes with the spare instead of waiting for the replacement pod to be created, scheduled and started.
 With ``--replacement-wait 0`` (``spec.elastic.replacementWaitSeconds: 0``) the survivors re-form at 2 nodes at once
-and the replacement joins later with a scale-up; the reform timed is the first one.
+and the replacement joins later with a scale-up; the reform timed is the first one. ``--replacement-wait auto`` is
+the spec's default (``operator/replacement.py``): no wait where pods take longer than 3 s to start, as these cold
+ones do.
 """
 
 from __future__ import annotations
@@ -48,7 +50,10 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--spares", type=int, default=0, help="spec.nodes.spares of the job (hot spares)")
     parser.add_argument(
-        "--replacement-wait", type=int, default=60, help="spec.elastic.replacementWaitSeconds (0: survivors go on)"
+        "--replacement-wait",
+        type=lambda v: v if v == "auto" else int(v),
+        default=60,
+        help="spec.elastic.replacementWaitSeconds (0: survivors go on; auto: the default, decided by pod start)",
     )
     args = parser.parse_args()
     work = pathlib.Path(tempfile.mkdtemp(prefix="disttrain-reform-cluster-"))

@@ -37,6 +37,8 @@ class PodView:
     node_name: Optional[str] = None
     """spec.nodeName: set once scheduled."""
     created_at: Optional[float] = None
+    ready_at: Optional[float] = None
+    """When it last became Ready (the Ready condition's lastTransitionTime); None while not Ready."""
     deleting_since: Optional[float] = None
     """metadata.deletionTimestamp: the pod is Terminating."""
     exit_code: Optional[int] = None

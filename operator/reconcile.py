@@ -48,7 +48,7 @@ from disttrain.api.control import DirectiveAction, is_drain_checkpoint
 from disttrain.api.reformphases import reform_phases
 from disttrain.api.spec import CleanPodPolicy, DistTrainJob, DistTrainJobSpec, SuccessPolicy
 from disttrain.api.status import CheckpointRef, DistTrainJobStatus, PendingScale, Phase
-from disttrain.operator import departures, names
+from disttrain.operator import departures, names, replacement
 from disttrain.operator.draft import Draft, fail, issue
 from disttrain.operator.incidents import (
     close_incident,
@@ -806,7 +806,7 @@ def _choose_target(d: Draft, live: list[PodView], group_nodes: int) -> None:
     target = desired
     if not enough and (waiting or missing):
         if ctl.action is DirectiveAction.REFORM and ctl.reason in LOSS_REASONS:
-            expiry = (timestamps.parse_time(ctl.issued_at) or now) + spec.elastic.replacement_wait_seconds
+            expiry = (timestamps.parse_time(ctl.issued_at) or now) + replacement.wait_seconds(spec.elastic, live)
             timeout_reason = Reason.REPLACEMENT_TIMEOUT
         else:
             created = [p.created_at for p in waiting if p.created_at is not None]
@@ -821,7 +821,7 @@ def _choose_target(d: Draft, live: list[PodView], group_nodes: int) -> None:
                     timeout_reason,
                     f"{desired - len(running)} node(s) not running after the wait; continuing with {target} nodes",
                 )
-        else:
+        elif now < expiry:  # after it, with too few survivors, a pod's Ready wakes the next reconcile
             d.timer(expiry)
     if not ctl.in_flight and group_nodes > 0:
         grown = snap_to_valid(spec, min(len(running), desired), allow_up=False) or 0

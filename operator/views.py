@@ -34,7 +34,10 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         index = int(labels.get(constants.LABEL_NODE_INDEX, -1))
     except ValueError:
         index = -1
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    ready_condition: Mapping[str, Any] = next(
+        (c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {}
+    )
+    ready = ready_condition.get("status") == "True"
     exit_code: Optional[int] = None
     termination_message = ""
     ours = (constants.TRAINER_CONTAINER, constants.AGENT_CONTAINER)  # their exit code wins over a sidecar's
@@ -51,6 +54,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         ready=ready,
         node_name=spec.get("nodeName"),
         created_at=timestamps.parse_time(meta.get("creationTimestamp")),
+        ready_at=timestamps.parse_time(ready_condition.get("lastTransitionTime")) if ready else None,
         deleting_since=timestamps.parse_time(meta.get("deletionTimestamp")),
         exit_code=exit_code,
         reason=status.get("reason") or "",

@@ -52,6 +52,8 @@ class LocalPod:
     readiness_port: int = 0
     """The pod's readinessProbe: Ready once its launcher listens here (its workers start warm); 0: no probe."""
     probed_ready: bool = False
+    ready_at: Optional[float] = None
+    """When the readiness probe first passed."""
     termination_log: str = ""
     """The file the worker's launcher writes its failure to (terminationMessagePath on Kubernetes)."""
 
@@ -84,6 +86,8 @@ class LocalPod:
                     self.probed_ready = True
                 except OSError:
                     pass
+        if self.probed_ready and self.ready_at is None:
+            self.ready_at = time.time()
         return self.probed_ready
 
     def is_training(self) -> bool:
@@ -121,6 +125,7 @@ class LocalPod:
             ready=ready,
             node_name=self.node,
             created_at=self.created_at,
+            ready_at=self.ready_at if ready else None,
             deleting_since=self.deleting_since,
             exit_code=None if phase == "Running" else code,
             termination_message=self._termination_message() if phase == "Failed" else "",

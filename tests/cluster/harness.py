@@ -224,14 +224,14 @@ def _is_ready(pod: dict[str, Any]) -> bool:
 
 
 def silent_node_reform(
-    cluster: Cluster, tmp_path: Path, name: str = "hb", spares: int = 0, replacement_wait_s: int = 60
+    cluster: Cluster, tmp_path: Path, name: str = "hb", spares: int = 0, replacement_wait_s: int | str = 60
 ) -> SilentNodeReform:
     """A 3-node job of the e2e recorder trains on pods whose processes run (``ProcessKubelets``); the machine of a
     worker that does not host the agent dies (processes SIGKILLed, Lease no longer renewed); wait for the reform
     directive, then for training at 3 nodes again with the replacement. With ``spares``, the victim is a member
     of the round (``status.roundMembers``) and the loss comes once the spares are Ready. With
     ``replacement_wait_s`` 0 (``spec.elastic.replacementWaitSeconds``) the survivors re-form at 2 nodes at once:
-    the reform waited for is that one."""
+    the reform waited for is that one; with ``auto``, the first reform at either size."""
     cluster.nodes(5 + spares)
     job = (
         e2e_job(name, tmp_path / "records", replicas=3, max_steps=5000, dataset=60_000, step_sleep=0.05)
@@ -279,8 +279,8 @@ def silent_node_reform(
     def reformed() -> dict[str, Any] | None:
         status = cluster.status(name)
         last = status.get("lastReform") or {}
-        size = 3 if replacement_wait_s or spares else 2
-        return status if status.get("phase") == "Running" and last.get("to") == size and last.get("phases") else None
+        sizes = {2, 3} if replacement_wait_s == "auto" and not spares else {3} if replacement_wait_s or spares else {2}
+        return status if status.get("phase") == "Running" and last.get("to") in sizes and last.get("phases") else None
 
     back = eventually(reformed, timeout=120, what="training again after the loss")
     return SilentNodeReform(victim["metadata"]["name"], detected, control, ready, back)

@@ -77,6 +77,8 @@ def rule_violations(obj: dict[str, Any]) -> list[rules.RuleViolation]:
 TABLE = [
     ("valid", lambda b: b, None, None),
     ("valid-auto-interval", lambda b: b.set("spec.checkpoint.intervalSteps", "auto"), None, None),
+    ("valid-auto-replacement-wait", lambda b: b.set("spec.elastic.replacementWaitSeconds", "auto"), None, None),
+    ("valid-replacement-wait-seconds", lambda b: b.set("spec.elastic.replacementWaitSeconds", 0), None, None),
     *MALFORMED,
 ]
 

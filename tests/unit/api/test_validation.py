@@ -162,6 +162,18 @@ MALFORMED = [
         "got '50'",
     ),
     (
+        "replacement-wait-bad-word",
+        lambda b: b.set("spec.elastic.replacementWaitSeconds", "soon"),
+        "spec.elastic.replacementWaitSeconds",
+        "replacementWaitSeconds must be an integer from 0 to 86400 or 'auto', got 'soon'",
+    ),
+    (
+        "replacement-wait-negative",
+        lambda b: b.set("spec.elastic.replacementWaitSeconds", -1),
+        "spec.elastic.replacementWaitSeconds",
+        "got -1",
+    ),
+    (
         "two-containers-none-named-trainer",
         lambda b: b.set("spec.template.spec.containers", [{"name": "a", "image": "x"}, {"name": "b", "image": "y"}]),
         "spec.template.spec",

@@ -152,7 +152,7 @@ class World:
         """Schedule and start every Pending pod (worker and agent) on node-<index>."""
         for pod in list(self.workers.values()):
             if pod.phase == "Pending" and not pod.is_terminating:
-                self._replace(pod, phase="Running", ready=True, node_name=f"node-{pod.node_index}")
+                self._replace(pod, phase="Running", ready=True, ready_at=self.now, node_name=f"node-{pod.node_index}")
         if self.agent is not None and self.agent.phase == "Pending":
             self._replace(self.agent, phase="Running", ready=True, node_name="node-agent")
         return self
