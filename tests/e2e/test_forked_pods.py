@@ -63,10 +63,12 @@ def _start(servers: ForkServers, tmp_path: Path, n: int, hold_s: float, value: s
 
 def test_a_forked_pod_runs_as_a_cold_one_and_every_process_of_it_carries_its_marker(tmp_path: Path):
     servers = ForkServers(tmp_path, ON)
+    outs = []
     try:
         cold, cold_out = _start(ForkServers(tmp_path, {env_names.LOCAL_FORK: "0"}), tmp_path, 0, 0.0, "v0")
         forked, forked_out = _start(servers, tmp_path, 1, 0.0, "v1")
         again, again_out = _start(servers, tmp_path, 2, 0.0, "v2")
+        outs = [cold_out, forked_out, again_out]
         assert not isinstance(cold, ForkedPod)
         assert isinstance(forked, ForkedPod) and isinstance(again, ForkedPod), "the fork server refused (see its log)"
         assert len(list(tmp_path.glob("fork-server-*.log"))) == 1, "pods that differ in DISTTRAIN_* share a server"
@@ -82,9 +84,9 @@ def test_a_forked_pod_runs_as_a_cold_one_and_every_process_of_it_carries_its_mar
             proctree.kill_tree(_marker(n))
             assert not proctree.find_tree(_marker(n))
         proctree.kill_tree(_marker(0))
-        for out in (cold_out, forked_out, again_out):
-            out.close()
     finally:
+        for out in outs:  # closed on a failure too: a leaked file fails the next test's setup (ResourceWarning)
+            out.close()
         servers.close()
 
 
