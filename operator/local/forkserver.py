@@ -28,6 +28,7 @@ from typing import IO, Any, Optional
 
 from disttrain.api import env as env_names
 from disttrain.api.forkedpopen import ForkedPopen
+from disttrain.operator.local import proctree
 
 log = logging.getLogger("disttrain.local")
 
@@ -267,3 +268,19 @@ class ForkServers:
         for server in self._servers.values():
             server.close()
         self._servers.clear()
+
+
+def start_pod(
+    forks: Optional[ForkServers],
+    argv: Sequence[str],
+    environ: Mapping[str, str],
+    cwd: str,
+    output: IO[bytes],
+    marker: str,
+    per_pod: Collection[str] = (),
+) -> Any:
+    """The pod ``argv``, marked with ``marker`` (:func:`proctree.marked`) for its process tree: a fork of ``forks``
+    where one can run it, else cold (:func:`proctree.spawn`; always when ``forks`` is None). Either answers
+    ``poll``, ``wait`` and ``pid`` as a ``subprocess.Popen`` does."""
+    forked = forks.start(argv, proctree.marked(environ, marker), cwd, output, per_pod) if forks is not None else None
+    return forked or proctree.spawn(argv, environ, cwd, output, marker)

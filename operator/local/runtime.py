@@ -21,7 +21,7 @@ from disttrain.api import env as env_names
 from disttrain.api.ports import free_port
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import agentfields, eventrate, names, pods, reconcile
-from disttrain.operator.local import agentlink, proctree, translate
+from disttrain.operator.local import agentlink, forkserver, translate
 from disttrain.operator.local.chaos import ChaosEvent
 from disttrain.operator.local.forkserver import ForkServers
 from disttrain.operator.local.logtail import LogTail
@@ -182,8 +182,7 @@ class LocalRuntime:
         log.write(f"==== {time.strftime('%H:%M:%S')} {name} (uid {uid}) on {machine}: {' '.join(spec.argv)}\n".encode())
         log.flush()
         marker = f"{self.obj['metadata']['uid']}/{uid}"
-        forked = self.forks.start(spec.argv, proctree.marked(spec.env, marker), spec.cwd, log, spec.per_pod)
-        proc = forked or proctree.spawn(spec.argv, spec.env, spec.cwd, log, marker)
+        proc = forkserver.start_pod(self.forks, spec.argv, spec.env, spec.cwd, log, marker, spec.per_pod)
         return LocalPod(
             name=name,
             uid=uid,

@@ -34,7 +34,7 @@ from disttrain.api import constants, env, storeauth
 from disttrain.api.ports import free_port
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import access, names, pods
-from disttrain.operator.local import proctree, translate
+from disttrain.operator.local import forkserver, proctree, translate
 from disttrain.operator.local.forkserver import ForkServers
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.kubelet import Kubelets
@@ -195,12 +195,7 @@ class ProcessKubelets(Kubelets):
         marker = f"cluster-{uuid.uuid4().hex}"
         # KUBECONFIG names the agent's own account's token: read when it runs, one per job
         per_pod = spec.per_pod | {"KUBECONFIG"}
-        forked = (
-            self.forks.start(spec.argv, proctree.marked(spec.env, marker), spec.cwd, log, per_pod)
-            if self.forks
-            else None
-        )
-        proc = forked or proctree.spawn(spec.argv, spec.env, spec.cwd, log, marker)
+        proc = forkserver.start_pod(self.forks, spec.argv, spec.env, spec.cwd, log, marker, per_pod)
         return _Container(meta["name"], ns, meta["uid"], pod["spec"]["nodeName"], marker, proc, log, readiness_port)
 
     def _start_plain(self, pod: dict[str, Any]) -> _Container:
