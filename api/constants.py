@@ -36,6 +36,12 @@ AGENT_CONTAINER: Final = "agent"
 # The job agent's own heartbeat (disttrain.operator.agentbeat): by default it renews its Lease this often (the
 # operator's --agent-heartbeat-seconds), and the Lease is held for three renewals (for readers of the object).
 AGENT_LEASE_RENEW_SECONDS: Final = 1.0
+# The job agent's pulse (disttrain.operator.agentbeat): by default it pulses this often on the port named
+# AGENT_PULSE_PORT_NAME (the operator's --agent-pulse-seconds; 0: no pulse), and the operator takes it for lost after
+# AGENT_PULSE_SILENT_SECONDS without one, as a worker after silentAfterSeconds (1 s by default).
+AGENT_PULSE_SECONDS: Final = 0.2
+AGENT_PULSE_SILENT_SECONDS: Final = 1.0
+AGENT_PULSE_PORT_NAME: Final = "pulse"
 
 # torchrun's rendezvous backend in worker pods: the c10d handler that completes a round as soon as the operator's
 # target node count joined and never closes the rendezvous when one node leaves. The trainer package registers it

@@ -18,6 +18,11 @@ POD_UID: Final = "DISTTRAIN_POD_UID"
 # The Lease the job agent renews (its own heartbeat, read by the operator), and how often; unset: it renews none.
 AGENT_LEASE: Final = "DISTTRAIN_AGENT_LEASE"
 AGENT_LEASE_RENEW_SECONDS: Final = "DISTTRAIN_AGENT_LEASE_RENEW_SECONDS"
+# The job agent's pulse (disttrain.trainer.agent.pulse): the port it serves its pulse on, the pod IP it binds (the
+# downward API's ``status.podIP``) and how often it pulses. Unset or 0: no pulse.
+AGENT_PULSE_PORT: Final = "DISTTRAIN_AGENT_PULSE_PORT"
+AGENT_PULSE_SECONDS: Final = "DISTTRAIN_AGENT_PULSE_SECONDS"
+POD_IP: Final = "DISTTRAIN_POD_IP"
 # Stable node index of this node (the pod's ``disttrain.dev/node-index`` label). The ``disttrain`` rendezvous
 # handler orders ranks by it, and a replacement pod takes the index of the node it replaces, so every rank
 # lands on the same node slot after a reform. Never a rank itself (indices may have gaps after a scale-down:

@@ -5,19 +5,21 @@ Two independent fences (docs/operator.md, "Who can reach the job agent and the w
 * the **store secret** (:mod:`disttrain.api.storeauth`): a Secret ``<job>-store-<uid>`` that only the job's pods mount;
   every value a process acts on is signed with it. This holds on every network plugin.
 * two **NetworkPolicies**, where the network plugin enforces them: ``<job>-agent`` admits to the agent's store port
-  only the job's worker pods; ``<job>-workers`` admits to the workers the job's own pods on every port (torchrun's
-  process-group store on rank 0 listens on a port torchrun picks at random, and so do gloo's and NCCL's peer
-  sockets) and the metrics scraper on the exporters' ports. The process-group store's keys are read by torch's
-  C++ and cannot be signed: this policy is what keeps a stranger away from them.
+  only the job's worker pods, and to its pulse port only the operator's pods; ``<job>-workers`` admits to the
+  workers the job's own pods on every port (torchrun's process-group store on rank 0 listens on a port torchrun
+  picks at random, and so do gloo's and NCCL's peer sockets) and the metrics scraper on the exporters' ports. The
+  process-group store's keys are read by torch's C++ and cannot be signed: this policy is what keeps a stranger
+  away from them.
 
 What a NetworkPolicy can and cannot prove: it selects pods by **labels**, and anyone who may create pods in the
 job's namespace can give a pod the job's labels (the job's UID label included: it is no secret). A policy's pod
 selector without a namespace selector only ever matches pods of the policy's own namespace, so a pod in another
 namespace is never admitted by the job's labels. Inside the namespace, whoever may create pods may also mount the
 job's Secret; the namespace is the trust boundary, as it is for Secrets. The operator never connects to a store or
-a worker, so it needs no admission; the kubelet's probes come from the node, which NetworkPolicy cannot block.
-Egress stays open: the workers' egress is the user's (data, object stores, their own services), and what reaches
-them in is what matters here.
+a worker; the agent's policy admits it (``operator_namespace``, ``operator_pod_selector``) to the agent's pulse port
+alone, which tells a caller nothing but that the agent lives. The kubelet's probes come from the node, which
+NetworkPolicy cannot block. Egress stays open: the workers' egress is the user's (data, object stores, their own
+services), and what reaches them in is what matters here.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ LABEL_JOB_UID = "disttrain.dev/job-uid"
 of the same name are neither selected nor admitted."""
 PROMETHEUS_POD_SELECTOR: dict[str, Any] = {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
 """The Prometheus pods of prometheus-operator (the ServiceMonitor/PodMonitor convention of the chart)."""
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+"""The label the API server gives every namespace: its name (a namespace selector of exactly one namespace)."""
 _SELECTOR_KEYS = frozenset({"matchLabels", "matchExpressions"})
 
 
@@ -86,6 +90,11 @@ class NetworkPolicySettings:
     """Namespaces the scraper runs in (a LabelSelector; empty: every namespace)."""
     scraper_pod_selector: Mapping[str, Any] = dataclasses.field(default_factory=lambda: dict(PROMETHEUS_POD_SELECTOR))
     """The scraper's pods (a LabelSelector)."""
+    operator_namespace: str = ""
+    """The operator's own namespace: its pods are admitted to each agent's pulse port (empty: nobody is, and the
+    operator judges agents by their Lease alone where the plugin enforces the policy)."""
+    operator_pod_selector: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The operator's pods in that namespace (a LabelSelector; empty: every pod there)."""
 
 
 DEFAULT_NETWORK = NetworkPolicySettings()
@@ -138,14 +147,20 @@ def _policy(job: DistTrainJob, name: str, role: str, ingress: list[dict[str, Any
     }
 
 
-def build_network_policy(job: DistTrainJob) -> dict[str, Any]:
-    """Ingress to the agent pod: only the job's worker pods (of this namespace: no namespace selector), only on
-    the store's port."""
+def build_network_policy(job: DistTrainJob, settings: NetworkPolicySettings = DEFAULT_NETWORK) -> dict[str, Any]:
+    """Ingress to the agent pod: the job's worker pods (of this namespace: no namespace selector), only on the
+    store's port; the operator's pods (``settings``), only on the pulse port."""
     workers = {"podSelector": {"matchLabels": pod_selector_labels(job, constants.ROLE_WORKER)}}
     ports = [{"protocol": "TCP", "port": job.spec.rendezvous.port}]
-    return _policy(
-        job, names.network_policy_name(job.metadata.name), constants.ROLE_AGENT, [{"from": [workers], "ports": ports}]
-    )
+    ingress: list[dict[str, Any]] = [{"from": [workers], "ports": ports}]
+    if settings.operator_namespace:
+        operator = {
+            "namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: settings.operator_namespace}},
+            "podSelector": copy.deepcopy(dict(settings.operator_pod_selector)),
+        }
+        pulse = [{"protocol": "TCP", "port": names.agent_pulse_port(job.spec.rendezvous.port)}]
+        ingress.append({"from": [operator], "ports": pulse})
+    return _policy(job, names.network_policy_name(job.metadata.name), constants.ROLE_AGENT, ingress)
 
 
 def build_worker_network_policy(
@@ -173,7 +188,7 @@ def build_network_policies(
     """The job's NetworkPolicies (none when ``settings.enabled`` is false)."""
     if not settings.enabled:
         return []
-    return [build_network_policy(job), build_worker_network_policy(job, metrics_port, settings)]
+    return [build_network_policy(job, settings), build_worker_network_policy(job, metrics_port, settings)]
 
 
 def mount_store_secret(job: DistTrainJob, pod_spec: dict[str, Any], container: dict[str, Any]) -> None:

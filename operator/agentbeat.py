@@ -1,4 +1,4 @@
-"""The job agent's own heartbeat: a Lease it renews every second, and the rule that finds it silent.
+"""The job agent's own heartbeat: its pulse and its Lease, and the rules that find it silent.
 
 Why: the agent's node can die like any other, and without this rule Kubernetes is the only one to notice, when it
 marks the node NotReady (``node-monitor-grace-period``: 40 s by default). Meanwhile no progress, checkpoint or
@@ -16,6 +16,15 @@ one, and a wrong verdict costs a replacement, never a step or a restart (the wor
 * silent means no renewal seen for :data:`SILENT_RENEWALS` periods and for :data:`GAP_FACTOR` times the longest
   gap between two renewals seen from this pod, so an API server that slows every write stretches the verdict with it;
 * times are the operator's own (when it saw a renewal), never the agent's clock.
+
+The **pulse** (:mod:`disttrain.trainer.agent.pulse`) finds a dead agent in about a second, as fast as a worker, with
+no API write: the operator holds a TCP connection to the agent pod's IP and the agent sends a byte every 0.2 s. The
+agent is silent when the pulse of the current agent pod (its uid, in the connection's first line) came at least
+twice and then not for :data:`~disttrain.api.constants.AGENT_PULSE_SILENT_SECONDS`. A pulse that never came (no
+connection: an older agent, a NetworkPolicy without the operator, a network plugin in the way) judges nothing, and
+the Lease's rule still holds. The operator's own stalls are not the agent's: after the adapter's checks paused for
+:data:`STALL_S` (its event loop busy, its process starved), every pulse's silence counts from the end of the pause,
+when what arrived meanwhile has been read.
 
 Pure: the adapter (:mod:`disttrain.operator.handlers`) feeds the Lease watch into :class:`AgentBeats`, wakes the
 jobs :meth:`AgentBeats.newly_silent` names, and asks :meth:`AgentBeats.is_silent` when it builds a reconcile's
@@ -38,8 +47,13 @@ SILENT_RENEWALS = 3
 """The least time without a renewal that makes the agent silent, in renewal periods."""
 GAP_FACTOR = 3.0
 """Silent also needs this many times the longest gap between two renewals seen from the same agent pod."""
-CHECK_S = 0.5
-"""How often the adapter looks for silent agents."""
+CHECK_S = 0.1
+"""How often the adapter looks for silent agents (a pulse's silence is judged to this)."""
+STALL_S = 0.5
+"""A pause of the adapter's checks this long is the operator's stall: the pulses' silences restart after it."""
+LEASE = "silent in its Lease"
+PULSE = "its pulse stopped"
+"""Why an agent was found silent (:meth:`AgentBeats.silence`), for its Event."""
 
 
 @dataclasses.dataclass
@@ -59,13 +73,47 @@ class Beat:
     """:meth:`AgentBeats.newly_silent` named this silence already."""
 
 
-class AgentBeats:
-    """The newest beat of every job's agent, as the Lease watch delivered them."""
+@dataclasses.dataclass
+class Pulse:
+    """What the operator last heard of one job's agent pulse."""
 
-    def __init__(self, renew_s: float = constants.AGENT_LEASE_RENEW_SECONDS) -> None:
+    uid: str
+    """The agent pod whose pulse this is (the first line of the connection)."""
+    seen_at: float
+    """The operator's monotonic time of its last pulse."""
+    pulses: int = 1
+    announced: bool = False
+
+
+class AgentBeats:
+    """The newest beat of every job's agent, as the Lease watch and the pulse connections delivered them."""
+
+    def __init__(
+        self,
+        renew_s: float = constants.AGENT_LEASE_RENEW_SECONDS,
+        pulse_silent_s: float = constants.AGENT_PULSE_SILENT_SECONDS,
+    ) -> None:
         self._beats: dict[JobKey, Beat] = {}
+        self._pulses: dict[JobKey, Pulse] = {}
+        self._checked_at: Optional[float] = None
         self.silent_s = SILENT_RENEWALS * renew_s
         """The least silence judged (three periods)."""
+        self.pulse_silent_s = pulse_silent_s
+
+    def pulsed(self, key: JobKey, uid: str, now: float) -> None:
+        """A pulse of agent pod ``uid`` of the job arrived (``now``: the operator's monotonic time)."""
+        pulse = self._pulses.get(key)
+        if pulse is None or pulse.uid != uid:
+            self._pulses[key] = Pulse(uid, now)
+        else:
+            pulse.seen_at, pulse.pulses, pulse.announced = now, pulse.pulses + 1, False
+
+    def checked(self, now: float) -> None:
+        """The adapter looks now; after a pause of :data:`STALL_S` the pulses' silences restart (see the module)."""
+        if self._checked_at is not None and now - self._checked_at > STALL_S:
+            for pulse in self._pulses.values():
+                pulse.seen_at = max(pulse.seen_at, now)
+        self._checked_at = now
 
     def renewed(self, key: JobKey, lease: Mapping[str, Any], now: float) -> None:
         """A watch event of the job's Lease (``now``: the operator's monotonic time)."""
@@ -85,23 +133,49 @@ class AgentBeats:
         """The Lease is gone: nothing is judged until it is renewed again."""
         self._beats.pop(key, None)
 
-    def is_silent(self, key: JobKey, agent: Optional[PodView], now: float) -> bool:
-        """Whether ``agent`` (the job's current agent pod) has stopped renewing its Lease (see the module)."""
-        beat = self._beats.get(key)
-        return agent is not None and beat is not None and is_silent(beat, agent.uid, now, self.silent_s)
+    def forget_job(self, key: JobKey) -> None:
+        """The job is gone: its Lease's and its pulse's records with it."""
+        self._beats.pop(key, None)
+        self._pulses.pop(key, None)
 
-    def newly_silent(self, agent_of: Callable[[JobKey], Optional[PodView]], now: float) -> list[JobKey]:
-        """The jobs whose current agent (``agent_of``) became silent since the last call, each silence once: a
-        silence brings no watch event, so the adapter asks here on a timer and wakes these jobs."""
+    def silence(self, key: JobKey, agent: Optional[PodView], now: float) -> str:
+        """Why ``agent`` (the job's current agent pod) is taken for lost (:data:`PULSE`, :data:`LEASE`), or ""."""
+        if agent is None:
+            return ""
+        pulse = self._pulses.get(key)
+        if pulse is not None and pulse_is_silent(pulse, agent.uid, now, self.pulse_silent_s):
+            return PULSE
+        beat = self._beats.get(key)
+        if beat is not None and is_silent(beat, agent.uid, now, self.silent_s):
+            return LEASE
+        return ""
+
+    def is_silent(self, key: JobKey, agent: Optional[PodView], now: float) -> bool:
+        """Whether ``agent`` (the job's current agent pod) has gone silent (see the module)."""
+        return bool(self.silence(key, agent, now))
+
+    def newly_silent(self, agent_of: Callable[[JobKey], Optional[PodView]], now: float) -> list[tuple[JobKey, str]]:
+        """The jobs whose current agent (``agent_of``) became silent since the last call, with why, each silence
+        once: a silence brings no watch event, so the adapter asks here on a timer and wakes these jobs."""
         found = []
-        for key, beat in self._beats.items():
-            if beat.announced:
+        for key in {*self._pulses, *self._beats}:
+            pulse, beat = self._pulses.get(key), self._beats.get(key)
+            if (pulse is None or pulse.announced) and (beat is None or beat.announced):
                 continue
-            agent = agent_of(key)
-            if agent is not None and is_silent(beat, agent.uid, now, self.silent_s):
-                beat.announced = True
-                found.append(key)
+            why = self.silence(key, agent_of(key), now)
+            if why:
+                for record in (pulse, beat):
+                    if record is not None:
+                        record.announced = True
+                found.append((key, why))
         return found
+
+
+def pulse_is_silent(pulse: Pulse, agent_uid: str, now: float, silent_s: float) -> bool:
+    """The pulse rule of the module docstring, for the last pulse heard and the current agent pod's uid."""
+    if not agent_uid or pulse.uid != agent_uid or pulse.pulses < 2:
+        return False
+    return now - pulse.seen_at > silent_s
 
 
 def is_silent(beat: Beat, agent_uid: str, now: float, silent_s: float) -> bool:

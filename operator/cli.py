@@ -133,6 +133,8 @@ def network_policy_settings(args: argparse.Namespace) -> access.NetworkPolicySet
             "--metrics-scraper-namespace-selector", args.metrics_scraper_namespace_selector
         ),
         scraper_pod_selector=parse_label_selector("--metrics-scraper-pod-selector", args.metrics_scraper_pod_selector),
+        operator_namespace=args.operator_namespace,
+        operator_pod_selector=parse_label_selector("--operator-pod-selector", args.operator_pod_selector),
     )
 
 
@@ -180,6 +182,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
         agent_image=args.agent_image or None,
         network=network,
         agent_heartbeat_s=args.agent_heartbeat_seconds,
+        agent_pulse_s=args.agent_pulse_seconds,
     )
 
     @kopf.on.startup(registry=registry)
@@ -274,6 +277,15 @@ def build_parser() -> argparse.ArgumentParser:
         "rather than at NotReady; one small API write per job per period (0: no Lease; default %(default)s)",
     )
     p_operator.add_argument(
+        "--agent-pulse-seconds",
+        type=_non_negative_seconds,
+        default=constants.AGENT_PULSE_SECONDS,
+        metavar="SECONDS",
+        help="how often every job agent pulses on a TCP connection this operator holds to its pod, so that the loss "
+        f"of its node is noticed {constants.AGENT_PULSE_SILENT_SECONDS:g} s after its last pulse; no API write "
+        "(0: no pulse, the Lease alone; default %(default)s)",
+    )
+    p_operator.add_argument(
         "--network-policy",
         choices=["on", "off"],
         default="on",
@@ -291,6 +303,19 @@ def build_parser() -> argparse.ArgumentParser:
         default='{"matchLabels": {"app.kubernetes.io/name": "prometheus"}}',
         metavar="JSON",
         help="LabelSelector of the scraper's pods (default %(default)s: prometheus-operator's Prometheus)",
+    )
+    p_operator.add_argument(
+        "--operator-namespace",
+        default="",
+        metavar="NAMESPACE",
+        help="this operator's namespace: the agents' NetworkPolicies admit its pods to their pulse port "
+        "(default: none admitted)",
+    )
+    p_operator.add_argument(
+        "--operator-pod-selector",
+        default="{}",
+        metavar="JSON",
+        help="LabelSelector of this operator's pods in --operator-namespace (default %(default)s: every pod there)",
     )
     p_operator.set_defaults(func=cmd_operator)
 

@@ -45,6 +45,7 @@ from disttrain.operator import (
     listing,
     names,
     patches,
+    pulses,
     retry,
     scheduling,
 )
@@ -343,6 +344,8 @@ class Writer:
     """Which Events go out (rate limits); None: every one."""
     agent_heartbeat_s: float = constants.AGENT_LEASE_RENEW_SECONDS
     """How often every job agent renews its Lease (0: no Lease, the agent's loss is Kubernetes' to notice)."""
+    agent_pulse_s: float = constants.AGENT_PULSE_SECONDS
+    """How often every job agent pulses to this operator (0: no pulse, the Lease alone)."""
     beats: agentbeat.AgentBeats = dataclasses.field(default_factory=agentbeat.AgentBeats)
     """The job agents' Lease renewals, as the Lease watch delivered them."""
 
@@ -442,7 +445,9 @@ async def _create_all(writer: Writer, job: DistTrainJob, actions: Actions) -> No
         created = await _create_pod(
             writer,
             job,
-            builders.build_agent_pod(job, writer.agent_image, actions.agent_avoid_nodes, writer.agent_heartbeat_s),
+            builders.build_agent_pod(
+                job, writer.agent_image, actions.agent_avoid_nodes, writer.agent_heartbeat_s, writer.agent_pulse_s
+            ),
         )
         _remember_pod(writer.cache, None if created is REFUSED else created)
     for worker in actions.create_workers:
@@ -490,7 +495,7 @@ async def reconcile_once(writer: Writer, namespace: str, name: str) -> Optional[
         seen,
         refused=writer.refusals.get((namespace, name)),
         create_failure=writer.failures.get((namespace, name)),
-        agent_silent=writer.beats.is_silent((namespace, name), seen.agent, time.monotonic()),
+        agent_silence=writer.beats.silence((namespace, name), seen.agent, time.monotonic()),
     )
     now = time.time()
     actions = reconcile(job, observed, now)
@@ -573,11 +578,13 @@ def register(
     agent_image: Optional[str] = None,
     network: access.NetworkPolicySettings = access.DEFAULT_NETWORK,
     agent_heartbeat_s: float = constants.AGENT_LEASE_RENEW_SECONDS,
+    agent_pulse_s: float = constants.AGENT_PULSE_SECONDS,
 ) -> None:
     """Register every handler on ``registry`` (a fresh one in tests, kopf's default one in ``disttrain operator``);
     ``agent_image`` is the image of every job agent (None: :func:`disttrain.operator.pods.default_agent_image`),
     ``network`` the per-job NetworkPolicies' settings (``--network-policy`` and the scraper's selectors),
-    ``agent_heartbeat_s`` how often the agents renew their Lease (``--agent-heartbeat-seconds``; 0: no Lease)."""
+    ``agent_heartbeat_s`` how often the agents renew their Lease (``--agent-heartbeat-seconds``; 0: no Lease),
+    ``agent_pulse_s`` how often they pulse (``--agent-pulse-seconds``; 0: no pulse)."""
     pokes = Pokes()
     cache = ClusterCache()
     refusals: Refusals = {}
@@ -585,6 +592,7 @@ def register(
     events = eventrate.EventFilter()
     box: dict[str, Any] = {}
     beats = agentbeat.AgentBeats(agent_heartbeat_s or constants.AGENT_LEASE_RENEW_SECONDS)
+    links = pulses.PulseLinks(beats)
 
     def writer() -> Writer:
         """Built at the first reconcile, as the API client was before: not at registration."""
@@ -599,6 +607,7 @@ def register(
                 failures=failures,
                 events=events,
                 agent_heartbeat_s=agent_heartbeat_s,
+                agent_pulse_s=agent_pulse_s,
                 beats=beats,
             )
         return box["writer"]
@@ -702,6 +711,7 @@ def register(
         if type == "DELETED":
             cache.remove_job(body, now)
             events.forget_job(namespace, name)
+            beats.forget_job((namespace, name))
             pokes.poke(namespace, name)
         elif cache.put_job(patches.copy_json(dict(body)), now) is not None:
             pokes.poke(namespace, name)
@@ -719,6 +729,14 @@ def register(
         key = cache.remove_pod(body, now) if type == "DELETED" else cache.put_pod(body, now)
         if key is not None:
             pokes.poke(*key)
+        labels = body.get("metadata", {}).get("labels") or {}
+        if labels.get(constants.LABEL_ROLE) == constants.ROLE_AGENT:
+            job_key = (namespace, str(labels.get(constants.LABEL_JOB_NAME)))
+            if type == "DELETED":
+                links.forget(str(body.get("metadata", {}).get("uid") or ""))
+            else:
+                links.follow(job_key, body)
+            start_checker()
 
     def agent_of(key: JobKey) -> Optional[PodView]:
         record = cache.pods.get((key[0], names.agent_name(key[1])))
@@ -728,11 +746,17 @@ def register(
         """A silent agent brings no watch event: look on a timer and wake its job (it replaces the agent)."""
         while True:
             await asyncio.sleep(agentbeat.CHECK_S)
-            for namespace, name in beats.newly_silent(agent_of, time.monotonic()):
-                log.warning("job %s/%s: its agent stopped renewing its Lease", namespace, name)
+            now = time.monotonic()
+            beats.checked(now)
+            for (namespace, name), why in beats.newly_silent(agent_of, now):
+                log.warning("job %s/%s: its agent is taken for lost: %s", namespace, name, why)
                 pokes.poke(namespace, name)
 
     checker: list[asyncio.Task[None]] = []
+
+    def start_checker() -> None:
+        if not checker or checker[0].done():
+            checker[:] = [asyncio.create_task(wake_silent_agents(), name="agent beats")]
 
     @kopf.on.event(
         "coordination.k8s.io", "v1", "leases", labels={constants.LABEL_JOB_NAME: kopf.PRESENT}, registry=registry
@@ -746,8 +770,7 @@ def register(
             beats.forget(key)
         else:
             beats.renewed(key, body, time.monotonic())
-        if not checker or checker[0].done():
-            checker[:] = [asyncio.create_task(wake_silent_agents(), name="agent beats")]
+        start_checker()
 
     @kopf.on.event("v1", "nodes", registry=registry)
     async def node_changed(*, type: Optional[str], body: kopf.Body, **_: Any) -> None:
@@ -759,6 +782,7 @@ def register(
     @kopf.on.cleanup(registry=registry)
     async def stop_sweeps(**_: Any) -> None:
         await listings.close()
+        await links.close()
         for task in checker:
             task.cancel()
         running = [task for task, _stop in loops.values()]

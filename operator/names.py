@@ -59,3 +59,8 @@ def store_secret_name(job: str, uid: str) -> str:
 
 def network_policy_name(job: str) -> str:
     return f"{job}-agent"
+
+
+def agent_pulse_port(rendezvous_port: int) -> int:
+    """The port the job agent pulses on: the one after its store's (the agent pod runs nothing else)."""
+    return rendezvous_port + 1 if rendezvous_port < 65535 else rendezvous_port - 1

@@ -114,8 +114,9 @@ class Observed:
     create_failure: Optional[CreateFailure] = None
     """The failed creation of the adapter's last apply (any object, a pod's admission refusal excepted: that is
     :attr:`refused`); None when it created everything it was asked to."""
-    agent_silent: bool = False
-    """The agent pod stopped renewing its Lease (:mod:`disttrain.operator.agentbeat`): its node is taken for dead."""
+    agent_silence: str = ""
+    """Why the agent pod is taken for lost before Kubernetes says so (:mod:`disttrain.operator.agentbeat`: its pulse
+    stopped, or it stopped renewing its Lease; "": it is not): its node is taken for dead."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -278,6 +278,7 @@ def build_agent_pod(
     image: Optional[str] = None,
     avoid_nodes: Sequence[str] = (),
     heartbeat_s: float = constants.AGENT_LEASE_RENEW_SECONDS,
+    pulse_s: float = constants.AGENT_PULSE_SECONDS,
 ) -> dict[str, Any]:
     """The job agent: hosts the TCPStore, follows the job, relays progress.
 
@@ -288,7 +289,8 @@ def build_agent_pod(
     operator's (which runs as a non-root user); the agent gets the restricted defaults. The template's
     imagePullSecrets are kept: a private registry mirror usually serves the operator's image with the same secret.
     Never scheduled on ``avoid_nodes`` (node affinity, on top of ``spec.agent``'s). It renews its Lease every
-    ``heartbeat_s`` (0: it has none).
+    ``heartbeat_s`` (0: it has none) and pulses every ``pulse_s`` on its port named
+    :data:`~disttrain.api.constants.AGENT_PULSE_PORT_NAME`, bound to its pod IP (0: no pulse).
     """
     template_spec = job.spec.template.get("spec") or {}
     placement = job.spec.agent
@@ -314,11 +316,20 @@ def build_agent_pod(
     }
     if template_spec.get("imagePullSecrets"):
         spec["imagePullSecrets"] = copy.deepcopy(template_spec["imagePullSecrets"])
+    if heartbeat_s > 0 or pulse_s > 0:
+        container["env"].append({"name": env.POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}})
     if heartbeat_s > 0:
         container["env"] += [
-            {"name": env.POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
             {"name": env.AGENT_LEASE, "value": names.agent_lease_name(job.metadata.name)},
             {"name": env.AGENT_LEASE_RENEW_SECONDS, "value": f"{heartbeat_s:g}"},
+        ]
+    if pulse_s > 0:
+        pulse = names.agent_pulse_port(job.spec.rendezvous.port)
+        container["ports"].append({"name": constants.AGENT_PULSE_PORT_NAME, "containerPort": pulse, "protocol": "TCP"})
+        container["env"] += [
+            {"name": env.POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": env.AGENT_PULSE_PORT, "value": str(pulse)},
+            {"name": env.AGENT_PULSE_SECONDS, "value": f"{pulse_s:g}"},
         ]
     _place_agent(placement, spec)
     if avoid_nodes:

@@ -223,7 +223,7 @@ def _ensure_agent(d: Draft) -> None:
     agent = d.seen.agent
     name = names.agent_name(d.job.metadata.name)
     tracked = d.status.tracked_pods
-    silent = agent is not None and d.seen.agent_silent and not agent.is_finished
+    silent = agent is not None and bool(d.seen.agent_silence) and not agent.is_finished
     lost = is_agent_lost(agent, d.seen.nodes) or silent
     if agent is not None and lost:
         # No kubelet will confirm the deletion of a pod on a dead node: force it at once so that the replacement
@@ -246,7 +246,7 @@ def _ensure_agent(d: Draft) -> None:
     if lost and name in tracked:
         tracked.discard(name)
         where = f" (node {agent.node_name})" if agent is not None and agent.node_name else ""
-        why = ", silent in its Lease" if silent else ""
+        why = f", {d.seen.agent_silence}" if silent else ""
         d.event(
             WARNING,
             Reason.AGENT_RESTARTED,

@@ -54,7 +54,7 @@ from disttrain.api.contract import job_checkpoint_dir
 from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.status import AGENT_FIELDS
 from disttrain.api.timestamps import format_time
-from disttrain.trainer.agent import guardian, heartbeats, lease, reporting, stalls
+from disttrain.trainer.agent import guardian, heartbeats, lease, pulse, reporting, stalls
 from disttrain.trainer.checkpoint import autointerval
 from disttrain.trainer.checkpoint.commit import step_dir_name
 
@@ -712,13 +712,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: agent.stop_event.set())
     log.info("agent for %s serving the store on %s:%d", args.name or args.state_dir, args.host, args.port)
     renewer = _start_lease(source)
+    pulser = _start_pulse()
     try:
         return agent.run()
     finally:
+        if pulser is not None:
+            pulser.stop()
         if renewer is not None:
             renewer.stop()
         if guard is not None:
             guard.stop()
+
+
+def _start_pulse() -> Optional[pulse.PulseServer]:
+    """Serve the pulse the operator asked for (``$DISTTRAIN_AGENT_PULSE_PORT``) on the pod's IP; once the store
+    serves, like the Lease, so a pulse also says the store is up."""
+    try:
+        port = int(os.environ.get(env.AGENT_PULSE_PORT) or 0)
+        period = float(os.environ.get(env.AGENT_PULSE_SECONDS) or constants.AGENT_PULSE_SECONDS)
+    except ValueError:
+        log.warning("$%s or $%s is not a number: no pulse", env.AGENT_PULSE_PORT, env.AGENT_PULSE_SECONDS)
+        return None
+    return pulse.start(os.environ.get(env.POD_IP) or "0.0.0.0", port, os.environ.get(env.POD_UID) or "", period)
 
 
 def _start_lease(source: JobSource) -> Optional[lease.LeaseRenewer]:

@@ -1,8 +1,9 @@
-"""The job agent's Lease renewals and the rule that finds it silent (operator/agentbeat.py): pure, on a clock."""
+"""The job agent's pulse and Lease renewals and the rules that find it silent (operator/agentbeat.py): pure, on a
+clock."""
 
 from __future__ import annotations
 
-from disttrain.operator.agentbeat import GAP_FACTOR, AgentBeats
+from disttrain.operator.agentbeat import GAP_FACTOR, LEASE, PULSE, STALL_S, AgentBeats
 from disttrain.operator.observed import PodView
 
 KEY = ("ns", "job")
@@ -63,12 +64,78 @@ def test_each_silence_is_announced_once_and_again_after_a_renewal():
         return AGENT if key == KEY else None
 
     assert beats.newly_silent(agent_of, 2.0) == []
-    assert beats.newly_silent(agent_of, 1.0 + SILENT_S + 0.1) == [KEY]
+    assert beats.newly_silent(agent_of, 1.0 + SILENT_S + 0.1) == [(KEY, LEASE)]
     assert beats.newly_silent(agent_of, 1.0 + SILENT_S + 0.6) == [], "announced already"
     renew(beats, 10.0)  # back (a gap of 9 s): silent again only after 3 x 9 s
     assert beats.newly_silent(agent_of, 10.0 + GAP_FACTOR * 9.0 - 0.1) == []
-    assert beats.newly_silent(agent_of, 10.0 + GAP_FACTOR * 9.0 + 0.1) == [KEY]
+    assert beats.newly_silent(agent_of, 10.0 + GAP_FACTOR * 9.0 + 0.1) == [(KEY, LEASE)]
 
 
 def test_the_least_silence_is_three_renewal_periods():
     assert AgentBeats(1.0).silent_s == 3.0 and AgentBeats(5.0).silent_s == 15.0
+
+
+PULSE_S = 0.2
+PULSE_SILENT_S = AgentBeats().pulse_silent_s
+
+
+def pulse(beats: AgentBeats, start: float, end: float, uid: str = "uid-a") -> float:
+    """Pulses every PULSE_S from ``start`` to ``end``, the adapter checking every 0.1 s; the last pulse's time."""
+    at, last = start, start
+    while at <= end + 1e-9:
+        beats.checked(at)
+        if abs((at - start) / PULSE_S - round((at - start) / PULSE_S)) < 1e-6:
+            beats.pulsed(KEY, uid, at)
+            last = at
+        at = round(at + 0.1, 6)
+    return last
+
+
+def test_a_stopped_pulse_is_silent_after_a_second_before_the_lease_and_says_why():
+    beats = AgentBeats()
+    renew(beats, 0.0)
+    renew(beats, 1.0)
+    last = pulse(beats, 0.0, 2.0)
+    for at in (2.1, 2.2, 2.3, 2.4, 2.5, 2.6, 2.7, 2.8, 2.9, 3.0):
+        beats.checked(at)
+        assert not beats.is_silent(KEY, AGENT, at), at
+    beats.checked(last + PULSE_SILENT_S + 0.1)
+    assert beats.silence(KEY, AGENT, last + PULSE_SILENT_S + 0.1) == PULSE
+    assert beats.newly_silent(lambda key: AGENT, last + PULSE_SILENT_S + 0.1) == [(KEY, PULSE)]
+    assert beats.newly_silent(lambda key: AGENT, last + PULSE_SILENT_S + 0.2) == [], "announced already"
+
+
+def test_one_pulse_or_another_pods_pulse_judges_nothing_and_the_lease_still_does():
+    beats = AgentBeats()
+    beats.pulsed(KEY, "uid-a", 0.0)
+    assert beats.silence(KEY, AGENT, 50.0) == "", "one pulse: no stream known yet"
+    pulse(beats, 0.0, 1.0, uid="uid-old")  # the agent it replaced
+    assert beats.silence(KEY, AGENT, 50.0) == ""
+    renew(beats, 0.0)
+    renew(beats, 1.0)
+    assert beats.silence(KEY, AGENT, 50.0) == LEASE
+    assert beats.silence(KEY, None, 50.0) == ""
+
+
+def test_a_stall_of_the_operator_is_not_the_agents_silence():
+    beats = AgentBeats()
+    last = pulse(beats, 0.0, 1.0)
+    stalled_until = last + PULSE_SILENT_S + 2.0  # the operator's loop did not run for 3 s
+    beats.checked(stalled_until)
+    assert stalled_until - 1.0 > STALL_S
+    assert not beats.is_silent(KEY, AGENT, stalled_until), "the pulses sent meanwhile are not read yet"
+    beats.pulsed(KEY, "uid-a", stalled_until + 0.01)  # ...and here they are
+    assert not beats.is_silent(KEY, AGENT, stalled_until + 0.5)
+    beats.checked(stalled_until + 0.1)
+    assert beats.is_silent(KEY, AGENT, stalled_until + 0.01 + PULSE_SILENT_S + 0.05), "dead after the stall: found"
+
+
+def test_a_pulse_that_comes_back_is_announced_again_and_a_deleted_job_is_forgotten():
+    beats = AgentBeats()
+    last = pulse(beats, 0.0, 1.0)
+    assert beats.newly_silent(lambda key: AGENT, last + PULSE_SILENT_S + 0.05) == [(KEY, PULSE)]
+    last = pulse(beats, 5.0, 6.0)
+    assert beats.newly_silent(lambda key: AGENT, last + PULSE_SILENT_S - 0.05) == []
+    assert beats.newly_silent(lambda key: AGENT, last + PULSE_SILENT_S + 0.05) == [(KEY, PULSE)]
+    beats.forget_job(KEY)
+    assert beats.silence(KEY, AGENT, 100.0) == ""

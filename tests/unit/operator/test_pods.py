@@ -424,3 +424,38 @@ def test_an_agent_heartbeat_of_zero_means_no_lease_and_no_renewals():
     assert "DISTTRAIN_AGENT_LEASE" not in names
     lease = pods.build_agent_lease(job, heartbeat_s=2.5)
     assert lease["spec"]["leaseDurationSeconds"] == 8  # three periods, rounded up
+
+
+def test_the_agent_pulses_on_the_port_after_its_stores_bound_to_its_pod_ip_and_only_the_operator_is_admitted():
+    job = make_job()
+    agent = pods.build_agent_pod(job, pulse_s=0.25)
+    kubernetes_validate.validate(agent, K8S_VERSION, strict=True)
+    container = agent["spec"]["containers"][0]
+    pulse_port = job.spec.rendezvous.port + 1
+    assert {"name": "pulse", "containerPort": pulse_port, "protocol": "TCP"} in container["ports"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["DISTTRAIN_AGENT_PULSE_PORT"]["value"] == str(pulse_port)
+    assert env["DISTTRAIN_AGENT_PULSE_SECONDS"]["value"] == "0.25"
+    assert env["DISTTRAIN_POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["DISTTRAIN_POD_UID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}, "its first line"
+    no_pulse = pods.build_agent_pod(job, heartbeat_s=0, pulse_s=0)["spec"]["containers"][0]
+    assert [p["name"] for p in no_pulse["ports"]] == ["rendezvous"]
+    assert not {e["name"] for e in no_pulse["env"]} & {"DISTTRAIN_AGENT_PULSE_PORT", "DISTTRAIN_POD_IP"}
+
+    [_from_workers] = access.build_network_policy(job)["spec"]["ingress"]  # no operator known: none admitted
+    settings = access.NetworkPolicySettings(
+        operator_namespace="disttrain-system", operator_pod_selector={"matchLabels": {"app": "disttrain"}}
+    )
+    policy = access.build_network_policy(job, settings)
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+    from_workers, from_operator = policy["spec"]["ingress"]
+    assert from_workers == _from_workers
+    assert from_operator == {
+        "from": [
+            {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "disttrain-system"}},
+                "podSelector": {"matchLabels": {"app": "disttrain"}},
+            }
+        ],
+        "ports": [{"protocol": "TCP", "port": pulse_port}],
+    }

@@ -1073,6 +1073,26 @@ def test_a_lost_pod_is_listed_for_the_survivors_rendezvous_until_the_next_group_
     assert world.control.get("lost", []) == []
 
 
+def test_an_agent_whose_pulse_stopped_is_replaced_a_second_later_while_its_lease_is_still_fresh():
+    """The pulse finds the agent's node dead in about a second, long before the Lease's three periods."""
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.nodes = {name: NodeView(name) for name in ("node-0", "node-1", "node-agent")}
+    old = world.agent.uid
+    world.renew_agent_lease().step(1)
+    world.renew_agent_lease()
+    for _ in range(5):
+        world.agent_pulses().step(0.2)
+    world.step(world.beats.pulse_silent_s - 0.3)
+    assert world.agent.uid == old and world.last.delete_pods == (), "silent for less than a second"
+    actions = world.step(0.3)
+    assert [(d.name, d.force) for d in actions.delete_pods] == [("demo-agent", True)]
+    assert actions.create_agent and actions.agent_avoid_nodes == ("node-agent",)
+    assert world.status["restarts"] == NO_RESTART and world.control["action"] == "none"
+    assert "its pulse stopped" in dict(world.events)["AgentRestarted"]
+    world.run_all().step(5)  # the new agent has not pulsed yet: the old silence is not its own
+    assert world.last.delete_pods == () and not world.last.create_agent
+
+
 def test_an_agent_silent_in_its_lease_is_force_deleted_and_recreated_before_its_node_is_notready():
     """Its node still looks Ready (Kubernetes has not noticed yet): the Lease's silence is enough. No restart, no
     directive; the replacement, a new pod, is not judged by its predecessor's silence."""

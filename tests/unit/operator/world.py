@@ -92,7 +92,7 @@ class World:
             agent=self.agent,
             nodes=self.nodes,
             refused=self.refused,
-            agent_silent=self.beats.is_silent(key, self.agent, self.now),
+            agent_silence=self.beats.silence(key, self.agent, self.now),
         )
 
     def renew_agent_lease(self) -> World:
@@ -101,6 +101,13 @@ class World:
         key = (self.manifest["metadata"].get("namespace", "default"), self.name)
         lease = {"spec": {"holderIdentity": self.agent.uid, "renewTime": f"renewed at {self.now}"}}
         self.beats.renewed(key, lease, self.now)
+        return self
+
+    def agent_pulses(self) -> World:
+        """The current agent pulses now (its connection delivers it at once)."""
+        assert self.agent is not None
+        key = (self.manifest["metadata"].get("namespace", "default"), self.name)
+        self.beats.pulsed(key, self.agent.uid, self.now)
         return self
 
     def step(self, seconds: float = 0.0) -> Actions:

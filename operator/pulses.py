@@ -1,0 +1,126 @@
+"""The operator's end of the job agents' pulses: one connection to each current agent pod, read into
+:class:`~disttrain.operator.agentbeat.AgentBeats`.
+
+Why a connection from the operator, and not a report from the agent: the operator connects to the pod IP it read
+from the API server, so what answers there is the agent's network namespace, and nothing a stranger sends can
+stand in for it; the operator exposes no port and reads no secret. What the connection delivers is still checked:
+the first line must name the pod the operator meant (:func:`disttrain.api.pulse.hello`; an IP is reused
+by later pods), and only bytes after it count, a read of at most :data:`READ_BYTES` at a time.
+
+The links follow the pod watch: :meth:`PulseLinks.follow` for every agent pod event (a Running pod with an IP and a
+pulse port gets a link, anything else loses it), :meth:`PulseLinks.forget` when the pod is gone. A link that fails
+(refused, reset, closed, a wrong first line) tries again every :data:`RETRY_S` while its pod is current; it never
+judges: :mod:`disttrain.operator.agentbeat` does, from the pulses' times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from disttrain.api import constants, pulse
+from disttrain.operator.agentbeat import AgentBeats, JobKey
+
+log = logging.getLogger("disttrain.operator")
+
+CONNECT_TIMEOUT_S = 1.0
+HELLO_TIMEOUT_S = 2.0
+RETRY_S = 0.5
+READ_BYTES = 256
+HELLO_LIMIT = 128
+"""The longest first line taken: the magic and a pod uid."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where one agent pod pulses."""
+
+    key: JobKey
+    uid: str
+    host: str
+    port: int
+
+
+def target_of(key: JobKey, pod: Mapping[str, Any]) -> Optional[Target]:
+    """The pulse of agent pod ``pod`` of job ``key``: None unless it runs, has an IP and declares a pulse port (an
+    agent built with ``--agent-pulse-seconds=0``, or by an older operator, declares none)."""
+    meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
+    if meta.get("deletionTimestamp") or status.get("phase") != "Running" or not status.get("podIP"):
+        return None
+    for container in spec.get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == constants.AGENT_PULSE_PORT_NAME and isinstance(port.get("containerPort"), int):
+                return Target(key, str(meta.get("uid") or ""), str(status["podIP"]), port["containerPort"])
+    return None
+
+
+class PulseLinks:
+    """The connections to the agents' pulses, one task each, keyed by the agent pod's uid."""
+
+    def __init__(self, beats: AgentBeats) -> None:
+        self.beats = beats
+        self._links: dict[str, tuple[Target, asyncio.Task[None]]] = {}
+
+    def follow(self, key: JobKey, pod: Mapping[str, Any]) -> None:
+        """An event of the job's agent pod: link to its pulse when it has one, unlink it when it no longer does."""
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        target = target_of(key, pod)
+        current = self._links.get(uid)
+        if current is not None and current[0] == target:
+            return
+        self.forget(uid)
+        if target is not None and target.uid:
+            self._links[uid] = (target, asyncio.create_task(self._link(target), name=f"pulse {key[0]}/{key[1]}"))
+
+    def forget(self, uid: str) -> None:
+        """The pod is gone (or no longer pulses): close its link."""
+        link = self._links.pop(uid, None)
+        if link is not None:
+            link[1].cancel()
+
+    async def close(self) -> None:
+        """Close every link and wait until they are closed."""
+        tasks = [task for _target, task in self._links.values()]
+        for uid in list(self._links):
+            self.forget(uid)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def count(self) -> int:
+        return len(self._links)
+
+    async def _link(self, target: Target) -> None:
+        expected = pulse.hello(target.uid)
+        while True:
+            writer: Optional[asyncio.StreamWriter] = None
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(target.host, target.port, limit=HELLO_LIMIT), CONNECT_TIMEOUT_S
+                )
+                first = await asyncio.wait_for(reader.readline(), HELLO_TIMEOUT_S)
+                if first != expected:
+                    log.debug(
+                        "pulse of %s at %s:%d: unexpected first line %r",
+                        target.key,
+                        target.host,
+                        target.port,
+                        first[:HELLO_LIMIT],
+                    )
+                else:
+                    while data := await reader.read(READ_BYTES):
+                        if data.strip(pulse.PULSE):
+                            break  # anything else: not the agent's pulse
+                        self.beats.pulsed(target.key, target.uid, time.monotonic())
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
+                pass  # refused, reset, timed out, a line over the limit: try again
+            finally:
+                if writer is not None:
+                    writer.close()
+                    with contextlib.suppress(Exception):
+                        await writer.wait_closed()
+            await asyncio.sleep(RETRY_S)

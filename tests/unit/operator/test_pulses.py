@@ -1,0 +1,148 @@
+"""The job agent's pulse end to end on real sockets: the agent's server (trainer/agent/pulse.py), the operator's
+links (operator/pulses.py) and the rule (operator/agentbeat.py) on the operator's real clock."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+
+from disttrain.api import constants
+from disttrain.api import pulse as wire
+from disttrain.operator import pulses
+from disttrain.operator.agentbeat import PULSE, AgentBeats
+from disttrain.operator.observed import PodView
+from disttrain.trainer.agent.pulse import MAX_CLIENTS, PulseServer
+
+KEY = ("ns", "job")
+UID = "uid-agent-1"
+AGENT = PodView(name="job-agent", uid=UID)
+PERIOD_S = 0.05
+
+
+def agent_pod(port: int, uid: str = UID, ip: str = "127.0.0.1", phase: str = "Running") -> dict:
+    return {
+        "metadata": {"name": "job-agent", "uid": uid},
+        "spec": {"containers": [{"ports": [{"name": constants.AGENT_PULSE_PORT_NAME, "containerPort": port}]}]},
+        "status": {"phase": phase, "podIP": ip},
+    }
+
+
+async def judge_until(beats: AgentBeats, agent: PodView, seconds: float) -> str:
+    """Check every 0.1 s, as the adapter does, for ``seconds`` or until the agent is found silent; the verdict."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        beats.checked(time.monotonic())
+        why = beats.silence(KEY, agent, time.monotonic())
+        if why:
+            return why
+    return ""
+
+
+@pytest.fixture
+def server():
+    started = PulseServer("127.0.0.1", 0, UID, PERIOD_S)
+    started.start()
+    yield started
+    started.stop()
+
+
+async def test_a_live_agent_is_never_silent_and_a_stopped_one_is_found_about_a_second_after_its_last_pulse(server):
+    beats = AgentBeats()
+    links = pulses.PulseLinks(beats)
+    links.follow(KEY, agent_pod(server.address[1]))
+    try:
+        assert await judge_until(beats, AGENT, 2.0) == "", "pulsing: never silent"
+        server.stop()  # the agent's machine dies: no pulse from now on
+        stopped = time.monotonic()
+        assert await judge_until(beats, AGENT, 3.0) == PULSE
+        noticed = time.monotonic() - stopped
+        assert constants.AGENT_PULSE_SILENT_SECONDS - PERIOD_S <= noticed < constants.AGENT_PULSE_SILENT_SECONDS + 0.8
+    finally:
+        await links.close()
+
+
+async def test_a_pod_that_is_not_the_one_meant_gives_no_pulse(server):
+    beats = AgentBeats()
+    links = pulses.PulseLinks(beats)
+    other = PodView(name="job-agent", uid="uid-replacement")
+    links.follow(KEY, agent_pod(server.address[1], uid=other.uid))  # the IP now answers for another pod
+    try:
+        await asyncio.sleep(0.5)
+        assert beats.silence(KEY, other, time.monotonic() + 10) == "", "no pulse taken: nothing to judge"
+    finally:
+        await links.close()
+
+
+def test_only_a_running_pod_with_an_ip_and_a_pulse_port_is_linked():
+    assert pulses.target_of(KEY, agent_pod(29401)) == pulses.Target(KEY, UID, "127.0.0.1", 29401)
+    assert pulses.target_of(KEY, agent_pod(29401, phase="Pending")) is None
+    assert pulses.target_of(KEY, agent_pod(29401, ip="")) is None
+    no_port = agent_pod(29401)
+    no_port["spec"]["containers"][0]["ports"] = [{"name": "rendezvous", "containerPort": 29400}]
+    assert pulses.target_of(KEY, no_port) is None, "an agent built without a pulse"
+    deleting = agent_pod(29401)
+    deleting["metadata"]["deletionTimestamp"] = "2026-12-06T10:00:00Z"
+    assert pulses.target_of(KEY, deleting) is None
+
+
+async def test_bytes_that_are_not_pulses_end_the_link_and_count_for_nothing():
+    """A server at the agent's address that names the right pod and then sends anything else (and names another
+    pod when the link comes back)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    connections = []
+
+    async def serve(reader, writer):
+        connections.append(writer)
+        if len(connections) == 1:
+            for sent in (wire.hello(UID) + wire.PULSE, wire.PULSE):  # two pulses: a stream to judge
+                writer.write(sent)
+                await writer.drain()
+                await asyncio.sleep(0.1)
+            writer.write(b"x" * 64 + b"." * 64)
+        else:
+            writer.write(wire.hello("uid-someone-else") + b"." * 64)
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.close()
+
+    listener.close()
+    impostor = await asyncio.start_server(serve, "127.0.0.1", port)
+    beats = AgentBeats()
+    links = pulses.PulseLinks(beats)
+    links.follow(KEY, agent_pod(port))
+    try:
+        await asyncio.sleep(0.1)
+        beats.checked(time.monotonic())
+        assert await judge_until(beats, AGENT, 3.0) == PULSE, "the two pulses before the junk, then silence"
+        assert len(connections) >= 2, "the link came back"
+    finally:
+        await links.close()
+        impostor.close()
+        await impostor.wait_closed()
+
+
+def test_the_server_reads_nothing_refuses_more_than_its_clients_and_drops_one_that_talks(server):
+    host, port = server.address
+    held = [socket.create_connection((host, port), timeout=2) for _ in range(MAX_CLIENTS)]
+    try:
+        for client in held:
+            assert client.recv(len(wire.hello(UID))) == wire.hello(UID)
+        extra = socket.create_connection((host, port), timeout=2)
+        assert extra.recv(64) == b"", "over the limit: closed at once"
+        extra.close()
+        talker = held.pop()
+        talker.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        deadline = time.monotonic() + 2
+        while server.clients > MAX_CLIENTS - 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.clients == MAX_CLIENTS - 1, "a client that sends anything is dropped"
+        talker.close()
+        assert held[0].recv(1) == wire.PULSE
+    finally:
+        for client in held:
+            client.close()
