@@ -8,8 +8,9 @@ its Lease no longer renewed). The scenario is ``tests.cluster.harness.agent_node
 ``tests/cluster/test_agent_node_loss.py`` asserts on. Printed per run, all from the power-off:
 
 * ``noticed_seconds``: -> the lost agent pod deleted by the operator (it emits ``AgentRestarted`` then): the
-  agent's Lease silent for three renewal periods, or, on the old path (``--agent-heartbeat-seconds 0``), the
-  node's NotReady after the node-lifecycle controller's grace period;
+  agent's pulse silent for a second (the default); with ``--agent-pulse-seconds=0``, its Lease silent for three
+  renewal periods; on the old path (no pulse, ``--agent-heartbeat-seconds=0``), the node's NotReady after the
+  node-lifecycle controller's grace period;
 * ``agent_back_seconds``: -> the new agent pod Running;
 * ``reconnected_seconds``: -> the last "reconnected after" line of the workers' store clients (their logs);
 * ``longest_step_gap_seconds``: the largest gap between two consecutive steps recorded from the power-off to the
@@ -17,9 +18,10 @@ its Lease no longer renewed). The scenario is ``tests.cluster.harness.agent_node
 * ``steps_during_outage``: steps recorded between the power-off and the new agent's Running;
 * ``steps_lost``: steps run more than once or never; ``restarts``: status.restarts.total at the end.
 
-Each run is made with the agent's Lease (the default) and then on the old path, side by side.
+Each run is made with the agent's pulse (the default), with its Lease alone and on the old path, one after the other
+on the same control plane (``--paths`` picks some).
 
-    python bench/agent_loss_cluster.py [--runs 2] [--max-steps 160] [--step-sleep 0.25]
+    python bench/agent_loss_cluster.py [--runs 2] [--max-steps 160] [--step-sleep 0.25] [--paths pulse,lease,notready]
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ from tests.cluster.harness import (  # noqa: E402
     step_times,
 )
 from tests.cluster.process_kubelet import ProcessKubelets  # noqa: E402
+
+PATHS = {
+    "pulse": ("pulse 0.2 s", ()),
+    "lease": ("Lease 1 s alone", ("--agent-pulse-seconds=0",)),
+    "notready": ("NotReady only", ("--agent-pulse-seconds=0", "--agent-heartbeat-seconds=0")),
+}
+"""The operator's flags of each path, by name (the default: all three)."""
 
 
 @dataclasses.dataclass
@@ -90,11 +99,16 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=160, help="the job's maxSteps (must outlive the outage)")
     parser.add_argument("--step-sleep", type=float, default=0.25, help="seconds each step sleeps (E2E_STEP_SLEEP)")
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}")
     args = parser.parse_args()
     work = pathlib.Path(tempfile.mkdtemp(prefix="disttrain-agent-loss-"))
     began = time.time()
     outcomes: list[tuple[str, Outcome]] = []
-    paths = (("lease 1 s", ()), ("NotReady only", ("--agent-heartbeat-seconds=0",)))
+    chosen = args.paths.split(",")
+    unknown = sorted(set(chosen) - set(PATHS))
+    if unknown:
+        parser.error(f"--paths: unknown {unknown}; choose from {', '.join(PATHS)}")
+    paths = [(PATHS[p][0], PATHS[p][1]) for p in chosen]
     with ControlPlane() as plane:
         plane.start_controllers()
         for path, flags in paths:

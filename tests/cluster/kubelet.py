@@ -37,9 +37,20 @@ class Kubelets:
         self.exit_codes: dict[str, int] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._pod_ips: dict[str, str] = {}
         self._thread = threading.Thread(target=self._run, name="kubelets", daemon=True)
         self._thread.start()
         self.errors: list[str] = []
+
+    def pod_ip(self, pod: dict[str, Any]) -> str:
+        """The pod's IP: a loopback address of its own (127.64.0.0/10 is loopback on Linux), so that what listens on
+        the pod's IP (the job agent's pulse) is reached there, and two pods never share an address."""
+        with self._lock:
+            uid = pod["metadata"]["uid"]
+            if uid not in self._pod_ips:
+                n = len(self._pod_ips) + 1
+                self._pod_ips[uid] = f"127.{64 + (n >> 16) % 64}.{(n >> 8) % 256}.{n % 256}"
+            return self._pod_ips[uid]
 
     # --- nodes -------------------------------------------------------------------------------------------
 
@@ -185,7 +196,7 @@ class Kubelets:
             {
                 "status": {
                     "phase": phase,
-                    "podIP": "10.1.0.1",
+                    "podIP": self.pod_ip(pod),
                     "startTime": stamp,
                     "conditions": [
                         {"type": "Ready", "status": ready, "lastTransitionTime": stamp},

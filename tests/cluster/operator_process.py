@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tests.cluster.controlplane import free_port
+from tests.cluster.rbac import chart_operator_flags
 from tests.conftest import REPO_ROOT
 
 FORBIDDEN = re.compile(r"(?<![,.:\d])\b403\b|forbidden", re.IGNORECASE)  # not a log timestamp ",403"
@@ -50,6 +51,8 @@ class OperatorProcess:
             f"--metrics-port={self.metrics_port}",
             "--metrics-address=127.0.0.1",
             f"--liveness=http://127.0.0.1:{liveness}/healthz",
+            # as the chart runs it: the agents' NetworkPolicies admit its pods to their pulse port
+            *chart_operator_flags("--operator-namespace", "--operator-pod-selector"),
             *self.extra_args,
         ]
         with open(self.log, "ab") as log:

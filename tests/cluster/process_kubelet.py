@@ -187,6 +187,8 @@ class ProcessKubelets(Kubelets):
         is_worker = meta["labels"].get(constants.LABEL_ROLE) == constants.ROLE_WORKER
         readiness_port = free_port() if is_worker else 0
         spec = translate.to_process(pod, site, pod["spec"]["nodeName"], free_port() if is_worker else 0, readiness_port)
+        if env.POD_IP in spec.env:  # the downward API's status.podIP: an address of the pod's own, not 127.0.0.1
+            spec = dataclasses.replace(spec, env={**spec.env, env.POD_IP: self.pod_ip(pod)})
         if env.TERMINATION_LOG in spec.env:  # the container's terminationMessagePath: a file of its own here
             spec = dataclasses.replace(
                 spec, env={**spec.env, env.TERMINATION_LOG: str(self.logs / f"{meta['name']}.termination")}

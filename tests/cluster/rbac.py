@@ -25,6 +25,22 @@ def operator_rbac_documents() -> list[dict[str, Any]]:
     return [obj for obj in render() if obj["kind"] in RBAC_KINDS | GUARD_KINDS | FLOW_KINDS]
 
 
+def _chart_deployment() -> dict[str, Any]:
+    [deployment] = [obj for obj in render() if obj["kind"] == "Deployment"]
+    return deployment
+
+
+def chart_operator_flags(*names: str) -> list[str]:
+    """The flags ``names`` (e.g. ``--operator-namespace``) as the chart's Deployment gives them to the operator."""
+    [container] = _chart_deployment()["spec"]["template"]["spec"]["containers"]
+    return [arg for arg in container["args"] if arg.split("=", 1)[0] in names]
+
+
+def chart_operator_pod_labels() -> dict[str, str]:
+    """The labels of the chart's operator pods."""
+    return dict(_chart_deployment()["spec"]["template"]["metadata"]["labels"])
+
+
 def install_operator_rbac(plane: ControlPlane) -> None:
     plane.kubectl("create", "namespace", OPERATOR_NAMESPACE, check=False)  # absent or there: both fine
     plane.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(operator_rbac_documents()))

@@ -2,7 +2,7 @@
 
 Real processes (:mod:`tests.cluster.process_kubelet`: the job agent, torchrun and the trainer of every pod) on a real
 control plane; the agent runs alone on its node. That node dies (processes SIGKILLed, Lease no longer renewed): the
-workers train on without their store, the agent's Lease goes silent and the operator recreates the agent before the
+workers train on without their store, the agent's pulse stops and the operator recreates the agent before the
 node-lifecycle controller marks the node NotReady, the workers' store clients reconnect to it behind the same
 address, and the job ends with every step run once, no restart charged and no reform. The scenario itself is
 :func:`tests.cluster.harness.agent_node_loss` (``bench/agent_loss_cluster.py`` times it).
@@ -51,12 +51,12 @@ def test_the_group_trains_through_the_loss_of_its_agents_node_and_ends_with_ever
     twice = {step: ranks for step, ranks in ranks_by_step.items() if sorted(ranks) != [0, 1]}
     assert not twice, f"steps run twice or by one rank only: {twice}"
 
-    # The agent's own heartbeat (its Lease) told the operator, not Kubernetes' NotReady (the node-lifecycle
-    # controller's grace period is 20 s here).
+    # The agent's pulse told the operator, not its Lease (three 1 s periods) nor Kubernetes' NotReady (the
+    # node-lifecycle controller's grace period is 20 s here).
     not_ready = seen.node_not_ready_at  # nan: still Ready when the new agent ran
     assert math.isnan(not_ready) or seen.agent_deleted_at < not_ready, "replaced only once its node was NotReady"
     [message] = [e["message"] for e in seen.events if e["reason"] == "AgentRestarted"]
-    assert "silent in its Lease" in message, message
+    assert "its pulse stopped" in message, message
 
     # Training went on through the outage, without a pause: steps right after the power-off and right before the new
     # agent ran, no gap near a store timeout.

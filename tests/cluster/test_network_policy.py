@@ -30,6 +30,7 @@ from tests.cluster.controlplane import ControlPlane
 from tests.cluster.harness import Cluster, _try, checkpoint_claim, delete_jobs, eventually
 from tests.cluster.kubelet import Kubelets
 from tests.cluster.process_kubelet import ProcessKubelets
+from tests.cluster.rbac import OPERATOR_NAMESPACE, chart_operator_pod_labels
 from tests.conftest import JobBuilder
 from tests.e2e.conftest import e2e_job
 
@@ -137,12 +138,17 @@ def test_each_jobs_network_policies_select_exactly_its_pods_and_admit_only_its_w
         # The policies apply to exactly the job's agent, and to exactly its workers, of the policy's namespace.
         assert _pods(controllers, agent_policy["spec"]["podSelector"], ns) == agent
         assert _pods(controllers, worker_policy["spec"]["podSelector"], ns) == workers
-        # To the agent: only the job's workers (no namespaceSelector: the policy's namespace only), store port only.
-        [rule] = agent_policy["spec"]["ingress"]
+        # To the agent: only the job's workers (no namespaceSelector: the policy's namespace only), store port only;
+        # the operator's pods (the chart's namespace and labels), pulse port only.
+        rule, from_operator = agent_policy["spec"]["ingress"]
         [peer] = rule["from"]
         assert set(peer) == {"podSelector"}, peer
         assert _pods(controllers, peer["podSelector"], ns) == workers
         assert rule["ports"] == [{"protocol": "TCP", "port": 29400}]
+        [operator_peer] = from_operator["from"]
+        assert _namespaces(controllers, operator_peer["namespaceSelector"]) == {OPERATOR_NAMESPACE}
+        assert operator_peer["podSelector"]["matchLabels"].items() <= chart_operator_pod_labels().items()
+        assert from_operator["ports"] == [{"protocol": "TCP", "port": 29401}]
         # To the workers: the job's workers on every port, the scraper on the metrics port.
         from_workers, from_scraper = worker_policy["spec"]["ingress"]
         [peer] = from_workers["from"]
