@@ -5,12 +5,15 @@ One direction only, agent to operator::
 
     b"DTP1 " + <the agent pod's uid> + b"\\n"      once, when the connection is accepted
     b"."                                           every period
+    b"-"                                           once, when the agent stops (then it closes)
 """
 
 from typing import Final
 
 MAGIC: Final = b"DTP1 "
 PULSE: Final = b"."
+BYE: Final = b"-"
+"""The agent's last word on a clean stop (its job ended, SIGTERM): what follows is no silence to judge."""
 
 
 def hello(pod_uid: str) -> bytes:

@@ -20,7 +20,8 @@ one, and a wrong verdict costs a replacement, never a step or a restart (the wor
 The **pulse** (:mod:`disttrain.trainer.agent.pulse`) finds a dead agent in about a second, as fast as a worker, with
 no API write: the operator holds a TCP connection to the agent pod's IP and the agent sends a byte every 0.2 s. The
 agent is silent when the pulse of the current agent pod (its uid, in the connection's first line) came at least
-twice and then not for :data:`~disttrain.api.constants.AGENT_PULSE_SILENT_SECONDS`. A pulse that never came (no
+twice and then not for :data:`~disttrain.api.constants.AGENT_PULSE_SILENT_SECONDS`, unless its last word said it
+stops (a clean exit: its job ended; the pod's phase tells the rest). A pulse that never came (no
 connection: an older agent, a NetworkPolicy without the operator, a network plugin in the way) judges nothing, and
 the Lease's rule still holds. The operator's own stalls are not the agent's: after the adapter's checks paused for
 :data:`STALL_S` (its event loop busy, its process starved), every pulse's silence counts from the end of the pause,
@@ -83,6 +84,8 @@ class Pulse:
     """The operator's monotonic time of its last pulse."""
     pulses: int = 1
     announced: bool = False
+    ended: bool = False
+    """The agent said it stops (a clean exit): its silence is no loss."""
 
 
 class AgentBeats:
@@ -106,7 +109,13 @@ class AgentBeats:
         if pulse is None or pulse.uid != uid:
             self._pulses[key] = Pulse(uid, now)
         else:
-            pulse.seen_at, pulse.pulses, pulse.announced = now, pulse.pulses + 1, False
+            pulse.seen_at, pulse.pulses, pulse.announced, pulse.ended = now, pulse.pulses + 1, False, False
+
+    def ended(self, key: JobKey, uid: str) -> None:
+        """Agent pod ``uid`` of the job said it stops: its pulse's silence judges nothing (its pod's phase will)."""
+        pulse = self._pulses.get(key)
+        if pulse is not None and pulse.uid == uid:
+            pulse.ended = True
 
     def checked(self, now: float) -> None:
         """The adapter looks now; after a pause of :data:`STALL_S` the pulses' silences restart (see the module)."""
@@ -173,7 +182,7 @@ class AgentBeats:
 
 def pulse_is_silent(pulse: Pulse, agent_uid: str, now: float, silent_s: float) -> bool:
     """The pulse rule of the module docstring, for the last pulse heard and the current agent pod's uid."""
-    if not agent_uid or pulse.uid != agent_uid or pulse.pulses < 2:
+    if not agent_uid or pulse.uid != agent_uid or pulse.pulses < 2 or pulse.ended:
         return False
     return now - pulse.seen_at > silent_s
 

@@ -113,7 +113,11 @@ class PulseLinks:
                     )
                 else:
                     while data := await reader.read(READ_BYTES):
-                        if data.strip(pulse.PULSE):
+                        rest = data.replace(pulse.PULSE, b"")
+                        if rest == pulse.BYE and data.endswith(pulse.BYE):
+                            self.beats.ended(target.key, target.uid)  # a clean stop: no silence to judge
+                            break
+                        if rest:
                             break  # anything else: not the agent's pulse
                         self.beats.pulsed(target.key, target.uid, time.monotonic())
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):

@@ -108,7 +108,8 @@ def test_only_the_jobs_pods_mount_its_store_secret_and_only_its_workers_may_reac
         agent_labels = cluster.pods("agent")[f"{name}-agent"]["metadata"]["labels"]
         assert policy["podSelector"]["matchLabels"].items() <= agent_labels.items()
         assert policy["policyTypes"] == ["Ingress"]
-        [rule] = policy["ingress"]
+        rule, from_operator = policy["ingress"]  # the operator's pods on the pulse port: test_network_policy
+        assert from_operator["ports"] == [{"protocol": "TCP", "port": 29401}]
         [peer] = rule["from"]
         assert peer == {
             "podSelector": {

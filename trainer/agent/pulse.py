@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Optional
 
-from disttrain.api.pulse import PULSE, hello
+from disttrain.api.pulse import BYE, PULSE, hello
 
 log = logging.getLogger("disttrain.agent")
 
@@ -51,10 +51,12 @@ class PulseServer:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop pulsing, saying so (:data:`~disttrain.api.pulse.BYE`): a clean stop is no silence to judge."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.period + 1)
         for client in list(self._clients):
+            self._send(client, BYE)
             self._drop(client)
         self._selector.close()
         self._listener.close()

@@ -139,3 +139,13 @@ def test_a_pulse_that_comes_back_is_announced_again_and_a_deleted_job_is_forgott
     assert beats.newly_silent(lambda key: AGENT, last + PULSE_SILENT_S + 0.05) == [(KEY, PULSE)]
     beats.forget_job(KEY)
     assert beats.silence(KEY, AGENT, 100.0) == ""
+
+
+def test_an_agent_that_said_it_stops_is_not_silent_until_it_pulses_again():
+    beats = AgentBeats()
+    last = pulse(beats, 0.0, 1.0)
+    beats.ended(KEY, "uid-other")  # another pod's word counts for nothing
+    beats.ended(KEY, "uid-a")
+    assert beats.silence(KEY, AGENT, last + 10) == ""
+    last = pulse(beats, 20.0, 21.0)
+    assert beats.silence(KEY, AGENT, last + PULSE_SILENT_S + 0.05) == PULSE

@@ -4,7 +4,10 @@ links (operator/pulses.py) and the rule (operator/agentbeat.py) on the operator'
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -43,6 +46,28 @@ async def judge_until(beats: AgentBeats, agent: PodView, seconds: float) -> str:
 
 
 @pytest.fixture
+def agent_process():
+    """An agent's pulse server in a process of its own, which the test may freeze (SIGSTOP: a machine that died
+    sends nothing, not even a FIN) or kill; its port."""
+    code = (
+        "import sys, time\n"
+        "from disttrain.trainer.agent.pulse import PulseServer\n"
+        f"server = PulseServer('127.0.0.1', 0, {UID!r}, {PERIOD_S})\n"
+        "server.start()\n"
+        "print(server.address[1], flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        port = int(proc.stdout.readline())
+        yield proc, port
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+@pytest.fixture
 def server():
     started = PulseServer("127.0.0.1", 0, UID, PERIOD_S)
     started.start()
@@ -50,13 +75,17 @@ def server():
     started.stop()
 
 
-async def test_a_live_agent_is_never_silent_and_a_stopped_one_is_found_about_a_second_after_its_last_pulse(server):
+@pytest.mark.parametrize("death", [signal.SIGSTOP, signal.SIGKILL])
+async def test_a_live_agent_is_never_silent_and_a_dead_one_is_found_about_a_second_after_its_last_pulse(
+    agent_process, death
+):
+    proc, port = agent_process
     beats = AgentBeats()
     links = pulses.PulseLinks(beats)
-    links.follow(KEY, agent_pod(server.address[1]))
+    links.follow(KEY, agent_pod(port))
     try:
         assert await judge_until(beats, AGENT, 2.0) == "", "pulsing: never silent"
-        server.stop()  # the agent's machine dies: no pulse from now on
+        proc.send_signal(death)  # the agent's machine dies (nothing more is sent) or its process is killed (a FIN)
         stopped = time.monotonic()
         assert await judge_until(beats, AGENT, 3.0) == PULSE
         noticed = time.monotonic() - stopped
@@ -146,3 +175,15 @@ def test_the_server_reads_nothing_refuses_more_than_its_clients_and_drops_one_th
     finally:
         for client in held:
             client.close()
+
+
+async def test_an_agent_that_stops_cleanly_says_so_and_is_not_taken_for_lost(server):
+    beats = AgentBeats()
+    links = pulses.PulseLinks(beats)
+    links.follow(KEY, agent_pod(server.address[1]))
+    try:
+        assert await judge_until(beats, AGENT, 1.0) == ""
+        server.stop()  # its job ended: the agent exits
+        assert await judge_until(beats, AGENT, 2.5) == "", "a clean stop is no loss"
+    finally:
+        await links.close()
