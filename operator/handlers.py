@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import time
@@ -75,6 +76,8 @@ INTERNAL_ERROR_RETRY_S = 5.0
 """After a bug (not an API error, whose wait :mod:`disttrain.operator.retry` computes)."""
 LOOP_STOP_TIMEOUT_S = 5.0
 """On operator shutdown, how long the job loops may take to finish their current reconcile before cancellation."""
+PRUNE_LINKS_EVERY = 10
+"""Every this many checks of the agents' silence (1 s), the pulse links of pods no longer an agent are closed."""
 FINALIZER = f"{constants.GROUP}/operator"
 """The finalizer operators before issue 27 put on every job; this one adds none and removes it where it finds it."""
 
@@ -347,7 +350,7 @@ class Writer:
     agent_pulse_s: float = constants.AGENT_PULSE_SECONDS
     """How often every job agent pulses to this operator (0: no pulse, the Lease alone)."""
     beats: agentbeat.AgentBeats = dataclasses.field(default_factory=agentbeat.AgentBeats)
-    """The job agents' Lease renewals, as the Lease watch delivered them."""
+    """The job agents' Lease renewals and pulses, as the Lease watch and the pulse links delivered them."""
 
 
 async def _create(writer: Writer, job: DistTrainJob, obj: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -742,12 +745,18 @@ def register(
         record = cache.pods.get((key[0], names.agent_name(key[1])))
         return None if record is None else record.view
 
+    def agent_uid(key: JobKey) -> Optional[str]:
+        agent = agent_of(key)
+        return None if agent is None else agent.uid
+
     async def wake_silent_agents() -> None:
         """A silent agent brings no watch event: look on a timer and wake its job (it replaces the agent)."""
-        while True:
+        for tick in itertools.count():
             await asyncio.sleep(agentbeat.CHECK_S)
             now = time.monotonic()
             beats.checked(now)
+            if tick % PRUNE_LINKS_EVERY == 0:
+                links.prune(agent_uid)
             for (namespace, name), why in beats.newly_silent(agent_of, now):
                 log.warning("job %s/%s: its agent is taken for lost: %s", namespace, name, why)
                 pokes.poke(namespace, name)

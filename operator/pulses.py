@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 from disttrain.api import constants, pulse
@@ -82,6 +82,13 @@ class PulseLinks:
         link = self._links.pop(uid, None)
         if link is not None:
             link[1].cancel()
+
+    def prune(self, current: Callable[[JobKey], Optional[str]]) -> None:
+        """Close the links of pods that are no longer their job's agent (``current``: the agent pod's uid, None when
+        it has none): a deletion the watch never delivered (it was relisted meanwhile) leaves no link behind."""
+        for uid, (target, _task) in list(self._links.items()):
+            if current(target.key) != uid:
+                self.forget(uid)
 
     async def close(self) -> None:
         """Close every link and wait until they are closed."""

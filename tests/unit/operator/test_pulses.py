@@ -187,3 +187,16 @@ async def test_an_agent_that_stops_cleanly_says_so_and_is_not_taken_for_lost(ser
         assert await judge_until(beats, AGENT, 2.5) == "", "a clean stop is no loss"
     finally:
         await links.close()
+
+
+async def test_links_of_pods_that_are_no_longer_their_jobs_agent_are_closed(server):
+    links = pulses.PulseLinks(AgentBeats())
+    links.follow(KEY, agent_pod(server.address[1]))
+    links.follow(("ns", "other"), agent_pod(server.address[1], uid="uid-other"))
+    try:
+        links.prune({KEY: UID}.get)  # the other job's agent is gone, and the watch never said so
+        assert links.count == 1
+        links.prune(lambda key: "uid-replacement")
+        assert links.count == 0
+    finally:
+        await links.close()
