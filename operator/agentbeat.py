@@ -169,8 +169,10 @@ class AgentBeats:
         found = []
         for key in {*self._pulses, *self._beats}:
             pulse, beat = self._pulses.get(key), self._beats.get(key)
-            if (pulse is None or pulse.announced) and (beat is None or beat.announced):
-                continue
+            pulse_due = pulse is not None and not pulse.announced and now - pulse.seen_at > self.pulse_silent_s
+            beat_due = beat is not None and not beat.announced and now - beat.seen_at > self.silent_s
+            if not (pulse_due or beat_due):
+                continue  # nothing silent long enough to judge: the common case, ten times a second per job
             why = self.silence(key, agent_of(key), now)
             if why:
                 for record in (pulse, beat):

@@ -5,7 +5,7 @@ Why a connection from the operator, and not a report from the agent: the operato
 from the API server, so what answers there is the agent's network namespace, and nothing a stranger sends can
 stand in for it; the operator exposes no port and reads no secret. What the connection delivers is still checked:
 the first line must name the pod the operator meant (:func:`disttrain.api.pulse.hello`; an IP is reused
-by later pods), and only bytes after it count, a read of at most :data:`READ_BYTES` at a time.
+by later pods, and :data:`HELLO_LIMIT` bounds it), and after it only pulses and the agent's last word count.
 
 The links follow the pod watch: :meth:`PulseLinks.follow` for every agent pod event (a Running pod with an IP and a
 pulse port gets a link, anything else loses it), :meth:`PulseLinks.forget` when the pod is gone. A link that fails
@@ -16,7 +16,6 @@ judges: :mod:`disttrain.operator.agentbeat` does, from the pulses' times.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -31,7 +30,6 @@ log = logging.getLogger("disttrain.operator")
 CONNECT_TIMEOUT_S = 1.0
 HELLO_TIMEOUT_S = 2.0
 RETRY_S = 0.5
-READ_BYTES = 256
 HELLO_LIMIT = 128
 """The longest first line taken: the magic and a pod uid."""
 
@@ -102,36 +100,73 @@ class PulseLinks:
         return len(self._links)
 
     async def _link(self, target: Target) -> None:
-        expected = pulse.hello(target.uid)
+        loop = asyncio.get_running_loop()
         while True:
-            writer: Optional[asyncio.StreamWriter] = None
+            transport: Optional[asyncio.BaseTransport] = None
             try:
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(target.host, target.port, limit=HELLO_LIMIT), CONNECT_TIMEOUT_S
+                transport, reader = await asyncio.wait_for(
+                    loop.create_connection(lambda: _PulseReader(target, self.beats), target.host, target.port),
+                    CONNECT_TIMEOUT_S,
                 )
-                first = await asyncio.wait_for(reader.readline(), HELLO_TIMEOUT_S)
-                if first != expected:
-                    log.debug(
-                        "pulse of %s at %s:%d: unexpected first line %r",
-                        target.key,
-                        target.host,
-                        target.port,
-                        first[:HELLO_LIMIT],
-                    )
-                else:
-                    while data := await reader.read(READ_BYTES):
-                        rest = data.replace(pulse.PULSE, b"")
-                        if rest == pulse.BYE and data.endswith(pulse.BYE):
-                            self.beats.ended(target.key, target.uid)  # a clean stop: no silence to judge
-                            break
-                        if rest:
-                            break  # anything else: not the agent's pulse
-                        self.beats.pulsed(target.key, target.uid, time.monotonic())
-            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
-                pass  # refused, reset, timed out, a line over the limit: try again
+                await reader.closed
+            except (OSError, asyncio.TimeoutError):
+                pass  # refused, reset, timed out: try again
             finally:
-                if writer is not None:
-                    writer.close()
-                    with contextlib.suppress(Exception):
-                        await writer.wait_closed()
+                if transport is not None:
+                    transport.close()
             await asyncio.sleep(RETRY_S)
+
+
+class _PulseReader(asyncio.Protocol):
+    """One connection to an agent's pulse, read in the event loop's own callback (a pulse costs no task wake-up:
+    the operator reads five a second from every job). Any deviation from the wire closes the connection."""
+
+    def __init__(self, target: Target, beats: AgentBeats) -> None:
+        self.target, self.beats = target, beats
+        self.expected = pulse.hello(target.uid)
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._transport: Optional[asyncio.Transport] = None
+        self._first = b""
+        self._greeted = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._check_greeted)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._greeted:
+            self._first += data
+            if b"\n" not in self._first:
+                if len(self._first) >= HELLO_LIMIT:
+                    self._close("a first line over the limit")
+                return
+            line, _, data = self._first.partition(b"\n")
+            if line + b"\n" != self.expected:
+                self._close(f"an unexpected first line {line[:HELLO_LIMIT]!r}")
+                return
+            self._greeted = True
+            if not data:
+                return
+        rest = data.replace(pulse.PULSE, b"")
+        if rest == pulse.BYE and data.endswith(pulse.BYE):
+            self.beats.ended(self.target.key, self.target.uid)  # a clean stop: no silence to judge
+            self._close("")
+        elif rest:
+            self._close("bytes that are no pulse")
+        else:
+            self.beats.pulsed(self.target.key, self.target.uid, time.monotonic())
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def _check_greeted(self) -> None:
+        if not self._greeted:
+            self._close("no first line")
+
+    def _close(self, why: str) -> None:
+        if why:
+            target = self.target
+            log.debug("pulse of %s at %s:%d: %s", target.key, target.host, target.port, why)
+        if self._transport is not None:
+            self._transport.close()

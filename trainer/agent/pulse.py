@@ -17,6 +17,7 @@ admits only the operator's pods to this port where the network plugin enforces i
 from __future__ import annotations
 
 import logging
+import math
 import selectors
 import socket
 import threading
@@ -29,6 +30,13 @@ log = logging.getLogger("disttrain.agent")
 
 MAX_CLIENTS = 8
 """Connections held at once: the operator needs one; a new operator (restart, upgrade) a second for a moment."""
+
+
+def next_boundary(now: float, period: float) -> float:
+    """The first multiple of ``period`` on the wall clock after ``now``. Every agent pulses on the same instants (the
+    nodes' clocks agree to milliseconds), so the operator's event loop wakes once a period for all its links rather
+    than once per link; after a stall the next pulse is the next instant, never a burst."""
+    return (math.floor(now / period) + 1) * period
 
 
 class PulseServer:
@@ -66,18 +74,21 @@ class PulseServer:
         return len(self._clients)
 
     def _run(self) -> None:
-        next_pulse = time.monotonic()
+        next_pulse = time.time()
         while not self._stop.is_set():
-            timeout = max(0.0, next_pulse - time.monotonic())
+            now = time.time()
+            if next_pulse - now > self.period:  # the wall clock was set back: never a gap in the pulse
+                next_pulse = next_boundary(now, self.period)
+            timeout = max(0.0, next_pulse - now)
             for key, _events in self._selector.select(timeout):
                 if key.fileobj is self._listener:
                     self._accept()
                 else:
                     self._drop(key.fileobj)  # type: ignore[arg-type]  # it sent something, or closed
-            now = time.monotonic()
+            now = time.time()
             if now >= next_pulse:
                 self._send_all(PULSE)
-                next_pulse = max(next_pulse + self.period, now)  # no burst after a stall
+                next_pulse = next_boundary(now, self.period)
 
     def _accept(self) -> None:
         try:

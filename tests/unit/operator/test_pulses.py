@@ -200,3 +200,11 @@ async def test_links_of_pods_that_are_no_longer_their_jobs_agent_are_closed(serv
         assert links.count == 0
     finally:
         await links.close()
+
+
+def test_pulses_fall_on_the_same_wall_clock_instants_for_every_agent():
+    from disttrain.trainer.agent.pulse import next_boundary
+
+    assert next_boundary(100.05, 0.2) == pytest.approx(100.2)
+    assert next_boundary(100.2, 0.2) == pytest.approx(100.4), "the next instant, never the current one"
+    assert next_boundary(7.99, 0.25) == pytest.approx(8.0)
