@@ -5,6 +5,10 @@ ruinous for a count of API requests): one pod watch for the whole run binds each
 (round robin, as a scheduler would spread them) and reports it Running and Ready; a pod being deleted is
 confirmed gone, as a kubelet does. Heartbeats are what kubelets send: a Lease renewal every 10 s and a node
 status report every 5 minutes (kubelet's ``nodeStatusReportFrequency`` when nothing changed), spread out.
+
+Each pod gets a loopback address of its own as its IP, and each job agent pod's pulse (the port and period its pod
+declares) is served there, as the agent would serve it (the agents themselves run in the benchmark's process, with
+no address of their own), so the operator holds a pulse link to every agent as in a cluster.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any
 from kubernetes import client as k8s
 
 from disttrain.api import constants
+from disttrain.api import env as env_names
+from disttrain.trainer.agent.pulse import PulseServer
 
 log = logging.getLogger("bench.fleet")
 LEASE_RENEW_SECONDS = 10.0
@@ -57,6 +63,8 @@ class Fleet:
         self.running: set[tuple[str, str]] = set()
         self.errors: list[str] = []
         self._next_node = 0
+        self._pod_ips: dict[str, str] = {}
+        self._pulses: dict[str, PulseServer] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads = [
@@ -96,6 +104,39 @@ class Fleet:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._lock:
+            pulses, self._pulses = list(self._pulses.values()), {}
+        for server in pulses:
+            server.stop()
+
+    def pulse_links(self) -> int:
+        """Connections the agents' pulse servers hold now (the operator's links)."""
+        with self._lock:
+            return sum(server.clients for server in self._pulses.values())
+
+    def _pod_ip(self, pod: dict[str, Any]) -> str:
+        """The pod's IP (a loopback address of its own), where its agent's pulse is served if it declares one."""
+        uid = pod["metadata"]["uid"]
+        with self._lock:
+            if uid not in self._pod_ips:
+                n = len(self._pod_ips) + 1
+                self._pod_ips[uid] = f"127.{64 + (n >> 16) % 64}.{(n >> 8) % 256}.{n % 256}"
+            ip = self._pod_ips[uid]
+        for container in pod["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env") or []}
+            ports = [p for p in container.get("ports") or [] if p.get("name") == constants.AGENT_PULSE_PORT_NAME]
+            if ports and env.get(env_names.AGENT_PULSE_SECONDS) and uid not in self._pulses:
+                server = PulseServer(ip, ports[0]["containerPort"], uid, float(env[env_names.AGENT_PULSE_SECONDS]))
+                server.start()
+                with self._lock:
+                    self._pulses[uid] = server
+        return ip
+
+    def _forget_pod(self, pod: dict[str, Any]) -> None:
+        with self._lock:
+            server = self._pulses.pop(pod["metadata"]["uid"], None)
+        if server is not None:
+            server.stop()
 
     def _report_node(self, name: str, first: bool = False) -> None:
         stamp = _now()
@@ -177,6 +218,7 @@ class Fleet:
         ns, name = meta["namespace"], meta["name"]
         try:
             if meta.get("deletionTimestamp"):
+                self._forget_pod(pod)
                 self.core.delete_namespaced_pod(
                     name, ns, grace_period_seconds=0, _preload_content=False, _request_timeout=TIMEOUT
                 )
@@ -212,7 +254,7 @@ class Fleet:
             {
                 "status": {
                     "phase": "Running",
-                    "podIP": "10.1.0.1",
+                    "podIP": self._pod_ip(pod),
                     "startTime": stamp,
                     "conditions": [
                         {"type": "Ready", "status": "True", "lastTransitionTime": stamp},

@@ -11,7 +11,7 @@ status is taken from a watch on that job (and from one on every job, for compari
 the time to the request's answer and to the operator's decision (its ``issuedAt``) beside it.
 
     python bench/api_load.py [--jobs 50] [--nodes 100] [--window 60] [--step-seconds 0.25] [--checkpoint-every 12]
-                             [--agent-poll-seconds 0.25]
+                             [--agent-poll-seconds 0.25] [--agent-pulse-seconds 0.2]
 
 Defaults mirror the issue's measurement: 4 steps/s and a checkpoint every 12 steps (20 a minute).
 """
@@ -440,6 +440,13 @@ def main() -> int:
         help="without the chart's priority level for the agents' status writes (flowControl.progress.enabled=false)",
     )
     parser.add_argument(
+        "--agent-pulse-seconds",
+        type=float,
+        default=constants.AGENT_PULSE_SECONDS,
+        help="the operator's --agent-pulse-seconds: every agent pod's pulse, which the operator holds a link to "
+        "(0: none; default %(default)s)",
+    )
+    parser.add_argument(
         "--back-to-back",
         dest="settle",
         action="store_false",
@@ -472,7 +479,7 @@ def main() -> int:
     fleet = jobs = None
     try:
         print(f"control plane at {plane.server}; logs in {plane.logs}; operator log in {work}", flush=True)
-        operator = start_operator(plane, work / "operator.log")
+        operator = start_operator(plane, work / "operator.log", [f"--agent-pulse-seconds={args.agent_pulse_seconds:g}"])
         if not args.progress_level:  # as before the chart bounded them: the agents' writes in workload-low
             plane.kubectl("delete", "flowschema,prioritylevelconfiguration", f"{object_name()}-progress")
         admin = plane.api_client()
@@ -596,6 +603,9 @@ def main() -> int:
         print(f"requests_per_job_minute: {total / args.jobs / minutes:.1f}")
         print(f"operator_rss_mb: {rss_mb:.0f}")
         print(f"operator_cpu_seconds_per_minute: {(cpu_after - cpu_before) / minutes:.2f}")
+        print(
+            f"agent_pulse_seconds: {args.agent_pulse_seconds:g}; operator pulse links at the end: {fleet.pulse_links()}"
+        )
         print(f"directive_latency_p99_ms: {_p99(probes.seen_own_watch):.0f}")
         print(f"directive_latency_all_jobs_watch_p99_ms: {_p99(probes.seen_all_jobs_watch):.0f}")
         if probes.decided:
