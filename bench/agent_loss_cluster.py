@@ -114,7 +114,8 @@ def main() -> int:
         for path, flags in paths:
             operator = start_operator(plane, work / f"operator-{len(outcomes)}.log", flags)
             try:
-                outcomes += [(path, run_once(plane, work, len(outcomes), args)) for _ in range(args.runs)]
+                for _ in range(args.runs):  # one at a time: each run's namespace is numbered by the runs before it
+                    outcomes.append((path, run_once(plane, work, len(outcomes), args)))
             finally:
                 operator.kill()
     print(
