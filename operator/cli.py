@@ -154,7 +154,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
     from kubernetes import client, config
     from prometheus_client import start_http_server
 
-    from disttrain.operator import gcpolicy, handlers
+    from disttrain.operator import gcpolicy, handlers, pods
     from disttrain.operator.metrics import OperatorMetrics
 
     logging.basicConfig(
@@ -179,10 +179,10 @@ def cmd_operator(args: argparse.Namespace) -> int:
         registry,
         api_client,
         OperatorMetrics(),
-        agent_image=args.agent_image or None,
+        agent=pods.AgentSettings(
+            image=args.agent_image or None, heartbeat_s=args.agent_heartbeat_seconds, pulse_s=args.agent_pulse_seconds
+        ),
         network=network,
-        agent_heartbeat_s=args.agent_heartbeat_seconds,
-        agent_pulse_s=args.agent_pulse_seconds,
     )
 
     @kopf.on.startup(registry=registry)

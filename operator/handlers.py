@@ -338,17 +338,13 @@ class Writer:
     kube: Kube
     cache: ClusterCache
     metrics: OperatorMetrics
-    agent_image: Optional[str] = None
-    """Every job agent's image (None: :func:`disttrain.operator.pods.default_agent_image`)."""
+    agent: builders.AgentSettings = builders.DEFAULT_AGENT
+    """Every job agent's image, Lease and pulse (``--agent-*``)."""
     network: access.NetworkPolicySettings = access.DEFAULT_NETWORK
     refusals: Refusals = dataclasses.field(default_factory=dict)
     failures: Failures = dataclasses.field(default_factory=dict)
     events: Optional[eventrate.EventFilter] = None
     """Which Events go out (rate limits); None: every one."""
-    agent_heartbeat_s: float = constants.AGENT_LEASE_RENEW_SECONDS
-    """How often every job agent renews its Lease (0: no Lease, the agent's loss is Kubernetes' to notice)."""
-    agent_pulse_s: float = constants.AGENT_PULSE_SECONDS
-    """How often every job agent pulses to this operator (0: no pulse, the Lease alone)."""
     beats: agentbeat.AgentBeats = dataclasses.field(default_factory=agentbeat.AgentBeats)
     """The job agents' Lease renewals and pulses, as the Lease watch and the pulse links delivered them."""
 
@@ -443,14 +439,12 @@ async def _create_all(writer: Writer, job: DistTrainJob, actions: Actions) -> No
     ns, name = job.metadata.namespace, job.metadata.name
     if actions.create_agent:
         await _create(writer, job, access.build_store_secret(job, storeauth.new_secret()))  # 409: ours stays
-        for obj in builders.build_support_objects(job, writer.network, writer.agent_heartbeat_s):
+        for obj in builders.build_support_objects(job, writer.network, writer.agent.heartbeat_s):
             await _create(writer, job, obj)
         created = await _create_pod(
             writer,
             job,
-            builders.build_agent_pod(
-                job, writer.agent_image, actions.agent_avoid_nodes, writer.agent_heartbeat_s, writer.agent_pulse_s
-            ),
+            builders.build_agent_pod(job, writer.agent, actions.agent_avoid_nodes),
         )
         _remember_pod(writer.cache, None if created is REFUSED else created)
     for worker in actions.create_workers:
@@ -578,23 +572,20 @@ def register(
     registry: kopf.OperatorRegistry,
     api_client_factory: Callable[[], k8s.ApiClient],
     metrics: OperatorMetrics,
-    agent_image: Optional[str] = None,
+    agent: builders.AgentSettings = builders.DEFAULT_AGENT,
     network: access.NetworkPolicySettings = access.DEFAULT_NETWORK,
-    agent_heartbeat_s: float = constants.AGENT_LEASE_RENEW_SECONDS,
-    agent_pulse_s: float = constants.AGENT_PULSE_SECONDS,
 ) -> None:
     """Register every handler on ``registry`` (a fresh one in tests, kopf's default one in ``disttrain operator``);
-    ``agent_image`` is the image of every job agent (None: :func:`disttrain.operator.pods.default_agent_image`),
-    ``network`` the per-job NetworkPolicies' settings (``--network-policy`` and the scraper's selectors),
-    ``agent_heartbeat_s`` how often the agents renew their Lease (``--agent-heartbeat-seconds``; 0: no Lease),
-    ``agent_pulse_s`` how often they pulse (``--agent-pulse-seconds``; 0: no pulse)."""
+    ``agent`` the job agents' image, Lease and pulse (``--agent-image``, ``--agent-heartbeat-seconds``,
+    ``--agent-pulse-seconds``), ``network`` the per-job NetworkPolicies' settings (``--network-policy`` and the
+    scraper's and the operator's selectors)."""
     pokes = Pokes()
     cache = ClusterCache()
     refusals: Refusals = {}
     failures: Failures = {}
     events = eventrate.EventFilter()
     box: dict[str, Any] = {}
-    beats = agentbeat.AgentBeats(agent_heartbeat_s or constants.AGENT_LEASE_RENEW_SECONDS)
+    beats = agentbeat.AgentBeats(agent.heartbeat_s or constants.AGENT_LEASE_RENEW_SECONDS)
     links = pulses.PulseLinks(beats)
 
     def writer() -> Writer:
@@ -604,13 +595,11 @@ def register(
                 Kube(api_client_factory()),
                 cache,
                 metrics,
-                agent_image=agent_image,
+                agent=agent,
                 network=network,
                 refusals=refusals,
                 failures=failures,
                 events=events,
-                agent_heartbeat_s=agent_heartbeat_s,
-                agent_pulse_s=agent_pulse_s,
                 beats=beats,
             )
         return box["writer"]

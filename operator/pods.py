@@ -9,6 +9,7 @@ everything (on a real cluster; the kmock emulator has no garbage collector).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import shlex
 from collections.abc import Sequence
@@ -273,23 +274,36 @@ def default_agent_image() -> str:
         return f"{AGENT_IMAGE_REPOSITORY}:latest"
 
 
+@dataclasses.dataclass(frozen=True)
+class AgentSettings:
+    """The operator's choices for every job agent (its ``--agent-*`` flags)."""
+
+    image: Optional[str] = None
+    """The agent's image (None: :func:`default_agent_image`)."""
+    heartbeat_s: float = constants.AGENT_LEASE_RENEW_SECONDS
+    """How often it renews its Lease (0: it has none)."""
+    pulse_s: float = constants.AGENT_PULSE_SECONDS
+    """How often it pulses (0: no pulse)."""
+
+
+DEFAULT_AGENT = AgentSettings()
+LOCAL_AGENT = AgentSettings(pulse_s=0)
+"""Local mode's agents: no pulse, its runtime watches the agent's process itself."""
+
+
 def build_agent_pod(
-    job: DistTrainJob,
-    image: Optional[str] = None,
-    avoid_nodes: Sequence[str] = (),
-    heartbeat_s: float = constants.AGENT_LEASE_RENEW_SECONDS,
-    pulse_s: float = constants.AGENT_PULSE_SECONDS,
+    job: DistTrainJob, settings: AgentSettings = DEFAULT_AGENT, avoid_nodes: Sequence[str] = ()
 ) -> dict[str, Any]:
     """The job agent: hosts the TCPStore, follows the job, relays progress.
 
-    Its image is the operator's choice (``--agent-image``, default :func:`default_agent_image`), never the user's
+    Its image is the operator's choice (``settings.image``, default :func:`default_agent_image`), never the user's
     template image: the agent holds a token that may patch the job's status, and no code of the user's image may
     run with it. Its placement and resources are ``spec.agent``'s alone: the template's nodeSelector, tolerations
     and affinity are the workers' (GPU nodes), and its securityContext is meant for the user's image, not the
     operator's (which runs as a non-root user); the agent gets the restricted defaults. The template's
     imagePullSecrets are kept: a private registry mirror usually serves the operator's image with the same secret.
     Never scheduled on ``avoid_nodes`` (node affinity, on top of ``spec.agent``'s). It renews its Lease every
-    ``heartbeat_s`` (0: it has none) and pulses every ``pulse_s`` on its port named
+    ``settings.heartbeat_s`` (0: it has none) and pulses every ``settings.pulse_s`` on its port named
     :data:`~disttrain.api.constants.AGENT_PULSE_PORT_NAME`, bound to its pod IP (0: no pulse).
     """
     template_spec = job.spec.template.get("spec") or {}
@@ -298,7 +312,7 @@ def build_agent_pod(
     port = job.spec.rendezvous.port
     container: dict[str, Any] = {
         "name": constants.AGENT_CONTAINER,
-        "image": image or default_agent_image(),
+        "image": settings.image or default_agent_image(),
         "command": agent_command(job),
         "env": [
             {"name": env.JOB_NAME, "value": job.metadata.name},
@@ -316,6 +330,7 @@ def build_agent_pod(
     }
     if template_spec.get("imagePullSecrets"):
         spec["imagePullSecrets"] = copy.deepcopy(template_spec["imagePullSecrets"])
+    heartbeat_s, pulse_s = settings.heartbeat_s, settings.pulse_s
     if heartbeat_s > 0 or pulse_s > 0:
         container["env"].append({"name": env.POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}})
     if heartbeat_s > 0:

@@ -203,7 +203,7 @@ class LocalRuntime:
         if not self.forks.enabled:
             return
         job = self.job()
-        agent = agentlink.localize_agent_pod(pods.build_agent_pod(job, pulse_s=0), self.state, self.store_port)
+        agent = agentlink.localize_agent_pod(pods.build_agent_pod(job, pods.LOCAL_AGENT), self.state, self.store_port)
         worker = pods.build_worker_pod(
             job, 0, endpoint=f"127.0.0.1:{self.store_port}", checkpoint_directory=str(self.state.checkpoints_dir)
         )
@@ -237,7 +237,7 @@ class LocalRuntime:
     def create_agent(self) -> None:
         self.write_state()  # the agent takes a missing job.json for a deleted job, and a forked one reads it at once
         job = self.job()
-        pod = pods.build_agent_pod(job, pulse_s=0)
+        pod = pods.build_agent_pod(job, pods.LOCAL_AGENT)
         pod = agentlink.localize_agent_pod(pod, self.state, self.store_port)
         self.agent = self._spawn(pod, -1, 0)
         self.record_event(

@@ -395,7 +395,9 @@ def test_the_agent_runs_the_operators_image_never_the_users():
     user_image = job.spec.trainer_container()["image"]
     default = pods.build_agent_pod(job)["spec"]["containers"][0]["image"]
     assert default.startswith(pods.AGENT_IMAGE_REPOSITORY + ":") and default != user_image
-    chosen = pods.build_agent_pod(job, "registry.example/disttrain-trainer:9")["spec"]["containers"][0]
+    chosen = pods.build_agent_pod(job, pods.AgentSettings(image="registry.example/disttrain-trainer:9"))["spec"][
+        "containers"
+    ][0]
     assert chosen["image"] == "registry.example/disttrain-trainer:9" and "imagePullPolicy" not in chosen
 
 
@@ -420,7 +422,9 @@ def test_a_replacement_agent_avoids_its_predecessors_node_and_keeps_its_own_plac
 def test_an_agent_heartbeat_of_zero_means_no_lease_and_no_renewals():
     job = make_job()
     assert not [obj for obj in pods.build_support_objects(job, heartbeat_s=0) if obj["kind"] == "Lease"]
-    names = {e["name"] for e in pods.build_agent_pod(job, heartbeat_s=0)["spec"]["containers"][0]["env"]}
+    names = {
+        e["name"] for e in pods.build_agent_pod(job, pods.AgentSettings(heartbeat_s=0))["spec"]["containers"][0]["env"]
+    }
     assert "DISTTRAIN_AGENT_LEASE" not in names
     lease = pods.build_agent_lease(job, heartbeat_s=2.5)
     assert lease["spec"]["leaseDurationSeconds"] == 8  # three periods, rounded up
@@ -428,7 +432,7 @@ def test_an_agent_heartbeat_of_zero_means_no_lease_and_no_renewals():
 
 def test_the_agent_pulses_on_the_port_after_its_stores_bound_to_its_pod_ip_and_only_the_operator_is_admitted():
     job = make_job()
-    agent = pods.build_agent_pod(job, pulse_s=0.25)
+    agent = pods.build_agent_pod(job, pods.AgentSettings(pulse_s=0.25))
     kubernetes_validate.validate(agent, K8S_VERSION, strict=True)
     container = agent["spec"]["containers"][0]
     pulse_port = job.spec.rendezvous.port + 1
@@ -438,7 +442,7 @@ def test_the_agent_pulses_on_the_port_after_its_stores_bound_to_its_pod_ip_and_o
     assert env["DISTTRAIN_AGENT_PULSE_SECONDS"]["value"] == "0.25"
     assert env["DISTTRAIN_POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert env["DISTTRAIN_POD_UID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}, "its first line"
-    no_pulse = pods.build_agent_pod(job, heartbeat_s=0, pulse_s=0)["spec"]["containers"][0]
+    no_pulse = pods.build_agent_pod(job, pods.AgentSettings(heartbeat_s=0, pulse_s=0))["spec"]["containers"][0]
     assert [p["name"] for p in no_pulse["ports"]] == ["rendezvous"]
     assert not {e["name"] for e in no_pulse["env"]} & {"DISTTRAIN_AGENT_PULSE_PORT", "DISTTRAIN_POD_IP"}
 
