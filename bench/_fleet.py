@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kubernetes import client as k8s
+from tests.cluster.kubelet import PodAddresses  # bench/api_load.py puts the repository on sys.path
 
 from disttrain.api import constants
 from disttrain.api import env as env_names
@@ -63,7 +64,7 @@ class Fleet:
         self.running: set[tuple[str, str]] = set()
         self.errors: list[str] = []
         self._next_node = 0
-        self._pod_ips: dict[str, str] = {}
+        self._pod_ips = PodAddresses()
         self._pulses: dict[str, PulseServer] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -117,11 +118,7 @@ class Fleet:
     def _pod_ip(self, pod: dict[str, Any]) -> str:
         """The pod's IP (a loopback address of its own), where its agent's pulse is served if it declares one."""
         uid = pod["metadata"]["uid"]
-        with self._lock:
-            if uid not in self._pod_ips:
-                n = len(self._pod_ips) + 1
-                self._pod_ips[uid] = f"127.{64 + (n >> 16) % 64}.{(n >> 8) % 256}.{n % 256}"
-            ip = self._pod_ips[uid]
+        ip = self._pod_ips.of(uid)
         for container in pod["spec"]["containers"]:
             env = {e["name"]: e.get("value") for e in container.get("env") or []}
             ports = [p for p in container.get("ports") or [] if p.get("name") == constants.AGENT_PULSE_PORT_NAME]

@@ -27,6 +27,23 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+class PodAddresses:
+    """Pod IPs for kubelets that run pods on this machine: a loopback address of its own per pod (127.64.0.0/10 is
+    loopback on Linux), so that what listens on the pod's IP (the job agent's pulse) is reached there, and two pods
+    never share an address."""
+
+    def __init__(self) -> None:
+        self._by_uid: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def of(self, uid: str) -> str:
+        with self._lock:
+            if uid not in self._by_uid:
+                n = len(self._by_uid) + 1
+                self._by_uid[uid] = f"127.{64 + (n >> 16) % 64}.{(n >> 8) % 256}.{n % 256}"
+            return self._by_uid[uid]
+
+
 class Kubelets:
     """Simulated nodes of one test, driven by one background thread."""
 
@@ -37,20 +54,13 @@ class Kubelets:
         self.exit_codes: dict[str, int] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._pod_ips: dict[str, str] = {}
+        self._pod_ips = PodAddresses()
         self._thread = threading.Thread(target=self._run, name="kubelets", daemon=True)
         self._thread.start()
         self.errors: list[str] = []
 
     def pod_ip(self, pod: dict[str, Any]) -> str:
-        """The pod's IP: a loopback address of its own (127.64.0.0/10 is loopback on Linux), so that what listens on
-        the pod's IP (the job agent's pulse) is reached there, and two pods never share an address."""
-        with self._lock:
-            uid = pod["metadata"]["uid"]
-            if uid not in self._pod_ips:
-                n = len(self._pod_ips) + 1
-                self._pod_ips[uid] = f"127.{64 + (n >> 16) % 64}.{(n >> 8) % 256}.{n % 256}"
-            return self._pod_ips[uid]
+        return self._pod_ips.of(pod["metadata"]["uid"])
 
     # --- nodes -------------------------------------------------------------------------------------------
 
