@@ -42,6 +42,13 @@ class StepCompletion:
         """Whether :meth:`finish` waits for the device (False on the CPU)."""
         return self._make_event is not None
 
+    def wait(self) -> None:
+        """Wait until the work queued so far completed (nothing on the CPU)."""
+        if self._make_event is not None:
+            event = self._make_event()
+            event.record()
+            event.synchronize()
+
     def finish(self, advance: Callable[[], None]) -> None:
         """Wait until the work queued so far (the step's reductions and optimizer update) completed, then call
         ``advance`` (the counter moves). If the wait raises, ``advance`` is not called."""

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.utils.data import TensorDataset
 
 from disttrain.api.spec import TrainingSpec
-from disttrain.trainer import bootstrap, progress, snapshots
+from disttrain.trainer import bootstrap, gate, progress, snapshots
 from disttrain.trainer import completion as completion_mod
 from disttrain.trainer import context as ctx_mod
 from disttrain.trainer import data as data_mod
@@ -363,13 +363,21 @@ class ElasticTrainer:
         self.metrics.lr_scale.set(scale)
 
     def _optimizer_step(self) -> None:
+        """Reduce, then step only once every rank's reductions succeeded (:mod:`disttrain.trainer.gate`), then count
+        the step."""
         if self.ordered is not None:
             self.ordered.reduce()
-        self.checkpoints.before_optimizer_step()
         self.precision.unscale(self.optimizer)
         clip = self.options.precision.clip_grad_norm
         if clip is not None:
             self._grad_norm = precision_mod.clip_global_grad_norm(self.raw_model, clip)
+        self.completion.wait()  # the reductions (and the clipping norm) done on the device
+        try:
+            gate.agree(True, self.state.step + 1, self.rank)
+        except gate.StepAbortedError:
+            self.optimizer.zero_grad(set_to_none=True)  # nothing of this step's gradient is ever applied
+            raise
+        self.checkpoints.before_optimizer_step()
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:

@@ -91,6 +91,7 @@ def _trainer_on_fake_device(calls: list[str], on_sync: Callable[[], None]) -> An
     trainer: Any = ElasticTrainer.__new__(ElasticTrainer)
     trainer.options = TrainerOptions()
     trainer.ordered = None
+    trainer.rank = 0
     trainer.raw_model = model
     trainer.optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     trainer.scheduler = None
@@ -104,13 +105,14 @@ def _trainer_on_fake_device(calls: list[str], on_sync: Callable[[], None]) -> An
     return trainer
 
 
-def test_the_trainer_counts_a_step_after_its_optimizer_update_completed():
+def test_the_trainer_steps_after_its_reductions_and_counts_after_its_update_completed():
     calls: list[str] = []
-    seen_at_wait: dict[str, Any] = {}
+    seen_at_waits: list[dict[str, Any]] = []
 
     def at_wait() -> None:  # the device is still working: nothing that marks the step done may have moved yet
-        seen_at_wait.update(step=trainer.state.step, cursor=trainer.state.data_cursor)
-        seen_at_wait["weight"] = trainer.raw_model.weight.detach().clone()
+        seen = {"step": trainer.state.step, "cursor": trainer.state.data_cursor}
+        seen["weight"] = trainer.raw_model.weight.detach().clone()
+        seen_at_waits.append(seen)
 
     trainer = _trainer_on_fake_device(calls, at_wait)
     before = trainer.raw_model.weight.detach().clone()
@@ -118,7 +120,9 @@ def test_the_trainer_counts_a_step_after_its_optimizer_update_completed():
 
     trainer._optimizer_step()
 
-    assert calls == ["record", "synchronize"]
-    assert seen_at_wait["step"] == 0 and seen_at_wait["cursor"] == 0
-    assert not torch.equal(seen_at_wait["weight"], before), "the update is queued before the wait"
+    assert calls == ["record", "synchronize"] * 2
+    reductions, update = seen_at_waits
+    assert torch.equal(reductions["weight"], before), "nothing is stepped before the reductions are known good"
+    assert update["step"] == 0 and update["cursor"] == 0
+    assert not torch.equal(update["weight"], before), "the update is queued before the second wait"
     assert (trainer.state.step, trainer.state.samples_consumed, trainer.state.data_cursor) == (1, 4, 4)
