@@ -22,7 +22,7 @@ import torch.distributed as dist
 from disttrain.api import env as env_names
 from disttrain.api.contract import WorkerContract, job_checkpoint_dir
 from disttrain.api.ports import free_port
-from disttrain.trainer import exits, localdevice
+from disttrain.trainer import exits, flightrecorder, localdevice
 
 log = logging.getLogger("disttrain.trainer")
 
@@ -133,4 +133,24 @@ def init_process_group(ctx: ElasticContext, use_cuda: Optional[bool] = None) -> 
             backend=backend, timeout=timeout, rank=ctx.rank, world_size=ctx.world_size, device_id=device_id
         )
     checkpoint = dist.new_group(backend="gloo", timeout=timeout)
+    if device_id is not None:
+        uid = nccl_uid(device_id)
+        store = dist.distributed_c10d._get_default_store()
+        flightrecorder.watch_reformed_group(os.environ, dist.get_rank(), uid, store)
     return Groups(default=dist.group.WORLD, checkpoint=checkpoint, device=device)
+
+
+def nccl_uid(device: torch.device) -> Optional[int]:
+    """The process-wide number of the default group's NCCL backend on ``device`` (None when it has none): torch's
+    own flight-recorder dumps only happen for uid 0 (:mod:`disttrain.trainer.flightrecorder`)."""
+    group = dist.group.WORLD
+    if group is None:
+        return None
+    try:
+        backend = group._get_backend(device)
+    except RuntimeError:
+        return None
+    while hasattr(backend, "wrapped_pg"):  # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps it
+        backend = backend.wrapped_pg
+    uid = getattr(backend, "uid", None)
+    return uid if isinstance(uid, int) else None
