@@ -16,6 +16,7 @@ dumps of every rank read together with ``torchfrtrace``. docs/gpu.md has the det
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import tempfile
@@ -97,7 +98,7 @@ class DumpWatch:
         with DumpWatch._current_lock:
             previous, DumpWatch._current = DumpWatch._current, self
         if previous is not None:
-            previous.stop()
+            previous.stop(join_s=0)  # its group is gone; a read of a dead store must not hold up the new group
         self._thread = threading.Thread(target=self._run, name="disttrain-fr-dump", daemon=True)
         self._thread.start()
         return self
@@ -107,6 +108,15 @@ class DumpWatch:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(join_s)
+
+    @classmethod
+    def stop_current(cls, join_s: float = 2.0) -> None:
+        """Stop the running watch, if any (at exit: a thread inside a store call when the interpreter finalises
+        would abort the process)."""
+        with cls._current_lock:
+            current, cls._current = cls._current, None
+        if current is not None:
+            current.stop(join_s)
 
     @property
     def running(self) -> bool:
@@ -169,3 +179,6 @@ def watch_reformed_group(environ: Mapping[str, str], rank: int, uid: Optional[in
     if uid is None or torch_dumps(uid) or not dump_on_timeout(environ):
         return None
     return DumpWatch(underlying_store(store), dump_file(environ, rank)).start()
+
+
+atexit.register(DumpWatch.stop_current)

@@ -70,7 +70,7 @@ def test_a_new_group_stops_the_watch_of_the_one_before(tmp_path, tcp_store):
     first = flightrecorder.DumpWatch(tcp_store, str(tmp_path / "a"), trace=lambda: TRACE, poll_s=0.01).start()
     second = flightrecorder.DumpWatch(tcp_store, str(tmp_path / "b"), trace=lambda: TRACE, poll_s=0.01).start()
     try:
-        assert not first.running and second.running
+        assert wait_until(lambda: not first.running) and second.running
         tcp_store.set(flightrecorder.DUMP_SIGNAL_KEY, (0).to_bytes(4, "little", signed=True))
         assert wait_until(lambda: second.dumped_to is not None)
         assert first.dumped_to is None and not (tmp_path / "a").exists()
@@ -117,3 +117,9 @@ def test_a_reformed_nccl_group_with_dumps_on_is_watched_on_its_underlying_store(
 
 def test_a_gloo_group_has_no_nccl_uid(one_process_group):
     assert context.nccl_uid(torch.device("cuda", 0)) is None
+
+
+def test_stopping_the_current_watch_ends_it_and_forgets_it(tmp_path, tcp_store):
+    watch = flightrecorder.DumpWatch(tcp_store, str(tmp_path / "a"), trace=lambda: TRACE, poll_s=0.01).start()
+    flightrecorder.DumpWatch.stop_current()
+    assert not watch.running and flightrecorder.DumpWatch._current is None
