@@ -190,6 +190,11 @@ class TrainingSpec(ContractModel):
     mesh: Optional[MeshSpec] = None
     """A 2-D device mesh with the node count as its elastic outer dimension (HSDP or FSDP x TP); unset: the 1-D
     mesh of the trainer's parallelism."""
+    deterministic: bool = False
+    """true: torch's deterministic algorithms (torch.use_deterministic_algorithms) and cuBLAS's fixed workspace
+    (CUBLAS_WORKSPACE_CONFIG=:4096:8 in the trainer container's env, unless it sets its own), so a run on GPUs
+    gives the same bits at the same world size. Slower, and an op without a deterministic kernel raises
+    (docs/gpu.md); on the CPU it changes next to nothing."""
 
     @property
     def reference_batch(self) -> int:

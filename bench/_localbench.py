@@ -112,7 +112,10 @@ def run(
     on_tick: Optional[Callable[[LocalRuntime, Snapshot], None]] = None,
     timeout_s: float = 600,
     not_ready_delay_s: float = 0.0,
+    gpus: Any = None,
 ) -> LocalRuntime:
+    """Run ``obj`` to its end in local mode; ``gpus``: a :class:`~disttrain.operator.local.gpuslices.GpuSlices` to
+    split between the nodes (None: their environment is left as it is)."""
     job = DistTrainJob.model_validate(obj)
     holder: dict[str, LocalRuntime] = {}
 
@@ -127,6 +130,7 @@ def run(
         workdir=str(REPO),
         on_tick=tick,
         not_ready_delay_s=not_ready_delay_s,
+        gpus=gpus,
     )
     holder["runtime"] = runtime
     runtime.summary = runtime.run(timeout_s=timeout_s)

@@ -15,7 +15,7 @@ import shlex
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from disttrain.api import constants, containers, env
+from disttrain.api import constants, containers, determinism, env
 from disttrain.api import spec as spec_module
 from disttrain.api.contract import WorkerContract, job_checkpoint_dir
 from disttrain.api.spec import DistTrainJob
@@ -181,6 +181,7 @@ def build_worker_pod(
     user_env = [e for e in trainer.get("env") or [] if not e.get("name", "").startswith(reserved)]
     trainer["env"] = [
         *user_env,
+        *determinism.container_env(job.spec.training, {e.get("name", "") for e in user_env}),
         *worker_env(job, name, node_index, endpoint=endpoint, checkpoint_directory=checkpoint_directory),
         {"name": env.TERMINATION_LOG, "value": termination_log},
     ]

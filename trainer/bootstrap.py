@@ -25,7 +25,7 @@ from disttrain.api import contract as contract_mod
 from disttrain.api import control as control_keys
 from disttrain.api.plan import Plan
 from disttrain.api.spec import LRSchedule
-from disttrain.trainer import activation, exits, inplace, ordered_reduction
+from disttrain.trainer import activation, determinism, exits, inplace, ordered_reduction
 from disttrain.trainer import context as ctx_mod
 from disttrain.trainer import data as data_mod
 from disttrain.trainer import effects as effects_mod
@@ -138,6 +138,7 @@ def start(
     except TypeError as exc:
         exits.exit_permanent(str(exc))
     par, prec = options.parallel, options.precision
+    determinism.apply(ctx.contract.training)
     groups = ctx_mod.init_process_group(ctx, use_cuda=_use_cuda_or_exit(par.device, ctx.contract.gpus_per_node))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     metrics = _serve_metrics(ctx)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from disttrain.api import env as env_names
 from disttrain.api.contract import WorkerContract, job_checkpoint_dir
 from disttrain.api.ports import free_port
+from disttrain.trainer import exits, flightrecorder, localdevice
 
 log = logging.getLogger("disttrain.trainer")
 
@@ -101,11 +102,22 @@ class Groups:
 
 def init_process_group(ctx: ElasticContext, use_cuda: Optional[bool] = None) -> Groups:
     """Join the group on ``cuda:LOCAL_RANK`` (nccl) when ``use_cuda`` (default: when CUDA is available), else on
-    the CPU (gloo)."""
+    the CPU (gloo).
+
+    On CUDA a ``LOCAL_RANK`` without a device of its own ends the worker PERMANENT
+    (:func:`~disttrain.trainer.localdevice.missing_device_message`), and the group is bound to the device
+    (``device_id``): NCCL's communicator is created here rather than at the first collective, so a peer that cannot
+    join fails the group's start, and torch can abort this device's communicator on its own."""
     timeout = datetime.timedelta(seconds=ctx.contract.collective_timeout_seconds)
+    device_id: Optional[torch.device] = None
     if use_cuda if use_cuda is not None else torch.cuda.is_available():
+        problem = localdevice.missing_device_message(
+            ctx.local_rank, torch.cuda.device_count(), os.environ.get(localdevice.VISIBLE_DEVICES_ENV)
+        )
+        if problem is not None:
+            exits.exit_permanent(problem)
         torch.cuda.set_device(ctx.local_rank)
-        device = torch.device("cuda", ctx.local_rank)
+        device = device_id = torch.device("cuda", ctx.local_rank)
         backend = "cpu:gloo,cuda:nccl"
     else:
         device = torch.device("cpu")
@@ -117,6 +129,28 @@ def init_process_group(ctx: ElasticContext, use_cuda: Optional[bool] = None) -> 
             os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.setdefault("RANK", "0")
             os.environ.setdefault("WORLD_SIZE", "1")
-        dist.init_process_group(backend=backend, timeout=timeout, rank=ctx.rank, world_size=ctx.world_size)
+        dist.init_process_group(
+            backend=backend, timeout=timeout, rank=ctx.rank, world_size=ctx.world_size, device_id=device_id
+        )
     checkpoint = dist.new_group(backend="gloo", timeout=timeout)
+    if device_id is not None:
+        uid = nccl_uid(device_id)
+        store = dist.distributed_c10d._get_default_store()
+        flightrecorder.watch_reformed_group(os.environ, dist.get_rank(), uid, store)
     return Groups(default=dist.group.WORLD, checkpoint=checkpoint, device=device)
+
+
+def nccl_uid(device: torch.device) -> Optional[int]:
+    """The process-wide number of the default group's NCCL backend on ``device`` (None when it has none): torch's
+    own flight-recorder dumps only happen for uid 0 (:mod:`disttrain.trainer.flightrecorder`)."""
+    group = dist.group.WORLD
+    if group is None:
+        return None
+    try:
+        backend = group._get_backend(device)
+    except RuntimeError:
+        return None
+    while hasattr(backend, "wrapped_pg"):  # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps it
+        backend = backend.wrapped_pg
+    uid = getattr(backend, "uid", None)
+    return uid if isinstance(uid, int) else None

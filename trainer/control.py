@@ -31,6 +31,7 @@ from disttrain.api import control as keys
 from disttrain.api import env
 from disttrain.api.exitcodes import ExitCode
 from disttrain.trainer import diagnostics, startup
+from disttrain.trainer.beacons import BeaconSender
 from disttrain.trainer.store import channel, resilient
 
 if TYPE_CHECKING:
@@ -87,6 +88,8 @@ class Watchdog:
         self._reliability: Optional[keys.ReliabilityReport] = None
         self._reliability_wanted = False
         self._reliability_read_at: Optional[float] = None
+        self.beacons: Optional[BeaconSender] = None
+        """Publishes the step beacons (:func:`disttrain.trainer.progress.send_beacon` makes it); stopped with this."""
 
     @property
     def drain_requested(self) -> bool:
@@ -172,6 +175,9 @@ class Watchdog:
         when the interpreter finalises aborts the process (:func:`disttrain.trainer.store.signedstore._drain_at_exit`
         ends a call that outlasts the wait)."""
         self._stop.set()
+        beacon_sender, self.beacons = self.beacons, None
+        if beacon_sender is not None:
+            beacon_sender.stop(join_s)
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(join_s)

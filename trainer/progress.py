@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional
 
 from disttrain.api import control as control_keys
 from disttrain.api import env
+from disttrain.trainer import beacons
 from disttrain.trainer.boundary import NO_SAVE, BoundaryFlags
 from disttrain.trainer.control import Watchdog
 
@@ -82,21 +83,32 @@ def report_step(trainer: ElasticTrainer, step: Step, seconds: float) -> None:
 
 def send_beacon(trainer: ElasticTrainer, step: int) -> None:
     """Tell the job agent this rank reached ``step``'s gradient reduction (its stall rule names the ranks that did
-    not). One signed ``set`` per rank and step, about a TCP round trip to the agent (well under a millisecond on a
-    cluster network), and none without a control channel."""
-    if trainer.watchdog.store is None:
+    not). On an accelerator the beacon goes out when the device gets there, not when the host queued the work
+    (:mod:`disttrain.trainer.beacons`). One signed ``set`` per rank and step, about a TCP round trip to the agent
+    (well under a millisecond on a cluster network), and none without a control channel."""
+    watchdog = trainer.watchdog
+    if watchdog.store is None:
         return
-    beacon = control_keys.StepBeacon(
-        step=step,
-        rank=trainer.rank,
-        world_size=trainer.world_size,
-        group=f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}",
-        node=os.environ.get(env.NODE_NAME, ""),
-        pod_uid=os.environ.get(env.POD_UID, ""),
-        saving=bool(trainer.checkpoints.local_pending_state()[0]),
-        time=time.time(),
-    )
-    trainer.watchdog.publish(control_keys.beacon_key(trainer.rank), beacon.model_dump_json())
+    sender = watchdog.beacons
+    if sender is None:
+        sender = watchdog.beacons = beacons.for_device(trainer.device, watchdog.publish)
+    rank, world_size = trainer.rank, trainer.world_size
+    saving = bool(trainer.checkpoints.local_pending_state()[0])
+    group = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+
+    def render(reached_at: float) -> str:
+        return control_keys.StepBeacon(
+            step=step,
+            rank=rank,
+            world_size=world_size,
+            group=group,
+            node=os.environ.get(env.NODE_NAME, ""),
+            pod_uid=os.environ.get(env.POD_UID, ""),
+            saving=saving,
+            time=reached_at,
+        ).model_dump_json()
+
+    sender.send(control_keys.beacon_key(rank), render)
 
 
 def boundary_flags(trainer: ElasticTrainer) -> BoundaryFlags:

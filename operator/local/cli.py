@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -16,6 +17,7 @@ import signal
 import sys
 from typing import Optional
 
+from disttrain.operator.local.gpuslices import GpuSlices
 from disttrain.operator.local.statedir import StateDir
 
 
@@ -104,7 +106,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
             return 2
         nodes.replicas = args.nodes
-    refused = _check_device(job, args.device)
+    refused, gpus = _check_device(job, args.device)
     if refused:
         print(f"{refused}\nnothing was started.", file=sys.stderr)
         return 2
@@ -114,30 +116,43 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 1
     if state.path.exists() and not args.resume:
         shutil.rmtree(state.path)
-    return _run(job, state, chaos, args)
+    return _run(job, state, chaos, args, gpus)
 
 
-def _check_device(job, device: str) -> Optional[str]:
-    """Why ``job`` cannot run on this machine as asked (it requests GPUs, CUDA is not here), or None; ``--device
-    cpu`` makes it a CPU job instead (:mod:`disttrain.operator.local.gpucheck`)."""
+def _check_device(job, device: str) -> tuple[Optional[str], Optional[GpuSlices]]:
+    """Why ``job`` cannot run on this machine as asked (it requests GPUs and CUDA is not here, or the machine has
+    too few GPUs for its nodes), or None; and the GPUs to split between its nodes (None: no GPU, or the job pins its
+    own). ``--device cpu`` makes it a CPU job instead (:mod:`disttrain.operator.local.gpucheck`,
+    :mod:`disttrain.operator.local.gpuslices`)."""
     from disttrain.api import contract as contract_mod
-    from disttrain.operator.local import gpucheck
+    from disttrain.operator.local import gpucheck, gpuslices
 
     if device == "cpu":
         dropped = gpucheck.train_on_cpu(job)
         if dropped:
             print(f"--device cpu: the trainer container's request of {dropped} GPU(s) is dropped; training on the CPU")
-        return None
-    if contract_mod.requested_gpus(job.spec.template) == 0:
-        return None
+        return None, None
+    requested = contract_mod.requested_gpus(job.spec.template)
+    if gpuslices.pins_its_own_devices(job) or (requested == 0 and not gpucheck.machine_has_gpus()):
+        return None, None
     facts = gpucheck.probe_torch()
     if isinstance(facts, str):
         print(f"note: could not ask torch about CUDA ({facts}); the trainer checks it itself", file=sys.stderr)
-        return None
-    return gpucheck.refusal(job, facts)
+        return None, None
+    refused = gpucheck.refusal(job, facts)
+    if refused or not facts.available:
+        return refused, None
+    mask = os.environ.get(gpuslices.VISIBLE_DEVICES_ENV)
+    devices = gpuslices.visible_devices(mask, facts.devices)
+    per_node = gpuslices.gpus_per_node(job)
+    short = gpuslices.shortage_message(devices, mask, job.spec.nodes.replicas, per_node)
+    if short:
+        return short, None
+    print(f"GPUs: {len(devices)} visible ({','.join(devices)}), {per_node} per local node, each node its own")
+    return None, gpuslices.GpuSlices(devices, per_node)
 
 
-def _run(job, state: StateDir, chaos, args: argparse.Namespace) -> int:
+def _run(job, state: StateDir, chaos, args: argparse.Namespace, gpus: Optional[GpuSlices] = None) -> int:
     from rich.console import Console
 
     from disttrain.operator.local import display as display_mod
@@ -155,6 +170,7 @@ def _run(job, state: StateDir, chaos, args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         on_tick=view.on_tick,
         on_event=view.on_event,
+        gpus=gpus,
     )
     # SIGTERM/SIGHUP end the run like Ctrl-C: every node, the agent and their workers are killed, never orphaned.
     for signum in (signal.SIGTERM, signal.SIGHUP):

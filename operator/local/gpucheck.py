@@ -11,6 +11,7 @@ nodes, so they really train on the CPU.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import subprocess
 import sys
@@ -57,6 +58,16 @@ def probe_torch(python: str = sys.executable) -> TorchFacts | str:
         return TorchFacts(str(facts["version"]), str(facts["build"]), bool(facts["available"]), int(facts["devices"]))
     except (ValueError, LookupError, TypeError) as exc:
         return f"unreadable answer {done.stdout!r} ({exc})"
+
+
+GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd")
+"""Device files of NVIDIA's and AMD's GPU drivers: without one, torch finds no GPU and need not be asked."""
+
+
+def machine_has_gpus(patterns: tuple[str, ...] = GPU_DEVICE_FILES) -> bool:
+    """Whether a GPU driver's device file is here (cheap: the torch probe costs seconds, and a job that requests no
+    GPU still trains on the machine's GPUs with ``device='auto'``, so its nodes need GPUs of their own)."""
+    return any(glob.glob(pattern) for pattern in patterns)
 
 
 def refusal(job: DistTrainJob, facts: TorchFacts) -> Optional[str]:

@@ -21,9 +21,10 @@ from disttrain.api import env as env_names
 from disttrain.api.ports import free_port
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import agentfields, eventrate, names, pods, reconcile
-from disttrain.operator.local import agentlink, forkserver, translate
+from disttrain.operator.local import agentlink, forkserver, gpuslices, translate
 from disttrain.operator.local.chaos import ChaosEvent
 from disttrain.operator.local.forkserver import ForkServers
+from disttrain.operator.local.gpuslices import GpuSlices
 from disttrain.operator.local.logtail import LogTail
 from disttrain.operator.local.metrics import LocalMetrics
 from disttrain.operator.local.nodes import LocalPod
@@ -75,11 +76,14 @@ class LocalRuntime:
         on_event: Optional[Callable[[dict[str, Any]], None]] = None,
         not_ready_delay_s: float = 0.0,
         forks: Optional[ForkServers] = None,
+        gpus: Optional[GpuSlices] = None,
     ) -> None:
         """``not_ready_delay_s``: how long after a chaos ``kill-node`` its machine reads NotReady (0: at once; 40 is
         Kubernetes' default ``node-monitor-grace-period``). Meanwhile only the rendezvous heartbeats tell.
         ``forks``: fork servers the caller keeps across runs (it closes them; a test session runs many jobs of the
-        same programs, each of which would otherwise import torch twice more); by default the run's own."""
+        same programs, each of which would otherwise import torch twice more); by default the run's own.
+        ``gpus``: the machine's GPUs to split between the nodes (each gets its own ``CUDA_VISIBLE_DEVICES``); None
+        leaves the nodes' environment as it is (a CPU machine, or a job that pins its devices itself)."""
         self.state = state
         obj = job.model_dump(mode="json", by_alias=True, exclude_none=True)
         obj["metadata"]["uid"] = obj["metadata"].get("uid") or str(uuid.uuid4())
@@ -116,6 +120,9 @@ class LocalRuntime:
         self.forks = forks if forks is not None else ForkServers(state.logs_dir)
         """Pods start as forks of a process that imported torch once (the same program, without the import)."""
         self._owns_forks = forks is None
+        self.gpus = gpus
+        self._waiting_for_gpus: set[str] = set()
+        """Workers not created yet because no GPU slice was free (reported once each)."""
 
     # ---- the job object --------------------------------------------------------------------------------
     @property
@@ -166,7 +173,16 @@ class LocalRuntime:
             store_secret=self.store_secret,
         )
 
-    def _spawn(self, pod: dict[str, Any], index: int, metrics_port: int, readiness_port: int = 0) -> LocalPod:
+    def _spawn(
+        self,
+        pod: dict[str, Any],
+        index: int,
+        metrics_port: int,
+        readiness_port: int = 0,
+        node_env: Optional[dict[str, str]] = None,
+    ) -> LocalPod:
+        """Start ``pod``'s process tree on a fresh local machine; ``node_env``: what this node's environment has of
+        its own (its GPUs), over the pod's."""
         name = pod["metadata"]["name"]
         self.machine_count += 1
         machine = f"local-{self.machine_count}"
@@ -174,6 +190,8 @@ class LocalRuntime:
         pod = copy.deepcopy(pod)
         pod["metadata"]["uid"] = uid
         spec = translate.to_process(pod, self.site(), machine, metrics_port, readiness_port)
+        if node_env:
+            spec = dataclasses.replace(spec, env={**spec.env, **node_env}, per_pod=spec.per_pod | frozenset(node_env))
         termination_log = ""
         if env_names.TERMINATION_LOG in spec.env:  # a worker: its launcher's failure report, one file per pod
             termination_log = str(self.state.logs_dir / f"{name}.{uid}.termination")
@@ -212,9 +230,40 @@ class LocalRuntime:
                 spec = translate.to_process(pod, self.site(), "local-0", 0, 0)
             except ValueError:
                 continue  # a pod that cannot run here: creating it reports why
-            self.forks.prepare(spec.argv, spec.env, spec.per_pod)
+            per_pod = spec.per_pod | ({gpuslices.VISIBLE_DEVICES_ENV} if self.gpus is not None else set())
+            self.forks.prepare(spec.argv, spec.env, per_pod)
 
     def create_worker(self, worker: WorkerCreation) -> None:
+        node_env = None
+        if self.gpus is not None:
+            devices = self.gpus.take(worker.name)
+            if devices is None:
+                self._wait_for_gpus(worker.name)
+                return
+            node_env = GpuSlices.env(devices)
+        try:
+            self._create_worker(worker, node_env)
+        except BaseException:
+            if self.gpus is not None:
+                self.gpus.release(worker.name)
+            raise
+
+    def _wait_for_gpus(self, name: str) -> None:
+        """No GPU slice is free for worker ``name``: it is not created (reconcile asks again at the next tick), as a
+        pod the scheduler cannot place stays Pending."""
+        if name in self._waiting_for_gpus:
+            return
+        self._waiting_for_gpus.add(name)
+        assert self.gpus is not None
+        self.record_event(
+            "Warning",
+            "NoFreeGpus",
+            f"{name} waits: {len(self.gpus.free())} of this machine's {len(self.gpus.devices)} GPU(s) are free and "
+            f"a node needs {self.gpus.per_node} (at most {self.gpus.capacity} node(s) fit); it starts once a node's "
+            "processes are gone",
+        )
+
+    def _create_worker(self, worker: WorkerCreation, node_env: Optional[dict[str, str]]) -> None:
         job = self.job()
         pod = pods.build_worker_pod(
             job,
@@ -224,13 +273,15 @@ class LocalRuntime:
             checkpoint_directory=str(self.state.checkpoints_dir),
         )
         port = free_port()
-        local = self._spawn(pod, worker.node_index, port, free_port())
+        local = self._spawn(pod, worker.node_index, port, free_port(), node_env)
         local.ready_port = self.store_port
         self.workers[local.name] = local
+        self._waiting_for_gpus.discard(local.name)
+        gpus = f", GPUs {node_env[gpuslices.VISIBLE_DEVICES_ENV]}" if node_env else ""
         self.record_event(
             "Normal",
             "NodeStarted",
-            f"{local.name} on machine {local.node}: log {self.state.log_file(local.name)}, worker "
+            f"{local.name} on machine {local.node}{gpus}: log {self.state.log_file(local.name)}, worker "
             f"metrics http://127.0.0.1:{port}/metrics",
         )
 
@@ -314,6 +365,8 @@ class LocalRuntime:
             if pod.is_gone(now):
                 pod.close()
                 del self.workers[name]
+                if self.gpus is not None:
+                    self.gpus.release(name)
         if self.agent is not None and self.agent.is_gone(now):
             self.agent.close()
             self.agent = None
@@ -461,6 +514,8 @@ class LocalRuntime:
         for pod in self.all_pods():
             pod.force_delete()
             pod.close()
+            if self.gpus is not None:
+                self.gpus.release(pod.name)
         self.workers.clear()
         self.agent = None
         if self._owns_forks:

@@ -98,28 +98,83 @@ def test_the_first_step_after_the_kill_is_the_new_groups() -> None:
 
 
 @pytest.mark.parametrize(
-    ("device", "gpus", "nodes", "nproc", "runs", "noted"),
+    ("requested", "device", "gpus", "nodes", "nproc", "scenario", "runs", "noted"),
     [
-        pytest.param("cpu", 0, 2, 1, 2, False, id="cpu-needs-no-gpu"),
-        pytest.param("cuda", 2, 2, 1, 2, False, id="a-gpu-per-node"),
-        pytest.param("cuda", 8, 2, 4, 2, False, id="four-gpus-per-node"),
-        pytest.param("cuda", 1, 2, 1, 1, True, id="one-gpu-runs-one-node"),
-        pytest.param("cuda", 4, 2, 4, 1, True, id="gpus-for-one-node-only"),
+        pytest.param("auto", "cpu", 0, 2, 1, "kill", 2, False, id="cpu-needs-no-gpu"),
+        pytest.param("auto", "cuda", 2, 2, 1, "kill", 2, False, id="a-gpu-per-node"),
+        pytest.param("auto", "cuda", 8, 2, 4, "kill", 2, False, id="four-gpus-per-node"),
+        pytest.param("auto", "cuda", 1, 2, 1, "abort", 1, True, id="one-gpu-aborts-a-reduction"),
+        pytest.param("auto", "cuda", 4, 2, 4, "abort", 1, True, id="gpus-for-one-node-only"),
+        pytest.param("abort", "cuda", 8, 2, 1, "abort", 1, False, id="abort-asked-for"),
     ],
 )
 def test_each_rank_needs_a_gpu_of_its_own(
-    device: str, gpus: int, nodes: int, nproc: int, runs: int, noted: bool
+    requested: str, device: str, gpus: int, nodes: int, nproc: int, scenario: str, runs: int, noted: bool
 ) -> None:
-    plan = gf.plan_nodes(device, gpus, nodes, nproc)
-    assert plan.nodes == runs
+    plan = gf.plan_scenario(requested, device, gpus, nodes, nproc)
+    assert (plan.name, plan.nodes) == (scenario, runs)
     assert bool(plan.note) is noted
 
 
-def test_fewer_gpus_than_one_nodes_processes_is_refused() -> None:
-    with pytest.raises(SystemExit, match="nproc-per-node=2"):
-        gf.plan_nodes("cuda", 1, 2, 2)
+@pytest.mark.parametrize(
+    ("requested", "device", "gpus", "nproc", "message"),
+    [
+        pytest.param("auto", "cuda", 1, 2, "nproc-per-node=2", id="fewer-gpus-than-one-nodes-processes"),
+        pytest.param("abort", "cpu", 0, 1, "needs CUDA", id="abort-on-the-cpu"),
+        pytest.param("kill", "cuda", 1, 1, "needs 2 x 1 GPUs", id="kill-without-a-gpu-per-rank"),
+    ],
+)
+def test_what_cannot_run_is_refused(requested: str, device: str, gpus: int, nproc: int, message: str) -> None:
+    with pytest.raises(SystemExit, match=message):
+        gf.plan_scenario(requested, device, gpus, 2, nproc)
 
 
-@pytest.mark.parametrize(("index", "nproc", "visible"), [(0, 1, "0"), (1, 1, "1"), (1, 2, "2,3"), (0, 4, "0,1,2,3")])
-def test_each_node_sees_only_its_own_gpus(index: int, nproc: int, visible: str) -> None:
-    assert gf.visible_devices(index, nproc) == visible
+def test_stall_steps_are_ascending_step_numbers() -> None:
+    assert gf.parse_steps("30,70") == (30, 70)
+    for bad in ("70,30", "1", "x", ""):
+        with pytest.raises(ValueError, match="--stall-at"):
+            gf.parse_steps(bad)
+
+
+def test_a_stall_outlasts_the_timeout_and_the_watchdogs_dump_waits() -> None:
+    assert gf.stall_seconds(10, 1000) > 10 + 4 * 1.0
+    assert gf.sleep_cycles(2.0, 1.5e9) == 3_000_000_000
+
+
+def stall(step: int, time: float, pid: int = 11) -> dict[str, Any]:
+    return {"event": "stall", "step": step, "time": time, "pid": pid}
+
+
+def with_pid(records: list[dict[str, Any]], pid: int) -> list[dict[str, Any]]:
+    return [dict(r, pid=pid) for r in records]
+
+
+def test_an_aborted_step_redone_by_the_next_group_in_the_same_process_did_not_count() -> None:
+    records = with_pid(run_of([("old", range(1, 31), 0.0), ("new", range(30, 41), 40.0)]), 11)
+    outcome = gf.abort_outcome(records, stall(30, 2.95))
+    assert outcome == gf.AbortOutcome(False, 30, pytest.approx(37.05), True)
+
+
+def test_an_aborted_step_the_next_group_went_past_counted_and_a_restart_is_another_process() -> None:
+    records = [
+        *with_pid(run_of([("old", range(1, 31), 0.0)]), 11),
+        *with_pid(run_of([("new", range(31, 41), 40.0)]), 12),
+    ]
+    outcome = gf.abort_outcome(records, stall(30, 2.95))
+    assert (outcome.counted, outcome.next_group_first_step, outcome.same_process) == (True, 31, False)
+
+
+def test_without_a_next_group_the_outcome_is_unknown() -> None:
+    records = with_pid(run_of([("old", range(1, 31), 0.0)]), 11)
+    assert gf.abort_outcome(records, stall(30, 2.95)) == gf.AbortOutcome(None, None, None, None)
+
+
+def test_only_dumps_written_after_the_stall_count(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "nccl_trace_rank_0").write_bytes(b"trace")
+    (tmp_path / "nccl_trace_rank_1.tmp42").write_bytes(b"half")
+    (tmp_path / "other").write_bytes(b"x")
+    files = gf.flight_recorder_files(tmp_path)
+    assert list(files) == ["nccl_trace_rank_0"] and files["nccl_trace_rank_0"][1] == 5
+    mtime = files["nccl_trace_rank_0"][0]
+    assert gf.dumps_written_after(files, mtime - 1) == files
+    assert gf.dumps_written_after(files, mtime + 1) == {}
