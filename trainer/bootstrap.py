@@ -91,6 +91,9 @@ class Started:
     startup: startup_mod.StartupClock
     in_place_fallback: Optional[str] = None
     """Why reforms restart this job's workers although in place was asked for (rank 0 reports it); None: they stay."""
+    template: Optional[parallel_mod.ModelTemplate] = None
+    """The sharded model's structure before wrapping, which a group re-formed in place shards again (None: DDP, or
+    no in-place reforms)."""
 
 
 def side_effects(
@@ -147,6 +150,8 @@ def start(
     in_place = options.lifecycle.reform_in_place and not isinstance(model, torch.nn.parallel.DistributedDataParallel)
     try:
         activation.apply(on_device, par.activation_checkpointing)  # before wrapping: the model's own modules
+        sharded_in_place = in_place and par.parallelism is parallel_mod.Parallelism.FSDP2
+        template = parallel_mod.ModelTemplate(on_device, par.shard_modules) if sharded_in_place else None
         wrapped = parallel_mod.wrap(
             on_device,
             optimizer,
@@ -203,6 +208,7 @@ def start(
         in_place=in_place,
         link=WorkerLink.connect() if in_place else None,
         startup=clock,
+        template=template,
     )
     if rank == 0:
         prewrapped = isinstance(model, torch.nn.parallel.DistributedDataParallel)

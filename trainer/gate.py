@@ -52,15 +52,16 @@ def backend_error(group: Optional[dist.ProcessGroup]) -> Optional[str]:
     return None if name == "SUCCESS" else name
 
 
-def agree(local_ok: bool, step: int, rank: int) -> None:
-    """Raise :class:`StepAbortedError` unless every rank's reductions of ``step`` succeeded. Collective (one int on
-    the CPU: gloo, which a dead NCCL communicator does not block)."""
+def agree(local_ok: bool, step: int, rank: int, what: str = "reductions") -> None:
+    """Raise :class:`StepAbortedError` unless every rank's ``what`` of ``step`` succeeded. Collective (one int on
+    the CPU: gloo, which a dead NCCL communicator does not block). For the reductions, this rank's own verdict also
+    reads the communicators' error state."""
     reason = None
     if not local_ok:
         reason = "this rank's"
-    elif injected_abort(step, rank):
+    elif what == "reductions" and injected_abort(step, rank):
         reason = "this rank's (fault injection)"
-    else:
+    elif what == "reductions":
         error = backend_error(None)
         if error is not None:
             reason = f"this rank's ({error})"
@@ -68,8 +69,6 @@ def agree(local_ok: bool, step: int, rank: int) -> None:
     if dist.is_initialized():  # one process alone has nobody to agree with
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if reason is not None:
-        raise StepAbortedError(f"step {step}: {reason} reductions failed or were aborted; the step is not counted")
+        raise StepAbortedError(f"step {step}: {reason} {what} failed or were aborted; the step is not counted")
     if int(flag.item()) == 0:
-        raise StepAbortedError(
-            f"step {step}: another rank's reductions failed or were aborted; the step is not counted"
-        )
+        raise StepAbortedError(f"step {step}: another rank's {what} failed or were aborted; the step is not counted")

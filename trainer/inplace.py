@@ -7,8 +7,9 @@ group and goes on. The new group first agrees on the state (:func:`choose_source
 in memory than the newest checkpoint, that member's state is broadcast to the others (:func:`broadcast_state`), so
 nothing since the checkpoint is redone; a replacement or hot spare that joins fresh receives it the same way.
 
-Where it applies (:func:`applies`): ``spec.elastic.reformInPlace`` and DDP, whose state every rank holds whole.
-FSDP2 shards the state (a lost node's shard is gone) and binds its mesh into every module, so it keeps the restart.
+Where it applies (:func:`applies`): ``spec.elastic.reformInPlace``. Under DDP every rank holds the whole state and the
+new group takes it from one member (:func:`broadcast_state`); a sharded model (FSDP2, HSDP, FSDP x TP) is sharded
+again on the new mesh and rebuilt from the members' memory (:mod:`disttrain.trainer.recovery`).
 A failure is kept from the user's code where the trainer owns the call: ``step.backward`` (DDP's all-reduce),
 ``step.global_count``, the forward's buffer broadcast (:func:`guard_buffer_sync`), the optimizer step and the step
 boundary. A collective that fails anywhere else ends the process as before (``ExitCode.REFORM``), and so does a
@@ -49,22 +50,17 @@ def is_group_failure(exc: BaseException) -> bool:
     return False
 
 
-def applies(reform_in_place: bool, is_ddp: bool) -> bool:
+def applies(reform_in_place: bool) -> bool:
     """Whether a job's workers reform in place: the same answer on every rank (it decides collectives)."""
-    return reform_in_place and is_ddp
+    return reform_in_place
 
 
 def fallback_reason(requested: bool, parallelism: str, prewrapped: bool, has_launcher: bool) -> Optional[str]:
     """Why this worker restarts on a reform although ``spec.elastic.reformInPlace`` asks to stay; None: it stays (or
     in place was not asked for). ``parallelism``: the trainer's option value; ``prewrapped``: the script passed a model
     already wrapped in DDP; ``has_launcher``: the process has a channel to its launcher."""
-    if not requested:
+    if not applies(requested):
         return None
-    if not applies(requested, parallelism == "ddp"):
-        return (
-            f"parallelism={parallelism!r} shards the state (a lost node's shard is gone) and binds its mesh into "
-            "every module: in-place reform needs parallelism='ddp'"
-        )
     if prewrapped:
         return "the model passed is already a DistributedDataParallel: pass the unwrapped model, the trainer wraps it"
     if not has_launcher:

@@ -29,6 +29,7 @@ from disttrain.api.plan import InvalidWorldSizeError, Plan, plan
 from disttrain.api.spec import TrainingSpec
 from disttrain.trainer import context as ctx_mod
 from disttrain.trainer import exits, failures, inplace, ordered_reduction, progress, teardown
+from disttrain.trainer import mesh as mesh_mod
 from disttrain.trainer import parallel as parallel_mod
 from disttrain.trainer import sampler as sampler_mod
 from disttrain.trainer import startup as startup_mod
@@ -62,6 +63,8 @@ class Lifecycle:
         self.reform_signal: Optional[control_keys.ControlSignal] = None
         self.drained_in_place = False
         self._reforming = threading.Event()
+        self._param_names: list[list[str]] = []
+        """A sharded model's optimizer parameters by name, between leaving a group and joining the next."""
 
     @property
     def can_stay(self) -> bool:
@@ -228,11 +231,18 @@ class Lifecycle:
         except Exception as exc:  # noqa: BLE001 - the failure that ends this group, seen once more
             log.debug("the boundary agreement in flight ended with: %s", exc)
         trainer.agreement = BoundaryAgreement()
+        if trainer.keeper is not None:
+            trainer.keeper.detach()  # what it holds stays for the next group's recovery
+            trainer.held, trainer.keeper = trainer.keeper, None
         inplace.retire(trainer.model)
+        if trainer.template is not None:  # sharded: the old model and its mesh go now; the keeper holds the state
+            self._param_names = parallel_mod.release(trainer.raw_model, trainer.optimizer)
+            trainer.raw_model = torch.nn.Module()
         raw, parallelism, sums = trainer.raw_model, trainer.parallel.parallelism, trainer.parallel.sums_gradients
         trainer.model, trainer.parallel = raw, parallel_mod.ParallelModel(raw, parallelism, sums)
         trainer.ordered = None
         trainer.checkpoints.group = None
+        trainer.replica_group = None
         trainer.groups = ctx_mod.Groups(default=None, checkpoint=None, device=trainer.device)
         inplace.leave_groups()
 
@@ -253,9 +263,18 @@ class Lifecycle:
         parallelism = trainer.options.parallel.parallelism
         precision = trainer.options.precision.precision
         try:
-            wrapped = parallel_mod.wrap(
-                trainer.raw_model, trainer.optimizer, groups.device, parallelism, precision, init_sync=False
-            )
+            if trainer.template is not None:  # sharded: a new model on the new mesh; its state comes in the resume
+                how = parallel_mod.Sharding(
+                    precision, mesh_mod.layout(ctx.contract.training.mesh, world_size), trainer.options.parallel.tp_plan
+                )
+                wrapped = parallel_mod.rewrap(
+                    trainer.template, self._param_names, trainer.optimizer, groups.device, how
+                )
+                trainer.raw_model = wrapped.module
+            else:
+                wrapped = parallel_mod.wrap(
+                    trainer.raw_model, trainer.optimizer, groups.device, parallelism, precision, init_sync=False
+                )
             ordered = ordered_reduction.for_training(
                 ctx.contract.training, trainer.raw_model, parallelism, precision, training_plan
             )

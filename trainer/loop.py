@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.utils.data import TensorDataset
 
 from disttrain.api.spec import TrainingSpec
-from disttrain.trainer import bootstrap, gate, progress, snapshots
+from disttrain.trainer import bootstrap, gate, progress, recovery, snapshots
 from disttrain.trainer import completion as completion_mod
 from disttrain.trainer import context as ctx_mod
 from disttrain.trainer import data as data_mod
@@ -50,7 +50,10 @@ from disttrain.trainer.bootstrap import Components, MapDataset, Started
 from disttrain.trainer.boundary import BoundaryAgreement
 from disttrain.trainer.checkpoint import autointerval
 from disttrain.trainer.checkpoint import manager as ckpt_mod
+from disttrain.trainer.inplace import is_group_failure
 from disttrain.trainer.options import TrainerKwargs, TrainerOptions
+from disttrain.trainer.replicas import capture as capture_mod
+from disttrain.trainer.replicas.keeper import ReplicaKeeper
 from disttrain.trainer.step import MicroBatch, Step, to_device
 
 if TYPE_CHECKING:
@@ -93,6 +96,17 @@ class ElasticTrainer:
         self.startup = started.startup
         """This process's startup stamps, sent with rank 0's progress."""
         self.in_place_fallback = started.in_place_fallback
+        self.template = started.template
+        """A sharded model's structure, sharded again on each new mesh in place (None: DDP or no in-place reforms)."""
+        self.keeper: Optional[ReplicaKeeper] = None
+        """This group's state in memory, and the partner's copy (a sharded model reforming in place); from the end
+        of the group's first step, when the state's layout is settled (the optimizer's lazy state, the LR fields)."""
+        self.held: Optional[ReplicaKeeper] = None
+        """The keeper of the group before, whose versions the next recovery reads (until this group keeps its own)."""
+        self.replica_group: Optional[dist.ProcessGroup] = None
+        """The gloo group of the keeper's copies and of recoveries from memory (its own: a thread uses it)."""
+        self.recovery_note: Optional[str] = None
+        """Why this group resumed from its checkpoint though it reforms in place (None: from memory, a first start)."""
         self.sampler = sampler_mod.GlobalSampler(len(components.dataset), self.training.seed)
         self.state = ckpt_mod.TrainerState()
         self.lr_state = lr_mod.LRState(started.plan.lr_scale, started.plan.lr_scale, 0)
@@ -251,7 +265,7 @@ class ElasticTrainer:
                 reduce_loss=progress.is_loss_read(self, self.state.step + 1),
             )
             yield step
-            if life.group_failure is None and life.reform_signal is None:
+            if life.group_failure is None:  # a directive still lets the step finish: the gate decides it on every rank
                 with self.keeping_group_failures():
                     self._optimizer_step()
             if life.group_failure is not None or life.reform_signal is not None:
@@ -364,7 +378,7 @@ class ElasticTrainer:
 
     def _optimizer_step(self) -> None:
         """Reduce, then step only once every rank's reductions succeeded (:mod:`disttrain.trainer.gate`), then count
-        the step."""
+        the step and keep it in memory (a sharded model reforming in place)."""
         if self.ordered is not None:
             self.ordered.reduce()
         self.precision.unscale(self.optimizer)
@@ -374,6 +388,10 @@ class ElasticTrainer:
         self.completion.wait()  # the reductions (and the clipping norm) done on the device
         try:
             gate.agree(True, self.state.step + 1, self.rank)
+            if self.keeper is not None:
+                # The last step's copy is on the partner before anyone moves on: asked after the agreement above,
+                # which fails at once when a peer is gone (a receive alone would wait for the timeout).
+                gate.agree(self._replicated(), self.state.step + 1, self.rank, what="in-memory copies")
         except gate.StepAbortedError:
             self.optimizer.zero_grad(set_to_none=True)  # nothing of this step's gradient is ever applied
             raise
@@ -383,6 +401,25 @@ class ElasticTrainer:
         if self.scheduler is not None:
             self.scheduler.step()
         self.completion.finish(self._count_step)
+        if self.keeper is not None:
+            self.keeper.capture(self.state.step, capture_mod.state_dict_of(snapshots.contents(self)))
+        elif self.template is not None and self.replica_group is not None:
+            self.keeper = recovery.start_keeping(self, snapshots.contents(self))
+            if self.held is not None:
+                self.held.release()
+                self.held = None
+
+    def _replicated(self) -> bool:
+        """Whether this rank's copy of the last step reached its partner and its source's reached it."""
+        assert self.keeper is not None
+        try:
+            self.keeper.wait_replicated()
+        except Exception as exc:
+            if not is_group_failure(exc):
+                raise
+            log.warning("the in-memory copy of step %d failed: %s", self.state.step, str(exc).splitlines()[0][:200])
+            return False
+        return True
 
     def _count_step(self) -> None:
         """The step is done: advance the counter, the data cursor and what a checkpoint records with them."""

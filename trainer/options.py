@@ -215,9 +215,7 @@ class TrainerOptions:
                 user_state=dict(kwargs.get("user_state") or {}),
                 on_phase=kwargs.get("on_checkpoint_phase"),
             ),
-            lifecycle=LifecycleOptions(
-                reform_in_place=inplace.applies(contract.reform_in_place, parallelism is Parallelism.DDP)
-            ),
+            lifecycle=LifecycleOptions(reform_in_place=inplace.applies(contract.reform_in_place)),
             effects=EffectOptions(handlers=dict(kwargs.get("effects") or {}), evaluation=kwargs.get("evaluation")),
             log_every=kwargs.get("log_every", 10),
         )

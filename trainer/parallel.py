@@ -16,6 +16,8 @@ On a 2-D mesh (:mod:`disttrain.trainer.mesh`) FSDP2 does both dimensions: HSDP i
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
@@ -122,10 +124,6 @@ def wrap(
     if isinstance(model, DistributedDataParallel):
         raise ValueError("parallelism='fsdp2' needs the plain model, not one already wrapped in DDP")
     _shard(model, optimizer, device, precision, shard_modules, where, tp_plan)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     return ParallelModel(model, parallelism, sums_gradients=True)
 
 
@@ -206,6 +204,19 @@ def _shard(
             "and the trainer moves the optimizer onto the sharded ones"
         )
     names = {id(p): name for name, p in model.named_parameters()}
+    _shard_model(model, device, precision, shard_modules, where, tp_plan)
+    _point_optimizer(optimizer, model, names)
+
+
+def _shard_model(
+    model: nn.Module,
+    device: torch.device,
+    precision: Precision,
+    shard_modules: Optional[Sequence[nn.Module]],
+    where: mesh_mod.Layout,
+    tp_plan: Optional[Mapping[str, ParallelStyle]],
+) -> None:
+    """``fully_shard`` (after ``parallelize_module`` on an FSDP x TP mesh) over the mesh of ``where``, summing."""
     mesh = mesh_mod.build(device.type, where)
     if where.kind is mesh_mod.MeshKind.TP:
         assert tp_plan is not None
@@ -221,6 +232,15 @@ def _shard(
             continue
         fully_shard(block, mesh=mesh, mp_policy=inner)
     fully_shard(model, mesh=mesh, mp_policy=root)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+
+def _point_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, names: Mapping[int, str]) -> None:
+    """Point the optimizer's param groups at ``model``'s parameters of the same names (``names``: id of each
+    parameter the optimizer holds now -> its name)."""
     sharded = dict(model.named_parameters())
     for group in optimizer.param_groups:
         try:
@@ -229,6 +249,70 @@ def _shard(
             raise ValueError(
                 "parallelism='fsdp2': the optimizer holds a parameter that is not one of the model's"
             ) from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """How a sharded model is spread: what :func:`rewrap` needs besides the model, at a new world size."""
+
+    precision: Precision
+    layout: mesh_mod.Layout
+    tp_plan: Optional[Mapping[str, ParallelStyle]] = None
+
+
+class ModelTemplate:
+    """The user's model before it was sharded, its parameters on the meta device (no memory), its buffers kept: what
+    a group re-formed in place shards again on its new mesh (:func:`rewrap`). ``fully_shard`` changes a module in
+    place and binds its mesh into it, so the structure is copied once, before the first wrap."""
+
+    def __init__(self, model: nn.Module, shard_modules: Optional[Sequence[nn.Module]] = None) -> None:
+        memo: dict[int, object] = {
+            id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for p in model.parameters()
+        }
+        self.module = copy.deepcopy(model, memo)
+        names = {id(m): name for name, m in model.named_modules()}
+        self.shard_names = [names[id(m)] for m in shard_modules] if shard_modules is not None else None
+
+    def build(self) -> nn.Module:
+        """A fresh copy of the structure (meta parameters, real buffers)."""
+        return copy.deepcopy(self.module)
+
+
+def release(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Let go of a sharded model whose group ended: the names of each param group's parameters (what :func:`rewrap`
+    points the optimizer at again), the optimizer emptied of the old parameters and their state. Nothing then holds
+    the old mesh but ``model``, which the caller drops, so the old process groups are freed at once."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    layout = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["params"] = []
+    optimizer.state.clear()
+    return layout
+
+
+def rewrap(
+    template: ModelTemplate,
+    param_names: Sequence[Sequence[str]],
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    how: Sharding,
+) -> ParallelModel:
+    """A new model from ``template``, sharded over the current group's mesh, its weights uninitialised (the caller
+    loads the state), and ``optimizer``'s param groups pointed at its parameters of ``param_names`` (what
+    :func:`release` returned; loading initialises the optimizer's state again)."""
+    _check_mesh(how.layout, Parallelism.FSDP2, how.tp_plan)
+    model = template.build()
+    blocks = [model.get_submodule(n) for n in template.shard_names] if template.shard_names is not None else None
+    _shard_model(model, device, how.precision, blocks, how.layout, how.tp_plan)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in template.module.named_buffers():
+            model.get_buffer(name).copy_(buffer)
+    params = dict(model.named_parameters())
+    for group, names in zip(optimizer.param_groups, param_names, strict=True):
+        group["params"] = [params[name] for name in names]
+    return ParallelModel(model, Parallelism.FSDP2, sums_gradients=True)
 
 
 def _sum_allreduce_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from disttrain.api.contract import training_config_hash
 from disttrain.api.manifest import CheckpointManifest
 from disttrain.trainer import evaluation as evaluation_mod
-from disttrain.trainer import inplace
+from disttrain.trainer import inplace, recovery
 from disttrain.trainer import lr as lr_mod
 from disttrain.trainer import precision as precision_mod
 from disttrain.trainer import sampler as sampler_mod
@@ -78,7 +78,32 @@ def resume(trainer: ElasticTrainer) -> None:
     the LR ramp and start the watchdog."""
     found = trainer.checkpoints.find_latest()
     ramp = trainer.training.lr.ramp_steps
-    if trainer.lifecycle.in_place:
+    trainer.recovery_note = None
+    if trainer.lifecycle.in_place and trainer.template is not None:
+        # A sharded model: rebuilt from the members' memory, resharded onto this group's mesh.
+        trainer.replica_group = recovery.new_replica_group(trainer)
+        rebuilt = recovery.resume_from_memory(trainer, contents(trainer), found.step if found is not None else None)
+        if rebuilt.step is not None:
+            _resumed_in_place(trainer, rebuilt.step, found)
+            log.info(
+                "resumed in place from step %d held in memory (%.1f MB fetched from peers in %.2f s) at world size "
+                "%d: plan %s, samples consumed %d; the newest checkpoint is step %s",
+                rebuilt.step,
+                rebuilt.fetched_bytes / 1e6,
+                rebuilt.seconds,
+                trainer.world_size,
+                trainer.plan.to_status(),
+                trainer.state.samples_consumed,
+                found.step if found is not None else "none",
+            )
+            restore_effects(trainer, found)
+            return
+        if trainer.has_state or rebuilt.reason != "no member holds state in memory":
+            trainer.recovery_note = rebuilt.reason
+            log.warning(
+                "cannot resume in place from memory (%s): loading the newest complete checkpoint", rebuilt.reason
+            )
+    elif trainer.lifecycle.in_place:
         # Every new group agrees first: a member may hold a newer step in memory than any checkpoint.
         holdings = inplace.gather_holdings(
             trainer.state.step if trainer.has_state else inplace.NO_STATE,
@@ -165,6 +190,19 @@ def resume_from_memory(trainer: ElasticTrainer, source: int, holdings: list[inpl
         s.samples_consumed,
         disk if disk != inplace.NO_STATE else "none",
     )
+    if not trainer.watchdog.started:
+        trainer.watchdog.start(recorded_generation=s.control_generation, recorded_uid=trainer.ctx.job_uid or None)
+
+
+def _resumed_in_place(trainer: ElasticTrainer, step: int, found: Optional[CheckpointManifest]) -> None:
+    """After a sharded state was rebuilt from memory at ``step``: the LR ramp, the checkpoint history (the newest
+    complete checkpoint, the same on every rank) and the watchdog."""
+    s = trainer.state
+    _restore_lr(trainer)
+    trainer.resumed_from = step
+    newest_checkpoint = found.step if found is not None else None
+    ckpts = trainer.checkpoints
+    ckpts.loaded_step = ckpts.last_saved_step = ckpts.last_committed_step = newest_checkpoint
     if not trainer.watchdog.started:
         trainer.watchdog.start(recorded_generation=s.control_generation, recorded_uid=trainer.ctx.job_uid or None)
 

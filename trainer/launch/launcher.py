@@ -154,6 +154,19 @@ def write_termination_message(text: str, path: Optional[str] = None) -> None:
         log.warning("could not write the termination message to %s: %s", path, exc)
 
 
+STOP_GRACE_MARGIN_S = 5.0
+"""What a stop waits for a worker to reach the next round in place, beyond the job's collective timeout."""
+
+
+def _stop_grace_s() -> float:
+    """How long a stop waits for workers still in a failing collective to wait for the next round in place."""
+    try:
+        timeout = WorkerContract.from_env_value(os.environ.get(env.CONTRACT, "")).collective_timeout_seconds
+    except ValueError:
+        return STOP_GRACE_MARGIN_S
+    return float(timeout) + STOP_GRACE_MARGIN_S
+
+
 class CountingAgent(LocalElasticAgent):
     """torchrun's agent, giving up at the first failure of user code so that the operator counts it.
 
@@ -192,12 +205,23 @@ class CountingAgent(LocalElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
         """torchrun's stop, except for workers that wait for the next round in place: they are kept for it
-        (:meth:`disttrain.trainer.launch.handover.Broker.detach`) instead of being signalled."""
+        (:meth:`disttrain.trainer.launch.handover.Broker.detach`) instead of being signalled.
+
+        A worker that does not wait yet gets the collective timeout (and a margin) to get there first: one whose
+        collective is still failing (on gloo a receive from a peer that left only fails at the timeout) then waits
+        for the next round and is kept, its state in memory with it. Whatever neither exits nor waits by then is
+        stopped as torchrun stops it (SIGTERM: a healthy worker drains)."""
         pcontext = getattr(self, "_pcontext", None)
         if prestart.HANDOVER is not None and isinstance(pcontext, SubprocessContext):
-            for local_rank, handler in list(pcontext.subprocess_handlers.items()):
+            handlers = pcontext.subprocess_handlers
+            deadline = time.monotonic() + _stop_grace_s()
+            while time.monotonic() < deadline and any(
+                h.proc.poll() is None and not prestart.HANDOVER.is_waiting(h.proc.pid) for h in handlers.values()
+            ):
+                time.sleep(0.05)
+            for local_rank, handler in list(handlers.items()):
                 if handler.proc.poll() is None and prestart.HANDOVER.is_waiting(handler.proc.pid):
-                    del pcontext.subprocess_handlers[local_rank]
+                    del handlers[local_rank]
                     prestart.HANDOVER.detach(local_rank, handler.proc)
         super()._stop_workers(worker_group, *args, **kwargs)
 

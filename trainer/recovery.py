@@ -1,0 +1,143 @@
+"""In-place recovery of a sharded model (FSDP2, HSDP, FSDP x TP) from the members' memory.
+
+Every group of a job that reforms in place keeps its state in memory (:class:`~disttrain.trainer.replicas.keeper.
+ReplicaKeeper`: two versions of each rank's own shards, and a copy of its partner's on another node). When the group
+breaks, the survivors and any newcomers form the next group and :func:`resume_from_memory` rebuilds the whole state
+from what they hold: each member reports its versions, the group takes the newest step whole across them
+(:func:`~disttrain.trainer.replicas.catalogue.choose_step`) and ``dcp.load`` reshards it onto the new mesh through
+the in-memory reader. No process restarts and nothing is read from the checkpoint volume. Only when no step is whole
+(a rank and its partner were lost together) does the group load its newest complete checkpoint instead, and says
+why.
+
+Callers: :func:`disttrain.trainer.snapshots.resume` (at every start of a group) and the loop (a capture after each
+counted step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from disttrain.trainer.replicas import capture as capture_mod
+from disttrain.trainer.replicas import wire
+from disttrain.trainer.replicas.catalogue import Block, Catalogue, ItemSpec, Member, assign, choose_step, needs_copy
+from disttrain.trainer.replicas.keeper import ReplicaKeeper, Version
+from disttrain.trainer.replicas.reader import MemoryReader
+
+if TYPE_CHECKING:
+    from disttrain.trainer.loop import ElasticTrainer
+
+log = logging.getLogger("disttrain.trainer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rebuilt:
+    """What a group's recovery from memory did."""
+
+    step: Optional[int]
+    """The step rebuilt from memory; None: nothing whole was held (``reason`` says why)."""
+    reason: str = ""
+    fetched_bytes: int = 0
+    seconds: float = 0.0
+
+
+def start_keeping(trainer: ElasticTrainer, contents: dict[str, Any]) -> ReplicaKeeper:
+    """Describe this group's state (every rank's items, gathered once, after the group's first step) and keep its
+    current version. Collective on ``trainer.replica_group``."""
+    group = trainer.replica_group
+    specs, values = capture_mod.capture(capture_mod.state_dict_of(contents))
+    document = {
+        "node": failure_domain(trainer),
+        "items": [s.to_json() for s in specs],
+        "group": uuid.uuid4().hex if trainer.rank == 0 else None,
+    }
+    docs = wire.all_gather_json(document, group, trainer.world_size)
+    members = tuple(
+        Member(rank, str(doc["node"]), tuple(ItemSpec.from_json(s) for s in doc["items"]))
+        for rank, doc in enumerate(docs)
+    )
+    keeper = ReplicaKeeper(Catalogue(str(docs[0]["group"]), members), trainer.rank, group)
+    keeper.own.append(Version(trainer.state.step, values))
+    keeper.start_replication(trainer.state.step, values)
+    if trainer.rank == 0:
+        own = sum(capture_mod.nbytes(s) for s in specs if s.is_tensor)
+        log.info(
+            "keeping the state in memory: %.1f MB of own shards per version on rank 0, %.1f MB of its partner's "
+            "(rank %s) per version; %d versions",
+            own / 1e6,
+            keeper.copy_bytes() / 1e6,
+            keeper.source,
+            2,
+        )
+    return keeper
+
+
+def failure_domain(trainer: ElasticTrainer) -> str:
+    """What dies together with this rank: its worker pod (the node name) and its torchrun agent (the group rank), so
+    a partner is never in the same one."""
+    return f"{trainer.ctx.node_name}#{trainer.ctx.group_rank}"
+
+
+def _summary(keeper: Optional[ReplicaKeeper]) -> dict[str, Any]:
+    if keeper is None:
+        return {"group": None, "blocks": []}
+    own = [[keeper.rank, v.step, "own"] for v in keeper.own if v.complete]
+    copies = [[keeper.source, v.step, "copy"] for v in keeper.copies if v.complete and keeper.source is not None]
+    return {"group": keeper.catalogue.group_id, "blocks": own + copies}
+
+
+def resume_from_memory(trainer: ElasticTrainer, contents: dict[str, Any], floor: Optional[int]) -> Rebuilt:
+    """Rebuild ``contents`` from the members' memory at the newest step whole across them, if it is at least
+    ``floor`` (the newest complete checkpoint). Collective on ``trainer.replica_group``."""
+    t0 = time.monotonic()
+    group, keeper = trainer.replica_group, trainer.held
+    summaries = wire.all_gather_json(_summary(keeper), group, trainer.world_size)
+    newest: dict[str, int] = {}
+    for doc in summaries:
+        for _, step, _ in doc["blocks"]:
+            if doc["group"] is not None:
+                newest[doc["group"]] = max(newest.get(doc["group"], -1), int(step))
+    if not newest:
+        return Rebuilt(None, "no member holds state in memory")
+    old_group = max(newest, key=lambda g: newest[g])
+    teller = next(r for r, doc in enumerate(summaries) if doc["group"] == old_group)
+    sent = keeper.catalogue.to_json() if trainer.rank == teller and keeper is not None else None
+    catalogue = Catalogue.from_json(wire.all_gather_json(sent, group, trainer.world_size)[teller])
+    copies = needs_copy(catalogue)
+    own_keys = {m.rank: frozenset(s.key for s in m.items) for m in catalogue.members}
+    blocks = [
+        Block(holder, int(owner), int(step), own_keys[int(owner)] if kind == "own" else frozenset(copies[int(owner)]))
+        for holder, doc in enumerate(summaries)
+        if doc["group"] == old_group
+        for owner, step, kind in doc["blocks"]
+    ]
+    step = choose_step(catalogue, blocks)
+    if step is None:
+        held = {b.owner for b in blocks}
+        lost = [f"rank {m.rank} ({m.node})" for m in catalogue.members if m.rank not in held]
+        return Rebuilt(
+            None,
+            "no step is whole in the members' memory: a rank and its partner were lost together"
+            + (f" (nobody holds the shards of {', '.join(lost)})" if lost else ""),
+        )
+    if floor is not None and step < floor:
+        return Rebuilt(None, f"the checkpoint (step {floor}) is newer than the state in memory (step {step})")
+    local = keeper.values_at(step) if keeper is not None and keeper.catalogue.group_id == old_group else {}
+    reader = MemoryReader(catalogue, local, assign(blocks, step, catalogue), trainer.rank, trainer.world_size, group)
+    dcp.load(contents, storage_reader=reader, no_dist=True)
+    return Rebuilt(step, fetched_bytes=reader.bytes_fetched, seconds=time.monotonic() - t0)
+
+
+def new_replica_group(trainer: ElasticTrainer) -> Optional[dist.ProcessGroup]:
+    """The gloo group this group's replication and recovery exchanges run on (a background thread uses it, so it is
+    nobody else's). Collective."""
+    import datetime
+
+    timeout = datetime.timedelta(seconds=trainer.ctx.contract.collective_timeout_seconds)
+    return dist.new_group(backend="gloo", timeout=timeout)
