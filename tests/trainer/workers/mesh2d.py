@@ -5,6 +5,7 @@ seconds. The TP plan is the example's. Knobs: ``MESH_OUT`` (folder), ``MESH_RUN`
 JSON line per step to ``$MESH_OUT/$MESH_RUN-<pid>.jsonl`` (its rank, data rank, the indices it read, the step's
 global mean token loss); rank 0 saves the full final weights to ``$MESH_RUN-final.pt``. ``MESH_DRAIN_AT``: ask for
 a drain after this step. ``MESH_CLIP``: the clipping norm (gradients on two meshes under FSDP x TP).
+``MESH_STEP_SLEEP``: seconds to sleep after each step (so a test can kill a node between steps).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +39,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     out, run = Path(os.environ["MESH_OUT"]), os.environ["MESH_RUN"]
     drain_at = int(os.environ.get("MESH_DRAIN_AT", "0"))
+    sleep = float(os.environ.get("MESH_STEP_SLEEP", "0"))
     options: dict = {"parallelism": "fsdp2"}
     mesh = gptlm.trainer_mesh()
     if mesh is not None and mesh.tensor_parallel:
@@ -55,7 +58,10 @@ def main() -> None:
                 step.backward(loss, denominator=tokens, count=y.numel())
             # The step's mean loss over all samples: each TP rank of a group holds its group's sum.
             total = torch.tensor([step.loss_sum], dtype=torch.float64)
-            dist.all_reduce(total)
+            with trainer.keeping_group_failures():  # in place, a peer lost here is the trainer's to handle
+                dist.all_reduce(total)
+            if trainer.group_failure is not None:
+                continue
             readers = trainer.world_size // trainer.plan.data_degree
             record = {
                 "step": step.index + 1,
@@ -70,6 +76,7 @@ def main() -> None:
             records.write(json.dumps(record) + "\n")
             if drain_at and step.index + 1 == drain_at:
                 trainer.request_drain("MESH_DRAIN_AT")
+            time.sleep(sleep)
         weights = trainer.full_model_state_dict()
         if trainer.rank == 0:
             torch.save(weights, out / f"{run}-final.pt")
