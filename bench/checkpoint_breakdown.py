@@ -61,7 +61,7 @@ PARTS = [  # (owner, function, label), outermost first
     (ckpt_mod.ModelOptimState, "state_dict", "  get_state_dict (model + optimizer)"),
     (dcp, "save", "  dcp.save"),
     (utils._DistWrapper, "reduce_scatter", "    planning: local plan, gather, global plan, scatter"),
-    (storage.RawFileSystemWriter, "write_data", "    write_data: copy + crc32 + fsync of the shards"),
+    (storage.CheckpointWriter, "write_data", "    write_data: copy + crc32 + fsync of the shards"),
     (os, "fsync", "      of which fsync (summed over threads; all fsyncs of the save)"),
     (filesystem.FileSystemWriter, "finish", "    .metadata: pickle + write + fsync + rename"),
     (commit, "digest_files", "  digest_files (digests known: fsync + stat)"),

@@ -293,7 +293,7 @@ class CheckpointManager:
             raise commit.LinkError(
                 errno.ELOOP, "is a symbolic link (links in the checkpoint tree are never followed)", str(path)
             )
-        reader = storage.RawFileSystemReader(str(path), expected_metadata_sha256=manifest.metadata_sha256)
+        reader = storage.CheckpointReader(str(path), expected_metadata_sha256=manifest.metadata_sha256)
         dcp.load(state, storage_reader=reader, process_group=self.group)
         self.loaded_step = manifest.step
         self.last_saved_step = self.last_committed_step = manifest.step
