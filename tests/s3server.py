@@ -71,7 +71,7 @@ mon data = {root}/mon.$id
 osd data = {root}/osd.$id
 osd fast shutdown = false
 osd objectstore = memstore
-memstore device bytes = 1073741824
+memstore device bytes = {memstore_bytes}
 [client.rgw.a]
 rgw frontends = beast endpoint=127.0.0.1:{rgw}
 rgw data = {root}/rgw
@@ -84,7 +84,7 @@ rgw gc processor period = 5
 class RadosGateway:
     """Starts the cluster in ``__enter__`` and stops it (and removes its files) in ``__exit__``."""
 
-    def __init__(self, timeout_s: float = 90.0) -> None:
+    def __init__(self, timeout_s: float = 90.0, memstore_bytes: int = 2**30) -> None:
         missing = [b for b in BINARIES if shutil.which(b) is None]
         if missing:
             raise Unavailable(f"not installed: {', '.join(missing)} (apt-get install ceph-mon ceph-osd radosgw)")
@@ -96,7 +96,9 @@ class RadosGateway:
         self.fsid = str(uuid.uuid4())
         self._mon = f"[v2:127.0.0.1:{mon2},v1:127.0.0.1:{mon1}]"
         self.conf = self.root / "ceph.conf"
-        self.conf.write_text(CONF.format(fsid=self.fsid, mon2=mon2, mon1=mon1, rgw=rgw, root=self.root))
+        self.conf.write_text(
+            CONF.format(fsid=self.fsid, mon2=mon2, mon1=mon1, rgw=rgw, root=self.root, memstore_bytes=memstore_bytes)
+        )
 
     def _run(self, *args: str, timeout: float = 60.0) -> str:
         done = subprocess.run(

@@ -215,22 +215,34 @@ class ObjectStoreCommitter:
     def step_prefix(self, step: int) -> str:
         return f"step-{step}/r{self.claim_round()}"
 
-    def upload(self, local_dir: Path, manifest: CheckpointManifest) -> CheckpointManifest:
-        """Upload every file the (locally committed) manifest lists under this round's prefix and read each back
-        (size and ETag); returns the manifest with the ETags, ready to publish. Nothing is published."""
-        from boto3.s3.transfer import TransferConfig
+    def _transfers(self) -> Any:
+        """s3transfer's manager: every file of a checkpoint at once, ``max_concurrency`` requests (whole small
+        files or parts of large ones) in flight in all."""
+        from boto3.s3.transfer import TransferConfig, create_transfer_manager
 
         config = TransferConfig(
             multipart_threshold=self.transfer.part_size,
             multipart_chunksize=self.transfer.part_size,
             max_concurrency=self.transfer.max_concurrency,
-            use_threads=self.transfer.max_concurrency > 1,
         )
+        return create_transfer_manager(self.client, config)
+
+    def upload(self, local_dir: Path, manifest: CheckpointManifest) -> CheckpointManifest:
+        """Upload every file the (locally committed) manifest lists under this round's prefix and read each back
+        (size and ETag); returns the manifest with the ETags, ready to publish. Nothing is published."""
         prefix = self.step_prefix(manifest.step)
+        names = sorted(manifest.files)
+        with self._transfers() as transfers:
+            pending = [
+                transfers.upload(str(local_dir / name), self.location.bucket, self.location.key(prefix, name))
+                for name in names
+            ]
+            for future in pending:
+                future.result()
         files: dict[str, FileDigest] = {}
-        for name, digest in sorted(manifest.files.items()):
+        for name in names:
+            digest = manifest.files[name]
             key = self.location.key(prefix, name)
-            self.client.upload_file(str(local_dir / name), self.location.bucket, key, Config=config)
             head = self.client.head_object(Bucket=self.location.bucket, Key=key)
             if head["ContentLength"] != digest.size:
                 raise OSError(
@@ -300,21 +312,19 @@ class ObjectStoreCommitter:
     def download(self, published: Published, root: Path) -> Path:
         """Fetch a published checkpoint into ``root/step-N`` and verify every byte against its manifest (crc32 and
         sha256, :func:`disttrain.trainer.checkpoint.commit.validate`); returns the directory."""
-        from boto3.s3.transfer import TransferConfig
-
-        config = TransferConfig(
-            multipart_threshold=self.transfer.part_size,
-            multipart_chunksize=self.transfer.part_size,
-            max_concurrency=self.transfer.max_concurrency,
-            use_threads=self.transfer.max_concurrency > 1,
-        )
         step = published.manifest.step
         tmp = root / commit.tmp_dir_name(step, uuid.uuid4().hex[:12], published.manifest.fence_round or 0)
         tmp.mkdir(parents=True)
         try:
-            for name in published.manifest.files:
-                key = self.location.key(published.key_prefix, name)
-                self.client.download_file(self.location.bucket, key, str(tmp / name), Config=config)
+            with self._transfers() as transfers:
+                pending = [
+                    transfers.download(
+                        self.location.bucket, self.location.key(published.key_prefix, name), str(tmp / name)
+                    )
+                    for name in published.manifest.files
+                ]
+                for future in pending:
+                    future.result()
             for name, expected in sorted(published.manifest.files.items()):
                 actual = commit.file_digest(tmp / name, expected.digest.split(":", 1)[0])
                 if (actual.size, actual.digest) != (expected.size, expected.digest):
