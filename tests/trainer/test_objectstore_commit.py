@@ -9,6 +9,7 @@ after the commit makes its checkpoint untrusted and the previous one is chosen.
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 
@@ -70,6 +71,33 @@ def test_a_published_checkpoint_is_found_by_a_new_group_and_downloads_bit_for_bi
     assert path == tmp_path / "resume" / "step-4" and commit.validate(path).ok
     assert torch.equal(load_tensors(path, prefix="")["w"], load_tensors(local / "step-4", prefix="")["w"])
     assert reader.claim_round() == 2  # the reader's group claims above the writer's
+
+
+def test_each_node_uploads_its_own_files_and_rank_0_publishes_what_every_rank_uploaded(s3_bucket, local, tmp_path):
+    """Node-local disks: one node holds .metadata and the first shard file, another node the other shard file."""
+    manifest = commit.validate(local / "step-4").manifest
+    assert manifest is not None and len(manifest.files) >= 2
+    names = sorted(manifest.files)
+    mine = {n: manifest.files[n] for n in names if n in (commit.METADATA_FILE, "__0_0.distcp")}
+    theirs = {n: d for n, d in manifest.files.items() if n not in mine}
+    assert mine and theirs
+    for node, files in (("node-0", mine), ("node-1", theirs)):
+        (tmp_path / node).mkdir()
+        for name in files:
+            shutil.copy(local / "step-4" / name, tmp_path / node / name)
+    rank0 = committer(s3_bucket, node="node-0")
+    agreed = rank0.claim_round()
+    rank1 = committer(s3_bucket, node="node-1")  # never claims: it uploads under the round rank 0 broadcast
+    uploaded = rank0.upload_files(tmp_path / "node-0", 4, mine, agreed)
+    with pytest.raises(ValueError, match="records every object's ETag"):
+        rank0.publish(manifest.model_copy(update={"files": {**theirs, **uploaded}, "fence_round": agreed}))
+    uploaded |= rank1.upload_files(tmp_path / "node-1", 4, theirs, agreed)
+    rank0.publish(manifest.model_copy(update={"files": uploaded, "fence_round": agreed}))
+    assert rank1.round is None and rank0.current_round() == agreed
+    found = committer(s3_bucket).find_latest()
+    assert found is not None and found.manifest.step == 4
+    path = committer(s3_bucket).download(found, tmp_path / "resume")
+    assert torch.equal(load_tensors(path, prefix="")["w"], load_tensors(local / "step-4", prefix="")["w"])
 
 
 def test_a_save_stopped_at_any_phase_before_its_manifest_is_never_trusted(s3_bucket, local):

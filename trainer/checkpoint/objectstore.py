@@ -227,11 +227,14 @@ class ObjectStoreCommitter:
         )
         return create_transfer_manager(self.client, config)
 
-    def upload(self, local_dir: Path, manifest: CheckpointManifest) -> CheckpointManifest:
-        """Upload every file the (locally committed) manifest lists under this round's prefix and read each back
-        (size and ETag); returns the manifest with the ETags, ready to publish. Nothing is published."""
-        prefix = self.step_prefix(manifest.step)
-        names = sorted(manifest.files)
+    def upload_files(
+        self, local_dir: Path, step: int, files: dict[str, FileDigest], round_: int
+    ) -> dict[str, FileDigest]:
+        """Upload files of step ``step`` under round ``round_``'s prefix and read each back (size and ETag); returns
+        their digests with the ETags. Any rank uploads the files it wrote (``round_`` agreed by the group);
+        global rank 0 merges every rank's result into the manifest it publishes."""
+        prefix = f"step-{step}/r{round_}"
+        names = sorted(files)
         with self._transfers() as transfers:
             pending = [
                 transfers.upload(str(local_dir / name), self.location.bucket, self.location.key(prefix, name))
@@ -239,17 +242,24 @@ class ObjectStoreCommitter:
             ]
             for future in pending:
                 future.result()
-        files: dict[str, FileDigest] = {}
+        out: dict[str, FileDigest] = {}
         for name in names:
-            digest = manifest.files[name]
+            digest = files[name]
             key = self.location.key(prefix, name)
             head = self.client.head_object(Bucket=self.location.bucket, Key=key)
             if head["ContentLength"] != digest.size:
                 raise OSError(
                     f"s3://{self.location.bucket}/{key}: {head['ContentLength']} bytes, expected {digest.size}"
                 )
-            files[name] = digest.model_copy(update={"etag": head["ETag"].strip('"')})
-        return manifest.model_copy(update={"files": files, "fence_round": self.claim_round()})
+            out[name] = digest.model_copy(update={"etag": head["ETag"].strip('"')})
+        return out
+
+    def upload(self, local_dir: Path, manifest: CheckpointManifest) -> CheckpointManifest:
+        """Upload every file of a checkpoint committed in ``local_dir`` under this group's round; returns the
+        manifest with the ETags, ready to publish. Nothing is published."""
+        own = self.claim_round()
+        files = self.upload_files(local_dir, manifest.step, manifest.files, own)
+        return manifest.model_copy(update={"files": files, "fence_round": own})
 
     def publish(self, manifest: CheckpointManifest, on_before_manifest: Optional[Callable[[], None]] = None) -> str:
         """Write COMPLETE.json of an uploaded save (its ETags recorded) once the fence still holds; returns its key.
