@@ -9,20 +9,24 @@ after the commit makes its checkpoint untrusted and the previous one is chosen.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from tests.checkpoint_tensors import load_tensors
 from tests.manifests import bare_manifest
 
 from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer.checkpoint import commit
 from disttrain.trainer.checkpoint.fence import FencedError
-from disttrain.trainer.checkpoint.manager import CheckpointManager
+from disttrain.trainer.checkpoint.manager import CheckpointManager, ModelOptimState
 from disttrain.trainer.checkpoint.objectstore import Location, ObjectStoreCommitter, TransferOptions, parse_uri
 
 pytestmark = pytest.mark.timeout(180)
@@ -32,15 +36,20 @@ SMALL_PARTS = TransferOptions(part_size=5 * 2**20, max_concurrency=4)  # S3's sm
 
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
-    """Committed local checkpoints of steps 2, 4 and 6 (steps 4 and 6 large enough for multipart uploads)."""
+    """Committed local checkpoints of steps 2, 4 and 6 (steps 4 and 6 large enough for multipart uploads), each
+    with a small model whose weight is the step."""
     root = tmp_path_factory.mktemp("local")
     store = dist.FileStore(str(root / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         ckpt = CheckpointManager(root / "ckpt", CheckpointSpec(keep=5), 0, 1, dist.group.WORLD)
         g = torch.Generator().manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        app = ModelOptimState(model, torch.optim.SGD(model.parameters(), lr=0.1))
         for step, n in ((2, 1000), (4, 3 * 2**20), (6, 3 * 2**20)):
-            ckpt.save(step, {"w": torch.randn(n, generator=g), "step": step}, bare_manifest(step))
+            with torch.no_grad():
+                model.weight.fill_(float(step))
+            ckpt.save(step, {"app": app, "w": torch.randn(n, generator=g), "step": step}, bare_manifest(step))
         ckpt.close()
     finally:
         dist.destroy_process_group()
@@ -215,3 +224,38 @@ def test_a_uri_names_the_bucket_and_the_prefix():
     assert parse_uri("s3://my-bucket/jobs/demo/") == Location("my-bucket", "jobs/demo")
     assert parse_uri("s3://my-bucket") == Location("my-bucket", "")
     assert Location("b", "").key("step-1", "x") == "step-1/x" and Location("b", "p").key("f") == "p/f"
+
+
+def test_disttrain_export_reads_the_newest_trusted_checkpoint_of_a_bucket(s3_server, s3_bucket, local, tmp_path):
+    """Through the CLI (a process of its own), credentials from the environment as boto3 reads them."""
+    client, bucket = s3_bucket
+    c = committer(s3_bucket)
+    publish(c, local, 2)
+    publish(c, local, 4)
+    client.delete_object(Bucket=bucket, Key="jobs/demo/step-4/r1/" + commit.METADATA_FILE)  # step 4 not trusted
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": s3_server.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    cmd = [sys.executable, "-m", "disttrain.operator.cli", "export", f"s3://{bucket}/jobs/demo", str(tmp_path / "out")]
+    done = subprocess.run(
+        [*cmd, "--endpoint-url", s3_server.endpoint, "--addressing-style", "path"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    assert torch.equal(exported["weight"], torch.full((3, 4), 2.0))  # step 2's: step 4 lost an object
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]  # no download left
+    bad = subprocess.run(
+        [*cmd, "--endpoint-url", s3_server.endpoint, "--addressing-style", "path"],
+        env={**env, "AWS_SECRET_ACCESS_KEY": "wrong"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "SignatureDoesNotMatch" in bad.stderr, bad.stderr[-2000:]

@@ -1,9 +1,13 @@
 """``disttrain export``: a committed checkpoint's model weights, unsharded, as safetensors files.
 
     python -m disttrain.trainer.checkpoint.export CHECKPOINT OUT [--max-shard-bytes N]
+        [--endpoint-url URL] [--region R] [--addressing-style auto|path|virtual]
 
 CHECKPOINT is a checkpoint root (its newest valid checkpoint is taken, as resume would) or one ``step-N``
-directory, which must validate (every file's size and digest, :func:`disttrain.trainer.checkpoint.commit.validate`).
+directory, which must validate (every file's size and digest, :func:`disttrain.trainer.checkpoint.commit.validate`),
+or ``s3://bucket/prefix``: the newest checkpoint there whose objects all check out is downloaded into a temporary
+directory (every byte verified, :mod:`disttrain.trainer.checkpoint.objectstore`), with boto3's credential chain
+(environment, web identity, instance role) and the endpoint options for S3-compatible stores.
 OUT is a directory; it gets what Hugging Face loaders read: ``model.safetensors``, or, above ``--max-shard-bytes``,
 ``model-0000i-of-0000n.safetensors`` files and ``model.safetensors.index.json``. The keys are the model's own
 (``state_dict()`` of the unwrapped model: DDP's and FSDP2's wrappers add nothing), whatever parallelism wrote the
@@ -19,10 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -126,12 +131,33 @@ def export(checkpoint: Path, out: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD
     return written
 
 
+def export_from_bucket(uri: str, out: Path, max_shard_bytes: int, client: Any) -> list[Path]:
+    """Download the newest trusted checkpoint under ``uri`` into a temporary directory next to ``out`` and
+    export it."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from disttrain.trainer.checkpoint import objectstore
+
+    store = objectstore.ObjectStoreCommitter(client, objectstore.parse_uri(uri))  # reads only: claims no round
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        found = store.find_latest()
+        if found is None:
+            raise ExportError(f"{uri}: no checkpoint whose objects all exist with their sizes and ETags")
+        with tempfile.TemporaryDirectory(prefix=".disttrain-export-", dir=out) as tmp:
+            return export(store.download(found, Path(tmp)), out, max_shard_bytes)
+    except (BotoCoreError, ClientError) as exc:
+        raise ExportError(f"{uri}: {exc}") from exc
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="disttrain export",
         description="Write a committed checkpoint's model weights, unsharded, as safetensors files.",
     )
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint root (its newest valid checkpoint) or a step-N")
+    parser.add_argument(
+        "checkpoint", help="a checkpoint root (its newest valid checkpoint), a step-N, or s3://bucket/prefix"
+    )
     parser.add_argument("out", type=Path, help="output directory")
     parser.add_argument(
         "--max-shard-bytes",
@@ -140,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="largest safetensors file before the weights are split (default %(default)s)",
     )
+    s3 = parser.add_argument_group("s3:// checkpoints (credentials: boto3's chain, e.g. AWS_ACCESS_KEY_ID)")
+    s3.add_argument("--endpoint-url", default=None, metavar="URL", help="an S3-compatible store's endpoint")
+    s3.add_argument("--region", default=None)
+    s3.add_argument("--addressing-style", choices=["auto", "path", "virtual"], default="auto")
     return parser
 
 
@@ -149,8 +179,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("disttrain export: --max-shard-bytes must be at least 1", file=sys.stderr)
         return 2
     try:
-        written = export(args.checkpoint, args.out, args.max_shard_bytes)
-    except (ExportError, OSError) as exc:
+        if args.checkpoint.startswith("s3://"):
+            from disttrain.trainer.checkpoint.objectstore import make_client
+
+            client = make_client(args.endpoint_url, args.region, args.addressing_style)
+            written = export_from_bucket(args.checkpoint, args.out, args.max_shard_bytes, client)
+        else:
+            written = export(Path(args.checkpoint), args.out, args.max_shard_bytes)
+    except (ExportError, OSError, ValueError) as exc:
         print(f"disttrain export: {exc}", file=sys.stderr)
         return 2
     for path in written:

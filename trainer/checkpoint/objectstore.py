@@ -87,6 +87,24 @@ class TransferOptions:
     max_concurrency: int = 8
 
 
+def make_client(
+    endpoint_url: Optional[str] = None, region: Optional[str] = None, addressing_style: str = "auto"
+) -> Any:
+    """A boto3 S3 client. Credentials come from boto3's own chain: the environment (``AWS_ACCESS_KEY_ID``...),
+    a web identity token (IRSA-style workload identity), the instance's role, never from an argument here.
+    ``endpoint_url``, ``region`` and ``addressing_style`` ("auto", "path", "virtual") are for S3-compatible
+    stores."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint_url or None,
+        region_name=region or None,
+        config=Config(s3={"addressing_style": addressing_style}, retries={"mode": "standard"}),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Published:
     """A checkpoint in the bucket: its manifest and where it is."""
