@@ -28,6 +28,7 @@ trusts a half-deleted checkpoint), and removes incomplete prefixes only of its o
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -260,11 +261,13 @@ class ObjectStoreCommitter:
             ]
             for future in pending:
                 future.result()
+        heads = self._heads([self.location.key(prefix, name) for name in names])
         out: dict[str, FileDigest] = {}
-        for name in names:
+        for name, head in zip(names, heads, strict=True):
             digest = files[name]
             key = self.location.key(prefix, name)
-            head = self.client.head_object(Bucket=self.location.bucket, Key=key)
+            if head is None:
+                raise OSError(f"s3://{self.location.bucket}/{key}: missing right after its upload")
             if head["ContentLength"] != digest.size:
                 raise OSError(
                     f"s3://{self.location.bucket}/{key}: {head['ContentLength']} bytes, expected {digest.size}"
@@ -314,14 +317,12 @@ class ObjectStoreCommitter:
         manifest = published.manifest
         if commit.METADATA_FILE not in manifest.files:
             return f"{MANIFEST_FILE} does not list {commit.METADATA_FILE}"
-        for name, digest in sorted(manifest.files.items()):
-            key = self.location.key(published.key_prefix, name)
-            try:
-                head = self.client.head_object(Bucket=self.location.bucket, Key=key)
-            except Exception as exc:
-                if _is_missing(exc):
-                    return f"object {name} is missing"
-                raise
+        names = sorted(manifest.files)
+        heads = self._heads([self.location.key(published.key_prefix, name) for name in names])
+        for name, head in zip(names, heads, strict=True):
+            digest = manifest.files[name]
+            if head is None:
+                return f"object {name} is missing"
             if head["ContentLength"] != digest.size:
                 return f"object {name} has {head['ContentLength']} bytes, {MANIFEST_FILE} says {digest.size}"
             if digest.etag is None or head["ETag"].strip('"') != digest.etag:
@@ -401,6 +402,22 @@ class ObjectStoreCommitter:
     def _put(self, key: str, body: bytes, if_none_match: bool = False) -> None:
         extra = {"IfNoneMatch": "*"} if if_none_match else {}
         self.client.put_object(Bucket=self.location.bucket, Key=key, Body=body, **extra)
+
+    def _heads(self, keys: list[str]) -> list[Optional[dict[str, Any]]]:
+        """HEAD of every key (None for a missing one), ``max_concurrency`` at a time: a checkpoint of a large job
+        has thousands of objects."""
+
+        def head(key: str) -> Optional[dict[str, Any]]:
+            try:
+                out: dict[str, Any] = self.client.head_object(Bucket=self.location.bucket, Key=key)
+                return out
+            except Exception as exc:
+                if _is_missing(exc):
+                    return None
+                raise
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, self.transfer.max_concurrency)) as pool:
+            return list(pool.map(head, keys))
 
     def _list(self, prefix: str) -> list[str]:
         keys = []
