@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from disttrain.trainer.checkpoint import commit
 from disttrain.trainer.checkpoint.fence import FencedError
 from disttrain.trainer.checkpoint.manager import CheckpointManager, ModelOptimState
 from disttrain.trainer.checkpoint.objectstore import Location, ObjectStoreCommitter, TransferOptions, parse_uri
+from disttrain.trainer.checkpoint.uploads import RetryPolicy, Uploader
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -259,3 +261,29 @@ def test_disttrain_export_reads_the_newest_trusted_checkpoint_of_a_bucket(s3_ser
         timeout=120,
     )
     assert bad.returncode == 2 and "SignatureDoesNotMatch" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_an_unreachable_bucket_delays_the_upload_never_the_caller_and_it_completes_once_back(
+    s3_server, s3_bucket, local
+):
+    c = committer(s3_bucket)
+    agreed = c.claim_round()
+    manifest = commit.validate(local / "step-4").manifest
+    uploader = Uploader(c, RetryPolicy(initial_s=0.2, max_s=0.5))
+    s3_server.stop_gateway()
+    try:
+        upload = uploader.submit(4, local / "step-4", manifest.files, agreed)  # returns while the store is down
+        assert not upload.done.is_set() and uploader.pending() == [upload]
+        deadline = time.monotonic() + 60
+        while upload.attempts < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert upload.attempts >= 2 and "Could not connect" in upload.last_error, upload.last_error
+        assert not upload.done.is_set()
+    finally:
+        s3_server.start_gateway()
+    assert upload.done.wait(60), upload.last_error
+    assert upload.result is not None and all(d.etag for d in upload.result.values()) and not upload.last_error
+    assert uploader.pending() == []
+    uploader.close()
+    c.publish(manifest.model_copy(update={"files": upload.result, "fence_round": agreed}))
+    assert c.find_latest().manifest.step == 4
