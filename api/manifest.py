@@ -45,6 +45,8 @@ class FileDigest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     size: int = Field(ge=0)
     digest: str
+    etag: Optional[str] = Field(None, exclude_if=lambda v: v is None)
+    """The object's ETag, for a checkpoint in a bucket: what a reader checks with HEAD before trusting it."""
 
 
 class EffectRecord(BaseModel):

@@ -36,6 +36,8 @@ import checkpoint_throughput as bench
 from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer.checkpoint import commit, storage, writeback
 from disttrain.trainer.checkpoint import manager as ckpt_mod
+from disttrain.trainer.checkpoint.committer import Committer
+from disttrain.trainer.checkpoint.saving import ShardWriter
 
 CONFIGS = ("now", "no-writeback", "no-plan-cache", "before")
 TIMES: dict[str, float] = collections.defaultdict(float)
@@ -59,28 +61,28 @@ PARTS = [  # (owner, function, label), outermost first
     (ckpt_mod.ModelOptimState, "state_dict", "  get_state_dict (model + optimizer)"),
     (dcp, "save", "  dcp.save"),
     (utils._DistWrapper, "reduce_scatter", "    planning: local plan, gather, global plan, scatter"),
-    (storage.RawFileSystemWriter, "write_data", "    write_data: copy + crc32 + fsync of the shards"),
+    (storage.CheckpointWriter, "write_data", "    write_data: copy + crc32 + fsync of the shards"),
     (os, "fsync", "      of which fsync (summed over threads; all fsyncs of the save)"),
     (filesystem.FileSystemWriter, "finish", "    .metadata: pickle + write + fsync + rename"),
     (commit, "digest_files", "  digest_files (digests known: fsync + stat)"),
     (dist, "all_gather_object", "  gather digests (all_gather_object)"),
     (commit, "write_manifest", "  COMPLETE.json: write + fsync + rename + dir fsync"),
     (commit, "publish", "  rename to step-N + parent fsync"),
-    (ckpt_mod.CheckpointManager, "_retain", "  retention (start of its thread)"),
+    (Committer, "retain", "  retention (start of its thread)"),
 ]
 
 
 @contextlib.contextmanager
 def config(name: str) -> Iterator[None]:
-    kick, planner = writeback._sync_file_range, ckpt_mod.CheckpointManager._planner
+    kick, planner = writeback._sync_file_range, ShardWriter._planner
     if name in ("no-writeback", "before"):
         writeback._sync_file_range = None
     if name in ("no-plan-cache", "before"):
-        ckpt_mod.CheckpointManager._planner = lambda self: DefaultSavePlanner()  # type: ignore[method-assign]
+        ShardWriter._planner = lambda self: DefaultSavePlanner()  # type: ignore[method-assign]
     try:
         yield
     finally:
-        writeback._sync_file_range, ckpt_mod.CheckpointManager._planner = kick, planner
+        writeback._sync_file_range, ShardWriter._planner = kick, planner
 
 
 def main() -> None:

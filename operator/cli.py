@@ -7,7 +7,9 @@ Subcommands import their heavy dependencies (kopf, kubernetes, rich) lazily, so 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import pathlib
+import subprocess
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -33,6 +35,22 @@ def cmd_crd(args: argparse.Namespace) -> int:
     """Print the CustomResourceDefinition rendered from the models."""
     sys.stdout.write(crd.render_crd())
     return 0
+
+
+EXPORT_MODULE = "disttrain.trainer.checkpoint.export"
+"""``disttrain export`` runs there, in a Python of its own: it needs torch, which this CLI never imports."""
+
+
+def cmd_export(argv: Sequence[str]) -> int:
+    """Hand ``disttrain export ARGS`` to the trainer's exporter (same interpreter), or say what is missing."""
+    missing = [name for name in ("torch", "safetensors") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(
+            f"disttrain export needs {' and '.join(missing)}: pip install 'disttrain[trainer,export]'",
+            file=sys.stderr,
+        )
+        return 2
+    return subprocess.call([sys.executable, "-m", EXPORT_MODULE, *argv])
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -237,6 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
     storage.add_argument("--checkpoint-interval-steps", type=int, metavar="N")
     p_convert.set_defaults(func=cmd_convert)
 
+    sub.add_parser(  # parsed by the exporter itself (cmd_export); listed here for `disttrain --help`
+        "export",
+        help="write a checkpoint's model weights, unsharded, as safetensors (needs disttrain[trainer,export]; "
+        "`disttrain export --help`)",
+        add_help=False,
+    )
+
     p_operator = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
     scope = p_operator.add_mutually_exclusive_group(required=True)
     scope.add_argument(
@@ -327,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["export"]:
+        return cmd_export(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

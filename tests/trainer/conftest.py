@@ -248,3 +248,22 @@ def harness(tmp_path: Path, fork_servers: ForkServers):
     h = Harness(tmp_path, fork_servers)
     yield h
     h.cleanup()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 server (Ceph RADOS Gateway, tests/s3server.py), started once per session on first use (~12 s)."""
+    from tests import s3server
+
+    server = s3server.start_or_skip()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A fresh bucket for one test: (client, bucket name)."""
+    client = s3_server.client()
+    name = f"t-{secrets.token_hex(6)}"
+    client.create_bucket(Bucket=name)
+    return client, name

@@ -18,7 +18,11 @@ from collections import Counter
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from tests.checkpoint_tensors import assert_readable_by_dcp
 from tests.trainer.conftest import Harness
+
+from disttrain.trainer.checkpoint import export
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -137,8 +141,14 @@ def test_a_ddp_checkpoint_resumes_under_fsdp2_and_an_fsdp2_one_under_ddp_with_us
         assert all(r["counter"] == r["step"] for r in rows), "the user Stateful did not follow the checkpoint"
         got += consumed(rows, range(start, last + 1))
         start = last + 1
+        newest = max(harness.ckpt.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+        assert_readable_by_dcp(newest, harness.tmp / f"{run}.pt")  # by DCP's own tools, DDP and FSDP2 alike
     assert got == expected, f"replayed: {got - expected}, skipped: {expected - got}"
-    assert_same_weights(torch.load(harness.out / "ddp-w4-final.pt"), reference, "DDP -> FSDP2 -> DDP")
+    final = torch.load(harness.out / "ddp-w4-final.pt")
+    assert_same_weights(final, reference, "DDP -> FSDP2 -> DDP")
+    assert export.main([str(harness.ckpt), str(harness.tmp / "export")]) == 0  # the last step's checkpoint
+    exported = load_file(harness.tmp / "export" / export.SINGLE_FILE)
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], v) for k, v in final.items())
 
 
 def test_an_fp16_grad_scaler_resumes_with_the_same_scale_and_growth_tracker(harness):

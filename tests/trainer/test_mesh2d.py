@@ -26,7 +26,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from tests.checkpoint_tensors import assert_readable_by_dcp
 from tests.trainer.conftest import REPO, Harness
+
+from disttrain.trainer.checkpoint import export
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -134,7 +138,14 @@ def test_an_fsdp_x_tp_run_resumed_on_half_the_ranks_follows_the_uninterrupted_tr
     for step, loss in second.items():
         assert loss == pytest.approx(ref_losses[step], rel=1e-6), f"step {step}"
     assert consumed(before) + consumed(after) == ref_samples, "a sample was replayed or skipped"
-    assert_same_weights(torch.load(harness.out / "tp-w2-final.pt"), ref_weights)
+    final = torch.load(harness.out / "tp-w2-final.pt")
+    assert_same_weights(final, ref_weights)
+    # The FSDP x TP checkpoint of the last step, read by DCP's own tools and exported: the run's final weights.
+    last = harness.tmp / "ckpt-tp" / f"step-{STEPS}"
+    assert_readable_by_dcp(last, harness.tmp / "tp.pt")
+    assert export.main([str(harness.tmp / "ckpt-tp"), str(harness.tmp / "tp-export")]) == 0
+    exported = load_file(harness.tmp / "tp-export" / export.SINGLE_FILE)
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], v) for k, v in final.items())
 
 
 def test_an_hsdp_run_resumed_at_one_replica_follows_the_same_trajectory(harness, reference):

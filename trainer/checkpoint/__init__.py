@@ -1,4 +1,5 @@
-"""Checkpoints: the manager over ``torch.distributed.checkpoint`` (:mod:`.manager`), the on-disk commit protocol
+"""Checkpoints: the manager over ``torch.distributed.checkpoint`` (:mod:`.manager`), what is saved (:mod:`.state`),
+each rank's writing (:mod:`.saving`), rank 0's commit and retention (:mod:`.committer`), the on-disk commit protocol
 without torch (:mod:`.commit`), the fence of stale groups (:mod:`.fence`), raw-bytes storage (:mod:`.storage`,
 :mod:`.digesting`, :mod:`.writeback`) and the automatic interval (:mod:`.autointerval`).
 

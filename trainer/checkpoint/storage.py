@@ -1,15 +1,18 @@
-"""DCP storage that writes tensors as raw bytes instead of one ``torch.save`` archive per tensor.
+"""DCP storage in DCP's own file format, written at close to the disk's speed and digested while written.
 
-Why: DCP's ``FileSystemWriter`` wraps every tensor in a zip archive (``torch.save``), which on this project's
-machines caps a save at ~0.6x the throughput of ``dd`` to the same disk. Writing the tensor's bytes directly
-(and crc32-digesting them on the way, see :mod:`disttrain.trainer.checkpoint.digesting`) gets close to ``dd``. DCP's
-planning, metadata (``.metadata``), resharding on load and collectives are unchanged: only the bytes inside the
-``.distcp`` files differ, so checkpoints must be read with :class:`RawFileSystemReader`. The stored chunk's dtype
-and shape come from DCP's own metadata.
+The ``.distcp`` files hold what DCP's ``FileSystemWriter`` writes, so DCP's own tools (``FileSystemReader``,
+``format_utils.dcp_to_torch_save``) read every checkpoint: each tensor is one ``torch.save`` archive. What makes
+it fast: the archive is written straight into the shard file (no intermediate buffer), without the zip's per-record
+crc32 (the file's crc32, computed on the way by :mod:`disttrain.trainer.checkpoint.digesting`, covers the same
+bytes, and ``torch.load`` does not need it), in slices whose writeback starts at once
+(:mod:`disttrain.trainer.checkpoint.writeback`). DCP's planning, metadata (``.metadata``), resharding on load and
+collectives are DCP's.
 
 Reading trusts nothing on the path: every file is opened without following links (``O_NOFOLLOW``, regular files
 only), and ``.metadata``, a pickle, is unpickled only after its bytes (the very bytes unpickled) match the sha256
-that ``COMPLETE.json`` records for it (:meth:`RawFileSystemReader.read_metadata`).
+that ``COMPLETE.json`` records for it (:meth:`CheckpointReader.read_metadata`); tensors are loaded with
+``weights_only=True``. Checkpoints whose items are raw tensor bytes (an item exactly as long as its chunk's
+bytes, as this project wrote them before) read as well.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import threading
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional, cast
+from typing import IO, Any, Optional, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
@@ -46,30 +49,74 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
 from disttrain.api.manifest import MANIFEST_FILE
 from disttrain.trainer.checkpoint import commit, writeback
 from disttrain.trainer.checkpoint.digesting import DigestingFileSystem
 
-FORMAT = "disttrain-raw-1"
 WRITEBACK_SLICE = 8 * 2**20
 """Bytes written (and digested) between two writeback kicks (:mod:`disttrain.trainer.checkpoint.writeback`)."""
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes as the file gets them. A device tensor is copied to host memory first, as DCP's own
-    writer does (``.numpy()`` refuses a CUDA tensor: every checkpoint of a GPU job failed here)."""
-    flat = t.detach()
-    if flat.device.type != "cpu":
-        flat = flat.to("cpu")
-    flat = flat.contiguous().reshape(-1)
+    """A CPU tensor's bytes (reading a checkpoint whose items are raw bytes)."""
+    flat = t.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
     return flat.view(torch.uint8).numpy().data
 
 
-class RawFileSystemWriter(FileSystemWriter):
+def _host_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor as ``torch.save`` should get it: in host memory (as DCP's own writer copies it) and owning its
+    storage (``torch.save`` writes a view's whole storage, so a view is cloned first, as DCP does)."""
+    out = t.detach()
+    if out.device.type != "cpu":
+        out = out.to("cpu")
+    if out.untyped_storage().size() != out.nbytes:
+        out = out.clone()
+    return out
+
+
+class _SlicedStream:
+    """Passes writes on to ``stream`` in :data:`WRITEBACK_SLICE` pieces and starts the writeback of each full
+    slice, so the final fsync waits only for the tail."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.position = 0
+        self._flushed = 0  # bytes whose writeback has been started
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), WRITEBACK_SLICE):
+            piece = view[start : start + WRITEBACK_SLICE]
+            self.stream.write(piece)
+            self.position += len(piece)
+            if self.position - self._flushed >= WRITEBACK_SLICE:
+                self.stream.flush()
+                writeback.start_writeback(self.stream.fileno(), self._flushed, self.position - self._flushed)
+                self._flushed = self.position
+        return len(view)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def write_tensor(stream: Any, tensor: torch.Tensor) -> None:
+    """``torch.save(tensor, stream)`` without the zip's crc32 and without touching the process-wide
+    serialization settings (the training loop may be saving something else in another thread)."""
+    archive = torch._C.PyTorchFileWriter(stream, False, torch.serialization._get_storage_alignment())
+    torch.serialization._save(  # type: ignore[no-untyped-call]
+        tensor, archive, pickle, torch.serialization.DEFAULT_PROTOCOL, False
+    )
+    archive.write_end_of_file()
+
+
+class CheckpointWriter(FileSystemWriter):
+    """DCP's file format, each tensor written straight into its shard file and digested on the way."""
+
     def __init__(self, path: str, thread_count: int = 2) -> None:
         super().__init__(path, thread_count=thread_count, sync_files=True)
         self._digesting = DigestingFileSystem()
@@ -117,29 +164,21 @@ class RawFileSystemWriter(FileSystemWriter):
     def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         out = []
         path = self.fs.concat_path(self.path, name)
-        with self.fs.create_stream(path, "wb") as stream:
-            offset = 0
-            flushed = 0  # bytes whose writeback has been started
+        with self.fs.create_stream(path, "wb") as raw:
+            stream = _SlicedStream(raw)
             for item in items:
+                offset = stream.position
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
-                    payload = cast(io.BytesIO, data).getbuffer()
+                    stream.write(cast(io.BytesIO, data).getbuffer())
                 else:
-                    payload = _byte_view(cast(torch.Tensor, data))
-                length = len(payload)
-                for start in range(0, length, WRITEBACK_SLICE):
-                    stream.write(payload[start : start + WRITEBACK_SLICE])
-                    written = offset + min(length, start + WRITEBACK_SLICE)
-                    if written - flushed >= WRITEBACK_SLICE:
-                        stream.flush()
-                        writeback.start_writeback(stream.fileno(), flushed, written - flushed)
-                        flushed = written
+                    write_tensor(stream, _host_tensor(cast(torch.Tensor, data)))
+                length = stream.position - offset
                 out.append(
                     WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
                 )
-                offset += length
-            stream.flush()
-            os.fsync(stream.fileno())
+            raw.flush()
+            os.fsync(raw.fileno())
         return out
 
 
@@ -158,9 +197,9 @@ class _NoFollowFileSystem(FileSystem):
             yield stream
 
 
-class RawFileSystemReader(FileSystemReader):
-    """Reads :class:`RawFileSystemWriter` checkpoints; ``expected_metadata_sha256`` is the hash of ``.metadata``
-    from the manifest the caller validated (without it, the directory's own ``COMPLETE.json`` is read)."""
+class CheckpointReader(FileSystemReader):
+    """Reads checkpoints through no link and with a verified ``.metadata``: ``expected_metadata_sha256`` is its
+    hash from the manifest the caller validated (without it, the directory's own ``COMPLETE.json`` is read)."""
 
     def __init__(self, path: str, expected_metadata_sha256: Optional[str] = None) -> None:
         super().__init__(path)
@@ -204,7 +243,7 @@ class RawFileSystemReader(FileSystemReader):
                         buf = io.BytesIO(stream.read(info.length))
                         planner.load_bytes(req, buf)
                         continue
-                    tensor = self._read_chunk(
+                    tensor = self._read_item(
                         stream, info, metadata.state_dict_metadata[req.storage_index.fqn], req.storage_index.offset
                     )
                     for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
@@ -222,14 +261,17 @@ class RawFileSystemReader(FileSystemReader):
         return fut
 
     @staticmethod
-    def _read_chunk(stream: Any, info: _StorageInfo, md: TensorStorageMetadata, offsets: Any) -> torch.Tensor:
+    def _read_item(stream: Any, info: _StorageInfo, md: TensorStorageMetadata, offsets: Any) -> torch.Tensor:
+        """A ``torch.save`` archive (``weights_only``), or raw bytes when the item is exactly its chunk's size
+        (an archive is always longer than the bytes it holds)."""
         chunk = next(c for c in md.chunks if tuple(c.offsets) == tuple(offsets or (0,) * len(c.offsets)))
+        raw_length = chunk.sizes.numel() * md.properties.dtype.itemsize
+        if info.length != raw_length:
+            view = cast(IO[bytes], _create_file_view(stream, info.offset, info.length))
+            return cast(torch.Tensor, torch.load(view, map_location="cpu", weights_only=True))
         tensor = torch.empty(tuple(chunk.sizes), dtype=md.properties.dtype)
-        view = _byte_view(tensor)
-        if len(view) != info.length:
-            raise ValueError(f"checkpoint item has {info.length} bytes, its dtype and shape need {len(view)}")
         if info.length:
-            got = stream.readinto(view)
+            got = stream.readinto(_byte_view(tensor))
             if got != info.length:
                 raise ValueError(f"checkpoint item truncated: read {got} of {info.length} bytes")
         return tensor

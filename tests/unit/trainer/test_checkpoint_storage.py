@@ -37,7 +37,7 @@ def test_tensors_spanning_several_writeback_slices_round_trip_with_digests_of_th
         "empty": torch.empty(0),
         "meta": {"note": "not a tensor"},
     }
-    writer = storage.RawFileSystemWriter(str(tmp_path), thread_count=2)
+    writer = storage.CheckpointWriter(str(tmp_path), thread_count=2)
     dcp.save(state, storage_writer=writer)
     shards = sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".distcp"))
     assert shards and sorted(writer.digests) == shards
@@ -92,3 +92,22 @@ def test_a_save_after_the_state_gained_tensors_holds_them_despite_the_cached_pla
     assert torch.equal(second["app.model.weight"] + 1.0, third["app.model.weight"])
     for path in (tmp_path / "step-2", tmp_path / "step-3"):
         assert commit.validate(path).ok
+
+
+def test_checkpoints_whose_items_are_raw_tensor_bytes_still_load(tmp_path, one_process_group, monkeypatch):
+    """Volumes keep checkpoints written with each tensor as its raw bytes (no archive): resume reads them."""
+    g = torch.Generator().manual_seed(1)
+    state = {"w": torch.randn(5, 3, generator=g), "h": torch.randn(4, generator=g).half(), "empty": torch.empty(0)}
+
+    def raw_bytes(stream, tensor):
+        stream.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+    monkeypatch.setattr(storage, "write_tensor", raw_bytes)
+    dcp.save(state, storage_writer=storage.CheckpointWriter(str(tmp_path)))
+    monkeypatch.undo()
+    meta = commit.file_digest(tmp_path / commit.METADATA_FILE, "sha256")
+    commit.write_manifest(tmp_path, _manifest(0).model_copy(update={"metadata_sha256": meta.digest.split(":", 1)[1]}))
+    assert sum(p.stat().st_size for p in tmp_path.glob("*.distcp")) == 5 * 3 * 4 + 4 * 2  # raw: no archive
+    loaded = load_tensors(tmp_path, prefix="")
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value), key

@@ -245,13 +245,13 @@ def test_a_metadata_pickle_that_is_not_the_committed_one_is_never_unpickled(tmp_
     ran = tmp_path / "code-ran"
     (path / ".metadata").write_bytes(pickle.dumps(_Touch(ran)))
     with pytest.raises(storage.MetadataMismatchError, match="is never unpickled"):
-        storage.RawFileSystemReader(str(path)).read_metadata()
+        storage.CheckpointReader(str(path)).read_metadata()
     expected = json.loads((path / MANIFEST_FILE).read_text())["metadata_sha256"]
     with pytest.raises(storage.MetadataMismatchError):
-        storage.RawFileSystemReader(str(path), expected_metadata_sha256=expected).read_metadata()
+        storage.CheckpointReader(str(path), expected_metadata_sha256=expected).read_metadata()
     (path / MANIFEST_FILE).unlink()
     with pytest.raises(storage.MetadataMismatchError, match="no committed hash"):
-        storage.RawFileSystemReader(str(path)).read_metadata()
+        storage.CheckpointReader(str(path)).read_metadata()
     assert not ran.exists()
 
 
@@ -262,4 +262,4 @@ def test_the_reader_does_not_follow_a_linked_metadata_file(tmp_path):
     os.unlink(path / ".metadata")
     (path / ".metadata").symlink_to(copy)
     with pytest.raises(commit.LinkError, match="symbolic link"):
-        storage.RawFileSystemReader(str(path)).read_metadata()
+        storage.CheckpointReader(str(path)).read_metadata()
