@@ -674,6 +674,8 @@ def _size(d: Draft) -> None:
                 Reason.BACKOFF,
                 f"restarting {missing} node(s) after backoff at {st.next_restart_time}",
             )
+        elif (held_until := _replacement_held_until(d, live)) is not None:
+            d.timer(held_until)
         else:
             taken = {p.name for p in d.seen.workers}
             leaving = {p.name for p, _ in d.departing}
@@ -687,6 +689,26 @@ def _size(d: Draft) -> None:
                 d.event(NORMAL, Reason.SCALED_UP, f"scaling up from {previous} to {desired} nodes")
 
     _choose_target(d, live, group_nodes)
+
+
+def _replacement_held_until(d: Draft, live: list[PodView]) -> Optional[float]:
+    """Until when a lost node's replacement waits to be created, None: create it now.
+
+    While the group re-forms after a loss that the Ready hot spares cover, the spares take the lost nodes' places;
+    a replacement created at once could be up before the round completes (a forked local pod is, within a second)
+    and take a place a spare should have. So the replacement is created once the round formed, as the next spare,
+    or once :data:`~disttrain.operator.replacement.SPARE_JOIN_SECONDS` (or a longer ``replacementWaitSeconds``) after
+    the loss passed, in case the spares never joined."""
+    st, spec, ctl = d.status, d.spec, d.status.control
+    if not (spec.nodes.spares and ctl.in_flight and ctl.action is DirectiveAction.REFORM):
+        return None
+    if ctl.reason not in LOSS_REASONS:
+        return None
+    if sum(1 for p in live if p.is_running and p.ready) < st.desired_nodes:
+        return None
+    hold = max(replacement.SPARE_JOIN_SECONDS, replacement.wait_seconds(spec.elastic, live))
+    expiry = (timestamps.parse_time(ctl.issued_at) or d.now) + hold
+    return expiry if d.now < expiry else None
 
 
 def _drain_departing(d: Draft, group_nodes: int) -> None:
