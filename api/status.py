@@ -37,6 +37,7 @@ AGENT_FIELDS: Final = (
     "workerStartup",
     "inPlaceFallback",
     "storeRejections",
+    "resumedFromStep",
 )
 """Wire names of the status fields the job agent owns; it writes no other, and the operator never writes these."""
 
@@ -357,6 +358,10 @@ class DistTrainJobStatus(ContractModel):
     worker_startup: Optional[WorkerStartup] = None
     """When the current group's rank 0 started, phase by phase, and when the previous group exited (relayed by
     the job agent); the operator computes ``lastReform.phases`` from it."""
+    resumed_from_step: Optional[int] = Field(None, ge=0)
+    """The checkpoint step the current group loaded when it started (relayed by the job agent from rank 0); unset
+    when it started without one. It can be older than ``lastCheckpoint`` when the newest checkpoint could not be
+    loaded."""
     in_place_fallback: Optional[str] = Field(None, max_length=512)
     """Why a reform restarts the current group's workers from the last checkpoint although
     ``spec.elastic.reformInPlace`` asks to keep them (relayed by the job agent from rank 0); unset while in-place

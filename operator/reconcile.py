@@ -311,7 +311,7 @@ def _announce_checkpoint(d: Draft) -> None:
     if (
         previous is not None
         and previous.reason == Reason.RESUMED_FROM_STEP.value
-        and previous.message == resumed_message(ckpt)
+        and previous.message == resumed_message(resumed_step(d.status, ckpt))
     ):
         return  # still the checkpoint that training resumed from
     d.condition(ConditionType.CHECKPOINTED, True, Reason.CHECKPOINT_COMMITTED, message)
@@ -360,9 +360,14 @@ def checkpoint_message(ckpt: CheckpointRef) -> str:
     )
 
 
-def resumed_message(ckpt: CheckpointRef) -> str:
+def resumed_step(status: DistTrainJobStatus, ckpt: CheckpointRef) -> int:
+    """The checkpoint step the running group loaded: as its rank 0 reported it, else the newest committed one."""
+    return status.resumed_from_step if status.resumed_from_step is not None else ckpt.step
+
+
+def resumed_message(step: int) -> str:
     """The Checkpointed condition's message from a resume until the next checkpoint commits."""
-    return f"training resumed from the complete checkpoint at step {ckpt.step}"
+    return f"training resumed from the complete checkpoint at step {step}"
 
 
 # -- worker pods: losses and members -----------------------------------------------------------------------------
@@ -960,9 +965,10 @@ def _publish(d: Draft) -> None:
         d.condition(ConditionType.REFORMING, False, Reason.REFORMED, st.message)
         flipped = d.condition(ConditionType.RUNNING, True, Reason.RENDEZVOUS_COMPLETE, st.message, announce=NORMAL)
         ckpt = st.last_checkpoint
-        if flipped and ckpt is not None and st.step <= ckpt.step + 1 and ckpt.step > 0:
-            d.event(NORMAL, Reason.RESUMED_FROM_STEP, f"training resumed from step {ckpt.step}")
-            d.condition(ConditionType.CHECKPOINTED, True, Reason.RESUMED_FROM_STEP, resumed_message(ckpt))
+        resumed = resumed_step(st, ckpt) if ckpt is not None else 0
+        if flipped and st.step <= resumed + 1 and resumed > 0:
+            d.event(NORMAL, Reason.RESUMED_FROM_STEP, f"training resumed from step {resumed}")
+            d.condition(ConditionType.CHECKPOINTED, True, Reason.RESUMED_FROM_STEP, resumed_message(resumed))
     else:
         st.phase = Phase.PENDING
         running = sum(1 for p in live if p.is_running)

@@ -488,6 +488,7 @@ class Agent:
                 rendezvousRound=self._rounds,
                 roundStartTime=self._round_start,
                 inPlaceFallback=report.in_place_fallback,  # None removes a previous group's reason
+                resumedFromStep=report.resumed_from_step,
             )
             if report.samples_per_second is not None:
                 wanted["samplesPerSecond"] = round(report.samples_per_second, 1)

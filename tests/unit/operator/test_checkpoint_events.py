@@ -70,3 +70,22 @@ def test_the_first_commit_after_a_resume_is_announced_again():
     world.checkpoint(20).step(1)
     assert world.reasons().count("CheckpointCommitted") == 2
     assert world.condition("Checkpointed")["message"].startswith("checkpoint at step 20 ")
+
+
+def test_the_resume_names_the_step_the_group_loaded_not_the_newest_commit():
+    """The newest committed checkpoint (step 10) could not be loaded and the group fell back to step 5: the Event
+    and the condition name step 5, as rank 0 reported it."""
+    world = World(job_manifest(replicas=3)).running_world(3)
+    world.checkpoint(10).step(1)
+    world.vanish(1)
+    world.step(1)
+    world.step(5)
+    world.run_all()
+    world.step(1)
+    world.progress(3, step=6)
+    world.status["resumedFromStep"] = 5
+    world.step(1)
+    assert [m for r, m in world.events if r == "ResumedFromStep"] == ["training resumed from step 5"]
+    assert world.condition("Checkpointed")["message"] == "training resumed from the complete checkpoint at step 5"
+    world.step(1)
+    assert world.reasons().count("CheckpointCommitted") == 1, "the step-10 checkpoint seen before is no news"
