@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import shlex
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -485,8 +484,3 @@ def build_pod_group(job: DistTrainJob) -> Optional[dict[str, Any]]:
     """The PodGroup of ``spec.gang`` (Volcano or scheduler-plugins), owned by the job; None without a gang."""
     name = scheduling.pod_group_name(job)
     return scheduling.build_pod_group(job, _metadata(job, name, constants.ROLE_WORKER))
-
-
-def describe_command(pod: dict[str, Any]) -> str:
-    """A shell-quoted command line, for logs and docs."""
-    return shlex.join(worker_command(pod))

@@ -187,9 +187,3 @@ class LocalPod:
             self.log.close()
         except OSError:
             pass
-
-
-def wait_gone(pod: LocalPod, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while pod.is_alive and time.monotonic() < deadline:
-        time.sleep(0.02)
