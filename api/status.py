@@ -38,6 +38,7 @@ AGENT_FIELDS: Final = (
     "inPlaceFallback",
     "storeRejections",
     "resumedFromStep",
+    "resumedFromJobUid",
 )
 """Wire names of the status fields the job agent owns; it writes no other, and the operator never writes these."""
 
@@ -362,6 +363,10 @@ class DistTrainJobStatus(ContractModel):
     """The checkpoint step the current group loaded when it started (relayed by the job agent from rank 0); unset
     when it started without one. It can be older than ``lastCheckpoint`` when the newest checkpoint could not be
     loaded."""
+    resumed_from_job_uid: Optional[str] = Field(None, max_length=64)
+    """metadata.uid of the job that wrote that checkpoint, when rank 0 knows it. Another uid than this job's means
+    the checkpoints are an earlier job's of the same name (deleted and created again): its training goes on
+    (docs/operator.md, "Starting afresh")."""
     in_place_fallback: Optional[str] = Field(None, max_length=512)
     """Why a reform restarts the current group's workers from the last checkpoint although
     ``spec.elastic.reformInPlace`` asks to keep them (relayed by the job agent from rank 0); unset while in-place

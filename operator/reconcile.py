@@ -360,6 +360,19 @@ def checkpoint_message(ckpt: CheckpointRef) -> str:
     )
 
 
+def _warn_of_an_earlier_job(d: Draft, step: int) -> None:
+    """The checkpoint the group resumed from was written by another job of this name (deleted, then created again
+    under the same name and checkpoint path): its training goes on, so say so rather than resume silently."""
+    earlier = d.status.resumed_from_job_uid
+    if earlier and d.job.metadata.uid and earlier != d.job.metadata.uid:
+        d.event(
+            WARNING,
+            Reason.RESUMED_FROM_EARLIER_JOB,
+            f"resumed from checkpoint step {step}, written by an earlier job named {d.job.metadata.name} (uid "
+            f"{earlier}); to start afresh, delete the job's checkpoints or set spec.checkpoint.path to a new folder",
+        )
+
+
 def resumed_step(status: DistTrainJobStatus, ckpt: CheckpointRef) -> int:
     """The checkpoint step the running group loaded: as its rank 0 reported it, else the newest committed one."""
     return status.resumed_from_step if status.resumed_from_step is not None else ckpt.step
@@ -969,6 +982,7 @@ def _publish(d: Draft) -> None:
         if flipped and st.step <= resumed + 1 and resumed > 0:
             d.event(NORMAL, Reason.RESUMED_FROM_STEP, f"training resumed from step {resumed}")
             d.condition(ConditionType.CHECKPOINTED, True, Reason.RESUMED_FROM_STEP, resumed_message(resumed))
+            _warn_of_an_earlier_job(d, resumed)
     else:
         st.phase = Phase.PENDING
         running = sum(1 for p in live if p.is_running)

@@ -489,6 +489,7 @@ class Agent:
                 roundStartTime=self._round_start,
                 inPlaceFallback=report.in_place_fallback,  # None removes a previous group's reason
                 resumedFromStep=report.resumed_from_step,
+                resumedFromJobUid=report.resumed_from_job_uid,
             )
             if report.samples_per_second is not None:
                 wanted["samplesPerSecond"] = round(report.samples_per_second, 1)

@@ -89,3 +89,31 @@ def test_the_resume_names_the_step_the_group_loaded_not_the_newest_commit():
     assert world.condition("Checkpointed")["message"] == "training resumed from the complete checkpoint at step 5"
     world.step(1)
     assert world.reasons().count("CheckpointCommitted") == 1, "the step-10 checkpoint seen before is no news"
+
+
+def resumed_world(resumed_from_job_uid: str) -> World:
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.checkpoint(10).step(1)
+    world.vanish(1)
+    world.step(1)
+    world.step(5)
+    world.run_all()
+    world.step(1)
+    world.progress(2, step=11)
+    world.status.update(resumedFromStep=10, resumedFromJobUid=resumed_from_job_uid)
+    world.step(1)
+    return world
+
+
+def test_resuming_an_earlier_jobs_checkpoint_is_a_warning_naming_that_job():
+    """A job deleted and created again under the same name finds the first one's checkpoints: training goes on
+    from them, and the Event says whose they are and how to start afresh."""
+    world = resumed_world("uid-of-the-deleted-job")
+    [message] = [m for r, m in world.events if r == "ResumedFromEarlierJob"]
+    assert "step 10" in message and "uid-of-the-deleted-job" in message and "spec.checkpoint.path" in message
+
+
+def test_resuming_the_jobs_own_checkpoint_is_no_warning():
+    world = World(job_manifest(replicas=2))
+    own = world.manifest["metadata"]["uid"]
+    assert "ResumedFromEarlierJob" not in resumed_world(own).reasons()
