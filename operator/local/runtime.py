@@ -18,8 +18,8 @@ from typing import Any, Optional
 
 from disttrain.api import constants, storeauth
 from disttrain.api import env as env_names
-from disttrain.api.ports import free_port
 from disttrain.api.spec import DistTrainJob
+from disttrain.common.ports import free_port
 from disttrain.operator import agentfields, eventrate, names, pods, reconcile
 from disttrain.operator.local import agentlink, forkserver, translate
 from disttrain.operator.local.chaos import ChaosEvent
