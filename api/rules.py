@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disttrain.api import constants, containers
+from disttrain.api.spec import data_degree
 
 Node = dict[str, Any]
 
@@ -75,9 +76,8 @@ def _tensor_parallel(spec: Node) -> int:
 
 
 def _data_ranks_per_node(spec: Node) -> int:
-    """Ranks of one node that read different samples: nprocPerNode / tensorParallel (the data degree of
-    :meth:`disttrain.api.spec.MeshSpec.data_degree`, per node)."""
-    return int(spec["nprocPerNode"] // _tensor_parallel(spec))
+    """Ranks of one node that read different samples (:func:`disttrain.api.spec.data_degree` of a node)."""
+    return data_degree(int(spec["nprocPerNode"]), _tensor_parallel(spec))
 
 
 def _fixed_batch_divides(spec: Node) -> bool:
