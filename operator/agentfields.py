@@ -78,7 +78,7 @@ def sanitize(status: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if rejections is not None:
         try:
             report = StoreRejections.model_validate(rejections)
-            bad_time = next((r.time for r in report.recent if r.time and not control.is_valid_time(r.time)), None)
+            bad_time = next((r.time for r in report.recent if r.time and not 0.0 <= r.time <= control.MAX_TIME), None)
         except pydantic.ValidationError as error:
             problems.append(f"status.storeRejections={_show(rejections)} is no rejection report: {error.errors()[0]}")
             del clean["storeRejections"]

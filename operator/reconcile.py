@@ -191,7 +191,7 @@ def _bootstrap(d: Draft) -> None:
     """First sight of the job (or after a resume): start time, selector, Created condition."""
     st = d.status
     if st.start_time is None:
-        st.start_time = timestamps.format_time(d.now)
+        st.start_time = d.now
     st.selector = f"{constants.LABEL_JOB_NAME}={d.job.metadata.name},{constants.LABEL_ROLE}={constants.ROLE_WORKER}"
     st.observed_generation = d.job.metadata.generation or st.observed_generation
     if d.seen.create_failure is not None:
@@ -253,7 +253,7 @@ def _ensure_agent(d: Draft) -> None:
             f"job agent pod {name} was lost{where}{why}; recreating it: the workers train on and reconnect to it, "
             "no restart",
         )
-        d.status.agent_lost_at = timestamps.format_time(d.now)
+        d.status.agent_lost_at = d.now
     elif agent is not None and not lost and agent.is_running:
         tracked.add(name)
         _forget_agent_loss(d)
@@ -267,8 +267,8 @@ def _forget_agent_loss(d: Draft) -> None:
     (:func:`~disttrain.operator.incidents.failed_with_the_agent`); a job that never progresses keeps the mark, which
     costs at most one uncharged replacement per pod that existed then. Pure: compares two status stamps."""
     st = d.status
-    lost_at = timestamps.parse_time(st.agent_lost_at)
-    progressed = timestamps.parse_time(st.last_progress_time)
+    lost_at = st.agent_lost_at
+    progressed = st.last_progress_time
     if lost_at is not None and progressed is not None and progressed >= lost_at + AGENT_RECONNECT_GRACE_S:
         st.agent_lost_at = None
 
@@ -342,7 +342,7 @@ def _announce_store_rejections(d: Draft) -> None:
     if rejections is None:
         return
     for entry in rejections.recent:
-        at = timestamps.parse_time(entry.time)
+        at = entry.time
         if at is None or abs(d.now - at) > STORE_REJECTION_RECENT_SECONDS:  # either clock may be ahead
             continue
         what = _REJECTION_TEXT.get(entry.reason, "an invalid value")
@@ -500,8 +500,8 @@ def _left_as_planned(d: Draft, reason: Reason) -> bool:
 def _drain_checkpointed(d: Draft) -> bool:
     """The status names a checkpoint committed after the drain in flight was issued."""
     st = d.status
-    issued = timestamps.parse_time(st.control.issued_at) or d.now
-    ckpt_time = timestamps.parse_time(st.last_checkpoint.time) if st.last_checkpoint else None
+    issued = st.control.issued_at or d.now
+    ckpt_time = st.last_checkpoint.time if st.last_checkpoint else None
     return is_drain_checkpoint(issued, ckpt_time)  # the agent writes this one at once (trainer/agent/reporting.py)
 
 
@@ -521,7 +521,7 @@ def _remove_lost_pod(d: Draft, pod: PodView, reason: Reason) -> None:
 def _succeed(d: Draft) -> None:
     st = d.status
     st.phase = Phase.SUCCEEDED
-    st.completion_time = st.completion_time or timestamps.format_time(d.now)
+    st.completion_time = st.completion_time or d.now
     st.message = f"training finished at step {st.step}"
     d.condition(ConditionType.SUCCEEDED, True, Reason.SUCCEEDED, st.message, announce=NORMAL)
     d.condition(ConditionType.RUNNING, False, Reason.SUCCEEDED, st.message)
@@ -535,12 +535,8 @@ def _check_terminal(d: Draft) -> None:
     """Permanent failure reported by a worker, active deadline, success rule."""
     st, spec = d.status, d.spec
     failure = st.worker_failure
-    started = timestamps.parse_time(st.start_time) or 0.0
-    if (
-        failure is not None
-        and is_permanent_exit(spec, failure.exit_code)
-        and (timestamps.parse_time(failure.time) or d.now) >= started - 1
-    ):
+    started = st.start_time or 0.0
+    if failure is not None and is_permanent_exit(spec, failure.exit_code) and (failure.time or d.now) >= started - 1:
         fail(
             d,
             conditions.failure_reason(failure.message),
@@ -570,7 +566,7 @@ def _clean_up_finished(d: Draft) -> None:
     d.status.control.action = DirectiveAction.NONE
     d.status.pending_scale = None
     ttl = d.spec.run_policy.ttl_seconds_after_finished
-    done = timestamps.parse_time(d.status.completion_time)
+    done = d.status.completion_time
     if ttl is not None and done is not None:
         if d.now >= done + ttl:
             d.delete_job = True
@@ -599,7 +595,7 @@ def _suspend(d: Draft) -> None:
     st.ready_replicas = 0
     st.phase = Phase.SUSPENDED
     if st.start_time is not None and st.suspended_since is None:
-        st.suspended_since = timestamps.format_time(d.now)
+        st.suspended_since = d.now
     message = "suspended: no pods run; resuming continues from the last complete checkpoint"
     st.message = message
     d.condition(ConditionType.SUSPENDED, True, Reason.SUSPENDED, message, announce=NORMAL)
@@ -614,7 +610,7 @@ def _resume_if_suspended(d: Draft) -> None:
     st.phase = Phase.PENDING
     st.consecutive_failures = 0
     st.next_restart_time = None
-    since = timestamps.parse_time(st.suspended_since)
+    since = st.suspended_since
     if since is not None:
         st.suspended_seconds = round(st.suspended_seconds + max(0.0, d.now - since), 3)
     st.suspended_since = None
@@ -683,14 +679,14 @@ def _size(d: Draft) -> None:
     # Create what is missing (after the restart backoff).
     missing = wanted - len(live)
     if missing > 0 and not any(p.phase == "Succeeded" for p in d.seen.workers):
-        resume_at = timestamps.parse_time(st.next_restart_time)
+        resume_at = st.next_restart_time
         if resume_at is not None and now < resume_at:
             d.timer(resume_at)
             d.condition(
                 ConditionType.RUNNING,
                 st.phase is Phase.RUNNING,
                 Reason.BACKOFF,
-                f"restarting {missing} node(s) after backoff at {st.next_restart_time}",
+                f"restarting {missing} node(s) after backoff at {timestamps.format_time(resume_at)}",
             )
         elif (held_until := _replacement_held_until(d, live)) is not None:
             d.timer(held_until)
@@ -725,7 +721,7 @@ def _replacement_held_until(d: Draft, live: list[PodView]) -> Optional[float]:
     if sum(1 for p in live if p.is_running and p.ready) < st.desired_nodes:
         return None
     hold = max(replacement.SPARE_JOIN_SECONDS, replacement.wait_seconds(spec.elastic, live))
-    expiry = (timestamps.parse_time(ctl.issued_at) or d.now) + hold
+    expiry = (ctl.issued_at or d.now) + hold
     return expiry if d.now < expiry else None
 
 
@@ -764,8 +760,8 @@ def _complete_directive(d: Draft, group_nodes: int) -> None:
             close_incident(d)
             _forget_lost(d)
         return
-    issued = timestamps.parse_time(ctl.issued_at) or d.now
-    progressed = timestamps.parse_time(st.last_progress_time)
+    issued = ctl.issued_at or d.now
+    progressed = st.last_progress_time
     new_round = ctl.issued_round is None or st.rendezvous_round > ctl.issued_round
     # At least the target: a late replacement can join the round in the instant its wait ran out and the target was
     # lowered (the handler completes a round at the target or more, never fewer); that group runs, so the directive
@@ -784,8 +780,8 @@ def _complete_directive(d: Draft, group_nodes: int) -> None:
         st.consecutive_failures = 0
         st.next_restart_time = None
         if st.last_reform is not None:
-            start = timestamps.parse_time(st.last_reform.start) or issued
-            first = timestamps.parse_time(st.round_start_time)
+            start = st.last_reform.start or issued
+            first = st.round_start_time
             first = progressed if first is None or first < start else first
             st.last_reform.to = group_nodes
             st.last_reform.duration_seconds = round(max(0.0, first - start), 3)
@@ -805,7 +801,7 @@ def _remove_drained_victims(d: Draft) -> None:
     victims = [p for p in d.seen.workers if p.name in ctl.exclude]
     if not victims:
         return
-    issued = timestamps.parse_time(ctl.issued_at) or d.now
+    issued = ctl.issued_at or d.now
     drained = _drain_checkpointed(d)
     timed_out = d.now - issued >= spec.elastic.drain_timeout_seconds
     if ctl.action is not DirectiveAction.DRAIN or drained or timed_out:
@@ -846,7 +842,7 @@ def _choose_target(d: Draft, live: list[PodView], group_nodes: int) -> None:
     target = desired
     if not enough and (waiting or missing):
         if ctl.action is DirectiveAction.REFORM and ctl.reason in LOSS_REASONS:
-            expiry = (timestamps.parse_time(ctl.issued_at) or now) + replacement.wait_seconds(spec.elastic, live)
+            expiry = (ctl.issued_at or now) + replacement.wait_seconds(spec.elastic, live)
             timeout_reason = Reason.REPLACEMENT_TIMEOUT
         else:
             created = [p.created_at for p in waiting if p.created_at is not None]
