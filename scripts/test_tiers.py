@@ -8,7 +8,7 @@ rendezvous and the control plane much of the time. Each tier's (shard's) output 
 build/test-logs/<tier>.log (<tier>-<i>.log); a failing tier's summary is printed at the end.
 
 Each test's wall and CPU seconds go to build/test-logs/<tier>.costs.jsonl (tests/plugins/costs.py):
-`python scripts/house_figures.py` names the most expensive ones.
+`python scripts/code_figures.py` names the most expensive ones.
 
 A failed test fails its tier: nothing is run a second time.
 
