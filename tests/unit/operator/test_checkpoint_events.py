@@ -72,26 +72,8 @@ def test_the_first_commit_after_a_resume_is_announced_again():
     assert world.condition("Checkpointed")["message"].startswith("checkpoint at step 20 ")
 
 
-def test_the_resume_names_the_step_the_group_loaded_not_the_newest_commit():
-    """The newest committed checkpoint (step 10) could not be loaded and the group fell back to step 5: the Event
-    and the condition name step 5, as rank 0 reported it."""
-    world = World(job_manifest(replicas=3)).running_world(3)
-    world.checkpoint(10).step(1)
-    world.vanish(1)
-    world.step(1)
-    world.step(5)
-    world.run_all()
-    world.step(1)
-    world.progress(3, step=6)
-    world.status["resumedFromStep"] = 5
-    world.step(1)
-    assert [m for r, m in world.events if r == "ResumedFromStep"] == ["training resumed from step 5"]
-    assert world.condition("Checkpointed")["message"] == "training resumed from the complete checkpoint at step 5"
-    world.step(1)
-    assert world.reasons().count("CheckpointCommitted") == 1, "the step-10 checkpoint seen before is no news"
-
-
-def resumed_world(resumed_from_job_uid: str) -> World:
+def resumed_world(resumed_from_step: int, **relayed: str) -> World:
+    """Checkpoint 10 committed, a node lost, and the new group reporting the step after the one it loaded."""
     world = World(job_manifest(replicas=2)).running_world(2)
     world.checkpoint(10).step(1)
     world.vanish(1)
@@ -99,21 +81,30 @@ def resumed_world(resumed_from_job_uid: str) -> World:
     world.step(5)
     world.run_all()
     world.step(1)
-    world.progress(2, step=11)
-    world.status.update(resumedFromStep=10, resumedFromJobUid=resumed_from_job_uid)
+    world.progress(2, step=resumed_from_step + 1)
+    world.status.update(resumedFromStep=resumed_from_step, **relayed)
     world.step(1)
     return world
+
+
+def test_the_resume_names_the_step_the_group_loaded_not_the_newest_commit():
+    """The newest committed checkpoint (step 10) could not be loaded and the group fell back to step 5: the Event
+    and the condition name step 5, as rank 0 reported it."""
+    world = resumed_world(5)
+    assert [m for r, m in world.events if r == "ResumedFromStep"] == ["training resumed from step 5"]
+    assert world.condition("Checkpointed")["message"] == "training resumed from the complete checkpoint at step 5"
+    world.step(1)
+    assert world.reasons().count("CheckpointCommitted") == 1, "the step-10 checkpoint seen before is no news"
 
 
 def test_resuming_an_earlier_jobs_checkpoint_is_a_warning_naming_that_job():
     """A job deleted and created again under the same name finds the first one's checkpoints: training goes on
     from them, and the Event says whose they are and how to start afresh."""
-    world = resumed_world("uid-of-the-deleted-job")
+    world = resumed_world(10, resumedFromJobUid="uid-of-the-deleted-job")
     [message] = [m for r, m in world.events if r == "ResumedFromEarlierJob"]
     assert "step 10" in message and "uid-of-the-deleted-job" in message and "spec.checkpoint.path" in message
 
 
 def test_resuming_the_jobs_own_checkpoint_is_no_warning():
-    world = World(job_manifest(replicas=2))
-    own = world.manifest["metadata"]["uid"]
-    assert "ResumedFromEarlierJob" not in resumed_world(own).reasons()
+    own = World(job_manifest(replicas=2)).manifest["metadata"]["uid"]
+    assert "ResumedFromEarlierJob" not in resumed_world(10, resumedFromJobUid=own).reasons()
