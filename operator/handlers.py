@@ -79,7 +79,7 @@ LOOP_STOP_TIMEOUT_S = 5.0
 PRUNE_LINKS_EVERY = 10
 """Every this many checks of the agents' silence (1 s), the pulse links of pods no longer an agent are closed."""
 FINALIZER = f"{constants.GROUP}/operator"
-"""The finalizer operators before issue 27 put on every job; this one adds none and removes it where it finds it."""
+"""The finalizer older operator releases put on every job; this one adds none and removes it where it finds it."""
 
 
 class NameHeld(Exception):

@@ -1,4 +1,4 @@
-"""Issue 5, e2e 1 and 6: a node is lost, the group re-forms, the job finishes exactly; the metrics tell the story."""
+"""A node is lost, the group re-forms, the job finishes exactly; the metrics tell the story."""
 
 from __future__ import annotations
 

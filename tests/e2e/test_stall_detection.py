@@ -1,4 +1,4 @@
-"""Issue 29: a stalled step is found, its lagging node named, dumped, evicted, and the group re-forms without it.
+"""A stalled step is found, its lagging node named, dumped, evicted, and the group re-forms without it.
 
 Local mode, 2 nodes x 1 process: at step 7 the ranks of node 1 sleep before their step's gradient reduction (as a rank
 stuck in its forward, or a slow machine, would). Their peers wait in the all-reduce; the job agent sees the beacons
