@@ -41,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any, NoReturn, Optional
 
 import torch
@@ -154,6 +154,28 @@ def write_termination_message(text: str, path: Optional[str] = None) -> None:
         log.warning("could not write the termination message to %s: %s", path, exc)
 
 
+def _directed_anew(handler: Any) -> Callable[[], bool]:
+    """Whether the operator has issued a directive (the target's generation moved) since now, read through the
+    rendezvous handler's ``target()``. In the exit barrier this node's workers finished every step; a directive
+    then means a node of the group was lost (or is being drained) and the node the barrier waits for may never come,
+    so the barrier is left at once instead of after its timeout."""
+    target = getattr(handler, "target", None)
+    if not callable(target):
+        return lambda: False
+
+    def generation() -> Optional[int]:
+        try:
+            plan = target()
+        except Exception:  # noqa: BLE001 - an unreachable store says nothing; the barrier's timeout still holds
+            return None
+        return None if plan is None else int(plan.generation)
+
+    entered = generation()
+    if entered is None:  # no target to compare with (no operator, or its store away): the timeout alone
+        return lambda: False
+    return lambda: (now := generation()) is not None and now != entered
+
+
 class CountingAgent(LocalElasticAgent):
     """torchrun's agent, giving up at the first failure of user code so that the operator counts it.
 
@@ -223,10 +245,15 @@ class CountingAgent(LocalElasticAgent):
             world - 1,
         )
         start = time.monotonic()
+        redirected = _directed_anew(getattr(spec, "rdzv_handler", None))
         self._in_exit_barrier = True
         try:
-            if exitbarrier.wait_for_all(store, world, me, self._exit_barrier_timeout):
+            if exitbarrier.wait_for_all(store, world, me, self._exit_barrier_timeout, abandon=redirected):
                 log.info("[%s] every node finished; waited %.1f s", spec.role, time.monotonic() - start)
+            elif redirected():
+                log.info(
+                    "[%s] the operator re-directed the group (a node was lost); leaving the exit barrier", spec.role
+                )
             else:
                 waited = time.monotonic() - start
                 log.warning("[%s] the exit barrier timed out after %.0f s; leaving", spec.role, waited)
