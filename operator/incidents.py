@@ -103,11 +103,16 @@ def open_incident(d: Draft, first: str, cause: Reason, message: str, *, charged:
         return True
     budget = d.spec.restart_policy.max_restarts
     if st.restarts.total >= budget:
+        # The failure that spent the budget may be a retry's, which can fail otherwise than the user's code did
+        # (a replacement that timed out joining): the last charged failure is named too.
+        before = (
+            f"; the last charged failure: {st.last_failure}" if st.last_failure and st.last_failure != message else ""
+        )
         fail(
             d,
             Reason.RESTART_BUDGET_EXHAUSTED,
             f"{st.restarts.total} of spec.restartPolicy.maxRestarts={budget} restarts used; no restart left for "
-            f"{message}",
+            f"{message}{before}",
         )
         return False
     st.incident = Incident(
