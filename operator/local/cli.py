@@ -141,21 +141,16 @@ def _run(job, state: StateDir, chaos, args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from disttrain.operator.local import display as display_mod
-    from disttrain.operator.local.runtime import LocalRuntime
+    from disttrain.operator.local.runtime import LocalRuntime, RunOptions
 
     console = Console()
     view = display_mod.Display(
         job.metadata.name, job.spec.training.max_steps, console, live=False if args.plain else None
     )
-    runtime = LocalRuntime(
-        job,
-        state,
-        chaos=chaos,
-        workdir=args.workdir,
-        metrics_port=args.metrics_port,
-        on_tick=view.on_tick,
-        on_event=view.on_event,
+    options = RunOptions(
+        chaos=chaos, workdir=args.workdir, metrics_port=args.metrics_port, on_tick=view.on_tick, on_event=view.on_event
     )
+    runtime = LocalRuntime(job, state, options)
     # SIGTERM/SIGHUP end the run like Ctrl-C: every node, the agent and their workers are killed, never orphaned.
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _interrupt)
