@@ -113,31 +113,29 @@ def _interval_problem(value: Any) -> str:
     return ""
 
 
+def _node_list_problem(value: Any, adapter: pydantic.TypeAdapter[Any]) -> tuple[str, list[Any]]:
+    """Why ``value`` is no list of node entries of ``adapter``'s type ('' when it is one), and its entries."""
+    if not isinstance(value, list) or len(value) > MAX_SILENT_NODES:
+        return f"{_show(value)} is no list of at most {MAX_SILENT_NODES} entries", []
+    try:
+        entries = list(adapter.validate_python(value))
+    except pydantic.ValidationError as error:
+        return f"{_show(value)}: {error.errors()[0].get('loc')} {error.errors()[0].get('msg')}", []
+    return ("an entry has an empty node" if any(not entry.node for entry in entries) else ""), entries
+
+
 def _silent_nodes_problem(value: Any) -> str:
     """Why ``status.silentNodes`` cannot be used ('' when it can): the whole report goes, never a part of it."""
-    if not isinstance(value, list) or len(value) > MAX_SILENT_NODES:
-        return f"{_show(value)} is no list of at most {MAX_SILENT_NODES} entries"
-    try:
-        entries = _SILENT_NODES.validate_python(value)
-    except pydantic.ValidationError as error:
-        return f"{_show(value)}: {error.errors()[0].get('loc')} {error.errors()[0].get('msg')}"
-    for entry in entries:
-        if not entry.node:
-            return "an entry has an empty node"
-        if entry.last_heartbeat is not None and not control.is_valid_time(entry.last_heartbeat):
-            return f"lastHeartbeat={_show(entry.last_heartbeat)} is no RFC 3339 time"
-    return ""
+    problem, entries = _node_list_problem(value, _SILENT_NODES)
+    bad = next(
+        (e.last_heartbeat for e in entries if e.last_heartbeat and not control.is_valid_time(e.last_heartbeat)), None
+    )
+    return problem or (f"lastHeartbeat={_show(bad)} is no RFC 3339 time" if bad is not None else "")
 
 
 def _stalled_nodes_problem(value: Any) -> str:
     """Why ``status.stalledNodes`` cannot be used ('' when it can): the whole report goes, never a part of it."""
-    if not isinstance(value, list) or len(value) > MAX_SILENT_NODES:
-        return f"{_show(value)} is no list of at most {MAX_SILENT_NODES} entries"
-    try:
-        entries = _STALLED_NODES.validate_python(value)
-    except pydantic.ValidationError as error:
-        return f"{_show(value)}: {error.errors()[0].get('loc')} {error.errors()[0].get('msg')}"
-    return "an entry has an empty node" if any(not entry.node for entry in entries) else ""
+    return _node_list_problem(value, _STALLED_NODES)[0]
 
 
 def sanitized_job(raw: dict[str, Any], namespace: str, name: str) -> dict[str, Any]:

@@ -41,25 +41,13 @@ def job_labels(job: DistTrainJob, role: str) -> dict[str, str]:
     return {constants.LABEL_JOB_NAME: job.metadata.name, constants.LABEL_ROLE: role}
 
 
-def owner_reference(job: DistTrainJob) -> dict[str, Any]:
-    """Controller reference to the job: garbage collection deletes the object with the job."""
-    return {
-        "apiVersion": constants.API_VERSION,
-        "kind": constants.KIND,
-        "name": job.metadata.name,
-        "uid": job.metadata.uid or "",
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
 def _metadata(job: DistTrainJob, name: str, role: str, extra_labels: Optional[dict[str, str]] = None) -> dict[str, Any]:
     labels = {**(extra_labels or {}), **job_labels(job, role)}
     return {
         "name": name,
         "namespace": job.metadata.namespace,
         "labels": labels,
-        "ownerReferences": [owner_reference(job)],
+        "ownerReferences": [access.owner_reference(job)],
     }
 
 
