@@ -92,7 +92,7 @@ class _AutocastDDP(DistributedDataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         device_type = "cuda" if self.device_ids else "cpu"
         with torch.autocast(device_type=device_type, dtype=self._autocast_dtype):
-            out = super().forward(*inputs, **kwargs)
+            out = super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
         return _to_fp32(out)
 
 
@@ -239,7 +239,8 @@ def _sum_allreduce_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Fu
     """DDP's all-reduce without the division by W (see :class:`ParallelModel`)."""
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
     assert work is not None
-    return work.get_future().then(lambda fut: fut.value()[0])
+    reduced: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda fut: fut.value()[0])
+    return reduced
 
 
 def _to_fp32(out: Any) -> Any:

@@ -14,9 +14,13 @@ import re
 import shutil
 import signal
 import sys
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from disttrain.operator.local.statedir import StateDir
+
+if TYPE_CHECKING:
+    from disttrain.api.spec import DistTrainJob
+    from disttrain.operator.local.chaos import ChaosEvent
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -117,7 +121,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return _run(job, state, chaos, args)
 
 
-def _check_device(job, device: str) -> Optional[str]:
+def _check_device(job: DistTrainJob, device: str) -> Optional[str]:
     """Why ``job`` cannot run on this machine as asked (it requests GPUs, CUDA is not here), or None; ``--device
     cpu`` makes it a CPU job instead (:mod:`disttrain.operator.local.gpucheck`)."""
     from disttrain.api import contract as contract_mod
@@ -137,7 +141,7 @@ def _check_device(job, device: str) -> Optional[str]:
     return gpucheck.refusal(job, facts)
 
 
-def _run(job, state: StateDir, chaos, args: argparse.Namespace) -> int:
+def _run(job: DistTrainJob, state: StateDir, chaos: list[ChaosEvent], args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from disttrain.operator.local import display as display_mod

@@ -35,7 +35,7 @@ class LocalPod:
     node: str
     """The local machine it runs on."""
     marker: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     log: IO[bytes]
     created_at: float
     metrics_port: int = 0

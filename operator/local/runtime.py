@@ -123,7 +123,7 @@ class LocalRuntime:
     # ---- the job object --------------------------------------------------------------------------------
     @property
     def name(self) -> str:
-        return self.obj["metadata"]["name"]
+        return str(self.obj["metadata"]["name"])
 
     def job(self) -> DistTrainJob:
         return DistTrainJob.model_validate(self.obj)

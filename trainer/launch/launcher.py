@@ -185,7 +185,7 @@ class CountingAgent(LocalElasticAgent):
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         try:
-            result = super().run(role)
+            result: RunResult = super().run(role)
         except BaseException:
             self._leave_rendezvous_open()
             raise
@@ -270,7 +270,7 @@ class CountingAgent(LocalElasticAgent):
             handler.leave_open()
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        result = super()._monitor_workers(worker_group)
+        result: RunResult = super()._monitor_workers(worker_group)
         spec = worker_group.spec
         if result.state is WorkerState.HEALTHY and self._waiting_in_place():
             # Every worker of this node waits for the next round in place: torchrun restarts the group as after a
@@ -396,7 +396,7 @@ def _dump_folder(environ: Mapping[str, str]) -> str:
 
 def run(argv: Sequence[str]) -> int:
     """Run torchrun with ``argv``; the exit code the pod should end with."""
-    args = torchrun.parse_args(list(argv))
+    args = torchrun.parse_args(list(argv))  # type: ignore[no-untyped-call]
     apply_per_rank_logs(args, os.environ)
     apply_nccl_env(os.environ, torch.cuda.device_count() > 0)
     prestart.open_handover()
@@ -404,7 +404,7 @@ def run(argv: Sequence[str]) -> int:
     SubprocessHandler._popen = _warm_popen  # type: ignore[method-assign]  # where torchrun starts a worker
     SubprocessHandler.close = close_worker  # type: ignore[method-assign]  # where torchrun stops one
     try:
-        torchrun.run(args)
+        torchrun.run(args)  # type: ignore[no-untyped-call]
     except ChildFailedError as error:
         rank, failure = first_failure(error.failures)
         text = describe(rank, failure)

@@ -154,7 +154,7 @@ def launch_form(launcher_argv: Sequence[str]) -> Optional[tuple[int, list[str]]]
 
     try:
         with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-            args = torchrun.parse_args(list(launcher_argv))
+            args = torchrun.parse_args(list(launcher_argv))  # type: ignore[no-untyped-call]
     except SystemExit:
         return None
     if not str(args.nproc_per_node).isdigit() or args.run_path:
