@@ -20,7 +20,7 @@ from disttrain.api import constants, storeauth
 from disttrain.api import env as env_names
 from disttrain.api.spec import DistTrainJob
 from disttrain.common.ports import free_port
-from disttrain.operator import agentfields, eventrate, names, pods, reconcile
+from disttrain.operator import agentfields, announcements, eventrate, names, pods, reconcile
 from disttrain.operator.local import agentlink, forkserver, translate
 from disttrain.operator.local.chaos import ChaosEvent
 from disttrain.operator.local.forkserver import ForkServers
@@ -336,7 +336,7 @@ class LocalRuntime:
             if worker.name not in self.workers:
                 self.create_worker(worker)
         for event in actions.events:
-            if event.reason == reconcile.STORE_VALUE_REJECTED and not self.event_filter.admit(
+            if event.reason == announcements.STORE_VALUE_REJECTED and not self.event_filter.admit(
                 (self.obj["metadata"].get("namespace", ""), self.name, event.type, event.reason, event.message), now
             ):
                 continue
