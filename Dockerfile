@@ -56,6 +56,7 @@ COPY requirements/build.txt /requirements/
 RUN pip install --no-cache-dir --index-url "${INDEX_URL}" --require-hashes --no-deps -r /requirements/build.txt
 COPY pyproject.toml README.md ./
 COPY api ./api
+COPY common ./common
 COPY operator ./operator
 COPY trainer ./trainer
 COPY src ./src

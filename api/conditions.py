@@ -57,6 +57,7 @@ class Reason(str, enum.Enum):
     REPLACEMENT_TIMEOUT = "ReplacementTimeout"
     CHECKPOINT_COMMITTED = "CheckpointCommitted"
     RESUMED_FROM_STEP = "ResumedFromStep"
+    RESUMED_FROM_EARLIER_JOB = "ResumedFromEarlierJob"
     SUSPENDED = "Suspended"
     RESUMED = "Resumed"
     SUCCEEDED = "Succeeded"

@@ -126,6 +126,8 @@ class ProgressReport(BaseModel):
     restart_count: int = Field(0, ge=0, le=MAX_COUNT)
     run_id: str = Field("", max_length=MAX_NAME)
     resumed_from_step: Optional[int] = Field(None, ge=0, le=MAX_COUNT)
+    resumed_from_job_uid: Optional[str] = Field(None, max_length=MAX_NAME)
+    """metadata.uid of the job that wrote the checkpoint this group resumed from (None: unknown or no resume)."""
     process_id: str = Field("", max_length=MAX_NAME)
     """Unique id of the reporting worker process. torchrun starts new worker processes after every completed
     rendezvous round, so a new id means a new group even when run id, restart count and world size repeat."""

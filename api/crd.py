@@ -14,7 +14,7 @@ import functools
 import json
 import re
 from importlib import resources
-from typing import Any, cast
+from typing import Any, Optional, cast
 
 import yaml
 from pydantic import BaseModel
@@ -112,27 +112,11 @@ class _SchemaConverter:
         return self._node(self.schema, self.root_path, self.model.__name__)
 
     def _node(self, node: dict[str, Any], path: str, def_name: str | None = None) -> dict[str, Any]:
-        if node.get(POD_TEMPLATE_MARKER):
-            out: dict[str, Any] = json.loads(json.dumps(pod_template_schema()))
-            if "description" in node:
-                out["description"] = _clean_description(node["description"])
-            _attach_nested_rules(out, path)
-            return out
-        if node.get(POD_SPEC_FIELD_MARKER):
-            field = node[POD_SPEC_FIELD_MARKER]
-            out = json.loads(json.dumps(pod_template_schema()["properties"]["spec"]["properties"][field]))
-            if "description" in node:
-                out["description"] = _clean_description(node["description"])
-            return out
+        embedded = self._embedded(node, path)
+        if embedded is not None:
+            return embedded
         if "$ref" in node or ("allOf" in node and len(node["allOf"]) == 1):
-            ref = node.get("$ref") or node["allOf"][0]["$ref"]
-            name = ref.rsplit("/", 1)[-1]
-            out = self._node(self.defs[name], path, name)
-            if "description" in node:
-                out["description"] = _clean_description(node["description"])
-            if "default" in node:
-                out["default"] = node["default"]
-            return out
+            return self._reference(node, path)
         if node.get("x-kubernetes-int-or-string") and "anyOf" in node:
             # int or a keyword (intervalSteps: auto): the schema's own minimum/pattern apply to each kind
             return self._node({k: v for k, v in node.items() if k != "anyOf"}, path, def_name)
@@ -144,37 +128,9 @@ class _SchemaConverter:
             if node.get("default") is not None:
                 merged["default"] = node["default"]
             return self._node(merged, path, def_name)
-
-        out = {}
-        for key, value in node.items():
-            if key in _DROPPED_KEYS or key in ("properties", "required", "items"):
-                continue
-            if key == "description":
-                out[key] = _clean_description(value)
-            elif key == "exclusiveMinimum":
-                out["minimum"], out["exclusiveMinimum"] = value, True
-            elif key == "exclusiveMaximum":
-                out["maximum"], out["exclusiveMaximum"] = value, True
-            elif key == "enum":
-                out["enum"] = value
-                out.setdefault("type", "string")
-            else:
-                out[key] = value
+        out = _keywords(node)
         if node.get("type") == "object" and "properties" in node:
-            cls = self.classes.get(def_name or "")
-            defaults = _field_defaults(cls) if cls and issubclass(cls, BaseModel) else {}
-            props = {}
-            for key, sub in node["properties"].items():
-                converted = self._node(sub, f"{path}.{key}" if path else key)
-                if key in defaults and "default" not in converted:
-                    converted["default"] = defaults[key]
-                props[key] = converted
-            out["properties"] = props
-            if node.get("required"):
-                out["required"] = sorted(node["required"])
-            validations = rules.rules_for(path)
-            if validations:
-                out["x-kubernetes-validations"] = validations
+            self._object(node, path, def_name, out)
         elif node.get("type") == "object":
             extra = node.get("additionalProperties")
             out["additionalProperties"] = self._node(extra, path + ".*") if isinstance(extra, dict) else {}
@@ -184,6 +140,70 @@ class _SchemaConverter:
         elif node.get("type") == "array":
             out["items"] = self._node(node["items"], path + "[*]")
         return out
+
+    def _embedded(self, node: dict[str, Any], path: str) -> Optional[dict[str, Any]]:
+        """The Kubernetes schema of a pod template (or one field of a pod spec) where the model embeds one."""
+        if node.get(POD_TEMPLATE_MARKER):
+            out: dict[str, Any] = json.loads(json.dumps(pod_template_schema()))
+        elif node.get(POD_SPEC_FIELD_MARKER):
+            field = node[POD_SPEC_FIELD_MARKER]
+            out = json.loads(json.dumps(pod_template_schema()["properties"]["spec"]["properties"][field]))
+        else:
+            return None
+        if "description" in node:
+            out["description"] = _clean_description(node["description"])
+        if node.get(POD_TEMPLATE_MARKER):
+            _attach_nested_rules(out, path)
+        return out
+
+    def _reference(self, node: dict[str, Any], path: str) -> dict[str, Any]:
+        """A ``$ref`` to a model of ``$defs``, with the referring field's description and default."""
+        ref = node.get("$ref") or node["allOf"][0]["$ref"]
+        name = ref.rsplit("/", 1)[-1]
+        out = self._node(self.defs[name], path, name)
+        if "description" in node:
+            out["description"] = _clean_description(node["description"])
+        if "default" in node:
+            out["default"] = node["default"]
+        return out
+
+    def _object(self, node: dict[str, Any], path: str, def_name: str | None, out: dict[str, Any]) -> None:
+        """A model's properties into ``out``: each converted, with the model's defaults, its required fields and the
+        cross-field rules (:mod:`disttrain.api.rules`) attached at its path."""
+        cls = self.classes.get(def_name or "")
+        defaults = _field_defaults(cls) if cls and issubclass(cls, BaseModel) else {}
+        props = {}
+        for key, sub in node["properties"].items():
+            converted = self._node(sub, f"{path}.{key}" if path else key)
+            if key in defaults and "default" not in converted:
+                converted["default"] = defaults[key]
+            props[key] = converted
+        out["properties"] = props
+        if node.get("required"):
+            out["required"] = sorted(node["required"])
+        validations = rules.rules_for(path)
+        if validations:
+            out["x-kubernetes-validations"] = validations
+
+
+def _keywords(node: dict[str, Any]) -> dict[str, Any]:
+    """The node's own keywords, as a structural schema spells them (not its properties, required or items)."""
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DROPPED_KEYS or key in ("properties", "required", "items"):
+            continue
+        if key == "description":
+            out[key] = _clean_description(value)
+        elif key == "exclusiveMinimum":
+            out["minimum"], out["exclusiveMinimum"] = value, True
+        elif key == "exclusiveMaximum":
+            out["maximum"], out["exclusiveMaximum"] = value, True
+        elif key == "enum":
+            out["enum"] = value
+            out.setdefault("type", "string")
+        else:
+            out[key] = value
+    return out
 
 
 def _status_schema() -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
-from disttrain.api.spec import BatchPolicy, LRScaling, LRSchedule, LRSpec, TrainingSpec
+from disttrain.api.spec import BatchPolicy, LRScaling, LRSchedule, LRSpec, TrainingSpec, data_degree
 
 if TYPE_CHECKING:
     from disttrain.api.spec import DistTrainJobSpec
@@ -71,9 +71,9 @@ def lr_factor(scaling: LRScaling, batch: int, reference: int) -> float:
     return 1.0
 
 
-def data_degree(training: TrainingSpec, world_size: int) -> int:
-    """Ranks of ``world_size`` that read different samples (:attr:`Plan.data_degree`)."""
-    return training.mesh.data_degree(world_size) if training.mesh is not None else world_size
+def _data_degree(training: TrainingSpec, world_size: int) -> int:
+    """:func:`~disttrain.api.spec.data_degree` of ``world_size`` ranks under ``training.mesh``."""
+    return data_degree(world_size, training.mesh.tensor_parallel if training.mesh is not None else None)
 
 
 def _mesh_fits(training: TrainingSpec, world_size: int) -> bool:
@@ -83,7 +83,7 @@ def _mesh_fits(training: TrainingSpec, world_size: int) -> bool:
 def _fixed_mode_divisor_ok(training: TrainingSpec, world_size: int) -> bool:
     if not _mesh_fits(training, world_size):
         return False
-    return training.global_batch_size % (training.micro_batch_size * data_degree(training, world_size)) == 0
+    return training.global_batch_size % (training.micro_batch_size * _data_degree(training, world_size)) == 0
 
 
 def valid_world_sizes(training: TrainingSpec, sizes: Iterable[int] | None = None) -> list[int]:
@@ -114,7 +114,7 @@ def plan(training: TrainingSpec, world_size: int) -> Plan:
         name = "tensorParallel" if training.mesh.tensor_parallel else "shard"
         reason = f"it is not a multiple of training.mesh.{name} = {training.mesh.inner_degree}"
         raise InvalidWorldSizeError(world_size, reason, valid_world_sizes(training))
-    data = data_degree(training, world_size)
+    data = _data_degree(training, world_size)
     if training.batch_policy is BatchPolicy.FIXED:
         if not _fixed_mode_divisor_ok(training, world_size):
             size = "worldSize" if data == world_size else "dataDegree"

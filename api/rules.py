@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disttrain.api import constants, containers
+from disttrain.api.spec import data_degree
 
 Node = dict[str, Any]
 
@@ -69,12 +70,22 @@ def exactly_one_of(node: str, first: str, second: str) -> Rule:
     )
 
 
+def _tensor_parallel(spec: Node) -> int:
+    """``spec.training.mesh.tensorParallel``, 1 without it: the ranks that read the same samples."""
+    return int((spec["training"].get("mesh") or {}).get("tensorParallel", 1))
+
+
+def _data_ranks_per_node(spec: Node) -> int:
+    """Ranks of one node that read different samples (:func:`disttrain.api.spec.data_degree` of a node)."""
+    return data_degree(int(spec["nprocPerNode"]), _tensor_parallel(spec))
+
+
 def _fixed_batch_divides(spec: Node) -> bool:
     training, replicas, nproc = spec["training"], spec["nodes"]["replicas"], spec["nprocPerNode"]
-    micro = training["microBatchSize"]
-    if training["batchPolicy"] != "fixed" or replicas < 1 or nproc < 1 or micro < 1:
-        return True
-    return bool(training["globalBatchSize"] % (micro * replicas * nproc) == 0)
+    micro, tp = training["microBatchSize"], _tensor_parallel(spec)
+    if training["batchPolicy"] != "fixed" or replicas < 1 or nproc < 1 or micro < 1 or tp < 1 or nproc % tp:
+        return True  # another rule reports the sizes themselves
+    return bool(training["globalBatchSize"] % (micro * replicas * _data_ranks_per_node(spec)) == 0)
 
 
 def _mesh_degree(spec: Node) -> tuple[str, int]:
@@ -92,6 +103,7 @@ def _mesh_degree_divides_nproc(spec: Node) -> bool:
     return degree < 1 or spec["nprocPerNode"] % degree == 0
 
 
+_TP_CEL = "(has(self.training.mesh) && has(self.training.mesh.tensorParallel) ? self.training.mesh.tensorParallel : 1)"
 _MESH_DEGREE_CEL = (
     "(has(self.training.mesh.tensorParallel) ? self.training.mesh.tensorParallel : "
     "has(self.training.mesh.shard) ? self.training.mesh.shard : 1)"
@@ -180,27 +192,29 @@ RULES: tuple[Rule, ...] = (
         node="spec",
         cel=(
             "self.training.batchPolicy != 'fixed' || self.nodes.replicas < 1 || self.nprocPerNode < 1 || "
-            "self.training.microBatchSize < 1 || self.training.globalBatchSize % "
-            "(self.training.microBatchSize * self.nodes.replicas * self.nprocPerNode) == 0"
+            f"self.training.microBatchSize < 1 || {_TP_CEL} < 1 || self.nprocPerNode % {_TP_CEL} != 0 || "
+            "self.training.globalBatchSize % "
+            f"(self.training.microBatchSize * self.nodes.replicas * (self.nprocPerNode / {_TP_CEL})) == 0"
         ),
         message=(
-            "globalBatchSize %d is not a multiple of microBatchSize*replicas*nprocPerNode = %d*%d*%d = %d "
-            "(batchPolicy fixed)"
+            "globalBatchSize %d is not a multiple of microBatchSize*replicas*dataRanksPerNode = %d*%d*%d = %d "
+            "(batchPolicy fixed; dataRanksPerNode is nprocPerNode / training.mesh.tensorParallel, the ranks of a "
+            "node that read different samples)"
         ),
         cel_args=(
             "self.training.globalBatchSize",
             "self.training.microBatchSize",
             "self.nodes.replicas",
-            "self.nprocPerNode",
-            "self.training.microBatchSize * self.nodes.replicas * self.nprocPerNode",
+            f"self.nprocPerNode / {_TP_CEL}",
+            f"self.training.microBatchSize * self.nodes.replicas * (self.nprocPerNode / {_TP_CEL})",
         ),
         holds=_fixed_batch_divides,
         args=lambda s: (
             s["training"]["globalBatchSize"],
             s["training"]["microBatchSize"],
             s["nodes"]["replicas"],
-            s["nprocPerNode"],
-            s["training"]["microBatchSize"] * s["nodes"]["replicas"] * s["nprocPerNode"],
+            _data_ranks_per_node(s),
+            s["training"]["microBatchSize"] * s["nodes"]["replicas"] * _data_ranks_per_node(s),
         ),
         field_path=".training.globalBatchSize",
     ),

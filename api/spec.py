@@ -156,9 +156,12 @@ class MeshSpec(ContractModel):
         """Ranks in the fixed inner dimension (1: a 1-D mesh)."""
         return self.tensor_parallel or self.shard or 1
 
-    def data_degree(self, world_size: int) -> int:
-        """Ranks that read different samples: world size / tensorParallel (every rank under HSDP)."""
-        return world_size // self.tensor_parallel if self.tensor_parallel else world_size
+
+def data_degree(ranks: int, tensor_parallel: Optional[int]) -> int:
+    """The data degree: how many of ``ranks`` read different samples. The ranks of a tensor-parallel group read the
+    same samples, so it is ``ranks / tensorParallel`` on an FSDP x TP mesh and every rank otherwise (HSDP, 1-D).
+    The one definition: the batch plan, the admission rule (per node) and the trainer's mesh layout use it."""
+    return ranks // tensor_parallel if tensor_parallel else ranks
 
 
 class TrainingSpec(ContractModel):

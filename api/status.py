@@ -17,6 +17,7 @@ from disttrain.api.control import DirectiveAction
 from disttrain.api.nameset import PackedNames
 from disttrain.api.reformphases import ReformPhases, WorkerStartup
 from disttrain.api.spec import ContractModel
+from disttrain.api.timestamps import Timestamp
 
 AGENT_FIELDS: Final = (
     "step",
@@ -37,6 +38,8 @@ AGENT_FIELDS: Final = (
     "workerStartup",
     "inPlaceFallback",
     "storeRejections",
+    "resumedFromStep",
+    "resumedFromJobUid",
 )
 """Wire names of the status fields the job agent owns; it writes no other, and the operator never writes these."""
 
@@ -84,7 +87,7 @@ class CheckpointRef(ContractModel):
     """Samples consumed at that step."""
     path: str = ""
     """Directory of the checkpoint."""
-    time: Optional[str] = None
+    time: Optional[Timestamp] = None
     """RFC 3339 time it was committed."""
     world_size: int = 0
     """World size that wrote it."""
@@ -110,7 +113,7 @@ class ReformRecord(ContractModel):
     """World size before."""
     to: int = 0
     """World size after (0 while the reform is in progress)."""
-    start: Optional[str] = None
+    start: Optional[Timestamp] = None
     """RFC 3339 time the reform began."""
     duration_seconds: Optional[float] = None
     """Seconds from the start to the first completed step at the new size."""
@@ -129,7 +132,7 @@ class ControlDirective(ContractModel):
     """Why, e.g. ScaleDown, ScaleUp, NodeLost."""
     target_nodes: int = 0
     """Node count the next rendezvous round should complete with."""
-    issued_at: Optional[str] = None
+    issued_at: Optional[Timestamp] = None
     """RFC 3339 time the directive was issued."""
     issued_round: Optional[int] = None
     """status.rendezvousRound when the directive was issued. The directive completes only once the agent reports
@@ -156,7 +159,7 @@ class WorkerFailureStatus(ContractModel):
     """DISTTRAIN_NODE_NAME of the reporting node."""
     message: str = ""
     """What went wrong, in the trainer's words."""
-    time: Optional[str] = None
+    time: Optional[Timestamp] = None
     """RFC 3339 time of the report."""
 
 
@@ -224,7 +227,7 @@ class StoreRejection(ContractModel):
     """rendezvous, control, torch or foreign (:data:`disttrain.trainer.agent.guardian.KEY_CLASSES`)."""
     reason: str = Field(max_length=16)
     """foreign, unsigned, replayed or deleted (:data:`disttrain.trainer.agent.guardian.REASONS`)."""
-    time: Optional[str] = None
+    time: Optional[Timestamp] = None
     """RFC 3339 time of the rejection (the agent's clock)."""
 
 
@@ -245,7 +248,7 @@ class Incident(ContractModel):
     budget"). A dead node takes its peers' workers with it (NCCL's watchdog aborts them), and a crash at start fails
     every node at once: each is one incident, not one restart per pod."""
 
-    opened_at: str
+    opened_at: Timestamp
     """RFC 3339 time of the loss that opened it."""
     reason: str
     """Its cause, the ``status.restarts.byReason`` key it was charged to: PodFailed, NodeNotReady, HeartbeatLost,
@@ -299,7 +302,7 @@ class DistTrainJobStatus(ContractModel):
     step's denominator (docs/trainer.md, "The loss contract"); absent when the value is not finite."""
     rendezvous_round: int = 0
     """Completed rendezvous rounds (counted by the job agent: a new group's first progress report bumps it)."""
-    round_start_time: Optional[str] = None
+    round_start_time: Optional[Timestamp] = None
     """RFC 3339 time of the current round's first progress report (the new group's first completed step)."""
     restarts: RestartCounts = Field(default_factory=RestartCounts)
     """Failures restarted, total and by reason."""
@@ -321,21 +324,21 @@ class DistTrainJobStatus(ContractModel):
     """The operator's current directive to the job agent."""
     pending_scale: Optional[PendingScale] = None
     """A scale request waiting out the debounce."""
-    next_restart_time: Optional[str] = None
+    next_restart_time: Optional[Timestamp] = None
     """RFC 3339 time before which no failed node is restarted (backoff)."""
-    start_time: Optional[str] = None
+    start_time: Optional[Timestamp] = None
     """RFC 3339 time the job first ran."""
     suspended_seconds: float = Field(0.0, ge=0)
     """Seconds the job spent suspended since startTime; runPolicy.activeDeadlineSeconds does not count them."""
-    suspended_since: Optional[str] = None
+    suspended_since: Optional[Timestamp] = None
     """RFC 3339 time the current suspension began (unset while not suspended)."""
-    completion_time: Optional[str] = None
+    completion_time: Optional[Timestamp] = None
     """RFC 3339 time the job succeeded or failed."""
     observed_generation: int = 0
     """metadata.generation the operator last acted on."""
-    last_progress_time: Optional[str] = None
+    last_progress_time: Optional[Timestamp] = None
     """RFC 3339 time of the newest trainer progress report relayed by the job agent."""
-    agent_lost_at: Optional[str] = None
+    agent_lost_at: Optional[Timestamp] = None
     """RFC 3339 time the job agent was last lost, until the workers report progress through its replacement: a
     worker pod that existed then and fails meanwhile (a torchrun inside a rendezvous join exits when its store
     disappears) is replaced in an uncharged incident (AgentRestarted), not charged as a PodFailed. The agent's loss
@@ -357,6 +360,14 @@ class DistTrainJobStatus(ContractModel):
     worker_startup: Optional[WorkerStartup] = None
     """When the current group's rank 0 started, phase by phase, and when the previous group exited (relayed by
     the job agent); the operator computes ``lastReform.phases`` from it."""
+    resumed_from_step: Optional[int] = Field(None, ge=0)
+    """The checkpoint step the current group loaded when it started (relayed by the job agent from rank 0); unset
+    when it started without one. It can be older than ``lastCheckpoint`` when the newest checkpoint could not be
+    loaded."""
+    resumed_from_job_uid: Optional[str] = Field(None, max_length=64)
+    """metadata.uid of the job that wrote that checkpoint, when rank 0 knows it. Another uid than this job's means
+    the checkpoints are an earlier job's of the same name (deleted and created again): its training goes on
+    (docs/operator.md, "Starting afresh")."""
     in_place_fallback: Optional[str] = Field(None, max_length=512)
     """Why a reform restarts the current group's workers from the last checkpoint although
     ``spec.elastic.reformInPlace`` asks to keep them (relayed by the job agent from rank 0); unset while in-place

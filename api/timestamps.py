@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Optional
+from typing import Annotated, Any, Optional
+
+from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
 
 
 def format_time(unix: float) -> str:
@@ -31,3 +33,21 @@ def parse_time(value: Optional[str]) -> Optional[float]:
     if parsed.tzinfo is None:
         parsed = parsed.replace(tzinfo=datetime.timezone.utc)
     return parsed.timestamp()
+
+
+def _from_wire(value: Any) -> Any:
+    """An RFC 3339 string (the status as stored) becomes Unix time; a number stays, anything else is refused by the
+    type's own check."""
+    if isinstance(value, str):
+        return parse_time(value)
+    return value
+
+
+Timestamp = Annotated[
+    float,
+    BeforeValidator(_from_wire),
+    PlainSerializer(format_time, return_type=str),
+    WithJsonSchema({"type": "string"}),
+]
+"""A status time: Unix seconds in memory (what the operator's clock gives, so policies compare and add without
+conversions), an RFC 3339 string with milliseconds in the status as stored and in every dump of a model."""

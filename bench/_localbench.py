@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 from disttrain.api import constants  # noqa: E402
 from disttrain.api.spec import DistTrainJob  # noqa: E402
 from disttrain.operator.local.chaos import parse_chaos  # noqa: E402
-from disttrain.operator.local.runtime import LocalRuntime, Snapshot  # noqa: E402
+from disttrain.operator.local.runtime import LocalRuntime, RunOptions, Snapshot  # noqa: E402
 from disttrain.operator.local.statedir import StateDir  # noqa: E402
 
 
@@ -123,15 +123,10 @@ def run(
         if on_tick is not None:
             on_tick(holder["runtime"], snapshot)
 
-    runtime = LocalRuntime(
-        job,
-        StateDir(state_dir),
-        chaos=parse_chaos(chaos),
-        workdir=str(REPO),
-        on_tick=tick,
-        not_ready_delay_s=not_ready_delay_s,
-        gpus=gpus,
+    options = RunOptions(
+        chaos=parse_chaos(chaos), workdir=str(REPO), on_tick=tick, not_ready_delay_s=not_ready_delay_s, gpus=gpus
     )
+    runtime = LocalRuntime(job, StateDir(state_dir), options)
     holder["runtime"] = runtime
     runtime.summary = runtime.run(timeout_s=timeout_s)
     return runtime

@@ -1,4 +1,4 @@
-"""Issue 30 on the real-control-plane tier: what losing the job agent's node costs a running job.
+"""On the real-control-plane tier: what losing the job agent's node costs a running job.
 
 The control plane of ``tests/cluster`` (etcd, kube-apiserver, kube-controller-manager with node-monitor-grace-period
 20 s, kube-scheduler from ``../shared/k8s``), the real operator under the chart's RBAC, and kubelets that run every

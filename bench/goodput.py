@@ -1,4 +1,4 @@
-"""P5 of the local-mode issue, and issue 12 item 3: goodput under failures, fixed vs automatic checkpoint interval.
+"""Goodput under failures, fixed vs automatic checkpoint interval.
 
 Runs of the tiny LM demo job on 3 nodes, the same wall-clock window measured from the first completed step: one
 without failures, then two where a node's machine is killed every ``--period`` seconds (the runtime re-adds a

@@ -45,6 +45,7 @@ def build(case: str, args: argparse.Namespace, device: torch.device) -> tuple[An
     """(model, optimizer, data degree, data rank) of one case, wrapped as the trainer wraps it."""
     from disttrain.api.spec import MeshSpec
     from disttrain.trainer import mesh, parallel
+    from disttrain.trainer.options import ParallelOptions
 
     example = gptlm()
     torch.manual_seed(0)
@@ -54,9 +55,8 @@ def build(case: str, args: argparse.Namespace, device: torch.device) -> tuple[An
     spec = {"1-D": None, "HSDP": MeshSpec(shard=2), "FSDPxTP": MeshSpec(tensor_parallel=2)}[case]
     where = mesh.layout(spec, world)
     plan = example.TP_PLAN if case == "FSDPxTP" else None
-    parallel.wrap(
-        model, optimizer, device, parallel.Parallelism.FSDP2, parallel.Precision.FP32, layout=where, tp_plan=plan
-    )
+    options = ParallelOptions(parallelism=parallel.Parallelism.FSDP2, tp_plan=plan)
+    parallel.wrap(model, optimizer, device, options, parallel.Precision.FP32, layout=where)
     return model, optimizer, where.data_degree, where.data_rank(rank)
 
 

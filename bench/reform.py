@@ -73,9 +73,8 @@ def p1(steps: int) -> tuple[float, float, dict[str, float]]:
     job = lb.recorder_job(
         "floor", floor_out, replicas=2, max_steps=resumed_from + 3, step_sleep=0.05, dataset=12 * steps
     )
-    runtime = lb.LocalRuntime(
-        lb.DistTrainJob.model_validate(job), state, workdir=str(lb.REPO), on_tick=lambda snap: note_start(runtime, snap)
-    )
+    options = lb.RunOptions(workdir=str(lb.REPO), on_tick=lambda snap: note_start(runtime, snap))
+    runtime = lb.LocalRuntime(lb.DistTrainJob.model_validate(job), state, options)
     runtime.run(timeout_s=300)
     first_floor = min(lb.records(floor_out), key=lambda r: r["time"])
     floor = first_floor["time"] - started["t"] - first_floor["load_seconds"]

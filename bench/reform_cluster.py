@@ -1,4 +1,4 @@
-"""Issue 12 on the real-control-plane tier: where a reform's seconds go when a machine dies under a running job.
+"""On the real-control-plane tier: where a reform's seconds go when a machine dies under a running job.
 
 Starts etcd, kube-apiserver, kube-controller-manager (node-monitor-grace-period 20 s) and kube-scheduler from
 ``../shared/k8s`` (``tests/cluster/controlplane.py``), the real operator as a process under the chart's RBAC, and

@@ -1,4 +1,4 @@
-"""The job agent's memory under a flood of large values from a stranger (issue 27).
+"""The job agent's memory under a flood of large values from a stranger.
 
 A child process plays the agent's store side: the libuv TCPStore server as
 :func:`disttrain.trainer.agent.service.start_store`

@@ -40,21 +40,24 @@ MOUNT_PATH = "/var/run/secrets/disttrain.dev/store"
 SECRET_FILE = f"{MOUNT_PATH}/{storeauth.SECRET_KEY}"
 
 
+def owner_reference(job: DistTrainJob) -> dict[str, Any]:
+    """Controller reference to the job: garbage collection deletes the object with the job."""
+    return {
+        "apiVersion": constants.API_VERSION,
+        "kind": constants.KIND,
+        "name": job.metadata.name,
+        "uid": job.metadata.uid or "",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
 def _metadata(job: DistTrainJob, name: str) -> dict[str, Any]:
     return {
         "name": name,
         "namespace": job.metadata.namespace,
         "labels": {constants.LABEL_JOB_NAME: job.metadata.name, constants.LABEL_ROLE: constants.ROLE_AGENT},
-        "ownerReferences": [
-            {
-                "apiVersion": constants.API_VERSION,
-                "kind": constants.KIND,
-                "name": job.metadata.name,
-                "uid": job.metadata.uid or "",
-                "controller": True,
-                "blockOwnerDeletion": True,
-            }
-        ],
+        "ownerReferences": [owner_reference(job)],
     }
 
 

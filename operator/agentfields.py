@@ -10,6 +10,7 @@ the agent's to correct with its next report.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pydantic
@@ -35,58 +36,67 @@ def sanitize(status: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``status`` without the agent values that fail their checks, and a description of each one dropped."""
     clean = patches.copy_json(status)
     problems: list[str] = []
+    for find in (_scalar_problems, _report_problems):  # a field dropped by the first is not looked at again
+        for field, problem in find(clean):
+            problems.append(f"status.{field}{problem}")
+            clean.pop(field.split(".", 1)[0], None)
+    return clean, problems
+
+
+def _scalar_problems(status: dict[str, Any]) -> list[tuple[str, str]]:
+    """(field, what is wrong) for the times and counts that fail their checks."""
+    found: list[tuple[str, str]] = []
     for field in TIME_FIELDS:
-        value = clean.get(field)
+        value = status.get(field)
         if value is not None and not (isinstance(value, str) and control.is_valid_time(value)):
-            problems.append(f"status.{field}={_show(value)} is no RFC 3339 time")
-            del clean[field]
+            found.append((field, f"={_show(value)} is no RFC 3339 time"))
     for field in NESTED_TIME_FIELDS:
-        value = clean.get(field)
+        value = status.get(field)
         if not isinstance(value, dict) or value.get("time") is None:
             continue
         if not (isinstance(value["time"], str) and control.is_valid_time(value["time"])):
-            problems.append(f"status.{field}.time={_show(value['time'])} is no RFC 3339 time")
-            del clean[field]
+            found.append((f"{field}.time", f"={_show(value['time'])} is no RFC 3339 time"))
     for field in COUNT_FIELDS:
-        value = clean.get(field)
+        value = status.get(field)
         if value is not None and not (isinstance(value, int) and 0 <= value <= control.MAX_COUNT):
-            problems.append(f"status.{field}={_show(value)} is out of range [0, {control.MAX_COUNT}]")
-            del clean[field]
-    interval = clean.get("checkpointInterval")
-    if interval is not None and (reason := _interval_problem(interval)):
-        problems.append(f"status.checkpointInterval{reason}")
-        del clean["checkpointInterval"]
-    silent = clean.get("silentNodes")
-    if silent is not None:
-        problem = _silent_nodes_problem(silent)
-        if problem:
-            problems.append(f"status.silentNodes: {problem}")
-            del clean["silentNodes"]
-    stalled = clean.get("stalledNodes")
-    if stalled is not None and (problem := _stalled_nodes_problem(stalled)):
-        problems.append(f"status.stalledNodes: {problem}")
-        del clean["stalledNodes"]
-    members = clean.get("roundMembers")
-    if members is not None and not (
+            found.append((field, f"={_show(value)} is out of range [0, {control.MAX_COUNT}]"))
+    return found
+
+
+def _report_problems(status: dict[str, Any]) -> list[tuple[str, str]]:
+    """(field, what is wrong) for the agent's structured reports that fail their checks."""
+    checks: tuple[tuple[str, Callable[[Any], str]], ...] = (
+        ("checkpointInterval", _interval_problem),
+        ("silentNodes", lambda v: f": {p}" if (p := _silent_nodes_problem(v)) else ""),
+        ("stalledNodes", lambda v: f": {p}" if (p := _stalled_nodes_problem(v)) else ""),
+        ("roundMembers", _round_members_problem),
+        ("storeRejections", _rejections_problem),
+    )
+    found: list[tuple[str, str]] = []
+    for field, check in checks:
+        value = status.get(field)
+        if value is not None and (problem := check(value)):
+            found.append((field, problem))
+    return found
+
+
+def _round_members_problem(members: Any) -> str:
+    if (
         isinstance(members, list)
         and len(members) <= MAX_ROUND_MEMBERS
         and all(isinstance(name, str) and 0 < len(name) <= 253 for name in members)
     ):
-        problems.append(f"status.roundMembers={_show(members)} is no list of at most {MAX_ROUND_MEMBERS} pod names")
-        del clean["roundMembers"]
-    rejections = clean.get("storeRejections")
-    if rejections is not None:
-        try:
-            report = StoreRejections.model_validate(rejections)
-            bad_time = next((r.time for r in report.recent if r.time and not control.is_valid_time(r.time)), None)
-        except pydantic.ValidationError as error:
-            problems.append(f"status.storeRejections={_show(rejections)} is no rejection report: {error.errors()[0]}")
-            del clean["storeRejections"]
-        else:
-            if bad_time is not None:
-                problems.append(f"status.storeRejections.recent[].time={_show(bad_time)} is no RFC 3339 time")
-                del clean["storeRejections"]
-    return clean, problems
+        return ""
+    return f"={_show(members)} is no list of at most {MAX_ROUND_MEMBERS} pod names"
+
+
+def _rejections_problem(rejections: Any) -> str:
+    try:
+        report = StoreRejections.model_validate(rejections)
+    except pydantic.ValidationError as error:
+        return f"={_show(rejections)} is no rejection report: {error.errors()[0]}"
+    bad_time = next((r.time for r in report.recent if r.time and not 0.0 <= r.time <= control.MAX_TIME), None)
+    return "" if bad_time is None else f".recent[].time={_show(bad_time)} is no RFC 3339 time"
 
 
 def _interval_problem(value: Any) -> str:
@@ -103,31 +113,29 @@ def _interval_problem(value: Any) -> str:
     return ""
 
 
+def _node_list_problem(value: Any, adapter: pydantic.TypeAdapter[Any]) -> tuple[str, list[Any]]:
+    """Why ``value`` is no list of node entries of ``adapter``'s type ('' when it is one), and its entries."""
+    if not isinstance(value, list) or len(value) > MAX_SILENT_NODES:
+        return f"{_show(value)} is no list of at most {MAX_SILENT_NODES} entries", []
+    try:
+        entries = list(adapter.validate_python(value))
+    except pydantic.ValidationError as error:
+        return f"{_show(value)}: {error.errors()[0].get('loc')} {error.errors()[0].get('msg')}", []
+    return ("an entry has an empty node" if any(not entry.node for entry in entries) else ""), entries
+
+
 def _silent_nodes_problem(value: Any) -> str:
     """Why ``status.silentNodes`` cannot be used ('' when it can): the whole report goes, never a part of it."""
-    if not isinstance(value, list) or len(value) > MAX_SILENT_NODES:
-        return f"{_show(value)} is no list of at most {MAX_SILENT_NODES} entries"
-    try:
-        entries = _SILENT_NODES.validate_python(value)
-    except pydantic.ValidationError as error:
-        return f"{_show(value)}: {error.errors()[0].get('loc')} {error.errors()[0].get('msg')}"
-    for entry in entries:
-        if not entry.node:
-            return "an entry has an empty node"
-        if entry.last_heartbeat is not None and not control.is_valid_time(entry.last_heartbeat):
-            return f"lastHeartbeat={_show(entry.last_heartbeat)} is no RFC 3339 time"
-    return ""
+    problem, entries = _node_list_problem(value, _SILENT_NODES)
+    bad = next(
+        (e.last_heartbeat for e in entries if e.last_heartbeat and not control.is_valid_time(e.last_heartbeat)), None
+    )
+    return problem or (f"lastHeartbeat={_show(bad)} is no RFC 3339 time" if bad is not None else "")
 
 
 def _stalled_nodes_problem(value: Any) -> str:
     """Why ``status.stalledNodes`` cannot be used ('' when it can): the whole report goes, never a part of it."""
-    if not isinstance(value, list) or len(value) > MAX_SILENT_NODES:
-        return f"{_show(value)} is no list of at most {MAX_SILENT_NODES} entries"
-    try:
-        entries = _STALLED_NODES.validate_python(value)
-    except pydantic.ValidationError as error:
-        return f"{_show(value)}: {error.errors()[0].get('loc')} {error.errors()[0].get('msg')}"
-    return "an entry has an empty node" if any(not entry.node for entry in entries) else ""
+    return _node_list_problem(value, _STALLED_NODES)[0]
 
 
 def sanitized_job(raw: dict[str, Any], namespace: str, name: str) -> dict[str, Any]:

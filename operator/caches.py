@@ -28,7 +28,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any, Generic, Optional, TypeVar
 
-from disttrain.api import constants, versions
+from disttrain.api import constants
+from disttrain.common import versions
 from disttrain.operator import views
 from disttrain.operator.observed import NodeView, Observed, PodView
 

@@ -183,12 +183,12 @@ def cmd_operator(args: argparse.Namespace) -> int:
         """The adapter's client: --kubeconfig, else in-cluster, else the default kubeconfig (as kopf logs in)."""
         configuration = client.Configuration()
         if args.kubeconfig:
-            config.load_kube_config(config_file=args.kubeconfig, client_configuration=configuration)
+            config.load_kube_config(config_file=args.kubeconfig, client_configuration=configuration)  # type: ignore[no-untyped-call]
         else:
             try:
-                config.load_incluster_config(client_configuration=configuration)
+                config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
             except config.ConfigException:
-                config.load_kube_config(client_configuration=configuration)
+                config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
         configuration.connection_pool_maxsize = handlers.API_CONCURRENCY  # one pooled connection per thread
         return client.ApiClient(configuration)
 

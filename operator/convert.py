@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from disttrain.api import constants
 
@@ -164,7 +164,7 @@ def _trainer_container(template: dict[str, Any], notes: list[str]) -> dict[str, 
     if container.get("name") != constants.TRAINER_CONTAINER:
         notes.append(f"container {container.get('name')!r} renamed to {constants.TRAINER_CONTAINER!r}")
         container["name"] = constants.TRAINER_CONTAINER
-    return container
+    return cast("dict[str, Any]", container)  # the template's own dict: the caller edits it in place
 
 
 def _nproc(job_spec: dict[str, Any], container: dict[str, Any], launcher_nproc: Optional[int], notes: list[str]) -> int:
@@ -241,7 +241,7 @@ def _template(replicas: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     pod = template.setdefault("spec", {})
     if pod.pop("restartPolicy", None) is not None:
         notes.append("template.spec.restartPolicy dropped: the operator sets it")
-    return template
+    return cast("dict[str, Any]", template)
 
 
 def _nodes(job_spec: dict[str, Any], notes: list[str]) -> dict[str, int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Optional
 
-from disttrain.api import conditions, timestamps
+from disttrain.api import conditions
 from disttrain.api.conditions import ConditionType, Reason
 from disttrain.api.control import DirectiveAction
 from disttrain.api.spec import DistTrainJob
@@ -119,7 +119,7 @@ def issue(d: Draft, action: DirectiveAction, reason: Reason, target: int, exclud
     ctl.action = action
     ctl.reason = reason.value
     ctl.target_nodes = target
-    ctl.issued_at = timestamps.format_time(d.now)
+    ctl.issued_at = d.now
     ctl.issued_round = st.rendezvous_round
     ctl.exclude = sorted(set(exclude))
     if first_of_episode:
@@ -148,7 +148,7 @@ def fail(d: Draft, reason: Reason, message: str) -> None:
     st = d.status
     st.phase = Phase.FAILED
     st.message = message
-    st.completion_time = st.completion_time or timestamps.format_time(d.now)
+    st.completion_time = st.completion_time or d.now
     st.next_restart_time = None
     st.incident = None
     st.agent_lost_at = None

@@ -79,7 +79,7 @@ LOOP_STOP_TIMEOUT_S = 5.0
 PRUNE_LINKS_EVERY = 10
 """Every this many checks of the agents' silence (1 s), the pulse links of pods no longer an agent are closed."""
 FINALIZER = f"{constants.GROUP}/operator"
-"""The finalizer operators before issue 27 put on every job; this one adds none and removes it where it finds it."""
+"""The finalizer older operator releases put on every job; this one adds none and removes it where it finds it."""
 
 
 class NameHeld(Exception):
@@ -320,6 +320,15 @@ def is_refusal(error: k8s.ApiException) -> bool:
     return not any(sign in api_error_message(error) for sign in TRANSIENT_ADMISSION)
 
 
+NAMESPACE_ENDING = "because it is being terminated"
+"""The API server's 403 for anything created in a namespace being deleted."""
+
+
+def is_namespace_ending(error: k8s.ApiException) -> bool:
+    """The write was refused because its namespace is being deleted: the end of the job, not an RBAC fault."""
+    return error.status == 403 and NAMESPACE_ENDING in api_error_message(error)
+
+
 Failures = dict[JobKey, CreateFailure]
 """The failed creation of each job's last apply (see :class:`Observed.create_failure`)."""
 
@@ -331,9 +340,9 @@ def failure_message(error: k8s.ApiException) -> str:
 
 @dataclasses.dataclass
 class Writer:
-    """What every job's reconcile shares, built once per operator (:func:`register`): the API, the watch caches,
-    the metrics, the settings of the objects it creates, and what the last applies left for the next reconcile
-    (refused pods, failed creations, the Event rate limits)."""
+    """What every job's reconcile shares, built once per operator (:meth:`OperatorHandlers.writer`): the API, the
+    watch caches, the metrics, the settings of the objects it creates, and what the last applies left for the next
+    reconcile (refused pods, failed creations, the Event rate limits)."""
 
     kube: Kube
     cache: ClusterCache
@@ -466,6 +475,9 @@ async def _post_events(writer: Writer, job: DistTrainJob, actions: Actions, now:
         try:
             await writer.kube.create(event_object(job, event.type, event.reason, event.message, now))
         except k8s.ApiException as error:  # events are best effort
+            if is_namespace_ending(error):
+                log.debug("job %s/%s: no events: its namespace is being deleted", ns, name)
+                return
             log.warning("could not post event %s: %s", event.reason, error.reason)
 
 
@@ -568,232 +580,267 @@ async def _sleep(wake: asyncio.Event, stopped: asyncio.Event, timeout: Optional[
             waiter.cancel()
 
 
+class OperatorHandlers:
+    """The operator's state and its kopf handlers: the watch caches they feed, each job's reconcile loop, and the
+    check that wakes the jobs whose agent fell silent. :func:`register` binds the handlers to a kopf registry.
+
+    ``agent``: the job agents' image, Lease and pulse (``--agent-image``, ``--agent-heartbeat-seconds``,
+    ``--agent-pulse-seconds``); ``network``: the per-job NetworkPolicies' settings (``--network-policy`` and the
+    scraper's and the operator's selectors)."""
+
+    def __init__(
+        self,
+        api_client_factory: Callable[[], k8s.ApiClient],
+        metrics: OperatorMetrics,
+        agent: builders.AgentSettings = builders.DEFAULT_AGENT,
+        network: access.NetworkPolicySettings = access.DEFAULT_NETWORK,
+    ) -> None:
+        self.api_client_factory = api_client_factory
+        self.metrics = metrics
+        self.agent = agent
+        self.network = network
+        self.pokes = Pokes()
+        self.cache = ClusterCache()
+        self.refusals: Refusals = {}
+        self.failures: Failures = {}
+        self.events = eventrate.EventFilter()
+        self.beats = agentbeat.AgentBeats(agent.heartbeat_s or constants.AGENT_LEASE_RENEW_SECONDS)
+        self.links = pulses.PulseLinks(self.beats)
+        self.listings = listing.Listings(self.cache, self.list_scope, self.pokes.poke_jobs)
+        self.loops: dict[JobKey, tuple[asyncio.Task[None], asyncio.Event]] = {}
+        """Each job's reconcile loop and the event that stops it. Our own tasks, not kopf daemons: kopf puts a
+        finalizer on every object that has a daemon, and a finalizer makes deleting a job wait for the operator
+        (hung while it was down). Nothing needs one: the children go by their owner references, metrics series by
+        the DELETED watch event, a loop by :meth:`stop_loop`."""
+        self.checker: Optional[asyncio.Task[None]] = None
+        """The task of :meth:`wake_silent_agents`, started with the first agent pod or Lease seen."""
+        self._writer: Optional[Writer] = None
+
+    def writer(self) -> Writer:
+        """Built at the first reconcile, with the API client: not at registration."""
+        if self._writer is None:
+            self._writer = Writer(
+                Kube(self.api_client_factory()),
+                self.cache,
+                self.metrics,
+                agent=self.agent,
+                network=self.network,
+                refusals=self.refusals,
+                failures=self.failures,
+                events=self.events,
+                beats=self.beats,
+            )
+        return self._writer
+
+    async def list_scope(self, scope: listing.Scope) -> list[dict[str, Any]]:
+        return await self.writer().kube.list_scope(scope)
+
+    # -- each job's reconcile loop ---------------------------------------------------------------------------------
+
+    def start_loop(self, namespace: str, name: str) -> None:
+        """Start the job's loop unless one runs (a job seen first, or again after the operator's start)."""
+        key = (namespace, name)
+        if key in self.loops and not self.loops[key][0].done():
+            return
+        stop = asyncio.Event()
+        self.pokes.events[key] = asyncio.Event()  # its own: a loop of an older job of this name may still be ending
+        task = asyncio.create_task(self.job_loop(namespace, name, stop), name=f"reconcile {namespace}/{name}")
+        self.loops[key] = (task, stop)
+
+    def stop_loop(self, namespace: str, name: str) -> None:
+        """Stop the job's loop (the job is gone or being deleted); it ends after its current reconcile."""
+        entry = self.loops.pop((namespace, name), None)
+        if entry is not None:
+            entry[1].set()
+
+    async def job_loop(self, namespace: str, name: str, stopped: asyncio.Event) -> None:
+        """The job's reconcile loop (started on the job's first watch event, also after an operator start)."""
+        key = (namespace, name)
+        wake = self.pokes.get(namespace, name)
+        try:
+            await self._reconcile_until_stopped(key, wake, stopped)
+        finally:
+            if self.pokes.events.get(key) is wake:  # not yet replaced by the loop of a new job of the same name
+                del self.pokes.events[key]
+                self.refusals.pop(key, None)
+                self.failures.pop(key, None)
+            if self.cache.job(namespace, name) is None:
+                self.metrics.forget_job(namespace, name)
+
+    async def _reconcile_until_stopped(self, key: JobKey, wake: asyncio.Event, stopped: asyncio.Event) -> None:
+        namespace, name = key
+        backoff = retry.Backoff()
+        while not stopped.is_set():
+            wake.clear()
+            delay: Optional[float]
+            try:
+                await self.listings.ensure_synced(namespace)
+                refused, failed = self.refusals.get(key), self.failures.get(key)
+                result = await reconcile_once(self.writer(), namespace, name)
+                if result is None:
+                    return
+                backoff.succeeded()
+                requeue = result.actions.requeue_after
+                delay = None if requeue is None else max(0.05, requeue)
+                acted = result.actions.create_agent or result.actions.create_workers or result.actions.delete_pods
+                if result.others_wrote or acted:
+                    # The cache holds a change no watch event will announce: the answers to our own writes
+                    # (the pods' watch events come with the same versions and change nothing). The next
+                    # reconcile counts them in the status (it writes nothing when nothing changed).
+                    wake.set()
+                if self.refusals.get(key) != refused or self.failures.get(key) != failed:
+                    delay = 0.05  # a new refusal or failure (or its end): the status says so at once
+            except NameHeld as held:
+                delay = backoff.failed(None, None, time.time())
+                log.info("job %s/%s waits: %s; retrying in %.1f s", namespace, name, held, delay)
+            except k8s.ApiException as error:
+                self.metrics.errors.labels("api").inc()
+                delay = backoff.failed(error.status, error.headers, time.time())
+                log.log(
+                    logging.DEBUG if is_namespace_ending(error) else logging.WARNING,
+                    "reconcile of %s/%s failed: %s %s: %s; retrying in %.1f s",
+                    namespace,
+                    name,
+                    error.status,
+                    error.reason,
+                    api_error_message(error),
+                    delay,
+                )
+            except Exception:
+                self.metrics.errors.labels("internal").inc()
+                log.exception("reconcile of %s/%s failed; retrying", namespace, name)
+                delay = INTERNAL_ERROR_RETRY_S
+            await _sleep(wake, stopped, delay)
+
+    # -- the watch sinks (WATCH_SINKS): every event into the caches, waking only the jobs it concerns --------------
+
+    async def job_changed(
+        self, *, type: Optional[str], body: kopf.Body, name: str, namespace: Optional[str], **_: Any
+    ) -> None:
+        namespace = _namespaced(namespace)
+        now = time.monotonic()
+        if type is None:
+            self.listings.relisted(listing.JOBS, namespace)
+        deleting = type == "DELETED" or bool(body.get("metadata", {}).get("deletionTimestamp"))
+        if deleting:
+            self.metrics.forget_job(namespace, name, body.get("metadata", {}).get("uid"))  # deleting: no series
+        if type == "DELETED":
+            self.cache.remove_job(body, now)
+            self.events.forget_job(namespace, name)
+            self.beats.forget_job((namespace, name))
+            self.pokes.poke(namespace, name)
+        elif self.cache.put_job(patches.copy_json(dict(body)), now) is not None:
+            self.pokes.poke(namespace, name)
+        if deleting:
+            self.stop_loop(namespace, name)
+        else:
+            self.start_loop(namespace, name)
+
+    async def pod_changed(self, *, type: Optional[str], body: kopf.Body, namespace: Optional[str], **_: Any) -> None:
+        namespace = _namespaced(namespace)
+        now = time.monotonic()
+        if type is None:
+            self.listings.relisted(listing.PODS, namespace)
+        key = self.cache.remove_pod(body, now) if type == "DELETED" else self.cache.put_pod(body, now)
+        if key is not None:
+            self.pokes.poke(*key)
+        labels = body.get("metadata", {}).get("labels") or {}
+        if labels.get(constants.LABEL_ROLE) == constants.ROLE_AGENT:
+            job_key = (namespace, str(labels.get(constants.LABEL_JOB_NAME)))
+            if type == "DELETED":
+                self.links.forget(str(body.get("metadata", {}).get("uid") or ""))
+            else:
+                self.links.follow(job_key, body)
+            self.start_checker()
+
+    async def lease_changed(self, *, type: Optional[str], body: kopf.Body, namespace: Optional[str], **_: Any) -> None:
+        job = (body.get("metadata", {}).get("labels") or {}).get(constants.LABEL_JOB_NAME)
+        if not job:
+            return
+        key = (_namespaced(namespace), str(job))
+        if type == "DELETED":
+            self.beats.forget(key)
+        else:
+            self.beats.renewed(key, body, time.monotonic())
+        self.start_checker()
+
+    async def node_changed(self, *, type: Optional[str], body: kopf.Body, **_: Any) -> None:
+        now = time.monotonic()
+        if type is None:
+            self.listings.relisted(listing.NODES, None)
+        self.pokes.poke_jobs(self.cache.remove_node(body, now) if type == "DELETED" else self.cache.put_node(body, now))
+
+    # -- the agents' silence ---------------------------------------------------------------------------------------
+
+    def agent_of(self, key: JobKey) -> Optional[PodView]:
+        record = self.cache.pods.get((key[0], names.agent_name(key[1])))
+        return None if record is None else record.view
+
+    def agent_uid(self, key: JobKey) -> Optional[str]:
+        agent = self.agent_of(key)
+        return None if agent is None else agent.uid
+
+    async def wake_silent_agents(self) -> None:
+        """A silent agent brings no watch event: look on a timer and wake its job (it replaces the agent)."""
+        for tick in itertools.count():
+            await asyncio.sleep(agentbeat.CHECK_S)
+            now = time.monotonic()
+            self.beats.checked(now)
+            if tick % PRUNE_LINKS_EVERY == 0:
+                self.links.prune(self.agent_uid)
+            for (namespace, name), why in self.beats.newly_silent(self.agent_of, now):
+                self.agent_silent(namespace, name, why)
+
+    def agent_silent(self, namespace: str, name: str, why: str) -> None:
+        """Wake the job whose agent fell silent (it replaces the agent). Said as a warning unless the job is being
+        deleted (its namespace, say): then its agent's end is expected."""
+        job = self.cache.job(namespace, name)
+        ending = job is None or bool(job.get("metadata", {}).get("deletionTimestamp"))
+        level = logging.DEBUG if ending else logging.WARNING
+        log.log(level, "job %s/%s: its agent is taken for lost: %s", namespace, name, why)
+        self.pokes.poke(namespace, name)
+
+    def start_checker(self) -> None:
+        if self.checker is None or self.checker.done():
+            self.checker = asyncio.create_task(self.wake_silent_agents(), name="agent beats")
+
+    # -- the operator's end and its probe --------------------------------------------------------------------------
+
+    async def stop_sweeps(self, **_: Any) -> None:
+        await self.listings.close()
+        await self.links.close()
+        if self.checker is not None:
+            self.checker.cancel()
+        running = [task for task, _stop in self.loops.values()]
+        for namespace, name in list(self.loops):
+            self.stop_loop(namespace, name)
+        if running:
+            _done, pending = await asyncio.wait(running, timeout=LOOP_STOP_TIMEOUT_S)
+            for task in pending:
+                task.cancel()
+
+    def jobs_probe(self, **_: Any) -> int:
+        return len(self.pokes.events)
+
+
 def register(
     registry: kopf.OperatorRegistry,
     api_client_factory: Callable[[], k8s.ApiClient],
     metrics: OperatorMetrics,
     agent: builders.AgentSettings = builders.DEFAULT_AGENT,
     network: access.NetworkPolicySettings = access.DEFAULT_NETWORK,
-) -> None:
-    """Register every handler on ``registry`` (a fresh one in tests, kopf's default one in ``disttrain operator``);
-    ``agent`` the job agents' image, Lease and pulse (``--agent-image``, ``--agent-heartbeat-seconds``,
-    ``--agent-pulse-seconds``), ``network`` the per-job NetworkPolicies' settings (``--network-policy`` and the
-    scraper's and the operator's selectors)."""
-    pokes = Pokes()
-    cache = ClusterCache()
-    refusals: Refusals = {}
-    failures: Failures = {}
-    events = eventrate.EventFilter()
-    box: dict[str, Any] = {}
-    beats = agentbeat.AgentBeats(agent.heartbeat_s or constants.AGENT_LEASE_RENEW_SECONDS)
-    links = pulses.PulseLinks(beats)
-
-    def writer() -> Writer:
-        """Built at the first reconcile, as the API client was before: not at registration."""
-        if "writer" not in box:
-            box["writer"] = Writer(
-                Kube(api_client_factory()),
-                cache,
-                metrics,
-                agent=agent,
-                network=network,
-                refusals=refusals,
-                failures=failures,
-                events=events,
-                beats=beats,
-            )
-        return box["writer"]
-
-    def kube() -> Kube:
-        return writer().kube
-
-    async def list_scope(scope: listing.Scope) -> list[dict[str, Any]]:
-        return await kube().list_scope(scope)
-
-    listings = listing.Listings(cache, list_scope, pokes.poke_jobs)
-
-    loops: dict[JobKey, tuple[asyncio.Task[None], asyncio.Event]] = {}
-    """Each job's reconcile loop and the event that stops it. Our own tasks, not kopf daemons: kopf puts a
-    finalizer on every object that has a daemon, and a finalizer makes deleting a job wait for the operator
-    (hung while it was down). Nothing needs one: the children go by their owner references, metrics series by
-    the DELETED watch event, a loop by ``stop_loop``."""
-
-    def start_loop(namespace: str, name: str) -> None:
-        """Start the job's loop unless one runs (a job seen first, or again after the operator's start)."""
-        key = (namespace, name)
-        if key in loops and not loops[key][0].done():
-            return
-        stop = asyncio.Event()
-        pokes.events[key] = asyncio.Event()  # its own: a loop of an older job of this name may still be ending
-        task = asyncio.create_task(job_loop(namespace, name, stop), name=f"reconcile {namespace}/{name}")
-        loops[key] = (task, stop)
-
-    def stop_loop(namespace: str, name: str) -> None:
-        """Stop the job's loop (the job is gone or being deleted); it ends after its current reconcile."""
-        entry = loops.pop((namespace, name), None)
-        if entry is not None:
-            entry[1].set()
-
-    async def job_loop(namespace: str, name: str, stopped: asyncio.Event) -> None:
-        """The job's reconcile loop (started on the job's first watch event, also after an operator start)."""
-        key = (namespace, name)
-        wake = pokes.get(namespace, name)
-        delay: Optional[float] = 0.0
-        backoff = retry.Backoff()
-        try:
-            while not stopped.is_set():
-                wake.clear()
-                try:
-                    await listings.ensure_synced(namespace)
-                    refused = refusals.get((namespace, name))
-                    failed = failures.get((namespace, name))
-                    result = await reconcile_once(writer(), namespace, name)
-                    if result is None:
-                        return
-                    backoff.succeeded()
-                    requeue = result.actions.requeue_after
-                    delay = None if requeue is None else max(0.05, requeue)
-                    acted = result.actions.create_agent or result.actions.create_workers or result.actions.delete_pods
-                    if result.others_wrote or acted:
-                        # The cache holds a change no watch event will announce: the answers to our own writes
-                        # (the pods' watch events come with the same versions and change nothing). The next
-                        # reconcile counts them in the status (it writes nothing when nothing changed).
-                        wake.set()
-                    if refusals.get((namespace, name)) != refused or failures.get((namespace, name)) != failed:
-                        delay = 0.05  # a new refusal or failure (or its end): the status says so at once
-                except NameHeld as held:
-                    delay = backoff.failed(None, None, time.time())
-                    log.info("job %s/%s waits: %s; retrying in %.1f s", namespace, name, held, delay)
-                except k8s.ApiException as error:
-                    metrics.errors.labels("api").inc()
-                    delay = backoff.failed(error.status, error.headers, time.time())
-                    log.warning(
-                        "reconcile of %s/%s failed: %s %s: %s; retrying in %.1f s",
-                        namespace,
-                        name,
-                        error.status,
-                        error.reason,
-                        api_error_message(error),
-                        delay,
-                    )
-                except Exception:
-                    metrics.errors.labels("internal").inc()
-                    log.exception("reconcile of %s/%s failed; retrying", namespace, name)
-                    delay = INTERNAL_ERROR_RETRY_S
-                await _sleep(wake, stopped, delay)
-        finally:
-            if pokes.events.get(key) is wake:  # not yet replaced by the loop of a new job of the same name
-                del pokes.events[key]
-                refusals.pop(key, None)
-                failures.pop(key, None)
-            if cache.job(namespace, name) is None:
-                metrics.forget_job(namespace, name)
-
-    @kopf.on.event(constants.GROUP, constants.VERSION, constants.PLURAL, registry=registry)
-    async def job_changed(
-        *, type: Optional[str], body: kopf.Body, name: str, namespace: Optional[str], **_: Any
-    ) -> None:
-        namespace = _namespaced(namespace)
-        now = time.monotonic()
-        if type is None:
-            listings.relisted(listing.JOBS, namespace)
-        deleting = type == "DELETED" or bool(body.get("metadata", {}).get("deletionTimestamp"))
-        if deleting:
-            metrics.forget_job(namespace, name, body.get("metadata", {}).get("uid"))  # deleting: no series
-        if type == "DELETED":
-            cache.remove_job(body, now)
-            events.forget_job(namespace, name)
-            beats.forget_job((namespace, name))
-            pokes.poke(namespace, name)
-        elif cache.put_job(patches.copy_json(dict(body)), now) is not None:
-            pokes.poke(namespace, name)
-        if deleting:
-            stop_loop(namespace, name)
-        else:
-            start_loop(namespace, name)
-
-    @kopf.on.event("v1", "pods", labels={constants.LABEL_JOB_NAME: kopf.PRESENT}, registry=registry)
-    async def pod_changed(*, type: Optional[str], body: kopf.Body, namespace: Optional[str], **_: Any) -> None:
-        namespace = _namespaced(namespace)
-        now = time.monotonic()
-        if type is None:
-            listings.relisted(listing.PODS, namespace)
-        key = cache.remove_pod(body, now) if type == "DELETED" else cache.put_pod(body, now)
-        if key is not None:
-            pokes.poke(*key)
-        labels = body.get("metadata", {}).get("labels") or {}
-        if labels.get(constants.LABEL_ROLE) == constants.ROLE_AGENT:
-            job_key = (namespace, str(labels.get(constants.LABEL_JOB_NAME)))
-            if type == "DELETED":
-                links.forget(str(body.get("metadata", {}).get("uid") or ""))
-            else:
-                links.follow(job_key, body)
-            start_checker()
-
-    def agent_of(key: JobKey) -> Optional[PodView]:
-        record = cache.pods.get((key[0], names.agent_name(key[1])))
-        return None if record is None else record.view
-
-    def agent_uid(key: JobKey) -> Optional[str]:
-        agent = agent_of(key)
-        return None if agent is None else agent.uid
-
-    async def wake_silent_agents() -> None:
-        """A silent agent brings no watch event: look on a timer and wake its job (it replaces the agent)."""
-        for tick in itertools.count():
-            await asyncio.sleep(agentbeat.CHECK_S)
-            now = time.monotonic()
-            beats.checked(now)
-            if tick % PRUNE_LINKS_EVERY == 0:
-                links.prune(agent_uid)
-            for (namespace, name), why in beats.newly_silent(agent_of, now):
-                log.warning("job %s/%s: its agent is taken for lost: %s", namespace, name, why)
-                pokes.poke(namespace, name)
-
-    checker: list[asyncio.Task[None]] = []
-
-    def start_checker() -> None:
-        if not checker or checker[0].done():
-            checker[:] = [asyncio.create_task(wake_silent_agents(), name="agent beats")]
-
-    @kopf.on.event(
-        "coordination.k8s.io", "v1", "leases", labels={constants.LABEL_JOB_NAME: kopf.PRESENT}, registry=registry
-    )
-    async def lease_changed(*, type: Optional[str], body: kopf.Body, namespace: Optional[str], **_: Any) -> None:
-        job = (body.get("metadata", {}).get("labels") or {}).get(constants.LABEL_JOB_NAME)
-        if not job:
-            return
-        key = (_namespaced(namespace), str(job))
-        if type == "DELETED":
-            beats.forget(key)
-        else:
-            beats.renewed(key, body, time.monotonic())
-        start_checker()
-
-    @kopf.on.event("v1", "nodes", registry=registry)
-    async def node_changed(*, type: Optional[str], body: kopf.Body, **_: Any) -> None:
-        now = time.monotonic()
-        if type is None:
-            listings.relisted(listing.NODES, None)
-        pokes.poke_jobs(cache.remove_node(body, now) if type == "DELETED" else cache.put_node(body, now))
-
-    @kopf.on.cleanup(registry=registry)
-    async def stop_sweeps(**_: Any) -> None:
-        await listings.close()
-        await links.close()
-        for task in checker:
-            task.cancel()
-        running = [task for task, _stop in loops.values()]
-        for namespace, name in list(loops):
-            stop_loop(namespace, name)
-        if running:
-            _done, pending = await asyncio.wait(running, timeout=LOOP_STOP_TIMEOUT_S)
-            for task in pending:
-                task.cancel()
-
-    @kopf.on.probe(id="jobs", registry=registry)
-    def jobs_probe(**_: Any) -> int:
-        return len(pokes.events)
+) -> OperatorHandlers:
+    """Bind a new :class:`OperatorHandlers`' handlers on ``registry`` (a fresh one in tests, kopf's default one in
+    ``disttrain operator``). Only event, cleanup and probe handlers: none makes kopf put a finalizer on a job."""
+    handlers = OperatorHandlers(api_client_factory, metrics, agent, network)
+    ours = {constants.LABEL_JOB_NAME: kopf.PRESENT}
+    kopf.on.event(constants.GROUP, constants.VERSION, constants.PLURAL, registry=registry)(handlers.job_changed)
+    kopf.on.event("v1", "pods", labels=ours, registry=registry)(handlers.pod_changed)
+    kopf.on.event("coordination.k8s.io", "v1", "leases", labels=ours, registry=registry)(handlers.lease_changed)
+    kopf.on.event("v1", "nodes", registry=registry)(handlers.node_changed)
+    kopf.on.cleanup(registry=registry)(handlers.stop_sweeps)
+    kopf.on.probe(id="jobs", registry=registry)(handlers.jobs_probe)
+    return handlers
 
 
 WATCH_SINKS = ("job_changed", "pod_changed", "node_changed", "lease_changed")
@@ -818,8 +865,8 @@ def configure(settings: kopf.OperatorSettings) -> None:
     objects_log = logging.getLogger("kopf.objects")
     if not any(isinstance(f, QuietWatchSinks) for f in objects_log.filters):
         objects_log.addFilter(QuietWatchSinks())
-    # No handler requires a finalizer (the job loops are our own tasks, see ``register``); kopf still needs the
-    # name to recognise and remove the one older versions added, so that deleting such a job waits for nothing.
+    # No handler requires a finalizer (the job loops are our own tasks, see ``OperatorHandlers.loops``); kopf still
+    # needs the name to recognise and remove the one older versions added, so deleting such a job waits for nothing.
     settings.persistence.finalizer = FINALIZER
     settings.persistence.diffbase_storage = diffbase.LeanDiffBaseStorage()
     settings.watching.server_timeout = 300

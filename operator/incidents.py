@@ -55,9 +55,8 @@ def count_lost_pod(d: Draft, pod: PodView, reason: Reason) -> None:
         return  # planned: it committed a checkpoint holding every step it ran, then exited
     outside = is_outside_the_group(d, pod.name)
     if reason is Reason.POD_FAILED and failed_with_the_agent(st, pod):
-        message = (
-            f"worker pod {pod.name} exited (code {pod.exit_code}) after the job agent was lost at {st.agent_lost_at}"
-        )
+        lost = timestamps.format_time(st.agent_lost_at or d.now)
+        message = f"worker pod {pod.name} exited (code {pod.exit_code}) after the job agent was lost at {lost}"
         count_loss(d, pod.name, Reason.AGENT_RESTARTED, message, outside=outside, charged=False)
         return
     detail = f"worker pod {pod.name} lost: {reason.value}"
@@ -77,7 +76,7 @@ def failed_with_the_agent(st: DistTrainJobStatus, pod: PodView) -> bool:
     """The pod existed when the job agent was lost and failed before the workers reported progress through its
     replacement (``status.agentLostAt`` is still set): a torchrun inside a rendezvous join exits when its store
     disappears, so the failure is the agent's loss, not the user's. A pod created later fails on its own."""
-    lost_at = timestamps.parse_time(st.agent_lost_at)
+    lost_at = st.agent_lost_at
     if lost_at is None:
         return False
     return pod.created_at is None or pod.created_at <= lost_at
@@ -95,7 +94,7 @@ def open_incident(d: Draft, first: str, cause: Reason, message: str, *, charged:
         return False
     if not charged:
         st.incident = Incident(
-            opened_at=timestamps.format_time(d.now),
+            opened_at=d.now,
             reason=cause.value,
             first_pod=first,
             covers={p.name for p in d.seen.workers},
@@ -104,15 +103,20 @@ def open_incident(d: Draft, first: str, cause: Reason, message: str, *, charged:
         return True
     budget = d.spec.restart_policy.max_restarts
     if st.restarts.total >= budget:
+        # The failure that spent the budget may be a retry's, which can fail otherwise than the user's code did
+        # (a replacement that timed out joining): the last charged failure is named too.
+        before = (
+            f"; the last charged failure: {st.last_failure}" if st.last_failure and st.last_failure != message else ""
+        )
         fail(
             d,
             Reason.RESTART_BUDGET_EXHAUSTED,
             f"{st.restarts.total} of spec.restartPolicy.maxRestarts={budget} restarts used; no restart left for "
-            f"{message}",
+            f"{message}{before}",
         )
         return False
     st.incident = Incident(
-        opened_at=timestamps.format_time(d.now),
+        opened_at=d.now,
         reason=cause.value,
         first_pod=first,
         covers={p.name for p in d.seen.workers},
@@ -122,7 +126,7 @@ def open_incident(d: Draft, first: str, cause: Reason, message: str, *, charged:
     st.last_failure = message[:1024]
     st.consecutive_failures += 1
     delay = backoff_seconds(d.spec, st.consecutive_failures)
-    st.next_restart_time = timestamps.format_time(d.now + delay) if delay > 0 else None
+    st.next_restart_time = d.now + delay if delay > 0 else None
     return True
 
 
@@ -170,10 +174,11 @@ def fold(d: Draft, incident: Incident, name: str, message: str, *, outside: bool
     again, as for any loss: a round being formed may hold the pod just lost."""
     st = d.status
     incident.folded.add(name)
+    opened = timestamps.format_time(incident.opened_at)
     d.event(
         NORMAL,
         Reason.PART_OF_INCIDENT,
-        f"{message}; part of the {incident.reason} incident of {incident.first_pod} at {incident.opened_at}: "
+        f"{message}; part of the {incident.reason} incident of {incident.first_pod} at {opened}: "
         + ("replaced, not charged again" if incident.charged else "replaced, not charged"),
     )
     if not outside and (st.world_size > 0 or st.control.in_flight):

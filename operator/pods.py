@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import shlex
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -42,25 +41,13 @@ def job_labels(job: DistTrainJob, role: str) -> dict[str, str]:
     return {constants.LABEL_JOB_NAME: job.metadata.name, constants.LABEL_ROLE: role}
 
 
-def owner_reference(job: DistTrainJob) -> dict[str, Any]:
-    """Controller reference to the job: garbage collection deletes the object with the job."""
-    return {
-        "apiVersion": constants.API_VERSION,
-        "kind": constants.KIND,
-        "name": job.metadata.name,
-        "uid": job.metadata.uid or "",
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
 def _metadata(job: DistTrainJob, name: str, role: str, extra_labels: Optional[dict[str, str]] = None) -> dict[str, Any]:
     labels = {**(extra_labels or {}), **job_labels(job, role)}
     return {
         "name": name,
         "namespace": job.metadata.namespace,
         "labels": labels,
-        "ownerReferences": [owner_reference(job)],
+        "ownerReferences": [access.owner_reference(job)],
     }
 
 
@@ -486,8 +473,3 @@ def build_pod_group(job: DistTrainJob) -> Optional[dict[str, Any]]:
     """The PodGroup of ``spec.gang`` (Volcano or scheduler-plugins), owned by the job; None without a gang."""
     name = scheduling.pod_group_name(job)
     return scheduling.build_pod_group(job, _metadata(job, name, constants.ROLE_WORKER))
-
-
-def describe_command(pod: dict[str, Any]) -> str:
-    """A shell-quoted command line, for logs and docs."""
-    return shlex.join(worker_command(pod))

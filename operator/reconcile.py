@@ -38,7 +38,6 @@ The group protocol, in short:
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Optional
 
@@ -47,8 +46,8 @@ from disttrain.api.conditions import ConditionType, Reason
 from disttrain.api.control import DirectiveAction, is_drain_checkpoint
 from disttrain.api.reformphases import reform_phases
 from disttrain.api.spec import CleanPodPolicy, DistTrainJob, DistTrainJobSpec, SuccessPolicy
-from disttrain.api.status import CheckpointRef, DistTrainJobStatus, PendingScale, Phase
-from disttrain.operator import departures, names, replacement
+from disttrain.api.status import DistTrainJobStatus, PendingScale, Phase
+from disttrain.operator import announcements, departures, names, replacement
 from disttrain.operator.draft import Draft, fail, issue
 from disttrain.operator.incidents import (
     close_incident,
@@ -72,7 +71,6 @@ from disttrain.operator.observed import (
     WARNING,
     Actions,
     CreateFailure,
-    Event,
     Observed,
     PodView,
     WorkerCreation,
@@ -90,8 +88,6 @@ from disttrain.operator.sizing import (
 
 REFUSED_RETRY_SECONDS = 10.0
 """How often a pod creation the API server refused (Pod Security, quota) is tried again."""
-CHECKPOINT_MESSAGE_REFRESH_SECONDS = 60.0
-"""How late the Checkpointed condition's message may name an older checkpoint than status.lastCheckpoint."""
 
 # --------------------------------------------------------------------------------------------------------------
 # Small policies (each unit-tested on its own)
@@ -150,8 +146,8 @@ def _steps(spec: DistTrainJobSpec) -> tuple[Step, ...]:
         _resume_if_suspended,
         _bootstrap,
         _ensure_agent,
-        _announce_checkpoint,
-        _announce_store_rejections,
+        announcements.announce_checkpoint,
+        announcements.announce_store_rejections,
         _handle_workers,
         _check_terminal,
         _size,
@@ -191,7 +187,7 @@ def _bootstrap(d: Draft) -> None:
     """First sight of the job (or after a resume): start time, selector, Created condition."""
     st = d.status
     if st.start_time is None:
-        st.start_time = timestamps.format_time(d.now)
+        st.start_time = d.now
     st.selector = f"{constants.LABEL_JOB_NAME}={d.job.metadata.name},{constants.LABEL_ROLE}={constants.ROLE_WORKER}"
     st.observed_generation = d.job.metadata.generation or st.observed_generation
     if d.seen.create_failure is not None:
@@ -253,7 +249,7 @@ def _ensure_agent(d: Draft) -> None:
             f"job agent pod {name} was lost{where}{why}; recreating it: the workers train on and reconnect to it, "
             "no restart",
         )
-        d.status.agent_lost_at = timestamps.format_time(d.now)
+        d.status.agent_lost_at = d.now
     elif agent is not None and not lost and agent.is_running:
         tracked.add(name)
         _forget_agent_loss(d)
@@ -267,102 +263,10 @@ def _forget_agent_loss(d: Draft) -> None:
     (:func:`~disttrain.operator.incidents.failed_with_the_agent`); a job that never progresses keeps the mark, which
     costs at most one uncharged replacement per pod that existed then. Pure: compares two status stamps."""
     st = d.status
-    lost_at = timestamps.parse_time(st.agent_lost_at)
-    progressed = timestamps.parse_time(st.last_progress_time)
+    lost_at = st.agent_lost_at
+    progressed = st.last_progress_time
     if lost_at is not None and progressed is not None and progressed >= lost_at + AGENT_RECONNECT_GRACE_S:
         st.agent_lost_at = None
-
-
-def checkpoint_refresh_seconds(job_key: str) -> float:
-    """The job's own period between two refreshes of the Checkpointed message: between 1 and 1.5 x
-    :data:`CHECKPOINT_MESSAGE_REFRESH_SECONDS`, fixed per job (from its uid).
-
-    Why: jobs started together commit together, and with one period for all their refreshes would stay in step:
-    at 500 jobs, 500 reconciles and status writes in the same second of every minute, and a directive decided or
-    written then queued behind them. Different periods spread the refreshes over the minute within a few cycles.
-    """
-    fraction = int.from_bytes(hashlib.sha256(job_key.encode()).digest()[:4], "big") / 2**32
-    return CHECKPOINT_MESSAGE_REFRESH_SECONDS * (1.0 + 0.5 * fraction)
-
-
-def _announce_checkpoint(d: Draft) -> None:
-    """The Checkpointed condition names the newest complete checkpoint; CheckpointCommitted is an event only on a
-    transition: the first checkpoint, and the first one committed after training resumed from a checkpoint.
-
-    Between transitions the message follows ``status.lastCheckpoint`` at most
-    :func:`checkpoint_refresh_seconds` late: each refresh is a status write, and a job committing every
-    few seconds must not cost one per commit (the agent's ``lastCheckpoint`` and the checkpoint metrics are
-    always current).
-    """
-    ckpt = d.status.last_checkpoint
-    if ckpt is None:
-        return
-    message = checkpoint_message(ckpt)
-    previous = conditions.find_condition(d.status.conditions, ConditionType.CHECKPOINTED)
-    if previous is not None and previous.status == "True" and previous.reason == Reason.CHECKPOINT_COMMITTED.value:
-        if previous.message != message:
-            shown_since = timestamps.parse_time(previous.last_update_time or previous.last_transition_time) or 0.0
-            refresh_at = shown_since + checkpoint_refresh_seconds(d.job.metadata.uid or d.job.metadata.name)
-            if d.now >= refresh_at:
-                d.condition(ConditionType.CHECKPOINTED, True, Reason.CHECKPOINT_COMMITTED, message)
-            else:
-                d.timer(refresh_at)
-        return
-    if (
-        previous is not None
-        and previous.reason == Reason.RESUMED_FROM_STEP.value
-        and previous.message == resumed_message(ckpt)
-    ):
-        return  # still the checkpoint that training resumed from
-    d.condition(ConditionType.CHECKPOINTED, True, Reason.CHECKPOINT_COMMITTED, message)
-    d.event(NORMAL, Reason.CHECKPOINT_COMMITTED, message)
-
-
-STORE_VALUE_REJECTED = "StoreValueRejected"
-"""The Warning Event's reason when the job agent rejected a value in its store
-(:mod:`disttrain.trainer.agent.guardian`)."""
-STORE_REJECTION_RECENT_SECONDS = 300.0
-"""A rejection the agent reported at most this long ago is announced. The Event filter drops the same message
-for ``eventrate.REPEAT_WINDOW_S`` (600 s, longer than this), so each key is announced once per rejection spell,
-and a status that keeps the agent's last rejections does not bring them back on later reconciles."""
-_REJECTION_TEXT = {
-    "foreign": "a key outside the job's namespace, deleted unread",
-    "unsigned": "a value without a valid signature for this job and key, removed or replaced by the last valid one",
-    "replayed": "an older valid value written again, replaced by the newest one",
-    "deleted": "a valid value deleted, written back",
-}
-
-
-def _announce_store_rejections(d: Draft) -> None:
-    """A Warning Event naming each key the job agent recently rejected in its store: something without the job's
-    secret reaches the store. The message holds only the key, its class and the reason, so the Event filter
-    (repeats dropped for 10 min, a budget per job) turns this into one Event per key per rate window; the counts
-    go to ``disttrain_store_rejected_values_total``."""
-    rejections = d.status.store_rejections
-    if rejections is None:
-        return
-    for entry in rejections.recent:
-        at = timestamps.parse_time(entry.time)
-        if at is None or abs(d.now - at) > STORE_REJECTION_RECENT_SECONDS:  # either clock may be ahead
-            continue
-        what = _REJECTION_TEXT.get(entry.reason, "an invalid value")
-        d.events.append(
-            Event(WARNING, STORE_VALUE_REJECTED, f"store key {entry.key} ({entry.key_class}): {what} by the job agent")
-        )
-
-
-def checkpoint_message(ckpt: CheckpointRef) -> str:
-    """The Checkpointed condition's message while checkpoints are being committed."""
-    return (
-        f"checkpoint at step {ckpt.step} is complete ({ckpt.path})"
-        if ckpt.path
-        else f"checkpoint at step {ckpt.step} is complete"
-    )
-
-
-def resumed_message(ckpt: CheckpointRef) -> str:
-    """The Checkpointed condition's message from a resume until the next checkpoint commits."""
-    return f"training resumed from the complete checkpoint at step {ckpt.step}"
 
 
 # -- worker pods: losses and members -----------------------------------------------------------------------------
@@ -482,8 +386,8 @@ def _left_as_planned(d: Draft, reason: Reason) -> bool:
 def _drain_checkpointed(d: Draft) -> bool:
     """The status names a checkpoint committed after the drain in flight was issued."""
     st = d.status
-    issued = timestamps.parse_time(st.control.issued_at) or d.now
-    ckpt_time = timestamps.parse_time(st.last_checkpoint.time) if st.last_checkpoint else None
+    issued = st.control.issued_at or d.now
+    ckpt_time = st.last_checkpoint.time if st.last_checkpoint else None
     return is_drain_checkpoint(issued, ckpt_time)  # the agent writes this one at once (trainer/agent/reporting.py)
 
 
@@ -503,7 +407,7 @@ def _remove_lost_pod(d: Draft, pod: PodView, reason: Reason) -> None:
 def _succeed(d: Draft) -> None:
     st = d.status
     st.phase = Phase.SUCCEEDED
-    st.completion_time = st.completion_time or timestamps.format_time(d.now)
+    st.completion_time = st.completion_time or d.now
     st.message = f"training finished at step {st.step}"
     d.condition(ConditionType.SUCCEEDED, True, Reason.SUCCEEDED, st.message, announce=NORMAL)
     d.condition(ConditionType.RUNNING, False, Reason.SUCCEEDED, st.message)
@@ -517,12 +421,8 @@ def _check_terminal(d: Draft) -> None:
     """Permanent failure reported by a worker, active deadline, success rule."""
     st, spec = d.status, d.spec
     failure = st.worker_failure
-    started = timestamps.parse_time(st.start_time) or 0.0
-    if (
-        failure is not None
-        and is_permanent_exit(spec, failure.exit_code)
-        and (timestamps.parse_time(failure.time) or d.now) >= started - 1
-    ):
+    started = st.start_time or 0.0
+    if failure is not None and is_permanent_exit(spec, failure.exit_code) and (failure.time or d.now) >= started - 1:
         fail(
             d,
             conditions.failure_reason(failure.message),
@@ -552,7 +452,7 @@ def _clean_up_finished(d: Draft) -> None:
     d.status.control.action = DirectiveAction.NONE
     d.status.pending_scale = None
     ttl = d.spec.run_policy.ttl_seconds_after_finished
-    done = timestamps.parse_time(d.status.completion_time)
+    done = d.status.completion_time
     if ttl is not None and done is not None:
         if d.now >= done + ttl:
             d.delete_job = True
@@ -581,7 +481,7 @@ def _suspend(d: Draft) -> None:
     st.ready_replicas = 0
     st.phase = Phase.SUSPENDED
     if st.start_time is not None and st.suspended_since is None:
-        st.suspended_since = timestamps.format_time(d.now)
+        st.suspended_since = d.now
     message = "suspended: no pods run; resuming continues from the last complete checkpoint"
     st.message = message
     d.condition(ConditionType.SUSPENDED, True, Reason.SUSPENDED, message, announce=NORMAL)
@@ -596,7 +496,7 @@ def _resume_if_suspended(d: Draft) -> None:
     st.phase = Phase.PENDING
     st.consecutive_failures = 0
     st.next_restart_time = None
-    since = timestamps.parse_time(st.suspended_since)
+    since = st.suspended_since
     if since is not None:
         st.suspended_seconds = round(st.suspended_seconds + max(0.0, d.now - since), 3)
     st.suspended_since = None
@@ -665,15 +565,17 @@ def _size(d: Draft) -> None:
     # Create what is missing (after the restart backoff).
     missing = wanted - len(live)
     if missing > 0 and not any(p.phase == "Succeeded" for p in d.seen.workers):
-        resume_at = timestamps.parse_time(st.next_restart_time)
+        resume_at = st.next_restart_time
         if resume_at is not None and now < resume_at:
             d.timer(resume_at)
             d.condition(
                 ConditionType.RUNNING,
                 st.phase is Phase.RUNNING,
                 Reason.BACKOFF,
-                f"restarting {missing} node(s) after backoff at {st.next_restart_time}",
+                f"restarting {missing} node(s) after backoff at {timestamps.format_time(resume_at)}",
             )
+        elif (held_until := _replacement_held_until(d, live)) is not None:
+            d.timer(held_until)
         else:
             taken = {p.name for p in d.seen.workers}
             leaving = {p.name for p, _ in d.departing}
@@ -687,6 +589,26 @@ def _size(d: Draft) -> None:
                 d.event(NORMAL, Reason.SCALED_UP, f"scaling up from {previous} to {desired} nodes")
 
     _choose_target(d, live, group_nodes)
+
+
+def _replacement_held_until(d: Draft, live: list[PodView]) -> Optional[float]:
+    """Until when a lost node's replacement waits to be created, None: create it now.
+
+    While the group re-forms after a loss that the Ready hot spares cover, the spares take the lost nodes' places;
+    a replacement created at once could be up before the round completes (a forked local pod is, within a second)
+    and take a place a spare should have. So the replacement is created once the round formed, as the next spare,
+    or once :data:`~disttrain.operator.replacement.SPARE_JOIN_SECONDS` (or a longer ``replacementWaitSeconds``) after
+    the loss passed, in case the spares never joined."""
+    st, spec, ctl = d.status, d.spec, d.status.control
+    if not (spec.nodes.spares and ctl.in_flight and ctl.action is DirectiveAction.REFORM):
+        return None
+    if ctl.reason not in LOSS_REASONS:
+        return None
+    if sum(1 for p in live if p.is_running and p.ready) < st.desired_nodes:
+        return None
+    hold = max(replacement.SPARE_JOIN_SECONDS, replacement.wait_seconds(spec.elastic, live))
+    expiry = (ctl.issued_at or d.now) + hold
+    return expiry if d.now < expiry else None
 
 
 def _drain_departing(d: Draft, group_nodes: int) -> None:
@@ -724,8 +646,8 @@ def _complete_directive(d: Draft, group_nodes: int) -> None:
             close_incident(d)
             _forget_lost(d)
         return
-    issued = timestamps.parse_time(ctl.issued_at) or d.now
-    progressed = timestamps.parse_time(st.last_progress_time)
+    issued = ctl.issued_at or d.now
+    progressed = st.last_progress_time
     new_round = ctl.issued_round is None or st.rendezvous_round > ctl.issued_round
     # At least the target: a late replacement can join the round in the instant its wait ran out and the target was
     # lowered (the handler completes a round at the target or more, never fewer); that group runs, so the directive
@@ -744,8 +666,8 @@ def _complete_directive(d: Draft, group_nodes: int) -> None:
         st.consecutive_failures = 0
         st.next_restart_time = None
         if st.last_reform is not None:
-            start = timestamps.parse_time(st.last_reform.start) or issued
-            first = timestamps.parse_time(st.round_start_time)
+            start = st.last_reform.start or issued
+            first = st.round_start_time
             first = progressed if first is None or first < start else first
             st.last_reform.to = group_nodes
             st.last_reform.duration_seconds = round(max(0.0, first - start), 3)
@@ -765,7 +687,7 @@ def _remove_drained_victims(d: Draft) -> None:
     victims = [p for p in d.seen.workers if p.name in ctl.exclude]
     if not victims:
         return
-    issued = timestamps.parse_time(ctl.issued_at) or d.now
+    issued = ctl.issued_at or d.now
     drained = _drain_checkpointed(d)
     timed_out = d.now - issued >= spec.elastic.drain_timeout_seconds
     if ctl.action is not DirectiveAction.DRAIN or drained or timed_out:
@@ -806,7 +728,7 @@ def _choose_target(d: Draft, live: list[PodView], group_nodes: int) -> None:
     target = desired
     if not enough and (waiting or missing):
         if ctl.action is DirectiveAction.REFORM and ctl.reason in LOSS_REASONS:
-            expiry = (timestamps.parse_time(ctl.issued_at) or now) + replacement.wait_seconds(spec.elastic, live)
+            expiry = (ctl.issued_at or now) + replacement.wait_seconds(spec.elastic, live)
             timeout_reason = Reason.REPLACEMENT_TIMEOUT
         else:
             created = [p.created_at for p in waiting if p.created_at is not None]
@@ -938,9 +860,12 @@ def _publish(d: Draft) -> None:
         d.condition(ConditionType.REFORMING, False, Reason.REFORMED, st.message)
         flipped = d.condition(ConditionType.RUNNING, True, Reason.RENDEZVOUS_COMPLETE, st.message, announce=NORMAL)
         ckpt = st.last_checkpoint
-        if flipped and ckpt is not None and st.step <= ckpt.step + 1 and ckpt.step > 0:
-            d.event(NORMAL, Reason.RESUMED_FROM_STEP, f"training resumed from step {ckpt.step}")
-            d.condition(ConditionType.CHECKPOINTED, True, Reason.RESUMED_FROM_STEP, resumed_message(ckpt))
+        resumed = announcements.resumed_step(st, ckpt) if ckpt is not None else 0
+        if flipped and st.step <= resumed + 1 and resumed > 0:
+            d.event(NORMAL, Reason.RESUMED_FROM_STEP, f"training resumed from step {resumed}")
+            message = announcements.resumed_message(resumed)
+            d.condition(ConditionType.CHECKPOINTED, True, Reason.RESUMED_FROM_STEP, message)
+            announcements.warn_of_an_earlier_job(d, resumed)
     else:
         st.phase = Phase.PENDING
         running = sum(1 for p in live if p.is_running)

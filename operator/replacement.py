@@ -19,6 +19,9 @@ from disttrain.operator.observed import PodView
 AUTO_WAIT_SECONDS = 3.0
 """``auto``'s wait, when this job's pods start within it: about what the second reform would cost (a planned
 reform measured 1.2-2.3 s), so a replacement that is later than expected costs at most that much more."""
+SPARE_JOIN_SECONDS = 30.0
+"""How long a loss that Ready hot spares cover holds its replacement back while the group re-forms with them (the
+replacement is then created as the next spare), unless ``replacementWaitSeconds`` is longer."""
 
 
 def start_seconds(pods: Iterable[PodView]) -> Optional[float]:

@@ -8,11 +8,9 @@ rendezvous and the control plane much of the time. Each tier's (shard's) output 
 build/test-logs/<tier>.log (<tier>-<i>.log); a failing tier's summary is printed at the end.
 
 Each test's wall and CPU seconds go to build/test-logs/<tier>.costs.jsonl (tests/plugins/costs.py):
-`python scripts/house_figures.py` names the most expensive ones.
+`python scripts/code_figures.py` names the most expensive ones.
 
-A tier with a few failures runs those tests once more (build/test-logs/<tier>.rerun.log); the report names every
-test that passed only on its rerun and prints what its first run said, so a flaky scenario stays visible (and
-explained) rather than failing CI at random.
+A failed test fails its tier: nothing is run a second time.
 
     python scripts/test_tiers.py                  # every tier of `make test`
     python scripts/test_tiers.py unit chart       # these tiers only, one lane each
@@ -53,10 +51,6 @@ COST_TABLE = REPO / "tests" / "tier_costs.json"
 """Wall seconds per test file from a full run (``--save-costs``), for :func:`shard_files`; a file missing from it
 counts as the median."""
 
-FAILED = re.compile(r"^(?:FAILED|ERROR) (tests/\S+?)(?: - .*)?$", re.MULTILINE)
-"""A failed test's node id in pytest's short summary (``-ra``)."""
-MAX_RERUNS = 3
-"""More failures than this in one tier are no flake: no rerun."""
 SUMMARY = re.compile(r"^=+ (?P<counts>.*?) in (?P<seconds>[\d.]+)s", re.MULTILINE)
 
 
@@ -67,8 +61,6 @@ class TierResult:
     seconds: float = 0.0
     counts: str = "not run"
     log: Path = field(default_factory=Path)
-    first_failures: list[str] = field(default_factory=list)
-    """The short summary lines of the tests that failed on the first run (why a flaky test failed)."""
 
     @property
     def passed(self) -> bool:
@@ -116,28 +108,9 @@ def run_tier(name: str, pytest_args: list[str]) -> TierResult:
     with open(log, "w") as out:
         returncode = subprocess.call(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=environ)
     counts = _counts(log, returncode)
-    first_log = log.read_text(errors="replace")
-    failed = FAILED.findall(first_log)
-    first_failures = [line for line in first_log.splitlines() if FAILED.match(line)]
-    if returncode not in (0, 5) and 0 < len(failed) <= MAX_RERUNS:
-        # Once, and only the tests that failed: on 2 cores a few multi-process scenarios miss a deadline now and
-        # then. A test that fails twice fails the tier; one that passed on its rerun is named in the report.
-        print(f"[tiers] {name}: {counts}; running the failed tests once more: {' '.join(failed)}", flush=True)
-        rerun_log = LOGS / f"{log_name(name)}.rerun.log"
-        with open(rerun_log, "w") as out:
-            returncode = subprocess.call(
-                [*command[: -len(folders)], *failed], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=environ
-            )
-        twice = FAILED.findall(rerun_log.read_text(errors="replace")) if returncode not in (0, 5) else []
-        flaky = [test for test in failed if test not in twice]
-        verdicts = [
-            f"{name}: {', '.join(tests)}" for name, tests in (("failed twice", twice), ("flaky", flaky)) if tests
-        ]
-        counts = f"{counts}; on rerun: {_counts(rerun_log, returncode)} ({'; '.join(verdicts)})"
-        log = rerun_log if returncode not in (0, 5) else log
     seconds = time.monotonic() - start
     print(f"[tiers] {name}: {counts} in {seconds:.0f} s", flush=True)
-    return TierResult(name, returncode, seconds, counts, log, first_failures)
+    return TierResult(name, returncode, seconds, counts, log)
 
 
 def _counts(log: Path, returncode: int) -> str:
@@ -202,11 +175,6 @@ def report(results: list[TierResult], wall_s: float) -> int:
             start = text.find("short test summary info")
             print(f"\n[tiers] {result.tier} FAILED (log: {result.log.relative_to(REPO)}):")
             print(text[start - 40 :] if start >= 0 else text[-6000:])
-    for result in results:
-        if result.passed and result.first_failures:  # green on the rerun: say why the first run failed
-            print(f"\n[tiers] {result.tier}: passed on the rerun; the first run said:")
-            for line in result.first_failures:
-                print(f"[tiers]   {line[:400]}")
     print("\n[tiers] tier       seconds  cpu s  result")
     order = [tier for lane in LANES for tier in lane]
     for result in sorted(results, key=lambda r: order.index(r.tier) if r.tier in order else len(order)):

@@ -156,12 +156,10 @@ def start(
             on_device,
             optimizer,
             groups.device,
-            par.parallelism,
+            par,
             prec.precision,
-            par.shard_modules,
             init_sync=not in_place,
             layout=mesh_mod.layout(ctx.contract.training.mesh, world_size),
-            tp_plan=par.tp_plan,
         )
         precision_state = precision_mod.PrecisionState(prec.precision, groups.device, prec.grad_scaler)
         ordered = ordered_reduction.for_training(

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from disttrain.api import env as env_names
 from disttrain.api.contract import WorkerContract, job_checkpoint_dir
-from disttrain.api.ports import free_port
+from disttrain.common.ports import free_port
 from disttrain.trainer import exits, flightrecorder, localdevice
 
 log = logging.getLogger("disttrain.trainer")

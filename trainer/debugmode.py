@@ -34,6 +34,7 @@ def ddp_process_group() -> Optional[dist.ProcessGroup]:
     previous = dist.get_debug_level()
     dist.set_debug_level(dist.DebugLevel.OFF)  # torch wraps a group when it is created, by the level then
     try:
-        return dist.new_group(backend=dist.Backend.GLOO, timeout=timeout)
+        group: Optional[dist.ProcessGroup] = dist.new_group(backend=dist.Backend.GLOO, timeout=timeout)
+        return group
     finally:
         dist.set_debug_level(previous)

@@ -40,7 +40,7 @@ def apply(training: TrainingSpec) -> bool:
     autotuner off, so the same kernels are chosen every run); whether it did."""
     if not training.deterministic:
         return False
-    problem = workspace_problem(os.environ, torch.cuda.is_initialized())
+    problem = workspace_problem(os.environ, bool(torch.cuda.is_initialized()))  # type: ignore[no-untyped-call]
     if problem is not None:
         log.warning("%s", problem)
     torch.use_deterministic_algorithms(True)

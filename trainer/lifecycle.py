@@ -273,7 +273,12 @@ class Lifecycle:
                 trainer.raw_model = wrapped.module
             else:
                 wrapped = parallel_mod.wrap(
-                    trainer.raw_model, trainer.optimizer, groups.device, parallelism, precision, init_sync=False
+                    trainer.raw_model,
+                    trainer.optimizer,
+                    groups.device,
+                    trainer.options.parallel,
+                    precision,
+                    init_sync=False,
                 )
             ordered = ordered_reduction.for_training(
                 ctx.contract.training, trainer.raw_model, parallelism, precision, training_plan

@@ -111,6 +111,7 @@ class ElasticTrainer:
         self.state = ckpt_mod.TrainerState()
         self.lr_state = lr_mod.LRState(started.plan.lr_scale, started.plan.lr_scale, 0)
         self.resumed_from: Optional[int] = None
+        self.resumed_from_job_uid: Optional[str] = None
         self.process_id = uuid.uuid4().hex  # tells the agent a new group from the old one (ProgressReport.process_id)
         self.has_state = False
         self.agreement = BoundaryAgreement()

@@ -18,6 +18,7 @@ from typing import Optional
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from disttrain.api.spec import MeshSpec
+from disttrain.api.spec import data_degree as spec_data_degree
 
 
 class MeshKind(str, enum.Enum):
@@ -53,7 +54,7 @@ class Layout:
     @property
     def data_degree(self) -> int:
         """Ranks that read different samples: the TP groups under FSDP x TP, every rank otherwise."""
-        return self.outer if self.kind is MeshKind.TP else self.world_size
+        return spec_data_degree(self.world_size, self.inner if self.kind is MeshKind.TP else None)
 
     def data_rank(self, rank: int) -> int:
         """The sampler's rank of global ``rank``: its TP group's index under FSDP x TP, ``rank`` otherwise."""

@@ -20,7 +20,7 @@ import copy
 import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.trainer import debugmode
 from disttrain.trainer import mesh as mesh_mod
+
+if TYPE_CHECKING:
+    from disttrain.trainer.options import ParallelOptions
 
 
 class Parallelism(str, enum.Enum):
@@ -91,7 +94,7 @@ class _AutocastDDP(DistributedDataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         device_type = "cuda" if self.device_ids else "cpu"
         with torch.autocast(device_type=device_type, dtype=self._autocast_dtype):
-            out = super().forward(*inputs, **kwargs)
+            out = super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
         return _to_fp32(out)
 
 
@@ -99,18 +102,19 @@ def wrap(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     device: torch.device,
-    parallelism: Parallelism,
+    options: ParallelOptions,
     precision: Precision,
-    shard_modules: Optional[Sequence[nn.Module]] = None,
+    *,
     init_sync: bool = True,
     layout: Optional[mesh_mod.Layout] = None,
-    tp_plan: Optional[Mapping[str, ParallelStyle]] = None,
 ) -> ParallelModel:
-    """``model`` (already on ``device``) wrapped for ``parallelism``; under FSDP2 the optimizer's param groups are
-    pointed at the sharded parameters, because ``fully_shard`` replaces every parameter object. ``init_sync=False``:
-    DDP does not broadcast rank 0's weights at construction (in-place reforms agree on the state themselves,
-    :mod:`disttrain.trainer.inplace`). ``layout``: the mesh (None: 1-D over the world); ``tp_plan``: the
-    ``parallelize_module`` plan of an FSDP x TP mesh (module names, ``*`` for any one name, to ParallelStyles)."""
+    """``model`` (already on ``device``) wrapped for ``options.parallelism``; under FSDP2 the optimizer's param groups
+    are pointed at the sharded parameters, because ``fully_shard`` replaces every parameter object, and
+    ``options.shard_modules`` and ``options.tp_plan`` (the ``parallelize_module`` plan of an FSDP x TP mesh: module
+    names, ``*`` for any one name, to ParallelStyles) apply. ``init_sync=False``: DDP does not broadcast rank 0's
+    weights at construction (in-place reforms agree on the state themselves, :mod:`disttrain.trainer.inplace`).
+    ``layout``: the mesh (None: 1-D over the world)."""
+    parallelism, shard_modules, tp_plan = options.parallelism, options.shard_modules, options.tp_plan
     where = layout or mesh_mod.Layout(mesh_mod.MeshKind.FLAT, dist.get_world_size(), 1)
     _check_mesh(where, parallelism, tp_plan)
     if parallelism is Parallelism.DDP:
@@ -319,7 +323,8 @@ def _sum_allreduce_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Fu
     """DDP's all-reduce without the division by W (see :class:`ParallelModel`)."""
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
     assert work is not None
-    return work.get_future().then(lambda fut: fut.value()[0])
+    reduced: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda fut: fut.value()[0])
+    return reduced
 
 
 def _to_fp32(out: Any) -> Any:

@@ -73,6 +73,7 @@ def report_step(trainer: ElasticTrainer, step: Step, seconds: float) -> None:
             restart_count=trainer.ctx.restart_count,
             run_id=trainer.ctx.run_id,
             resumed_from_step=trainer.resumed_from,
+            resumed_from_job_uid=trainer.resumed_from_job_uid,
             process_id=trainer.process_id,
             time=time.time(),
             startup=trainer.startup.report(),

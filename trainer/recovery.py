@@ -16,6 +16,7 @@ counted step).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import time
 import uuid
@@ -137,7 +138,6 @@ def resume_from_memory(trainer: ElasticTrainer, contents: dict[str, Any], floor:
 def new_replica_group(trainer: ElasticTrainer) -> Optional[dist.ProcessGroup]:
     """The gloo group this group's replication and recovery exchanges run on (a background thread uses it, so it is
     nobody else's). Collective."""
-    import datetime
-
     timeout = datetime.timedelta(seconds=trainer.ctx.contract.collective_timeout_seconds)
-    return dist.new_group(backend="gloo", timeout=timeout)
+    group: Optional[dist.ProcessGroup] = dist.new_group(backend="gloo", timeout=timeout)
+    return group

@@ -78,10 +78,6 @@ class GlobalSampler:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.length, generator=generator)
 
-    def index_at(self, position: int) -> int:
-        epoch, offset = divmod(position, self.length)
-        return int(self.permutation(epoch)[offset])
-
     def indices(self, positions: list[int]) -> list[int]:
         """Dataset indices of ``positions`` (vectorised per epoch: this runs every step on the hot path)."""
         if not positions:

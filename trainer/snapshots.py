@@ -143,6 +143,7 @@ def resume(trainer: ElasticTrainer) -> None:
         (trainer.metrics.samples_replayed if gap < 0 else trainer.metrics.samples_skipped).inc(abs(gap))
     _restore_lr(trainer)
     trainer.resumed_from = found.step
+    trainer.resumed_from_job_uid = found.job_uid
     log.info(
         "resumed from checkpoint step-%d (saved at world size %d) at world size %d: plan %s, "
         "samples consumed %d, LR factor %.4g -> %.4g over %d steps",

@@ -20,7 +20,7 @@ from torch.distributed import Store
 
 from disttrain.api import control as keys
 from disttrain.api.reformphases import WorkerStartup
-from disttrain.trainer.launch.warmstart import HANDOVER_ENV
+from disttrain.trainer.launch.warmstart import HANDOVER_ENV as HANDOVER_ENV  # lifecycle sets it too
 
 log = logging.getLogger("disttrain.trainer")
 

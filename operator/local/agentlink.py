@@ -33,15 +33,28 @@ def localize_agent_pod(pod: dict[str, Any], state: StateDir, port: int) -> dict[
 def read_relayed(state: StateDir, cluster_checkpoint_dir: str = "") -> dict[str, Any]:
     """The agent's status fields (empty until it relayed anything).
 
-    The agent names checkpoints by their path in the pod (under spec.checkpoint.path); local mode shows where
-    they really are, in the state directory.
+    The agent names checkpoints and stall dumps by their path in the pod (under spec.checkpoint.path); local mode
+    shows where they really are, in the state directory.
     """
     document = state.read_json(state.path / constants.LOCAL_AGENT_STATUS_FILE)
     if not isinstance(document, dict):
         return {}
     relayed = {k: v for k, v in document.items() if k in AGENT_FIELDS}
+
+    def local(path: Any) -> Any:
+        if cluster_checkpoint_dir and isinstance(path, str) and path.startswith(cluster_checkpoint_dir):
+            return str(state.checkpoints_dir) + path[len(cluster_checkpoint_dir) :]
+        return path
+
     ckpt = relayed.get("lastCheckpoint")
-    path = str(ckpt.get("path", "")) if isinstance(ckpt, dict) else ""
-    if cluster_checkpoint_dir and isinstance(ckpt, dict) and path.startswith(cluster_checkpoint_dir):
-        relayed["lastCheckpoint"] = dict(ckpt, path=str(state.checkpoints_dir) + path[len(cluster_checkpoint_dir) :])
+    if isinstance(ckpt, dict) and "path" in ckpt:
+        relayed["lastCheckpoint"] = dict(ckpt, path=local(ckpt["path"]))
+    stalled = relayed.get("stalledNodes")
+    if isinstance(stalled, list):
+        relayed["stalledNodes"] = [
+            dict(entry, diagnostics=local(entry["diagnostics"]))
+            if isinstance(entry, dict) and "diagnostics" in entry
+            else entry
+            for entry in stalled
+        ]
     return relayed

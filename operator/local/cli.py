@@ -15,10 +15,14 @@ import re
 import shutil
 import signal
 import sys
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from disttrain.operator.local.gpuslices import GpuSlices
 from disttrain.operator.local.statedir import StateDir
+
+if TYPE_CHECKING:
+    from disttrain.api.spec import DistTrainJob
+    from disttrain.operator.local.chaos import ChaosEvent
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -119,7 +123,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return _run(job, state, chaos, args, gpus)
 
 
-def _check_device(job, device: str) -> tuple[Optional[str], Optional[GpuSlices]]:
+def _check_device(job: DistTrainJob, device: str) -> tuple[Optional[str], Optional[GpuSlices]]:
     """Why ``job`` cannot run on this machine as asked (it requests GPUs and CUDA is not here, or the machine has
     too few GPUs for its nodes), or None; and the GPUs to split between its nodes (None: no GPU, or the job pins its
     own). ``--device cpu`` makes it a CPU job instead (:mod:`disttrain.operator.local.gpucheck`,
@@ -152,19 +156,23 @@ def _check_device(job, device: str) -> tuple[Optional[str], Optional[GpuSlices]]
     return None, gpuslices.GpuSlices(devices, per_node)
 
 
-def _run(job, state: StateDir, chaos, args: argparse.Namespace, gpus: Optional[GpuSlices] = None) -> int:
+def _run(
+    job: DistTrainJob,
+    state: StateDir,
+    chaos: list[ChaosEvent],
+    args: argparse.Namespace,
+    gpus: Optional[GpuSlices] = None,
+) -> int:
     from rich.console import Console
 
     from disttrain.operator.local import display as display_mod
-    from disttrain.operator.local.runtime import LocalRuntime
+    from disttrain.operator.local.runtime import LocalRuntime, RunOptions
 
     console = Console()
     view = display_mod.Display(
         job.metadata.name, job.spec.training.max_steps, console, live=False if args.plain else None
     )
-    runtime = LocalRuntime(
-        job,
-        state,
+    options = RunOptions(
         chaos=chaos,
         workdir=args.workdir,
         metrics_port=args.metrics_port,
@@ -172,6 +180,7 @@ def _run(job, state: StateDir, chaos, args: argparse.Namespace, gpus: Optional[G
         on_event=view.on_event,
         gpus=gpus,
     )
+    runtime = LocalRuntime(job, state, options)
     # SIGTERM/SIGHUP end the run like Ctrl-C: every node, the agent and their workers are killed, never orphaned.
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _interrupt)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any, Optional
 
 from disttrain.api import env as env_names
-from disttrain.api.forkedpopen import ForkedPopen
+from disttrain.common.forkedpopen import ForkAnswers, ForkedPopen
 from disttrain.operator.local import proctree
 
 log = logging.getLogger("disttrain.local")
@@ -96,7 +95,7 @@ class ForkedPod(ForkedPopen):
 
 
 class _Server:
-    """One fork server: its process and what it answered (its forks, their exits), read by a thread of its own."""
+    """One fork server: its process and what it answered (:class:`ForkAnswers`: its forks, their exits)."""
 
     def __init__(self, argv: Sequence[str], environ: Mapping[str, str], log_path: Path) -> None:
         options = _leading_options(argv[1:])
@@ -115,77 +114,38 @@ class _Server:
                 )
         finally:
             os.close(answers_w)
-        self.refused: Optional[str] = None
-        self._exits: dict[int, int] = {}
-        self._forked: set[int] = set()
-        self._answers: list[dict[str, Any]] = []
-        self._gone = False
-        self._changed = threading.Condition()
+        self.answers = ForkAnswers(answers_r, "fork-server")
         self._ask = threading.Lock()
-        self._reader = threading.Thread(target=self._read, args=(answers_r,), name="fork-server", daemon=True)
-        self._reader.start()
-
-    def _read(self, fd: int) -> None:
-        with os.fdopen(fd, "rb") as answers:
-            for line in answers:
-                try:
-                    answer = json.loads(line)
-                except ValueError:
-                    continue
-                with self._changed:
-                    self._take(answer)
-                    self._changed.notify_all()
-        with self._changed:  # the server is gone, and its forked pods with it (PR_SET_PDEATHSIG)
-            self._gone = True
-            for pid in self._forked - set(self._exits):
-                self._exits[pid] = -signal.SIGKILL
-            self._changed.notify_all()
-
-    def _take(self, answer: dict[str, Any]) -> None:
-        if "ready" in answer:
-            self.refused = str(answer["refused"]) if answer.get("refused") else None
-        elif "exit" in answer:
-            pid, status = answer["exit"], answer.get("status")
-            if isinstance(pid, int) and isinstance(status, int):
-                self._exits[pid] = os.waitstatus_to_exitcode(status)
-        else:
-            self._answers.append(answer)
 
     def is_busy(self) -> bool:
         """A pod it forked still runs (it would die with the server)."""
-        with self._changed:
-            return not self._gone and bool(self._forked - set(self._exits))
+        return self.answers.is_busy()
 
     def exit_code(self, pid: int, timeout: Optional[float]) -> Optional[int]:
-        with self._changed:
-            self._changed.wait_for(lambda: pid in self._exits, timeout)
-            return self._exits.get(pid)
+        return self.answers.exit_code(pid, timeout)
+
+    def _send(self, request: dict[str, Any]) -> bool:
+        if self.proc.stdin is None:
+            return False
+        try:
+            self.proc.stdin.write(json.dumps({"op": "fork", **request}).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError:
+            return False
+        return True
 
     def fork(self, request: dict[str, Any]) -> Optional[ForkedPod]:
         """The pod, forked; None: refused (the reason is logged) or the server is gone."""
         with self._ask:
-            with self._changed:
-                self._answers.clear()
-                if self._gone or self.proc.stdin is None:
-                    return None
-            try:
-                self.proc.stdin.write(json.dumps({"op": "fork", **request}).encode() + b"\n")
-                self.proc.stdin.flush()
-            except OSError:
-                return None
-            with self._changed:
-                answered = self._changed.wait_for(lambda: bool(self._answers) or self._gone, ANSWER_TIMEOUT_S)
-                answer = self._answers.pop(0) if self._answers else {}
-                spawned = answer.get("spawned")
-                if isinstance(spawned, int):
-                    self._forked.add(spawned)
-                    return ForkedPod(spawned, request["argv"], self)
-            if not answered:
-                log.warning("fork server %d did not answer in %.0f s; ending it", self.proc.pid, ANSWER_TIMEOUT_S)
-                self.close()
-            elif "refused" in answer:
-                log.info("fork server %d: a pod starts cold: %s", self.proc.pid, answer["refused"])
-            return None
+            pid, answer = self.answers.request_fork(lambda: self._send(request), ANSWER_TIMEOUT_S)
+        if pid is not None:
+            return ForkedPod(pid, request["argv"], self)
+        if answer is None:
+            log.warning("fork server %d did not answer in %.0f s; ending it", self.proc.pid, ANSWER_TIMEOUT_S)
+            self.close()
+        elif "refused" in answer:
+            log.info("fork server %d: a pod starts cold: %s", self.proc.pid, answer["refused"])
+        return None
 
     def close(self) -> None:
         """End the server (and any pod it forked that still runs: they die with it)."""
@@ -196,7 +156,7 @@ class _Server:
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
             self.proc.wait()
-        self._reader.join(timeout=5)
+        self.answers.join(5)
 
 
 class ForkServers:

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterable
 from typing import IO, Optional
 
 from disttrain.operator.local import proctree
@@ -34,7 +35,7 @@ class LocalPod:
     node: str
     """The local machine it runs on."""
     marker: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     log: IO[bytes]
     created_at: float
     metrics_port: int = 0
@@ -189,7 +190,10 @@ class LocalPod:
             pass
 
 
-def wait_gone(pod: LocalPod, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while pod.is_alive and time.monotonic() < deadline:
-        time.sleep(0.02)
+def chaos_victim(pods: Iterable[LocalPod], index: Optional[int] = None) -> Optional[LocalPod]:
+    """The node a chaos kill-node or drain-node hits (the one of ``index`` if given): a running member of the group
+    rather than an idle hot spare, not index 0 (rank 0) when another will do, the newest first; None when none runs."""
+    alive = [p for p in pods if p.is_alive and not p.node_lost and p.deleting_since is None and not p.cordoned]
+    if index is not None:
+        alive = [p for p in alive if p.index == index]
+    return max(alive, key=lambda p: (p.is_training(), p.index != 0, p.created_at), default=None)

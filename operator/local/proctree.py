@@ -29,7 +29,9 @@ def marked(env: Mapping[str, str], marker: str) -> dict[str, str]:
     return {**env, MARKER_ENV: marker}
 
 
-def spawn(argv: Sequence[str], env: Mapping[str, str], cwd: str, log: IO[bytes], marker: str) -> subprocess.Popen:
+def spawn(
+    argv: Sequence[str], env: Mapping[str, str], cwd: str, log: IO[bytes], marker: str
+) -> subprocess.Popen[bytes]:
     """Start ``argv`` in a new session with ``marker`` in its environment; stdout and stderr go to ``log``."""
     return subprocess.Popen(
         list(argv),

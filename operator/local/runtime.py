@@ -18,16 +18,16 @@ from typing import Any, Optional
 
 from disttrain.api import constants, storeauth
 from disttrain.api import env as env_names
-from disttrain.api.ports import free_port
 from disttrain.api.spec import DistTrainJob
-from disttrain.operator import agentfields, eventrate, names, pods, reconcile
+from disttrain.common.ports import free_port
+from disttrain.operator import agentfields, announcements, eventrate, names, pods, reconcile
 from disttrain.operator.local import agentlink, forkserver, gpuslices, translate
 from disttrain.operator.local.chaos import ChaosEvent
 from disttrain.operator.local.forkserver import ForkServers
 from disttrain.operator.local.gpuslices import GpuSlices
 from disttrain.operator.local.logtail import LogTail
 from disttrain.operator.local.metrics import LocalMetrics
-from disttrain.operator.local.nodes import LocalPod
+from disttrain.operator.local.nodes import LocalPod, chaos_victim
 from disttrain.operator.local.statedir import StateDir
 from disttrain.operator.local.summary import Recorder, Summary
 from disttrain.operator.observed import Actions, Observed, WorkerCreation
@@ -63,39 +63,42 @@ def rendezvous_fallback() -> Optional[str]:
     return "c10d"
 
 
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How one local run goes, beside its job and state directory."""
+
+    chaos: Sequence[ChaosEvent] = ()
+    """The ``--chaos`` schedule."""
+    workdir: Optional[str] = None
+    """The nodes' working directory (None: this process's)."""
+    metrics_port: int = 0
+    """Where the run's Prometheus metrics are served (0: a free port)."""
+    on_tick: Optional[Callable[[Snapshot], None]] = None
+    """Called with a snapshot after every tick (the live panel, tests)."""
+    on_event: Optional[Callable[[dict[str, Any]], None]] = None
+    """Called with every event recorded."""
+    not_ready_delay_s: float = 0.0
+    """How long after a chaos ``kill-node`` its machine reads NotReady (0: at once; 40 is Kubernetes' default
+    ``node-monitor-grace-period``). Meanwhile only the rendezvous heartbeats tell."""
+    forks: Optional[ForkServers] = None
+    """Fork servers the caller keeps across runs (it closes them; a test session runs many jobs of the same programs,
+    each of which would otherwise import torch twice more); None: the run's own."""
+    gpus: Optional[GpuSlices] = None
+    """The machine's GPUs to split between the nodes (each gets its own ``CUDA_VISIBLE_DEVICES``); None leaves the
+    nodes' environment as it is (a CPU machine, or a job that pins its devices itself)."""
+
+
 class LocalRuntime:
-    def __init__(
-        self,
-        job: DistTrainJob,
-        state: StateDir,
-        *,
-        chaos: Sequence[ChaosEvent] = (),
-        workdir: Optional[str] = None,
-        metrics_port: int = 0,
-        on_tick: Optional[Callable[[Snapshot], None]] = None,
-        on_event: Optional[Callable[[dict[str, Any]], None]] = None,
-        not_ready_delay_s: float = 0.0,
-        forks: Optional[ForkServers] = None,
-        gpus: Optional[GpuSlices] = None,
-    ) -> None:
-        """``not_ready_delay_s``: how long after a chaos ``kill-node`` its machine reads NotReady (0: at once; 40 is
-        Kubernetes' default ``node-monitor-grace-period``). Meanwhile only the rendezvous heartbeats tell.
-        ``forks``: fork servers the caller keeps across runs (it closes them; a test session runs many jobs of the
-        same programs, each of which would otherwise import torch twice more); by default the run's own.
-        ``gpus``: the machine's GPUs to split between the nodes (each gets its own ``CUDA_VISIBLE_DEVICES``); None
-        leaves the nodes' environment as it is (a CPU machine, or a job that pins its devices itself)."""
+    def __init__(self, job: DistTrainJob, state: StateDir, options: RunOptions = RunOptions()) -> None:
         self.state = state
+        self.options = options
         obj = job.model_dump(mode="json", by_alias=True, exclude_none=True)
         obj["metadata"]["uid"] = obj["metadata"].get("uid") or str(uuid.uuid4())
         obj["metadata"]["generation"] = obj["metadata"].get("generation") or 1
         obj["status"] = {}
         self.obj = obj
-        self.chaos = list(chaos)
-        self.workdir = workdir or os.getcwd()
-        self.metrics_port = metrics_port
-        self.on_tick = on_tick
-        self.on_event = on_event
-        self.not_ready_delay_s = not_ready_delay_s
+        self.chaos = list(options.chaos)
+        self.workdir = options.workdir or os.getcwd()
         self.workers: dict[str, LocalPod] = {}
         self.agent: Optional[LocalPod] = None
         self.lost_machines: list[LocalPod] = []
@@ -117,17 +120,17 @@ class LocalRuntime:
         self.stop_requested = ""
         self.rdzv_fallback = rendezvous_fallback()
         self.cluster_checkpoint_dir = pods.checkpoint_dir(job)
-        self.forks = forks if forks is not None else ForkServers(state.logs_dir)
+        self.forks = options.forks if options.forks is not None else ForkServers(state.logs_dir)
         """Pods start as forks of a process that imported torch once (the same program, without the import)."""
-        self._owns_forks = forks is None
-        self.gpus = gpus
+        self._owns_forks = options.forks is None
+        self.gpus = options.gpus
         self._waiting_for_gpus: set[str] = set()
         """Workers not created yet because no GPU slice was free (reported once each)."""
 
     # ---- the job object --------------------------------------------------------------------------------
     @property
     def name(self) -> str:
-        return self.obj["metadata"]["name"]
+        return str(self.obj["metadata"]["name"])
 
     def job(self) -> DistTrainJob:
         return DistTrainJob.model_validate(self.obj)
@@ -153,8 +156,8 @@ class LocalRuntime:
         self.events.append(event)
         self.state.append_event(event)
         self.recorder.on_event(event)
-        if self.on_event:
-            self.on_event(event)
+        if self.options.on_event:
+            self.options.on_event(event)
 
     # ---- process management ----------------------------------------------------------------------------
     def site(self) -> translate.LocalSite:
@@ -308,16 +311,11 @@ class LocalRuntime:
             self.apply_chaos(event)
 
     def chaos_victim(self, event: ChaosEvent) -> Optional[LocalPod]:
-        """The node a kill-node or drain-node hits: a member of the group rather than an idle hot spare, not index 0
-        (rank 0) when another will do, the newest first; None (and a ChaosSkipped event) when none runs."""
-        alive = [p for p in self.workers.values() if p.is_alive and not p.node_lost and p.deleting_since is None]
-        alive = [p for p in alive if not p.cordoned]
-        if event.index is not None:
-            alive = [p for p in alive if p.index == event.index]
-        if not alive:
+        """:func:`nodes.chaos_victim` among the workers; None (and a ChaosSkipped event) when none runs."""
+        victim = chaos_victim(self.workers.values(), event.index)
+        if victim is None:
             self.record_event("Warning", "ChaosSkipped", f"{event}: no running node")
-            return None
-        return max(alive, key=lambda p: (p.is_training(), p.index != 0, p.created_at))
+        return victim
 
     def apply_chaos(self, event: ChaosEvent) -> None:
         if event.action == "drain-node":
@@ -336,7 +334,7 @@ class LocalRuntime:
                 "ChaosKillNode",
                 f"{event}: SIGKILL of machine {victim.node} ({victim.name}: torchrun and all its workers)",
             )
-            victim.kill_machine(self.not_ready_delay_s)
+            victim.kill_machine(self.options.not_ready_delay_s)
         elif event.action == "kill-agent":
             if self.agent is None or not self.agent.is_alive:
                 self.record_event("Warning", "ChaosSkipped", f"{event}: no running agent")
@@ -391,7 +389,7 @@ class LocalRuntime:
             if worker.name not in self.workers:
                 self.create_worker(worker)
         for event in actions.events:
-            if event.reason == reconcile.STORE_VALUE_REJECTED and not self.event_filter.admit(
+            if event.reason == announcements.STORE_VALUE_REJECTED and not self.event_filter.admit(
                 (self.obj["metadata"].get("namespace", ""), self.name, event.type, event.reason, event.message), now
             ):
                 continue
@@ -420,8 +418,8 @@ class LocalRuntime:
             self.obj["status"], now, max_restarts=self.obj["spec"].get("restartPolicy", {}).get("maxRestarts")
         )
         self.write_state()
-        if self.on_tick:
-            self.on_tick(self.snapshot(now))
+        if self.options.on_tick:
+            self.options.on_tick(self.snapshot(now))
         return actions
 
     def snapshot(self, now: float) -> Snapshot:
@@ -477,7 +475,7 @@ class LocalRuntime:
 
     def run(self, timeout_s: Optional[float] = None) -> Summary:
         self.state.create()
-        self.metrics_url = self.metrics.serve(self.metrics_port)
+        self.metrics_url = self.metrics.serve(self.options.metrics_port)
         self.record_event(
             "Normal", "LocalRunStarted", f"state in {self.state.path}; operator metrics at {self.metrics_url}"
         )

@@ -465,6 +465,26 @@ def test_why_reforms_restart_the_workers_is_relayed_and_cleared_by_a_group_that_
     assert source.read()["status"].get("inPlaceFallback") is None
 
 
+def test_the_step_a_group_resumed_from_is_relayed_and_cleared_by_a_fresh_group(tmp_path, store_pair):
+    """status.resumedFromStep and resumedFromJobUid: the checkpoint the current group loaded and the job that wrote
+    it (the operator's ResumedFromStep and ResumedFromEarlierJob Events name them); a group that started without a
+    checkpoint leaves neither behind."""
+    server, client = store_pair
+    write_job(tmp_path)
+    source = agent_mod.FileJobSource(tmp_path)
+    agent = agent_mod.Agent(source, server)
+    report = keys.ProgressReport.model_validate_json(progress(6))
+    resumed = report.model_copy(update={"resumed_from_step": 5, "resumed_from_job_uid": "uid-0"})
+    client.set(keys.PROGRESS_KEY, resumed.model_dump_json())
+    agent.sync()
+    status = source.read()["status"]
+    assert status["resumedFromStep"] == 5 and status["resumedFromJobUid"] == "uid-0"
+    client.set(keys.PROGRESS_KEY, progress(1, process="p2"))
+    agent.sync()
+    status = source.read()["status"]
+    assert status.get("resumedFromStep") is None and status.get("resumedFromJobUid") is None
+
+
 def test_failure_history_goes_to_the_trainer_and_its_interval_comes_back_to_status(tmp_path, store_pair):
     """intervalSteps: auto: the operator's failure count reaches the trainer through the store, and rank 0's
     choice reaches status.checkpointInterval."""

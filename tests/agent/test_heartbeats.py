@@ -106,7 +106,7 @@ def _attack_state(port: int, key: str, stop: threading.Event) -> dict[str, int]:
 
 
 def test_an_outsider_deleting_and_garbling_the_state_costs_no_silence_verdict(tmp_path, monkeypatch):
-    """Issue 27: readers restore the state an outsider deleted or garbled from the last valid copy each saw, so the
+    """Readers restore the state an outsider deleted or garbled from the last valid copy each saw, so the
     heartbeats in it may go back, and keep-alive writes are lost or late. Both nodes keep heartbeating through the
     attack and the agent (with its guardian, as in a pod) reports nobody silent, then or after. (That a node that
     really stops is still named once the hold is over is shown in tests/unit/trainer/test_heartbeats.py; without an

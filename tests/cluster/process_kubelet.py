@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import IO, Any, Optional
 
 from disttrain.api import constants, env, storeauth
-from disttrain.api.ports import free_port
 from disttrain.api.spec import DistTrainJob
+from disttrain.common.ports import free_port
 from disttrain.operator import access, names, pods
 from disttrain.operator.local import forkserver, proctree, translate
 from disttrain.operator.local.forkserver import ForkServers

@@ -1,4 +1,4 @@
-"""Issue 30 on the real-control-plane tier: the job agent's node dies under real trainers.
+"""On the real-control-plane tier: the job agent's node dies under real trainers.
 
 Real processes (:mod:`tests.cluster.process_kubelet`: the job agent, torchrun and the trainer of every pod) on a real
 control plane; the agent runs alone on its node. That node dies (processes SIGKILLed, Lease no longer renewed): the

@@ -159,7 +159,9 @@ def test_kubectl_scale_runs_the_schema_and_the_rules(control_plane, namespace):
     _create(control_plane, namespace, JobBuilder("indivisible").nodes(1, 5, 2).set("spec.training.globalBatchSize", 40))
     refused = control_plane.kubectl("scale", "-n", namespace, "dtj/indivisible", "--replicas=3", check=False)
     assert refused.returncode != 0
-    assert "globalBatchSize 40 is not a multiple of microBatchSize*replicas*nprocPerNode = 2*3*1 = 6" in refused.stderr
+    assert (
+        "globalBatchSize 40 is not a multiple of microBatchSize*replicas*dataRanksPerNode = 2*3*1 = 6" in refused.stderr
+    )
     scale = control_plane.request("GET", jobs_path(namespace, "indivisible", "scale"))
     assert scale["spec"]["replicas"] == 2
 

@@ -1,4 +1,4 @@
-"""Issue 27 on the real control plane: every job's NetworkPolicies select exactly its pods, and an outsider in
+"""On the real control plane: every job's NetworkPolicies select exactly its pods, and an outsider in
 another namespace costs a training job nothing.
 
 The selectors are evaluated by the API server itself: each policy's pod selector, and each ingress rule's

@@ -225,9 +225,13 @@ def test_suspend_removes_pods_and_resume_recreates_them(cluster, tmp_path):
         "patch", "-n", cluster.ns, "dtj/sus", "--type=merge", "-p", '{"spec": {"runPolicy": {"suspend": false}}}'
     )
     eventually(lambda: len(cluster.live_workers()) == 2 and len(cluster.pods("agent")) == 1, what="pods recreated")
-    events = cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/events")["items"]
-    reasons = {e["reason"] for e in events if e["involvedObject"].get("name") == "sus"}
-    assert {"Suspended", "Resumed"} <= reasons, reasons
+
+    def reasons() -> set[str]:
+        events = cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/events")["items"]
+        return {e["reason"] for e in events if e["involvedObject"].get("name") == "sus"}
+
+    # The operator posts a reconcile's Events after its creations: the pods can be seen before the Event.
+    eventually(lambda: {"Suspended", "Resumed"} <= reasons(), what="Suspended and Resumed events")
 
 
 def test_a_stale_resource_version_conflicts_and_changes_nothing(cluster, tmp_path):

@@ -1,4 +1,4 @@
-"""What belongs to a job is what its owner references say, on a real control plane (issue 27).
+"""What belongs to a job is what its owner references say, on a real control plane.
 
 A job deleted and applied again under the same name gets a new uid, while the old job's pods (held Terminating
 here by a test finalizer, as a slow kubelet would) still match its label and deterministic names, and an object

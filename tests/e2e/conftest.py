@@ -23,7 +23,7 @@ import yaml
 from disttrain.api import validation
 from disttrain.operator.local import chaos as chaos_mod
 from disttrain.operator.local import forkserver
-from disttrain.operator.local.runtime import LocalRuntime, Snapshot
+from disttrain.operator.local.runtime import LocalRuntime, RunOptions, Snapshot
 from disttrain.operator.local.statedir import StateDir
 from disttrain.operator.local.summary import Summary
 from tests.conftest import REPO_ROOT, JobBuilder
@@ -155,15 +155,14 @@ def run_job(
         if on_tick is not None:
             on_tick(holder["runtime"], snapshot)
 
-    runtime = LocalRuntime(
-        job,
-        state,
+    options = RunOptions(
         chaos=chaos_mod.parse_chaos(chaos),
         workdir=str(REPO_ROOT),
         on_tick=tick,
         not_ready_delay_s=not_ready_delay_s,
         forks=shared_fork_servers(),
     )
+    runtime = LocalRuntime(job, state, options)
     holder["runtime"] = runtime
     summary = runtime.run(timeout_s=timeout_s)
     return Run(summary, runtime, state, out)

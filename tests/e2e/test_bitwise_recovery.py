@@ -1,4 +1,4 @@
-"""Issue 14, bitwise-identical recovery: a node lost and replaced at the same world size changes no bit.
+"""Bitwise-identical recovery: a node lost and replaced at the same world size changes no bit.
 
 SIGKILL path (default ``gradientReduction: ddp``): a 3-node job whose node 0 (the one holding rank 0) loses its
 whole process tree to SIGKILL at step 8. The operator replaces it; the replacement takes node index 0 and so
@@ -6,7 +6,7 @@ rank 0 again. Restarting (``spec.elastic.reformInPlace: false``), the group resu
 replays the steps since. Every replayed step is
 compared with its first execution, before the kill: every rank read the same samples and computed the same
 loss, to the bit (the recorder writes exact JSON floats). The first replayed step runs on a freshly built DDP
-and the rest depend on its gradient reduction, which is where the drift of issue 14 began. (The uninterrupted
+and the rest depend on its gradient reduction, which is where a drift would begin. (The uninterrupted
 run is the reference at the trainer level: ``tests/trainer/test_exact_resume.py`` resumes at the same world
 size and compares every parameter and optimizer tensor with ``torch.equal``. That test is also the one that
 catches DDP's bucket rebuild: with it turned back on, it fails, while this 3-node replay still matched.)

@@ -1,4 +1,4 @@
-"""Issue 5, e2e 3, 4 and 7: the job agent dies, a node dies inside a checkpoint write, a manifest is malformed."""
+"""The job agent dies, a node dies inside a checkpoint write, a manifest is malformed."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _covers_epoch_once(run, samples: int) -> None:
 
 @pytest.mark.timeout(240)
 def test_a_killed_job_agent_is_recreated_and_the_group_trains_on_through_its_loss(tmp_path):
-    """Issue 30: the agent is no single point. Its replacement serves an empty store on the same address; the
+    """The agent is no single point. Its replacement serves an empty store on the same address; the
     workers reconnect, put the rendezvous state back and keep training: no restart, no reform, no step redone."""
     run = run_job(
         tmp_path, e2e_job("agentkill", tmp_path / "records", replicas=2, step_sleep=0.8), chaos="kill-agent@step=6"

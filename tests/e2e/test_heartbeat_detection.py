@@ -1,4 +1,4 @@
-"""Issue 12, item 1: a dead node is found from the rendezvous heartbeats, before Kubernetes marks it NotReady.
+"""A dead node is found from the rendezvous heartbeats, before Kubernetes marks it NotReady.
 
 Local mode with a Kubernetes-like NotReady delay (20 s, as node-monitor-grace-period on a small cluster): the
 machine's processes die at once, its node reads Ready and its pod Running until the delay passes. The operator's

@@ -1,4 +1,4 @@
-"""Issue 5, e2e 1 and 6: a node is lost, the group re-forms, the job finishes exactly; the metrics tell the story."""
+"""A node is lost, the group re-forms, the job finishes exactly; the metrics tell the story."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import math
 
 import pytest
 
-from disttrain.api import env as env_names
 from disttrain.operator.local import chaos as chaos_mod
 from tests.e2e.conftest import e2e_job, run_job, scrape
 
@@ -137,9 +136,8 @@ def spare_loss(tmp_path_factory):
     Which three of the four pods form the first group is the rendezvous' choice: the member killed is one whose
     worker recorded steps. The pods that existed before the kill and the replacement created after it are noted.
 
-    Its pods start cold (``DISTTRAIN_LOCAL_FORK=0``): on a cluster a replacement is scheduled and started for
-    seconds while the spare waits in the rendezvous, and that is the case under test. Forked, the replacement is up
-    as soon as the round reopens, and either may take the place.
+    Its pods are forked, so the replacement could be up within a second of its creation: the operator creates it
+    only once the group re-formed with the spare.
     """
     tmp = tmp_path_factory.mktemp("spare-loss")
     out = tmp / "records"
@@ -155,9 +153,7 @@ def spare_loss(tmp_path_factory):
         runtime.apply_chaos(chaos_mod.parse_chaos(f"kill-node:{max(p.index for p in members)}@0s")[0])
 
     job = e2e_job("spare", out, replicas=3, step_sleep=0.05).set("spec.nodes.spares", 1)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(env_names.LOCAL_FORK, "0")
-        run = run_job(tmp, job, on_tick=on_tick)
+    run = run_job(tmp, job, on_tick=on_tick)
     run.seen = seen
     return run
 

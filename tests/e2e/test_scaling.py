@@ -1,4 +1,4 @@
-"""Issue 5, e2e 2 and 5: planned scale-down and scale-up lose no step; in scaled mode each reform applies the plan."""
+"""Planned scale-down and scale-up lose no step; in scaled mode each reform applies the plan."""
 
 from __future__ import annotations
 

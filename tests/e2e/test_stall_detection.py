@@ -1,4 +1,4 @@
-"""Issue 29: a stalled step is found, its lagging node named, dumped, evicted, and the group re-forms without it.
+"""A stalled step is found, its lagging node named, dumped, evicted, and the group re-forms without it.
 
 Local mode, 2 nodes x 1 process: at step 7 the ranks of node 1 sleep before their step's gradient reduction (as a rank
 stuck in its forward, or a slow machine, would). Their peers wait in the all-reduce; the job agent sees the beacons
@@ -52,6 +52,9 @@ def test_a_stalled_node_is_named_dumped_and_evicted_and_the_job_finishes(tmp_pat
     assert "node stall-worker-1" in message and f"step {STALL_STEP}" in message and "rank(s) 1" in message
     assert run.summary.restarts_by_reason == {"StepStalled": 1}
     dumps = run.state.checkpoints_dir / "diagnostics"
+    assert f"stacks in {dumps}/stall-worker-1/stall-{STALL_STEP}-rank*" in message, (
+        "the Event names this machine's path"
+    )
     stacks = dumps / "stall-worker-1" / f"stall-{STALL_STEP}-rank1.stacks.txt"
     assert stacks.exists(), sorted(str(p.relative_to(dumps)) for p in dumps.rglob("*"))
     assert "recorder.py" in stacks.read_text(), "the lagging rank's stack shows where it sleeps"

@@ -21,8 +21,8 @@ import yaml
 
 from disttrain.api import constants, storeauth
 from disttrain.api import env as env_names
-from disttrain.api.ports import free_port
 from disttrain.api.spec import DistTrainJob
+from disttrain.common.ports import free_port
 from disttrain.operator import pods
 from tests.images.buildah import Container, container, stop
 

@@ -2,7 +2,7 @@
 
 Why CPU too: on 2 cores the multi-process tiers are bound by CPU (each worker process imports torch and the
 trainer, seconds of CPU), so wall time alone hides which scenario to make leaner. ``scripts/test_tiers.py`` turns
-it on (``-p tests.plugins.costs``) and names the file in ``DISTTRAIN_TEST_COSTS``; ``scripts/house_figures.py``
+it on (``-p tests.plugins.costs``) and names the file in ``DISTTRAIN_TEST_COSTS``; ``scripts/code_figures.py``
 prints the most expensive tests.
 """
 

@@ -1,6 +1,6 @@
 """An outsider attacking a job's TCPStore: a plain ``torch.distributed.TCPStore`` client that holds no secret.
 
-It is the attacker of issue 27's threat model: anything that can open a TCP connection to an agent (or worker)
+It is the attacker of docs/security.md's threat model: anything that can open a TCP connection to an agent (or worker)
 port can list, read, write and delete every key, replay old values and send 8 MiB values as fast as the network
 allows. It knows nothing of disttrain's defences (it imports nothing of disttrain): it only derives the job's key
 names from what ``list_keys()`` shows and from the public key names of the control channel. Each attack runs in a

@@ -1,4 +1,4 @@
-"""Issue 27, must show: an outsider without the job's secret attacks a real local job (agent + 2 nodes, torchrun,
+"""An outsider without the job's secret attacks a real local job (agent + 2 nodes, torchrun,
 the e2e recorder) through the agent's store port, and costs it a delay, nothing more.
 
 Each attack (``tests/security/outsider.py``) starts once the job trains and runs while it trains: list the keys;

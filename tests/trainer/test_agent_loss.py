@@ -1,4 +1,4 @@
-"""Issue 30: the job agent's store dies under a running group and comes back on the same address (as the operator
+"""The job agent's store dies under a running group and comes back on the same address (as the operator
 recreates the agent behind the same Service). Two nodes under the worker pod's launcher, the disttrain rendezvous
 and the trainer's control channel on a store hosted by a separate process, which is SIGKILLed mid-training and
 started again empty seconds later: the group trains on, loses no step and re-forms nothing."""

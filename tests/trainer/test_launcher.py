@@ -123,7 +123,7 @@ def test_a_node_that_finds_the_rendezvous_closed_by_the_finished_job_exits_0(har
     its way out. The waiting node must end as Succeeded: a failure would be counted and replaced for a done job."""
     import time
 
-    from disttrain.api.ports import free_port
+    from disttrain.common.ports import free_port
     from disttrain.trainer.agent import service as agent_mod
 
     port = free_port()

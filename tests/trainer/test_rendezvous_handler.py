@@ -141,7 +141,7 @@ def _full_key(outsider: dist.TCPStore, suffix: str) -> str:
 
 
 def test_an_outsider_forging_the_rendezvous_state_runs_no_code_and_the_group_still_forms_and_re_forms(harness):
-    """Issue 27's attack on a real torchrun rendezvous through the signed store. Before any node starts, an outsider
+    """An outsider's attack on a real torchrun rendezvous through the signed store. Before any node starts, an outsider
     (no secret) plants a pickle that would create a file under the state key and a forged target; once the group
     runs it plants the pickle again and garbles the per-round keys; then a node dies and a replacement joins. The
     pickle is never unpickled (no file), the forged target is ignored (the job's own target rules), and the group
@@ -303,7 +303,7 @@ def test_survivors_drop_a_node_declared_lost_from_the_finished_round_without_wai
 def test_the_handler_writes_nothing_outside_the_jobs_key_namespace(harness, monkeypatch):
     """Building the handler (what torchrun does on every node) leaves no raw key on the store: torch's
     ``create_backend`` would write an unsigned ``torch.rendezvous.<run id>`` placeholder on the raw client, which the
-    agent's guardian then has to delete (issue 27). Only the sealed state under the job's namespace is written."""
+    agent's guardian then has to delete. Only the sealed state under the job's namespace is written."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     from disttrain.api import storeauth

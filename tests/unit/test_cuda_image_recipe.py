@@ -177,3 +177,16 @@ def test_the_coverage_check_fails_without_any_one_of_them(dropped: str) -> None:
     assert unmet(locked, recorded_requirements()) == [
         next(f"{r} (locked: nothing)" for r in recorded_requirements() if r.name == dropped)
     ]
+
+
+def test_every_input_a_lock_names_exists() -> None:
+    """Each lock's ``# via -r <file>`` notes name the input a pin came from: an input that no longer exists means
+    the lock was not made from the inputs in the repository (`make locks` would drop or move that pin)."""
+    named = {
+        (path.name, source)
+        for path in LOCKS.glob("*.txt")
+        for source in re.findall(r"#\s+(?:via\s+)?-r (\S+)", path.read_text())
+    }
+    assert named, "no lock names an input: the notes' form changed"
+    missing = sorted((lock_name, source) for lock_name, source in named if not (REPO_ROOT / source).exists())
+    assert not missing, f"locks name inputs that do not exist: {missing}"

@@ -1,8 +1,8 @@
 """The layering of the architecture, checked statically over every source file (lazy imports included).
 
-api <- operator, api <- trainer; operator and trainer never import each other; the api imports neither torch
-nor kopf nor kubernetes; the operator never imports torch; the trainer never imports kopf. Inside the trainer,
-store <- checkpoint, agent, launch <- the training loop (:data:`TRAINER_PACKAGES`).
+api, common <- operator, trainer; operator and trainer never import each other; api and common import neither
+each other nor torch, kopf or kubernetes; the operator never imports torch; the trainer never imports kopf. Inside
+the trainer, store <- checkpoint, agent, launch <- the training loop (:data:`TRAINER_PACKAGES`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 from tests.conftest import REPO_ROOT
 
 FORBIDDEN = {
-    "api": ("disttrain.operator", "disttrain.trainer", "torch", "kopf", "kubernetes"),
+    "api": ("disttrain.common", "disttrain.operator", "disttrain.trainer", "torch", "kopf", "kubernetes"),
+    "common": ("disttrain.api", "disttrain.operator", "disttrain.trainer", "torch", "kopf", "kubernetes"),
     "operator": ("disttrain.trainer", "torch"),
     "trainer": ("disttrain.operator", "kopf"),
 }

@@ -48,12 +48,13 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional, Protocol, cast
 
-from disttrain.api import agentview, constants, env, storeauth, versions
+from disttrain.api import agentview, constants, env, storeauth
 from disttrain.api import control as keys
 from disttrain.api.contract import job_checkpoint_dir
 from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.status import AGENT_FIELDS
 from disttrain.api.timestamps import format_time
+from disttrain.common import versions
 from disttrain.trainer.agent import guardian, heartbeats, lease, pulse, reporting, stalls
 from disttrain.trainer.checkpoint import autointerval
 from disttrain.trainer.checkpoint.commit import step_dir_name
@@ -488,6 +489,8 @@ class Agent:
                 rendezvousRound=self._rounds,
                 roundStartTime=self._round_start,
                 inPlaceFallback=report.in_place_fallback,  # None removes a previous group's reason
+                resumedFromStep=report.resumed_from_step,
+                resumedFromJobUid=report.resumed_from_job_uid,
             )
             if report.samples_per_second is not None:
                 wanted["samplesPerSecond"] = round(report.samples_per_second, 1)

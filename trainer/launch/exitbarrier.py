@@ -18,6 +18,7 @@ deletes it as soon as it is written. Without a stranger no key disappears, and n
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -82,8 +83,13 @@ def _look(store: Any, kind: str, ranks: set[int], found: set[int], turn: int) ->
         found.add(missing[turn % len(missing)])
 
 
-def wait_for_all(store: Any, world: int, me: int, timeout_s: float) -> bool:
-    """Block until every node of the group reached the barrier; False when ``timeout_s`` passed first."""
+def _never() -> bool:
+    return False
+
+
+def wait_for_all(store: Any, world: int, me: int, timeout_s: float, abandon: Callable[[], bool] = _never) -> bool:
+    """Block until every node of the group reached the barrier; False when ``timeout_s`` passed first, or when
+    ``abandon()`` says, before every node arrived, that the ones missing will not come (looked at once a turn)."""
     progress, everyone = Progress(world, me), set(range(world))
     start, turn, linger_until = time.monotonic(), 0, None
     while True:
@@ -101,6 +107,6 @@ def wait_for_all(store: Any, world: int, me: int, timeout_s: float) -> bool:
             _look(store, "done", everyone - {me}, progress.done, turn)
             if progress.all_done() or time.monotonic() >= linger_until:
                 return True
-        if time.monotonic() - start >= timeout_s:
+        if time.monotonic() - start >= timeout_s or (not progress.all_arrived() and abandon()):
             return progress.all_arrived()
         turn += 1

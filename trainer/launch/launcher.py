@@ -41,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any, NoReturn, Optional
 
 import torch
@@ -167,6 +167,28 @@ def _stop_grace_s() -> float:
     return float(timeout) + STOP_GRACE_MARGIN_S
 
 
+def _directed_anew(handler: Any) -> Callable[[], bool]:
+    """Whether the operator has issued a directive (the target's generation moved) since now, read through the
+    rendezvous handler's ``target()``. In the exit barrier this node's workers finished every step; a directive
+    then means a node of the group was lost (or is being drained) and the node the barrier waits for may never come,
+    so the barrier is left at once instead of after its timeout."""
+    target = getattr(handler, "target", None)
+    if not callable(target):
+        return lambda: False
+
+    def generation() -> Optional[int]:
+        try:
+            plan = target()
+        except Exception:  # noqa: BLE001 - an unreachable store says nothing; the barrier's timeout still holds
+            return None
+        return None if plan is None else int(plan.generation)
+
+    entered = generation()
+    if entered is None:  # no target to compare with (no operator, or its store away): the timeout alone
+        return lambda: False
+    return lambda: (now := generation()) is not None and now != entered
+
+
 class CountingAgent(LocalElasticAgent):
     """torchrun's agent, giving up at the first failure of user code so that the operator counts it.
 
@@ -176,7 +198,7 @@ class CountingAgent(LocalElasticAgent):
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         try:
-            result = super().run(role)
+            result: RunResult = super().run(role)
         except BaseException:
             self._leave_rendezvous_open()
             raise
@@ -247,10 +269,15 @@ class CountingAgent(LocalElasticAgent):
             world - 1,
         )
         start = time.monotonic()
+        redirected = _directed_anew(getattr(spec, "rdzv_handler", None))
         self._in_exit_barrier = True
         try:
-            if exitbarrier.wait_for_all(store, world, me, self._exit_barrier_timeout):
+            if exitbarrier.wait_for_all(store, world, me, self._exit_barrier_timeout, abandon=redirected):
                 log.info("[%s] every node finished; waited %.1f s", spec.role, time.monotonic() - start)
+            elif redirected():
+                log.info(
+                    "[%s] the operator re-directed the group (a node was lost); leaving the exit barrier", spec.role
+                )
             else:
                 waited = time.monotonic() - start
                 log.warning("[%s] the exit barrier timed out after %.0f s; leaving", spec.role, waited)
@@ -267,7 +294,7 @@ class CountingAgent(LocalElasticAgent):
             handler.leave_open()
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        result = super()._monitor_workers(worker_group)
+        result: RunResult = super()._monitor_workers(worker_group)
         spec = worker_group.spec
         if result.state is WorkerState.HEALTHY and self._waiting_in_place():
             # Every worker of this node waits for the next round in place: torchrun restarts the group as after a
@@ -393,7 +420,7 @@ def _dump_folder(environ: Mapping[str, str]) -> str:
 
 def run(argv: Sequence[str]) -> int:
     """Run torchrun with ``argv``; the exit code the pod should end with."""
-    args = torchrun.parse_args(list(argv))
+    args = torchrun.parse_args(list(argv))  # type: ignore[no-untyped-call]
     apply_per_rank_logs(args, os.environ)
     apply_nccl_env(os.environ, torch.cuda.device_count() > 0)
     prestart.open_handover()
@@ -401,7 +428,7 @@ def run(argv: Sequence[str]) -> int:
     SubprocessHandler._popen = _warm_popen  # type: ignore[method-assign]  # where torchrun starts a worker
     SubprocessHandler.close = close_worker  # type: ignore[method-assign]  # where torchrun stops one
     try:
-        torchrun.run(args)
+        torchrun.run(args)  # type: ignore[no-untyped-call]
     except ChildFailedError as error:
         rank, failure = first_failure(error.failures)
         text = describe(rank, failure)

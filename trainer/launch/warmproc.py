@@ -156,7 +156,7 @@ def serve(
         pending += chunk
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
-            request = json.loads(line)
+            request: dict[str, Any] = json.loads(line)
             if request.get("op") != "fork":
                 return request
             why = refusal if refusal is not None else refuse(request)

@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
 
 from disttrain.api import env as env_names
-from disttrain.api.forkedpopen import ForkedPopen
+from disttrain.common.forkedpopen import ForkAnswers, ForkedPopen
 from disttrain.trainer.launch import ncclenv, warmproc
 from disttrain.trainer.launch.warmproc import HANDOVER_ENV, PRELOAD, READY_FD_ENV
 
@@ -154,7 +154,7 @@ def launch_form(launcher_argv: Sequence[str]) -> Optional[tuple[int, list[str]]]
 
     try:
         with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-            args = torchrun.parse_args(list(launcher_argv))
+            args = torchrun.parse_args(list(launcher_argv))  # type: ignore[no-untyped-call]
     except SystemExit:
         return None
     if not str(args.nproc_per_node).isdigit() or args.run_path:
@@ -252,7 +252,7 @@ def workers_environment(nproc_per_node: int, environ: Mapping[str, str] = os.env
 
 
 class _Forked(ForkedPopen):
-    """A process this package forked; see :class:`disttrain.api.forkedpopen.ForkedPopen` (torchrun signals a
+    """A process this package forked; see :class:`disttrain.common.forkedpopen.ForkedPopen` (torchrun signals a
     worker's session with ``killpg``, which needs only its ``pid``)."""
 
 
@@ -316,14 +316,6 @@ class _Warm:
         """``start(answer_fd, read_end)`` starts the interpreter, which answers on ``answer_fd`` (closed here
         afterwards; ``read_end`` is this process's, for a fork to close)."""
         self.flags, self.environ, self.idle = flags, environ, idle
-        self.ready = False
-        self.refused: Optional[str] = None
-        """Why it does not fork (known once ready); None: it does."""
-        self._exits: dict[int, int] = {}
-        self._forked: set[int] = set()
-        self._answers: list[dict[str, object]] = []
-        self._gone = False
-        self._changed = threading.Condition()
         self._ask = threading.Lock()
         answers_r, answers_w = os.pipe()
         try:
@@ -340,8 +332,7 @@ class _Warm:
                 os.sched_setscheduler(self.proc.pid, os.SCHED_IDLE, os.sched_param(0))
             except OSError as exc:
                 log.info("warm interpreter %d keeps normal priority: %s", self.proc.pid, exc)
-        self._reader = threading.Thread(target=self._read, args=(answers_r,), name=f"warm-{self.proc.pid}", daemon=True)
-        self._reader.start()
+        self.answers = ForkAnswers(answers_r, f"warm-{self.proc.pid}")
 
     @classmethod
     def spawn(cls, flags: tuple[str, ...], environ: dict[str, str], idle: bool) -> _Warm:
@@ -378,46 +369,26 @@ class _Warm:
 
         return cls(flags, environ, False, start)
 
+    @property
+    def ready(self) -> bool:
+        return self.answers.ready
+
+    @property
+    def refused(self) -> Optional[str]:
+        """Why it does not fork (known once ready); None: it does."""
+        return self.answers.refused
+
     def is_alive(self) -> bool:
-        return not self._gone and self.proc.poll() is None
-
-    def _read(self, fd: int) -> None:
-        with os.fdopen(fd, "rb") as answers:
-            for line in answers:
-                try:
-                    answer = json.loads(line)
-                except ValueError:
-                    continue
-                with self._changed:
-                    self._take_answer(answer)
-                    self._changed.notify_all()
-        with self._changed:  # the interpreter is gone: its forked workers died with it (PR_SET_PDEATHSIG; no kill
-            self._gone = True  # here: their pids may already name other processes)
-            for pid in self._forked - set(self._exits):
-                self._exits[pid] = -signal.SIGKILL
-            self._changed.notify_all()
-
-    def _take_answer(self, answer: dict[str, object]) -> None:
-        if "ready" in answer:
-            self.ready = True
-            self.refused = str(answer["refused"]) if answer.get("refused") else None
-        elif "exit" in answer:
-            status = answer.get("status")
-            if isinstance(answer["exit"], int) and isinstance(status, int):
-                self._exits[answer["exit"]] = os.waitstatus_to_exitcode(status)
-        else:
-            self._answers.append(answer)
+        return not self.answers.gone and self.proc.poll() is None
 
     def is_ready(self) -> bool:
         """Its imports are done (checked without waiting)."""
-        return self.ready
+        return self.answers.ready
 
     def exit_code(self, pid: int, timeout: Optional[float]) -> Optional[int]:
         """The exit code of forked worker ``pid`` (negative: the signal), waiting up to ``timeout`` (None: as long
         as it runs); None while it runs."""
-        with self._changed:
-            self._changed.wait_for(lambda: pid in self._exits, timeout)
-            return self._exits.get(pid)
+        return self.answers.exit_code(pid, timeout)
 
     def _request(self, request: dict[str, object]) -> bool:
         stdin = self.proc.stdin
@@ -433,24 +404,18 @@ class _Warm:
     def fork(self, argv: Sequence[str], request: dict[str, object]) -> Optional[ForkedWorker]:
         """A worker forked from this interpreter (waiting for its imports if they run); None: refused or gone."""
         with self._ask:
-            with self._changed:
-                self._answers.clear()
-            if not self._request({"op": "fork", **request}):
-                return None
-            with self._changed:
-                answered = self._changed.wait_for(lambda: bool(self._answers) or self._gone, FORK_ANSWER_TIMEOUT_S)
-                answer = self._answers.pop(0) if self._answers else {}
-                spawned = answer.get("spawned")
-                if isinstance(spawned, int):
-                    self._forked.add(spawned)
-                    return ForkedWorker(spawned, argv, self)
-            if not answered:
-                waited = FORK_ANSWER_TIMEOUT_S
-                log.warning("warm interpreter %d did not fork in %.0f s; ending it", self.proc.pid, waited)
-                self.end()
-            elif "refused" in answer:
-                log.info("warm interpreter %d does not fork: %s", self.proc.pid, answer["refused"])
-            return None
+            pid, answer = self.answers.request_fork(
+                lambda: self._request({"op": "fork", **request}), FORK_ANSWER_TIMEOUT_S
+            )
+        if pid is not None:
+            return ForkedWorker(pid, argv, self)
+        if answer is None:
+            waited = FORK_ANSWER_TIMEOUT_S
+            log.warning("warm interpreter %d did not fork in %.0f s; ending it", self.proc.pid, waited)
+            self.end()
+        elif "refused" in answer:
+            log.info("warm interpreter %d does not fork: %s", self.proc.pid, answer["refused"])
+        return None
 
     def become(self, request: dict[str, object]) -> Optional[subprocess.Popen[bytes]]:
         """This interpreter's own process, now running the worker; None: it died meanwhile."""

@@ -60,6 +60,15 @@ def test_cel_rules_agree_with_their_python_mirrors(case_id, obj):
             assert str(_evaluate(cel["messageExpression"], activation)) == rule.render(node)
 
 
+def test_the_fixed_batch_rule_admits_a_batch_the_data_degree_divides():
+    from tests.unit.api.test_validation import fixed_batch_under_tensor_parallel
+
+    job = DistTrainJob.model_validate(fixed_batch_under_tensor_parallel().build())
+    spec = job.model_dump(mode="json", by_alias=True, exclude_none=True)["spec"]
+    [rule] = [r for r in STATIC_RULES if r.field_path == ".training.globalBatchSize"]
+    assert rule.holds(spec) and bool(_evaluate(rule.cel, {"self": celpy.json_to_cel(spec)}))
+
+
 def test_the_matrix_makes_every_static_rule_fail_at_least_once():
     failed = {
         rule.cel

@@ -45,7 +45,18 @@ MALFORMED = [
         "global-batch-not-divisible",
         lambda b: b.nodes(1, 4, 3).set("spec.training.globalBatchSize", 20),
         "spec.training.globalBatchSize",
-        "not a multiple of microBatchSize*replicas*nprocPerNode = 2*3*1 = 6",
+        "not a multiple of microBatchSize*replicas*dataRanksPerNode = 2*3*1 = 6",
+    ),
+    (
+        "global-batch-not-divisible-by-the-data-degree",
+        lambda b: (
+            b.nodes(3, 3, 3)
+            .set("spec.nprocPerNode", 4)
+            .set("spec.training.mesh", {"tensorParallel": 2})
+            .set("spec.training.globalBatchSize", 18)
+        ),
+        "spec.training.globalBatchSize",
+        "not a multiple of microBatchSize*replicas*dataRanksPerNode = 2*3*2 = 12",
     ),
     (
         "no-valid-node-count",
@@ -259,6 +270,22 @@ def test_malformed_manifest_is_refused_naming_the_field(build, path, text):
 
 def test_the_base_manifest_of_the_matrix_is_valid():
     assert validation.validate_object(JobBuilder().build()) == []
+
+
+def fixed_batch_under_tensor_parallel() -> JobBuilder:
+    """3 nodes of 4 ranks in pairs of tensorParallel 2: a data degree of 6, so a global batch of 12 is 2 samples per
+    data rank. The world size (12 ranks) does not divide it, and need not: both ranks of a pair read the same."""
+    return (
+        JobBuilder()
+        .nodes(3, 3, 3)
+        .set("spec.nprocPerNode", 4)
+        .set("spec.training.mesh", {"tensorParallel": 2})
+        .set("spec.training.globalBatchSize", 12)
+    )
+
+
+def test_a_fixed_batch_the_data_degree_divides_is_admitted_under_tensor_parallel():
+    assert validation.validate_object(fixed_batch_under_tensor_parallel().build()) == []
 
 
 def test_every_problem_is_reported_in_one_pass():

@@ -91,7 +91,8 @@ def test_every_node_runs_on_its_own_gpus_and_a_node_without_a_free_slice_waits(t
     monkeypatch.setattr(forkserver, "start_pod", stand_in)
     state = StateDir(tmp_path / "state")
     state.create()
-    rt = runtime.LocalRuntime(make_job(replicas=3), state, gpus=GpuSlices(("0", "1"), 1), workdir=str(tmp_path))
+    options = runtime.RunOptions(gpus=GpuSlices(("0", "1"), 1), workdir=str(tmp_path))
+    rt = runtime.LocalRuntime(make_job(replicas=3), state, options)
     try:
         for index in range(3):
             rt.create_worker(WorkerCreation(index, f"demo-worker-{index}"))

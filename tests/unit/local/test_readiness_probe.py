@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from disttrain.api.ports import free_port
+from disttrain.common.ports import free_port
 from disttrain.operator.local.nodes import LocalPod
 
 

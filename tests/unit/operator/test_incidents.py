@@ -1,4 +1,4 @@
-"""One incident, one restart: failure accounting of the reconcile core (issues 29 and 30).
+"""One incident, one restart: failure accounting of the reconcile core.
 
 A node that dies mid-collective takes every survivor's workers with it (NCCL's watchdog aborts them: SIGABRT, exit
 134); a bug at start fails every node at once. Each is one incident, charged one restart, and the budget counts only

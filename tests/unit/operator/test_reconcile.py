@@ -755,6 +755,21 @@ def test_a_crash_loop_of_user_code_spends_the_budget_and_fails_with_the_tracebac
     assert any(e.reason == "RestartBudgetExhausted" and "injected bug" in e.message for e in world.last.events)
 
 
+def test_a_spent_budget_names_the_users_failure_when_a_retry_failed_otherwise():
+    """A crash loop whose last retry never reached the user's code (exit 1: it timed out joining) still names the
+    user's own failure, exit code 3, in the Failed condition."""
+    world = World(
+        job_manifest(replicas=1, restartPolicy__maxRestarts=1, restartPolicy__backoffSeconds=0)
+    ).running_world(1)
+    world.set_worker(0, phase="Failed", exit_code=3, termination_message="user code exited with 3\n").step(0)
+    world.finish_terminations().step(0)
+    world.run_all()
+    world.set_worker(0, phase="Failed", exit_code=1, termination_message="timeout waiting for MASTER_ADDR\n").step(0)
+    failed = world.condition("Failed")
+    assert failed["reason"] == "RestartBudgetExhausted"
+    assert "exit code 1" in failed["message"] and "exit code 3" in failed["message"], failed["message"]
+
+
 def test_a_failure_before_any_group_formed_shows_in_the_pending_message():
     world = World(job_manifest(replicas=1, restartPolicy__backoffSeconds=30))
     world.step(0)

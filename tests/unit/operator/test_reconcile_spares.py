@@ -27,20 +27,31 @@ def test_a_job_runs_its_spares_beside_the_group_and_never_drains_them_in():
     assert world.condition("Scheduled")["status"] == "True"
 
 
-def test_a_lost_node_is_replaced_by_the_ready_spare_without_waiting_for_its_replacement():
-    """The target stays at the full size although the replacement pod never runs within replacementWaitSeconds:
-    the spare is already Ready, so the round completes with it."""
+def test_a_lost_node_is_replaced_by_the_ready_spare_and_its_replacement_comes_after_the_round():
+    """The spare is already Ready, so the round completes with it; the replacement is created only once that
+    round formed (as the next spare): created at once, a pod that starts fast could take the spare's place."""
     world = with_spares(1, elastic__replacementWaitSeconds=5, restartPolicy__backoffSeconds=0)
     world.set_worker(1, phase="Failed", exit_code=137).step(1)
     assert world.control["action"] == "reform" and world.control["targetNodes"] == 3
     world.finish_terminations().step(1)
-    assert sorted(p.node_index for p in world.workers.values()) == [0, 1, 2, 3]  # the replacement takes index 1
-    world.step(10)  # the replacement is still Pending long after the wait
+    world.step(10)
+    assert sorted(p.node_index for p in world.workers.values()) == [0, 2, 3], "no replacement while re-forming"
     assert world.control["targetNodes"] == 3
     assert "ReplacementTimeout" not in world.reasons()
     world.progress(3, step=6).step(1)  # survivors + the spare
     assert world.control["action"] == "none" and world.status["lastReform"]["to"] == 3
     assert world.status["restarts"]["total"] == 1
+    world.step(1)
+    assert sorted(p.node_index for p in world.workers.values()) == [0, 1, 2, 3]  # the replacement takes index 1
+
+
+def test_a_replacement_held_for_the_spares_is_created_when_they_never_form_the_round():
+    world = with_spares(1, restartPolicy__backoffSeconds=0)
+    world.set_worker(1, phase="Failed", exit_code=137).step(1)
+    world.finish_terminations().step(1)
+    assert 1 not in {p.node_index for p in world.workers.values()}
+    world.step(35)  # past replacement.SPARE_JOIN_SECONDS with no new round
+    assert 1 in {p.node_index for p in world.workers.values()}
 
 
 def test_without_a_spare_the_same_loss_waits_for_the_replacement_then_shrinks():

@@ -8,8 +8,7 @@ from prometheus_client import CollectorRegistry
 from tests.unit.operator.world import T0, World, job_manifest
 
 from disttrain.api import timestamps
-from disttrain.operator import eventrate
-from disttrain.operator import reconcile as core
+from disttrain.operator import announcements, eventrate
 from disttrain.operator.metrics import OperatorMetrics
 
 pytestmark = pytest.mark.timeout(30)
@@ -67,7 +66,9 @@ def running_world() -> World:
 
 
 def warnings(world: World) -> list[str]:
-    return [e.message for e in (world.last.events if world.last else ()) if e.reason == core.STORE_VALUE_REJECTED]
+    return [
+        e.message for e in (world.last.events if world.last else ()) if e.reason == announcements.STORE_VALUE_REJECTED
+    ]
 
 
 def test_a_recent_rejection_is_announced_naming_the_key_and_a_stale_one_is_not():
@@ -85,7 +86,7 @@ def test_a_recent_rejection_is_announced_naming_the_key_and_a_stale_one_is_not()
     world.step(1.0)
     messages = warnings(world)
     assert len(messages) == 1 and "~/disttrain/failure" in messages[0] and "(control)" in messages[0]
-    world.step(core.STORE_REJECTION_RECENT_SECONDS + 1)
+    world.step(announcements.STORE_REJECTION_RECENT_SECONDS + 1)
     assert warnings(world) == []
 
 
@@ -110,7 +111,7 @@ def test_the_event_filter_lets_one_event_per_key_through_per_window():
     for _ in range(5):
         world.step(2.0)
         for event in world.last.events:
-            if event.reason == core.STORE_VALUE_REJECTED and event_filter.admit(
+            if event.reason == announcements.STORE_VALUE_REJECTED and event_filter.admit(
                 ("team-a", world.name, event.type, event.reason, event.message), world.now
             ):
                 posted.append(event.message)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from disttrain.api.ports import free_port
+from disttrain.common.ports import free_port
 
 
 @pytest.fixture

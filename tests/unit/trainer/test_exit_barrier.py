@@ -135,3 +135,36 @@ def test_a_node_that_never_arrives_holds_the_others_until_the_timeout(port: int)
         thread.join(30)
     assert results == [False, False]
     assert time.monotonic() - started >= 2.0
+
+
+class Handler:
+    """The rendezvous handler's ``target()``: the operator's directive generation, as the agent relays it."""
+
+    def __init__(self) -> None:
+        self.generation = 4
+
+    def target(self) -> Any:
+        return types.SimpleNamespace(generation=self.generation)
+
+
+def test_a_directive_while_the_others_wait_for_a_lost_node_ends_the_barrier_at_once(port: int) -> None:
+    """Every worker finished and waits in the barrier for a node that was lost (it never arrives): the operator's
+    reform directive for the loss ends the barrier for the survivors instead of its timeout, so the job does not
+    stay Running for minutes after its training ended."""
+    handler = Handler()
+    survivors = [_node(port, rank) for rank in range(WORLD - 1)]
+    for node in survivors:
+        node._worker_group.spec.rdzv_handler = handler
+        node._exit_barrier_timeout = 600.0
+    threads = [
+        threading.Thread(target=CountingAgent._exit_barrier, args=(node,), daemon=True)  # type: ignore[arg-type]
+        for node in survivors
+    ]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    assert all(thread.is_alive() for thread in threads), "nobody leaves before the directive"
+    handler.generation = 5  # the operator's reform for the lost node
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a survivor still waits for the lost node"

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from tests.checkpoint_tensors import assert_readable_by_dcp
 
 from disttrain.api.manifest import CheckpointManifest
-from disttrain.api.ports import free_port
 from disttrain.api.spec import CheckpointSpec
+from disttrain.common.ports import free_port
 from disttrain.operator import cli
 from disttrain.trainer import sampler
 from disttrain.trainer.checkpoint import export

@@ -214,7 +214,7 @@ def test_a_closed_rendezvous_reports_nobody() -> None:
 
 
 def test_a_state_put_back_with_an_older_heartbeat_is_no_evidence_of_silence() -> None:
-    """Issue 27: a reader restored the state an outsider garbled from its own stale copy, and the others wrote their
+    """A reader restored the state an outsider garbled from its own stale copy, and the others wrote their
     fresh heartbeats over it: C's heartbeat went back. That is a restore, not silence (no genuine write moves a
     heartbeat back); C's next keep-alive shows it alive."""
     tracker = hb.SilenceTracker(interval_s=1, max_attempts=3)

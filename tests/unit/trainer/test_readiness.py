@@ -10,7 +10,7 @@ import time
 import pytest
 
 from disttrain.api import env
-from disttrain.api.ports import free_port
+from disttrain.common.ports import free_port
 from disttrain.trainer.launch.readiness import Readiness, ready_port
 from disttrain.trainer.launch.warmstart import WarmPool
 

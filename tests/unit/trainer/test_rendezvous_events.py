@@ -16,7 +16,7 @@ from torch.distributed.elastic.events import handlers as event_handlers
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from disttrain.api import env
-from disttrain.api.ports import free_port
+from disttrain.common.ports import free_port
 from disttrain.trainer.launch import rendezvous
 
 pytestmark = pytest.mark.timeout(60)

@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import REPO_ROOT
 from torch.distributed import DistStoreError, TCPStore
 
-from disttrain.api.ports import free_port
+from disttrain.common.ports import free_port
 from disttrain.trainer.store import channel, resilient
 
 SECRET = "r" * 64

@@ -62,8 +62,10 @@ class Fixture:
         )
 
     def client(self, timeout_s: float = 10, uid: str = UID, secret: str = SECRET) -> Any:
-        store = channel.scoped(self.raw(timeout_s), secret, uid, on_reject=lambda k, r: self.rejected.append((k, r)))
-        return store
+        # The hook holds the list, not the fixture: a SignedStore lives as long as the process
+        # (signedstore._ALIVE), and through ``self`` it would keep this test's server and its thread alive too.
+        rejected = self.rejected
+        return channel.scoped(self.raw(timeout_s), secret, uid, on_reject=lambda k, r: rejected.append((k, r)))
 
 
 @pytest.fixture

@@ -92,6 +92,8 @@ def _trainer_on_fake_device(calls: list[str], on_sync: Callable[[], None]) -> An
     trainer.options = TrainerOptions()
     trainer.ordered = None
     trainer.rank = 0
+    trainer.keeper = None
+    trainer.template = None
     trainer.raw_model = model
     trainer.optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     trainer.scheduler = None

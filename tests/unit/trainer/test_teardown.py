@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.api.exitcodes import ExitCode
-from disttrain.api.ports import free_port
+from disttrain.common.ports import free_port
 from disttrain.trainer import inplace, teardown
 from disttrain.trainer.launch import ncclenv
 

@@ -1,9 +1,9 @@
-"""The house's figures (issue 28's "must show"), measured from the tree: README lines, the largest module, class and
-parameter list, and the test times of the last `make test` / `make test-unit` (build/test-logs/times.json, written
-by scripts/test_tiers.py).
+"""Size figures of the code, measured from the tree: README lines, the largest module and class, the longest function,
+the longest parameter list, and the test times of the last `make test` (build/test-logs/times.json, written by
+scripts/test_tiers.py) with its most expensive tests.
 
-    python scripts/house_figures.py               # the figures, test times from the last run
-    python scripts/house_figures.py --time-unit   # also time `make test-unit` now
+    python scripts/code_figures.py               # the figures, test times from the last run
+    python scripts/code_figures.py --time-unit   # also time `make test-unit` now
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("api", "operator", "trainer")
+PACKAGES = ("api", "common", "operator", "trainer")
 """The shipped code (src/disttrain/ links to these folders)."""
 TOP_TESTS = 10
 """How many of the most CPU-expensive tests of the last tier run to name."""
@@ -42,6 +42,7 @@ def figures() -> dict[str, str]:
     modules: list[tuple[int, str]] = []
     classes: list[tuple[int, str]] = []
     functions: list[tuple[int, str]] = []
+    lengths: list[tuple[int, str]] = []
     for path in python_files():
         text = path.read_text()
         name = str(path.relative_to(REPO))
@@ -51,12 +52,15 @@ def figures() -> dict[str, str]:
                 classes.append((span(node), f"{name}:{node.name}"))
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 functions.append((parameter_count(node), f"{name}:{node.name}"))
+                lengths.append((span(node), f"{name}:{node.name}"))
     readme = len((REPO / "README.md").read_text().splitlines())
-    top = {label: max(items) for label, items in (("module", modules), ("class", classes), ("params", functions))}
+    kinds = (("module", modules), ("class", classes), ("function", lengths), ("params", functions))
+    top = {label: max(items) for label, items in kinds}
     return {
         "README lines": str(readme),
         "largest module (lines)": f"{top['module'][0]}  {top['module'][1]}",
         "largest class (lines)": f"{top['class'][0]}  {top['class'][1]}",
+        "longest function (lines)": f"{top['function'][0]}  {top['function'][1]}",
         "most parameters of a function": f"{top['params'][0]}  {top['params'][1]}",
     }
 

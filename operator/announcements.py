@@ -1,0 +1,125 @@
+"""What the reconcile core announces of checkpoints and of the job agent's store: the Checkpointed condition and
+its Events (committed, resumed from, an earlier job's checkpoints), and the store's rejected values. Pure."""
+
+from __future__ import annotations
+
+import hashlib
+
+from disttrain.api import conditions, timestamps
+from disttrain.api.conditions import ConditionType, Reason
+from disttrain.api.status import CheckpointRef, DistTrainJobStatus
+from disttrain.operator.draft import Draft
+from disttrain.operator.observed import NORMAL, WARNING, Event
+
+CHECKPOINT_MESSAGE_REFRESH_SECONDS = 60.0
+"""How late the Checkpointed condition's message may name an older checkpoint than status.lastCheckpoint."""
+
+
+def checkpoint_refresh_seconds(job_key: str) -> float:
+    """The job's own period between two refreshes of the Checkpointed message: between 1 and 1.5 x
+    :data:`CHECKPOINT_MESSAGE_REFRESH_SECONDS`, fixed per job (from its uid).
+
+    Why: jobs started together commit together, and with one period for all their refreshes would stay in step:
+    at 500 jobs, 500 reconciles and status writes in the same second of every minute, and a directive decided or
+    written then queued behind them. Different periods spread the refreshes over the minute within a few cycles.
+    """
+    fraction = int.from_bytes(hashlib.sha256(job_key.encode()).digest()[:4], "big") / 2**32
+    return CHECKPOINT_MESSAGE_REFRESH_SECONDS * (1.0 + 0.5 * fraction)
+
+
+def announce_checkpoint(d: Draft) -> None:
+    """The Checkpointed condition names the newest complete checkpoint; CheckpointCommitted is an event only on a
+    transition: the first checkpoint, and the first one committed after training resumed from a checkpoint.
+
+    Between transitions the message follows ``status.lastCheckpoint`` at most
+    :func:`checkpoint_refresh_seconds` late: each refresh is a status write, and a job committing every
+    few seconds must not cost one per commit (the agent's ``lastCheckpoint`` and the checkpoint metrics are
+    always current).
+    """
+    ckpt = d.status.last_checkpoint
+    if ckpt is None:
+        return
+    message = checkpoint_message(ckpt)
+    previous = conditions.find_condition(d.status.conditions, ConditionType.CHECKPOINTED)
+    if previous is not None and previous.status == "True" and previous.reason == Reason.CHECKPOINT_COMMITTED.value:
+        if previous.message != message:
+            shown_since = timestamps.parse_time(previous.last_update_time or previous.last_transition_time) or 0.0
+            refresh_at = shown_since + checkpoint_refresh_seconds(d.job.metadata.uid or d.job.metadata.name)
+            if d.now >= refresh_at:
+                d.condition(ConditionType.CHECKPOINTED, True, Reason.CHECKPOINT_COMMITTED, message)
+            else:
+                d.timer(refresh_at)
+        return
+    if (
+        previous is not None
+        and previous.reason == Reason.RESUMED_FROM_STEP.value
+        and previous.message == resumed_message(resumed_step(d.status, ckpt))
+    ):
+        return  # still the checkpoint that training resumed from
+    d.condition(ConditionType.CHECKPOINTED, True, Reason.CHECKPOINT_COMMITTED, message)
+    d.event(NORMAL, Reason.CHECKPOINT_COMMITTED, message)
+
+
+STORE_VALUE_REJECTED = "StoreValueRejected"
+"""The Warning Event's reason when the job agent rejected a value in its store
+(:mod:`disttrain.trainer.agent.guardian`)."""
+STORE_REJECTION_RECENT_SECONDS = 300.0
+"""A rejection the agent reported at most this long ago is announced. The Event filter drops the same message
+for ``eventrate.REPEAT_WINDOW_S`` (600 s, longer than this), so each key is announced once per rejection spell,
+and a status that keeps the agent's last rejections does not bring them back on later reconciles."""
+_REJECTION_TEXT = {
+    "foreign": "a key outside the job's namespace, deleted unread",
+    "unsigned": "a value without a valid signature for this job and key, removed or replaced by the last valid one",
+    "replayed": "an older valid value written again, replaced by the newest one",
+    "deleted": "a valid value deleted, written back",
+}
+
+
+def announce_store_rejections(d: Draft) -> None:
+    """A Warning Event naming each key the job agent recently rejected in its store: something without the job's
+    secret reaches the store. The message holds only the key, its class and the reason, so the Event filter
+    (repeats dropped for 10 min, a budget per job) turns this into one Event per key per rate window; the counts
+    go to ``disttrain_store_rejected_values_total``."""
+    rejections = d.status.store_rejections
+    if rejections is None:
+        return
+    for entry in rejections.recent:
+        at = entry.time
+        if at is None or abs(d.now - at) > STORE_REJECTION_RECENT_SECONDS:  # either clock may be ahead
+            continue
+        what = _REJECTION_TEXT.get(entry.reason, "an invalid value")
+        d.events.append(
+            Event(WARNING, STORE_VALUE_REJECTED, f"store key {entry.key} ({entry.key_class}): {what} by the job agent")
+        )
+
+
+def checkpoint_message(ckpt: CheckpointRef) -> str:
+    """The Checkpointed condition's message while checkpoints are being committed."""
+    return (
+        f"checkpoint at step {ckpt.step} is complete ({ckpt.path})"
+        if ckpt.path
+        else f"checkpoint at step {ckpt.step} is complete"
+    )
+
+
+def warn_of_an_earlier_job(d: Draft, step: int) -> None:
+    """The checkpoint the group resumed from was written by another job of this name (deleted, then created again
+    under the same name and checkpoint path): its training goes on, so say so rather than resume silently."""
+    earlier = d.status.resumed_from_job_uid
+    if earlier and d.job.metadata.uid and earlier != d.job.metadata.uid:
+        d.event(
+            WARNING,
+            Reason.RESUMED_FROM_EARLIER_JOB,
+            f"resumed from checkpoint step {step}, written by an earlier job named {d.job.metadata.name} (uid "
+            f"{earlier}); to start afresh, delete the job's checkpoints or set spec.checkpoint.path to a new folder",
+        )
+
+
+def resumed_step(status: DistTrainJobStatus, ckpt: CheckpointRef) -> int:
+    """The checkpoint step the running group loaded: as its rank 0 reported it, else the newest committed one."""
+    return status.resumed_from_step if status.resumed_from_step is not None else ckpt.step
+
+
+def resumed_message(step: int) -> str:
+    """The Checkpointed condition's message from a resume until the next checkpoint commits."""
+    return f"training resumed from the complete checkpoint at step {step}"
