@@ -128,6 +128,12 @@ class ProgressReport(BaseModel):
     resumed_from_step: Optional[int] = Field(None, ge=0, le=MAX_COUNT)
     resumed_from_job_uid: Optional[str] = Field(None, max_length=MAX_NAME)
     """metadata.uid of the job that wrote the checkpoint this group resumed from (None: unknown or no resume)."""
+    resumed_from_memory: Optional[bool] = None
+    """This group took its state from its members' memory (True) or from the checkpoint (False) in an in-place
+    reform; None: a group that did not reform in place."""
+    recovery_note: Optional[str] = Field(None, max_length=512)
+    """Why this group loaded its checkpoint although it reforms in place (a rank and its partner lost together, a
+    checkpoint newer than memory); None otherwise."""
     process_id: str = Field("", max_length=MAX_NAME)
     """Unique id of the reporting worker process. torchrun starts new worker processes after every completed
     rendezvous round, so a new id means a new group even when run id, restart count and world size repeat."""

@@ -40,6 +40,8 @@ AGENT_FIELDS: Final = (
     "storeRejections",
     "resumedFromStep",
     "resumedFromJobUid",
+    "resumedFromMemory",
+    "recoveryNote",
 )
 """Wire names of the status fields the job agent owns; it writes no other, and the operator never writes these."""
 
@@ -119,6 +121,10 @@ class ReformRecord(ContractModel):
     """Seconds from the start to the first completed step at the new size."""
     phases: Optional[ReformPhases] = None
     """Where those seconds went, per phase (see ``disttrain.api.reformphases``), from the first sign of the loss."""
+    resumed_from: Optional[str] = Field(None, max_length=16)
+    """Where the new group took its state from: ``memory`` (its members' memory, nothing redone) or ``checkpoint``
+    (the newest complete one; ``note`` says why an in-place reform could not use memory)."""
+    note: Optional[str] = Field(None, max_length=512)
 
 
 class ControlDirective(ContractModel):
@@ -368,6 +374,11 @@ class DistTrainJobStatus(ContractModel):
     """metadata.uid of the job that wrote that checkpoint, when rank 0 knows it. Another uid than this job's means
     the checkpoints are an earlier job's of the same name (deleted and created again): its training goes on
     (docs/operator.md, "Starting afresh")."""
+    resumed_from_memory: Optional[bool] = None
+    """The current group, re-formed in place, took its state from its members' memory (True) or loaded its newest
+    complete checkpoint (False; ``recoveryNote`` says why); unset for a group that did not reform in place."""
+    recovery_note: Optional[str] = Field(None, max_length=512)
+    """Why the current group loaded its checkpoint although it reforms in place (relayed by the job agent)."""
     in_place_fallback: Optional[str] = Field(None, max_length=512)
     """Why a reform restarts the current group's workers from the last checkpoint although
     ``spec.elastic.reformInPlace`` asks to keep them (relayed by the job agent from rank 0); unset while in-place

@@ -46,7 +46,7 @@ from disttrain.api.conditions import ConditionType, Reason
 from disttrain.api.control import DirectiveAction, is_drain_checkpoint
 from disttrain.api.reformphases import reform_phases
 from disttrain.api.spec import CleanPodPolicy, DistTrainJob, DistTrainJobSpec, SuccessPolicy
-from disttrain.api.status import DistTrainJobStatus, PendingScale, Phase
+from disttrain.api.status import DistTrainJobStatus, PendingScale, Phase, ReformRecord
 from disttrain.operator import announcements, departures, names, replacement
 from disttrain.operator.draft import Draft, fail, issue
 from disttrain.operator.incidents import (
@@ -672,13 +672,25 @@ def _complete_directive(d: Draft, group_nodes: int) -> None:
             st.last_reform.to = group_nodes
             st.last_reform.duration_seconds = round(max(0.0, first - start), 3)
             st.last_reform.phases = reform_phases(start, st.worker_startup, planned=planned)
+            _note_state_source(st.last_reform, st)
         phases = st.last_reform.phases if st.last_reform is not None else None
+        source = st.last_reform.resumed_from if st.last_reform is not None else None
         d.event(
             NORMAL,
             Reason.REFORMED,
             f"group re-formed with {group_nodes} nodes after {reason} (world size {st.world_size})"
+            + (f"; state from {source}" if source else "")
+            + (f" ({st.recovery_note})" if source == "checkpoint" and st.recovery_note else "")
             + (f"; phases: {phases.describe()}" if phases is not None else ""),
         )
+
+
+def _note_state_source(record: ReformRecord, st: DistTrainJobStatus) -> None:
+    """Where the re-formed group took its state from, as its rank 0 reported it (in-place reforms only)."""
+    if st.resumed_from_memory is None:
+        return
+    record.resumed_from = "memory" if st.resumed_from_memory else "checkpoint"
+    record.note = None if st.resumed_from_memory else st.recovery_note
 
 
 def _remove_drained_victims(d: Draft) -> None:

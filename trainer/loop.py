@@ -105,6 +105,8 @@ class ElasticTrainer:
         """The keeper of the group before, whose versions the next recovery reads (until this group keeps its own)."""
         self.replica_group: Optional[dist.ProcessGroup] = None
         """The gloo group of the keeper's copies and of recoveries from memory (its own: a thread uses it)."""
+        self.resumed_from_memory: Optional[bool] = None
+        """This group took its state from memory (True) or its checkpoint (False) in an in-place reform."""
         self.recovery_note: Optional[str] = None
         """Why this group resumed from its checkpoint though it reforms in place (None: from memory, a first start)."""
         self.sampler = sampler_mod.GlobalSampler(len(components.dataset), self.training.seed)

@@ -74,6 +74,8 @@ def report_step(trainer: ElasticTrainer, step: Step, seconds: float) -> None:
             run_id=trainer.ctx.run_id,
             resumed_from_step=trainer.resumed_from,
             resumed_from_job_uid=trainer.resumed_from_job_uid,
+            resumed_from_memory=trainer.resumed_from_memory,
+            recovery_note=trainer.recovery_note,
             process_id=trainer.process_id,
             time=time.time(),
             startup=trainer.startup.report(),

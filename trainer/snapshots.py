@@ -78,13 +78,14 @@ def resume(trainer: ElasticTrainer) -> None:
     the LR ramp and start the watchdog."""
     found = trainer.checkpoints.find_latest()
     ramp = trainer.training.lr.ramp_steps
-    trainer.recovery_note = None
+    trainer.recovery_note, trainer.resumed_from_memory = None, None
     if trainer.lifecycle.in_place and trainer.template is not None:
         # A sharded model: rebuilt from the members' memory, resharded onto this group's mesh.
         trainer.replica_group = recovery.new_replica_group(trainer)
         rebuilt = recovery.resume_from_memory(trainer, contents(trainer), found.step if found is not None else None)
         if rebuilt.step is not None:
             _resumed_in_place(trainer, rebuilt.step, found)
+            trainer.resumed_from_memory = True
             log.info(
                 "resumed in place from step %d held in memory (%.1f MB fetched from peers in %.2f s) at world size "
                 "%d: plan %s, samples consumed %d; the newest checkpoint is step %s",
@@ -99,7 +100,7 @@ def resume(trainer: ElasticTrainer) -> None:
             restore_effects(trainer, found)
             return
         if trainer.has_state or rebuilt.reason != "no member holds state in memory":
-            trainer.recovery_note = rebuilt.reason
+            trainer.recovery_note, trainer.resumed_from_memory = rebuilt.reason, False
             log.warning(
                 "cannot resume in place from memory (%s): loading the newest complete checkpoint", rebuilt.reason
             )
@@ -171,7 +172,7 @@ def resume_from_memory(trainer: ElasticTrainer, source: int, holdings: list[inpl
         sent = inplace.broadcast_state(contents(trainer), source, trainer.rank in receivers)
     s = trainer.state
     _restore_lr(trainer)
-    trainer.resumed_from = s.step
+    trainer.resumed_from, trainer.resumed_from_memory = s.step, True
     disk = holdings[0].disk_step
     # The same history on every rank (when a save is due follows from it): the newest complete checkpoint.
     newest_checkpoint = disk if disk != inplace.NO_STATE else None

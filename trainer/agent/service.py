@@ -491,6 +491,8 @@ class Agent:
                 inPlaceFallback=report.in_place_fallback,  # None removes a previous group's reason
                 resumedFromStep=report.resumed_from_step,
                 resumedFromJobUid=report.resumed_from_job_uid,
+                resumedFromMemory=report.resumed_from_memory,
+                recoveryNote=report.recovery_note,
             )
             if report.samples_per_second is not None:
                 wanted["samplesPerSecond"] = round(report.samples_per_second, 1)

@@ -64,9 +64,7 @@ def test_every_keyword_argument_lands_in_its_section():
     [(True, "ddp", True), (True, "fsdp2", True), (False, "ddp", False), (False, "fsdp2", False)],
     ids=["asked-under-ddp", "asked-under-fsdp2", "not-asked", "not-asked-under-fsdp2"],
 )
-def test_reforms_are_in_place_when_the_contract_asks_whatever_the_parallelism(
-    reform_in_place, parallelism, expected
-):
+def test_reforms_are_in_place_when_the_contract_asks_whatever_the_parallelism(reform_in_place, parallelism, expected):
     options = TrainerOptions.from_env(contract(reform_in_place), parallelism=parallelism)
     assert options.lifecycle.reform_in_place is expected
 
