@@ -143,7 +143,7 @@ class ProgressReport(BaseModel):
     """When this process started, phase by phase (the agent relays it into ``status.workerStartup``)."""
     in_place_fallback: Optional[str] = Field(None, max_length=512)
     """Why reforms restart this group's workers from the last checkpoint although ``spec.elastic.reformInPlace``
-    asks to keep them (FSDP2, a model passed already wrapped, no launcher channel); None: in place applies, or was
+    asks to keep them (a model passed already wrapped, no launcher channel); None: in place applies, or was
     not asked for. The agent relays it into ``status.inPlaceFallback``."""
 
     @field_validator("plan")

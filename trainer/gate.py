@@ -15,21 +15,42 @@ broke while its peers' reductions completed. Fault injection (tests only): ``DIS
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from disttrain.trainer import teardown
+
 FAULT_ABORTED_REDUCTION = "DISTTRAIN_FAULT_ABORTED_REDUCTION"
+FAULT_HANG_DEVICE_WAIT = "DISTTRAIN_FAULT_HANG_DEVICE_WAIT"
+"""``<step>[:<rank>]``: that rank's device wait of that step never ends on its own, as a kernel spinning on a dead
+NCCL peer; only the reform directive's abort (:func:`disttrain.trainer.teardown.abort_communicators`) ends it."""
 
 
 class StepAbortedError(dist.DistError):
     """A reduction of the step failed or was aborted on some rank: the step is not counted (the group re-forms)."""
 
 
-def injected_abort(step: int, rank: int, environ: Optional[dict[str, str]] = None) -> bool:
-    """Whether fault injection says this rank's reductions of ``step`` were aborted."""
-    value = (environ if environ is not None else os.environ).get(FAULT_ABORTED_REDUCTION, "")
+def device_wait(wait: Callable[[], None], step: int, rank: int) -> None:
+    """The device wait of ``step`` (``wait``), or under :data:`FAULT_HANG_DEVICE_WAIT` a wait that ends only when the
+    communicators are aborted."""
+    if injected_abort(step, rank, variable=FAULT_HANG_DEVICE_WAIT) and not teardown.ever_aborted():
+        teardown.wait_until_aborted(HANG_LIMIT_S)
+        return
+    wait()
+
+
+HANG_LIMIT_S = 600.0
+"""How long an injected hang lasts at most when nothing aborts it."""
+
+
+def injected_abort(
+    step: int, rank: int, environ: Optional[dict[str, str]] = None, variable: str = FAULT_ABORTED_REDUCTION
+) -> bool:
+    """Whether fault injection (``variable``, by default an aborted reduction) names this rank's ``step``."""
+    value = (environ if environ is not None else os.environ).get(variable, "")
     if not value:
         return False
     at, _, who = value.partition(":")
@@ -59,16 +80,18 @@ def agree(local_ok: bool, step: int, rank: int, what: str = "reductions") -> Non
     reason = None
     if not local_ok:
         reason = "this rank's"
+    elif teardown.communicators_aborted():
+        reason = "this rank's (communicators aborted by the reform directive)"
     elif what == "reductions" and injected_abort(step, rank):
         reason = "this rank's (fault injection)"
     elif what == "reductions":
         error = backend_error(None)
         if error is not None:
             reason = f"this rank's ({error})"
-    flag = torch.tensor([0 if reason else 1], dtype=torch.int32)
+    if reason is not None:  # no need to ask the others: this rank's step is lost, and it leaves (they then fail too)
+        raise StepAbortedError(f"step {step}: {reason} {what} failed or were aborted; the step is not counted")
+    flag = torch.tensor([1], dtype=torch.int32)
     if dist.is_initialized():  # one process alone has nobody to agree with
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    if reason is not None:
-        raise StepAbortedError(f"step {step}: {reason} {what} failed or were aborted; the step is not counted")
     if int(flag.item()) == 0:
         raise StepAbortedError(f"step {step}: another rank's {what} failed or were aborted; the step is not counted")

@@ -44,6 +44,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("disttrain.trainer")
 
+ABORT_AFTER_S = 1.0
+"""How long the loop has after the reform directive to reach its reform by itself before the communicators are
+aborted under it: a step that ends sooner is kept, one blocked on a dead peer is freed."""
+
 
 class Lifecycle:
     """Signals, drain and in-place reforms of one trainer (see the module docstring)."""
@@ -166,13 +170,23 @@ class Lifecycle:
     # ---- in-place reforms --------------------------------------------------------------------------------
     def on_reform_directive(self, signal: control_keys.ControlSignal) -> bool:
         """The watchdog's ``reform`` directive (its thread): the loop re-forms in place at its next chance (the
-        next collective fails at once when a peer died; else at the end of the step). A loop that does not get
-        there within ``reform_grace_s`` is blocked in a collective: the process exits ``REFORM`` and restarts."""
+        next collective fails at once when a peer died; else at the end of the step). A loop that does not get there
+        within :data:`ABORT_AFTER_S` is blocked in a device wait or a collective: this thread, which is not, aborts the
+        communicators (:func:`~disttrain.trainer.teardown.abort_communicators`), which frees it on NCCL, and the step
+        is not counted. One still blocked after ``reform_grace_s`` exits ``REFORM`` and restarts."""
         self.reform_signal = signal
         grace_s = self.options.reform_grace_s
 
         def exit_if_blocked() -> None:
-            if not self._reforming.wait(grace_s):
+            if not self._reforming.wait(min(ABORT_AFTER_S, grace_s)):
+                aborted = teardown.abort_communicators()
+                log.warning(
+                    "reform signal (generation %d, %s): the loop is blocked; aborted %d communicators",
+                    signal.generation,
+                    signal.reason,
+                    aborted,
+                )
+            if not self._reforming.wait(max(0.0, grace_s - ABORT_AFTER_S)):
                 log.warning(
                     "reform signal (generation %d, %s): no in-place reform within %.0f s (a collective blocks); "
                     "exiting %d",
@@ -297,6 +311,7 @@ class Lifecycle:
         trainer.process_id = uuid.uuid4().hex
         trainer.metrics.restart_count.set(ctx.restart_count)
         trainer.watchdog.mark_history()  # the directive that ended the old group is done with this round
+        teardown.joined_new_group()
         self.guard_wrapper()
         if rank == 0:
             first, last = startup_mod.take_exit_times(trainer.watchdog.store)

@@ -388,7 +388,7 @@ class ElasticTrainer:
         clip = self.options.precision.clip_grad_norm
         if clip is not None:
             self._grad_norm = precision_mod.clip_global_grad_norm(self.raw_model, clip)
-        self.completion.wait()  # the reductions (and the clipping norm) done on the device
+        gate.device_wait(self.completion.wait, self.state.step + 1, self.rank)  # the reductions done on the device
         try:
             gate.agree(True, self.state.step + 1, self.rank)
             if self.keeper is not None:

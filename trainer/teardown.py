@@ -24,6 +24,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
@@ -55,11 +56,68 @@ def choose(backend: str) -> Teardown:
     return Teardown.DESTROY if names == {"gloo"} else Teardown.ABORT
 
 
+_RETIRED: list[dist.ProcessGroup] = []
+"""Aborted process groups, kept referenced for the life of the process: an NCCL group's destructor waits for its
+heartbeat monitor (its whole timeout after a dump signal) and would run under the GIL inside the garbage collector,
+where no deadline of ours can fire. An aborted group holds no communicator work; keeping the object costs a few KB
+per reform."""
+
+_ABORTED = threading.Event()
+"""Set once this process aborted its communicators (the reform directive), until it joins the next group."""
+_ABORTED_ONCE = threading.Event()
+"""Set once this process ever aborted its communicators (fault injection hangs only before that)."""
+
+
 def abort_groups() -> None:
-    """Abort every process group of this process and free them (the caller dropped its own references)."""
+    """Abort every process group of this process (the caller dropped its own references); they are kept in
+    :data:`_RETIRED`, never destroyed under the garbage collector."""
     if dist.is_initialized():
+        _RETIRED.extend(distributed_c10d._world.pg_map)
         distributed_c10d._abort_process_group()
-    gc.collect()
+
+
+def abort_communicators() -> int:
+    """Abort the NCCL communicators of every process group now, from a thread that is not blocked (the watchdog's,
+    on the reform directive): a kernel spinning on a dead peer returns, the training thread's device wait or collective
+    ends, and the step's error state reads aborted (:mod:`disttrain.trainer.gate`). The groups stay registered; the
+    training thread leaves them as usual. Gloo has nothing to abort (its blocked receive is not interrupted: it fails
+    when the peer's connection closes or at the collective timeout). Returns the communicators aborted."""
+    _ABORTED.set()
+    _ABORTED_ONCE.set()
+    aborted = 0
+    for group in list(distributed_c10d._world.pg_map):
+        try:
+            backend = group._get_backend(torch.device("cuda"))
+        except RuntimeError:  # no CUDA backend in this group
+            continue
+        if type(backend).__name__ != "ProcessGroupNCCL":
+            continue
+        try:
+            backend.abort()
+            aborted += 1
+        except RuntimeError as exc:
+            log.warning("could not abort a communicator: %s", exc)
+    return aborted
+
+
+def communicators_aborted() -> bool:
+    """Whether the reform directive aborted this process's communicators (their work since then proves nothing)."""
+    return _ABORTED.is_set()
+
+
+def wait_until_aborted(timeout_s: float) -> bool:
+    """Block until the communicators are aborted (fault injection: a device wait that never ends on its own)."""
+    return _ABORTED.wait(timeout_s)
+
+
+def ever_aborted() -> bool:
+    """Whether this process ever aborted its communicators."""
+    return _ABORTED_ONCE.is_set()
+
+
+def joined_new_group() -> None:
+    """A new group's communicators are whole again."""
+    _ABORTED.clear()
 
 
 def destroy_groups() -> None:
