@@ -20,6 +20,7 @@ import enum
 import faulthandler
 import gc
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ from torch.distributed import distributed_c10d
 
 from disttrain.api.exitcodes import ExitCode
 from disttrain.trainer import exits
+from disttrain.trainer.launch import leaving
 
 log = logging.getLogger("disttrain.trainer")
 
@@ -138,18 +140,23 @@ HANG_MARGIN_S = 30.0
 
 @contextlib.contextmanager
 def hang_guard(seconds: float, what: str) -> Iterator[None]:
-    """End the process (exit 1) with every thread's stack on stderr if the ``with`` body runs longer than ``seconds``.
+    """End the process with every thread's stack on stderr if the ``with`` body runs longer than ``seconds``.
 
     Why: the body's own deadlines are Python threads, and a call that blocks while holding the GIL (a C++ wait that
     does not release it) stops them too, so a survivor could hang with nothing logged. ``faulthandler``'s timer is a
-    C thread that needs no GIL: the stacks say where it hung, and the exit lets the launcher restart the worker.
-    Process-wide: one guard at a time (faulthandler keeps a single timer)."""
+    C thread that needs no GIL: the stacks say where it hung. It can only exit 1, so the section is marked while it
+    runs (:func:`disttrain.trainer.launch.leaving.marker`): the launcher reads a worker that exits 1 with the mark
+    as a ``REFORM`` exit, never as the user's failure. Process-wide: one guard at a time (faulthandler keeps a
+    single timer)."""
     log.debug("%s: guarded for %.0f s", what, seconds)
+    marker = leaving.marker(os.getpid())
+    marker.touch()
     faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)
     try:
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+        marker.unlink(missing_ok=True)
 
 
 def run_with_deadline(teardown: Callable[[], None], deadline_s: float, what: str) -> None:

@@ -63,6 +63,7 @@ from disttrain.api.exitcodes import ExitCode
 from disttrain.trainer.launch import (
     debugenv,
     exitbarrier,
+    leaving,
     ncclenv,
     prestart,
 )
@@ -90,6 +91,8 @@ def is_user_failure(failure: ProcessFailure) -> bool:
     an error file is torchrun stopping the other workers of a group that already failed (collateral)."""
     if raised(failure):
         return True
+    if failure.exitcode == 1 and leaving.marker(failure.pid).exists():
+        return False  # its teardown hung and the hang guard ended it: a reform, not the user's failure
     return failure.exitcode not in PROTOCOL_EXITS and failure.exitcode != -signal.SIGTERM
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -90,6 +91,39 @@ def test_a_hang_that_holds_the_gil_is_ended_by_the_guard_with_every_threads_stac
     assert "returned" not in done.stdout
     assert "Timeout" in done.stderr and "in leaving" in done.stderr, done.stderr
     assert time.monotonic() - started < 60
+
+
+def test_a_worker_the_guard_ended_counts_as_a_reform_not_as_the_users_failure(tmp_path):
+    """The guard can only exit 1; the launcher reads that exit, with the leaving mark, as a reform."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from disttrain.trainer.launch import launcher, leaving
+
+    script = textwrap.dedent(
+        """
+        import re
+        from disttrain.trainer import teardown
+
+        with teardown.hang_guard(1.0, "leaving the group"):
+            re.fullmatch(r"(a+)+$", "a" * 64 + "b")
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.DEVNULL)
+    assert child.wait(timeout=120) == 1
+    try:
+        error_file = str(tmp_path / "error.json")
+        assert not launcher.is_user_failure(ProcessFailure(0, child.pid, 1, error_file))
+        assert launcher.is_user_failure(ProcessFailure(0, child.pid + 1_000_000, 1, error_file))
+    finally:
+        leaving.marker(child.pid).unlink(missing_ok=True)
+
+
+def test_a_guarded_section_that_ends_leaves_no_mark():
+    from disttrain.trainer.launch import leaving
+
+    with teardown.hang_guard(30.0, "leaving the group"):
+        assert leaving.marker(os.getpid()).exists()
+    assert not leaving.marker(os.getpid()).exists()
 
 
 def test_a_guarded_section_that_ends_in_time_cancels_the_guard():
