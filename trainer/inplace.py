@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.trainer import teardown
 from disttrain.trainer.failures import is_collective_failure
+from disttrain.trainer.replicas import wire
 
 log = logging.getLogger("disttrain.trainer")
 
@@ -123,25 +124,10 @@ def broadcast_state(contents: Mapping[str, Any], source: int, receive: bool) -> 
     dist.broadcast(payload, source)
     if receive and rank != source:
         # Onto the CPU: RNG states must stay there, and loading copies every tensor onto its parameter's device.
-        state = safe_load(payload.numpy().tobytes())
+        state = wire.safe_load(payload.numpy().tobytes())
         for name, stateful in contents.items():
             stateful.load_state_dict(state[name])
     return int(size.item())
-
-
-def safe_load(raw: bytes) -> Any:
-    """A state a peer sent: plain data only (tensors, containers, numbers, strings and NumPy's RNG state), never
-    unpickled freely (``weights_only=True`` with NumPy's array reconstruction allowed)."""
-    allowed: list[Any] = []
-    try:
-        import numpy as np
-
-        core = getattr(np, "_core", None) or np.core  # NumPy 2 renamed its core; 1.x has only np.core
-        allowed = [np.ndarray, np.dtype, np.dtypes.UInt32DType, core.multiarray._reconstruct]
-    except (ImportError, AttributeError):
-        pass
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
 
 
 def broadcast_module(module: torch.nn.Module, source: int = 0) -> None:

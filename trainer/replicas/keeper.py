@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from disttrain.trainer.replicas import capture as capture_mod
 from disttrain.trainer.replicas import wire
-from disttrain.trainer.replicas.catalogue import Block, Catalogue, ItemKey, ItemSpec, needs_copy, partner_of
+from disttrain.trainer.replicas.catalogue import Catalogue, ItemKey, ItemSpec, needs_copy, partner_of
 
 log = logging.getLogger("disttrain.trainer")
 
@@ -130,15 +130,6 @@ class ReplicaKeeper:
         if self._failure is not None:
             failure, self._failure = self._failure, None
             raise failure
-
-    def blocks(self, holder: int) -> list[Block]:
-        """What this rank holds, as the new group's rank ``holder``."""
-        own_keys = frozenset(s.key for s in self.catalogue.members[self.rank].items)
-        out = [Block(holder, self.rank, v.step, own_keys) for v in self.own if v.complete]
-        if self.source is not None:
-            copied = frozenset(s.key for s in self.received_specs)
-            out += [Block(holder, self.source, v.step, copied) for v in self.copies if v.complete]
-        return out
 
     def values_at(self, step: int) -> dict[ItemKey, capture_mod.Value]:
         """Every item this rank holds at ``step`` (its own and its source's copy)."""

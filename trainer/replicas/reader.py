@@ -29,7 +29,6 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from disttrain.trainer.inplace import safe_load
 from disttrain.trainer.replicas import capture as capture_mod
 from disttrain.trainer.replicas import wire
 from disttrain.trainer.replicas.catalogue import Catalogue, ItemKey
@@ -167,7 +166,7 @@ class MemoryReader(StorageReader):
     def _load_piece(self, item: ReadItem, planner: LoadPlanner, key: ItemKey, piece: torch.Tensor) -> None:
         spec = self.specs[key]
         if not spec.is_tensor:
-            _set_loaded(planner, item, safe_load(bytes(piece.numpy().tobytes())))
+            _set_loaded(planner, item, wire.safe_load(bytes(piece.numpy().tobytes())))
             return
         dtype = capture_mod.dtype_of(spec.dtype)
         shape = [int(x) for x in item.lengths]

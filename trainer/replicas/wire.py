@@ -7,8 +7,9 @@ All of it runs on CPU tensors over a gloo group.
 
 from __future__ import annotations
 
+import io
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -40,27 +41,38 @@ def exchange(
     outgoing: Mapping[int, torch.Tensor],
     incoming: Mapping[int, int],
     group: Optional[dist.ProcessGroup],
-    group_ranks: Optional[Sequence[int]] = None,
 ) -> dict[int, torch.Tensor]:
     """Send ``outgoing[peer]`` (uint8) to each peer and receive ``incoming[peer]`` bytes from each peer, all at once.
-    Peers are ranks of ``group`` (``group_ranks`` maps them to global ranks when the group is not the world).
-    Returns the received buffers. Collective between the pairs named."""
-
-    def global_rank(peer: int) -> int:
-        return group_ranks[peer] if group_ranks is not None else peer
+    Peers are global ranks (``group`` spans the world). Returns the received buffers. Collective between the pairs
+    named."""
 
     works = []
     received: dict[int, torch.Tensor] = {}
     for peer, count in sorted(incoming.items()):
         if count:
             received[peer] = torch.empty(count, dtype=torch.uint8)
-            works.append(dist.irecv(received[peer], src=global_rank(peer), group=group))
+            works.append(dist.irecv(received[peer], src=peer, group=group))
         else:
             received[peer] = torch.empty(0, dtype=torch.uint8)
     for peer, payload in sorted(outgoing.items()):
         if payload.numel():
-            works.append(dist.isend(payload.contiguous(), dst=global_rank(peer), group=group))
+            works.append(dist.isend(payload.contiguous(), dst=peer, group=group))
     for work in works:
         if work is not None:
             work.wait()
     return received
+
+
+def safe_load(raw: bytes) -> Any:
+    """A state a peer sent: plain data only (tensors, containers, numbers, strings and NumPy's RNG state), never
+    unpickled freely (``weights_only=True`` with NumPy's array reconstruction allowed)."""
+    allowed: list[Any] = []
+    try:
+        import numpy as np
+
+        core = getattr(np, "_core", None) or np.core  # NumPy 2 renamed its core; 1.x has only np.core
+        allowed = [np.ndarray, np.dtype, np.dtypes.UInt32DType, core.multiarray._reconstruct]
+    except (ImportError, AttributeError):
+        pass
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)

@@ -10,7 +10,7 @@ import torch
 
 from disttrain.trainer import gate
 from disttrain.trainer.checkpoint.manager import TrainerState
-from disttrain.trainer.inplace import safe_load
+from disttrain.trainer.replicas.wire import safe_load
 
 pytestmark = pytest.mark.unit
 
