@@ -34,7 +34,6 @@ from disttrain.trainer import parallel as parallel_mod
 from disttrain.trainer import sampler as sampler_mod
 from disttrain.trainer import startup as startup_mod
 from disttrain.trainer.boundary import BoundaryAgreement
-from disttrain.trainer.checkpoint import autointerval
 from disttrain.trainer.failures import is_collective_failure
 from disttrain.trainer.launch.handover import WorkerLink
 from disttrain.trainer.options import LifecycleOptions
@@ -303,11 +302,8 @@ class Lifecycle:
         trainer.plan, trainer.parallel, trainer.model, trainer.ordered = training_plan, wrapped, wrapped.module, ordered
         trainer.checkpoints = trainer.checkpoints.successor(rank, world_size, groups.checkpoint)
         trainer.agreement = BoundaryAgreement()
-        if rank != 0:
-            trainer.planner = None
-        elif trainer.planner is None and trainer.checkpoints.spec.auto_interval:
-            watchdog = trainer.watchdog
-            trainer.planner = autointerval.IntervalPlanner(lambda: progress.read_reliability(watchdog))
+        auto = trainer.checkpoints.spec.auto_interval
+        trainer.planner = progress.interval_planner(rank, auto, trainer.watchdog, kept=trainer.planner)
         trainer.process_id = uuid.uuid4().hex
         trainer.metrics.restart_count.set(ctx.restart_count)
         trainer.watchdog.mark_history()  # the directive that ended the old group is done with this round

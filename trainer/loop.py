@@ -48,7 +48,6 @@ from disttrain.trainer import precision as precision_mod
 from disttrain.trainer import sampler as sampler_mod
 from disttrain.trainer.bootstrap import Components, MapDataset, Started
 from disttrain.trainer.boundary import BoundaryAgreement
-from disttrain.trainer.checkpoint import autointerval
 from disttrain.trainer.checkpoint import manager as ckpt_mod
 from disttrain.trainer.inplace import is_group_failure
 from disttrain.trainer.options import TrainerKwargs, TrainerOptions
@@ -117,11 +116,7 @@ class ElasticTrainer:
         self.process_id = uuid.uuid4().hex  # tells the agent a new group from the old one (ProgressReport.process_id)
         self.has_state = False
         self.agreement = BoundaryAgreement()
-        self.planner = (  # intervalSteps: auto: rank 0 estimates, the boundary agreement carries it to all ranks
-            autointerval.IntervalPlanner(lambda: progress.read_reliability(self.watchdog))
-            if started.rank == 0 and started.checkpoints.spec.auto_interval
-            else None
-        )
+        self.planner = progress.interval_planner(started.rank, started.checkpoints.spec.auto_interval, self.watchdog)
         self.blocked_seen = 0.0
         self.completion = completion_mod.for_device(started.groups.device)
         """The step counter moves only once the device finished the step (:mod:`disttrain.trainer.completion`)."""

@@ -17,6 +17,7 @@ from disttrain.api import control as control_keys
 from disttrain.api import env
 from disttrain.trainer import beacons
 from disttrain.trainer.boundary import NO_SAVE, BoundaryFlags
+from disttrain.trainer.checkpoint import autointerval
 from disttrain.trainer.control import Watchdog
 
 if TYPE_CHECKING:
@@ -138,6 +139,17 @@ def _propose_interval(trainer: ElasticTrainer) -> int:
     if report is not None:
         trainer.watchdog.publish(control_keys.INTERVAL_KEY, report.model_dump_json())
     return steps
+
+
+def interval_planner(
+    rank: int, auto_interval: bool, watchdog: Watchdog, kept: Optional[autointerval.IntervalPlanner] = None
+) -> Optional[autointerval.IntervalPlanner]:
+    """The automatic checkpoint interval's planner of a group (``intervalSteps: auto``): rank 0 estimates and the
+    boundary agreement carries its interval to every rank; ``kept``, the planner of this process's previous group,
+    goes on with its estimates."""
+    if rank != 0 or not auto_interval:
+        return None
+    return kept if kept is not None else autointerval.IntervalPlanner(lambda: read_reliability(watchdog))
 
 
 def read_reliability(watchdog: Watchdog) -> Optional[control_keys.ReliabilityReport]:
