@@ -36,6 +36,9 @@ from disttrain.trainer.store import wire
 log = logging.getLogger("disttrain.store.front")
 
 CHUNK = 64 * 1024
+READ_LIMIT = 16 * 1024
+"""What the front buffers from a client before it pauses reading it (asyncio holds up to twice this): a stranger's
+bytes cost at most this much per connection until it is closed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +54,7 @@ class FrontLimits:
     pending_bytes: int = 256 * 1024
     """Bytes the front holds for a connection, each way."""
     unproven_per_source: int = 16
-    unproven_total: int = 256
+    unproven_total: int = 128
     proven_per_source: int = 1024
     """The job's processes on one pod: a rank's watchdog, torchrun's handler, the launcher's tools."""
 
@@ -99,7 +102,7 @@ class StoreFront:
     async def _start(self) -> tuple[str, int]:
         host = None if self._listen[0] in ("", "0.0.0.0", "::") else self._listen[0]
         self._server = await asyncio.start_server(
-            self._serve, host, self._listen[1], limit=self.limits.pending_bytes, backlog=1024, reuse_address=True
+            self._serve, host, self._listen[1], limit=READ_LIMIT, backlog=1024, reuse_address=True
         )
         sockname = self._server.sockets[0].getsockname()
         return (str(sockname[0]), int(sockname[1]))
@@ -141,6 +144,7 @@ class StoreFront:
         peer = writer.get_extra_info("peername")
         source = str(peer[0]) if peer else "?"
         writer.transport.set_write_buffer_limits(high=self.limits.pending_bytes)
+        _read_at_most(writer.transport, READ_LIMIT)  # until proven: asyncio's own 256 KiB reads, x 128 strangers
         self._admit(writer, source)
         proven = False
         upstream: Optional[asyncio.StreamWriter] = None
@@ -160,6 +164,7 @@ class StoreFront:
                 return
             self._proven[source] += 1
             proven = True
+            _read_at_most(writer.transport, None)
             up_reader, upstream = await asyncio.open_connection(*self._upstream, limit=self.limits.pending_bytes)
             upstream.transport.set_write_buffer_limits(high=self.limits.pending_bytes)
             writer.write(proof)
@@ -216,6 +221,15 @@ async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stall
             return
         writer.write(data)
         await asyncio.wait_for(writer.drain(), stall_s)
+
+
+def _read_at_most(transport: asyncio.BaseTransport, size: Optional[int]) -> None:
+    """Make the selector transport read at most ``size`` bytes per ``recv`` (None: asyncio's default), where it has
+    that knob (``max_size``, an attribute of CPython's socket transports)."""
+    if size is not None and hasattr(transport, "max_size"):
+        vars(transport)["max_size"] = size
+    elif size is None:
+        vars(transport).pop("max_size", None)
 
 
 async def _cancel(tasks: set[asyncio.Task[None]]) -> None:
