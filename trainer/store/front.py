@@ -27,11 +27,9 @@ import dataclasses
 import logging
 import socket
 import threading
-import time
-from collections.abc import Awaitable
 from typing import Optional
 
-from disttrain.trainer.store import wire
+from disttrain.trainer.store import splice, wire
 
 log = logging.getLogger("disttrain.store.front")
 
@@ -90,6 +88,7 @@ class StoreFront:
         """What the front refused, by reason (read from any thread; values only grow)."""
         self.address: tuple[str, int] = listen
         self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> None:
@@ -114,7 +113,7 @@ class StoreFront:
         async def close() -> None:
             if self._server is not None:
                 self._server.close()
-            await _cancel(self._tasks)
+            await _cancel(self._tasks, self._writers)
 
         asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout=5)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -143,6 +142,7 @@ class StoreFront:
             task.add_done_callback(self._tasks.discard)
         peer = writer.get_extra_info("peername")
         source = str(peer[0]) if peer else "?"
+        self._writers.add(writer)
         writer.transport.set_write_buffer_limits(high=self.limits.pending_bytes)
         _read_at_most(writer.transport, READ_LIMIT)  # until proven: asyncio's own 256 KiB reads, x 128 strangers
         self._admit(writer, source)
@@ -166,9 +166,19 @@ class StoreFront:
             proven = True
             _read_at_most(writer.transport, None)
             up_reader, upstream = await asyncio.open_connection(*self._upstream, limit=self.limits.pending_bytes)
+            self._writers.add(upstream)
             upstream.transport.set_write_buffer_limits(high=self.limits.pending_bytes)
             writer.write(proof)
-            await _first(self._requests(reader, upstream), self._answers(up_reader, writer))
+            timing = splice.Timing(self.limits.stall_s, self.limits.half_sent_s)
+            pair = splice.Pair(_transport(writer), _transport(upstream), timing, wire.RequestScanner())
+            pair.send(True, splice.leftover(reader))
+            pair.send(False, splice.leftover(up_reader))
+            why = await pair.done
+            if why in ("half-sent", "stalled"):
+                self.counts["timeout"] += 1
+            elif why != "closed":
+                self.counts["refused"] += 1
+                log.warning("store front: closed a connection from %s: %s", source, why)
         except asyncio.TimeoutError:
             self.counts["timeout" if proven else "unproven"] += 1
         except asyncio.IncompleteReadError:
@@ -178,6 +188,8 @@ class StoreFront:
             log.warning("store front: closed a connection from %s: %s", source, exc)
         except OSError:
             self.counts["closed" if proven else "unproven"] += 1
+        except asyncio.CancelledError:
+            pass  # stop(): end quietly (asyncio 3.11's streams log a cancelled connection task as an error)
         finally:
             self._unproven.pop(writer, None)
             if proven:
@@ -187,40 +199,13 @@ class StoreFront:
             for each in (writer, upstream):
                 if each is not None:
                     each.transport.abort()
-
-    async def _requests(self, reader: asyncio.StreamReader, upstream: asyncio.StreamWriter) -> None:
-        """The client's requests, scanned, to the store; a request begun must end within ``half_sent_s``."""
-        scanner = wire.RequestScanner()
-        began: Optional[float] = None
-        while True:
-            if scanner.mid_request:
-                began = began if began is not None else time.monotonic()
-                left = self.limits.half_sent_s - (time.monotonic() - began)
-                data = await asyncio.wait_for(reader.read(CHUNK), max(left, 0.0))
-            else:
-                began = None
-                data = await reader.read(CHUNK)
-            if not data:
-                return
-            passing = scanner.feed(data)
-            upstream.write(data[:passing])
-            await asyncio.wait_for(upstream.drain(), self.limits.stall_s)
-            if scanner.refused is not None:
-                raise scanner.refused
-
-    async def _answers(self, up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """The store's answers to the client, held at most ``pending_bytes`` for ``stall_s``."""
-        await pump(up_reader, writer, self.limits.stall_s)
+                    self._writers.discard(each)
 
 
-async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stall_s: float) -> None:
-    """Copy ``reader`` to ``writer`` until EOF, waiting at most ``stall_s`` for ``writer`` to drain."""
-    while True:
-        data = await reader.read(CHUNK)
-        if not data:
-            return
-        writer.write(data)
-        await asyncio.wait_for(writer.drain(), stall_s)
+def _transport(writer: asyncio.StreamWriter) -> asyncio.Transport:
+    transport = writer.transport
+    assert isinstance(transport, asyncio.Transport)
+    return transport
 
 
 def _read_at_most(transport: asyncio.BaseTransport, size: Optional[int]) -> None:
@@ -232,23 +217,13 @@ def _read_at_most(transport: asyncio.BaseTransport, size: Optional[int]) -> None
         vars(transport).pop("max_size", None)
 
 
-async def _cancel(tasks: set[asyncio.Task[None]]) -> None:
-    """Cancel ``tasks`` (a server's connections) and wait for them to end."""
+async def _cancel(tasks: set[asyncio.Task[None]], writers: set[asyncio.StreamWriter]) -> None:
+    """End a server's connections: abort their ``writers``, cancel their ``tasks`` and wait for them to end."""
+    for writer in list(writers):
+        writer.transport.abort()
     current = asyncio.current_task()
     pending = [task for task in tasks if task is not current]
     for task in pending:
         task.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
-
-
-async def _first(*steps: Awaitable[None]) -> None:
-    """Run ``steps`` until the first ends (either side closing ends the relay); its error propagates."""
-    tasks = [asyncio.ensure_future(step) for step in steps]
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    for task in done:
-        task.result()
+    if pending:
+        await asyncio.wait(pending, timeout=2.0)

@@ -25,8 +25,8 @@ import threading
 from typing import Optional
 
 from disttrain.api import env
-from disttrain.trainer.store import wire
-from disttrain.trainer.store.front import DEFAULT_LIMITS, FrontLimits, _cancel, _first, pump
+from disttrain.trainer.store import splice, wire
+from disttrain.trainer.store.front import DEFAULT_LIMITS, FrontLimits, _cancel, _transport
 
 log = logging.getLogger("disttrain.store.relay")
 
@@ -51,6 +51,7 @@ class Relay:
         self.refused = 0
         """Connections refused (not of this process, or the front did not prove the secret)."""
         self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
         log.info("store relay %s:%d -> the front at %s:%d", *self.address, *upstream)
         self._thread = threading.Thread(target=self._loop.run_forever, name="store-relay", daemon=True)
         self._thread.start()
@@ -60,7 +61,7 @@ class Relay:
 
         async def close() -> None:
             self._server.close()
-            await _cancel(self._tasks)
+            await _cancel(self._tasks, self._writers)
 
         asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout=5)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -73,6 +74,7 @@ class Relay:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         upstream: Optional[asyncio.StreamWriter] = None
+        self._writers.add(writer)
         try:
             peer = writer.get_extra_info("peername")
             if not owns_peer(peer, self.address):
@@ -83,6 +85,7 @@ class Relay:
                 asyncio.open_connection(*self.upstream, limit=self.limits.pending_bytes), self.limits.handshake_s
             )
             upstream = up_writer
+            self._writers.add(up_writer)
             greeting = await asyncio.wait_for(up_reader.readexactly(wire.GREETING_LEN), self.limits.handshake_s)
             answer = wire.answer(self._key, greeting)
             up_writer.write(answer)
@@ -91,13 +94,19 @@ class Relay:
                 self.refused += 1
                 log.warning("store relay: %s:%d did not prove the job's secret", *self.upstream)
                 return
-            await _first(pump(reader, up_writer, self.limits.stall_s), pump(up_reader, writer, self.limits.stall_s))
+            pair = splice.Pair(_transport(writer), _transport(up_writer), splice.Timing(self.limits.stall_s))
+            pair.send(True, splice.leftover(reader))
+            pair.send(False, splice.leftover(up_reader))
+            await pair.done
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, wire.HandshakeFailed) as exc:
             log.debug("store relay to %s:%d: %s", *self.upstream, exc)
+        except asyncio.CancelledError:
+            pass  # close(): end quietly (asyncio 3.11's streams log a cancelled connection task as an error)
         finally:
             for each in (writer, upstream):
                 if each is not None:
                     each.transport.abort()
+                    self._writers.discard(each)
 
 
 _RELAYS: dict[tuple[int, str, int, bytes], Relay] = {}
