@@ -14,6 +14,7 @@ grows by at most 64 MiB.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -118,8 +119,16 @@ def _attacked_run(
     state: dict[str, Any] = {"proc": None, "start": 0.0, "peak": 0, "before": 0, "stop": threading.Event()}
 
     def watch(runtime: LocalRuntime) -> None:
-        while not state["stop"].is_set():
-            rss, hwm = _rss_of(_agent_pids(runtime))
+        """The agent's peak while the attack lasts (its high-water mark reset as it begins, so the agent's start-up
+        peak does not count; after the attack, the job's own growth does not either)."""
+        until = time.monotonic() + seconds + 2.0
+        while not state["stop"].is_set() and time.monotonic() < until:
+            pids = _agent_pids(runtime)
+            if not state["before"]:
+                for pid in pids:
+                    with contextlib.suppress(OSError):
+                        pathlib.Path(f"/proc/{pid}/clear_refs").write_text("5")  # resets VmHWM to VmRSS
+            rss, hwm = _rss_of(pids)
             state["before"] = state["before"] or rss
             state["peak"] = max(state["peak"], rss, hwm)
             proc = state["proc"]

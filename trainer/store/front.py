@@ -34,9 +34,12 @@ from disttrain.trainer.store import splice, wire
 log = logging.getLogger("disttrain.store.front")
 
 CHUNK = 64 * 1024
-READ_LIMIT = 16 * 1024
-"""What the front buffers from a client before it pauses reading it (asyncio holds up to twice this): a stranger's
-bytes cost at most this much per connection until it is closed."""
+READ_LIMIT = 4 * 1024
+"""What the front buffers from a client that has not proven the secret before it pauses reading it (asyncio holds
+up to twice this; proven connections are spliced, without this buffer): a stranger's bytes cost at most this much
+per connection until it is closed."""
+UNPROVEN_RECV = 1024
+"""The most one ``recv`` takes from a client that has not proven the secret (the handshake is 68 bytes)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +147,7 @@ class StoreFront:
         source = str(peer[0]) if peer else "?"
         self._writers.add(writer)
         writer.transport.set_write_buffer_limits(high=self.limits.pending_bytes)
-        _read_at_most(writer.transport, READ_LIMIT)  # until proven: asyncio's own 256 KiB reads, x 128 strangers
+        _read_at_most(writer.transport, UNPROVEN_RECV)  # until proven: asyncio's own reads are 256 KiB
         self._admit(writer, source)
         proven = False
         upstream: Optional[asyncio.StreamWriter] = None
