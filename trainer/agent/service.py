@@ -724,10 +724,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         parser.error(f"--name (or ${env.JOB_NAME}) or --state-dir is required")
     guardian.pin_mmap_threshold()  # before the server's first large value: see the guardian's docstring
-    server = start_store()
+    fronted = os.environ.get(env.STORE_FRONT, "1") != "0"
+    server = start_store() if fronted else start_store(args.port, args.host)
+    if not fronted:  # only what the operator's pods say (bench/store_front.py's "without" runs)
+        log.warning("$%s=0: the store is served on its port without the front: any client reaches it", env.STORE_FRONT)
     store = scoped_store(server)
     guard = start_guardian(int(server.port), store)
-    gate = start_front(args.host, args.port, server)
+    gate = start_front(args.host, args.port, server) if fronted else None
     agent = Agent(source, store, poll_seconds=args.poll_seconds, guard=guard)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop_event.set())
     log.info("agent for %s serving the store on %s:%d", args.name or args.state_dir, args.host, args.port)
@@ -736,7 +739,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         return agent.run()
     finally:
-        gate.stop()
+        if gate is not None:
+            gate.stop()
         if pulser is not None:
             pulser.stop()
         if renewer is not None:
