@@ -113,11 +113,26 @@ _RELAYS: dict[tuple[int, str, int, bytes], Relay] = {}
 _LOCK = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    """A forked child (a warm worker) may find the lock held by a thread it does not have. Its parent's relays stay
+    in the table (keyed by the parent's pid, never used here) rather than be collected half alive."""
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def route(host: str, port: int, secret: str) -> tuple[str, int]:
     """The address a torch client of the agent's store at ``host:port`` connects to: this process's relay to it
     when the front is on (:func:`enabled`), else ``host:port`` itself."""
     if not enabled():
         return host, port
+    if not secret:
+        raise ValueError(
+            f"${env.STORE_FRONT}=1 but the job's store secret is not set (${env.STORE_SECRET_FILE} or "
+            f"${env.STORE_SECRET}): the agent's store front admits only clients that prove it"
+        )
     key = (os.getpid(), host, port, wire.front_key(secret))
     with _LOCK:
         relay = _RELAYS.get(key)
