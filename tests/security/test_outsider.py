@@ -314,7 +314,7 @@ def _nothing_got_through(report: dict[str, Any], log: str) -> None:
 def test_a_torch_client_without_the_secret_reaches_nothing_of_the_store(tmp_path, baseline, security_results):
     """The forge, pickle and delete attacks of a plain TCPStore client: not one of its requests reaches the store
     (its connection fails at the front's handshake), and the job does not notice."""
-    attacked = _attacked_run(tmp_path, "list,forge,pickle,delete", seconds=ATTACK_SECONDS)
+    attacked = _attacked_run(tmp_path, "list,forge,pickle,delete", seconds=ATTACK_SECONDS, watch_memory=True)
     _record(security_results, "client", attacked, baseline)
     _nothing_got_through(attacked.report, attacked.outsider_log)
     _assert_unharmed(attacked)

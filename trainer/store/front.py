@@ -38,6 +38,9 @@ READ_LIMIT = 4 * 1024
 """What the front buffers from a client that has not proven the secret before it pauses reading it (asyncio holds
 up to twice this; proven connections are spliced, without this buffer): a stranger's bytes cost at most this much
 per connection until it is closed."""
+ACCEPT_BACKLOG = 128
+"""The listen backlog, which is also how many connections asyncio accepts at once: a stranger's burst waits in the
+kernel, not as a thousand fresh transports in the agent's memory."""
 UNPROVEN_RECV = 1024
 """The most one ``recv`` takes from a client that has not proven the secret (the handshake is 68 bytes)."""
 
@@ -104,7 +107,7 @@ class StoreFront:
     async def _start(self) -> tuple[str, int]:
         host = None if self._listen[0] in ("", "0.0.0.0", "::") else self._listen[0]
         self._server = await asyncio.start_server(
-            self._serve, host, self._listen[1], limit=READ_LIMIT, backlog=1024, reuse_address=True
+            self._serve, host, self._listen[1], limit=READ_LIMIT, backlog=ACCEPT_BACKLOG, reuse_address=True
         )
         sockname = self._server.sockets[0].getsockname()
         return (str(sockname[0]), int(sockname[1]))
