@@ -42,6 +42,8 @@ READY_PORT: Final = "DISTTRAIN_READY_PORT"
 # the secret itself (local mode). Every client of the agent's store needs it; without it the keys cannot be found.
 STORE_SECRET_FILE: Final = "DISTTRAIN_STORE_SECRET_FILE"
 STORE_SECRET: Final = "DISTTRAIN_STORE_SECRET"
+STORE_FRONT: Final = "DISTTRAIN_STORE_FRONT"
+"""``1``: the agent serves its store behind the authenticating front; clients go through a relay of their own."""
 # File the worker's launcher writes the root cause of a failure to (exit code, the traceback's last line): the
 # trainer container's terminationMessagePath on Kubernetes, a file of the node's own in local mode.
 TERMINATION_LOG: Final = "DISTTRAIN_TERMINATION_LOG"

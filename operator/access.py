@@ -194,9 +194,15 @@ def build_network_policies(
     return [build_network_policy(job, settings), build_worker_network_policy(job, metrics_port, settings)]
 
 
+STORE_FRONT = "1"
+"""``$DISTTRAIN_STORE_FRONT`` in every pod of a job: the agent serves its store behind its front, and clients relay.
+``"0"`` (bench/store_front.py's runs without the front, nothing else) serves it bare."""
+
+
 def mount_store_secret(job: DistTrainJob, pod_spec: dict[str, Any], container: dict[str, Any]) -> None:
     """Mount the job's store secret read-only into ``container`` and point ``$DISTTRAIN_STORE_SECRET_FILE`` at it
-    (replacing anything of that name the template had)."""
+    (replacing anything of that name the template had), and tell its clients of the agent's store to go through a
+    relay (``$DISTTRAIN_STORE_FRONT``, :mod:`disttrain.trainer.store.relay`)."""
     volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") != VOLUME]
     volumes.append(
         {"name": VOLUME, "secret": {"secretName": names.store_secret_name(job.metadata.name, job.metadata.uid or "")}}
@@ -204,6 +210,7 @@ def mount_store_secret(job: DistTrainJob, pod_spec: dict[str, Any], container: d
     pod_spec["volumes"] = volumes
     mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") != VOLUME]
     container["volumeMounts"] = [*mounts, {"name": VOLUME, "mountPath": MOUNT_PATH, "readOnly": True}]
-    secret_env = (env.STORE_SECRET_FILE, env.STORE_SECRET)
+    secret_env = (env.STORE_SECRET_FILE, env.STORE_SECRET, env.STORE_FRONT)
     kept = [e for e in container.get("env") or [] if e.get("name") not in secret_env]
-    container["env"] = [*kept, {"name": env.STORE_SECRET_FILE, "value": SECRET_FILE}]
+    front = {"name": env.STORE_FRONT, "value": STORE_FRONT}
+    container["env"] = [*kept, {"name": env.STORE_SECRET_FILE, "value": SECRET_FILE}, front]

@@ -7,7 +7,7 @@ import hashlib
 
 from disttrain.api import conditions, timestamps
 from disttrain.api.conditions import ConditionType, Reason
-from disttrain.api.status import CheckpointRef, DistTrainJobStatus
+from disttrain.api.status import STORE_KEY_CLASSES, STORE_REJECT_REASONS, CheckpointRef, DistTrainJobStatus
 from disttrain.operator.draft import Draft
 from disttrain.operator.observed import NORMAL, WARNING, Event
 
@@ -64,33 +64,35 @@ STORE_VALUE_REJECTED = "StoreValueRejected"
 """The Warning Event's reason when the job agent rejected a value in its store
 (:mod:`disttrain.trainer.agent.guardian`)."""
 STORE_REJECTION_RECENT_SECONDS = 300.0
-"""A rejection the agent reported at most this long ago is announced. The Event filter drops the same message
-for ``eventrate.REPEAT_WINDOW_S`` (600 s, longer than this), so each key is announced once per rejection spell,
-and a status that keeps the agent's last rejections does not bring them back on later reconciles."""
-_REJECTION_TEXT = {
-    "foreign": "a key outside the job's namespace, deleted unread",
-    "unsigned": "a value without a valid signature for this job and key, removed or replaced by the last valid one",
-    "replayed": "an older valid value written again, replaced by the newest one",
-    "deleted": "a valid value deleted, written back",
-}
+"""Rejections are announced while the agent reported one at most this long ago."""
 
 
 def announce_store_rejections(d: Draft) -> None:
-    """A Warning Event naming each key the job agent recently rejected in its store: something without the job's
-    secret reaches the store. The message holds only the key, its class and the reason, so the Event filter
-    (repeats dropped for 10 min, a budget per job) turns this into one Event per key per rate window; the counts
-    go to ``disttrain_store_rejected_values_total``."""
+    """One Warning Event summing up what the job agent rejected in its store: something without the job's secret
+    reaches the store. The message holds only counts by key class and reason (closed sets): never a key, which a
+    stranger chooses; the keys are in ``status.storeRejections``. Its message changes with the counts, so the Event
+    filter gives it a budget of its own (``eventrate.SEPARATE_BUDGETS``: one per minute), apart from the job's: the
+    job's own Warnings are never crowded out."""
     rejections = d.status.store_rejections
     if rejections is None:
         return
-    for entry in rejections.recent:
-        at = entry.time
-        if at is None or abs(d.now - at) > STORE_REJECTION_RECENT_SECONDS:  # either clock may be ahead
-            continue
-        what = _REJECTION_TEXT.get(entry.reason, "an invalid value")
-        d.events.append(
-            Event(WARNING, STORE_VALUE_REJECTED, f"store key {entry.key} ({entry.key_class}): {what} by the job agent")
+    times = [entry.time for entry in rejections.recent]
+    if not any(at is not None and abs(d.now - at) <= STORE_REJECTION_RECENT_SECONDS for at in times):
+        return  # either clock may be ahead
+    counts = [
+        f"{key_class}/{reason} {count}"
+        for name, count in sorted(rejections.counts.items())
+        for key_class, _, reason in [name.partition("/")]
+        if key_class in STORE_KEY_CLASSES and reason in STORE_REJECT_REASONS and count >= 0
+    ]
+    d.events.append(
+        Event(
+            WARNING,
+            STORE_VALUE_REJECTED,
+            f"the job agent rejected {rejections.total} store value(s) written without the job's secret "
+            f"({', '.join(counts) or 'no known class'}); the keys are in status.storeRejections",
         )
+    )
 
 
 def checkpoint_message(ckpt: CheckpointRef) -> str:

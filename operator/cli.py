@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from disttrain.api import constants, crd, validation
+from disttrain.api import constants, crd, metricsserver, validation
 
 if TYPE_CHECKING:
     from disttrain.operator import access
@@ -170,7 +170,6 @@ def cmd_operator(args: argparse.Namespace) -> int:
         os.environ["KUBECONFIG"] = args.kubeconfig
     import kopf
     from kubernetes import client, config
-    from prometheus_client import start_http_server
 
     from disttrain.operator import gcpolicy, handlers, pods
     from disttrain.operator.metrics import OperatorMetrics
@@ -208,7 +207,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
         handlers.configure(settings)
 
     if args.metrics_port:
-        start_http_server(args.metrics_port, addr=args.metrics_address)
+        metricsserver.serve(args.metrics_port, args.metrics_address)  # bounded: connections and timeouts
     gcpolicy.start()
     kopf.run(
         registry=registry,

@@ -6,7 +6,9 @@ its victims are gone). Two rules, after client-go's EventCorrelator (``tools/rec
 
 * the same Event (job, type, reason, message) within :data:`REPEAT_WINDOW_S` of the last one posted is dropped;
 * each job may post :data:`BURST` Events at once, then one per :data:`REFILL_S` (a token bucket), so no
-  sequence of distinct messages floods the Events API either.
+  sequence of distinct messages floods the Events API either;
+* reasons of :data:`SEPARATE_BUDGETS` have a bucket of their own per job and never draw on the job's: what a
+  stranger causes (the agent's store rejections) cannot crowd out the job's own Warnings (NodeLost, failures).
 
 Pure: the caller passes the time.
 """
@@ -20,6 +22,8 @@ from typing import Final
 REPEAT_WINDOW_S: Final = 600.0
 BURST: Final = 25
 REFILL_S: Final = 10.0
+SEPARATE_BUDGETS: Final = {"StoreValueRejected": (1, 60.0)}
+"""reason -> (burst, refill seconds) of its own per job: the store rejections' summary, at most one a minute."""
 MAX_REMEMBERED: Final = 10_000
 """Repeats remembered across all jobs; the oldest are forgotten first."""
 
@@ -43,7 +47,7 @@ class EventFilter:
         self.burst = burst
         self.refill_s = refill_s
         self._posted: collections.OrderedDict[EventKey, float] = collections.OrderedDict()
-        self._buckets: dict[tuple[str, str], _Bucket] = {}
+        self._buckets: dict[tuple[str, ...], _Bucket] = {}
         self.dropped = 0
         """Events dropped so far (repeats and over budget)."""
 
@@ -53,11 +57,12 @@ class EventFilter:
         if last is not None and now - last < self.repeat_window_s:
             self.dropped += 1
             return False
-        job = (key[0], key[1])
-        bucket = self._buckets.get(job) or _Bucket(tokens=float(self.burst), updated=now)
-        bucket.tokens = min(float(self.burst), bucket.tokens + max(0.0, now - bucket.updated) / self.refill_s)
+        burst, refill_s = SEPARATE_BUDGETS.get(key[3], (self.burst, self.refill_s))
+        owner = (key[0], key[1], key[3]) if key[3] in SEPARATE_BUDGETS else (key[0], key[1])
+        bucket = self._buckets.get(owner) or _Bucket(tokens=float(burst), updated=now)
+        bucket.tokens = min(float(burst), bucket.tokens + max(0.0, now - bucket.updated) / refill_s)
         bucket.updated = now
-        self._buckets[job] = bucket
+        self._buckets[owner] = bucket
         if bucket.tokens < 1.0:
             self.dropped += 1
             return False
@@ -70,4 +75,5 @@ class EventFilter:
 
     def forget_job(self, namespace: str, name: str) -> None:
         """A deleted job's budget goes (its remembered repeats age out on their own)."""
-        self._buckets.pop((namespace, name), None)
+        for owner in [o for o in self._buckets if o[:2] == (namespace, name)]:
+            del self._buckets[owner]

@@ -130,12 +130,27 @@ class Watchdog:
             return
         host, port = parse_endpoint(self.endpoint)
         self.store = channel.connect(host, port, timeout_s)
-        current = read_signal(self.store)
-        self.seen_generation = current.generation if current and self._is_ours(current) else -1
+        self.seen_generation = self._history_at_connect()
         request = keys.read_model(self.store, keys.DIAGNOSTICS_KEY, keys.DiagnosticsRequest)
         self.seen_diagnostics = request.id if request is not None else None
         self._reliability = keys.read_model(self.store, keys.RELIABILITY_KEY, keys.ReliabilityReport)
         self._reliability_read_at = time.monotonic()
+
+    def _history_at_connect(self) -> int:
+        """The newest generation present when this process connects: the directive's, and no lower than the target
+        plan's, which the agent writes with the directive's generation just after it. A replayed older directive
+        (or one garbled to absent) under the signal key cannot lower a fresh worker's history below it, so the
+        directive that formed this worker's round is never taken for a new one. The plan is read first: a directive
+        published between the two reads is then seen in the signal (written before the plan), never skipped."""
+        assert self.store is not None
+        plan = keys.read_model(self.store, keys.TARGET_KEY, keys.TargetPlan)
+        current = read_signal(self.store)
+        found = [
+            item.generation
+            for item in (plan, current)
+            if item is not None and (not item.job_uid or not self.job_uid or item.job_uid == self.job_uid)
+        ]
+        return max(found, default=-1)
 
     def mark_history(self) -> None:
         """The directive in the store now is history (a worker that joins a new round in place, as one that

@@ -9,6 +9,8 @@ import logging
 
 import prometheus_client as prom
 
+from disttrain.api import metricsserver
+
 log = logging.getLogger("disttrain.trainer")
 
 
@@ -70,7 +72,7 @@ class TrainerMetrics:
         if port <= 0:
             return False
         try:
-            prom.start_http_server(port, registry=self.registry)
+            metricsserver.serve(port, registry=self.registry)  # bounded: connections and timeouts
         except OSError as exc:
             log.warning("metrics exporter disabled: cannot listen on port %d: %s", port, exc)
             return False

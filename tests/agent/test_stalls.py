@@ -154,3 +154,72 @@ def test_the_watch_learns_the_step_time_reports_after_the_dump_grace_and_holds_t
     assert report is not None, "held while the operator's directive is in flight"
     store.put(beacon(0, 6, group="10.0.0.2:4242", world=2, time=20.0))  # the group re-formed without it
     assert watch.report(now=13.0, **settings) == (None, None)
+
+
+class TamperedStore(FakeStore):
+    """As the signed store behaves: a garbled beacon reads as absent, and each refusal is counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.garbled: set[str] = set()
+        self.refused = 0
+
+    def check(self, keys_: list[str]) -> bool:
+        if any(k in self.garbled for k in keys_):
+            self.refused += 1
+            return False
+        return super().check(keys_)
+
+    def tamper_counts(self) -> dict[str, int]:
+        return {"s-prefix/" + keys.BEACON_PREFIX + "1": self.refused}
+
+
+SETTINGS = {"factor": 3.0, "min_seconds": 1.0, "quiet": False, "directory": "/ckpt/diagnostics"}
+"""Median step 0.5 s: a stall threshold of max(1, 3 x 0.5) = 1.5 s."""
+
+
+def _trained(store: TamperedStore, watch: stalls.StallWatch, steps: int = 4) -> float:
+    """Every rank through ``steps`` steps of 0.5 s, read as they go; returns the time after."""
+    now = 0.0
+    for step in range(1, steps + 1):
+        for rank in range(3):
+            store.put(beacon(rank, step, time=step * 0.5))
+        now += 1.0
+        watch.report(now=now, **SETTINGS)
+    return now
+
+
+def test_garbled_beacons_of_a_healthy_rank_never_name_it_stalled():
+    store = TamperedStore()
+    watch = stalls.StallWatch(store)
+    now = _trained(store, watch)
+    for rank in range(3):
+        store.put(beacon(rank, 5, time=2.5))  # every rank reaches step 5: nobody lags
+    store.garbled.add(keys.beacon_key(1))  # but rank 1's beacon is garbled: it reads as if still at step 4
+    for _ in range(20):
+        now += 1.0
+        assert watch.report(now=now, **SETTINGS) == (None, None), f"a verdict at {now} while tampered with"
+    store.garbled.clear()
+    for _ in range(5):
+        now += 1.0
+        assert watch.report(now=now, **SETTINGS) == (None, None), "rank 1 reached step 5: no stall"
+
+
+def test_a_real_laggard_is_named_only_after_the_tampering_stops_and_the_hold_passes():
+    store = TamperedStore()
+    watch = stalls.StallWatch(store)
+    now = _trained(store, watch)
+    store.put(beacon(0, 5, time=2.5))
+    store.put(beacon(2, 5, time=2.5))  # rank 1 really hangs at step 4
+    store.garbled.add(keys.beacon_key(1))
+    for _ in range(6):
+        now += 1.0
+        assert watch.report(now=now, **SETTINGS)[1] is None, "no verdict without a verified read of the laggard"
+    store.garbled.clear()
+    now += 1.0
+    assert watch.report(now=now, **SETTINGS)[1] is None, "held for one threshold after the last tampering"
+    found = None
+    for _ in range(4):
+        now += 1.0
+        found = found or watch.report(now=now, **SETTINGS)[1]
+    assert found is not None and [lag.rank for lag in found.laggards] == [1]

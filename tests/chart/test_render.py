@@ -41,6 +41,7 @@ def test_default_objects():
         "Deployment",
         "FlowSchema",
         "FlowSchema",
+        "NetworkPolicy",
         "PriorityLevelConfiguration",
         "Service",
         "ServiceAccount",
@@ -253,3 +254,19 @@ def test_dashboard_config_map_carries_the_dashboard_for_grafanas_sidecar():
     assert metadata["labels"]["grafana_dashboard"] == "1" and metadata["labels"]["team"] == "ml"
     assert metadata["annotations"] == {"grafana_folder": "Training"}
     assert json.loads(config_map["data"]["disttrain.json"]) == json.loads(DASHBOARD.read_text())
+
+
+def test_the_operator_pods_admit_only_the_metrics_scraper_and_the_liveness_probe():
+    policies = [o for o in render() if o["kind"] == "NetworkPolicy"]
+    assert len(policies) == 1, policies
+    spec = policies[0]["spec"]
+    deployment = next(o for o in render() if o["kind"] == "Deployment")
+    assert spec["podSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert spec["policyTypes"] == ["Ingress"]
+    metrics, liveness = spec["ingress"]
+    assert metrics["ports"] == [{"protocol": "TCP", "port": 9090}]
+    assert metrics["from"] == [
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    ]
+    assert liveness == {"ports": [{"protocol": "TCP", "port": 8080}]}
+    assert not [o for o in render({"networkPolicy": {"enabled": False}}) if o["kind"] == "NetworkPolicy"]

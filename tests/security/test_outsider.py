@@ -1,17 +1,20 @@
-"""An outsider without the job's secret attacks a real local job (agent + 2 nodes, torchrun,
-the e2e recorder) through the agent's store port, and costs it a delay, nothing more.
+"""An outsider without the job's secret attacks a real local job (agent + 2 nodes, torchrun, the e2e recorder)
+through the agent's store port, and costs it nothing.
 
-Each attack (``tests/security/outsider.py``) starts once the job trains and runs while it trains: list the keys;
-forge every control key; overwrite torchrun's rendezvous state with a pickle that would create a file; delete
-every key; flood 8 MiB values for 60 s. For each: the marker file never appears (no code of the attacker ran),
-the job Succeeded, no restart was charged, every step ran exactly once (none replayed, none skipped, every sample
-once), and the delay is measured against an unattacked run of the same job in the same session. Under the flood,
-the agent's peak memory stays well under its pod's limit.
+Each attack (``tests/security/outsider.py``) starts once the job trains and runs while it trains. A plain TCPStore
+client tries to list the keys, forge every control key, plant a pickle as torchrun's rendezvous state and delete
+every key: it never gets past the store front's handshake. Raw on the wire, the abuses that torch's server alone
+could not bound (queues, pipelined reads, half-sent values, long key names, appends, 1,000 idle connections) are
+closed at the front. For each: the marker file never appears (no code of the attacker ran), the job Succeeded, no
+restart was charged, every step ran exactly once (none replayed, none skipped, every sample once), and the delay
+is measured against an unattacked run of the same job in the same session. Under the raw abuse the agent's memory
+grows by at most 64 MiB.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -39,9 +42,7 @@ DATASET = 360  # 12 samples per step: one epoch in 30 steps
 STEP_SLEEP = 0.25
 ATTACK_AT_STEP = 3
 ATTACK_SECONDS = 6.0
-FLOOD_SECONDS = 60.0
-FLOOD_STEP_SLEEP = 2.4
-"""The flood lasts 60 s: its job's steps are slower so that it still trains when the flood ends."""
+RAW_SECONDS = 15.0
 RUNAWAY_RSS = 3 * 2**30
 """The test stops the flood when the agent passes this (a local agent has no memory limit to stop it)."""
 MIB = 2**20
@@ -118,8 +119,16 @@ def _attacked_run(
     state: dict[str, Any] = {"proc": None, "start": 0.0, "peak": 0, "before": 0, "stop": threading.Event()}
 
     def watch(runtime: LocalRuntime) -> None:
-        while not state["stop"].is_set():
-            rss, hwm = _rss_of(_agent_pids(runtime))
+        """The agent's peak while the attack lasts (its high-water mark reset as it begins, so the agent's start-up
+        peak does not count; after the attack, the job's own growth does not either)."""
+        until = time.monotonic() + seconds + 2.0
+        while not state["stop"].is_set() and time.monotonic() < until:
+            pids = _agent_pids(runtime)
+            if not state["before"]:
+                for pid in pids:
+                    with contextlib.suppress(OSError):
+                        pathlib.Path(f"/proc/{pid}/clear_refs").write_text("5")  # resets VmHWM to VmRSS
+            rss, hwm = _rss_of(pids)
             state["before"] = state["before"] or rss
             state["peak"] = max(state["peak"], rss, hwm)
             proc = state["proc"]
@@ -293,54 +302,39 @@ def _record(
     )
 
 
-def _the_attack_hit(attack: str, report: dict[str, Any], log: str) -> None:
-    """The outsider really did what it says (else a pass would prove nothing)."""
+def _nothing_got_through(report: dict[str, Any], log: str) -> None:
+    """The outsider tried (else a pass would prove nothing) and never reached the store behind the front."""
     assert report, f"the outsider wrote no report; its output: {log[-3000:]}"
-    keys = report["keys_seen"]
-    assert keys, f"the outsider listed no keys: {report}"
-    targets = report["targets"]
-    if attack == "forge":
-        assert any(k.endswith("disttrain/failure") for k in targets.get("forge", [])), targets
-        assert any(k.endswith("disttrain/signal") for k in targets.get("forge", [])), targets
-    elif attack == "pickle":
-        assert any("torch.rendezvous." in k for k in targets.get("pickle", [])), targets
-    elif attack == "delete":
-        assert report["ops"].get("delete_key", 0) >= len(keys), report["ops"]
+    assert sum(report["errors"].values()) > 0, f"the outsider made no attempt: {report}"
+    assert report["keys_seen"] == [], f"the outsider listed keys through the front: {report['keys_seen'][:5]}"
+    assert not report["ops"].get("connect"), f"a TCPStore client without the secret connected: {report['ops']}"
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("attack", ["forge", "pickle", "delete"])
-def test_an_outsider_costs_the_job_a_delay_and_nothing_more(tmp_path, attack, baseline, security_results):
-    attacked = _attacked_run(tmp_path, attack, seconds=ATTACK_SECONDS)
-    _record(security_results, attack, attacked, baseline)
-    _the_attack_hit(attack, attacked.report, attacked.outsider_log)
+def test_a_torch_client_without_the_secret_reaches_nothing_of_the_store(tmp_path, baseline, security_results):
+    """The forge, pickle and delete attacks of a plain TCPStore client: not one of its requests reaches the store
+    (its connection fails at the front's handshake), and the job does not notice."""
+    attacked = _attacked_run(tmp_path, "list,forge,pickle,delete", seconds=ATTACK_SECONDS, watch_memory=True)
+    _record(security_results, "client", attacked, baseline)
+    _nothing_got_through(attacked.report, attacked.outsider_log)
     _assert_unharmed(attacked)
 
 
-@pytest.mark.timeout(360)
-def test_a_60_s_flood_of_8_mib_values_neither_takes_the_agent_down_nor_fails_the_job(
-    tmp_path, baseline, security_results
-):
-    attacked = _attacked_run(
-        tmp_path, "list,flood", seconds=FLOOD_SECONDS, step_sleep=FLOOD_STEP_SLEEP, watch_memory=True
-    )
-    _record(security_results, "flood", attacked, baseline, extra_sleep=FLOOD_STEP_SLEEP - STEP_SLEEP)
-    _the_attack_hit("list", attacked.report, attacked.outsider_log)
-    listed = attacked.report["keys_seen"]
-    security_results.append(
-        {
-            "attack": "list",
-            "line": f"  list: {len(listed)} keys listed without the secret (read only; the flood job's first op), "
-            f"prefixes {attacked.report['prefixes']}",
-            "keys": listed,
-        }
-    )
-    assert attacked.report["bytes_sent"] >= 256 * MIB, f"the flood sent too little to prove anything: {attacked.report}"
-    assert attacked.attack_end - attacked.attack_start >= FLOOD_SECONDS - 1, "the flood did not last 60 s"
-    assert attacked.peak_agent_rss < AGENT_MEMORY_LIMIT * 0.75, (
-        f"the job agent's peak RSS {attacked.peak_agent_rss / MIB:.0f} MiB under the flood is not well under its "
-        f"pod's {pods.AGENT_MEMORY} limit (allowed: 75 %, {AGENT_MEMORY_LIMIT * 0.75 / MIB:.0f} MiB)"
-    )
-    agent_log = attacked.run.state.log_file("outsider-list-flood-agent").read_text(errors="replace")
-    assert agent_log.count("serving the store") == 1, "the agent was restarted under the flood"
+@pytest.mark.timeout(300)
+def test_raw_abuse_of_the_store_port_is_refused_at_the_front_and_bounded(tmp_path, baseline, security_results):
+    """The issue's table, raw on the wire without the secret: 1,000 idle connections held, 8 MiB queue entries,
+    pipelined reads never read, 8 MiB values one byte short, 8191-byte key names, a 8 MiB append. The front closes
+    each before a byte reaches torch's server; the agent's memory barely moves, and the job does not notice."""
+    attacked = _attacked_run(tmp_path, "raw", seconds=RAW_SECONDS, watch_memory=True)
+    _record(security_results, "raw", attacked, baseline)
+    report, ops = attacked.report, attacked.report.get("ops", {})
+    assert report, f"the outsider wrote no report; its output: {attacked.outsider_log[-3000:]}"
+    assert ops.get("held") == 1000, f"the outsider could not open its 1,000 idle connections: {ops}"
+    for name in ("queue", "pipelined-get", "half-sent", "key-names", "append"):
+        assert ops.get(name, 0) > 0 and ops.get(f"{name}-closed") == ops.get(name), f"{name}: {ops}"
+    assert ops.get("held_at_end") == 0, f"idle connections of the stranger outlived the handshake limit: {ops}"
+    growth = attacked.peak_agent_rss - attacked.agent_rss_before
+    assert growth <= 64 * MIB, f"the agent grew by {growth / MIB:.0f} MiB under the raw abuse (allowed: 64 MiB)"
+    agent_log = attacked.run.state.log_file("outsider-raw-agent").read_text(errors="replace")
+    assert agent_log.count("serving the store") == 1, "the agent was restarted under the abuse"
     _assert_unharmed(attacked)

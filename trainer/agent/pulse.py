@@ -9,13 +9,18 @@ API server, so no stranger can stand in for the agent) and takes the agent for l
 The wire (:mod:`disttrain.api.pulse`) goes one way: the server reads nothing. Its first line names the agent pod's
 uid, so the operator refuses a pulse from another pod that holds the IP now. Whoever connects learns only that the
 agent lives, and its pod uid (no secret: any reader of the pod sees it). The server holds at most
-:data:`MAX_CLIENTS` connections and refuses more at once; it drops a client that sends anything (the operator never
-does) or that stops reading (its socket buffer full), so no client can hold the thread. The chart's NetworkPolicy
+:data:`MAX_PER_SOURCE` connections per source address (more are refused at once) and :data:`MAX_CLIENTS` in all;
+when all are taken, a new connection takes the place of the newest one of the address holding the most
+(:func:`evictee`), so a stranger holding connections from a few addresses never keeps the operator (one or two
+connections from its pod's address) from linking again. Loopback sources are the machine's own (local mode) and
+are not capped per address. It drops a client that sends anything (the operator never does) or that stops reading
+(its socket buffer full), so no client can hold the thread. The chart's NetworkPolicy
 admits only the operator's pods to this port where the network plugin enforces it.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import selectors
@@ -28,8 +33,39 @@ from disttrain.api.pulse import BYE, PULSE, hello
 
 log = logging.getLogger("disttrain.agent")
 
-MAX_CLIENTS = 8
+MAX_CLIENTS = 64
 """Connections held at once: the operator needs one; a new operator (restart, upgrade) a second for a moment."""
+MAX_PER_SOURCE = 2
+"""Connections one source address may hold (the operator's pod: its link, and a second while it re-links)."""
+
+
+def is_loopback(source: str) -> bool:
+    """Whether ``source`` is this machine's loopback (v4, v6 or v4-mapped)."""
+    try:
+        address = ipaddress.ip_address(source)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return bool(address.is_loopback or (mapped is not None and mapped.is_loopback))
+
+
+def evictee(sources: list[str], new_source: str, max_clients: int = MAX_CLIENTS) -> Optional[int]:
+    """Which held connection (an index into ``sources``, oldest first) a new one from ``new_source`` replaces:
+    None while there is room; else the newest connection of the address holding the most (the new one counted),
+    -1 when that is the new one itself (it is refused)."""
+    if len(sources) < max_clients:
+        return None
+    counts: dict[str, int] = {}
+    for source in [*sources, new_source]:
+        counts[source] = counts.get(source, 0) + 1
+    busiest = max(counts, key=lambda source: counts[source])
+    if busiest == new_source and counts[new_source] > 1:
+        for index in range(len(sources) - 1, -1, -1):
+            if sources[index] == new_source:
+                return index
+    if counts[busiest] == 1:
+        return -1  # every address holds one: the newcomer waits for a slot
+    return max(index for index, source in enumerate(sources) if source == busiest)
 
 
 def next_boundary(now: float, period: float) -> float:
@@ -49,6 +85,8 @@ class PulseServer:
         self._listener.setblocking(False)
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._clients: set[socket.socket] = set()
+        self._order: list[tuple[socket.socket, str]] = []
+        """Held connections and their source addresses, oldest first."""
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._stop = threading.Event()
@@ -92,18 +130,27 @@ class PulseServer:
 
     def _accept(self) -> None:
         try:
-            client, _peer = self._listener.accept()
+            client, peer = self._listener.accept()
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
             log.debug("pulse: accept failed: %s", exc)
             return
-        if len(self._clients) >= MAX_CLIENTS:
+        source = str(peer[0]) if peer else "?"
+        sources = [held for _sock, held in self._order]
+        if not is_loopback(source) and sources.count(source) >= MAX_PER_SOURCE:
             client.close()
             return
+        victim = evictee(sources, source)
+        if victim == -1:
+            client.close()
+            return
+        if victim is not None:
+            self._drop(self._order[victim][0])
         client.setblocking(False)
         client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._clients.add(client)
+        self._order.append((client, source))
         self._selector.register(client, selectors.EVENT_READ)
         self._send(client, hello(self.pod_uid))
 
@@ -120,6 +167,7 @@ class PulseServer:
         self._drop(client)  # gone, or not reading: its buffer is full
 
     def _drop(self, client: socket.socket) -> None:
+        self._order = [(held, source) for held, source in self._order if held is not client]
         if client in self._clients:
             self._clients.discard(client)
             try:

@@ -628,21 +628,40 @@ def _checkpoint_dir(job: agentview.AgentJob) -> str:
     return job_checkpoint_dir(job.spec.checkpoint.path, job.metadata.namespace, job.metadata.name)
 
 
-def start_store(port: int, host: str = "0.0.0.0", timeout_s: float = 60.0) -> Any:
-    """The TCPStore server the c10d rendezvous and the control channel share (torch imported here only).
+def start_store(port: int = 0, host: str = "127.0.0.1", timeout_s: float = 60.0) -> Any:
+    """The TCPStore server the c10d rendezvous and the control channel share; the agent's is on the loopback's
+    free port only, and clients reach it through the front (:func:`start_front`). torch imported here only.
 
     The libuv server, chosen explicitly: it refuses a value over 8 MiB (the other one takes any size), which bounds
-    what one client can make the agent hold per key."""
+    what one client can make the agent hold per key. It is handed a socket listening on ``host:port``: given a
+    port alone, it would bind every address."""
     from torch.distributed import TCPStore
 
+    from disttrain.trainer.store import front
+
+    listener = front.listener(host, port)
     return TCPStore(
         host,
-        port,
+        int(listener.getsockname()[1]),
         is_master=True,
         wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout_s),
         use_libuv=True,
+        master_listen_fd=listener.detach(),
     )
+
+
+def start_front(host: str, port: int, server: Any) -> Any:
+    """The store's front on ``host:port`` (the store port the job's clients know), relaying to ``server`` whoever
+    proves the job's secret (:mod:`disttrain.trainer.store.front`)."""
+    from disttrain.trainer.store import channel, front
+
+    secret = storeauth.secret_from_env()
+    if not secret:
+        raise channel.MissingSecret(f"the agent has no store secret (${env.STORE_SECRET_FILE}): no front, no store")
+    gate = front.StoreFront((host, port), ("127.0.0.1", int(server.port)), secret)
+    gate.start()
+    return gate
 
 
 def _same_group(report: keys.ProgressReport, status: dict[str, Any]) -> bool:
@@ -710,9 +729,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         parser.error(f"--name (or ${env.JOB_NAME}) or --state-dir is required")
     guardian.pin_mmap_threshold()  # before the server's first large value: see the guardian's docstring
-    server = start_store(args.port, args.host)
+    fronted = os.environ.get(env.STORE_FRONT, "1") != "0"
+    server = start_store() if fronted else start_store(args.port, args.host)
+    if not fronted:  # only what the operator's pods say (bench/store_front.py's "without" runs)
+        log.warning("$%s=0: the store is served on its port without the front: any client reaches it", env.STORE_FRONT)
     store = scoped_store(server)
-    guard = start_guardian(args.port, store, "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host)
+    guard = start_guardian(int(server.port), store)
+    gate = start_front(args.host, args.port, server) if fronted else None
     agent = Agent(source, store, poll_seconds=args.poll_seconds, guard=guard)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop_event.set())
     log.info("agent for %s serving the store on %s:%d", args.name or args.state_dir, args.host, args.port)
@@ -721,6 +744,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         return agent.run()
     finally:
+        if gate is not None:
+            gate.stop()
         if pulser is not None:
             pulser.stop()
         if renewer is not None:

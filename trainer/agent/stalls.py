@@ -15,6 +15,13 @@ stalls in a group's first seconds), ``stallMinSeconds`` alone. It gives no verdi
   as long: the save gets one full threshold to finish. Not a veto: the flag is as old as the beacon, and a rank
   that hangs right after a save began would otherwise never be named.
 
+Tampering (the heartbeat rule's hold, :class:`~disttrain.trainer.agent.heartbeats.SilenceTracker`): a beacon that
+does not verify reads as absent, so a stranger who garbles, deletes or replays the beacon keys would leave a healthy
+rank at its last valid step, behind its peers. So no verdict is given while the beacons are tampered with (the
+verifying store rejected a beacon value, or a rank seen before has no valid beacon now) and for one stall threshold
+after; and a verdict needs a fresh verified read of every laggard (its beacon read and verified in the read it is
+judged on). Tampering delays a verdict; it never names a healthy node.
+
 Durations come from one rank's own clock (two of its beacons); how long the peers have waited comes from the agent's
 clock (when it first saw their beacon), so no two clocks are ever compared. A stall stays reported (its wait as it was
 when found) until the group changes or the laggards reach the step, so the operator's eviction, which the
@@ -153,6 +160,29 @@ def is_resolved(stall: Stall, seen: Mapping[int, Seen]) -> bool:
     )
 
 
+def beacon_tampering(store: Any) -> int:
+    """How many beacon values the verifying store under ``store`` refused (invalid or replayed) or restored
+    (``SignedStore.tamper_counts``); 0 where the store keeps no such count. Only its growth matters."""
+    for _ in range(16):
+        if store is None:
+            return 0
+        counts = getattr(store, "tamper_counts", None)
+        if callable(counts):
+            return sum(n for key, n in counts().items() if keys.BEACON_PREFIX in key)
+        store = getattr(store, "underlying_store", None)
+    return 0
+
+
+def is_held(tampered_at: Optional[float], now: float, hold_s: float) -> bool:
+    """Whether verdicts are held at ``now``: the beacons were tampered with less than ``hold_s`` ago."""
+    return tampered_at is not None and now - tampered_at < hold_s
+
+
+def verified_afresh(stall: Stall, fresh: set[int]) -> bool:
+    """Whether every laggard's beacon was read and verified in the read the stall is judged on."""
+    return all(laggard.rank in fresh for laggard in stall.laggards)
+
+
 class StallWatch:
     """The agent's side: read the beacons every :data:`READ_INTERVAL_S`, keep the step durations, hold a stall
     until it resolves. ``report`` returns what ``status.stalledNodes`` should hold and, once per stall, the
@@ -160,6 +190,10 @@ class StallWatch:
 
     def __init__(self, store: Any) -> None:
         self.store = store
+        self.fresh: set[int] = set()
+        """Ranks whose beacon the last read verified."""
+        self.tampered_at: Optional[float] = None
+        self._tampering = beacon_tampering(store)
         self.seen: dict[int, Seen] = {}
         self.durations: collections.deque[float] = collections.deque(maxlen=MAX_DURATIONS)
         self.group_first_step: dict[str, int] = {}
@@ -187,16 +221,25 @@ class StallWatch:
         self.seen[rank] = Seen(beacon, now)
 
     def read(self, now: float) -> None:
-        """Read every rank's beacon (rank 0's first: it says the world size)."""
+        """Read every rank's beacon (rank 0's first: it says the world size); note which verified, and whether the
+        beacons were tampered with (a refused value, or a rank seen before without a valid beacon now)."""
+        self.fresh = set()
         first = keys.read_model(self.store, keys.beacon_key(0), keys.StepBeacon)
-        if first is None:
-            return
-        self.observe(0, first, now)
-        world = max(s.beacon.world_size for s in self.seen.values() if s.beacon.group == first.group)
-        for rank in range(1, world):
-            beacon = keys.read_model(self.store, keys.beacon_key(rank), keys.StepBeacon)
-            if beacon is not None:
-                self.observe(rank, beacon, now)
+        missing = first is None and 0 in self.seen
+        if first is not None:
+            self.observe(0, first, now)
+            self.fresh.add(0)
+            world = max(s.beacon.world_size for s in self.seen.values() if s.beacon.group == first.group)
+            for rank in range(1, world):
+                beacon = keys.read_model(self.store, keys.beacon_key(rank), keys.StepBeacon)
+                if beacon is not None:
+                    self.observe(rank, beacon, now)
+                    self.fresh.add(rank)
+                missing = missing or (beacon is None and rank in self.seen)
+        tampering = beacon_tampering(self.store)
+        if missing or tampering > self._tampering:
+            self.tampered_at = now
+        self._tampering = tampering
 
     def report(
         self, *, factor: float, min_seconds: float, quiet: bool, directory: str, now: float
@@ -210,7 +253,8 @@ class StallWatch:
         new = None
         if self.stall is not None and is_resolved(self.stall, self.seen):
             self.stall, self._report = None, []
-        if self.stall is None and factor > 0:
+        hold_s = threshold_s(self.median_s or 0.0, factor, min_seconds)
+        if self.stall is None and factor > 0 and not is_held(self.tampered_at, now, hold_s):
             found = detect(
                 self.seen,
                 median_s=self.median_s,
@@ -220,7 +264,7 @@ class StallWatch:
                 group_first_step=self.group_first_step,
                 quiet=quiet,
             )
-            if found is not None:
+            if found is not None and verified_afresh(found, self.fresh):
                 self.stall, self.found_at, new = found, now, found
                 self._report = stalled_report(found, directory)
         if self.stall is None or now - self.found_at < DUMP_GRACE_S:

@@ -69,11 +69,11 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousPa
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from disttrain.api import constants, control, env
+from disttrain.api import constants, control, env, storeauth
 from disttrain.trainer.agent import heartbeats
 from disttrain.trainer.launch import rank_order
 from disttrain.trainer.launch.beat import NodeBeat
-from disttrain.trainer.store import channel
+from disttrain.trainer.store import channel, relay
 from disttrain.trainer.store.resilient import ResilientStore
 
 log = logging.getLogger("disttrain.rendezvous")
@@ -435,7 +435,8 @@ def connect_store(params: RendezvousParameters) -> Store:
         return TCPStore(host, port, is_master=True, multi_tenant=True, timeout=timedelta(seconds=read_timeout))
 
     def client(timeout: timedelta) -> TCPStore:
-        return TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)
+        near_host, near_port = relay.route(host, port, storeauth.secret_from_env() or "")  # via the agent's front
+        return TCPStore(near_host, near_port, is_master=False, multi_tenant=True, timeout=timeout)
 
     return ResilientStore(
         client, timedelta(seconds=read_timeout), name=f"agent store {host}:{port}", address=(host, port)

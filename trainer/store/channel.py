@@ -20,6 +20,7 @@ from typing import Optional
 from torch.distributed import PrefixStore, Store, TCPStore
 
 from disttrain.api import env, storeauth
+from disttrain.trainer.store import relay
 from disttrain.trainer.store.resilient import ResilientStore
 from disttrain.trainer.store.signedstore import ExitSafePrefixStore, RejectHook, SignedStore
 
@@ -73,6 +74,7 @@ def connect(host: str, port: int, timeout_s: float, secret: Optional[str] = None
     key = _secret(secret)  # before connecting: a missing secret is a configuration error, not a network one
 
     def client(timeout: timedelta) -> TCPStore:
-        return TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        near_host, near_port = relay.route(host, port, key)  # the process's relay to the agent's front, if on
+        return TCPStore(near_host, near_port, is_master=False, timeout=timeout, wait_for_workers=False)
 
     return scoped(ResilientStore(client, timedelta(seconds=timeout_s), address=(host, port)), key)

@@ -17,7 +17,7 @@ from disttrain.api import pulse as wire
 from disttrain.operator import pulses
 from disttrain.operator.agentbeat import PULSE, AgentBeats
 from disttrain.operator.observed import PodView
-from disttrain.trainer.agent.pulse import MAX_CLIENTS, PulseServer
+from disttrain.trainer.agent.pulse import MAX_CLIENTS, PulseServer, evictee
 
 KEY = ("ns", "job")
 UID = "uid-agent-1"
@@ -155,15 +155,18 @@ async def test_bytes_that_are_not_pulses_end_the_link_and_count_for_nothing():
         await impostor.wait_closed()
 
 
-def test_the_server_reads_nothing_refuses_more_than_its_clients_and_drops_one_that_talks(server):
+def test_the_server_reads_nothing_holds_at_most_its_clients_and_drops_one_that_talks(server):
     host, port = server.address
     held = [socket.create_connection((host, port), timeout=2) for _ in range(MAX_CLIENTS)]
     try:
         for client in held:
             assert client.recv(len(wire.hello(UID))) == wire.hello(UID)
         extra = socket.create_connection((host, port), timeout=2)
-        assert extra.recv(64) == b"", "over the limit: closed at once"
-        extra.close()
+        assert extra.recv(len(wire.hello(UID))) == wire.hello(UID), "full: a newcomer takes its address's newest place"
+        evicted = held.pop()
+        assert evicted.recv(64) == b"", "the newest connection of the busiest address made room"
+        evicted.close()
+        held.append(extra)
         talker = held.pop()
         talker.sendall(b"GET / HTTP/1.0\r\n\r\n")
         deadline = time.monotonic() + 2
@@ -208,3 +211,42 @@ def test_pulses_fall_on_the_same_wall_clock_instants_for_every_agent():
     assert next_boundary(100.05, 0.2) == pytest.approx(100.2)
     assert next_boundary(100.2, 0.2) == pytest.approx(100.4), "the next instant, never the current one"
     assert next_boundary(7.99, 0.25) == pytest.approx(8.0)
+
+
+def _from(source: str, port: int) -> socket.socket:
+    sock = socket.socket()
+    sock.settimeout(2)
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def test_a_stranger_holding_every_slot_cannot_keep_the_operator_from_linking_again(server):
+    """The stranger (127.0.0.2) holds all the connections; the operator (127.0.0.3) links and gets its pulse."""
+    port = server.address[1]
+    stranger = [_from("127.0.0.2", port) for _ in range(MAX_CLIENTS)]
+    try:
+        for sock in stranger:
+            assert sock.recv(len(wire.hello(UID))) == wire.hello(UID)
+        operator = _from("127.0.0.3", port)
+        assert operator.recv(len(wire.hello(UID))) == wire.hello(UID)
+        assert operator.recv(1) == wire.PULSE
+        assert server.clients == MAX_CLIENTS
+        operator.close()
+    finally:
+        for sock in stranger:
+            sock.close()
+
+
+@pytest.mark.parametrize(
+    "sources, new, expected",
+    [
+        (["a", "b"], "c", None),  # room left
+        (["op", "s", "s", "s"], "op2", 3),  # the busiest address's newest
+        (["op", "s", "s", "s"], "s", 3),  # the stranger replaces its own newest
+        (["a", "b", "c", "d"], "e", -1),  # one each: the newcomer is refused
+        (["op", "a", "a", "b", "b"], "c", 2),  # ties: the first busiest address's newest
+    ],
+)
+def test_which_connection_a_newcomer_replaces(sources, new, expected):
+    assert evictee(sources, new, max_clients=len(sources) if len(sources) > 2 else 4) == expected

@@ -1,5 +1,5 @@
 """What the job agent rejected in its store (``status.storeRejections``) becomes the
-``disttrain_store_rejected_values_total`` counter and one Warning Event per key per rate window."""
+``disttrain_store_rejected_values_total`` counter and one summary Warning Event a minute, with a budget of its own."""
 
 from __future__ import annotations
 
@@ -71,51 +71,44 @@ def warnings(world: World) -> list[str]:
     ]
 
 
-def test_a_recent_rejection_is_announced_naming_the_key_and_a_stale_one_is_not():
+def test_recent_rejections_are_summed_up_without_echoing_a_key_and_stale_ones_are_not():
     world = running_world()
     at = timestamps.format_time(world.now)
     world.status.update(
         rejections(
-            {"control/unsigned": 1, "foreign/foreign": 1},
+            {"control/unsigned": 1, "foreign/foreign": 3, "evil\nlabel/x": 5},
             [
                 {"key": "~/disttrain/failure", "keyClass": "control", "reason": "unsigned", "time": at},
+                {"key": "junk\\nFORGED", "keyClass": "foreign", "reason": "foreign", "time": at},
                 {"key": "junk/1", "keyClass": "foreign", "reason": "foreign", "time": "2001-01-01T00:00:00Z"},
             ],
         )
     )
     world.step(1.0)
     messages = warnings(world)
-    assert len(messages) == 1 and "~/disttrain/failure" in messages[0] and "(control)" in messages[0]
+    assert len(messages) == 1, messages
+    assert "control/unsigned 1" in messages[0] and "foreign/foreign 3" in messages[0]
+    assert "junk" not in messages[0] and "FORGED" not in messages[0] and "evil" not in messages[0]
+    assert "~/disttrain/failure" not in messages[0], "keys stay in status, never in an Event"
+    world.status.update(
+        rejections({"foreign/foreign": 1}, [{"key": "x", "keyClass": "foreign", "reason": "foreign", "time": at}])
+    )
     world.step(announcements.STORE_REJECTION_RECENT_SECONDS + 1)
     assert warnings(world) == []
 
 
-def test_the_event_filter_lets_one_event_per_key_through_per_window():
-    """The adapter's filter (kube and local mode alike) drops the repeats a reconcile loop would emit."""
-    world = running_world()
-    world.status.update(
-        rejections(
-            {"rendezvous/deleted": 1},
-            [
-                {
-                    "key": "~/torch.rendezvous.r",
-                    "keyClass": "rendezvous",
-                    "reason": "deleted",
-                    "time": timestamps.format_time(world.now),
-                }
-            ],
-        )
-    )
+def test_rejections_have_their_own_budget_and_never_crowd_out_the_jobs_warnings():
+    """A fresh foreign key every 2 s for 10 min: one summary a minute, and the job's NodeLost still goes out."""
     event_filter = eventrate.EventFilter()
-    posted = []
-    for _ in range(5):
-        world.step(2.0)
-        for event in world.last.events:
-            if event.reason == announcements.STORE_VALUE_REJECTED and event_filter.admit(
-                ("team-a", world.name, event.type, event.reason, event.message), world.now
-            ):
-                posted.append(event.message)
-    assert len(posted) == 1 and "~/torch.rendezvous.r" in posted[0]
+    posted = 0
+    for second in range(0, 600, 2):
+        message = f"the job agent rejected {second // 2 + 1} store value(s)"
+        key = ("team-a", "demo", "Warning", announcements.STORE_VALUE_REJECTED, message)
+        posted += event_filter.admit(key, float(second))
+    assert posted == 10, "one summary per minute"
+    for n in range(eventrate.BURST):
+        assert event_filter.admit(("team-a", "demo", "Warning", "NodeLost", f"node {n} lost"), 600.0), n
+    assert not event_filter.admit(("team-a", "demo", "Warning", "NodeLost", "one too many"), 600.0)
 
 
 def test_status_with_rejections_is_valid_for_the_core():

@@ -44,6 +44,25 @@ def test_a_generation_present_at_startup_is_history(store):
     assert exits == [] and not dog.drain_requested
 
 
+def test_a_replayed_older_directive_cannot_lower_a_fresh_workers_history(store):
+    """A stranger put generation 5 back under the signal key while the agent's plan says 6 (the reform that formed
+    this worker's round): the worker takes 6 as history, and when the signal is put right it does not reform again."""
+    server, endpoint = store
+    plan = control.TargetPlan(generation=6, nodes=2, job_uid="uid-w")
+    server.set(control.TARGET_KEY, plan.model_dump_json())
+    signal(server, 5, "reform")  # the replay, seen first
+    exits: list[int] = []
+    dog = Watchdog(endpoint, exit_fn=exits.append)
+    dog.connect()
+    assert dog.seen_generation == 6
+    signal(server, 6, "reform")  # the agent's guardian puts the newest directive back
+    dog.poll_once()
+    assert exits == [] and not dog.drain_requested
+    signal(server, 7, "reform")  # a new directive is still acted on
+    dog.poll_once()
+    assert exits == [int(ExitCode.REFORM)]
+
+
 def test_a_generation_recorded_in_the_checkpoint_is_history(store):
     server, endpoint = store
     exits: list[int] = []

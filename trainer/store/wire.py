@@ -1,0 +1,195 @@
+"""The store front's pure parts: the handshake that proves a client holds the job's secret, and a streaming scanner
+of torch's TCPStore requests that refuses the commands a job never sends.
+
+Handshake (every integer and nonce raw bytes; ``k = HMAC-SHA256(secret, "disttrain-store-front-key-v1")``)::
+
+    front  -> client   b"DTF1" | nonce_f (32)
+    client -> front    b"DTF1" | nonce_c (32) | HMAC(k, "client\\0" | nonce_f | nonce_c)
+    front  -> client   HMAC(k, "front\\0" | nonce_c | nonce_f)
+
+Both sides prove the key on fresh nonces of the other's, so a recorded exchange is worth nothing; a wrong or late
+answer closes the connection before a byte of it reaches torch's server. The front's answer lets the client's relay
+refuse an impostor standing in for the agent.
+
+Requests (torch's ``QueryType``, little-endian as torch writes them): a command byte, then fixed fields, strings
+(``u64`` length + bytes, at most :data:`MAX_KEY` for a key) and payloads (``u64`` length + bytes, at most
+:data:`MAX_PAYLOAD`). The scanner keeps no payload: it checks lengths, counts the bytes still owed and lets them
+pass, so one connection costs a few bytes of state whatever the values' size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+from collections.abc import Generator
+from typing import Optional
+
+MAGIC = b"DTF1"
+NONCE = 32
+MAC = 32
+GREETING_LEN = len(MAGIC) + NONCE
+ANSWER_LEN = len(MAGIC) + NONCE + MAC
+PROOF_LEN = MAC
+
+MAX_KEY = 8 * 1024
+"""torch's libuv server's own limit on a key name."""
+MAX_PAYLOAD = 8 * 1024 * 1024
+"""torch's libuv server's own limit on a value."""
+MAX_KEY_COUNT = 1024
+"""Keys in one ``check``/``wait``/``multi_get``/``multi_set``: the job's clients name a handful."""
+
+VALIDATE, SET, COMPARE_SET, GET, ADD, CHECK, WAIT, GETNUMKEYS, DELETE_KEY, APPEND = range(10)
+MULTI_GET, MULTI_SET, CANCEL_WAIT, PING, QUEUE_PUSH, QUEUE_POP, QUEUE_LEN, LIST_KEYS = range(10, 18)
+
+REFUSED = {APPEND: "append", QUEUE_PUSH: "queue_push", QUEUE_POP: "queue_pop", QUEUE_LEN: "queue_len"}
+"""Commands no process of a job sends (disttrain and torchrun's rendezvous use neither), refused at the front: a
+queue entry is invisible to ``list_keys`` and an ``append`` grows a value past :data:`MAX_PAYLOAD`."""
+
+
+def front_key(secret: str) -> bytes:
+    """The handshake's MAC key, domain-separated from the value-sealing key of :mod:`disttrain.api.storeauth`."""
+    return hmac.new(secret.encode(), b"disttrain-store-front-key-v1", hashlib.sha256).digest()
+
+
+def _mac(key: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(key, label + b"\0" + first + second, hashlib.sha256).digest()
+
+
+def greeting(nonce_f: Optional[bytes] = None) -> bytes:
+    """The front's first bytes: its fresh nonce."""
+    return MAGIC + (nonce_f if nonce_f is not None else os.urandom(NONCE))
+
+
+def answer(key: bytes, greeting_bytes: bytes, nonce_c: Optional[bytes] = None) -> bytes:
+    """The client's proof for the front's ``greeting_bytes``; raises :class:`HandshakeFailed` on a bad greeting."""
+    if len(greeting_bytes) != GREETING_LEN or not greeting_bytes.startswith(MAGIC):
+        raise HandshakeFailed("the agent's store did not greet as a disttrain store front (wrong port or version?)")
+    nonce_c = nonce_c if nonce_c is not None else os.urandom(NONCE)
+    return MAGIC + nonce_c + _mac(key, b"client", greeting_bytes[len(MAGIC) :], nonce_c)
+
+
+def check_answer(key: bytes, greeting_bytes: bytes, answer_bytes: bytes) -> Optional[bytes]:
+    """The front's proof back to the client when ``answer_bytes`` proves the key, else None."""
+    if len(answer_bytes) != ANSWER_LEN or not answer_bytes.startswith(MAGIC):
+        return None
+    nonce_f = greeting_bytes[len(MAGIC) :]
+    nonce_c = answer_bytes[len(MAGIC) : len(MAGIC) + NONCE]
+    if not hmac.compare_digest(answer_bytes[len(MAGIC) + NONCE :], _mac(key, b"client", nonce_f, nonce_c)):
+        return None
+    return _mac(key, b"front", nonce_c, nonce_f)
+
+
+def check_proof(key: bytes, greeting_bytes: bytes, answer_bytes: bytes, proof: bytes) -> bool:
+    """Whether the front's ``proof`` shows it holds the key (the client's side)."""
+    nonce_f = greeting_bytes[len(MAGIC) :]
+    nonce_c = answer_bytes[len(MAGIC) : len(MAGIC) + NONCE]
+    return hmac.compare_digest(proof, _mac(key, b"front", nonce_c, nonce_f))
+
+
+class HandshakeFailed(ConnectionError):
+    """The other side does not hold the job's store secret, or does not speak the front's handshake."""
+
+
+class Refused(ValueError):
+    """A request the front does not pass to torch's server (the connection is closed)."""
+
+
+# The scanner: a generator asks for ("take", n) bytes it needs to read, or ("pass", n) bytes it lets through
+# unread; the driver (RequestScanner.feed) answers "take" with the bytes.
+_Ask = tuple[str, int]
+_Steps = Generator[_Ask, bytes, None]
+
+
+def _u64(data: bytes) -> int:
+    return int(struct.unpack("<Q", data)[0])
+
+
+def _sized(limit: int, what: str) -> _Steps:
+    size = _u64((yield ("take", 8)))
+    if size > limit:
+        raise Refused(f"{what} of {size} bytes; at most {limit} pass the front")
+    if size:
+        yield ("pass", size)
+
+
+def _count() -> Generator[_Ask, bytes, int]:
+    count = _u64((yield ("take", 8)))
+    if count > MAX_KEY_COUNT:
+        raise Refused(f"{count} keys in one request; at most {MAX_KEY_COUNT} pass the front")
+    return count
+
+
+def _request(command: int) -> _Steps:
+    if command in REFUSED:
+        raise Refused(f"command {REFUSED[command]} is refused at the front")
+    if command in (VALIDATE, PING):
+        yield ("pass", 4)
+    elif command in (SET, COMPARE_SET):
+        yield from _sized(MAX_KEY, "a key")
+        yield from _sized(MAX_PAYLOAD, "a value")
+        if command == COMPARE_SET:
+            yield from _sized(MAX_PAYLOAD, "a value")
+    elif command in (GET, DELETE_KEY):
+        yield from _sized(MAX_KEY, "a key")
+    elif command == ADD:
+        yield from _sized(MAX_KEY, "a key")
+        yield ("pass", 8)
+    elif command in (CHECK, WAIT, MULTI_GET, MULTI_SET):
+        for _ in range((yield from _count())):
+            yield from _sized(MAX_KEY, "a key")
+            if command == MULTI_SET:
+                yield from _sized(MAX_PAYLOAD, "a value")
+    elif command not in (GETNUMKEYS, CANCEL_WAIT, LIST_KEYS):
+        raise Refused(f"unknown command {command}")
+
+
+class RequestScanner:
+    """Follows a client's request stream byte by byte (see the module docstring): :meth:`feed` stops at the first
+    byte of a request that must not pass, before any of it is forwarded; :attr:`mid_request` says whether a request
+    has begun and not ended (the front's half-sent timeout)."""
+
+    def __init__(self) -> None:
+        self._steps = self._all()
+        self._ask: _Ask = next(self._steps)
+        self._taken = bytearray()
+        self.refused: Optional[Refused] = None
+        self.mid_request = False
+
+    def _all(self) -> _Steps:
+        while True:
+            self.mid_request = False
+            command = (yield ("take", 1))[0]
+            self.mid_request = True
+            yield from _request(command)
+
+    def feed(self, data: bytes) -> int:
+        """Scan ``data`` (the next bytes of the stream) and return how many of them may pass: all of them, or the
+        bytes before the request that is refused, which is then in :attr:`refused` (and stays: nothing passes
+        after it)."""
+        if self.refused is not None:
+            return 0
+        view, at, request_at = memoryview(data), 0, 0
+        try:
+            while at < len(view):
+                if not self.mid_request:
+                    request_at = at
+                at = self._step(view, at)
+        except Refused as exc:
+            self.refused = exc
+            return request_at
+        return len(view)
+
+    def _step(self, view: memoryview, at: int) -> int:
+        kind, size = self._ask
+        if kind == "pass":
+            step = min(size, len(view) - at)
+            self._ask = (kind, size - step) if step < size else self._steps.send(b"")
+            return at + step
+        step = min(size - len(self._taken), len(view) - at)
+        self._taken += view[at : at + step]
+        if len(self._taken) == size:
+            taken, self._taken = bytes(self._taken), bytearray()
+            self._ask = self._steps.send(taken)
+        return at + step
