@@ -117,6 +117,8 @@ class ProcessKubelets(Kubelets):
                     self._report(path, pod, exit_code=None, ready_when_running=container.readiness_port == 0)
                 elif container is not None and not container.exit_reported:
                     code = container.proc.poll()
+                    if code is not None and pod["spec"].get("nodeName") not in self.alive:
+                        continue  # its machine lost power while this sync ran: a dead machine reports nothing
                     if code is not None:
                         self._report(path, pod, exit_code=128 - code if code < 0 else code)
                         container.exit_reported = True

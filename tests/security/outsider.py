@@ -588,13 +588,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             args.host, args.port = host.strip("[]"), int(port)
     report = Report(address=args.address, attack=args.attack)
     outsider = Outsider(args.host, args.port, report)
-    if args.attack != "raw":
-        outsider.call("check", ["outsider/connect"])  # connect before the clock starts
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(soft, 4096), hard), hard))  # the raw attack holds 1,000
     report.started_at = time.time()
     start = time.monotonic()
-    try:
+    try:  # the report is written whatever ends the attack (SIGTERM included), the first connection too
+        if args.attack != "raw":
+            outsider.call("check", ["outsider/connect"])  # connect before the clock starts
+            report.started_at, start = time.time(), time.monotonic()
         run(outsider, args.attack, args.seconds, args.marker, int(args.max_flood_mb * 1024 * 1024))
     finally:
         report.seconds = round(time.monotonic() - start, 3)
