@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("disttrain.trainer")
 
+SHARDED_GRACE_MARGIN_S = 5.0
+"""What a worker holding a sharded state waits beyond the collective timeout before it gives up on staying."""
+
 ABORT_AFTER_S = 1.0
 """How long the loop has after the reform directive to reach its reform by itself before the communicators are
 aborted under it: a step that ends sooner is kept, one blocked on a dead peer is freed."""
@@ -172,9 +175,13 @@ class Lifecycle:
         next collective fails at once when a peer died; else at the end of the step). A loop that does not get there
         within :data:`ABORT_AFTER_S` is blocked in a device wait or a collective: this thread, which is not, aborts the
         communicators (:func:`~disttrain.trainer.teardown.abort_communicators`), which frees it on NCCL, and the step
-        is not counted. One still blocked after ``reform_grace_s`` exits ``REFORM`` and restarts."""
+        is not counted. One still blocked after ``reform_grace_s`` exits ``REFORM`` and restarts; a worker that holds
+        a sharded state in memory waits the collective timeout (and a margin) first, since a gloo receive from a peer
+        that left fails only then, and its memory is the group's state."""
         self.reform_signal = signal
         grace_s = self.options.reform_grace_s
+        if self.trainer.template is not None:
+            grace_s = max(grace_s, self.trainer.ctx.contract.collective_timeout_seconds + SHARDED_GRACE_MARGIN_S)
 
         def exit_if_blocked() -> None:
             if not self._reforming.wait(min(ABORT_AFTER_S, grace_s)):

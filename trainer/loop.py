@@ -51,7 +51,6 @@ from disttrain.trainer.boundary import BoundaryAgreement
 from disttrain.trainer.checkpoint import manager as ckpt_mod
 from disttrain.trainer.inplace import is_group_failure
 from disttrain.trainer.options import TrainerKwargs, TrainerOptions
-from disttrain.trainer.replicas import capture as capture_mod
 from disttrain.trainer.replicas.keeper import ReplicaKeeper
 from disttrain.trainer.step import MicroBatch, Step, to_device
 
@@ -400,7 +399,8 @@ class ElasticTrainer:
             self.scheduler.step()
         self.completion.finish(self._count_step)
         if self.keeper is not None:
-            self.keeper.capture(self.state.step, capture_mod.state_dict_of(snapshots.contents(self)))
+            steady, rest = recovery.split_contents(snapshots.contents(self))
+            self.keeper.capture(self.state.step, steady, rest)
         elif self.template is not None and self.replica_group is not None:
             self.keeper = recovery.start_keeping(self, snapshots.contents(self))
             if self.held is not None:

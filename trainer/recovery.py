@@ -20,6 +20,7 @@ import datetime
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
@@ -77,6 +78,18 @@ def start_keeping(trainer: ElasticTrainer, contents: dict[str, Any]) -> ReplicaK
             2,
         )
     return keeper
+
+
+STEADY = ("app",)
+"""The contents whose tensors stay the same objects from step to step (model and optimizer state)."""
+
+
+def split_contents(contents: dict[str, Any]) -> tuple[Callable[[], dict[str, Any]], dict[str, Any]]:
+    """``contents`` as the state dict of its steady part (model and optimizer; a call, made only when the keeper
+    needs it) and the state dict of the rest."""
+    steady = {k: v for k, v in contents.items() if k in STEADY}
+    rest = {k: v for k, v in contents.items() if k not in STEADY}
+    return (lambda: capture_mod.state_dict_of(steady)), capture_mod.state_dict_of(rest)
 
 
 def failure_domain(trainer: ElasticTrainer) -> str:

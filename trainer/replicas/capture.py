@@ -11,7 +11,7 @@ Callers: :class:`disttrain.trainer.replicas.keeper.ReplicaKeeper`.
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Optional, Union
 
 import torch
@@ -60,26 +60,73 @@ def capture(
 ) -> tuple[list[ItemSpec], dict[ItemKey, Value]]:
     """This rank's items of ``state_dict`` and a host copy of each, written into the buffers of ``into`` where their
     shapes match (a previous capture of the same layout) and into new ones otherwise."""
+    specs, values, _ = _capture(state_dict, into)
+    return specs, values
+
+
+class Capturer:
+    """Captures of one group's state, step after step, at the cost of the copies alone for its large part.
+
+    The model and optimizer state (``steady``) keep their tensors from one step to the next (parameters and optimizer
+    state are updated in place), so after the first capture their items are copied straight from the views DCP's
+    planner resolved then, without a new state dict or plan; their non-tensor values (the param groups'
+    hyperparameters) are kept from the first capture too (the LR is recomputed from the rule at every resume). The
+    rest (the trainer's counters and RNG states, a scheduler, a scaler, the user's state) is small and captured anew
+    each time."""
+
+    def __init__(self) -> None:
+        self._views: Optional[list[tuple[ItemKey, torch.Tensor]]] = None
+        self._steady_bytes: dict[ItemKey, Value] = {}
+        self._steady_specs: list[ItemSpec] = []
+
+    def capture(
+        self,
+        steady: Callable[[], dict[str, Any]],
+        rest: dict[str, Any],
+        into: Optional[dict[ItemKey, Value]] = None,
+    ) -> tuple[list[ItemSpec], dict[ItemKey, Value]]:
+        """This rank's items of the state dicts ``steady()`` (called at the first capture only) and ``rest``, copied
+        into ``into``'s buffers where they fit."""
+        if self._views is None:
+            self._steady_specs, first, self._views = _capture(steady(), into)
+            self._steady_bytes = {k: v for k, v in first.items() if isinstance(v, bytes)}
+            values = dict(first)
+        else:
+            values = dict(self._steady_bytes)
+            for key, view in self._views:
+                values[key] = _copy_into(view, into.get(key) if into is not None else None)
+        specs, changing, _ = _capture(rest, into)
+        values.update(changing)
+        return [*self._steady_specs, *specs], values
+
+
+def _copy_into(source: torch.Tensor, old: Optional[Value]) -> torch.Tensor:
+    if isinstance(old, torch.Tensor) and old.shape == source.shape and old.dtype == source.dtype:
+        old.copy_(source)
+        return old
+    return source.to("cpu", copy=True).contiguous()
+
+
+def _capture(
+    state_dict: dict[str, Any], into: Optional[dict[ItemKey, Value]]
+) -> tuple[list[ItemSpec], dict[ItemKey, Value], list[tuple[ItemKey, torch.Tensor]]]:
     planner = DefaultSavePlanner(flatten_state_dict=True, flatten_sharded_tensors=True)
     planner.set_up_planner(state_dict, is_coordinator=True)
     plan = planner.create_local_plan()
     specs: list[ItemSpec] = []
     values: dict[ItemKey, Value] = {}
+    views: list[tuple[ItemKey, torch.Tensor]] = []
     for item in plan.items:
         spec = _spec(item)
         data = planner.resolve_data(item)
         if isinstance(data, io.BytesIO):
             values[spec.key] = data.getvalue()
         else:
-            source = data.detach()
-            old = into.get(spec.key) if into is not None else None
-            if isinstance(old, torch.Tensor) and old.shape == source.shape and old.dtype == source.dtype:
-                old.copy_(source)
-                values[spec.key] = old
-            else:
-                values[spec.key] = source.to("cpu", copy=True).contiguous()
+            view = data.detach()
+            views.append((spec.key, view))
+            values[spec.key] = _copy_into(view, into.get(spec.key) if into is not None else None)
         specs.append(spec)
-    return specs, values
+    return specs, values, views
 
 
 def as_bytes(value: torch.Tensor) -> torch.Tensor:

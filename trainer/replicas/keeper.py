@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 import torch
@@ -56,6 +56,7 @@ class ReplicaKeeper:
             [specs[k] for k in sorted(copies.get(self.source, []))] if self.source is not None else []
         )
         self.own: list[Version] = []
+        self.capturer = capture_mod.Capturer()
         self.copies: list[Version] = []
         self._thread: Optional[threading.Thread] = None
         self._failure: Optional[BaseException] = None
@@ -71,12 +72,13 @@ class ReplicaKeeper:
         """Host bytes of one version of the source's copy (the memory cost beside the own versions)."""
         return sum(capture_mod.nbytes(s) for s in self.received_specs)
 
-    def capture(self, step: int, state_dict: dict[str, Any]) -> None:
-        """Keep this rank's items at ``step`` (the state every rank just counted) and start copying them to the
-        partner. Waits for the previous copy first (one in flight at a time)."""
+    def capture(self, step: int, steady: Callable[[], dict[str, Any]], rest: dict[str, Any]) -> None:
+        """Keep this rank's items at ``step`` (the state every rank just counted; ``steady``: the model and optimizer
+        state dicts, ``rest``: the others, :class:`~.capture.Capturer`) and start copying them to the partner. Waits
+        for the previous copy first (one in flight at a time)."""
         self.wait_replicated()
         reuse = self.own.pop(0) if len(self.own) >= VERSIONS else None
-        _, values = capture_mod.capture(state_dict, into=reuse.values if reuse is not None else None)
+        _, values = self.capturer.capture(steady, rest, into=reuse.values if reuse is not None else None)
         self.own.append(Version(step, values))
         self.start_replication(step, values)
 
