@@ -51,6 +51,8 @@ RETRY_S = 0.5
 """Pause between two reconnection attempts."""
 PROBE_S = 0.5
 """How long the plain connect that precedes each attempt may take."""
+CONNECT_GRACE_S = 1.0
+"""How long past its own timeout a connection attempt is waited for (see :func:`_connect_within`)."""
 EXIT_JOIN_S = 3.0
 """How long the interpreter's exit waits for a reconnection attempt in flight (see :func:`_close_all`)."""
 
@@ -119,6 +121,32 @@ class _Connection:
         with self._queue:
             self._closed = True
             self._calls.put(None)
+
+
+def _connect_within(connect: Connect, timeout: timedelta) -> Any:
+    """``connect(timeout)``, abandoned when it outlasts ``timeout`` plus :data:`CONNECT_GRACE_S`.
+
+    torch's client constructor pings the server with no bound on the read: against a server whose kernel accepted the
+    connection while its process does not run (stopped, frozen, partitioned after the handshake), the attempt waits
+    until the peer resets, which may be never. The attempt runs on a daemon thread; one that finishes after it was
+    abandoned leaves its client to the garbage collector."""
+    outcome: dict[str, Any] = {}
+    finished = threading.Event()
+
+    def attempt() -> None:
+        try:
+            outcome["raw"] = connect(timeout)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, who decides
+            outcome["error"] = exc
+        finally:
+            finished.set()
+
+    threading.Thread(target=attempt, name="disttrain-store-connect", daemon=True).start()
+    if not finished.wait(timeout.total_seconds() + CONNECT_GRACE_S):
+        raise StoreUnavailable(f"no answer while connecting within {timeout.total_seconds():.1f} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["raw"]
 
 
 class _NoAnswer(Exception):
@@ -198,7 +226,7 @@ class ResilientStore(Store):
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
             try:
-                return self._connect(self._op_timeout)
+                return _connect_within(self._connect, self._op_timeout)
             except Exception:  # retried until the caller's timeout, then raised
                 if time.monotonic() + RETRY_S >= deadline:
                     raise
@@ -243,7 +271,7 @@ class ResilientStore(Store):
                 self._closed.wait(RETRY_S)
                 continue
             try:
-                raw = self._connect(self._op_timeout)
+                raw = _connect_within(self._connect, self._op_timeout)
             except Exception as exc:  # noqa: BLE001 - any failure to connect means: not there yet
                 log.debug("%s: reconnection failed: %s", self._name, exc)
                 self._closed.wait(RETRY_S)

@@ -64,10 +64,10 @@ def client(port: int) -> resilient.ResilientStore:
     return resilient.ResilientStore(connect, timedelta(seconds=30), op_timeout_s=4.0)
 
 
-def until(predicate, timeout: float = 20.0) -> None:
+def until(predicate, timeout: float = 30.0, what: str = "the condition") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
         time.sleep(0.05)
 
 
@@ -121,7 +121,7 @@ def test_a_silent_server_costs_a_caller_a_bounded_wait_never_the_connections_tim
 
     stuck = threading.Thread(target=poll, daemon=True)
     stuck.start()  # a poller caught in a read that the silent server never answers
-    until(lambda: raw.busy_seconds > 0.2, timeout=15)
+    until(lambda: raw.busy_seconds > 0.2 or not raw.connected, what="the poller to wait on the silent server")
     waits = []
     for _ in range(6):  # the training thread's best-effort writes meanwhile
         began = time.monotonic()
@@ -130,7 +130,7 @@ def test_a_silent_server_costs_a_caller_a_bounded_wait_never_the_connections_tim
         waits.append(time.monotonic() - began)
         time.sleep(0.2)
     assert max(waits) < resilient.QUICK_WAIT_S + 0.5, waits
-    until(lambda: not raw.connected, timeout=resilient.STUCK_S + 5)
+    until(lambda: not raw.connected, what="the stuck connection to be taken for dead")
     began = time.monotonic()
     with pytest.raises(DistStoreError):
         store.set("progress", "y")
@@ -140,9 +140,33 @@ def test_a_silent_server_costs_a_caller_a_bounded_wait_never_the_connections_tim
 
     server.kill()
     server.start()
-    until(lambda: raw.connected)
+    until(lambda: raw.connected, what="a reconnection to the server started again")
     store.set("k", "w")
     assert store.get("k") == b"w"
+
+
+@pytest.mark.timeout(90)
+def test_a_frozen_server_does_not_hold_the_reconnection_thread(server):
+    """A server that accepts connections but never answers (its process stopped) must not capture the reconnecting
+    thread: torch's constructor pings without a bound, so each attempt is abandoned and the next one made."""
+    attempts: list[float] = []
+
+    def connect(timeout: timedelta) -> TCPStore:
+        attempts.append(time.monotonic())
+        return TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout, wait_for_workers=False)
+
+    raw = resilient.ResilientStore(connect, timedelta(seconds=30), op_timeout_s=1.0)
+    raw.set("k", b"v")
+    server.freeze()
+    with pytest.raises(DistStoreError):
+        raw.get("k")  # unanswered: the connection is dropped and the reconnection begins
+    first = len(attempts)
+    until(lambda: len(attempts) >= first + 3, what="three reconnection attempts against the frozen server")
+    assert not raw.connected
+    server.proc.send_signal(signal.SIGCONT)
+    until(lambda: raw.connected, what="a reconnection once the server answers again")
+    assert raw.get("k") == b"v"
+    raw.close()
 
 
 class SlowLink:
