@@ -500,7 +500,11 @@ class AgentPlacementSpec(ContractModel):
     """Tolerations of the agent pod."""
     affinity: Optional[dict[str, Any]] = Field(None, json_schema_extra={"x-disttrain-pod-spec-field": "affinity"})
     """A core/v1 Affinity of the agent pod (e.g. a node affinity that keeps it off GPU nodes, or a pod affinity
-    near the workers)."""
+    near the workers). A podAntiAffinity given here replaces the default of ``avoidWorkers``."""
+    avoid_workers: bool = True
+    """Prefer nodes that run none of the job's workers (a preferred pod anti-affinity on the node's hostname): a
+    node that fails then takes either the agent or workers, and the survivors re-form with a store that is there.
+    Preferred, not required: where every node runs a worker the agent still schedules."""
     resources: AgentResources = Field(default_factory=AgentResources)
     """Requests and limits of the agent container; default requests cpu 250m, memory 512Mi, limit memory 1Gi."""
     priority_class_name: Optional[str] = Field(None, min_length=1, max_length=253)

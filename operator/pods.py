@@ -335,6 +335,8 @@ def build_agent_pod(
             {"name": env.AGENT_PULSE_SECONDS, "value": f"{pulse_s:g}"},
         ]
     _place_agent(placement, spec)
+    if placement.avoid_workers:
+        _prefer_no_workers(job, spec)
     if avoid_nodes:
         _avoid_nodes(spec, avoid_nodes)
     access.mount_store_secret(job, spec, container)
@@ -353,6 +355,25 @@ def _place_agent(placement: spec_module.AgentPlacementSpec, pod_spec: dict[str, 
         pod_spec["affinity"] = copy.deepcopy(placement.affinity)
     if placement.priority_class_name:
         pod_spec["priorityClassName"] = placement.priority_class_name
+
+
+AVOID_WORKERS_WEIGHT = 100
+"""Weight of the agent's preference for nodes without the job's workers (the highest the API server allows)."""
+
+
+def _prefer_no_workers(job: DistTrainJob, pod_spec: dict[str, Any]) -> None:
+    """A preferred anti-affinity to the job's worker pods by hostname, unless ``spec.agent.affinity`` has a
+    podAntiAffinity of its own (the user's placement wins)."""
+    affinity = pod_spec.setdefault("affinity", {})
+    if "podAntiAffinity" in affinity:
+        return
+    term = {
+        "labelSelector": {"matchLabels": job_labels(job, constants.ROLE_WORKER)},
+        "topologyKey": "kubernetes.io/hostname",
+    }
+    affinity["podAntiAffinity"] = {
+        "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": AVOID_WORKERS_WEIGHT, "podAffinityTerm": term}]
+    }
 
 
 def build_agent_service(job: DistTrainJob) -> dict[str, Any]:

@@ -30,6 +30,20 @@ CPU_POOL_AFFINITY = {
 }
 
 
+AVOID_WORKERS = {
+    "preferredDuringSchedulingIgnoredDuringExecution": [
+        {
+            "weight": 100,
+            "podAffinityTerm": {
+                "labelSelector": {"matchLabels": {"disttrain.dev/job-name": "demo", "disttrain.dev/role": "worker"}},
+                "topologyKey": "kubernetes.io/hostname",
+            },
+        }
+    ]
+}
+"""The agent's default: prefer a node that runs none of this job's workers."""
+
+
 def gpu_manifest(**spec):
     """A job whose template asks for GPU nodes: selector, taint toleration, affinity, a root securityContext."""
     manifest = job_manifest(**spec)
@@ -52,8 +66,9 @@ def agent_spec(manifest):
 
 def test_the_agent_takes_none_of_a_gpu_templates_placement_by_default():
     spec = agent_spec(gpu_manifest())
-    for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName"):
+    for key in ("nodeSelector", "tolerations", "priorityClassName"):
         assert key not in spec, key
+    assert spec["affinity"] == {"podAntiAffinity": AVOID_WORKERS}, "only the preference for nodes without workers"
     assert spec["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
     assert spec["imagePullSecrets"] == [{"name": "mirror"}], "the registry mirror's secret serves its image too"
     [container] = spec["containers"]
@@ -75,9 +90,24 @@ def test_the_agent_takes_spec_agent_placement_and_only_it():
     spec = agent_spec(gpu_manifest(agent=placement))
     assert spec["nodeSelector"] == {"pool": "cpu"}
     assert spec["tolerations"] == placement["tolerations"]
-    assert spec["affinity"] == CPU_POOL_AFFINITY
+    assert spec["affinity"] == {**CPU_POOL_AFFINITY, "podAntiAffinity": AVOID_WORKERS}
     assert spec["priorityClassName"] == "job-agents"
     assert spec["containers"][0]["resources"] == placement["resources"]
+
+
+def test_the_agent_avoids_its_workers_nodes_unless_told_otherwise():
+    own = {
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": {"matchLabels": {"app": "db"}}, "topologyKey": "kubernetes.io/hostname"}
+            ]
+        }
+    }
+    assert agent_spec(job_manifest(agent={"affinity": own}))["affinity"] == own, "the user's anti-affinity wins"
+    assert "affinity" not in agent_spec(job_manifest(agent={"avoidWorkers": False}))
+    workers = pods.build_worker_pod(DistTrainJob.model_validate(job_manifest()), 0)
+    selector = AVOID_WORKERS["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]["labelSelector"]
+    assert selector["matchLabels"].items() <= workers["metadata"]["labels"].items(), "the term selects the workers"
 
 
 def test_a_resources_map_given_replaces_its_default_and_the_other_keeps_its_own():

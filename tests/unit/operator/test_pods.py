@@ -416,7 +416,7 @@ def test_a_replacement_agent_avoids_its_predecessors_node_and_keeps_its_own_plac
         "nodeSelectorTerms"
     ]
     assert term["matchFields"] == [{"key": "metadata.name", "operator": "NotIn", "values": ["node-a"]}]
-    assert "affinity" not in pods.build_agent_pod(DistTrainJob.model_validate(manifest))["spec"]
+    assert "nodeAffinity" not in pods.build_agent_pod(DistTrainJob.model_validate(manifest))["spec"]["affinity"]
 
 
 def test_an_agent_heartbeat_of_zero_means_no_lease_and_no_renewals():
