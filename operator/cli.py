@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Optional
 from disttrain.api import constants, crd, metricsserver, validation
 
 if TYPE_CHECKING:
-    from disttrain.operator import access, election
+    from disttrain.operator import access, election, leaderlease
 
 
 def _non_negative_seconds(text: str) -> float:
@@ -157,10 +157,9 @@ def network_policy_settings(args: argparse.Namespace) -> access.NetworkPolicySet
     )
 
 
-def leader_election_options(args: argparse.Namespace) -> Optional[election.ElectionOptions]:
+def leader_election_options(args: argparse.Namespace) -> Optional[leaderlease.ElectionOptions]:
     """The Lease the replicas elect their leader on (None: no election, this process acts alone)."""
-    from disttrain.operator.election import ElectionOptions
-    from disttrain.operator.leaderlease import ElectionTiming
+    from disttrain.operator.leaderlease import ElectionOptions, ElectionTiming  # pure: kubernetes not imported yet
 
     if not args.leader_election_lease:
         return None

@@ -10,7 +10,6 @@ why they stop a leader before a standby may take its Lease: :mod:`disttrain.oper
 
 from __future__ import annotations
 
-import dataclasses
 import http.server
 import json
 import logging
@@ -25,20 +24,12 @@ from kubernetes import client as k8s
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge
 
 from disttrain.operator import leaderlease
-from disttrain.operator.leaderlease import ElectionTiming
+from disttrain.operator.leaderlease import ElectionOptions
 
 log = logging.getLogger("disttrain.operator.election")
 EXIT_LOST = 3
 """The exit code of a leader that could not renew its Lease in time."""
 READS = frozenset({"GET", "HEAD", "OPTIONS"})
-
-
-@dataclasses.dataclass(frozen=True)
-class ElectionOptions:
-    namespace: str
-    name: str
-    identity: str
-    timing: ElectionTiming = dataclasses.field(default_factory=ElectionTiming)
 
 
 def leader_gauge(registry: CollectorRegistry = REGISTRY) -> Gauge:

@@ -49,6 +49,16 @@ class ElectionTiming:
 
 
 @dataclasses.dataclass(frozen=True)
+class ElectionOptions:
+    """Which Lease, who this replica is in it, and the timing."""
+
+    namespace: str
+    name: str
+    identity: str
+    timing: ElectionTiming = dataclasses.field(default_factory=ElectionTiming)
+
+
+@dataclasses.dataclass(frozen=True)
 class Sighting:
     """The Lease record a standby last saw, and when (its own monotonic clock) it first saw it."""
 
