@@ -10,6 +10,7 @@ why they stop a leader before a standby may take its Lease: :mod:`disttrain.oper
 
 from __future__ import annotations
 
+import functools
 import http.server
 import json
 import logging
@@ -243,7 +244,8 @@ class StandbyHealth:
 
         self.server = http.server.ThreadingHTTPServer((parsed.hostname or "0.0.0.0", parsed.port or 80), Handler)
         self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, name="standby-health", daemon=True).start()
+        serve = functools.partial(self.server.serve_forever, poll_interval=0.05)  # close() waits one poll at most
+        threading.Thread(target=serve, name="standby-health", daemon=True).start()
 
     def close(self) -> None:
         self.server.shutdown()

@@ -12,7 +12,6 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
@@ -21,52 +20,11 @@ from disttrain.operator.election import EXIT_LOST
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.harness import eventually
 from tests.cluster.operator_process import OperatorProcess
-from tests.cluster.rbac import (
-    OPERATOR_NAMESPACE,
-    OPERATOR_SERVICE_ACCOUNT,
-    chart_operator_flags,
-    install_operator_rbac,
-)
+from tests.cluster.rbac import OPERATOR_NAMESPACE, install_operator_rbac
+from tests.cluster.replicas import LEASE, Replicas, job_events, repeated_events
 from tests.conftest import JobBuilder
 
 pytestmark = [pytest.mark.usefixtures("crd"), pytest.mark.timeout(240)]
-ELECTION_FLAGS = chart_operator_flags(
-    "--leader-election-lease",
-    "--leader-election-namespace",
-    "--leader-election-lease-seconds",
-    "--leader-election-renew-deadline-seconds",
-    "--leader-election-retry-seconds",
-)
-LEASE = next(flag.split("=", 1)[1] for flag in ELECTION_FLAGS if flag.startswith("--leader-election-lease="))
-
-
-class Replicas:
-    """The operator's replicas "op-a" and "op-b", as the chart's Deployment runs them (one pod each)."""
-
-    def __init__(self, plane: ControlPlane, log_dir: Any) -> None:
-        self.plane = plane
-        kubeconfig = plane.service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT)
-        self.by_name = {
-            name: OperatorProcess(
-                kubeconfig, log_dir / f"{name}.log", [*ELECTION_FLAGS, f"--leader-election-identity={name}"]
-            )
-            for name in ("op-a", "op-b")
-        }
-
-    def lease(self) -> dict[str, Any]:
-        path = f"/apis/coordination.k8s.io/v1/namespaces/{OPERATOR_NAMESPACE}/leases/{LEASE}"
-        return dict(self.plane.request("GET", path)["spec"])
-
-    def holder(self) -> str:
-        try:
-            return str(self.lease().get("holderIdentity") or "")
-        except OSError:
-            return ""
-
-    def start(self, name: str) -> OperatorProcess:
-        replica = self.by_name[name]
-        replica.start()  # live: a standby answers the liveness probe too
-        return replica
 
 
 @pytest.fixture(scope="module")
@@ -78,26 +36,14 @@ def replicas(controllers: ControlPlane, crd: ControlPlane, tmp_path_factory) -> 
     eventually(lambda: pair.holder() == "op-a", what="op-a leads")
     pair.start("op-b")
     yield pair
-    for replica in pair.by_name.values():
-        replica.kill()
-        forbidden = replica.forbidden_lines()
-        assert not forbidden, "a replica hit 403s under the chart's RBAC:\n" + "\n".join(forbidden[:20])
+    forbidden = pair.stop()
+    assert not forbidden, "a replica hit 403s under the chart's RBAC:\n" + "\n".join(forbidden[:20])
 
 
 @pytest.fixture(scope="module")
 def operator(replicas: Replicas) -> OperatorProcess:
     """The cluster fixture's operator: the replicas in its place."""
     return replicas.by_name["op-a"]
-
-
-def _events(cluster, job: str) -> list[tuple[str, str]]:
-    """The job's Events in the order they were written (etcd's revision)."""
-    items = cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/events")["items"]
-    ours = sorted(
-        (e for e in items if e["involvedObject"].get("name") == job),
-        key=lambda e: int(e["metadata"]["resourceVersion"]),
-    )
-    return [(e["reason"], e["message"]) for e in ours]
 
 
 def test_the_standby_takes_over_a_killed_leader_and_handles_a_worker_lost_meanwhile(cluster, replicas, tmp_path):
@@ -132,9 +78,8 @@ def test_the_standby_takes_over_a_killed_leader_and_handles_a_worker_lost_meanwh
     assert not [name for name in workers if name.startswith("fo-worker-1-") and name != "fo-worker-1-1"]
     assert len(cluster.pods("agent")) == 1
     # The same Event may come again for a new state (Scheduled after the replacement), never twice in a row.
-    events = _events(cluster, "fo")
-    repeated = [first for first, second in zip(events, events[1:]) if first == second]
-    assert not repeated, f"Events posted twice: {repeated} in {events}"
+    events = job_events(cluster.plane, cluster.ns, "fo")
+    assert not repeated_events(events), f"Events posted twice in a row: {events}"
     print(f"leader killed -> standby holds the Lease: {took:.1f} s; -> reform directive: {acted:.1f} s")
 
 
@@ -142,7 +87,7 @@ def test_a_paused_leader_stops_acting_once_its_lease_was_taken(cluster, replicas
     if replicas.by_name["op-a"].proc is None:  # the first test killed it: back as the standby
         replicas.start("op-a")
     leader_name = eventually(replicas.holder, what="a leader")
-    standby_name = "op-b" if leader_name == "op-a" else "op-a"
+    standby_name = replicas.other(leader_name)
     leader = replicas.by_name[leader_name]
     assert leader.proc is not None
     cluster.running("fp", JobBuilder("fp"), tmp_path, replicas=1)
