@@ -39,15 +39,23 @@ from tests.conftest import REPO_ROOT, JobBuilder  # noqa: E402
 
 from disttrain.api.conditions import format_time  # noqa: E402
 
-NAMESPACE = "failover"
-
 
 def lose_a_worker(
     plane: ControlPlane, kubelets: Kubelets, work: pathlib.Path, name: str, kill: Callable[[], None]
 ) -> dict[str, float]:
-    """Run job ``name`` on 2 nodes of its own, then ``kill()`` and fail worker 1 at once; seconds to each outcome,
-    and the duplicates seen once the job runs again."""
-    cluster = Cluster(plane, NAMESPACE, kubelets)  # a Cluster names its nodes with a tag of its own
+    """Run job ``name`` on 2 nodes, in a namespace of its own, then ``kill()`` and fail worker 1 at once; seconds
+    to each outcome, and the duplicates seen once the job runs again."""
+    namespace = plane.create_namespace(f"failover-{name}")
+    (work / namespace).mkdir()
+    checkpoint_claim(plane, namespace, work / namespace)
+    cluster = Cluster(plane, namespace, kubelets)
+    try:
+        return _lose_a_worker(cluster, work, name, kill)
+    finally:
+        delete_jobs(plane, namespace)
+
+
+def _lose_a_worker(cluster: Cluster, work: pathlib.Path, name: str, kill: Callable[[], None]) -> dict[str, float]:
     agent = cluster.running(name, JobBuilder(name), work, replicas=2)
     before = cluster.status(name)
     began = time.monotonic()
@@ -99,8 +107,6 @@ def main() -> int:
         replicas.start("op-a")
         eventually(lambda: replicas.holder() == "op-a", what="op-a leads")
         replicas.start("op-b")
-        namespace = plane.create_namespace(NAMESPACE)
-        checkpoint_claim(plane, namespace, work / "volume")
         kubelets = Kubelets(plane)
         try:
             for round_ in range(args.rounds):
@@ -129,7 +135,6 @@ def main() -> int:
                     flush=True,
                 )
         finally:
-            delete_jobs(plane, namespace)
             kubelets.stop()
             forbidden = replicas.stop()
     print(f"bench wall time {time.time() - began:.0f}s; logs in {work}")

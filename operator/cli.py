@@ -244,6 +244,9 @@ def cmd_operator(args: argparse.Namespace) -> int:
         leader.set(1)
     else:  # a standby: nothing of kopf runs until this process holds the Lease
         standby = election.StandbyHealth(args.liveness) if args.liveness else None
+        # The kubernetes client imports its API classes at first use, seconds on a busy node: import the adapter's
+        # now (a throwaway Kube, no thread started), not after the takeover.
+        handlers.Kube(client.ApiClient(kube_configuration()))
         elector.acquire()
         if standby is not None:
             standby.close()
