@@ -109,7 +109,8 @@ class Elector:
             try:
                 lease = self._read()
                 spec = dict((lease or {}).get("spec") or {})
-                sighting = leaderlease.observe(sighting, spec, sent)
+                # seen when the answer came, not when the GET was sent: a renewal applied meanwhile was sent later
+                sighting = leaderlease.observe(sighting, spec, time.monotonic())
                 if lease is None or leaderlease.may_take(sighting, o.identity, time.monotonic(), o.timing):
                     self._write(lease, leaderlease.claimed(spec, o.identity, time.time(), o.timing))
                     self.renewed_at = sent
@@ -120,8 +121,8 @@ class Elector:
             except k8s.ApiException as error:
                 if error.status != 409:  # 409: another standby wrote first; look again
                     log.warning("leader election: %s %s", error.status, error.reason)
-            except OSError as error:  # urllib3's timeouts and refused connections
-                log.warning("leader election: %s", error)
+            except Exception as error:  # noqa: BLE001 (urllib3's timeouts and refused connections: look again)
+                log.warning("leader election: %r", error)
             time.sleep(o.timing.retry_s)
         if self.gauge is not None:
             self.gauge.set(1)
@@ -169,8 +170,8 @@ class Elector:
         while not self._stop.wait(self.options.timing.retry_s):
             try:
                 self._renew()
-            except (k8s.ApiException, OSError) as error:
-                log.warning("leader: renewing the Lease failed: %s", error)
+            except Exception as error:  # noqa: BLE001 (any failure: retry; the watchdog keeps the deadline)
+                log.warning("leader: renewing the Lease failed: %r", error)
 
     def _watchdog(self) -> None:
         timing = self.options.timing
@@ -204,8 +205,8 @@ class Elector:
         try:
             self._write({"metadata": {"resourceVersion": self._version}}, leaderlease.released(self._spec))
             log.info("leader: released the Lease %s/%s", self.options.namespace, self.options.name)
-        except (k8s.ApiException, OSError) as error:
-            log.warning("leader: releasing the Lease failed (a standby takes it a lease later): %s", error)
+        except Exception as error:  # noqa: BLE001 (a standby then takes it a lease later)
+            log.warning("leader: releasing the Lease failed: %r", error)
         if self.gauge is not None:
             self.gauge.set(0)
 

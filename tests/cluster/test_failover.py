@@ -105,3 +105,11 @@ def test_a_paused_leader_stops_acting_once_its_lease_was_taken(cluster, replicas
     assert replicas.holder() == standby_name, "the former leader wrote the Lease back"
     eventually(lambda: cluster.phase("fp", "Running"), what="the job still served")
     assert sorted(cluster.live_workers()) == ["fp-worker-0"] and len(cluster.pods("agent")) == 1
+
+    # A graceful stop (SIGTERM: a rolling update) leaves the Lease free, for a standby's next look.
+    new_leader = replicas.by_name[standby_name]
+    assert new_leader.proc is not None
+    new_leader.proc.terminate()
+    assert new_leader.proc.wait(timeout=30) == 0
+    new_leader.proc = None
+    assert replicas.holder() == "", "a stopped leader left the Lease held"
