@@ -35,6 +35,8 @@ NON_DEFAULT_VALUES: dict[str, Any] = {
     "imagePullSecrets": [{"name": "pull"}],
     "watchNamespaces": ["team-a", "team-b"],
     "logLevel": "debug",
+    "replicaCount": 3,
+    "leaderElection": {"leaseSeconds": 15, "renewDeadlineSeconds": 10, "retrySeconds": 2},
     "agent": {"image": "registry.example/disttrain-trainer:1.2.3"},
     "networkPolicy": {
         "enabled": False,
