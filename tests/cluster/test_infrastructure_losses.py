@@ -1,0 +1,90 @@
+"""The restart budget is for the job's own failures, on the real control plane: a job with ``maxRestarts: 10`` loses
+eleven worker nodes one after another (each machine dies: its kubelet stops, and the job agent reports the node
+silent in the rendezvous heartbeats) and keeps training. Every loss is an infrastructure loss, none a restart, in
+the status, ``kubectl get dtj`` and the operator's metrics. The tests play the kubelets and the job agent
+(:mod:`tests.cluster.harness`)."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from disttrain.api.conditions import format_time
+from tests.cluster.harness import Cluster, eventually
+from tests.cluster.operator_process import OperatorProcess
+from tests.cluster.tables import kubectl_table
+from tests.conftest import JobBuilder
+
+pytestmark = [pytest.mark.usefixtures("crd"), pytest.mark.timeout(240)]
+
+LOSSES = 11
+
+
+def lose_a_worker_node(cluster: Cluster, job: str, agent: Path, rendezvous_round: int) -> dict[str, Any]:
+    """A worker's machine dies (not the agent's); the agent reports it silent; once the replacement runs, the agent
+    reports the new group at 2 nodes. Returns the status back at Running."""
+    agent_node = cluster.pods("agent")[f"{job}-agent"]["spec"]["nodeName"]
+    victim = next(p for _, p in sorted(cluster.live_workers().items()) if p["spec"]["nodeName"] != agent_node)
+    name, uid = victim["metadata"]["name"], victim["metadata"]["uid"]
+    cluster.kubelets.power_off(victim["spec"]["nodeName"])
+    silent = {"node": name, "podUid": uid, "lastHeartbeat": format_time(time.time() - 3)}
+    cluster.agent_reports(job, agent, silentNodes=[silent])
+
+    def replaced() -> dict[str, Any] | None:
+        live = {n: p for n, p in cluster.live_workers().items() if n != name}
+        running = len(live) == 2 and all(p["status"].get("phase") == "Running" for p in live.values())
+        return live if running and name not in cluster.live_workers() else None
+
+    eventually(replaced, what=f"{name} deleted and its replacement running")
+    cluster.agent_reports(
+        job,
+        agent,
+        silentNodes=[],
+        worldSize=2,
+        step=10 * rendezvous_round,
+        rendezvousRound=rendezvous_round,
+        lastProgressTime=format_time(time.time() + 1),
+    )
+
+    def trains_again() -> dict[str, Any] | None:
+        status = cluster.status(job)
+        settled = status.get("phase") == "Running" and status.get("control", {}).get("action") == "none"
+        return status if settled and status.get("rendezvousRound") == rendezvous_round else None
+
+    return eventually(trains_again, what=f"training at 2 nodes again after the loss of {name}")
+
+
+def test_eleven_node_losses_with_max_restarts_10_keep_the_job_training(
+    cluster: Cluster, operator: OperatorProcess, tmp_path: Path
+) -> None:
+    for index in range(LOSSES):  # a machine for each replacement
+        cluster.kubelets.add_node(f"{cluster.tag}-spare{index}")
+    agent = cluster.running(
+        "spot", JobBuilder("spot"), tmp_path, replicas=2, restart_policy={"maxRestarts": 10, "backoffSeconds": 0}
+    )
+    for loss in range(LOSSES):
+        status = lose_a_worker_node(cluster, "spot", agent, rendezvous_round=loss + 2)
+        assert status["restarts"] == {"total": 0, "byReason": {}}, status["restarts"]
+        assert status["infrastructureLosses"]["total"] == loss + 1, status["infrastructureLosses"]
+
+    final = cluster.status("spot")
+    assert final["phase"] == "Running" and final["reforms"] == LOSSES, final
+    assert final["restarts"] == {"total": 0, "byReason": {}}, final["restarts"]
+    losses = final["infrastructureLosses"]
+    assert losses["total"] == LOSSES and losses["byReason"] == {"HeartbeatLost": LOSSES}, losses
+    assert len(losses["recent"]) == LOSSES, "the window holds every loss of the last hour"
+    assert not any(c["type"] == "Failed" and c["status"] == "True" for c in final["conditions"]), final["conditions"]
+
+    [row] = kubectl_table(cluster.plane.kubectl("get", "dtj", "-n", cluster.ns, "spot").stdout)
+    assert row["RESTARTS"] == "0" and row["INFRA LOSSES"] == str(LOSSES), row
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=5) as response:
+        metrics = response.read().decode()
+    labels = f'job="spot",namespace="{cluster.ns}"'
+    assert f'disttrain_job_infrastructure_losses_total{{{labels},reason="HeartbeatLost"}} {LOSSES}.0' in metrics
+    assert f'disttrain_job_restarts_total{{{labels},reason="HeartbeatLost"}} 0.0' in metrics
+    assert f"disttrain_job_infrastructure_losses_last_hour{{{labels}}} {LOSSES}.0" in metrics
