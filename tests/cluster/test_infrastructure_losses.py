@@ -1,7 +1,8 @@
 """The restart budget is for the job's own failures, on the real control plane: a job with ``maxRestarts: 10`` loses
 eleven worker nodes one after another (each machine dies: its kubelet stops, and the job agent reports the node
-silent in the rendezvous heartbeats) and keeps training. Every loss is an infrastructure loss, none a restart, in
-the status, ``kubectl get dtj`` and the operator's metrics. The tests play the kubelets and the job agent
+silent in the rendezvous heartbeats) and keeps training; the node hosting the agent and a worker loses power and
+nothing is charged to ``maxRestarts``. Every loss is an infrastructure loss, none a restart, in the status,
+``kubectl get dtj`` and the operator's metrics. The tests play the kubelets and the job agent
 (:mod:`tests.cluster.harness`)."""
 
 from __future__ import annotations
@@ -88,3 +89,60 @@ def test_eleven_node_losses_with_max_restarts_10_keep_the_job_training(
     assert f'disttrain_job_infrastructure_losses_total{{{labels},reason="HeartbeatLost"}} {LOSSES}.0' in metrics
     assert f'disttrain_job_restarts_total{{{labels},reason="HeartbeatLost"}} 0.0' in metrics
     assert f"disttrain_job_infrastructure_losses_last_hour{{{labels}}} {LOSSES}.0" in metrics
+
+
+SHARED_POOL = "test.disttrain.dev/shared-pool"
+"""Label of the nodes the job agent may run on, which its worker prefers too: the two share a node."""
+
+
+def test_the_node_of_the_agent_and_a_worker_loses_power_and_nothing_is_charged_to_max_restarts(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    cluster.kubelets.add_node(f"{cluster.tag}-shared0", labels={SHARED_POOL: "true"})
+    shared = {"matchExpressions": [{"key": SHARED_POOL, "operator": "In", "values": ["true"]}]}
+    builder = (
+        JobBuilder("both")
+        .set("spec.agent", {"nodeSelector": {SHARED_POOL: "true"}})
+        .set(
+            "spec.template.spec.affinity",
+            {
+                "nodeAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "preference": shared}]
+                }
+            },
+        )
+    )
+    agent = cluster.running(
+        "both", builder, tmp_path, replicas=1, restart_policy={"maxRestarts": 0, "backoffSeconds": 0}
+    )
+    node = cluster.pods("agent")["both-agent"]["spec"]["nodeName"]
+    [(worker, pod)] = cluster.live_workers().items()
+    assert pod["spec"]["nodeName"] == node, "the worker shares the agent's node"
+    cluster.kubelets.add_node(f"{cluster.tag}-shared1", labels={SHARED_POOL: "true"})  # for the new agent
+    cluster.kubelets.power_off(node)
+
+    def both_replaced() -> bool:
+        new_agent = cluster.pods("agent").get("both-agent")
+        workers = [p for n, p in cluster.live_workers().items() if n != worker]
+        return bool(
+            new_agent
+            and new_agent["spec"].get("nodeName") not in (None, node)
+            and new_agent["status"].get("phase") == "Running"
+            and workers
+            and workers[0]["status"].get("phase") == "Running"
+        )
+
+    eventually(both_replaced, timeout=90, what="a new agent and a replacement worker running off the dead node")
+    cluster.agent_reports(
+        "both", agent, worldSize=1, step=20, rendezvousRound=2, lastProgressTime=format_time(time.time() + 1)
+    )
+
+    def trains_again() -> dict[str, Any] | None:
+        status = cluster.status("both")
+        settled = status.get("phase") == "Running" and status.get("control", {}).get("action") == "none"
+        return status if settled and status.get("rendezvousRound") == 2 else None
+
+    status = eventually(trains_again, what="training again")
+    assert status["restarts"] == {"total": 0, "byReason": {}}, "maxRestarts: 0, and the job lives"
+    losses = status["infrastructureLosses"]["byReason"]
+    assert losses.get("AgentRestarted") == 1 and sum(losses.values()) == 2, losses
