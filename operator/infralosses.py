@@ -67,6 +67,20 @@ def remove_loss(counts: InfrastructureLossCounts, reason: str, at: float) -> Non
         counts.recent.remove(at)
 
 
+def pending_note(d: Draft) -> str:
+    """What a job waiting after an infrastructure loss says of it (its restart budget is not what it spends); ''
+    when the open incident is no infrastructure loss."""
+    incident = d.status.incident
+    if incident is None or not incident.infrastructure:
+        return ""
+    recent = len(within_window(d.status.infrastructure_losses.recent, d.now))
+    limit = d.spec.restart_policy.max_infrastructure_losses_per_hour
+    return (
+        f"; {recent} of spec.restartPolicy.maxInfrastructureLossesPerHour={limit} infrastructure losses in the last "
+        f"hour, last: {incident.reason} of {incident.first_pod} (no restart charged)"
+    )
+
+
 def charge_infrastructure_loss(d: Draft, cause: Reason, message: str) -> bool:
     """Count an infrastructure loss, or fail the job when the last hour already holds
     ``maxInfrastructureLossesPerHour`` of them (uncharged, as a spent restart budget is). False when it failed."""

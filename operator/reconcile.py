@@ -59,7 +59,7 @@ from disttrain.operator.incidents import (
     is_outside_the_group,
     uncover_new_pods,
 )
-from disttrain.operator.infralosses import charge_infrastructure_loss
+from disttrain.operator.infralosses import charge_infrastructure_loss, pending_note
 from disttrain.operator.losses import (
     LOSS_REASONS,
     failure_cause,
@@ -898,6 +898,8 @@ def _publish(d: Draft) -> None:
             reason = Reason.PODS_PENDING
         if d.seen.refused:
             st.message = refusal_message(d.seen.refused)
+        elif st.consecutive_failures and (note := pending_note(d)):
+            st.message += note
         elif st.consecutive_failures and st.last_failure:
             st.message += (
                 f"; {st.restarts.total} of spec.restartPolicy.maxRestarts={d.spec.restart_policy.max_restarts} "

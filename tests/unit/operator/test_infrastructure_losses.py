@@ -104,6 +104,20 @@ def test_eleven_node_losses_with_max_restarts_10_keep_the_job_training():
     assert world.reasons().count("NodeLost") == 11
 
 
+def test_a_job_waiting_after_a_node_loss_names_the_hourly_limit_not_the_restart_budget():
+    world = World(job_manifest(min=1, max=1, replicas=1, restartPolicy__backoffSeconds=60))
+    world.nodes = {"node-0": NodeView("node-0"), "node-agent": NodeView("node-agent")}
+    world.step()
+    world.run_all().step(1)  # the pods run, no group formed yet
+    world.nodes["node-0"] = NodeView("node-0", ready=False)
+    world.step(1)
+    world.finish_terminations().step(1)
+    assert world.status["phase"] == "Pending", world.status["message"]
+    assert "1 of spec.restartPolicy.maxInfrastructureLossesPerHour=20" in world.status["message"]
+    assert "NodeNotReady of demo-worker-0 (no restart charged)" in world.status["message"]
+    assert "restarts used" not in world.status["message"]
+
+
 def test_more_losses_within_an_hour_than_the_guard_fail_the_job():
     world = three_nodes(restartPolicy__maxInfrastructureLossesPerHour=3)
     for loss in range(3):
