@@ -282,7 +282,7 @@ class OperatorMetrics:
             delta = count - old.get(reason, 0) if previous is not None else 0
             if delta > 0:
                 self.infrastructure_losses.labels(*labels, reason).inc(delta)
-        times = [t for t in (cond.parse_time(v) for v in counts.get("recent") or () if isinstance(v, str)) if t]
+        times = [t for t in (_parse_time(v) for v in counts.get("recent") or ()) if t is not None]
         self.infrastructure_losses_last_hour.labels(*labels).set_function(
             lambda: sum(1 for t in times if time.time() - t < WINDOW_SECONDS)
         )
@@ -352,6 +352,14 @@ class OperatorMetrics:
             for sample_labels in list(family._metrics):  # prometheus-client has no public lister
                 if sample_labels[:2] == labels:
                     family.remove(*sample_labels)
+
+
+def _parse_time(value: Any) -> Optional[float]:
+    """An RFC 3339 time of the status as Unix time; None for anything else (a status field never breaks /metrics)."""
+    try:
+        return cond.parse_time(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
 
 
 def _store_rejection_counts(status: Mapping[str, Any]) -> dict[tuple[str, str], int]:

@@ -447,7 +447,10 @@ def _check_terminal(d: Draft) -> None:
 
 
 def _clean_up_finished(d: Draft) -> None:
-    """Finished jobs: delete pods per cleanPodPolicy, always the agent; delete the job after the TTL."""
+    """Finished jobs: delete pods per cleanPodPolicy, always the agent; delete the job after the TTL. Nothing is
+    created, even what a step decided before a later one failed the job in the same reconcile."""
+    d.create.clear()
+    d.create_agent = False
     policy = d.spec.run_policy.clean_pod_policy
     why = Reason.SUCCEEDED if d.status.phase is Phase.SUCCEEDED else Reason.FAILED
     for pod in d.seen.workers:

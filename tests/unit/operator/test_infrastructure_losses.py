@@ -178,6 +178,25 @@ def test_a_crash_folded_into_a_node_loss_meets_a_spent_budget():
     assert world.condition("Failed")["reason"] == "RestartBudgetExhausted"
 
 
+def test_a_departure_or_an_agent_loss_past_the_guard_fails_the_job_and_creates_nothing():
+    world = three_nodes(restartPolicy__maxInfrastructureLossesPerHour=1)
+    world.nodes["node-1"] = NodeView("node-1", unschedulable=True)
+    actions = world.step(1)
+    assert actions.create_workers, "the first departure is tolerated: its replacement is created at once"
+    world.nodes["node-2"] = NodeView("node-2", unschedulable=True)
+    actions = world.step(1)
+    assert world.condition("Failed")["reason"] == "InfrastructureLossesExceeded"
+    assert actions.create_workers == () and "demo-agent" in {d.name for d in actions.delete_pods}
+
+    world = three_nodes(restartPolicy__maxInfrastructureLossesPerHour=1)
+    lose_node_and_recover(world, index=0, step=10)
+    world.agent = None
+    actions = world.step(1)
+    assert world.condition("Failed")["reason"] == "InfrastructureLossesExceeded"
+    assert "job agent pod demo-agent was lost" in world.condition("Failed")["message"]
+    assert not actions.create_agent and actions.create_workers == ()
+
+
 def test_a_departing_node_and_a_lost_agent_are_infrastructure_losses():
     world = three_nodes()
     world.nodes["node-1"] = NodeView("node-1", unschedulable=True)
