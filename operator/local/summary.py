@@ -37,6 +37,8 @@ class Summary:
     lost_steps: int
     last_checkpoint_step: Optional[int]
     world_size: int
+    infrastructure_losses_by_reason: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """``status.infrastructureLosses.byReason``: losses of infrastructure the job survived, beside its restarts."""
 
     @property
     def succeeded(self) -> bool:
@@ -46,6 +48,7 @@ class Summary:
         out = dataclasses.asdict(self)
         out["reforms"] = [dataclasses.asdict(r) for r in self.reforms]
         out["restarts_by_reason"] = dict(self.restarts_by_reason)
+        out["infrastructure_losses_by_reason"] = dict(self.infrastructure_losses_by_reason)
         return out
 
 
@@ -110,4 +113,5 @@ class Recorder:
             lost_steps=sum(r[2] for r in resumes),
             last_checkpoint_step=ckpt.get("step"),
             world_size=int(status.get("worldSize", 0) or 0),
+            infrastructure_losses_by_reason=dict((status.get("infrastructureLosses") or {}).get("byReason", {})),
         )

@@ -66,6 +66,7 @@ NON_DEFAULT_VALUES: dict[str, Any] = {
         "checkpointMaxAgeSeconds": 1800,
         "checkpointTooOldFor": "10m",
         "restartBudgetRatio": 0.5,
+        "infrastructureLossRatio": 0.75,
         "reformingFor": "30m",
     },
     "dashboards": {
