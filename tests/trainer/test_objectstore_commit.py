@@ -211,8 +211,8 @@ def test_retention_deletes_only_behind_a_newer_trusted_checkpoint_and_spares_a_n
     "uri, problem",
     [
         ("s3:/bucket", "is not an s3://BUCKET/PREFIX URI"),
-        ("gs://bucket/x", "is not an s3://BUCKET/PREFIX URI"),
-        ("s3://Bucket/x", "is not an s3://BUCKET/PREFIX URI"),
+        ("gs://bucket/x", "the scheme gs:// is not supported"),
+        ("s3://Bucket/x", "the bucket 'Bucket' is not an S3 bucket name"),
         ("s3://bucket/a//b", "empty, '.' or '..' segment"),
         ("s3://bucket/a/../b", "empty, '.' or '..' segment"),
     ],
