@@ -140,6 +140,34 @@ def test_progress_checkpoint_and_failure_are_relayed_into_status(tmp_path, store
     assert status["worldSize"] == 3 and status["rendezvousRound"] == 2
 
 
+def test_the_last_checkpoint_of_a_bucket_job_is_named_by_its_prefix_in_the_bucket():
+    from disttrain.api.agentview import AgentJob
+    from disttrain.api.manifest import CheckpointManifest
+
+    manifest = CheckpointManifest.model_validate(
+        {
+            "step": 10,
+            "samples_consumed": 240,
+            "data_cursor": 240,
+            "world_size": 2,
+            "plan": {},
+            "lr_scale": 1.0,
+            "dataset": {"length": 1000, "seed": 0},
+            "metadata_sha256": "x",
+            "files": {},
+            "created_at": "2023-11-14T22:14:00Z",
+            "code_version": "0.1.0",
+            "config_hash": "h",
+            "fence_round": 3,
+        }
+    )
+    job = {"metadata": {"name": "demo", "namespace": "team"}, "spec": copy.deepcopy(SPEC)}
+    assert agent_mod._checkpoint_location(AgentJob.model_validate(job), manifest) == "/ckpt/team/demo/step-10"
+    job["spec"]["checkpoint"]["uri"] = "s3://ckpt-bucket/runs/demo/"
+    location = agent_mod._checkpoint_location(AgentJob.model_validate(job), manifest)
+    assert location == "s3://ckpt-bucket/runs/demo/step-10/r3"
+
+
 def test_a_new_group_at_the_same_size_and_restart_count_is_a_new_round(tmp_path, store_pair):
     """After a reform back to the same size a fresh node can be rank 0 with restart count 0, like the old rank 0:
     only the worker process differs, and it must still count as a new round (the operator waits for one)."""

@@ -143,6 +143,7 @@ class CheckpointManager:
         self._published: list[CheckpointManifest] = []
         self._published_lock = threading.Lock()
         self._resume_from: Optional[Published] = None
+        self._tier_closed = False
         if spec.uri is not None:
             store = tiered.bucket_committer(spec, options.job_uid, options.node)
             self.tier = BucketTier(
@@ -510,7 +511,7 @@ class CheckpointManager:
         """The manager of the next group of this process (an in-place reform): the same policy and history (last
         save, what was loaded, failures in a row, the agreed automatic interval), a new rank, size and group, and
         a fence round of its own, claimed at its first collective."""
-        self._close_tier()  # the next group claims a round of its own; what this one uploaded is not its to publish
+        self.close_tier()  # the next group claims a round of its own; what this one uploaded is not its to publish
         successor = CheckpointManager(self.root, self.spec, rank, world_size, group, self.options)
         for name in (
             "consecutive_failures",
@@ -529,14 +530,16 @@ class CheckpointManager:
     def close(self) -> None:
         if self.pending is not None:
             self.wait_pending()
-        self._close_tier()
+        self.close_tier()
         self.join_retention()
         self.writer.close()
 
-    def _close_tier(self) -> None:
-        """With a bucket: let this rank's uploads and rank 0's publication finish (bounded), then stop them."""
-        if self.tier is None:
+    def close_tier(self) -> None:
+        """With a bucket: let this rank's uploads and rank 0's publication finish (bounded), stop them, and report
+        what the bucket completed. Once only."""
+        if self.tier is None or self._tier_closed:
             return
+        self._tier_closed = True
         if not self.tier.flush(self.options.upload_flush_timeout_s):
             log.error(
                 "checkpoint uploads did not finish within %.0f s: the saves not yet COMPLETE in the bucket stay "
