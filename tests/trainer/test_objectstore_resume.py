@@ -3,8 +3,8 @@
 A job saves to its local tier and uploads in the background; it is SIGKILLed mid-run, and a new group at another
 world size with an empty local tier (a new pod's emptyDir) resumes from the bucket's newest COMPLETE checkpoint:
 the consumed samples are exactly the uninterrupted run's and the final parameters within the drift docs/trainer.md
-publishes for a world-size change. With the gateway stopped mid-run, training runs on to its last step and the
-checkpoints become COMPLETE only once the gateway is back.
+publishes for a world-size change. With the gateway stopped mid-run (async saves), training runs on to its last
+step and the checkpoints become COMPLETE only once the gateway is back.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def test_a_job_killed_mid_run_resumes_from_the_bucket_at_another_world_size(harn
 
 def test_an_unreachable_bucket_never_stops_training_and_completes_once_back(harness, s3_server, s3_bucket):
     _, bucket = s3_bucket
-    contract = bucket_contract(harness, s3_server, bucket, max_steps=8)
+    contract = bucket_contract(harness, s3_server, bucket, max_steps=8, async_save=True)  # sync saves: the other test
     run = harness.start(2, contract, "outage", TOY_STEP_SLEEP="0.2", **credentials(s3_server))
     harness.wait_for_step("outage", 1, timeout=120)
     s3_server.stop_gateway()

@@ -442,6 +442,8 @@ class CheckpointManager:
         if self._resume_from is not None and self._resume_from.manifest.step == manifest.step:
             self._fetch_into_tiers(self._resume_from)
             self._resume_from = None
+        if self.tier is not None and self.tier.publisher is not None:
+            self.tier.publisher.protected = {manifest.step}  # bucket retention never deletes what the run loaded
         path = self.committer.step_path(manifest.step)
         if commit.is_link(path):
             raise commit.LinkError(
@@ -511,7 +513,9 @@ class CheckpointManager:
         """The manager of the next group of this process (an in-place reform): the same policy and history (last
         save, what was loaded, failures in a row, the agreed automatic interval), a new rank, size and group, and
         a fence round of its own, claimed at its first collective."""
-        self.close_tier()  # the next group claims a round of its own; what this one uploaded is not its to publish
+        # The next group claims a round of its own: what this one did not publish yet is not its to publish, and an
+        # in-place reform does not wait for the bucket.
+        self.close_tier(flush=False)
         successor = CheckpointManager(self.root, self.spec, rank, world_size, group, self.options)
         for name in (
             "consecutive_failures",
@@ -534,13 +538,13 @@ class CheckpointManager:
         self.join_retention()
         self.writer.close()
 
-    def close_tier(self) -> None:
-        """With a bucket: let this rank's uploads and rank 0's publication finish (bounded), stop them, and report
-        what the bucket completed. Once only."""
+    def close_tier(self, flush: bool = True) -> None:
+        """With a bucket: let this rank's uploads and rank 0's publication finish (bounded; not with ``flush``
+        False), stop them, and report what the bucket completed. Once only."""
         if self.tier is None or self._tier_closed:
             return
         self._tier_closed = True
-        if not self.tier.flush(self.options.upload_flush_timeout_s):
+        if flush and not self.tier.flush(self.options.upload_flush_timeout_s):
             log.error(
                 "checkpoint uploads did not finish within %.0f s: the saves not yet COMPLETE in the bucket stay "
                 "on the local tier only",

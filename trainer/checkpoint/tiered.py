@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
-from disttrain.api.manifest import CheckpointManifest, FileDigest
+from disttrain.api.manifest import MANIFEST_FILE, CheckpointManifest, FileDigest
 from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer.checkpoint import commit
 from disttrain.trainer.checkpoint.fence import FencedError
@@ -51,6 +51,8 @@ UPLOADED = ".uploaded"
 """Folder of a save's prefix holding each rank's record of what it uploaded."""
 POLL_MAX_S = 2.0
 """The publisher's longest wait between two looks for the ranks' upload records (a new save wakes it sooner)."""
+FLUSH_POLL_S = 0.5
+"""How often a rank other than 0 looks for the newest save's COMPLETE.json while it waits at exit."""
 MAX_LOCAL_COPIES = 3
 """Local copies a tier keeps at most while the bucket is behind: what an unreachable bucket can pile up."""
 
@@ -252,6 +254,7 @@ class BucketTier:
         self.is_leader = False
         self.world_size = 1
         self._retention: Optional[threading.Thread] = None
+        self._newest: Optional[CheckpointManifest] = None
 
     def join_group(self, identities: list[str], world_size: int) -> None:
         """The group's tiers (``identities[rank]``, from an all-gather): who leads this tier."""
@@ -277,6 +280,7 @@ class BucketTier:
                 oldest.attempts,
                 oldest.last_error or "none",
             )
+        self._newest = manifest
         local_dir = self.root / commit.step_dir_name(manifest.step)
         assert manifest.fence_round is not None
         upload = self.uploader.submit(manifest.step, local_dir, mine, manifest.fence_round)
@@ -339,15 +343,27 @@ class BucketTier:
         return self.store.download(published, self.root)
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait (at most ``timeout_s``) for this rank's uploads and, on rank 0, the publication of what they
-        complete; False when time ran out (what is not in the bucket then is not a checkpoint there)."""
+        """Wait (at most ``timeout_s``) for this rank's uploads and the publication of the newest save: rank 0 for
+        its publisher, the other ranks until its COMPLETE.json is in the bucket, so that every rank leaves about
+        together (a collective follows). False when time ran out (what is not in the bucket then is not a
+        checkpoint there)."""
         deadline = time.monotonic() + timeout_s
         for upload in self.uploader.pending():
             if not upload.done.wait(max(0.0, deadline - time.monotonic())):
                 return False
         if self.publisher is not None:
             return self.publisher.wait_idle(max(0.0, deadline - time.monotonic()))
-        return True
+        if self._newest is None:
+            return True
+        key = self.store.location.key(f"step-{self._newest.step}/r{self._newest.fence_round}", MANIFEST_FILE)
+        while time.monotonic() < deadline:
+            try:
+                self.store.client.head_object(Bucket=self.store.location.bucket, Key=key)
+                return True
+            except Exception as exc:  # noqa: BLE001 - not there yet, or the bucket is away: look again
+                log.debug("waiting for %s: %s", key, exc)
+            time.sleep(FLUSH_POLL_S)
+        return False
 
     def close(self) -> None:
         self.uploader.close()
