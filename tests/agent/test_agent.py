@@ -495,6 +495,21 @@ def test_why_reforms_restart_the_workers_is_relayed_and_cleared_by_a_group_that_
     assert source.read()["status"].get("inPlaceFallback") is None
 
 
+def test_a_bucket_behind_is_relayed_and_cleared_once_it_caught_up(tmp_path, store_pair):
+    server, client = store_pair
+    write_job(tmp_path)
+    source = agent_mod.FileJobSource(tmp_path)
+    agent = agent_mod.Agent(source, server)
+    behind = "2 save(s) not yet COMPLETE in the bucket (oldest step-2): EndpointConnectionError: Could not connect"
+    report = keys.ProgressReport.model_validate_json(progress(5))
+    client.set(keys.PROGRESS_KEY, report.model_copy(update={"checkpoint_upload": behind}).model_dump_json())
+    agent.sync()
+    assert source.read()["status"]["checkpointUpload"] == behind
+    client.set(keys.PROGRESS_KEY, progress(6))
+    agent.sync()
+    assert source.read()["status"].get("checkpointUpload") is None
+
+
 def test_the_step_a_group_resumed_from_is_relayed_and_cleared_by_a_fresh_group(tmp_path, store_pair):
     """status.resumedFromStep and resumedFromJobUid: the checkpoint the current group loaded and the job that wrote
     it (the operator's ResumedFromStep and ResumedFromEarlierJob Events name them); a group that started without a

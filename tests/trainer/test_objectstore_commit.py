@@ -29,7 +29,7 @@ from disttrain.trainer.checkpoint import commit
 from disttrain.trainer.checkpoint.fence import FencedError
 from disttrain.trainer.checkpoint.manager import CheckpointManager, ModelOptimState
 from disttrain.trainer.checkpoint.objectstore import Location, ObjectStoreCommitter, TransferOptions, parse_uri
-from disttrain.trainer.checkpoint.tiered import Publisher, RecordingStore
+from disttrain.trainer.checkpoint.tiered import BucketTier, Publisher, RecordingStore
 from disttrain.trainer.checkpoint.uploads import RetryPolicy, Uploader
 
 pytestmark = pytest.mark.timeout(180)
@@ -324,3 +324,35 @@ def test_the_publisher_completes_a_save_only_once_every_rank_recorded_uploads_ma
     assert "upload records do not match its manifest" in publisher.last_error
     assert c.find_latest().manifest.step == 4
     publisher.close()
+
+
+def test_the_backlog_names_the_saves_waiting_for_the_bucket_and_why_until_it_is_back(
+    s3_server, s3_bucket, local, tmp_path
+):
+    """What rank 0 reports as status.checkpointUpload while the gateway is stopped, and nothing once it caught up."""
+    shutil.copytree(local, tmp_path / "tier")
+    c = committer(s3_bucket)
+    agreed = c.claim_round()
+    tier = BucketTier(
+        c, tmp_path / "tier", 0, keep=3, on_published=lambda m: None, retry=RetryPolicy(initial_s=0.2, max_s=0.5)
+    )
+    tier.join_group(["this-node"], 1)
+    assert tier.backlog() is None
+    s3_server.stop_gateway()
+    try:
+        for step in (2, 4):
+            manifest = commit.validate(tmp_path / "tier" / f"step-{step}").manifest
+            assert manifest is not None
+            tier.after_local_commit(manifest.model_copy(update={"fence_round": agreed}), dict(manifest.files), 1)
+        deadline = time.monotonic() + 60
+        while "Could not connect" not in (tier.backlog() or "") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        backlog = tier.backlog() or ""
+        assert (
+            backlog.startswith("2 save(s) not yet COMPLETE in the bucket (oldest step-2): ") and "Could not" in backlog
+        )
+    finally:
+        s3_server.start_gateway()
+    assert tier.flush(60)
+    assert tier.backlog() is None and c.find_latest().manifest.step == 4
+    tier.close()

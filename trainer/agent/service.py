@@ -489,6 +489,7 @@ class Agent:
                 rendezvousRound=self._rounds,
                 roundStartTime=self._round_start,
                 inPlaceFallback=report.in_place_fallback,  # None removes a previous group's reason
+                checkpointUpload=report.checkpoint_upload,  # None once the bucket caught up
                 resumedFromStep=report.resumed_from_step,
                 resumedFromJobUid=report.resumed_from_job_uid,
                 resumedFromMemory=report.resumed_from_memory,

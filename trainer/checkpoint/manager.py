@@ -341,6 +341,11 @@ class CheckpointManager:
         with self._published_lock:
             self._published.append(manifest)
 
+    def upload_backlog(self) -> Optional[str]:
+        """With a bucket, on rank 0: the saves committed locally and not yet COMPLETE in the bucket, and why; None
+        while the bucket keeps up (one save in flight with no error is keeping up)."""
+        return self.tier.backlog() if self.tier is not None else None
+
     def report_published(self) -> None:
         """Hand what the bucket completed since the last call to ``on_commit`` (the job agent's lastCheckpoint)."""
         if self.tier is None:

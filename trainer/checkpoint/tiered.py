@@ -149,6 +149,11 @@ class Publisher:
                 self._thread.start()
         self._wake.set()
 
+    def waiting_steps(self) -> list[int]:
+        """Steps submitted and not published yet, oldest first."""
+        with self._lock:
+            return [p.manifest.step for p in self._pending]
+
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until nothing is left to publish; False on timeout."""
         return self._idle.wait(timeout_s)
@@ -289,6 +294,18 @@ class BucketTier:
         if self.is_leader:
             self._retain_locally(manifest.step, local_round)
         return upload
+
+    def backlog(self) -> Optional[str]:
+        """Rank 0's account of the saves not yet COMPLETE in the bucket (for ``status.checkpointUpload``)."""
+        if self.publisher is None:
+            return None
+        waiting = self.publisher.waiting_steps()
+        behind = self.uploader.pending()
+        error = self.publisher.last_error or next((u.last_error for u in behind if u.last_error), "")
+        if not waiting or (len(waiting) == 1 and not error):
+            return None
+        text = f"{len(waiting)} save(s) not yet COMPLETE in the bucket (oldest step-{waiting[0]})"
+        return (f"{text}: {error}" if error else text)[:512]
 
     def uploads_pending(self) -> int:
         return len(self.uploader.pending())
