@@ -145,6 +145,9 @@ class ProgressReport(BaseModel):
     """Why reforms restart this group's workers from the last checkpoint although ``spec.elastic.reformInPlace``
     asks to keep them (a model passed already wrapped, no launcher channel); None: in place applies, or was
     not asked for. The agent relays it into ``status.inPlaceFallback``."""
+    checkpoint_upload: Optional[str] = Field(None, max_length=512)
+    """With ``checkpoint.uri``: how far the bucket is behind the local tier (saves not yet COMPLETE there, the last
+    error); None while it keeps up. The agent relays it into ``status.checkpointUpload``."""
 
     @field_validator("plan")
     @classmethod

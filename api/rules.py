@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from disttrain.api import constants, containers
+from disttrain.api import constants, containers, storageuri
 from disttrain.api.spec import data_degree
 
 Node = dict[str, Any]
@@ -108,6 +108,16 @@ _MESH_DEGREE_CEL = (
     "(has(self.training.mesh.tensorParallel) ? self.training.mesh.tensorParallel : "
     "has(self.training.mesh.shard) ? self.training.mesh.shard : 1)"
 )
+
+
+CHECKPOINT_STORAGE_FIELDS = ("claimName", "volumeName", "uri")
+"""Where checkpoints go: exactly one of these fields of ``spec.checkpoint``."""
+_CHECKPOINT_STORAGE_CEL = " + ".join(f"(has(self.{k}) ? 1 : 0)" for k in CHECKPOINT_STORAGE_FIELDS) + " == 1"
+
+
+def _only_with_uri(name: str) -> Callable[[Node], bool]:
+    """The predicate that field ``name`` of ``spec.checkpoint`` is set only beside ``uri``."""
+    return lambda checkpoint: name not in checkpoint or "uri" in checkpoint
 
 
 def _checkpoint_volume_declared(spec: Node) -> bool:
@@ -236,7 +246,36 @@ RULES: tuple[Rule, ...] = (
         args=lambda s: (*_mesh_degree(s), s["nprocPerNode"]),
         field_path=".training.mesh",
     ),
-    exactly_one_of("spec.checkpoint", "claimName", "volumeName"),
+    Rule(
+        node="spec.checkpoint",
+        cel=_CHECKPOINT_STORAGE_CEL,
+        message="exactly one of checkpoint.claimName, checkpoint.volumeName and checkpoint.uri must be set",
+        cel_args=(),
+        holds=lambda n: sum(1 for k in CHECKPOINT_STORAGE_FIELDS if k in n) == 1,
+    ),
+    Rule(
+        node="spec.checkpoint",
+        cel=f"!has(self.uri) || self.uri.matches('{storageuri.S3_URI_PATTERN}')",
+        message=(
+            "checkpoint.uri %s is not an s3://BUCKET/PREFIX URI (only s3:// is supported; bucket: 3-63 lower-case "
+            "letters, digits, dots and hyphens; the prefix has no empty, . or .. segment)"
+        ),
+        cel_args=("self.uri",),
+        holds=lambda n: "uri" not in n or re.match(storageuri.S3_URI_PATTERN, n["uri"]) is not None,
+        args=lambda n: (n.get("uri"),),
+        field_path=".uri",
+    ),
+    *(
+        Rule(
+            node="spec.checkpoint",
+            cel=f"!has(self.{name}) || has(self.uri)",
+            message=f"checkpoint.{name} applies only to a checkpoint.uri (an object store)",
+            cel_args=(),
+            holds=_only_with_uri(name),
+            field_path=f".{name}",
+        )
+        for name in ("s3", "localTierSizeLimit")
+    ),
     Rule(
         node="spec",
         cel=(

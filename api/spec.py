@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 from pydantic.alias_generators import to_camel
 
-from disttrain.api import constants, containers
+from disttrain.api import constants, containers, storageuri
 from disttrain.api.exitcodes import DEFAULT_PERMANENT_EXIT_CODES
 
 
@@ -219,14 +219,51 @@ class TrainingSpec(ContractModel):
         return self.max_steps * self.global_batch_size
 
 
+class S3AddressingStyle(str, enum.Enum):
+    AUTO = "auto"
+    PATH = "path"
+    VIRTUAL = "virtual"
+
+
+class S3Options(ContractModel):
+    """How the workers reach the bucket of ``checkpoint.uri``."""
+
+    endpoint: Optional[str] = Field(None, min_length=1, max_length=1024, pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$")
+    """URL of an S3-compatible store (MinIO, Ceph RGW, a cloud's S3 interface); unset: AWS S3 of `region`."""
+    region: Optional[str] = Field(None, min_length=1, max_length=64, pattern=r"^[a-z0-9-]+$")
+    """Region of the bucket; unset: the worker's environment (AWS_REGION, AWS_DEFAULT_REGION) decides."""
+    addressing_style: S3AddressingStyle = S3AddressingStyle.AUTO
+    """path (https://endpoint/bucket/key, what most S3-compatible stores need), virtual (https://bucket.endpoint/key)
+    or auto (the SDK chooses)."""
+    credentials_secret: Optional[str] = Field(
+        None, min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+    )
+    """Secret in the job's namespace with the keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and optionally
+    AWS_SESSION_TOKEN), given to the trainer container as environment variables. Unset: the worker pod's own
+    identity (its environment, an IRSA-style web identity token, the node's instance role); never the operator's."""
+
+
 class CheckpointSpec(ContractModel):
     claim_name: Optional[str] = Field(None, min_length=1, max_length=253)
-    """PersistentVolumeClaim (ReadWriteMany for several nodes) mounted at `path`. Exactly one of claimName and
-    volumeName."""
+    """PersistentVolumeClaim (ReadWriteMany for several nodes) mounted at `path`. Exactly one of claimName,
+    volumeName and uri."""
     volume_name: Optional[str] = Field(None, min_length=1, max_length=63)
-    """Name of a volume declared in the pod template, mounted at `path`. Exactly one of claimName and volumeName."""
+    """Name of a volume declared in the pod template, mounted at `path`. Exactly one of claimName, volumeName and
+    uri."""
+    uri: Optional[str] = Field(None, min_length=1, max_length=storageuri.MAX_URI_LENGTH)
+    """Object store location s3://BUCKET/PREFIX (AWS S3 or an S3-compatible store, see `s3`). A save goes to a
+    local tier at `path` first (an emptyDir) and is uploaded in the background; a checkpoint is complete once every
+    object is in the bucket and verified. Exactly one of claimName, volumeName and uri."""
+    s3: Optional[S3Options] = None
+    """Endpoint, region, addressing style and credentials of the bucket of `uri` (only with uri)."""
+    local_tier_size_limit: Optional[str] = Field(
+        None, max_length=64, pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+    )
+    """sizeLimit of the emptyDir that holds the local tier (a quantity such as 200Gi; only with uri). Local copies
+    are kept until uploaded, so it bounds what an unreachable bucket can pile up. Unset: no limit."""
     path: str = Field("/var/lib/disttrain/checkpoints", min_length=1, max_length=4096, pattern=r"^/")
-    """Absolute mount path in the trainer container; checkpoints go to <path>/<namespace>/<job name>."""
+    """Absolute mount path in the trainer container; checkpoints go to <path>/<namespace>/<job name>. With uri,
+    the local tier's mount path."""
     interval_steps: Optional[Union[int, Literal["auto"]]] = Field(
         100, json_schema_extra={"x-kubernetes-int-or-string": True, "minimum": 1, "pattern": "^auto$"}
     )
@@ -254,6 +291,14 @@ class CheckpointSpec(ContractModel):
             return value
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"intervalSteps must be an integer >= 1 or 'auto', got {value!r}")
+        return value
+
+    @field_validator("uri")
+    @classmethod
+    def _object_store_uri(cls, value: Optional[str]) -> Optional[str]:
+        problem = storageuri.uri_problem(value) if value is not None else ""
+        if problem:
+            raise ValueError(problem)
         return value
 
     @property

@@ -37,6 +37,7 @@ AGENT_FIELDS: Final = (
     "roundMembers",
     "workerStartup",
     "inPlaceFallback",
+    "checkpointUpload",
     "storeRejections",
     "resumedFromStep",
     "resumedFromJobUid",
@@ -407,6 +408,10 @@ class DistTrainJobStatus(ContractModel):
     """Why a reform restarts the current group's workers from the last checkpoint although
     ``spec.elastic.reformInPlace`` asks to keep them (relayed by the job agent from rank 0); unset while in-place
     reform applies or was not asked for."""
+    checkpoint_upload: Optional[str] = Field(None, max_length=512)
+    """With ``checkpoint.uri``: saves committed on the workers' local disks and not yet COMPLETE in the bucket, and
+    the last error while uploading or publishing them (relayed by the job agent from rank 0); unset while the bucket
+    keeps up. ``lastCheckpoint`` is the newest save COMPLETE in the bucket."""
     store_rejections: Optional[StoreRejections] = None
     """Values the job agent found invalid in its store and removed or repaired (unset while there were none): a
     sign that something without the job's secret writes to the store."""

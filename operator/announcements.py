@@ -1,5 +1,6 @@
 """What the reconcile core announces of checkpoints and of the job agent's store: the Checkpointed condition and
-its Events (committed, resumed from, an earlier job's checkpoints), and the store's rejected values. Pure."""
+its Events (committed, resumed from, an earlier job's checkpoints, a bucket that is behind), and the store's
+rejected values. Pure."""
 
 from __future__ import annotations
 
@@ -93,6 +94,19 @@ def announce_store_rejections(d: Draft) -> None:
             f"({', '.join(counts) or 'no known class'}); the keys are in status.storeRejections",
         )
     )
+
+
+CHECKPOINT_UPLOAD_BEHIND = "CheckpointUploadBehind"
+"""The Warning Event's reason while saves wait for the bucket of ``checkpoint.uri`` (``status.checkpointUpload``)."""
+
+
+def announce_checkpoint_upload(d: Draft) -> None:
+    """A Warning while the bucket is behind the workers' local disks: training goes on, but what the bucket does
+    not hold is lost with the pods. The message follows the steps and the error, so the Event filter gives it a
+    budget of its own (``eventrate.SEPARATE_BUDGETS``: one per five minutes)."""
+    behind = d.status.checkpoint_upload
+    if behind:
+        d.events.append(Event(WARNING, CHECKPOINT_UPLOAD_BEHIND, f"checkpoints wait for the bucket: {behind}"))
 
 
 def checkpoint_message(ckpt: CheckpointRef) -> str:

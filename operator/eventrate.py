@@ -22,8 +22,9 @@ from typing import Final
 REPEAT_WINDOW_S: Final = 600.0
 BURST: Final = 25
 REFILL_S: Final = 10.0
-SEPARATE_BUDGETS: Final = {"StoreValueRejected": (1, 60.0)}
-"""reason -> (burst, refill seconds) of its own per job: the store rejections' summary, at most one a minute."""
+SEPARATE_BUDGETS: Final = {"StoreValueRejected": (1, 60.0), "CheckpointUploadBehind": (1, 300.0)}
+"""reason -> (burst, refill seconds) of its own per job: the store rejections' summary, at most one a minute; a
+bucket that is behind, at most one every five minutes."""
 MAX_REMEMBERED: Final = 10_000
 """Repeats remembered across all jobs; the oldest are forgotten first."""
 

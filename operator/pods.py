@@ -167,7 +167,7 @@ def build_worker_pod(
     reserved = constants.RESERVED_ENV_PREFIXES
     user_env = [e for e in trainer.get("env") or [] if not e.get("name", "").startswith(reserved)]
     trainer["env"] = [
-        *user_env,
+        *object_store_env(job, user_env),
         *determinism.container_env(job.spec.training, {e.get("name", "") for e in user_env}),
         *worker_env(job, name, node_index, endpoint=endpoint, checkpoint_directory=checkpoint_directory),
         {"name": env.TERMINATION_LOG, "value": termination_log},
@@ -219,10 +219,14 @@ def _avoid_nodes(pod_spec: dict[str, Any], nodes: Sequence[str]) -> None:
 def _mount_checkpoints(job: DistTrainJob, pod_spec: dict[str, Any], trainer: dict[str, Any]) -> None:
     ckpt = job.spec.checkpoint
     volumes = pod_spec.setdefault("volumes", [])
-    if ckpt.claim_name:
+    if ckpt.claim_name or ckpt.uri:
         volume = CHECKPOINT_VOLUME
         volumes[:] = [v for v in volumes if v.get("name") != volume]
-        volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": ckpt.claim_name}})
+        if ckpt.claim_name:
+            volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": ckpt.claim_name}})
+        else:  # the local tier of an object store: the node's disk, gone with the pod (the bucket is what lasts)
+            limit = {"sizeLimit": ckpt.local_tier_size_limit} if ckpt.local_tier_size_limit else {}
+            volumes.append({"name": volume, "emptyDir": limit})
     else:
         volume = ckpt.volume_name or ""
         if not any(v.get("name") == volume for v in volumes):
@@ -231,6 +235,39 @@ def _mount_checkpoints(job: DistTrainJob, pod_spec: dict[str, Any], trainer: dic
     trainer["volumeMounts"] = [*mounts, {"name": volume, "mountPath": ckpt.path}]
     if not pod_spec["volumes"]:
         del pod_spec["volumes"]
+
+
+OBJECT_STORE_CREDENTIALS: tuple[tuple[str, bool], ...] = (
+    ("AWS_ACCESS_KEY_ID", False),
+    ("AWS_SECRET_ACCESS_KEY", False),
+    ("AWS_SESSION_TOKEN", True),
+)
+"""Keys of ``checkpoint.s3.credentialsSecret`` the trainer container gets as variables of the same names (name,
+optional); the S3 SDK reads them from its environment."""
+
+
+def object_store_env(job: DistTrainJob, user_env: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trainer container's env with the credentials of ``checkpoint.s3.credentialsSecret`` (secretKeyRef): the
+    user's own variables of those names give way. Without a Secret the env is the user's: the SDK then finds the
+    pod's own identity (its variables, a web identity token, the node's role); the operator's never reaches a pod.
+    Where the bucket is and how to address it travels in the worker contract (``checkpoint.uri`` and ``.s3``)."""
+    ckpt = job.spec.checkpoint
+    secret = ckpt.s3.credentials_secret if ckpt.uri and ckpt.s3 else None
+    if not secret:
+        return user_env
+    names = {name for name, _ in OBJECT_STORE_CREDENTIALS}
+    return [
+        *(e for e in user_env if e.get("name") not in names),
+        *(
+            {
+                "name": name,
+                "valueFrom": {
+                    "secretKeyRef": {"name": secret, "key": name, **({"optional": True} if optional else {})}
+                },
+            }
+            for name, optional in OBJECT_STORE_CREDENTIALS
+        ),
+    ]
 
 
 def trainer_container(pod: dict[str, Any]) -> dict[str, Any]:

@@ -152,6 +152,7 @@ def _steps(spec: DistTrainJobSpec) -> tuple[Step, ...]:
         _ensure_agent,
         announcements.announce_checkpoint,
         announcements.announce_store_rejections,
+        announcements.announce_checkpoint_upload,
         _handle_workers,
         _check_terminal,
         _size,

@@ -168,20 +168,25 @@ def start(
     except ValueError as exc:
         exits.exit_permanent(str(exc))
     watchdog = Watchdog(ctx.agent_endpoint, job_uid=ctx.job_uid)
-    checkpoints = ckpt_mod.CheckpointManager(
-        ctx.checkpoint_dir,
-        ctx.contract.checkpoint,
-        rank,
-        world_size,
-        groups.checkpoint,
-        ckpt_mod.ManagerOptions(
-            metrics=metrics,
-            on_commit=lambda m: watchdog.publish(control_keys.CHECKPOINT_KEY, m.model_dump_json()),
-            on_phase=options.checkpoint.on_phase,
-            job_uid=ctx.job_uid,
-            node=ctx.node_name,
-        ),
-    )
+    try:
+        checkpoints = ckpt_mod.CheckpointManager(
+            ctx.checkpoint_dir,
+            ctx.contract.checkpoint,
+            rank,
+            world_size,
+            groups.checkpoint,
+            ckpt_mod.ManagerOptions(
+                metrics=metrics,
+                on_commit=lambda m: watchdog.publish(control_keys.CHECKPOINT_KEY, m.model_dump_json()),
+                on_phase=options.checkpoint.on_phase,
+                job_uid=ctx.job_uid,
+                node=ctx.node_name,
+            ),
+        )
+    except ImportError as exc:  # checkpoint.uri without the S3 client: no restart installs it
+        exits.exit_permanent(
+            f"spec.checkpoint.uri needs boto3 in the trainer's image: pip install 'disttrain[trainer,s3]' ({exc})"
+        )
     _open_control_channel(watchdog)
     if scheduler is not None and ctx.contract.training.lr.schedule is not LRSchedule.CONSTANT:
         log.warning(

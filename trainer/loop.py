@@ -447,6 +447,7 @@ class ElasticTrainer:
         pending = self.checkpoints.pending
         if pending is not None and agreed.save_finished_everywhere(pending.step):
             self.checkpoints.poll(all_done=True)
+        self.checkpoints.report_published()
         if agreed.drain:
             self.agreement.settle()
             self.lifecycle.drain()

@@ -45,6 +45,11 @@ class TrainerMetrics:
         self.last_complete_step = prom.Gauge(
             "disttrain_trainer_last_complete_checkpoint_step", "Step of the newest committed checkpoint", registry=r
         )
+        self.checkpoint_uploads_pending = prom.Gauge(
+            "disttrain_trainer_checkpoint_uploads_pending",
+            "Saves of this rank committed on the local tier and not yet uploaded to the bucket (checkpoint.uri)",
+            registry=r,
+        )
         self.checkpoint_failures = prom.Counter(
             "disttrain_trainer_checkpoint_failures", "Checkpoint saves that failed", registry=r
         )

@@ -140,6 +140,34 @@ def test_progress_checkpoint_and_failure_are_relayed_into_status(tmp_path, store
     assert status["worldSize"] == 3 and status["rendezvousRound"] == 2
 
 
+def test_the_last_checkpoint_of_a_bucket_job_is_named_by_its_prefix_in_the_bucket():
+    from disttrain.api.agentview import AgentJob
+    from disttrain.api.manifest import CheckpointManifest
+
+    manifest = CheckpointManifest.model_validate(
+        {
+            "step": 10,
+            "samples_consumed": 240,
+            "data_cursor": 240,
+            "world_size": 2,
+            "plan": {},
+            "lr_scale": 1.0,
+            "dataset": {"length": 1000, "seed": 0},
+            "metadata_sha256": "x",
+            "files": {},
+            "created_at": "2023-11-14T22:14:00Z",
+            "code_version": "0.1.0",
+            "config_hash": "h",
+            "fence_round": 3,
+        }
+    )
+    job = {"metadata": {"name": "demo", "namespace": "team"}, "spec": copy.deepcopy(SPEC)}
+    assert agent_mod._checkpoint_location(AgentJob.model_validate(job), manifest) == "/ckpt/team/demo/step-10"
+    job["spec"]["checkpoint"]["uri"] = "s3://ckpt-bucket/runs/demo/"
+    location = agent_mod._checkpoint_location(AgentJob.model_validate(job), manifest)
+    assert location == "s3://ckpt-bucket/runs/demo/step-10/r3"
+
+
 def test_a_new_group_at_the_same_size_and_restart_count_is_a_new_round(tmp_path, store_pair):
     """After a reform back to the same size a fresh node can be rank 0 with restart count 0, like the old rank 0:
     only the worker process differs, and it must still count as a new round (the operator waits for one)."""
@@ -465,6 +493,21 @@ def test_why_reforms_restart_the_workers_is_relayed_and_cleared_by_a_group_that_
     client.set(keys.PROGRESS_KEY, progress(1, process="p2"))  # a new group, in place
     agent.sync()
     assert source.read()["status"].get("inPlaceFallback") is None
+
+
+def test_a_bucket_behind_is_relayed_and_cleared_once_it_caught_up(tmp_path, store_pair):
+    server, client = store_pair
+    write_job(tmp_path)
+    source = agent_mod.FileJobSource(tmp_path)
+    agent = agent_mod.Agent(source, server)
+    behind = "2 save(s) not yet COMPLETE in the bucket (oldest step-2): EndpointConnectionError: Could not connect"
+    report = keys.ProgressReport.model_validate_json(progress(5))
+    client.set(keys.PROGRESS_KEY, report.model_copy(update={"checkpoint_upload": behind}).model_dump_json())
+    agent.sync()
+    assert source.read()["status"]["checkpointUpload"] == behind
+    client.set(keys.PROGRESS_KEY, progress(6))
+    agent.sync()
+    assert source.read()["status"].get("checkpointUpload") is None
 
 
 def test_the_step_a_group_resumed_from_is_relayed_and_cleared_by_a_fresh_group(tmp_path, store_pair):

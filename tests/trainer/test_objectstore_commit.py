@@ -29,6 +29,7 @@ from disttrain.trainer.checkpoint import commit
 from disttrain.trainer.checkpoint.fence import FencedError
 from disttrain.trainer.checkpoint.manager import CheckpointManager, ModelOptimState
 from disttrain.trainer.checkpoint.objectstore import Location, ObjectStoreCommitter, TransferOptions, parse_uri
+from disttrain.trainer.checkpoint.tiered import BucketTier, Publisher, RecordingStore
 from disttrain.trainer.checkpoint.uploads import RetryPolicy, Uploader
 
 pytestmark = pytest.mark.timeout(180)
@@ -211,8 +212,8 @@ def test_retention_deletes_only_behind_a_newer_trusted_checkpoint_and_spares_a_n
     "uri, problem",
     [
         ("s3:/bucket", "is not an s3://BUCKET/PREFIX URI"),
-        ("gs://bucket/x", "is not an s3://BUCKET/PREFIX URI"),
-        ("s3://Bucket/x", "is not an s3://BUCKET/PREFIX URI"),
+        ("gs://bucket/x", "the scheme gs:// is not supported"),
+        ("s3://Bucket/x", "the bucket 'Bucket' is not an S3 bucket name"),
         ("s3://bucket/a//b", "empty, '.' or '..' segment"),
         ("s3://bucket/a/../b", "empty, '.' or '..' segment"),
     ],
@@ -287,3 +288,71 @@ def test_an_unreachable_bucket_delays_the_upload_never_the_caller_and_it_complet
     uploader.close()
     c.publish(manifest.model_copy(update={"files": upload.result, "fence_round": agreed}))
     assert c.find_latest().manifest.step == 4
+
+
+def test_the_publisher_completes_a_save_only_once_every_rank_recorded_uploads_matching_its_manifest(
+    s3_bucket, local, tmp_path
+):
+    """Two ranks on two nodes each upload their part (tiered.RecordingStore); rank 0's Publisher writes COMPLETE.json
+    only once both records are in and they match the manifest; a record that does not match never completes."""
+    manifest = commit.validate(local / "step-4").manifest
+    assert manifest is not None
+    names = sorted(manifest.files)
+    parts = [{n: manifest.files[n] for n in names[:1]}, {n: manifest.files[n] for n in names[1:]}]
+    c = committer(s3_bucket)
+    agreed = c.claim_round()
+    published: list = []
+    publisher = Publisher(c, 2, keep=3, on_published=published.append, retry=RetryPolicy(initial_s=0.2, max_s=0.5))
+    publisher.submit(manifest.model_copy(update={"fence_round": agreed}))
+    RecordingStore(c, 0).upload_files(local / "step-4", 4, parts[0], agreed)
+    assert c.find_latest() is None  # rank 1's part is not recorded: no COMPLETE, however long one waits
+    RecordingStore(committer(s3_bucket), 1).upload_files(local / "step-4", 4, parts[1], agreed)
+    assert publisher.wait_idle(60), publisher.last_error
+    found = c.find_latest()
+    assert found is not None and found.manifest.step == 4 and [m.step for m in published] == [4]
+    assert all(d.etag for d in found.manifest.files.values())
+
+    manifest6 = commit.validate(local / "step-6").manifest
+    assert manifest6 is not None
+    wrong = {n: d.model_copy(update={"digest": "crc32:00000000"}) for n, d in manifest6.files.items()}
+    publisher.submit(manifest6.model_copy(update={"files": wrong, "fence_round": agreed}))
+    RecordingStore(c, 0).upload_files(local / "step-6", 6, dict(manifest6.files), agreed)
+    RecordingStore(c, 1).upload_files(local / "step-6", 6, {}, agreed)  # a rank that wrote no file records too
+    deadline = time.monotonic() + 60
+    while "do not match" not in publisher.last_error and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "upload records do not match its manifest" in publisher.last_error
+    assert c.find_latest().manifest.step == 4
+    publisher.close()
+
+
+def test_the_backlog_names_the_saves_waiting_for_the_bucket_and_why_until_it_is_back(
+    s3_server, s3_bucket, local, tmp_path
+):
+    """What rank 0 reports as status.checkpointUpload while the gateway is stopped, and nothing once it caught up."""
+    shutil.copytree(local, tmp_path / "tier")
+    c = committer(s3_bucket)
+    agreed = c.claim_round()
+    tier = BucketTier(
+        c, tmp_path / "tier", 0, keep=3, on_published=lambda m: None, retry=RetryPolicy(initial_s=0.2, max_s=0.5)
+    )
+    tier.join_group(["this-node"], 1)
+    assert tier.backlog() is None
+    s3_server.stop_gateway()
+    try:
+        for step in (2, 4):
+            manifest = commit.validate(tmp_path / "tier" / f"step-{step}").manifest
+            assert manifest is not None
+            tier.after_local_commit(manifest.model_copy(update={"fence_round": agreed}), dict(manifest.files), 1)
+        deadline = time.monotonic() + 60
+        while "Could not connect" not in (tier.backlog() or "") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        backlog = tier.backlog() or ""
+        assert (
+            backlog.startswith("2 save(s) not yet COMPLETE in the bucket (oldest step-2): ") and "Could not" in backlog
+        )
+    finally:
+        s3_server.start_gateway()
+    assert tier.flush(60)
+    assert tier.backlog() is None and c.find_latest().manifest.step == 4
+    tier.close()

@@ -489,6 +489,7 @@ class Agent:
                 rendezvousRound=self._rounds,
                 roundStartTime=self._round_start,
                 inPlaceFallback=report.in_place_fallback,  # None removes a previous group's reason
+                checkpointUpload=report.checkpoint_upload,  # None once the bucket caught up
                 resumedFromStep=report.resumed_from_step,
                 resumedFromJobUid=report.resumed_from_job_uid,
                 resumedFromMemory=report.resumed_from_memory,
@@ -511,7 +512,7 @@ class Agent:
         if manifest is not None and not keys.is_valid_time(manifest.created_at):
             raise ValueError(f"checkpoint step {manifest.step} has createdAt={manifest.created_at[:64]!r}, no time")
         if manifest is not None:
-            path = f"{_checkpoint_dir(job)}/{step_dir_name(manifest.step)}"
+            path = _checkpoint_location(job, manifest)
             wanted["lastCheckpoint"] = {
                 "step": manifest.step,
                 "samples": manifest.samples_consumed,
@@ -621,6 +622,15 @@ def retry_delay(poll_seconds: float, failures: int, cap_s: float = MAX_RETRY_S) 
     """Seconds before the next round after ``failures`` failed ones in a row: doubling from the poll period up to
     ``cap_s``, jittered, so that the agents of many jobs do not hammer a struggling API server in step."""
     return min(cap_s, poll_seconds * 2.0 ** min(failures - 1, 16)) * random.uniform(0.5, 1.0)
+
+
+def _checkpoint_location(job: agentview.AgentJob, manifest: CheckpointManifest) -> str:
+    """Where a committed checkpoint is: its prefix in the bucket of ``checkpoint.uri`` (where the trainer reports
+    only what the bucket completed), else its directory on the volume as the worker pods see it."""
+    uri = job.spec.checkpoint.uri
+    if uri:
+        return f"{uri.rstrip('/')}/{step_dir_name(manifest.step)}/r{manifest.fence_round or 0}"
+    return f"{_checkpoint_dir(job)}/{step_dir_name(manifest.step)}"
 
 
 def _checkpoint_dir(job: agentview.AgentJob) -> str:

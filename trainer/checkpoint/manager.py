@@ -25,8 +25,10 @@ process with a retryable error rather than training on without a recoverable sta
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import errno
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -38,10 +40,13 @@ import torch.distributed.checkpoint as dcp
 
 from disttrain.api.manifest import CheckpointManifest, FileDigest
 from disttrain.api.spec import CheckpointSpec
-from disttrain.trainer.checkpoint import commit, storage
+from disttrain.trainer.checkpoint import commit, storage, tiered
 from disttrain.trainer.checkpoint.committer import CheckpointPhase, Committer, PhaseHook
+from disttrain.trainer.checkpoint.objectstore import Published
 from disttrain.trainer.checkpoint.saving import InFlightSave, ShardWriter
 from disttrain.trainer.checkpoint.state import ModelOptimState, SchedulerState, TrainerState
+from disttrain.trainer.checkpoint.tiered import BucketTier
+from disttrain.trainer.checkpoint.uploads import RetryPolicy
 from disttrain.trainer.metrics import TrainerMetrics
 
 __all__ = [
@@ -79,6 +84,10 @@ class ManagerOptions:
     """The job's uid, kept in the fence (:mod:`disttrain.trainer.checkpoint.fence`)."""
     node: str = ""
     """This worker's node (pod) name, kept in the fence."""
+    upload_retry: Optional[RetryPolicy] = None
+    """With ``spec.uri``: the backoff of uploads and of the publication while the bucket fails."""
+    upload_flush_timeout_s: float = 300.0
+    """With ``spec.uri``: how long :meth:`CheckpointManager.close` waits for uploads in flight and their COMPLETE."""
 
 
 class CheckpointManager:
@@ -127,7 +136,25 @@ class CheckpointManager:
         self.blocked_s = 0.0  # total seconds training waited for saves (sync saves, async kick-off and staging)
         self.last_save_blocking_s: Optional[float] = None  # the newest save's blocking part (intervalSteps: auto)
         self.agreed_interval: Optional[int] = None  # intervalSteps: auto, rank 0's interval as the group agreed it
-        if rank == 0:
+        self.tier: Optional[BucketTier] = None
+        """With ``spec.uri``: the bucket, reached through the local tier at ``root``
+        (:mod:`disttrain.trainer.checkpoint.tiered`)."""
+        self.bucket_round: Optional[int] = None
+        self._published: list[CheckpointManifest] = []
+        self._published_lock = threading.Lock()
+        self._resume_from: Optional[Published] = None
+        self._tier_closed = False
+        if spec.uri is not None:
+            store = tiered.bucket_committer(spec, options.job_uid, options.node)
+            self.tier = BucketTier(
+                store,
+                self.root,
+                rank,
+                keep=spec.keep,
+                on_published=self._on_published,
+                retry=options.upload_retry,
+            )
+        if rank == 0 or self.tier is not None:
             self.root.mkdir(parents=True, exist_ok=True)
 
     # ---- when ---------------------------------------------------------------------------------------------
@@ -233,6 +260,9 @@ class CheckpointManager:
         if errors:
             self._failed(step, tmp, "; ".join(sorted(set(errors))))
             return
+        if self.tier is not None:
+            self._commit_to_tier(step, tmp, manifest, gathered, digests)
+            return
         committed, problem = True, ""
         if self.rank == 0:
             try:
@@ -254,15 +284,91 @@ class CheckpointManager:
         if self.metrics is not None:
             self.metrics.last_complete_step.set(step)
 
+    def _commit_to_tier(
+        self,
+        step: int,
+        tmp: Path,
+        manifest: CheckpointManifest,
+        gathered: list[Any],
+        mine: dict[str, FileDigest],
+    ) -> None:
+        """With a bucket: each tier's leader commits the save on its local tier (COMPLETE.json, the rename to
+        ``step-N``), every rank then starts uploading its own files, and rank 0 its publication in the bucket."""
+        assert self.tier is not None
+        files = {}
+        for g in gathered:
+            files.update({k: FileDigest(**v) for k, v in g["digests"].items()})
+        final = manifest.model_copy(
+            update={
+                "files": files,
+                "metadata_sha256": files[commit.METADATA_FILE].digest.split(":", 1)[1],
+                "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                "job_uid": self.options.job_uid or None,
+                "fence_round": self.bucket_round,
+            }
+        )
+        problem = ""
+        if self.tier.is_leader:
+            try:
+                if self.rank == 0:
+                    self._phase(CheckpointPhase.BEFORE_MANIFEST, step)
+                commit.write_manifest(tmp, final)
+                if self.rank == 0:
+                    self._phase(CheckpointPhase.BEFORE_PUBLISH, step)
+                commit.publish(self.root, tmp, step)
+            except Exception as exc:  # noqa: BLE001
+                log.error("checkpoint step-%d could not be committed on the local tier: %s", step, exc)
+                problem = f"rank {self.rank}: {self.committer.describe(step, exc)}"
+        problems: list[Any] = [None] * self.world_size
+        dist.all_gather_object(problems, problem, group=self.group)
+        if any(problems):
+            self._failed(step, tmp, "; ".join(p for p in problems if p))
+            return
+        if self.rank == 0:
+            self._phase(CheckpointPhase.PUBLISHED, step)
+            log.info("checkpoint step-%d committed on the local tier; uploading to the bucket", step)
+        self.tier.after_local_commit(final, mine, self._round())
+        self.consecutive_failures = 0
+        self.last_committed_step = step
+        if self.metrics is not None:
+            self.metrics.checkpoint_uploads_pending.set(self.tier.uploads_pending())
+
+    def _on_published(self, manifest: CheckpointManifest) -> None:
+        """Rank 0's publisher thread: a save is COMPLETE in the bucket (reported from the training thread, at the
+        next :meth:`report_published`: the control channel is the training thread's)."""
+        if self.metrics is not None:
+            self.metrics.last_complete_step.set(manifest.step)
+        with self._published_lock:
+            self._published.append(manifest)
+
+    def upload_backlog(self) -> Optional[str]:
+        """With a bucket, on rank 0: the saves committed locally and not yet COMPLETE in the bucket, and why; None
+        while the bucket keeps up (one save in flight with no error is keeping up)."""
+        return self.tier.backlog() if self.tier is not None else None
+
+    def report_published(self) -> None:
+        """Hand what the bucket completed since the last call to ``on_commit`` (the job agent's lastCheckpoint)."""
+        if self.tier is None:
+            return
+        if self.metrics is not None:
+            self.metrics.checkpoint_uploads_pending.set(self.tier.uploads_pending())
+        with self._published_lock:
+            published, self._published = self._published, []
+        for manifest in published:
+            if self.options.on_commit is not None:
+                self.options.on_commit(manifest)
+
     def join_retention(self) -> None:
         self.committer.join_retention()
+        if self.tier is not None:
+            self.tier.join_retention()
 
     def _failed(self, step: int, tmp: Path, reason: str) -> None:
         self.consecutive_failures += 1
         if self.metrics is not None:
             self.metrics.checkpoint_failures.inc()
         log.error("checkpoint save at step %d FAILED (%d in a row): %s", step, self.consecutive_failures, reason)
-        if self.rank == 0:
+        if self.rank == 0 or (self.tier is not None and self.tier.is_leader):
             self.committer.remove(tmp)
         self.last_saved_step = None
         if self.consecutive_failures >= self.max_consecutive_failures:
@@ -277,6 +383,8 @@ class CheckpointManager:
     def find_latest(self) -> Optional[CheckpointManifest]:
         """Rank 0 validates (newest first, reasons logged) and broadcasts the choice."""
         self._round()  # this group takes the fence before it decides what to resume from
+        if self.tier is not None:
+            return self._find_latest_in_tiers()
         choice: list[Any] = [None]
         if self.rank == 0:
             found = self.committer.find_latest()
@@ -285,9 +393,62 @@ class CheckpointManager:
         dist.broadcast_object_list(choice, src=0, group=self.group)
         return CheckpointManifest.model_validate_json(choice[0]) if choice[0] else None
 
+    def _find_latest_in_tiers(self) -> Optional[CheckpointManifest]:
+        """With a bucket: the newest checkpoint every local tier holds complete when it is at least as new as the
+        bucket's newest trusted one, else the bucket's (fetched into the tiers by :meth:`load`)."""
+        assert self.tier is not None
+        local = self.tier.local_latest() if self.tier.is_leader else None
+        steps: list[Any] = [None] * self.world_size
+        dist.all_gather_object(steps, (self.tier.is_leader, local.step if local else None), group=self.group)
+        choice: list[Any] = [None]
+        if self.rank == 0:
+            local_steps = {step for leader, step in steps if leader}
+            found = self.tier.store.find_latest()
+            everywhere = local is not None and local_steps == {local.step}
+            if local is not None and everywhere and (found is None or local.step >= found.manifest.step):
+                log.info(
+                    "resuming from the local tier's step-%d (the bucket's newest: %s)",
+                    local.step,
+                    found.manifest.step if found else "none",
+                )
+                choice[0] = ("local", local.model_dump_json(), "")
+            elif found is not None:
+                location = self.tier.store.location
+                log.info("resuming from s3://%s/%s", location.bucket, location.key(found.key_prefix))
+                choice[0] = ("bucket", found.manifest.model_dump_json(), found.key_prefix)
+        dist.broadcast_object_list(choice, src=0, group=self.group)
+        if choice[0] is None:
+            return None
+        source, manifest_json, key_prefix = choice[0]
+        manifest = CheckpointManifest.model_validate_json(manifest_json)
+        self._resume_from = Published(manifest, key_prefix) if source == "bucket" else None
+        return manifest
+
+    def _fetch_into_tiers(self, published: Published) -> None:
+        """Every tier's leader downloads the bucket's checkpoint (verified byte for byte); collective."""
+        assert self.tier is not None
+        problem = ""
+        if self.tier.is_leader:
+            try:
+                self.tier.download(published)
+            except Exception as exc:  # noqa: BLE001
+                problem = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        problems: list[Any] = [None] * self.world_size
+        dist.all_gather_object(problems, problem, group=self.group)
+        if any(problems):
+            raise OSError(
+                f"checkpoint step-{published.manifest.step} could not be fetched from the bucket: "
+                + "; ".join(p for p in problems if p)
+            )
+
     def load(self, manifest: CheckpointManifest, state: dict[str, Any]) -> None:
         """Load the checkpoint rank 0 chose (collective). Every rank reads through links never and unpickles
         ``.metadata`` only once it matches the manifest's hash."""
+        if self._resume_from is not None and self._resume_from.manifest.step == manifest.step:
+            self._fetch_into_tiers(self._resume_from)
+            self._resume_from = None
+        if self.tier is not None and self.tier.publisher is not None:
+            self.tier.publisher.protected = {manifest.step}  # bucket retention never deletes what the run loaded
         path = self.committer.step_path(manifest.step)
         if commit.is_link(path):
             raise commit.LinkError(
@@ -312,9 +473,15 @@ class CheckpointManager:
         if self.fence_round is None:
             box: list[Any] = [None]
             if self.rank == 0:
-                box[0] = (self.committer.claim_round(), uuid.uuid4().hex[:8])
+                bucket_round = self.tier.store.claim_round() if self.tier is not None else None
+                box[0] = (self.committer.claim_round(), uuid.uuid4().hex[:8], bucket_round)
             dist.broadcast_object_list(box, src=0, group=self.group)
-            self.fence_round, self._session = box[0]
+            self.fence_round, self._session, self.bucket_round = box[0]
+            if self.tier is not None:
+                identities: list[Any] = [None] * self.world_size
+                dist.all_gather_object(identities, tiered.tier_identity(self.root), group=self.group)
+                self.tier.join_group(identities, self.world_size)
+                self.tier.store.round = self.bucket_round  # every rank uploads under the round rank 0 claimed
         return self.fence_round
 
     def _barrier(self) -> None:
@@ -351,6 +518,9 @@ class CheckpointManager:
         """The manager of the next group of this process (an in-place reform): the same policy and history (last
         save, what was loaded, failures in a row, the agreed automatic interval), a new rank, size and group, and
         a fence round of its own, claimed at its first collective."""
+        # The next group claims a round of its own: what this one did not publish yet is not its to publish, and an
+        # in-place reform does not wait for the bucket.
+        self.close_tier(flush=False)
         successor = CheckpointManager(self.root, self.spec, rank, world_size, group, self.options)
         for name in (
             "consecutive_failures",
@@ -369,5 +539,21 @@ class CheckpointManager:
     def close(self) -> None:
         if self.pending is not None:
             self.wait_pending()
+        self.close_tier()
         self.join_retention()
         self.writer.close()
+
+    def close_tier(self, flush: bool = True) -> None:
+        """With a bucket: let this rank's uploads and rank 0's publication finish (bounded; not with ``flush``
+        False), stop them, and report what the bucket completed. Once only."""
+        if self.tier is None or self._tier_closed:
+            return
+        self._tier_closed = True
+        if flush and not self.tier.flush(self.options.upload_flush_timeout_s):
+            log.error(
+                "checkpoint uploads did not finish within %.0f s: the saves not yet COMPLETE in the bucket stay "
+                "on the local tier only",
+                self.options.upload_flush_timeout_s,
+            )
+        self.tier.close()
+        self.report_published()

@@ -41,6 +41,7 @@ from typing import Any, Optional
 
 import pydantic
 
+from disttrain.api import storageuri
 from disttrain.api.manifest import MANIFEST_FILE, CheckpointManifest, FileDigest
 from disttrain.trainer.checkpoint import commit
 from disttrain.trainer.checkpoint.fence import FencedError
@@ -68,16 +69,12 @@ class Location:
 
 
 def parse_uri(uri: str) -> Location:
-    """``s3://bucket[/prefix]``; ValueError naming what is wrong otherwise."""
+    """``s3://bucket[/prefix]`` (:mod:`disttrain.api.storageuri`); ValueError naming what is wrong otherwise."""
+    problem = storageuri.uri_problem(uri)
     m = _URI.match(uri)
-    if m is None:
-        raise ValueError(
-            f"{uri!r} is not an s3://BUCKET/PREFIX URI (bucket: 3-63 lower-case letters, digits, '.', '-')"
-        )
-    prefix = (m.group("prefix") or "").strip("/")
-    if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
-        raise ValueError(f"{uri!r}: the prefix has an empty, '.' or '..' segment")
-    return Location(m.group("bucket"), prefix)
+    if problem or m is None:
+        raise ValueError(problem or f"{uri!r} is not an s3://BUCKET/PREFIX URI")
+    return Location(m.group("bucket"), (m.group("prefix") or "").strip("/"))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -40,6 +40,8 @@ class Upload:
     result: Optional[dict[str, FileDigest]] = None
     attempts: int = 0
     last_error: str = ""
+    dropped: bool = False
+    """Its local copy was removed before it was uploaded (a newer save superseded it): never uploaded."""
 
 
 class Uploader:
@@ -83,6 +85,11 @@ class Uploader:
                 return
             delay = self.retry.initial_s
             while not self._stop.is_set():
+                if not upload.local_dir.is_dir():
+                    log.warning("upload of checkpoint step-%d dropped: its local copy was removed", upload.step)
+                    upload.dropped = True
+                    self._finish(upload)
+                    break
                 upload.attempts += 1
                 try:
                     upload.result = self.store.upload_files(upload.local_dir, upload.step, upload.files, upload.round)
@@ -99,7 +106,10 @@ class Uploader:
                     delay = min(delay * 2, self.retry.max_s)
                     continue
                 upload.last_error = ""
-                upload.done.set()
-                with self._lock:
-                    self._pending.remove(upload)
+                self._finish(upload)
                 break
+
+    def _finish(self, upload: Upload) -> None:
+        upload.done.set()
+        with self._lock:
+            self._pending.remove(upload)

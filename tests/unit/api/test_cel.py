@@ -42,7 +42,24 @@ def _wire_objects() -> list[tuple[str, dict[str, Any]]]:
     # pydantic refuses these names before the rules run; the API server only has the CEL rules for them.
     long_name = dict(objects[0][1], metadata={"name": "a" * 50})
     not_dns = dict(objects[0][1], metadata={"name": "my.job"})
-    return [*objects, ("name-too-long-for-cel", long_name), ("name-not-dns-for-cel", not_dns)]
+    # Malformed checkpoint URIs, which pydantic refuses too: the CEL pattern must refuse each of them.
+    uris = []
+    for case_id, uri in URIS_FOR_CEL:
+        spec = dict(objects[0][1]["spec"], checkpoint={"uri": uri, "path": "/ckpt", "keep": 3})
+        uris.append((case_id, dict(objects[0][1], spec=spec)))
+    return [*objects, ("name-too-long-for-cel", long_name), ("name-not-dns-for-cel", not_dns), *uris]
+
+
+URIS_FOR_CEL = [
+    ("uri-gs-for-cel", "gs://bucket/jobs"),
+    ("uri-upper-case-bucket-for-cel", "s3://Bucket/jobs"),
+    ("uri-short-bucket-for-cel", "s3://ab/jobs"),
+    ("uri-empty-segment-for-cel", "s3://bucket/a//b"),
+    ("uri-dot-segment-for-cel", "s3://bucket/a/./b"),
+    ("uri-dot-dot-segment-for-cel", "s3://bucket/a/.."),
+    ("uri-valid-with-dots-for-cel", "s3://my.bucket/a/..b/.c/"),
+    ("uri-valid-bucket-only-for-cel", "s3://bucket"),
+]
 
 
 OBJECTS = _wire_objects()

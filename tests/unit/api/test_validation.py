@@ -138,7 +138,89 @@ MALFORMED = [
         "both-claim-and-volume",
         lambda b: b.set("spec.checkpoint.volumeName", "data"),
         "spec.checkpoint",
-        "exactly one of checkpoint.claimName and checkpoint.volumeName",
+        "exactly one of checkpoint.claimName, checkpoint.volumeName and checkpoint.uri",
+    ),
+    (
+        "both-claim-and-uri",
+        lambda b: b.set("spec.checkpoint.uri", "s3://bucket/jobs"),
+        "spec.checkpoint",
+        "exactly one of checkpoint.claimName, checkpoint.volumeName and checkpoint.uri",
+    ),
+    (
+        "uri-of-another-scheme",
+        lambda b: b.delete("spec.checkpoint.claimName").set("spec.checkpoint.uri", "gs://bucket/jobs"),
+        "spec.checkpoint.uri",
+        "the scheme gs:// is not supported; only s3://BUCKET/PREFIX",
+    ),
+    (
+        "uri-with-a-bad-bucket-name",
+        lambda b: b.delete("spec.checkpoint.claimName").set("spec.checkpoint.uri", "s3://My_Bucket/jobs"),
+        "spec.checkpoint.uri",
+        "the bucket 'My_Bucket' is not an S3 bucket name",
+    ),
+    (
+        "uri-with-a-dot-dot-segment",
+        lambda b: b.delete("spec.checkpoint.claimName").set("spec.checkpoint.uri", "s3://bucket/jobs/../x"),
+        "spec.checkpoint.uri",
+        "the prefix has an empty, '.' or '..' segment",
+    ),
+    (
+        "uri-without-scheme",
+        lambda b: b.delete("spec.checkpoint.claimName").set("spec.checkpoint.uri", "bucket/jobs"),
+        "spec.checkpoint.uri",
+        "is not an s3://BUCKET/PREFIX URI",
+    ),
+    (
+        "s3-options-without-uri",
+        lambda b: b.set("spec.checkpoint.s3", {"region": "eu-west-1"}),
+        "spec.checkpoint.s3",
+        "applies only to a checkpoint.uri",
+    ),
+    (
+        "local-tier-limit-without-uri",
+        lambda b: b.set("spec.checkpoint.localTierSizeLimit", "10Gi"),
+        "spec.checkpoint.localTierSizeLimit",
+        "applies only to a checkpoint.uri",
+    ),
+    (
+        "local-tier-limit-not-a-quantity",
+        lambda b: (
+            b.delete("spec.checkpoint.claimName")
+            .set("spec.checkpoint.uri", "s3://bucket/jobs")
+            .set("spec.checkpoint.localTierSizeLimit", "ten gigs")
+        ),
+        "spec.checkpoint.localTierSizeLimit",
+        "should match pattern",
+    ),
+    (
+        "s3-endpoint-not-a-url",
+        lambda b: (
+            b.delete("spec.checkpoint.claimName")
+            .set("spec.checkpoint.uri", "s3://bucket/jobs")
+            .set("spec.checkpoint.s3", {"endpoint": "minio:9000"})
+        ),
+        "spec.checkpoint.s3.endpoint",
+        "should match pattern",
+    ),
+    (
+        "s3-unknown-addressing-style",
+        lambda b: (
+            b.delete("spec.checkpoint.claimName")
+            .set("spec.checkpoint.uri", "s3://bucket/jobs")
+            .set("spec.checkpoint.s3", {"addressingStyle": "host"})
+        ),
+        "spec.checkpoint.s3.addressingStyle",
+        "'auto', 'path' or 'virtual'",
+    ),
+    (
+        "s3-credentials-secret-not-a-name",
+        lambda b: (
+            b.delete("spec.checkpoint.claimName")
+            .set("spec.checkpoint.uri", "s3://bucket/jobs")
+            .set("spec.checkpoint.s3", {"credentialsSecret": "My Secret"})
+        ),
+        "spec.checkpoint.s3.credentialsSecret",
+        "should match pattern",
     ),
     ("no-checkpoint-storage", lambda b: b.delete("spec.checkpoint.claimName"), "spec.checkpoint", "exactly one"),
     (
@@ -270,6 +352,19 @@ def test_malformed_manifest_is_refused_naming_the_field(build, path, text):
 
 def test_the_base_manifest_of_the_matrix_is_valid():
     assert validation.validate_object(JobBuilder().build()) == []
+
+
+def test_a_checkpoint_in_a_bucket_with_its_s3_options_is_valid():
+    s3 = {"endpoint": "http://rgw.storage:8080", "region": "us-east-1", "addressingStyle": "path"}
+    obj = (
+        JobBuilder()
+        .delete("spec.checkpoint.claimName")
+        .set("spec.checkpoint.uri", "s3://ckpt-bucket/teams/nlp/")
+        .set("spec.checkpoint.s3", {**s3, "credentialsSecret": "s3-creds"})
+        .set("spec.checkpoint.localTierSizeLimit", "200Gi")
+        .build()
+    )
+    assert validation.validate_object(obj) == []
 
 
 def fixed_batch_under_tensor_parallel() -> JobBuilder:

@@ -133,6 +133,48 @@ def test_local_runtime_can_override_endpoint_and_checkpoint_dir():
     assert "--rdzv-endpoint=127.0.0.1:5555" in pods.worker_command(pod)
 
 
+def bucket_job(s3: dict | None = None, limit: str | None = None, user_env: list | None = None) -> DistTrainJob:
+    manifest = job_manifest()
+    checkpoint = {"uri": "s3://ckpt-bucket/jobs", "path": "/local-tier", **({"s3": s3} if s3 else {})}
+    manifest["spec"]["checkpoint"] = {**checkpoint, **({"localTierSizeLimit": limit} if limit else {})}
+    manifest["spec"]["template"]["spec"]["containers"][0]["env"] = user_env or []
+    return DistTrainJob.model_validate(manifest)
+
+
+def test_a_bucket_gets_an_empty_dir_as_its_local_tier_and_the_secret_s_credentials():
+    s3 = {"endpoint": "http://rgw:8080", "addressingStyle": "path", "credentialsSecret": "s3-creds"}
+    user_env = [{"name": "AWS_ACCESS_KEY_ID", "value": "from-the-template"}, {"name": "USER_VAR", "value": "1"}]
+    job = bucket_job(s3, "50Gi", user_env)
+    pod = pods.build_worker_pod(job, 0)
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    assert {"name": "disttrain-checkpoints", "emptyDir": {"sizeLimit": "50Gi"}} in pod["spec"]["volumes"]
+    trainer = pod["spec"]["containers"][0]
+    assert {"name": "disttrain-checkpoints", "mountPath": "/local-tier"} in trainer["volumeMounts"]
+    by_name = {e["name"]: e for e in trainer["env"]}
+    assert by_name["AWS_ACCESS_KEY_ID"]["valueFrom"] == {
+        "secretKeyRef": {"name": "s3-creds", "key": "AWS_ACCESS_KEY_ID"}
+    }
+    assert by_name["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "s3-creds"
+    assert by_name["AWS_SESSION_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
+    assert [e["name"] for e in trainer["env"]].count("AWS_ACCESS_KEY_ID") == 1  # the template's value gave way
+    assert by_name["USER_VAR"]["value"] == "1"
+    contract = WorkerContract.from_env_value(pods.worker_env_dict(pod)[env.CONTRACT])
+    assert contract.checkpoint.uri == "s3://ckpt-bucket/jobs" and contract.checkpoint.s3 is not None
+    assert (contract.checkpoint.s3.endpoint, contract.checkpoint.s3.addressing_style.value) == (
+        "http://rgw:8080",
+        "path",
+    )
+    assert pods.worker_env_dict(pod)[env.CHECKPOINT_DIR] == "/local-tier/default/demo"
+
+
+def test_without_a_secret_a_bucket_job_s_pod_has_no_credentials_but_its_own():
+    user_env = [{"name": "AWS_ROLE_ARN", "value": "arn:aws:iam::1:role/train"}]
+    pod = pods.build_worker_pod(bucket_job({"region": "eu-west-1"}, user_env=user_env), 0)
+    names = [e["name"] for e in pod["spec"]["containers"][0]["env"]]
+    assert "AWS_ROLE_ARN" in names and not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} & set(names)
+    assert {"name": "disttrain-checkpoints", "emptyDir": {}} in pod["spec"]["volumes"]
+
+
 def test_checkpoint_claim_is_mounted_and_a_template_volume_can_be_used_instead():
     pod = pods.build_worker_pod(make_job(), 0)
     assert {"name": "disttrain-checkpoints", "persistentVolumeClaim": {"claimName": "ckpt"}} in pod["spec"]["volumes"]
