@@ -37,6 +37,10 @@ class Summary:
     lost_steps: int
     last_checkpoint_step: Optional[int]
     world_size: int
+    goodput_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """``status.goodput.seconds``: the causes with any seconds, in the order of ``api/goodput.py`` ``Cause``."""
+    goodput_ratio: Optional[float] = None
+    """``status.goodput.ratio``: training seconds / wall seconds."""
 
     @property
     def succeeded(self) -> bool:
@@ -46,6 +50,7 @@ class Summary:
         out = dataclasses.asdict(self)
         out["reforms"] = [dataclasses.asdict(r) for r in self.reforms]
         out["restarts_by_reason"] = dict(self.restarts_by_reason)
+        out["goodput_seconds"] = dict(self.goodput_seconds)
         return out
 
 
@@ -98,6 +103,7 @@ class Recorder:
                 )
             )
         ckpt = status.get("lastCheckpoint") or {}
+        goodput = status.get("goodput") or {}
         return Summary(
             job=self.job,
             phase=str(status.get("phase", "Pending")),
@@ -110,4 +116,6 @@ class Recorder:
             lost_steps=sum(r[2] for r in resumes),
             last_checkpoint_step=ckpt.get("step"),
             world_size=int(status.get("worldSize", 0) or 0),
+            goodput_seconds={cause: float(s) for cause, s in (goodput.get("seconds") or {}).items() if s},
+            goodput_ratio=goodput.get("ratio"),
         )
