@@ -211,7 +211,17 @@ def _ms(t: float) -> float:
 
 
 def account(previous: Optional[GoodputStatus], facts: Facts) -> GoodputStatus:
-    """``previous`` advanced by what ``facts`` settle (a fresh account from ``facts.created`` when None)."""
+    """``previous`` advanced by what ``facts`` settle; when None, a fresh account from ``facts.created``, or from
+    ``facts.now`` for a job that trained before it had an account (its past causes are unknown)."""
+    if previous is None and (facts.round > 0 or facts.reform.count > 0):
+        previous = GoodputStatus(
+            since=_ms(facts.now),
+            step=facts.step,
+            highest_step=facts.step,
+            reforms=facts.reform.count,
+            round=facts.round,
+            checkpoint_blocked_seconds=facts.checkpoint_blocked_seconds or 0.0,
+        )
     previous = previous or GoodputStatus()
     since = previous.since if previous.since is not None else _ms(min(facts.created, facts.now))
     until = previous.accounted_until if previous.accounted_until is not None else since

@@ -132,6 +132,7 @@ def test_a_reform_without_startup_stamps_is_one_reform_span():
 
 def test_seconds_blocked_on_checkpoints_come_out_of_training():
     final = run(
+        facts(0.0, training=False),
         facts(2.0, step=1, last_progress=2.0, round=1, round_start=2.0, checkpoint_blocked_seconds=0.0),
         facts(12.0, step=11, last_progress=12.0, round=1, round_start=2.0, checkpoint_blocked_seconds=1.5),
         facts(22.0, step=21, last_progress=22.0, round=1, round_start=2.0, checkpoint_blocked_seconds=2.0),
@@ -141,6 +142,7 @@ def test_seconds_blocked_on_checkpoints_come_out_of_training():
 
 def test_suspended_after_the_start_then_finished():
     history = run(
+        facts(0.0, training=False),
         facts(2.0, step=1, last_progress=2.0, round=1, round_start=2.0),
         facts(10.5, step=9, last_progress=10.0, round=1, round_start=2.0),
         facts(20.0, step=9, last_progress=10.0, round=1, suspended=True, training=False),
@@ -163,10 +165,19 @@ def test_the_account_starts_at_the_creation_and_never_passes_now():
     assert early.accounted_until == 4.0
 
 
+def test_a_job_that_trained_before_it_had_an_account_is_accounted_from_then():
+    """Its past (reforms, steps) is not charged to any cause: the account starts at the first one written."""
+    reform = Reform(count=3, start=50.0, duration_seconds=5.0)
+    first = account(None, facts(100.0, step=40, last_progress=99.0, round=4, round_start=60.0, reform=reform))
+    assert first.since == first.accounted_until == 100.0 and first.wall_seconds == 0
+    later = account(first, facts(111.0, step=50, last_progress=110.0, round=4, round_start=60.0, reform=reform))
+    assert seconds(later) == {"training": 10.0} and later.ratio == 1.0
+
+
 def _random_facts(rng: random.Random, count: int) -> list[Facts]:
     """A job wandering through every state: queued, starting, training, reforms (some stalled, some without
     stamps), suspensions, and an end; clocks of rank 0 a little off the operator's."""
-    out: list[Facts] = []
+    out: list[Facts] = [facts(0.0, started=None, training=False)]
     now, step, highest, rnd, reforms, started = 0.0, 0, 0, 0, 0, None
     progress: Optional[float] = None
     round_start: Optional[float] = None
