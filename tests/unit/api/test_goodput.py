@@ -286,3 +286,10 @@ def test_a_restarted_operator_neither_loses_nor_double_counts(seed):
     sparse = run(*kept)[-1]
     assert sparse.wall_seconds == pytest.approx(continuous.wall_seconds)
     assert_partition(sparse)
+
+
+def test_the_stall_reason_is_the_reconcile_cores():
+    from disttrain.api.conditions import Reason
+    from disttrain.api.goodput import STALL_REASON
+
+    assert Reason.STEP_STALLED.value == STALL_REASON
