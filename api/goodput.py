@@ -230,14 +230,20 @@ def account(previous: Optional[GoodputStatus], facts: Facts) -> GoodputStatus:
     if facts.finished_at is not None:
         _settle_progress(ledger, state, facts)
         ledger.add(Cause.FINISHING, min(facts.finished_at, facts.now))
-    elif facts.suspended:
-        ledger.add(Cause.QUEUED if facts.started is None else Cause.SUSPENDED, facts.now)
-    elif facts.reforming:
-        pass  # settled with the reform's phases once it completed
-    elif facts.training:
+        return _closed(state, ledger, since)
+    if facts.training:
         _settle_progress(ledger, state, facts)
-    else:
+        return _closed(state, ledger, since)
+    _settle_last_steps(ledger, state, facts)
+    if facts.suspended:
+        ledger.add(Cause.QUEUED if facts.started is None else Cause.SUSPENDED, facts.now)
+    elif not facts.reforming:  # a reform's seconds are settled with its phases once it completed
         ledger.add(Cause.QUEUED if facts.started is None else Cause.STARTUP, facts.now)
+    return _closed(state, ledger, since)
+
+
+def _closed(state: GoodputStatus, ledger: _Ledger, since: float) -> GoodputStatus:
+    """``state`` with the ledger's seconds, wall time and ratio."""
     seconds = GoodputSeconds.model_validate({c.value: round(v, 3) for c, v in ledger.seconds.items()})
     wall = round(ledger.until - since, 3)
     state.since = since
@@ -248,15 +254,23 @@ def account(previous: Optional[GoodputStatus], facts: Facts) -> GoodputStatus:
     return state
 
 
+def _settle_last_steps(ledger: _Ledger, state: GoodputStatus, facts: Facts) -> None:
+    """The steps the group that ran last reported before it stopped (a reform, a suspension, a loss), settled
+    before what follows."""
+    if facts.round == state.round and facts.last_progress is not None and facts.started is not None:
+        _settle_steps(ledger, state, facts, min(facts.last_progress, facts.now))
+
+
 def _settle_progress(ledger: _Ledger, state: GoodputStatus, facts: Facts) -> None:
     """Up to the newest progress report: a reform completed since, a new group's start, then the steps."""
     end = facts.last_progress
-    if end is None or end <= ledger.until:
+    if end is None:
         return
     end = min(end, facts.now)
     reform = facts.reform
     new_round = facts.round > state.round
-    if reform.count > state.reforms and reform.duration_seconds is not None and reform.start is not None:
+    completed = reform.duration_seconds is not None and reform.start is not None
+    if reform.count > state.reforms and completed and end > ledger.until:
         _settle_reform(ledger, reform, end)
         state.reforms = reform.count
     elif new_round and facts.round_start is not None:

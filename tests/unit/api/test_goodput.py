@@ -89,7 +89,15 @@ def test_a_reform_goes_to_its_phases_and_the_steps_run_again_are_redone():
     after = {"round": 2, "round_start": 37.0, "resumed_from_step": 10, "reform": _reform("NodeNotReady")}
     history = run(
         *_training_until_loss(),
-        facts(32.5, step=20, last_progress=30.0, reforming=True, training=False, reform=Reform(count=1, start=31.0)),
+        facts(
+            32.5,
+            step=20,
+            last_progress=30.0,
+            round=1,
+            reforming=True,
+            training=False,
+            reform=Reform(count=1, start=31.0),
+        ),
         facts(38.0, step=11, last_progress=37.0, **after),
         facts(52.0, step=25, last_progress=51.0, **after),
     )
@@ -114,6 +122,19 @@ def test_a_reform_goes_to_its_phases_and_the_steps_run_again_are_redone():
         "firstStep": 1.0,
     }
     assert final.highest_step == 25 and final.reforms == 1
+
+
+def test_steps_not_yet_written_when_a_reform_starts_stay_training():
+    """The account is written only now and then: a reform that starts after steps it has not written settles those
+    steps first, so they are not taken for the step in flight."""
+    written = run(*_training_until_loss()[:2])[-1]  # the account as last written: step 1 at 2 s
+    reform = Reform(count=1, start=31.0)
+    stopped = facts(32.5, step=20, last_progress=30.0, round=1, reforming=True, training=False, reform=reform)
+    during = account(written, stopped)
+    assert seconds(during) == {"startup": 2.0, "training": 28.0}
+    after = {"round": 2, "round_start": 37.0, "resumed_from_step": 20, "reform": _reform("NodeNotReady")}
+    final = account(during, facts(38.0, step=21, last_progress=37.0, **after))
+    assert seconds(final)["redone"] == 1.0 and seconds(final)["training"] == 28.0
 
 
 def test_a_stalled_step_is_the_wait_before_the_eviction():
