@@ -91,6 +91,9 @@ class Reason(str, enum.Enum):
     """Failed: ranks called different collectives (``spec.debug.distributed: DETAIL`` caught it); the message names
     the ranks and the operations. A program bug: no restart."""
     RESTART_BUDGET_EXHAUSTED = "RestartBudgetExhausted"
+    INFRASTRUCTURE_LOSSES_EXCEEDED = "InfrastructureLossesExceeded"
+    """Failed: more infrastructure losses within an hour than restartPolicy.maxInfrastructureLossesPerHour (a
+    flapping cluster); the message names the last one."""
     DEADLINE_EXCEEDED = "DeadlineExceeded"
     INVALID_SPEC = "InvalidSpec"
     POD_REJECTED = "PodRejected"

@@ -167,7 +167,8 @@ class ReliabilityReport(BaseModel):
     suspended_seconds: float = Field(0.0, ge=0.0, le=MAX_TIME, allow_inf_nan=False)
     """Seconds spent suspended since then (no failure can happen while suspended)."""
     failures: int = Field(0, ge=0, le=MAX_COUNT)
-    """status.restarts.total: failures restarted so far."""
+    """status.restarts.total plus the infrastructure losses that redo steps (node losses, evictions; not a
+    departure or the agent's loss): failures so far."""
 
     def age_seconds(self, now: float) -> float:
         """Running time of the job at Unix time ``now``."""

@@ -242,7 +242,18 @@ PRINTER_COLUMNS: tuple[dict[str, Any], ...] = (
         "jsonPath": ".status.lastCheckpoint.time",
         "description": "Age of the newest complete checkpoint",
     },
-    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts.total", "description": "Failures restarted"},
+    {
+        "name": "Restarts",
+        "type": "integer",
+        "jsonPath": ".status.restarts.total",
+        "description": "Failures of the job's own code restarted (counted against maxRestarts)",
+    },
+    {
+        "name": "Infra Losses",
+        "type": "integer",
+        "jsonPath": ".status.infrastructureLosses.total",
+        "description": "Losses of infrastructure the job survived (not counted against maxRestarts)",
+    },
     {
         "name": "Last Reform",
         "type": "string",

@@ -10,8 +10,9 @@ Inputs, and what stands in for them before they are measured:
 * ``C``: the blocking seconds of the newest save in this process; before the first save, one step
   (:data:`PRIOR_SAVE_STEPS` steps).
 * MTBF: running time of the job (since ``status.startTime``, suspensions excluded) divided by the failures the
-  operator counted (``status.restarts.total``); with no failure yet, :data:`PRIOR_MTBF_SECONDS` or the job's age,
-  whichever is longer (a job that ran a day without failing is trusted for a day).
+  operator counted (``status.restarts.total`` and the infrastructure losses that redo steps); with no failure yet,
+  :data:`PRIOR_MTBF_SECONDS` or the job's age, whichever is longer (a job that ran a day without failing is
+  trusted for a day).
 * the step time: measured by the trainer (save time excluded).
 
 The result is clamped to ``[MIN_STEPS, MAX_STEPS]`` and to at most :data:`MAX_SECONDS` of training.

@@ -345,9 +345,19 @@ class ExitCodeClasses(ContractModel):
     """Exit codes always retried within the restart budget. Codes in neither list are retried too."""
 
 
+MAX_INFRASTRUCTURE_LOSSES_PER_HOUR = 1_000
+"""The largest ``restartPolicy.maxInfrastructureLossesPerHour``: it bounds the loss times the status keeps."""
+
+
 class RestartPolicySpec(ContractModel):
     max_restarts: int = Field(10, ge=0, le=100_000)
-    """Restart budget: failures (not planned reforms) tolerated before the job fails."""
+    """Restart budget: failures of the job's own code (a worker's exit code, a crash loop, a stalled step) tolerated
+    before the job fails. Losses of infrastructure are not charged to it (maxInfrastructureLossesPerHour)."""
+    max_infrastructure_losses_per_hour: int = Field(20, ge=1, le=MAX_INFRASTRUCTURE_LOSSES_PER_HOUR)
+    """Guard against a flapping cluster: infrastructure losses the job survives within any hour (a node lost,
+    NotReady or silent, a pod evicted, preempted or deleted, a node departing, the job agent lost;
+    status.infrastructureLosses). Another within the hour fails the job (InfrastructureLossesExceeded). They are
+    never charged to maxRestarts."""
     backoff_seconds: float = Field(5.0, ge=0, le=3_600)
     """Delay before the first restart after a failure; doubles with each consecutive failure."""
     max_backoff_seconds: float = Field(300.0, ge=0, le=86_400)

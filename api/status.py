@@ -17,7 +17,7 @@ from disttrain.api.control import DirectiveAction
 from disttrain.api.goodput import GoodputStatus
 from disttrain.api.nameset import PackedNames
 from disttrain.api.reformphases import ReformPhases, WorkerStartup
-from disttrain.api.spec import ContractModel
+from disttrain.api.spec import MAX_INFRASTRUCTURE_LOSSES_PER_HOUR, ContractModel
 from disttrain.api.timestamps import Timestamp
 
 AGENT_FIELDS: Final = (
@@ -82,6 +82,21 @@ class RestartCounts(ContractModel):
     the budget spent fails the job and is not counted."""
     by_reason: dict[str, int] = Field(default_factory=dict)
     """Restarts by reason (NodeLost, PodFailed, Evicted, ...)."""
+
+
+class InfrastructureLossCounts(ContractModel):
+    """Losses of infrastructure the job survived, counted apart from the restart budget (docs/operator.md,
+    "Restart budget")."""
+
+    total: int = 0
+    """Infrastructure losses so far, one per incident, departing node or lost job agent (never charged to
+    restartPolicy.maxRestarts); one that exceeded restartPolicy.maxInfrastructureLossesPerHour failed the job and is
+    not counted."""
+    by_reason: dict[str, int] = Field(default_factory=dict)
+    """Losses by reason (NodeNotReady, HeartbeatLost, Evicted, PodDeleted, NodeDeparting, AgentRestarted, ...)."""
+    recent: list[Timestamp] = Field(default_factory=list, max_length=MAX_INFRASTRUCTURE_LOSSES_PER_HOUR)
+    """Operator memory: RFC 3339 times of the losses within the last hour, oldest first (the window that
+    restartPolicy.maxInfrastructureLossesPerHour bounds)."""
 
 
 class CheckpointRef(ContractModel):
@@ -181,7 +196,8 @@ class CheckpointIntervalStatus(ContractModel):
     step_seconds: float = Field(ge=0)
     """Seconds of one optimizer step."""
     mtbf_seconds: float = Field(ge=0)
-    """Mean time between failures: running time / status.restarts.total (a prior while there is none)."""
+    """Mean time between failures: running time / failures (status.restarts.total and the infrastructure losses
+    that redo steps; a prior while there is none)."""
     failures: int = Field(0, ge=0)
     """Failures the estimate counted."""
     time: Optional[str] = None
@@ -252,22 +268,27 @@ class StoreRejections(ContractModel):
 
 
 class Incident(ContractModel):
-    """One unplanned loss and the losses it brought with it, charged as one restart (docs/operator.md, "Restart
-    budget"). A dead node takes its peers' workers with it (NCCL's watchdog aborts them), and a crash at start fails
-    every node at once: each is one incident, not one restart per pod."""
+    """One unplanned loss and the losses it brought with it, charged once: one restart, or one infrastructure loss
+    (docs/operator.md, "Restart budget"). A dead node takes its peers' workers with it (NCCL's watchdog aborts them),
+    and a crash at start fails every node at once: each is one incident, not one charge per pod."""
 
     opened_at: Timestamp
     """RFC 3339 time of the loss that opened it."""
     reason: str
-    """Its cause, the ``status.restarts.byReason`` key it was charged to: PodFailed, NodeNotReady, HeartbeatLost,
+    """Its cause, the ``byReason`` key it was charged to (of ``status.restarts``, or of
+    ``status.infrastructureLosses`` when ``infrastructure``): PodFailed, NodeNotReady, HeartbeatLost,
     ..., or NodeLost when the first loss seen was an exit that a peer's loss explains (SIGABRT, the reform exit 84, an
     NCCL or collective-timeout message); AgentRestarted for an uncharged one (``charged``)."""
     first_pod: str
     """The pod whose loss opened it."""
+    infrastructure: bool = False
+    """Charged to ``status.infrastructureLosses``, not to the restart budget: its cause is a loss of infrastructure
+    (a node's, an eviction, a deletion). A failure of the user's code folded into it later moves it to the
+    restart budget."""
     charged: bool = True
-    """Whether it was charged a restart. False for worker pods that failed because the job agent was lost (a
+    """Whether it was charged at all. False for worker pods that failed because the job agent was lost (a
     torchrun caught inside a rendezvous join when its store vanished): they are replaced and the group re-formed as
-    for any loss, but the user's restart budget does not pay for the operator's own pod."""
+    for any loss; the agent's loss itself is counted once, as an infrastructure loss, when it is seen."""
     covers: PackedNames = Field(default_factory=set)
     """The worker pods that existed when it opened: a later loss of one of them is folded in. Pods the operator
     creates while it is open (the restart's replacements, even one that takes a covered pod's freed name) leave it,
@@ -313,7 +334,10 @@ class DistTrainJobStatus(ContractModel):
     round_start_time: Optional[Timestamp] = None
     """RFC 3339 time of the current round's first progress report (the new group's first completed step)."""
     restarts: RestartCounts = Field(default_factory=RestartCounts)
-    """Failures restarted, total and by reason."""
+    """Failures of the job's own code restarted, total and by reason."""
+    infrastructure_losses: InfrastructureLossCounts = Field(default_factory=InfrastructureLossCounts)
+    """Losses of infrastructure the job survived (not charged to the restart budget), total, by reason and the
+    last hour's."""
     reforms: int = 0
     """Times the group was reformed (planned and unplanned)."""
     stalls: int = 0

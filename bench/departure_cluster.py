@@ -7,7 +7,7 @@ trains; then one worker's node (never the agent's) announces its end:
 
 * ``drain``: ``kubectl drain`` of the node (cordon, then eviction); side by side with ``drain-old``, the same with
   ``spec.elastic.departure`` off (``onCordon: false``, no taints), which is the path before departures: the
-  eviction is a lost pod, charged as a restart;
+  eviction is a lost pod, an infrastructure loss with a reform (no restart is charged for it either);
 * ``scale-in``: the cluster autoscaler's ``ToBeDeletedByClusterAutoscaler`` taint.
 
 Printed per scenario: ``noticed_seconds`` (the announcement -> a directive in the job's status),

@@ -9,15 +9,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import pathlib
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from disttrain.api import constants, crd, metricsserver, validation
 
 if TYPE_CHECKING:
-    from disttrain.operator import access
+    from disttrain.operator import access, election, leaderlease
 
 
 def _non_negative_seconds(text: str) -> float:
@@ -156,10 +157,29 @@ def network_policy_settings(args: argparse.Namespace) -> access.NetworkPolicySet
     )
 
 
+def leader_election_options(args: argparse.Namespace) -> Optional[leaderlease.ElectionOptions]:
+    """The Lease the replicas elect their leader on (None: no election, this process acts alone)."""
+    from disttrain.operator.leaderlease import ElectionOptions, ElectionTiming  # pure: kubernetes not imported yet
+
+    if not args.leader_election_lease:
+        return None
+    namespace = args.leader_election_namespace or args.operator_namespace
+    if not namespace:
+        raise ValueError("--leader-election-lease needs --leader-election-namespace (or --operator-namespace)")
+    timing = ElectionTiming(
+        lease_s=args.leader_election_lease_seconds,
+        renew_deadline_s=args.leader_election_renew_deadline_seconds,
+        retry_s=args.leader_election_retry_seconds,
+    )
+    identity = args.leader_election_identity or socket.gethostname()
+    return ElectionOptions(namespace=namespace, name=args.leader_election_lease, identity=identity, timing=timing)
+
+
 def cmd_operator(args: argparse.Namespace) -> int:
     """Run the kopf operator (``kopf.run`` underneath) until SIGINT/SIGTERM."""
     try:
         network = network_policy_settings(args)
+        election_options = leader_election_options(args)
     except ValueError as error:
         print(f"disttrain operator: {error}", file=sys.stderr)
         return 2
@@ -171,15 +191,15 @@ def cmd_operator(args: argparse.Namespace) -> int:
     import kopf
     from kubernetes import client, config
 
-    from disttrain.operator import gcpolicy, handlers, pods
+    from disttrain.operator import election, gcpolicy, handlers, pods
     from disttrain.operator.metrics import OperatorMetrics
 
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
 
-    def api_client() -> client.ApiClient:
-        """The adapter's client: --kubeconfig, else in-cluster, else the default kubeconfig (as kopf logs in)."""
+    def kube_configuration() -> client.Configuration:
+        """--kubeconfig, else in-cluster, else the default kubeconfig (as kopf logs in)."""
         configuration = client.Configuration()
         if args.kubeconfig:
             config.load_kube_config(config_file=args.kubeconfig, client_configuration=configuration)  # type: ignore[no-untyped-call]
@@ -188,8 +208,20 @@ def cmd_operator(args: argparse.Namespace) -> int:
                 config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
             except config.ConfigException:
                 config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-        configuration.connection_pool_maxsize = handlers.API_CONCURRENCY  # one pooled connection per thread
-        return client.ApiClient(configuration)
+        return configuration
+
+    def api_client() -> client.ApiClient:
+        """The adapter's client, one pooled connection per thread; its writes are fenced under leader election."""
+        configuration = kube_configuration()
+        configuration.connection_pool_maxsize = handlers.API_CONCURRENCY
+        if elector is None:
+            return client.ApiClient(configuration)
+        return election.FencedApiClient(configuration, elector)
+
+    leader = election.leader_gauge()
+    elector: Optional[election.Elector] = None
+    if election_options is not None:
+        elector = election.Elector(client.ApiClient(kube_configuration()), election_options, leader)
 
     registry = kopf.get_default_registry()  # carries kopf's own login handlers (in-cluster, kubeconfig)
     handlers.register(
@@ -208,14 +240,29 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
     if args.metrics_port:
         metricsserver.serve(args.metrics_port, args.metrics_address)  # bounded: connections and timeouts
+    if elector is None:
+        leader.set(1)
+    else:  # a standby: nothing of kopf runs until this process holds the Lease
+        standby = election.StandbyHealth(args.liveness) if args.liveness else None
+        # The kubernetes client imports its API classes at first use, seconds on a busy node: import the adapter's
+        # now (a throwaway Kube, no thread started), not after the takeover.
+        handlers.Kube(client.ApiClient(kube_configuration()))
+        elector.acquire()
+        if standby is not None:
+            standby.close()
+        elector.keep()
     gcpolicy.start()
-    kopf.run(
-        registry=registry,
-        clusterwide=args.all_namespaces,
-        namespaces=args.namespace or (),
-        standalone=True,
-        liveness_endpoint=args.liveness or None,
-    )
+    try:
+        kopf.run(
+            registry=registry,
+            clusterwide=args.all_namespaces,
+            namespaces=args.namespace or (),
+            standalone=True,
+            liveness_endpoint=args.liveness or None,
+        )
+    finally:
+        if elector is not None:
+            elector.release()
     return 0
 
 
@@ -261,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
 
+    from disttrain.operator.leaderlease import ElectionTiming  # pure: no kubernetes import
+
+    defaults = ElectionTiming()
     p_operator = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
     scope = p_operator.add_mutually_exclusive_group(required=True)
     scope.add_argument(
@@ -340,6 +390,49 @@ def build_parser() -> argparse.ArgumentParser:
         default="{}",
         metavar="JSON",
         help="LabelSelector of this operator's pods in --operator-namespace (default %(default)s: every pod there)",
+    )
+    leading = p_operator.add_argument_group(
+        "leader election", "replicas elect one acting operator on a Lease; the others wait as standbys"
+    )
+    leading.add_argument(
+        "--leader-election-lease",
+        default="",
+        metavar="NAME",
+        help="the Lease's name (default: no election, this process acts alone)",
+    )
+    leading.add_argument(
+        "--leader-election-namespace",
+        default="",
+        metavar="NAMESPACE",
+        help="the Lease's namespace (default: --operator-namespace)",
+    )
+    leading.add_argument(
+        "--leader-election-identity",
+        default="",
+        metavar="ID",
+        help="this replica's name in the Lease (default: the host name, a pod's name)",
+    )
+    leading.add_argument(
+        "--leader-election-lease-seconds",
+        type=_non_negative_seconds,
+        default=defaults.lease_s,
+        metavar="SECONDS",
+        help="a standby takes the Lease this long after the last renewal it saw (default %(default)s)",
+    )
+    leading.add_argument(
+        "--leader-election-renew-deadline-seconds",
+        type=_non_negative_seconds,
+        default=defaults.renew_deadline_s,
+        metavar="SECONDS",
+        help="the leader stops acting (exits) this long after its last successful renewal; less than the lease "
+        "(default %(default)s)",
+    )
+    leading.add_argument(
+        "--leader-election-retry-seconds",
+        type=_non_negative_seconds,
+        default=defaults.retry_s,
+        metavar="SECONDS",
+        help="how often the leader renews and a standby looks (default %(default)s)",
     )
     p_operator.set_defaults(func=cmd_operator)
 

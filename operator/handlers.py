@@ -510,8 +510,15 @@ async def reconcile_once(writer: Writer, namespace: str, name: str) -> Optional[
     actions = reconcile(job, observed, now)
     answer = await apply(writer, job, actions, now)
     metrics.reconcile_duration.observe(time.perf_counter() - started)
+    policy = job.spec.restart_policy
     metrics.observe_job(
-        namespace, name, actions.status, now, max_restarts=job.spec.restart_policy.max_restarts, uid=job.metadata.uid
+        namespace,
+        name,
+        actions.status,
+        now,
+        max_restarts=policy.max_restarts,
+        max_infrastructure_losses_per_hour=policy.max_infrastructure_losses_per_hour,
+        uid=job.metadata.uid,
     )
     return Reconciled(actions, others_wrote=answer is not None and changed_by_others(raw, actions.status_patch, answer))
 

@@ -1,10 +1,13 @@
-"""One incident, one restart: how an unplanned loss is charged (``status.incident``), pure.
+"""One incident, one charge: how an unplanned loss is charged (``status.incident``), pure.
 
-The first unplanned loss opens an incident covering every worker pod that exists then and is charged one restart (a
+The first unplanned loss opens an incident covering every worker pod that exists then and is charged once (a
 Warning event, the counters, the backoff, a reform); a later loss of a covered pod is folded into it (replaced, not
-charged) until a group runs again; an incident that finds the restart budget spent fails the job uncharged. Planned
-exits (a drain's) are never charged, and neither are the failures the job agent's loss causes: those open an
-uncharged incident (``charged=False``), since the agent is the operator's pod, not the user's.
+charged) until a group runs again. A failure of the user's code is charged one restart (``restartPolicy.maxRestarts``);
+a loss of infrastructure (a node's, an eviction, a deletion) one infrastructure loss
+(:mod:`~disttrain.operator.infralosses`), and a failure of the user's code folded into such an incident moves it to
+the restart budget. An incident that finds its budget spent fails the job uncharged. Planned exits (a drain's) are
+never charged, and neither are the failures the job agent's loss causes: those open an uncharged incident
+(``charged=False``), since the agent's loss is counted once, as an infrastructure loss, when it is seen.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from disttrain.api.control import DirectiveAction
 from disttrain.api.exitcodes import ExitCode
 from disttrain.api.status import DistTrainJobStatus, Incident
 from disttrain.operator.draft import Draft, fail, issue
+from disttrain.operator.infralosses import charge_infrastructure_loss, is_infrastructure_cause, remove_loss
 from disttrain.operator.losses import (
     LOSS_REASONS,
     failure_cause,
@@ -39,8 +43,9 @@ def is_outside_the_group(d: Draft, name: str) -> bool:
 
 
 def count_lost_pod(d: Draft, pod: PodView, reason: Reason) -> None:
-    """First sight of a lost pod: a restart, unless it drained as asked or failed because the job agent was lost
-    (then an uncharged incident). A pod lost with the agent's node is a node loss like any other: charged."""
+    """First sight of a lost pod: charged (a restart, or an infrastructure loss), unless it drained as asked or
+    failed because the job agent was lost (then an uncharged incident). A pod lost with the agent's node is a node
+    loss like any other: an infrastructure loss."""
     st = d.status
     st.tracked_pods.discard(pod.name)
     if pod.phase == "Failed" and pod.exit_code == ExitCode.DRAINED:
@@ -72,6 +77,12 @@ def count_lost_pod(d: Draft, pod: PodView, reason: Reason) -> None:
     count_loss(d, pod.name, reason, detail, outside=outside, consequence=is_peer_loss_exit(pod))
 
 
+def is_users_failure(cause: Reason) -> bool:
+    """The loss is a failure of the user's code, charged to ``restartPolicy.maxRestarts``: an exit code of its own,
+    a stalled step."""
+    return cause.value in LOSS_REASONS and not is_infrastructure_cause(cause)
+
+
 def failed_with_the_agent(st: DistTrainJobStatus, pod: PodView) -> bool:
     """The pod existed when the job agent was lost and failed before the workers reported progress through its
     replacement (``status.agentLostAt`` is still set): a torchrun inside a rendezvous join exits when its store
@@ -83,9 +94,10 @@ def failed_with_the_agent(st: DistTrainJobStatus, pod: PodView) -> bool:
 
 
 def open_incident(d: Draft, first: str, cause: Reason, message: str, *, charged: bool = True) -> bool:
-    """A loss that no open incident explains: a new incident, charged one restart (counters, backoff). It covers
-    every worker pod that exists now. An incident that finds the budget spent fails the job instead, uncharged: the
-    budget counts restarts that happened. False when the job failed (or had succeeded) instead.
+    """A loss that no open incident explains: a new incident, charged once (counters, backoff): one restart for a
+    failure of the user's code, one infrastructure loss for the cluster's (:mod:`~disttrain.operator.infralosses`).
+    It covers every worker pod that exists now. An incident that finds its budget spent fails the job instead,
+    uncharged: the budget counts restarts that happened. False when the job failed (or had succeeded) instead.
 
     ``charged=False``: a loss the user does not pay for (the job agent's): no counter, no backoff, and no budget
     check, so it never fails the job; it still folds the losses that follow until a group runs again."""
@@ -101,6 +113,29 @@ def open_incident(d: Draft, first: str, cause: Reason, message: str, *, charged:
             charged=False,
         )
         return True
+    infrastructure = is_infrastructure_cause(cause)
+    if infrastructure:
+        if not charge_infrastructure_loss(d, cause, message):
+            return False
+    elif not charge_restart(d, cause, message):
+        return False
+    st.incident = Incident(
+        opened_at=d.now,
+        reason=cause.value,
+        first_pod=first,
+        covers={p.name for p in d.seen.workers},
+        infrastructure=infrastructure,
+    )
+    st.consecutive_failures += 1
+    delay = backoff_seconds(d.spec, st.consecutive_failures)
+    st.next_restart_time = d.now + delay if delay > 0 else None
+    return True
+
+
+def charge_restart(d: Draft, cause: Reason, message: str) -> bool:
+    """Count a restart against ``restartPolicy.maxRestarts``, or fail the job when the budget is spent. False when
+    it failed."""
+    st = d.status
     budget = d.spec.restart_policy.max_restarts
     if st.restarts.total >= budget:
         # The failure that spent the budget may be a retry's, which can fail otherwise than the user's code did
@@ -115,18 +150,9 @@ def open_incident(d: Draft, first: str, cause: Reason, message: str, *, charged:
             f"{message}{before}",
         )
         return False
-    st.incident = Incident(
-        opened_at=d.now,
-        reason=cause.value,
-        first_pod=first,
-        covers={p.name for p in d.seen.workers},
-    )
     st.restarts.total += 1
     st.restarts.by_reason[cause.value] = st.restarts.by_reason.get(cause.value, 0) + 1
     st.last_failure = message[:1024]
-    st.consecutive_failures += 1
-    delay = backoff_seconds(d.spec, st.consecutive_failures)
-    st.next_restart_time = d.now + delay if delay > 0 else None
     return True
 
 
@@ -153,6 +179,9 @@ def count_loss(
         return
     incident = st.incident
     if incident is not None and name in incident.covers:
+        users = incident.infrastructure and not consequence and is_users_failure(reason)
+        if users and not move_to_restarts(d, incident, reason, message):
+            return
         fold(d, incident, name, message, outside=outside)
         return
     cause = Reason.NODE_LOST if consequence else reason
@@ -167,6 +196,21 @@ def count_loss(
         return
     if st.world_size > 0 or st.control.in_flight:
         issue(d, DirectiveAction.REFORM, cause, st.desired_nodes or d.spec.nodes.replicas, exclude=st.control.exclude)
+
+
+def move_to_restarts(d: Draft, incident: Incident, cause: Reason, message: str) -> bool:
+    """A failure of the user's code among the losses of an incident charged as the cluster's: the first sign was
+    a consequence (survivors' collectives failed before the crashed pod's exit was seen), so the incident is the
+    user's. Its infrastructure loss is taken back and a restart charged instead, under ``cause`` (a crash loop
+    always meets maxRestarts). False when that found the restart budget spent and failed the job."""
+    st = d.status
+    remove_loss(st.infrastructure_losses, incident.reason, incident.opened_at)
+    if not charge_restart(d, cause, message):
+        return False
+    d.event(WARNING, loss_event_reason(cause), f"{message}: the {incident.reason} incident is charged as a restart")
+    incident.infrastructure = False
+    incident.reason = cause.value
+    return True
 
 
 def fold(d: Draft, incident: Incident, name: str, message: str, *, outside: bool) -> None:

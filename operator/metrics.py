@@ -22,6 +22,7 @@ from disttrain.api.conditions import Reason
 from disttrain.api.goodput import Cause
 from disttrain.api.reformphases import ReformPhase
 from disttrain.api.status import STORE_KEY_CLASSES, STORE_REJECT_REASONS, Phase
+from disttrain.operator.infralosses import INFRASTRUCTURE_CAUSES, WINDOW_SECONDS
 
 PHASES = [p.value for p in Phase]
 REFORM_PHASES = tuple(p.value for p in ReformPhase)
@@ -43,6 +44,8 @@ RESTART_REASONS = tuple(
     )
 )
 """Causes of an unplanned loss: the keys of status.restarts.byReason (the reconcile core's LOSS_REASONS)."""
+INFRASTRUCTURE_REASONS = tuple(sorted(r.value for r in INFRASTRUCTURE_CAUSES))
+"""Causes of an infrastructure loss: the keys of status.infrastructureLosses.byReason."""
 REFORM_REASONS = (*RESTART_REASONS, Reason.SCALED_DOWN.value, Reason.SCALED_UP.value, Reason.NODE_DEPARTING.value)
 """Reasons a reform starts with: every restart cause, the planned scale-down and scale-up, and a node's departure."""
 GOODPUT_CAUSES = tuple(c.value for c in Cause)
@@ -92,6 +95,26 @@ class OperatorMetrics:
             "disttrain_job_max_restarts",
             "The job's restart budget, spec.restartPolicy."
             "maxRestarts: once this many were counted, the next incident fails the job.",
+            job,
+            registry=registry,
+        )
+        self.infrastructure_losses = Counter(
+            "disttrain_job_infrastructure_losses",
+            "Losses of infrastructure the job survived (status.infrastructureLosses): nodes lost, pods evicted or "
+            "deleted, nodes departing, the job agent lost. Not counted against maxRestarts.",
+            [*job, "reason"],
+            registry=registry,
+        )
+        self.infrastructure_losses_last_hour = Gauge(
+            "disttrain_job_infrastructure_losses_last_hour",
+            "Infrastructure losses within the last hour (status.infrastructureLosses.recent), the count "
+            "spec.restartPolicy.maxInfrastructureLossesPerHour bounds.",
+            job,
+            registry=registry,
+        )
+        self.max_infrastructure_losses_per_hour = Gauge(
+            "disttrain_job_max_infrastructure_losses_per_hour",
+            "spec.restartPolicy.maxInfrastructureLossesPerHour: one more loss within an hour fails the job.",
             job,
             registry=registry,
         )
@@ -188,18 +211,19 @@ class OperatorMetrics:
         now: Optional[float] = None,
         *,
         max_restarts: Optional[int] = None,
+        max_infrastructure_losses_per_hour: Optional[int] = None,
         uid: Optional[str] = None,
     ) -> None:
-        """Update the job's series from its status (call after every reconcile); ``max_restarts`` is the spec's
-        restart budget, which the status does not carry. Nothing happens for a job (``uid``) being deleted."""
+        """Update the job's series from its status (call after every reconcile); ``max_restarts`` and
+        ``max_infrastructure_losses_per_hour`` are the spec's budgets, which the status does not carry. Nothing
+        happens for a job (``uid``) being deleted."""
         if uid and uid in self._deleted:
             return
         now = time.time() if now is None else now
         labels = (namespace, name)
         if labels not in self._seen:
             self._create_series_at_zero(labels)
-        if max_restarts is not None:
-            self.max_restarts.labels(*labels).set(max_restarts)
+        self._observe_budgets(labels, max_restarts, max_infrastructure_losses_per_hour)
         self.restarts_counted.labels(*labels).set((status.get("restarts") or {}).get("total", 0))
         self.world_size.labels(*labels).set(status.get("worldSize", 0))
         self.desired_nodes.labels(*labels).set(status.get("desiredNodes", 0))
@@ -220,6 +244,7 @@ class OperatorMetrics:
             self.restarts.labels(*labels, reason)  # the series exists from the first sight
             if delta > 0:
                 self.restarts.labels(*labels, reason).inc(delta)
+        self._observe_infrastructure_losses(labels, status, previous)
         agent_lost_at = status.get("agentLostAt")
         if previous is not None and agent_lost_at is not None and agent_lost_at != previous.get("agentLostAt"):
             self.agent_replacements.labels(*labels).inc()
@@ -247,11 +272,41 @@ class OperatorMetrics:
             "goodput": goodput,
             "storeRejections": _store_rejection_counts(status),
             "restarts": status.get("restarts"),
+            "infrastructureLosses": status.get("infrastructureLosses"),
             "reforms": status.get("reforms", 0),
             "stalls": stalls if isinstance(stalls, int) else 0,
             "lastReform": reform,
             "agentLostAt": agent_lost_at,
         }
+
+    def _observe_budgets(
+        self, labels: tuple[str, str], max_restarts: Optional[int], max_infrastructure_losses: Optional[int]
+    ) -> None:
+        """The spec's two budgets, when the caller knows them."""
+        if max_restarts is not None:
+            self.max_restarts.labels(*labels).set(max_restarts)
+        if max_infrastructure_losses is not None:
+            self.max_infrastructure_losses_per_hour.labels(*labels).set(max_infrastructure_losses)
+
+    def _observe_infrastructure_losses(
+        self, labels: tuple[str, str], status: Mapping[str, Any], previous: Optional[Mapping[str, Any]]
+    ) -> None:
+        """Advance the counter by what byReason grew (a loss taken back, an incident that turned out to be the
+        user's code, stays counted: a counter never goes down); the last-hour gauge counts the window's times when
+        scraped, so it falls as they age even while the job is not reconciled."""
+        counts = status.get("infrastructureLosses") or {}
+        by_reason = _by_label(counts.get("byReason") or {}, INFRASTRUCTURE_REASONS)
+        old = _by_label(
+            ((previous or {}).get("infrastructureLosses") or {}).get("byReason") or {}, INFRASTRUCTURE_REASONS
+        )
+        for reason, count in by_reason.items():
+            delta = count - old.get(reason, 0) if previous is not None else 0
+            if delta > 0:
+                self.infrastructure_losses.labels(*labels, reason).inc(delta)
+        times = [t for t in (_parse_time(v) for v in counts.get("recent") or ()) if t is not None]
+        self.infrastructure_losses_last_hour.labels(*labels).set_function(
+            lambda: sum(1 for t in times if time.time() - t < WINDOW_SECONDS)
+        )
 
     def _observe_store_rejections(
         self, labels: tuple[str, str], status: Mapping[str, Any], previous: Optional[Mapping[str, Any]]
@@ -295,6 +350,9 @@ class OperatorMetrics:
         self.reform_duration.labels(*labels)
         self.stalls.labels(*labels)
         self.agent_replacements.labels(*labels)
+        self.infrastructure_losses_last_hour.labels(*labels)
+        for reason in (*INFRASTRUCTURE_REASONS, OTHER_REASON):
+            self.infrastructure_losses.labels(*labels, reason)
         for phase in REFORM_PHASES:
             self.reform_phase.labels(labels[0], phase)
         for reason in (*RESTART_REASONS, OTHER_REASON):
@@ -326,16 +384,33 @@ class OperatorMetrics:
             self.agent_replacements,
             self.restarts_counted,
             self.max_restarts,
+            self.infrastructure_losses_last_hour,
+            self.max_infrastructure_losses_per_hour,
             self.goodput_ratio,
         ):
             try:
                 metric.remove(*labels)
             except KeyError:
                 pass
-        for family in (self.phase, self.restarts, self.reforms, self.store_rejections, self.goodput_seconds):
+        for family in (
+            self.phase,
+            self.restarts,
+            self.infrastructure_losses,
+            self.reforms,
+            self.store_rejections,
+            self.goodput_seconds,
+        ):
             for sample_labels in list(family._metrics):  # prometheus-client has no public lister
                 if sample_labels[:2] == labels:
                     family.remove(*sample_labels)
+
+
+def _parse_time(value: Any) -> Optional[float]:
+    """An RFC 3339 time of the status as Unix time; None for anything else (a status field never breaks /metrics)."""
+    try:
+        return cond.parse_time(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
 
 
 def _store_rejection_counts(status: Mapping[str, Any]) -> dict[tuple[str, str], int]:

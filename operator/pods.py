@@ -203,16 +203,17 @@ def build_worker_pod(
 
 
 def _avoid_nodes(pod_spec: dict[str, Any], nodes: Sequence[str]) -> None:
-    """Add ``metadata.name NotIn nodes`` to every required node-selector term of the template (terms are ORed, the
-    requirements of one term ANDed), or one term with only it: the template's own placement rules still hold."""
-    requirement = {"key": "metadata.name", "operator": "NotIn", "values": sorted(nodes)}
+    """Add ``metadata.name NotIn [node]`` for each node to every required node-selector term of the template (terms
+    are ORed, the requirements of one term ANDed), or one term with only them: the template's own placement rules
+    still hold. One requirement per node: the API server refuses a node field selector with more than one value."""
+    requirements = [{"key": "metadata.name", "operator": "NotIn", "values": [node]} for node in sorted(nodes)]
     affinity = pod_spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
     required = affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
     terms = required.setdefault("nodeSelectorTerms", [])
     if not terms:
         terms.append({})
     for term in terms:
-        term.setdefault("matchFields", []).append(requirement)
+        term.setdefault("matchFields", []).extend(dict(r, values=list(r["values"])) for r in requirements)
 
 
 def _mount_checkpoints(job: DistTrainJob, pod_spec: dict[str, Any], trainer: dict[str, Any]) -> None:

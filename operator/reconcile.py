@@ -17,8 +17,8 @@ The group protocol, in short:
   every survivor keeps its own. The pod is named ``<job>-worker-<index>``, or ``<job>-worker-<index>-<n>``
   while an older pod still holds that name, so a replacement never waits for a stuck pod to free its name.
 * Unplanned loss (pod deleted, Failed, evicted, node NotReady/unreachable/deleted/draining) -> directive
-  ``reform`` (survivors exit at once; torchrun re-rendezvouses), a counted restart with backoff, a
-  replacement; if the replacement is not Running within ``replacementWaitSeconds`` the rendezvous target
+  ``reform`` (survivors exit at once; torchrun re-rendezvouses), a charge (a restart, or an infrastructure loss)
+  with backoff, a replacement; if the replacement is not Running within ``replacementWaitSeconds`` the rendezvous target
   drops to the survivors (when >= min).
 * Planned scale-down -> ``drain`` with the victims excluded from the next round; once a checkpoint was
   committed after the drain (or ``drainTimeoutSeconds`` passed) the victims are deleted.
@@ -31,9 +31,12 @@ The group protocol, in short:
   needs no store once the communicators exist) and reconnect to it. A worker pod that existed then and fails
   because its store vanished (a torchrun inside a rendezvous join exits 1) is replaced in an uncharged incident,
   with a reform as for any loss; one lost with the agent's node is an ordinary, charged node loss.
-* One incident, one restart (``status.incident``): the first unplanned loss opens an incident and is charged; a
-  later loss of a pod that existed then is folded into it (replaced, not charged) until a group runs again. An
-  incident that finds the budget spent fails the job uncharged, so ``restarts.total`` counts restarts that happened.
+* One incident, one charge (``status.incident``): the first unplanned loss opens an incident and is charged; a
+  later loss of a pod that existed then is folded into it (replaced, not charged) until a group runs again. A
+  failure of the user's code is charged a restart; a loss of infrastructure (a node's, an eviction, a deletion, a
+  departing node, the job agent) is counted in ``infrastructureLosses``, bounded per hour, never in ``restarts``.
+  An incident that finds its budget spent fails the job uncharged, so ``restarts.total`` counts restarts that
+  happened.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from disttrain.operator.incidents import (
     is_outside_the_group,
     uncover_new_pods,
 )
+from disttrain.operator.infralosses import charge_infrastructure_loss, pending_note
 from disttrain.operator.losses import (
     LOSS_REASONS,
     failure_cause,
@@ -213,9 +217,9 @@ operator's."""
 def _ensure_agent(d: Draft) -> None:
     """The agent pod exists and is healthy; a lost agent is recreated behind the same Service name.
 
-    Its loss is announced (a Warning Event, ``status.agentLostAt``) but is no restart: no incident, no counter, no
-    directive. The workers train on and reconnect to the new agent; the ones that fail meanwhile are handled by
-    :func:`~disttrain.operator.incidents.count_lost_pod` (uncharged)."""
+    Its loss is announced (a Warning Event, ``status.agentLostAt``) and counted as an infrastructure loss, but is no
+    restart: no incident, no directive. The workers train on and reconnect to the new agent; the ones that fail
+    meanwhile are handled by :func:`~disttrain.operator.incidents.count_lost_pod` (uncharged)."""
     agent = d.seen.agent
     name = names.agent_name(d.job.metadata.name)
     tracked = d.status.tracked_pods
@@ -243,11 +247,13 @@ def _ensure_agent(d: Draft) -> None:
         tracked.discard(name)
         where = f" (node {agent.node_name})" if agent is not None and agent.node_name else ""
         why = f", {d.seen.agent_silence}" if silent else ""
+        message = f"job agent pod {name} was lost{where}{why}"
+        if not charge_infrastructure_loss(d, Reason.AGENT_RESTARTED, message):
+            return
         d.event(
             WARNING,
             Reason.AGENT_RESTARTED,
-            f"job agent pod {name} was lost{where}{why}; recreating it: the workers train on and reconnect to it, "
-            "no restart",
+            f"{message}; recreating it: the workers train on and reconnect to it, no restart",
         )
         d.status.agent_lost_at = d.now
     elif agent is not None and not lost and agent.is_running:
@@ -441,7 +447,10 @@ def _check_terminal(d: Draft) -> None:
 
 
 def _clean_up_finished(d: Draft) -> None:
-    """Finished jobs: delete pods per cleanPodPolicy, always the agent; delete the job after the TTL."""
+    """Finished jobs: delete pods per cleanPodPolicy, always the agent; delete the job after the TTL. Nothing is
+    created, even what a step decided before a later one failed the job in the same reconcile."""
+    d.create.clear()
+    d.create_agent = False
     policy = d.spec.run_policy.clean_pod_policy
     why = Reason.SUCCEEDED if d.status.phase is Phase.SUCCEEDED else Reason.FAILED
     for pod in d.seen.workers:
@@ -622,7 +631,10 @@ def _drain_departing(d: Draft, group_nodes: int) -> None:
     if not new:
         return
     for pod, why in new:
-        d.event(NORMAL, Reason.NODE_DEPARTING, departures.departure_message(pod, why))
+        message = departures.departure_message(pod, why)
+        if not charge_infrastructure_loss(d, Reason.NODE_DEPARTING, message):
+            return
+        d.event(NORMAL, Reason.NODE_DEPARTING, message)
     leaving = [pod.name for pod, _ in new]
     if ctl.in_flight or group_nodes == 0:
         ctl.exclude = sorted({*ctl.exclude, *leaving})
@@ -889,6 +901,8 @@ def _publish(d: Draft) -> None:
             reason = Reason.PODS_PENDING
         if d.seen.refused:
             st.message = refusal_message(d.seen.refused)
+        elif st.consecutive_failures and (note := pending_note(d)):
+            st.message += note
         elif st.consecutive_failures and st.last_failure:
             st.message += (
                 f"; {st.restarts.total} of spec.restartPolicy.maxRestarts={d.spec.restart_policy.max_restarts} "

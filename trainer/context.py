@@ -22,7 +22,7 @@ import torch.distributed as dist
 from disttrain.api import env as env_names
 from disttrain.api.contract import WorkerContract, job_checkpoint_dir
 from disttrain.common.ports import free_port
-from disttrain.trainer import exits, flightrecorder, localdevice
+from disttrain.trainer import exits, flightrecorder, groupsockets, localdevice
 
 log = logging.getLogger("disttrain.trainer")
 
@@ -122,6 +122,19 @@ def init_process_group(ctx: ElasticContext, use_cuda: Optional[bool] = None) -> 
     else:
         device = torch.device("cpu")
         backend = "gloo"
+    with groupsockets.capture():
+        checkpoint = _join(ctx, backend, timeout, device_id)
+    if device_id is not None:
+        uid = nccl_uid(device_id)
+        store = dist.distributed_c10d._get_default_store()
+        flightrecorder.watch_reformed_group(os.environ, dist.get_rank(), uid, store)
+    return Groups(default=dist.group.WORLD, checkpoint=checkpoint, device=device)
+
+
+def _join(
+    ctx: ElasticContext, backend: str, timeout: datetime.timedelta, device_id: Optional[torch.device]
+) -> Optional[dist.ProcessGroup]:
+    """The default group (unless one exists) and the checkpoint group."""
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:
             # A plain `python train.py` run: a one-process group on a free local port.
@@ -132,12 +145,8 @@ def init_process_group(ctx: ElasticContext, use_cuda: Optional[bool] = None) -> 
         dist.init_process_group(
             backend=backend, timeout=timeout, rank=ctx.rank, world_size=ctx.world_size, device_id=device_id
         )
-    checkpoint = dist.new_group(backend="gloo", timeout=timeout)
-    if device_id is not None:
-        uid = nccl_uid(device_id)
-        store = dist.distributed_c10d._get_default_store()
-        flightrecorder.watch_reformed_group(os.environ, dist.get_rank(), uid, store)
-    return Groups(default=dist.group.WORLD, checkpoint=checkpoint, device=device)
+    group: Optional[dist.ProcessGroup] = dist.new_group(backend="gloo", timeout=timeout)
+    return group
 
 
 def nccl_uid(device: torch.device) -> Optional[int]:

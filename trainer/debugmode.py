@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from disttrain.trainer import groupsockets
+
 
 def is_gloo_detail() -> bool:
     """Whether the default group is gloo wrapped by ``TORCH_DISTRIBUTED_DEBUG=DETAIL``."""
@@ -34,7 +36,8 @@ def ddp_process_group() -> Optional[dist.ProcessGroup]:
     previous = dist.get_debug_level()
     dist.set_debug_level(dist.DebugLevel.OFF)  # torch wraps a group when it is created, by the level then
     try:
-        group: Optional[dist.ProcessGroup] = dist.new_group(backend=dist.Backend.GLOO, timeout=timeout)
+        with groupsockets.capture():
+            group: Optional[dist.ProcessGroup] = dist.new_group(backend=dist.Backend.GLOO, timeout=timeout)
         return group
     finally:
         dist.set_debug_level(previous)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.nn.parallel import DistributedDataParallel
 
-from disttrain.trainer import teardown
+from disttrain.trainer import groupsockets, teardown
 from disttrain.trainer.failures import is_collective_failure
 from disttrain.trainer.replicas import wire
 
@@ -185,3 +185,4 @@ def leave_groups(deadline_s: float = teardown.LEAVE_DEADLINE_S) -> None:
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
     how = teardown.choose(backend)
     teardown.run_with_deadline(teardown.for_backend(how), deadline_s, f"{how.value}, backend {backend}")
+    groupsockets.forget()

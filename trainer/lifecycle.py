@@ -174,10 +174,11 @@ class Lifecycle:
         """The watchdog's ``reform`` directive (its thread): the loop re-forms in place at its next chance (the
         next collective fails at once when a peer died; else at the end of the step). A loop that does not get there
         within :data:`ABORT_AFTER_S` is blocked in a device wait or a collective: this thread, which is not, aborts the
-        communicators (:func:`~disttrain.trainer.teardown.abort_communicators`), which frees it on NCCL, and the step
-        is not counted. One still blocked after ``reform_grace_s`` exits ``REFORM`` and restarts; a worker that holds
-        a sharded state in memory waits the collective timeout (and a margin) first, since a gloo receive from a peer
-        that left fails only then, and its memory is the group's state."""
+        communicators and shuts down the gloo groups' connections
+        (:func:`~disttrain.trainer.teardown.abort_communicators`), which frees it, and the step is not counted. One
+        still blocked after ``reform_grace_s`` exits ``REFORM`` and restarts; a worker that holds a sharded state in
+        memory waits the collective timeout (and a margin) first, since its memory is the group's state and a gloo
+        receive whose connections could not be shut down (no ``/proc``) fails only then."""
         self.reform_signal = signal
         grace_s = self.options.reform_grace_s
         if self.trainer.template is not None:

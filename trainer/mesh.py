@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from disttrain.api.spec import MeshSpec
 from disttrain.api.spec import data_degree as spec_data_degree
+from disttrain.trainer import groupsockets
 
 
 class MeshKind(str, enum.Enum):
@@ -82,7 +83,10 @@ def layout(spec: Optional[MeshSpec], world_size: int) -> Layout:
 
 
 def build(device_type: str, where: Layout) -> DeviceMesh:
-    """The mesh of ``where`` over the default group: 1-D, or 2-D named by :data:`DIM_NAMES` (outer first)."""
-    if where.kind is MeshKind.FLAT:
-        return init_device_mesh(device_type, where.shape)
-    return init_device_mesh(device_type, where.shape, mesh_dim_names=DIM_NAMES[where.kind])
+    """The mesh of ``where`` over the default group: 1-D, or 2-D named by :data:`DIM_NAMES` (outer first). The
+    connections of the groups it creates are the process's to shut down when it leaves them
+    (:mod:`disttrain.trainer.groupsockets`)."""
+    with groupsockets.capture():
+        if where.kind is MeshKind.FLAT:
+            return init_device_mesh(device_type, where.shape)
+        return init_device_mesh(device_type, where.shape, mesh_dim_names=DIM_NAMES[where.kind])

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from disttrain.trainer import groupsockets
 from disttrain.trainer.replicas import capture as capture_mod
 from disttrain.trainer.replicas import wire
 from disttrain.trainer.replicas.catalogue import Block, Catalogue, ItemSpec, Member, assign, choose_step, needs_copy
@@ -152,5 +153,6 @@ def new_replica_group(trainer: ElasticTrainer) -> Optional[dist.ProcessGroup]:
     """The gloo group this group's replication and recovery exchanges run on (a background thread uses it, so it is
     nobody else's). Collective."""
     timeout = datetime.timedelta(seconds=trainer.ctx.contract.collective_timeout_seconds)
-    group: Optional[dist.ProcessGroup] = dist.new_group(backend="gloo", timeout=timeout)
+    with groupsockets.capture():
+        group: Optional[dist.ProcessGroup] = dist.new_group(backend="gloo", timeout=timeout)
     return group

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from disttrain.api.exitcodes import ExitCode
-from disttrain.trainer import exits
+from disttrain.trainer import exits, groupsockets
 from disttrain.trainer.launch import leaving
 
 log = logging.getLogger("disttrain.trainer")
@@ -83,9 +83,12 @@ def abort_communicators() -> int:
     on the reform directive): a kernel spinning on a dead peer returns, the training thread's device wait or collective
     ends, and the step's error state reads aborted (:mod:`disttrain.trainer.gate`). The groups stay registered; the
     training thread leaves them as usual. Gloo has nothing to abort (its blocked receive is not interrupted: it fails
-    when the peer's connection closes or at the collective timeout). Returns the communicators aborted."""
+    when the peer's connection closes or at the collective timeout), so the groups' connections are shut down
+    (:mod:`disttrain.trainer.groupsockets`): this process's blocked receive ends, and its peers' with it. Returns the
+    communicators aborted."""
     _ABORTED.set()
     _ABORTED_ONCE.set()
+    groupsockets.shut_down()
     aborted = 0
     for group in list(distributed_c10d._world.pg_map):
         try:

@@ -160,6 +160,8 @@ def render_summary(summary: Summary, console: Console) -> None:
     ]
     table.add_row("reforms", "\n".join(reforms) or "none")
     table.add_row("restarts", ", ".join(f"{k}: {v}" for k, v in summary.restarts_by_reason.items()) or "none")
+    losses = summary.infrastructure_losses_by_reason
+    table.add_row("infrastructure losses", ", ".join(f"{k}: {v}" for k, v in losses.items()) or "none")
     table.add_row("lost steps", str(summary.lost_steps))
     if summary.goodput_ratio is not None:
         table.add_row("goodput", f"{summary.goodput_ratio:.3f} (training / wall time)")

@@ -48,8 +48,21 @@ class LocalMetrics:
     def observe_error(self, kind: str) -> None:
         self.operator.errors.labels(kind).inc()
 
-    def observe(self, status: Mapping[str, Any], now: float, max_restarts: Optional[int] = None) -> None:
-        self.operator.observe_job(self.namespace, self.job, status, now, max_restarts=max_restarts)
+    def observe(
+        self,
+        status: Mapping[str, Any],
+        now: float,
+        max_restarts: Optional[int] = None,
+        max_infrastructure_losses_per_hour: Optional[int] = None,
+    ) -> None:
+        self.operator.observe_job(
+            self.namespace,
+            self.job,
+            status,
+            now,
+            max_restarts=max_restarts,
+            max_infrastructure_losses_per_hour=max_infrastructure_losses_per_hour,
+        )
         labels = (self.namespace, self.job)
         self.step.labels(*labels).set(status.get("step", 0))
         plan = status.get("plan") or {}

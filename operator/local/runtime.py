@@ -414,8 +414,12 @@ class LocalRuntime:
         except Exception as exc:  # noqa: BLE001 - count, report, keep the loop alive like an operator
             self.metrics.observe_error(type(exc).__name__)
             self.record_event("Warning", "LocalError", f"applying actions failed: {exc!r}")
+        policy = self.obj["spec"].get("restartPolicy", {})
         self.metrics.observe(
-            self.obj["status"], now, max_restarts=self.obj["spec"].get("restartPolicy", {}).get("maxRestarts")
+            self.obj["status"],
+            now,
+            max_restarts=policy.get("maxRestarts"),
+            max_infrastructure_losses_per_hour=policy.get("maxInfrastructureLossesPerHour"),
         )
         self.write_state()
         if self.options.on_tick:

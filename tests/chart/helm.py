@@ -35,6 +35,8 @@ NON_DEFAULT_VALUES: dict[str, Any] = {
     "imagePullSecrets": [{"name": "pull"}],
     "watchNamespaces": ["team-a", "team-b"],
     "logLevel": "debug",
+    "replicaCount": 3,
+    "leaderElection": {"leaseSeconds": 15, "renewDeadlineSeconds": 10, "retrySeconds": 2},
     "agent": {"image": "registry.example/disttrain-trainer:1.2.3"},
     "networkPolicy": {
         "enabled": False,
@@ -64,6 +66,7 @@ NON_DEFAULT_VALUES: dict[str, Any] = {
         "checkpointMaxAgeSeconds": 1800,
         "checkpointTooOldFor": "10m",
         "restartBudgetRatio": 0.5,
+        "infrastructureLossRatio": 0.75,
         "reformingFor": "30m",
     },
     "dashboards": {

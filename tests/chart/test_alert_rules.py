@@ -14,7 +14,12 @@ from tests.chart.prometheus_tools import promtool
 from tests.chart.promql import disttrain_exported_names, metric_names
 
 UNIT_TESTS = pathlib.Path(__file__).with_name("alert_rules_test.yaml")
-ALERTS = {"DistTrainCheckpointTooOld", "DistTrainRestartBudgetNearlySpent", "DistTrainStuckReforming"}
+ALERTS = {
+    "DistTrainCheckpointTooOld",
+    "DistTrainRestartBudgetNearlySpent",
+    "DistTrainInfrastructureLossesNearLimit",
+    "DistTrainStuckReforming",
+}
 
 
 def _rule_groups(values: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -41,7 +46,7 @@ def test_promtool_check_rules_accepts_them(tmp_path, values):
     assert {rule["alert"] for group in groups for rule in group["rules"]} == ALERTS
     checked = promtool("check", "rules", str(_write_rules(tmp_path, groups)))
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 3 rules found" in checked.stdout, checked.stdout
+    assert f"SUCCESS: {len(ALERTS)} rules found" in checked.stdout, checked.stdout
 
 
 def test_the_thresholds_come_from_the_values():
@@ -49,6 +54,7 @@ def test_the_thresholds_come_from_the_values():
     assert "> 1800" in rules["DistTrainCheckpointTooOld"]["expr"]
     assert rules["DistTrainCheckpointTooOld"]["for"] == "10m"
     assert "> 0.5" in rules["DistTrainRestartBudgetNearlySpent"]["expr"]
+    assert "> 0.75" in rules["DistTrainInfrastructureLossesNearLimit"]["expr"]
     assert rules["DistTrainStuckReforming"]["for"] == "30m"
 
 

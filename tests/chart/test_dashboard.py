@@ -87,17 +87,19 @@ def test_every_variable_a_query_uses_is_defined_or_a_grafana_builtin():
 
 
 def test_the_panels_the_platform_team_asked_for():
-    """World size over time, reforms and restarts by reason, reform duration by phase, checkpoint age and step,
-    samples/s, goodput and goodput by cause: each has a panel reading the series that tell it."""
+    """World size over time, reforms, restarts and infrastructure losses by reason, reform duration by phase,
+    checkpoint age and step, samples/s, goodput and goodput by cause: each has a panel reading the series that tell
+    it."""
     panels = {panel["title"]: panel for panel in dashboard.all_panels()}
 
     def reads(title: str) -> set[str]:
         return set().union(*(metric_names(t["expr"]) for t in panels[title]["targets"]))
 
     assert "disttrain_job_world_size" in reads("World size over time")
-    assert "disttrain_job_restarts_total" in reads("Restarts by reason")
+    losses = "Restarts and infrastructure losses by reason"
+    assert {"disttrain_job_restarts_total", "disttrain_job_infrastructure_losses_total"} <= reads(losses)
     assert "disttrain_job_reforms_total" in reads("Reforms by reason")
-    for title in ("Restarts by reason", "Reforms by reason"):
+    for title in (losses, "Reforms by reason"):
         assert all("by (namespace, job, reason)" in t["expr"] for t in panels[title]["targets"])
     for title in ("Reform duration by phase", "Reform duration by phase (time range)"):
         assert reads(title) & {

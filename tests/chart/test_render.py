@@ -43,6 +43,8 @@ def test_default_objects():
         "FlowSchema",
         "NetworkPolicy",
         "PriorityLevelConfiguration",
+        "Role",
+        "RoleBinding",
         "Service",
         "ServiceAccount",
         "ValidatingAdmissionPolicy",
@@ -121,12 +123,14 @@ def test_non_default_objects():
             "ConfigMap",
             "Role",
             "Role",
+            "Role",
+            "RoleBinding",
             "RoleBinding",
             "RoleBinding",
         ]
     )
     assert {(obj["kind"], obj["metadata"]["namespace"]) for obj in objects if obj["kind"].startswith("Role")} == {
-        (kind, ns) for kind in ("Role", "RoleBinding") for ns in NON_DEFAULT_VALUES["watchNamespaces"]
+        (kind, ns) for kind in ("Role", "RoleBinding") for ns in [*NON_DEFAULT_VALUES["watchNamespaces"], NAMESPACE]
     }
 
 
@@ -192,7 +196,54 @@ def test_deployment_uses_the_service_account():
     [deployment] = by_kind(objects, "Deployment")
     [account] = by_kind(objects, "ServiceAccount")
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_two_replicas_elect_a_leader_on_a_lease_only_they_may_update():
+    objects = render()
+    [deployment] = by_kind(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    container, args = _operator_args(objects)
+    [pod_name] = [e for e in container["env"] if e["name"] == "POD_NAME"]
+    assert pod_name["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert args.leader_election_identity == "$(POD_NAME)"  # the kubelet expands it from env
+    assert args.leader_election_namespace == NAMESPACE
+    assert cli.leader_election_options(args) is not None  # the chart's timings pass the operator's own check
+    [role] = [r for r in by_kind(objects, "Role") if r["metadata"]["namespace"] == NAMESPACE]
+    [binding] = [b for b in by_kind(objects, "RoleBinding") if b["metadata"]["namespace"] == NAMESPACE]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": deployment["spec"]["template"]["spec"]["serviceAccountName"],
+            "namespace": NAMESPACE,
+        }
+    ]
+    # create cannot be narrowed to a name; get and update only on the operator's own Lease
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "resourceNames": [args.leader_election_lease],
+            "verbs": ["get", "update"],
+        },
+    ]
+    # the replicas prefer different nodes, unless affinity is given
+    spread = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    [term] = spread["preferredDuringSchedulingIgnoredDuringExecution"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= labels.items()
+    custom = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}}
+    [single] = by_kind(render({"affinity": custom, "replicaCount": 1}), "Deployment")
+    [custom_timing] = by_kind(render(NON_DEFAULT_VALUES), "Deployment")
+    options = cli.leader_election_options(_operator_args([custom_timing])[1])
+    assert options is not None and (
+        options.timing.lease_s,
+        options.timing.renew_deadline_s,
+        options.timing.retry_s,
+    ) == (15, 10, 2)
+    assert single["spec"]["template"]["spec"]["affinity"] == custom and single["spec"]["replicas"] == 1
 
 
 def test_service_monitor():

@@ -103,13 +103,15 @@ class Cluster:
             kubeconfig=token_config,
         )
 
-    def running(self, job: str, builder: JobBuilder, tmp: Path, replicas: int) -> Path:
+    def running(
+        self, job: str, builder: JobBuilder, tmp: Path, replicas: int, restart_policy: dict[str, Any] | None = None
+    ) -> Path:
         """Apply, let the scheduler and the kubelets run every pod, report a first group: phase Running."""
         self.nodes(replicas + 2)
         self.apply(
             builder.nodes(1, 4, replicas)
             .set("spec.elastic", {"scaleDebounceSeconds": 0, "replacementWaitSeconds": 30})
-            .set("spec.restartPolicy", {"maxRestarts": 5, "backoffSeconds": 0}),
+            .set("spec.restartPolicy", restart_policy or {"maxRestarts": 5, "backoffSeconds": 0}),
             tmp,
         )
         eventually(lambda: len(self.pods("agent")) == 1 and len(self.live_workers()) == replicas, what="pods created")

@@ -26,6 +26,7 @@ def test_the_group_trains_through_the_loss_of_its_agents_node_and_ends_with_ever
     status = seen.status
     assert status["phase"] == "Succeeded", status
     assert status["restarts"] == {"total": 0, "byReason": {}}, status["restarts"]
+    assert status["infrastructureLosses"]["byReason"] == {"AgentRestarted": 1}, status["infrastructureLosses"]
     assert status.get("lastReform") == seen.before.get("lastReform"), "the agent's loss re-formed the group"
     assert status.get("rendezvousRound") == seen.before.get("rendezvousRound"), (seen.before, status)
     assert not status.get("silentNodes"), status

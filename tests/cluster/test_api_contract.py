@@ -197,7 +197,8 @@ def test_kubectl_explain_shows_the_models_descriptions(control_plane):
 
 
 def test_kubectl_get_answers_is_it_healthy(control_plane, namespace):
-    """Phase, world/desired, step, samples/s, checkpoint age, restarts, last reform; -o wide adds the reform's
+    """Phase, world/desired, step, samples/s, checkpoint age, restarts, infrastructure losses, last reform; -o wide
+    adds the reform's
     time and duration, the checkpoint's step, the target and the message."""
     _create(control_plane, namespace, JobBuilder("cols"))
     now = time.time()
@@ -213,6 +214,7 @@ def test_kubectl_get_answers_is_it_healthy(control_plane, namespace):
             "samplesPerSecond": 812.5,
             "lastCheckpoint": {"step": 10, "time": format_time(now - 300)},
             "restarts": {"total": 2},
+            "infrastructureLosses": {"total": 11},
             "lastReform": {
                 "reason": "NodeLost",
                 "from": 3,
@@ -226,12 +228,24 @@ def test_kubectl_get_answers_is_it_healthy(control_plane, namespace):
     )
     out = control_plane.kubectl("get", "dtj", "-n", namespace).stdout
     [row] = kubectl_table(out)
-    assert list(row) == ["NAME", "PHASE", "WORLD", "STEP", "SAMPLES/S", "CHECKPOINT", "RESTARTS", "LAST REFORM", "AGE"]
+    assert list(row) == [
+        "NAME",
+        "PHASE",
+        "WORLD",
+        "STEP",
+        "SAMPLES/S",
+        "CHECKPOINT",
+        "RESTARTS",
+        "INFRA LOSSES",
+        "LAST REFORM",
+        "AGE",
+    ]
     assert row["PHASE"] == "Running" and row["WORLD"] == "4/6" and row["STEP"] == "17"
     assert row["SAMPLES/S"] == "812.5" and row["RESTARTS"] == "2" and row["LAST REFORM"] == "NodeLost"
+    assert row["INFRA LOSSES"] == "11"
     assert re.fullmatch(r"(4m5\d s|5m\d*s?)".replace(" ", ""), row["CHECKPOINT"]), row  # an age, not a step
     [wide] = kubectl_table(control_plane.kubectl("get", "dtj", "-n", namespace, "-o", "wide").stdout)
-    assert list(wide)[9:] == ["REFORMED", "REFORM SECONDS", "CHECKPOINT STEP", "NODES", "MESSAGE"]
+    assert list(wide)[10:] == ["REFORMED", "REFORM SECONDS", "CHECKPOINT STEP", "NODES", "MESSAGE"]
     assert wide["REFORMED"] in ("119m", "120m", "2h") and wide["REFORM SECONDS"] == "12.5"
     assert wide["CHECKPOINT STEP"] == "10" and wide["NODES"] == "3" and wide["MESSAGE"] == "training"
 

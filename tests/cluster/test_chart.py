@@ -114,8 +114,27 @@ def test_default_values_on_the_server(control_plane: ControlPlane):
     ]:
         assert not _can_i(plane, user, forbidden, None), forbidden
     _assert_may_create_agent_role(plane, user, plane.create_namespace(f"jobs-{uuid.uuid4().hex[:6]}"))
+    _assert_may_update_only_its_leader_lease(plane, user, namespace, objects)
     _assert_operator_pod_is_admitted(plane, namespace, objects)
     _assert_operator_requests_have_their_own_priority_level(plane, namespace, user, objects)
+
+
+def _assert_may_update_only_its_leader_lease(
+    plane: ControlPlane, user: str, namespace: str, objects: list[dict[str, Any]]
+) -> None:
+    """The replicas' election: update (a write at the version read) on the chart's own Lease, no other."""
+    [role] = [o for o in objects if o["kind"] == "Role" and o["metadata"]["name"].endswith("-leader")]
+    [lease] = role["rules"][1]["resourceNames"]
+
+    def can_update(name: str) -> bool:
+        args = ["auth", "can-i", "update", f"leases.coordination.k8s.io/{name}", f"--as={user}", "-n", namespace]
+        return plane.kubectl(*args, check=False).stdout.strip() == "yes"
+
+    deadline = time.monotonic() + 15  # the authorizer follows a fresh binding through a watch
+    while not can_update(lease) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert can_update(lease), lease
+    assert not can_update("kube-scheduler") and not can_update(f"{lease}-other")
 
 
 def _token(plane: ControlPlane, namespace: str, account: str) -> str:

@@ -66,6 +66,7 @@ def drained_off(cluster: Cluster, job: str, agent: Any, victim: str, node: str) 
     )
     done = eventually(lambda: cluster.phase(job, "Running"), what="Running at 2 nodes")
     assert done["restarts"]["total"] == 0 and done["worldSize"] == 2
+    assert done["infrastructureLosses"]["byReason"] == {"NodeDeparting": 1}, done["infrastructureLosses"]
     events = cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/events")["items"]
     assert any(e["reason"] == "NodeDeparting" and victim in e["message"] for e in events)
     return done

@@ -151,7 +151,8 @@ def test_a_node_lost_to_the_node_lifecycle_controller_is_replaced(cluster, tmp_p
     eventually(node_unreachable, timeout=60, what="the node-lifecycle controller taints the node")
     reforming = eventually(lambda: cluster.phase("lost", "Reforming"), timeout=30, what="reform")
     detected = time.monotonic() - powered_off
-    assert reforming["restarts"]["byReason"] == {"NodeUnreachable": 1}, reforming  # Ready=Unknown: no heartbeat
+    losses = reforming["infrastructureLosses"]["byReason"]
+    assert losses == {"NodeUnreachable": 1}, reforming  # Ready=Unknown: no heartbeat
     assert reforming["control"]["action"] == "reform"
 
     def replaced() -> dict[str, Any] | None:
@@ -177,7 +178,8 @@ def test_a_node_lost_to_the_node_lifecycle_controller_is_replaced(cluster, tmp_p
         "lost", agent, worldSize=2, step=4, rendezvousRound=2, lastProgressTime=format_time(time.time())
     )
     status = eventually(lambda: cluster.phase("lost", "Running"), what="back to Running")
-    assert status["restarts"]["total"] == 1 and status["lastReform"]["to"] == 2
+    assert status["restarts"]["total"] == 0 and status["lastReform"]["to"] == 2, "a node loss is no restart"
+    assert status["infrastructureLosses"]["total"] == 1
     print(f"node power-off -> reform directive: {detected:.1f} s")
 
 
@@ -460,6 +462,7 @@ def test_losing_the_agents_node_replaces_the_agent_in_seconds_and_charges_no_res
     status = cluster.status("agentloss")
     assert status.get("agentLostAt"), status
     assert status["restarts"] == {"total": 0, "byReason": {}}, status
+    assert status["infrastructureLosses"]["byReason"] == {"AgentRestarted": 1}, status
     assert status["control"] == control, "no directive for the agent's loss"
     assert status["phase"] == "Running", status
     live = cluster.live_workers()
@@ -540,7 +543,8 @@ def test_a_silent_node_is_reformed_from_its_heartbeats_before_kubernetes_marks_i
     assert seen.control["reason"] == "HeartbeatLost", seen.control
     assert seen.victim in seen.control["exclude"]
     assert seen.node_ready_at_directive == ["True"], "the directive must come before Kubernetes marks the node NotReady"
-    assert seen.status["restarts"]["byReason"] == {"HeartbeatLost": 1}, seen.status["restarts"]
+    assert seen.status["infrastructureLosses"]["byReason"] == {"HeartbeatLost": 1}, seen.status
+    assert seen.status["restarts"]["total"] == 0, seen.status["restarts"]
     phases = seen.status["lastReform"]["phases"]
     assert all(phases[p] >= 0 for p in PHASES) and abs(sum(phases[p] for p in PHASES) - phases["total"]) < 0.01, phases
     print(

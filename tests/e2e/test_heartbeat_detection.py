@@ -45,4 +45,5 @@ def test_the_directive_comes_from_the_heartbeats_before_the_node_is_notready(tmp
     assert directive_at < victim.not_ready_at, (
         f"the directive came {directive_at - victim.not_ready_at:.1f} s after the node was marked NotReady"
     )
-    assert run.summary.restarts_by_reason == {"HeartbeatLost": 1}
+    assert run.summary.infrastructure_losses_by_reason == {"HeartbeatLost": 1}
+    assert run.summary.restarts_by_reason == {}

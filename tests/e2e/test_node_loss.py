@@ -61,7 +61,8 @@ def test_a_lost_node_is_replaced_the_group_reforms_and_the_job_finishes(node_los
     reasons = node_loss.reasons()
     assert "ChaosKillNode" in reasons and "NodeLost" in reasons and "Reformed" in reasons
     assert node_loss.summary.steps == 24
-    assert sum(node_loss.summary.restarts_by_reason.values()) == 1
+    assert sum(node_loss.summary.infrastructure_losses_by_reason.values()) == 1
+    assert node_loss.summary.restarts_by_reason == {}, "a node loss is not charged to maxRestarts"
     (reform,) = node_loss.summary.reforms
     assert reform.duration_seconds is not None and reform.duration_seconds > 0
 
@@ -87,12 +88,13 @@ def test_the_consumed_sample_indices_cover_the_epoch_exactly(node_loss):
 
 
 @pytest.mark.timeout(240)
-def test_the_operator_metrics_show_restarts_by_reason_reform_duration_and_last_checkpoint(node_loss):
+def test_the_operator_metrics_show_losses_by_reason_reform_duration_and_last_checkpoint(node_loss):
     assert len(node_loss.scrapes) == 2, "the metrics endpoint was not scraped while the job ran"
     during, end = node_loss.scrapes
     labels = 'job="loss",namespace="default"'
-    reason = next(iter(node_loss.summary.restarts_by_reason))
-    assert during[f'disttrain_job_restarts_total{{{labels},reason="{reason}"}}'] == 1
+    reason = next(iter(node_loss.summary.infrastructure_losses_by_reason))
+    assert during[f'disttrain_job_infrastructure_losses_total{{{labels},reason="{reason}"}}'] == 1
+    assert during[f'disttrain_job_restarts_total{{{labels},reason="{reason}"}}'] == 0
     assert during[f"disttrain_job_reform_duration_seconds_count{{{labels}}}"] == 1
     assert during[f"disttrain_job_reform_duration_seconds_sum{{{labels}}}"] > 0
     assert (
@@ -164,7 +166,8 @@ def test_a_hot_spare_takes_the_lost_nodes_place_and_the_trajectory_is_unchanged(
     replacement created after it; one restart; the losses equal the reference and every sample is read once."""
     assert spare_loss.summary.succeeded, spare_loss.reasons()
     assert "killed" in spare_loss.seen, "the member was never killed"
-    assert sum(spare_loss.summary.restarts_by_reason.values()) == 1
+    assert sum(spare_loss.summary.infrastructure_losses_by_reason.values()) == 1
+    assert spare_loss.summary.restarts_by_reason == {}
     trajectory = spare_loss.final_trajectory()
     resumed = [recs for recs in trajectory.values() if recs[0]["resumed_from"]]
     assert resumed, "the run never resumed from a checkpoint: the kill missed the training"
@@ -212,7 +215,7 @@ def test_losing_the_idle_spare_replaces_it_and_the_group_trains_on_without_a_ref
     assert run.summary.succeeded, run.reasons()
     assert "killed" in run.seen, "the agent never reported the round's pods"
     assert "OutsideTheGroup" in run.reasons() and "Reformed" not in run.reasons()
-    assert sum(run.summary.restarts_by_reason.values()) == 1
+    assert sum(run.summary.infrastructure_losses_by_reason.values()) == 1 and run.summary.restarts_by_reason == {}
     groups = {r["group"] for r in run.records()}
     assert len(groups) == 1, f"the group was re-formed: {groups}"
     trainers = {r["process"].rsplit("-", 1)[0] for r in run.records()}

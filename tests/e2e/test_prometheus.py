@@ -67,7 +67,7 @@ class Observed:
 
 class Choreography:
     """On every tick: keep Prometheus' targets in step with the live processes, record the status; past step
-    :data:`KILL_AT_STEP`, once Prometheus has scraped the job's restart counters at 0 (a counter first scraped at 1
+    :data:`KILL_AT_STEP`, once Prometheus has scraped the job's loss counters at 0 (a counter first scraped at 1
     shows no increase), kill a node; once the group has re-formed after the loss and trained a few steps, scale down by
     one (``disttrain local scale``, as from another terminal)."""
 
@@ -80,11 +80,12 @@ class Choreography:
         self._looked_at = 0.0
 
     def _counters_scraped(self, now: float) -> bool:
-        """Prometheus holds two samples of the job's restart counters (looked at twice a second at most)."""
+        """Prometheus holds two samples of the job's infrastructure-loss counters (looked at twice a second at
+        most)."""
         if now - self._looked_at < 0.5:
             return False
         self._looked_at = now
-        series = self.prometheus.samples("disttrain_job_restarts_total" + SELECTOR, at=now, lookback_s=60)
+        series = self.prometheus.samples("disttrain_job_infrastructure_losses_total" + SELECTOR, at=now, lookback_s=60)
         return any(len(samples) >= 2 for samples in series.values())
 
     def __call__(self, runtime: LocalRuntime, snapshot: Snapshot) -> None:
@@ -105,7 +106,7 @@ class Choreography:
         if not self.killed and status.get("step", 0) >= KILL_AT_STEP and self._counters_scraped(now):
             self.killed = True
             runtime.apply_chaos(chaos_mod.parse_chaos("kill-node@0s")[0])
-        restarted = (status.get("restarts") or {}).get("total", 0) >= 1
+        restarted = (status.get("infrastructureLosses") or {}).get("total", 0) >= 1
         settled = status.get("phase") == "Running" and (status.get("control") or {}).get("action", "none") == "none"
         reformed_step = (status.get("lastReform") or {}).get("durationSeconds") is not None
         if (
@@ -155,21 +156,25 @@ def _reforms_by_reason(statuses: list[dict[str, Any]]) -> collections.Counter:
 def test_the_job_lost_a_node_and_was_scaled_down(observed):
     summary = observed.run.summary
     assert summary.succeeded, observed.run.reasons()
-    assert summary.restarts_by_reason == {"NodeNotReady": 1}, summary.restarts_by_reason
+    assert summary.infrastructure_losses_by_reason == {"NodeNotReady": 1}, summary.infrastructure_losses_by_reason
+    assert summary.restarts_by_reason == {}, summary.restarts_by_reason
     reasons = [r.reason for r in summary.reforms]
     assert reasons == ["NodeNotReady", "ScaledDown"], summary.reforms
     assert all(r.duration_seconds for r in summary.reforms), summary.reforms
 
 
 @pytest.mark.timeout(300)
-def test_restarts_by_reason_are_the_status_counts(observed):
-    series = observed.samples("disttrain_job_restarts_total")
-    final = observed.statuses[-1]["restarts"]["byReason"]
+def test_infrastructure_losses_by_reason_are_the_status_counts(observed):
+    series = observed.samples("disttrain_job_infrastructure_losses_total")
+    final = observed.statuses[-1]["infrastructureLosses"]["byReason"]
     assert final and set(final) <= {dict(labels)["reason"] for labels in series}
     for labels, points in series.items():
         reason = dict(labels)["reason"]
         for at, value in points:
-            seen = {(s.get("restarts") or {}).get("byReason", {}).get(reason, 0) for s in observed.statuses_around(at)}
+            seen = {
+                (s.get("infrastructureLosses") or {}).get("byReason", {}).get(reason, 0)
+                for s in observed.statuses_around(at)
+            }
             assert value in seen, (reason, at, value, seen)
         assert points[-1][1] == final.get(reason, 0), (reason, points[-1])
     node_lost_events = [e for e in observed.run.events if e["reason"] == "NodeLost"]

@@ -136,13 +136,14 @@ async def test_deleting_a_worker_reforms_and_replaces_only_it(operator, k):
     await k.request("DELETE", f"{PODS}/demo-worker-1")
     job = await eventually(lambda: _phase(k, "Reforming"))
     assert job["status"]["control"]["action"] == "reform"
-    assert job["status"]["restarts"]["byReason"] == {"PodDeleted": 1}
+    assert job["status"]["infrastructureLosses"]["byReason"] == {"PodDeleted": 1}
+    assert job["status"]["restarts"]["total"] == 0, "a deletion is not the user's failure"
     after = await eventually(lambda: _count_workers(k, 3))
     assert after["demo-worker-1"]["metadata"]["uid"] != before["demo-worker-1"]["metadata"]["uid"]
     for name in ("demo-worker-0", "demo-worker-2"):
         assert after[name]["metadata"]["uid"] == before[name]["metadata"]["uid"], "survivors are never restarted"
     await asyncio.sleep(0.5)
-    assert (await k.job())["status"]["restarts"]["total"] == 1
+    assert (await k.job())["status"]["infrastructureLosses"]["total"] == 1
 
 
 async def _count_workers(k, n):
@@ -153,14 +154,15 @@ async def _count_workers(k, n):
 async def test_a_not_ready_node_loses_its_pod(operator, k):
     await running_job(k, 2)
     await k.node("node-1", ready="False")
-    job = await eventually(lambda: _restarted(k))
-    assert job["status"]["restarts"]["byReason"] == {"NodeNotReady": 1}
+    job = await eventually(lambda: _node_lost(k))
+    assert job["status"]["infrastructureLosses"]["byReason"] == {"NodeNotReady": 1}
+    assert job["status"]["restarts"]["total"] == 0
     assert job["status"]["control"]["reason"] == "NodeNotReady"
 
 
-async def _restarted(k):
+async def _node_lost(k):
     job = await k.job()
-    return job if job["status"].get("restarts", {}).get("total") else None
+    return job if job["status"].get("infrastructureLosses", {}).get("total") else None
 
 
 async def test_scale_subresource_drains_then_deletes_the_victim(operator, k):

@@ -121,13 +121,13 @@ async def test_sigkill_mid_reform_creates_no_duplicates_and_keeps_status(process
     await k.run_pod("demo-worker-1", "node-3")
     await k.agent_reports("demo", worldSize=3, step=8, lastProgressTime=_future(0), rendezvousRound=2)
     first = (await eventually(lambda: _phase(k, "Running")))["status"]
-    assert first["restarts"]["total"] == 1 and first.get("lastReform"), first
+    assert first["infrastructureLosses"]["total"] == 1 and first.get("lastReform"), first
 
     # A second loss; kill the operator while that reform is in flight.
     await k.request("DELETE", f"{PODS}/demo-worker-2")
     before = (await eventually(lambda: _phase(k, "Reforming")))["status"]
     process_operator.kill()
-    assert before["restarts"]["total"] == 2 and before["control"]["action"] == "reform", before
+    assert before["infrastructureLosses"]["total"] == 2 and before["control"]["action"] == "reform", before
 
     await process_operator.start()
     pods = await eventually(lambda: _count_workers(k, 3))
@@ -137,7 +137,8 @@ async def test_sigkill_mid_reform_creates_no_duplicates_and_keeps_status(process
     assert _indices(pods) == ["0", "1", "2"], "one pod per node index"
     assert len([p for p in (await k.pods()) if p == "demo-agent"]) == 1
     after = (await k.job())["status"]
-    assert after["restarts"] == before["restarts"], "a restart is never counted twice"
+    assert after["infrastructureLosses"] == before["infrastructureLosses"], "a loss is never counted twice"
+    assert after["restarts"] == before["restarts"] == {"total": 0, "byReason": {}}
     assert after["control"]["generation"] == before["control"]["generation"]
     assert after["control"]["action"] == "reform"
     assert after["lastReform"] == before["lastReform"], "the reform in flight keeps its start (not reset)"
@@ -149,7 +150,7 @@ async def test_sigkill_mid_reform_creates_no_duplicates_and_keeps_status(process
     await k.run_pod("demo-worker-2", "node-4")
     await k.agent_reports("demo", worldSize=3, step=12, lastProgressTime=_future(0), rendezvousRound=3)
     done = (await eventually(lambda: _phase(k, "Running")))["status"]
-    assert done["restarts"]["total"] == 2
+    assert done["infrastructureLosses"]["total"] == 2 and len(done["infrastructureLosses"]["recent"]) == 2
     assert done["lastReform"]["start"] == before["lastReform"]["start"] and done["lastReform"]["to"] == 3, done
     assert done["lastReform"]["durationSeconds"] > 0 and done["reforms"] == before["reforms"]
     assert len(await workers(k)) == 3
@@ -205,7 +206,10 @@ async def test_metrics_after_a_node_loss(process_operator, k, tmp_path):
     assert get("disttrain_job_world_size") == 2
     assert get("disttrain_job_desired_nodes") == 2
     assert get("disttrain_job_phase", phase="Reforming") == 0
-    assert get("disttrain_job_restarts_total", reason="NodeNotReady") == 1
+    assert get("disttrain_job_infrastructure_losses_total", reason="NodeNotReady") == 1
+    assert get("disttrain_job_restarts_total", reason="NodeNotReady") == 0
+    assert get("disttrain_job_infrastructure_losses_last_hour") == 1
+    assert get("disttrain_job_max_infrastructure_losses_per_hour") == 20
     assert get("disttrain_job_reforms_total", reason=status["lastReform"]["reason"]) == status["reforms"] == 1
     assert get("disttrain_job_reform_duration_seconds_count") == 1
     assert get("disttrain_job_reform_duration_seconds_sum") == pytest.approx(status["lastReform"]["durationSeconds"])

@@ -2,8 +2,8 @@
 wait of step 6 never ending on its own (fault injection standing for an NCCL kernel spinning on a dead peer) and
 rank 0 blocked in the step's agreement behind it. The directive's abort ends the wait, the step is not counted, and
 the blocked rank re-forms in place without exiting; the group redoes step 6 from the state held in memory. (Rank 0's
-gloo receive is not interrupted by an abort: on CPU it leaves at the reform grace and its new process takes the state
-from rank 1's memory; on NCCL the same abort frees it.)"""
+gloo receive behind it ends when rank 1's abort shuts down its group's connections; on NCCL the same abort frees
+it.)"""
 
 from __future__ import annotations
 

@@ -18,8 +18,10 @@ LAUNCHER = "disttrain.trainer.launch"
 def launcher_args(port: int, nodes: int) -> list[str]:
     """``last_call_timeout`` 30 s: the first round waits that long for a node started late on a loaded machine (at
     1 s the others completed it without that node, trained to the end at the smaller size, and the test waited for a
-    whole world in vain); a round with every node completes at once."""
-    conf = "is_host=false,last_call_timeout=30,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
+    whole world in vain); a round with every node completes at once. ``join_timeout`` leaves a round that completes
+    below the maximum (a survivor alone: the last call, after the lost nodes' keep-alives expire) room on a loaded
+    machine: at 60 s such a join timed out behind the 30 s last call."""
+    conf = "is_host=false,last_call_timeout=30,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=180"
     return [
         f"--nnodes=1:{nodes}",
         "--rdzv-backend=c10d",

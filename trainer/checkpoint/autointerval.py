@@ -3,7 +3,8 @@
 The rule itself is :mod:`disttrain.api.interval`. Its inputs come from three places:
 
 * the save cost and the step time: measured by rank 0 (:class:`IntervalPlanner`, fed by the loop);
-* the failures: only the operator counts them (``status.restarts.total``, ``status.startTime``), so the job
+* the failures: only the operator counts them (``status.restarts.total``, the infrastructure losses that cost
+  steps in ``status.infrastructureLosses.byReason``, ``status.startTime``), so the job
   agent writes them into ``RELIABILITY_KEY`` (:func:`reliability_from_status`) and rank 0 reads that key at most
   every :data:`RELIABILITY_POLL_SECONDS`; without an agent (a bare ``torchrun``) the job's age is the process's and
   no failure is known, so the prior holds;
@@ -23,9 +24,14 @@ from typing import Any, Optional
 
 from disttrain.api import control as keys
 from disttrain.api import interval
+from disttrain.api.conditions import Reason
 from disttrain.api.timestamps import format_time, parse_time
 
 log = logging.getLogger("disttrain.trainer")
+
+STEP_FREE_LOSSES = frozenset({Reason.NODE_DEPARTING.value, Reason.AGENT_RESTARTED.value})
+"""Infrastructure losses that cost no steps (a departing node drains at a checkpoint; the group trains on without
+its agent): no failure for the interval's mean time between failures. Every other one is a node lost mid-step."""
 
 RELIABILITY_POLL_SECONDS = 2.0
 """How often rank 0 reads the failure history from the agent's store (one store round trip)."""
@@ -43,12 +49,18 @@ def reliability_from_status(status: dict[str, Any]) -> Optional[str]:
         report = keys.ReliabilityReport(
             started_at=started,
             suspended_seconds=float(status.get("suspendedSeconds") or 0.0),
-            failures=int(restarts.get("total") or 0),
+            failures=int(restarts.get("total") or 0) + losses_costing_steps(status),
         )
     except (TypeError, ValueError, OverflowError) as error:
         log.warning("no failure history for intervalSteps: auto from this status: %s", error)
         return None
     return report.model_dump_json()
+
+
+def losses_costing_steps(status: dict[str, Any]) -> int:
+    """The infrastructure losses of ``status`` that redo the steps since the last checkpoint, as failures do."""
+    by_reason = (status.get("infrastructureLosses") or {}).get("byReason") or {}
+    return sum(int(count) for reason, count in by_reason.items() if reason not in STEP_FREE_LOSSES)
 
 
 def interval_status(report: keys.IntervalReport) -> dict[str, Any]:

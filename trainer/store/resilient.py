@@ -57,6 +57,8 @@ EXIT_JOIN_S = 3.0
 """How long the interpreter's exit waits for a reconnection attempt in flight (see :func:`_close_all`)."""
 
 _ALL: weakref.WeakSet[ResilientStore] = weakref.WeakSet()
+_CONNECTING: set[threading.Thread] = set()
+"""Connection attempts in flight, abandoned ones included: the interpreter's exit waits for them too."""
 
 OP_TIMEOUT_S = 10.0
 """Each operation's own bound on the wire (the raw client's timeout after its first connection): a server that does
@@ -140,8 +142,11 @@ def _connect_within(connect: Connect, timeout: timedelta) -> Any:
             outcome["error"] = exc
         finally:
             finished.set()
+            _CONNECTING.discard(threading.current_thread())
 
-    threading.Thread(target=attempt, name="disttrain-store-connect", daemon=True).start()
+    thread = threading.Thread(target=attempt, name="disttrain-store-connect", daemon=True)
+    _CONNECTING.add(thread)
+    thread.start()
     if not finished.wait(timeout.total_seconds() + CONNECT_GRACE_S):
         raise StoreUnavailable(f"no answer while connecting within {timeout.total_seconds():.1f} s")
     if "error" in outcome:
@@ -387,3 +392,5 @@ def _close_all() -> None:
     deadline = time.monotonic() + EXIT_JOIN_S
     for store in stores:
         store.close(max(0.0, deadline - time.monotonic()))
+    for thread in list(_CONNECTING):
+        thread.join(max(0.0, deadline - time.monotonic()))

@@ -62,7 +62,17 @@ def test_scale_subresource_points_at_replicas_and_selector():
 def test_printer_columns_and_names():
     spec = crd.build_crd()["spec"]
     columns = [c["name"] for c in spec["versions"][0]["additionalPrinterColumns"]]
-    assert columns[:8] == ["Phase", "World", "Step", "Samples/s", "Checkpoint", "Restarts", "Last Reform", "Age"]
+    assert columns[:9] == [
+        "Phase",
+        "World",
+        "Step",
+        "Samples/s",
+        "Checkpoint",
+        "Restarts",
+        "Infra Losses",
+        "Last Reform",
+        "Age",
+    ]
     by_name = {c["name"]: c for c in spec["versions"][0]["additionalPrinterColumns"]}
     assert by_name["Checkpoint"] == {**by_name["Checkpoint"], "type": "date", "jsonPath": ".status.lastCheckpoint.time"}
     status = spec["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]

@@ -109,7 +109,8 @@ def test_a_departing_node_that_dies_first_is_a_loss():
     world = running()
     world.nodes["node-1"] = NodeView("node-1", ready=False, unschedulable=True)
     world.step(1)
-    assert world.status["restarts"]["byReason"] == {"NodeNotReady": 1}
+    assert world.infrastructure_losses()["byReason"] == {"NodeNotReady": 1}
+    assert world.status["restarts"]["total"] == 0
     assert world.control["action"] == "reform"
 
 

@@ -1,8 +1,9 @@
-"""One incident, one restart: failure accounting of the reconcile core.
+"""One incident, one charge: failure accounting of the reconcile core.
 
 A node that dies mid-collective takes every survivor's workers with it (NCCL's watchdog aborts them: SIGABRT, exit
-134); a bug at start fails every node at once. Each is one incident, charged one restart, and the budget counts only
-restarts that happened. Every decision comes from the real core; :class:`World` only applies its actions.
+134); a bug at start fails every node at once. Each is one incident, charged once (a node's loss as an
+infrastructure loss, the user's crash as a restart), and the budget counts only restarts that happened. Every
+decision comes from the real core; :class:`World` only applies its actions.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from disttrain.operator.observed import NodeView, PodView
 pytestmark = pytest.mark.timeout(30)
 
 SIGABRT = 134
+NO_RESTART = {"total": 0, "byReason": {}}
 WATCHDOG = "worker rank 3 failed with signal SIGABRT (exit code 134)"
 
 
@@ -65,17 +67,19 @@ def test_exits_a_peers_loss_explains(pod, expected):
     assert losses.is_peer_loss_exit(pod) is expected
 
 
-def test_a_lost_node_then_seven_watchdog_aborts_is_one_restart():
+def test_a_lost_node_then_seven_watchdog_aborts_is_one_infrastructure_loss():
     world = eight_nodes()
     world.nodes["node-3"] = NodeView("node-3", ready=False)
     world.step(1)
-    assert world.status["restarts"] == {"total": 1, "byReason": {"NodeNotReady": 1}}
+    assert world.infrastructure_losses() == {"total": 1, "byReason": {"NodeNotReady": 1}}
+    assert world.status["restarts"] == NO_RESTART
     assert (
         world.status["incident"]["reason"] == "NodeNotReady" and world.status["incident"]["firstPod"] == "demo-worker-3"
     )
     abort_survivors(world, lost=3)
     actions = world.step(1)
-    assert world.status["restarts"] == {"total": 1, "byReason": {"NodeNotReady": 1}}
+    assert world.infrastructure_losses() == {"total": 1, "byReason": {"NodeNotReady": 1}}
+    assert world.status["restarts"] == NO_RESTART
     assert len(reasons_of(world, "PartOfIncident")) == 7
     assert reasons_of(world, "NodeLost") and not reasons_of(world, "PodFailed")
     assert {d.name for d in actions.delete_pods} >= {f"demo-worker-{i}" for i in range(8) if i != 3}, "all replaced"
@@ -87,12 +91,14 @@ def test_watchdog_aborts_seen_before_the_dead_node_open_the_incident_as_a_node_l
     world = eight_nodes(restartPolicy__maxRestarts=1)
     abort_survivors(world, lost=3)
     world.step(1)
-    assert world.status["restarts"] == {"total": 1, "byReason": {"NodeLost": 1}}
+    assert world.infrastructure_losses() == {"total": 1, "byReason": {"NodeLost": 1}}
+    assert world.status["restarts"] == NO_RESTART
     assert world.control["action"] == "reform" and world.control["reason"] == "NodeLost"
     assert len(reasons_of(world, "NodeLost")) == 1 and len(reasons_of(world, "PartOfIncident")) == 6
     world.nodes["node-3"] = NodeView("node-3", ready=False)
     world.step(40)
-    assert world.status["restarts"]["total"] == 1 and world.status["phase"] != "Failed"
+    assert world.infrastructure_losses()["total"] == 1 and world.status["phase"] != "Failed"
+    assert world.status["restarts"] == NO_RESTART
     assert "demo-worker-3" in nameset.unpack(world.status["incident"]["folded"])
     assert len(reasons_of(world, "PartOfIncident")) == 7
 
@@ -102,7 +108,8 @@ def test_the_dead_node_seen_with_its_peers_aborts_names_the_incident():
     world.nodes["node-5"] = NodeView("node-5", ready=None)
     abort_survivors(world, lost=5)
     world.step(1)
-    assert world.status["restarts"] == {"total": 1, "byReason": {"NodeUnreachable": 1}}
+    assert world.infrastructure_losses() == {"total": 1, "byReason": {"NodeUnreachable": 1}}
+    assert world.status["restarts"] == NO_RESTART
     assert world.status["incident"]["firstPod"] == "demo-worker-5"
 
 
@@ -153,9 +160,10 @@ def test_a_second_incident_after_the_group_ran_again_is_charged_again():
     world.run_all().step(1)
     world.progress(8, step=6).step(1)
     assert world.status["phase"] == "Running" and "incident" not in world.status
-    assert world.status["restarts"]["total"] == 1
+    assert world.infrastructure_losses()["total"] == 1
     world.set_worker(2, phase="Failed", exit_code=1).step(1)
-    assert world.status["restarts"] == {"total": 2, "byReason": {"NodeNotReady": 1, "PodFailed": 1}}
+    assert world.status["restarts"] == {"total": 1, "byReason": {"PodFailed": 1}}
+    assert world.infrastructure_losses() == {"total": 1, "byReason": {"NodeNotReady": 1}}
     assert world.status["incident"]["reason"] == "PodFailed"
 
 

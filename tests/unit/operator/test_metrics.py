@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry
 
-from disttrain.operator import losses
-from disttrain.operator.metrics import GOODPUT_CAUSES, REFORM_REASONS, RESTART_REASONS, OperatorMetrics
+from disttrain.api import timestamps
+from disttrain.operator import infralosses, losses
+from disttrain.operator.metrics import (
+    GOODPUT_CAUSES,
+    INFRASTRUCTURE_REASONS,
+    REFORM_REASONS,
+    RESTART_REASONS,
+    OperatorMetrics,
+)
 
 JOB = {"namespace": "team-a", "job": "demo"}
 
@@ -55,6 +64,25 @@ def test_the_restart_budget_and_the_restarts_counted_against_it():
     # A restarted operator: the counter starts at 0 again, the gauge still says what the status counts.
     assert _value(registry, "disttrain_job_restarts_total", reason="PodFailed") == 0
     assert _value(registry, "disttrain_job_restarts_counted") == 7
+
+
+def test_infrastructure_losses_by_reason_the_last_hour_and_the_guard():
+    """Beside the restart budget: a counter by reason, the window's count (at scrape time) and the spec's guard."""
+    registry = CollectorRegistry()
+    metrics = OperatorMetrics(registry)
+    metrics.observe_job("team-a", "demo", {"phase": "Running"}, now=1, max_infrastructure_losses_per_hour=20)
+    for reason in INFRASTRUCTURE_REASONS:
+        assert _value(registry, "disttrain_job_infrastructure_losses_total", reason=reason) == 0, reason
+    assert _value(registry, "disttrain_job_max_infrastructure_losses_per_hour") == 20
+    now = time.time()
+    recent = [timestamps.format_time(now - infralosses.WINDOW_SECONDS - 5), timestamps.format_time(now - 5)]
+    losses_now = {"total": 2, "byReason": {"HeartbeatLost": 1, "Evicted": 1}, "recent": recent}
+    metrics.observe_job("team-a", "demo", {"infrastructureLosses": losses_now}, now=now)
+    assert _value(registry, "disttrain_job_infrastructure_losses_total", reason="HeartbeatLost") == 1
+    assert _value(registry, "disttrain_job_infrastructure_losses_total", reason="Evicted") == 1
+    assert _value(registry, "disttrain_job_infrastructure_losses_last_hour") == 1, "the older loss left the window"
+    assert _value(registry, "disttrain_job_restarts_total", reason="HeartbeatLost") == 0
+    assert set(INFRASTRUCTURE_REASONS) == {r.value for r in infralosses.INFRASTRUCTURE_CAUSES}
 
 
 def test_a_forgotten_job_leaves_no_series():

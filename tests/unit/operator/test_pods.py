@@ -318,9 +318,10 @@ def test_a_worker_reads_ready_when_its_launcher_listens_and_a_probe_of_the_users
 
 def test_a_replacement_avoids_the_dead_nodes_and_keeps_the_templates_placement_rules():
     plain = pods.build_worker_pod(make_job(), 0, avoid_nodes=["node-b", "node-a"])
-    avoid = {"key": "metadata.name", "operator": "NotIn", "values": ["node-a", "node-b"]}
+    # One requirement per node: the API server refuses a node field selector with more than one value.
+    avoid = {"key": "metadata.name", "operator": "NotIn", "values": ["node-a"]}
     assert plain["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == {
-        "nodeSelectorTerms": [{"matchFields": [avoid]}]
+        "nodeSelectorTerms": [{"matchFields": [avoid, {**avoid, "values": ["node-b"]}]}]
     }
     manifest = job_manifest(replicas=2)
     gpu = {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["a100"]}]}
@@ -333,7 +334,7 @@ def test_a_replacement_avoids_the_dead_nodes_and_keeps_the_templates_placement_r
     terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"
     ]
-    one = {**avoid, "values": ["node-a"]}
+    one = avoid
     assert terms == [{**gpu, "matchFields": [one]}, {**arm, "matchFields": [one]}]  # ANDed into each ORed term
     assert "matchFields" not in str(job.spec.template), "the job's own template is left alone"
     assert "affinity" not in pods.build_worker_pod(make_job(), 0)["spec"]

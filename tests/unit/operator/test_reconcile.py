@@ -285,14 +285,15 @@ def test_anchor_1638_deleting_one_worker_replaces_only_that_worker_and_reforms_o
     actions = world.step(1)
     assert actions.delete_pods == ()
     assert world.control["action"] == "reform" and world.control["generation"] == generation + 1
-    assert world.status["restarts"] == {"total": 1, "byReason": {"PodDeleted": 1}}
+    assert world.infrastructure_losses() == {"total": 1, "byReason": {"PodDeleted": 1}}
+    assert world.status["restarts"] == NO_RESTART, "a deletion is not the user's failure"
     # Backoff first, then exactly one replacement; the survivors are never touched.
     assert created(actions) == []
     actions = world.step(5)
     assert created(actions) == [1]
     for _ in range(3):
         world.step(1)
-    assert world.status["restarts"]["total"] == 1
+    assert world.infrastructure_losses()["total"] == 1
     assert {n: world.workers[n].uid for n in survivors} == survivors
 
 
@@ -401,7 +402,7 @@ def test_anchor_2072_a_dead_node_loses_its_pod_force_deletes_it_and_reforms_with
     world.step(300)
     assert any(d.name == "demo-worker-1" and d.force for d in world.last.delete_pods)
     assert "ForceDeleted" in world.reasons()
-    assert world.status["restarts"]["byReason"]["NodeNotReady"] == 1
+    assert world.infrastructure_losses()["byReason"]["NodeNotReady"] == 1
 
 
 @pytest.mark.parametrize("lost", [0, 1, 2])
@@ -487,19 +488,21 @@ def test_an_agent_on_a_draining_node_is_deleted_gracefully():
     assert not actions.create_agent
 
 
-def test_a_worker_lost_with_the_agents_node_is_one_charged_node_loss():
-    """The agent's node took a worker with it: that worker's loss is a node loss like any other (charged once,
-    a reform without it), and the survivor's store failure right after is part of that incident."""
+def test_a_worker_lost_with_the_agents_node_is_one_node_loss_and_no_restart():
+    """The agent's node took a worker with it: that worker's loss is a node loss like any other (an infrastructure
+    loss, a reform without it), the agent's loss another, and the survivor's store failure right after is part of
+    that incident. Nothing is charged to maxRestarts."""
     world = World(job_manifest(replicas=3)).running_world(3)
     world.agent = dataclasses.replace(world.agent, node_name="node-1")  # the agent shares worker 1's node
     world.nodes = {f"node-{i}": NodeView(f"node-{i}") for i in range(3)} | {"node-1": NodeView("node-1", ready=None)}
     actions = world.step(1)
     assert actions.create_agent and "demo-worker-1" in {d.name for d in actions.delete_pods}
-    assert world.status["restarts"] == {"total": 1, "byReason": {"NodeUnreachable": 1}}
+    both = {"total": 2, "byReason": {"AgentRestarted": 1, "NodeUnreachable": 1}}
+    assert world.infrastructure_losses() == both and world.status["restarts"] == NO_RESTART
     assert world.control["action"] == "reform" and world.control["reason"] == "NodeUnreachable"
     assert "NodeLost" in world.reasons() and incident(world).first_pod == "demo-worker-1"
     world.set_worker(2, phase="Failed", exit_code=1).step(1)  # its torchrun was joining the next round
-    assert world.status["restarts"] == {"total": 1, "byReason": {"NodeUnreachable": 1}}
+    assert world.infrastructure_losses() == both and world.status["restarts"] == NO_RESTART
     assert incident(world).folded == {"demo-worker-2"}
 
 
@@ -840,7 +843,8 @@ def test_backoff_delays_replacements_and_doubles_with_consecutive_failures():
 def test_evicted_pods_are_counted_by_reason():
     world = World(job_manifest(replicas=2)).running_world(2)
     world.set_worker(0, phase="Failed", reason="Evicted").step(1)
-    assert world.status["restarts"]["byReason"] == {"Evicted": 1}
+    assert world.infrastructure_losses()["byReason"] == {"Evicted": 1}
+    assert world.status["restarts"] == NO_RESTART
 
 
 def test_a_pod_on_a_deleted_node_is_force_deleted_at_once():
@@ -850,7 +854,7 @@ def test_a_pod_on_a_deleted_node_is_force_deleted_at_once():
     del world.nodes["node-1"]
     actions = world.step(1)
     assert [(d.name, d.force) for d in actions.delete_pods] == [("demo-worker-1", True)]
-    assert world.status["restarts"]["byReason"] == {"NodeDeleted": 1}
+    assert world.infrastructure_losses()["byReason"] == {"NodeDeleted": 1}
 
 
 def test_below_min_the_job_waits_for_nodes_and_says_so():

@@ -219,6 +219,11 @@ class World:
     def reasons(self) -> list[str]:
         return [reason for reason, _ in self.events]
 
+    def infrastructure_losses(self) -> dict[str, Any]:
+        """``status.infrastructureLosses`` without the window's times: total and byReason."""
+        counts = self.status.get("infrastructureLosses", {})
+        return {"total": counts.get("total", 0), "byReason": counts.get("byReason", {})}
+
     @property
     def control(self) -> dict[str, Any]:
         return self.status.get("control", {})

@@ -25,6 +25,13 @@ def test_the_agent_turns_the_status_into_a_failure_history():
     }
     report = control.ReliabilityReport.model_validate_json(autointerval.reliability_from_status(status))
     assert report.failures == 4 and report.age_seconds(1_500.0) == 400.0
+    # Node losses redo steps as failures do; a departure (drained at a checkpoint) and the agent's loss do not.
+    status["infrastructureLosses"] = {
+        "total": 4,
+        "byReason": {"HeartbeatLost": 2, "NodeDeparting": 1, "AgentRestarted": 1},
+    }
+    report = control.ReliabilityReport.model_validate_json(autointerval.reliability_from_status(status))
+    assert report.failures == 6
     assert autointerval.reliability_from_status({}) is None  # not started yet
     assert autointerval.reliability_from_status({"startTime": "yesterday"}) is None
 
