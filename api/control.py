@@ -141,6 +141,9 @@ class ProgressReport(BaseModel):
     """Unix time of the report."""
     startup: Optional[WorkerStartup] = None
     """When this process started, phase by phase (the agent relays it into ``status.workerStartup``)."""
+    checkpoint_blocked_seconds: Optional[float] = Field(None, ge=0.0, le=MAX_TIME, allow_inf_nan=False)
+    """Seconds this process's training waited for checkpoint saves since it started (sync saves, an async save's
+    kick-off and staging); the agent relays it into ``status.checkpointBlockedSeconds``."""
     in_place_fallback: Optional[str] = Field(None, max_length=512)
     """Why reforms restart this group's workers from the last checkpoint although ``spec.elastic.reformInPlace``
     asks to keep them (a model passed already wrapped, no launcher channel); None: in place applies, or was

@@ -14,6 +14,7 @@ from typing import Final, Optional
 from pydantic import Field
 
 from disttrain.api.control import DirectiveAction
+from disttrain.api.goodput import GoodputStatus
 from disttrain.api.nameset import PackedNames
 from disttrain.api.reformphases import ReformPhases, WorkerStartup
 from disttrain.api.spec import MAX_INFRASTRUCTURE_LOSSES_PER_HOUR, ContractModel
@@ -43,6 +44,7 @@ AGENT_FIELDS: Final = (
     "resumedFromJobUid",
     "resumedFromMemory",
     "recoveryNote",
+    "checkpointBlockedSeconds",
 )
 """Wire names of the status fields the job agent owns; it writes no other, and the operator never writes these."""
 
@@ -431,3 +433,8 @@ class DistTrainJobStatus(ContractModel):
     incident: Optional[Incident] = None
     """Operator memory: the unplanned loss being handled, from its first loss until a group runs again (unset
     otherwise, and once the job finished). Losses of the pods it covers are folded into it, not charged again."""
+    checkpoint_blocked_seconds: Optional[float] = Field(None, ge=0, allow_inf_nan=False)
+    """Seconds the current group's rank 0 waited for checkpoint saves since it started (relayed by the job agent)."""
+    goodput: Optional[GoodputStatus] = None
+    """Where the job's wall time went: seconds by cause and the training ratio (docs/observability.md, "Goodput by
+    cause"). Written with the operator's other status writes, and at least every few minutes."""

@@ -28,6 +28,11 @@ survivors wait for the replacement's cold start; 0: they re-form at once and the
 
 ``--kinds`` picks the runs (default all four); a figure whose runs were left out is not printed.
 
+Goodput by cause: each run's window is also accounted as the operator accounts a job's wall time in
+``status.goodput`` (``api/goodput.py``, the same function, brought up to the window's ends): seconds by cause
+(``goodput_seconds_<kind>``), the training share of the window (``goodput_account_ratio_<kind>``) and that share
+against the clean run's (``goodput_account_ratio_vs_clean_run*``).
+
     python bench/goodput.py [--window 130] [--period 60] [--replacement-wait S] [--rounds 3] [--spares 1]
                             [--kinds clean,fixed,auto,spare]
 """
@@ -42,7 +47,8 @@ import time
 
 import _localbench as lb
 
-from disttrain.api import timestamps
+from disttrain.api import goodput, timestamps
+from disttrain.api.status import DistTrainJobStatus
 
 KINDS = ("clean", "fixed", "auto", "spare")
 """The runs: no failures; a kill every --period with intervalSteps 20, with auto, and with hot spares."""
@@ -93,6 +99,25 @@ class Run:
         return samples / seconds if seconds > 0 else 0.0
 
 
+class Account:
+    """The job's goodput account (``status.goodput``) at the window's ends, as the operator would write it then."""
+
+    def __init__(self) -> None:
+        self.start: goodput.GoodputStatus | None = None
+        self.end: goodput.GoodputStatus | None = None
+
+    @staticmethod
+    def now(status: dict, now: float) -> goodput.GoodputStatus:
+        typed = DistTrainJobStatus.model_validate(status)
+        return goodput.account(typed.goodput, goodput.facts_of(typed, created=None, now=now))
+
+    def seconds(self) -> dict[str, float]:
+        """Seconds by cause settled within the window."""
+        assert self.start is not None and self.end is not None
+        before, after = self.start.seconds.by_cause(), self.end.seconds.by_cause()
+        return {cause.value: after[cause] - before[cause] for cause in goodput.Cause}
+
+
 class Losses:
     """Where a run's seconds went at each loss: every reform's record (``status.lastReform``) and the steps redone
     (the relayed step falling back to the checkpoint the group resumed from)."""
@@ -135,8 +160,8 @@ def measure(
     replacement_wait: int | None = None,
     losses: Losses | None = None,
     spares: int = 0,
-) -> tuple[Run, dict, dict]:
-    """(the run's records and kills, restarts by reason, the last status.checkpointInterval)."""
+) -> tuple[Run, dict, dict, Account]:
+    """(the run's records and kills, restarts by reason, the last status.checkpointInterval, its account)."""
     base = lb.workdir("goodput")
     if losses is not None:
         losses.new_run()
@@ -144,6 +169,7 @@ def measure(
     run = Run()
     kills = run.kills
     chosen: dict = {}
+    account = Account()
 
     def on_tick(runtime, snapshot):
         status = snapshot.status
@@ -159,6 +185,7 @@ def measure(
             marks["ready"] = now
         if "start" not in marks and "ready" in marks and stamped >= marks["ready"]:
             marks["start"] = stamped
+            account.start = Account.now(status, now)
         if "start" not in marks or "end" in marks:
             return
         run.add(stamped, int(status.get("samplesConsumed", 0)), int(status.get("rendezvousRound", 0)))
@@ -170,6 +197,7 @@ def measure(
                 runtime.apply_chaos(lb.parse_chaos(f"kill-node:{max(p.index for p in alive)}@0s")[0])
         if stamped - marks["start"] >= window:
             marks["end"] = stamped
+            account.end = Account.now(status, now)
             runtime.stop(f"window of {window:.0f}s elapsed")
 
     job = lb.tinylm_job("goodput", replicas=3, max_steps=1_000_000)
@@ -184,7 +212,7 @@ def measure(
     shutil.rmtree(base, ignore_errors=True)
     if "end" not in marks:
         raise RuntimeError(f"the run ended before its {window:.0f} s window closed: {runtime.summary}")
-    return run, restarts, chosen
+    return run, restarts, chosen, account
 
 
 def main() -> None:
@@ -213,17 +241,18 @@ def main() -> None:
     failing = [kind for kind in kinds if kind != "clean"]
     losses_of = {kind: Losses() for kind in failing}
     runs: dict[str, list[Run]] = {kind: [] for kind in kinds}
+    accounted = {kind: {cause.value: 0.0 for cause in goodput.Cause} for kind in kinds}
     restarts: dict[str, dict] = {kind: {} for kind in failing}
     chosen: dict = {}
     for round_ in range(args.rounds):
         turn = round_ % len(kinds)
         for kind in kinds[turn:] + kinds[:turn]:
             if kind == "clean":
-                run, _, _ = measure(args.window, None, replacement_wait=wait)
+                run, _, _, account = measure(args.window, None, replacement_wait=wait)
             else:
                 interval = "auto" if kind == "auto" else None
                 spares = args.spares if kind == "spare" else 0
-                run, by_reason, last = measure(
+                run, by_reason, last, account = measure(
                     args.window, args.period, interval, replacement_wait=wait, losses=losses_of[kind], spares=spares
                 )
                 for reason, count in by_reason.items():
@@ -231,6 +260,8 @@ def main() -> None:
                 if kind == "auto":
                     chosen.update(last)
             runs[kind].append(run)
+            for cause, seconds in account.seconds().items():
+                accounted[kind][cause] += seconds
             settled = run.settled_rate()
             print(
                 f"round {round_ + 1} {kind}: {run.kept / run.seconds:.1f} samples/s kept over {run.seconds:.0f} s, "
@@ -266,6 +297,21 @@ def main() -> None:
             print(f"goodput_ratio_vs_clean_run{suffix[kind]}: {kept_rate(kind) / clean:.3f}")
     for kind in failing:
         print(f"goodput_ratio{suffix[kind]}: {in_run_ratio(kind):.3f}")
+
+    def account_ratio(kind: str) -> float:
+        """Training seconds / accounted seconds of the kind's windows (status.goodput's definition)."""
+        total = sum(accounted[kind].values())
+        return accounted[kind]["training"] / total if total > 0 else 0.0
+
+    for kind in kinds:
+        by_cause = ", ".join(f"{cause} {s:.1f}" for cause, s in accounted[kind].items() if s)
+        print(f"goodput_seconds_{kind}: {by_cause}")
+        print(f"goodput_account_ratio_{kind}: {account_ratio(kind):.3f}")
+    if "clean" in kinds:
+        for kind in failing:
+            print(
+                f"goodput_account_ratio_vs_clean_run{suffix[kind]}: {account_ratio(kind) / account_ratio('clean'):.3f}"
+            )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Optional
 
-from disttrain.api import conditions
+from disttrain.api import conditions, goodput, timestamps
 from disttrain.api.conditions import ConditionType, Reason
 from disttrain.api.control import DirectiveAction
 from disttrain.api.spec import DistTrainJob
@@ -64,6 +64,14 @@ class Draft:
         self.stalled = heartbeat.silent_pods(self.status.stalled_nodes, seen.workers)
         """Worker pods the job agent reports behind a stalled step: evicted as silent ones are."""
 
+    def account_goodput(self) -> goodput.GoodputStatus:
+        """``status.goodput`` advanced to what this reconcile decided (:mod:`disttrain.api.goodput`)."""
+        try:
+            created = timestamps.parse_time((self.job.metadata.model_extra or {}).get("creationTimestamp"))
+        except (TypeError, ValueError):
+            created = None  # the first reconcile's time
+        return goodput.account(self.status.goodput, goodput.facts_of(self.status, created=created, now=self.now))
+
     @property
     def is_finished(self) -> bool:
         return self.status.phase.is_finished
@@ -96,12 +104,17 @@ class Draft:
 
     def freeze(self) -> Actions:
         new = self.status.to_wire()
+        patch = merge_patch(self.old, new)
+        account = self.account_goodput()
+        if account != self.status.goodput and (patch or goodput.is_due(self.status.goodput, self.now)):
+            new["goodput"] = account.to_wire()  # with another write, or when due: never a write per progress report
+            patch = merge_patch(self.old, new)
         return Actions(
             create_workers=tuple(sorted(self.create, key=lambda w: w.node_index)),
             create_agent=self.create_agent,
             agent_avoid_nodes=self.agent_avoid_nodes if self.create_agent else (),
             delete_pods=tuple(self.deletions.values()),
-            status_patch=merge_patch(self.old, new),
+            status_patch=patch,
             status=new,
             events=tuple(self.events),
             requeue_after=min(self.timers) if self.timers else None,

@@ -19,6 +19,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from disttrain.api import conditions as cond
 from disttrain.api.conditions import Reason
+from disttrain.api.goodput import Cause
 from disttrain.api.reformphases import ReformPhase
 from disttrain.api.status import STORE_KEY_CLASSES, STORE_REJECT_REASONS, Phase
 from disttrain.operator.infralosses import INFRASTRUCTURE_CAUSES, WINDOW_SECONDS
@@ -47,6 +48,8 @@ INFRASTRUCTURE_REASONS = tuple(sorted(r.value for r in INFRASTRUCTURE_CAUSES))
 """Causes of an infrastructure loss: the keys of status.infrastructureLosses.byReason."""
 REFORM_REASONS = (*RESTART_REASONS, Reason.SCALED_DOWN.value, Reason.SCALED_UP.value, Reason.NODE_DEPARTING.value)
 """Reasons a reform starts with: every restart cause, the planned scale-down and scale-up, and a node's departure."""
+GOODPUT_CAUSES = tuple(c.value for c in Cause)
+"""The ``cause`` label of the goodput counter: the keys of status.goodput.seconds."""
 MAX_DELETED_REMEMBERED = 10_000
 OTHER_REASON = "Other"
 """The label of any reason that is not one of ours: label values come only from our enums, never from a status
@@ -171,6 +174,21 @@ class OperatorMetrics:
             [*job, "key_class", "reason"],
             registry=registry,
         )
+        self.goodput_seconds = Counter(
+            "disttrain_job_goodput_seconds",
+            "Seconds of the job's wall time by cause (status.goodput.seconds; docs/observability.md, \"Goodput by "
+            'cause"): training, queued, startup, suspended, each reform phase, reform, redone, checkpointBlocked, '
+            "stalled, finishing. Advanced when the operator settles them, so it lags the wall clock by up to "
+            "a few minutes.",
+            [*job, "cause"],
+            registry=registry,
+        )
+        self.goodput_ratio = Gauge(
+            "disttrain_job_goodput_ratio",
+            "Training seconds / wall seconds over the job's life (status.goodput.ratio).",
+            job,
+            registry=registry,
+        )
         self.reconcile_duration = Histogram(
             "disttrain_operator_reconcile_duration_seconds",
             "Wall time of one reconcile (read, decide, write).",
@@ -248,7 +266,10 @@ class OperatorMetrics:
                 if isinstance(phases.get(phase), (int, float)):
                     self.reform_phase.labels(namespace, phase).observe(phases[phase])
         self._observe_store_rejections(labels, status, previous)
+        goodput = _goodput_seconds(status)
+        self._observe_goodput(labels, status, goodput, previous)
         self._seen[labels] = {
+            "goodput": goodput,
             "storeRejections": _store_rejection_counts(status),
             "restarts": status.get("restarts"),
             "infrastructureLosses": status.get("infrastructureLosses"),
@@ -303,6 +324,26 @@ class OperatorMetrics:
             if delta > 0:
                 self.store_rejections.labels(*labels, *series).inc(delta)
 
+    def _observe_goodput(
+        self,
+        labels: tuple[str, str],
+        status: Mapping[str, Any],
+        seconds: dict[str, float],
+        previous: Optional[Mapping[str, Any]],
+    ) -> None:
+        """Advance each cause's counter by what status.goodput.seconds grew since the last status (the first sight
+        of a job only creates the series)."""
+        ratio = (status.get("goodput") or {}).get("ratio")
+        if isinstance(ratio, (int, float)) and not isinstance(ratio, bool):
+            self.goodput_ratio.labels(*labels).set(ratio)
+        if previous is None:
+            return
+        old = previous.get("goodput") or {}
+        for cause, value in seconds.items():
+            delta = value - old.get(cause, 0.0)
+            if delta > 0:
+                self.goodput_seconds.labels(*labels, cause).inc(delta)
+
     def _create_series_at_zero(self, labels: tuple[str, str]) -> None:
         """Every reason's counter and the reform-duration histogram at 0, so that increase() sees the first
         restart, reform and reform duration of each kind."""
@@ -318,6 +359,8 @@ class OperatorMetrics:
             self.restarts.labels(*labels, reason)
         for reason in (*REFORM_REASONS, OTHER_REASON):
             self.reforms.labels(*labels, reason)
+        for cause in GOODPUT_CAUSES:
+            self.goodput_seconds.labels(*labels, cause)
 
     def forget_job(self, namespace: str, name: str, uid: Optional[str] = None) -> None:
         """Drop a deleted job's series so /metrics does not grow without bound. Call it as soon as the deletion
@@ -343,12 +386,20 @@ class OperatorMetrics:
             self.max_restarts,
             self.infrastructure_losses_last_hour,
             self.max_infrastructure_losses_per_hour,
+            self.goodput_ratio,
         ):
             try:
                 metric.remove(*labels)
             except KeyError:
                 pass
-        for family in (self.phase, self.restarts, self.infrastructure_losses, self.reforms, self.store_rejections):
+        for family in (
+            self.phase,
+            self.restarts,
+            self.infrastructure_losses,
+            self.reforms,
+            self.store_rejections,
+            self.goodput_seconds,
+        ):
             for sample_labels in list(family._metrics):  # prometheus-client has no public lister
                 if sample_labels[:2] == labels:
                     family.remove(*sample_labels)
@@ -376,6 +427,22 @@ def _store_rejection_counts(status: Mapping[str, Any]) -> dict[tuple[str, str], 
         if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
             out[(key_class, reason)] = count
     return out
+
+
+def _goodput_seconds(status: Mapping[str, Any]) -> dict[str, float]:
+    """``status.goodput.seconds`` by cause; anything outside :data:`GOODPUT_CAUSES` or no finite non-negative number
+    is left out."""
+    seconds = (status.get("goodput") or {}).get("seconds") or {}
+    if not isinstance(seconds, Mapping):
+        return {}
+    return {
+        cause: float(value)
+        for cause, value in seconds.items()
+        if cause in GOODPUT_CAUSES
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and 0 <= value < float("inf")
+    }
 
 
 def _by_label(by_reason: Mapping[str, Any], known: tuple[str, ...]) -> dict[str, int]:

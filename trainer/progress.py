@@ -82,6 +82,7 @@ def report_step(trainer: ElasticTrainer, step: Step, seconds: float) -> None:
             startup=trainer.startup.report(),
             in_place_fallback=trainer.in_place_fallback,
             checkpoint_upload=trainer.checkpoints.upload_backlog(),
+            checkpoint_blocked_seconds=round(ckpts.blocked_s, 3),
         )
         trainer.watchdog.publish(control_keys.PROGRESS_KEY, report.model_dump_json())
 

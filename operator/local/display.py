@@ -163,4 +163,7 @@ def render_summary(summary: Summary, console: Console) -> None:
     losses = summary.infrastructure_losses_by_reason
     table.add_row("infrastructure losses", ", ".join(f"{k}: {v}" for k, v in losses.items()) or "none")
     table.add_row("lost steps", str(summary.lost_steps))
+    if summary.goodput_ratio is not None:
+        table.add_row("goodput", f"{summary.goodput_ratio:.3f} (training / wall time)")
+        table.add_row("time by cause", "\n".join(f"{cause}: {s:.1f}s" for cause, s in summary.goodput_seconds.items()))
     console.print(table)

@@ -39,6 +39,10 @@ class Summary:
     world_size: int
     infrastructure_losses_by_reason: Mapping[str, int] = dataclasses.field(default_factory=dict)
     """``status.infrastructureLosses.byReason``: losses of infrastructure the job survived, beside its restarts."""
+    goodput_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """``status.goodput.seconds``: the causes with any seconds, in the order of ``api/goodput.py`` ``Cause``."""
+    goodput_ratio: Optional[float] = None
+    """``status.goodput.ratio``: training seconds / wall seconds."""
 
     @property
     def succeeded(self) -> bool:
@@ -49,6 +53,7 @@ class Summary:
         out["reforms"] = [dataclasses.asdict(r) for r in self.reforms]
         out["restarts_by_reason"] = dict(self.restarts_by_reason)
         out["infrastructure_losses_by_reason"] = dict(self.infrastructure_losses_by_reason)
+        out["goodput_seconds"] = dict(self.goodput_seconds)
         return out
 
 
@@ -101,6 +106,7 @@ class Recorder:
                 )
             )
         ckpt = status.get("lastCheckpoint") or {}
+        goodput = status.get("goodput") or {}
         return Summary(
             job=self.job,
             phase=str(status.get("phase", "Pending")),
@@ -114,4 +120,6 @@ class Recorder:
             last_checkpoint_step=ckpt.get("step"),
             world_size=int(status.get("worldSize", 0) or 0),
             infrastructure_losses_by_reason=dict((status.get("infrastructureLosses") or {}).get("byReason", {})),
+            goodput_seconds={cause: float(s) for cause, s in (goodput.get("seconds") or {}).items() if s},
+            goodput_ratio=goodput.get("ratio"),
         )

@@ -58,7 +58,7 @@ def store_pair():
     yield server, client
 
 
-def progress(step, world=2, run="r1", restart=0, process="p1", rate=None, loss=None):
+def progress(step, world=2, run="r1", restart=0, process="p1", rate=None, loss=None, blocked=None):
     return keys.ProgressReport(
         step=step,
         loss=loss,
@@ -70,6 +70,7 @@ def progress(step, world=2, run="r1", restart=0, process="p1", rate=None, loss=N
         run_id=run,
         process_id=process,
         time=1_700_000_000.5 + step,
+        checkpoint_blocked_seconds=blocked,
     ).model_dump_json()
 
 
@@ -460,6 +461,20 @@ def test_the_throughput_of_rank_0_is_relayed_with_the_progress(tmp_path, store_p
     client.set(keys.PROGRESS_KEY, progress(4, rate=812.4567))
     agent.sync()
     assert source.read()["status"]["samplesPerSecond"] == 812.5
+
+
+def test_the_seconds_blocked_on_checkpoints_are_relayed_with_the_progress(tmp_path, store_pair):
+    """status.checkpointBlockedSeconds feeds the goodput account's checkpointBlocked cause."""
+    server, client = store_pair
+    write_job(tmp_path)
+    source = agent_mod.FileJobSource(tmp_path)
+    agent = agent_mod.Agent(source, server)
+    client.set(keys.PROGRESS_KEY, progress(3))
+    agent.sync()
+    assert "checkpointBlockedSeconds" not in source.read()["status"]
+    client.set(keys.PROGRESS_KEY, progress(4, blocked=1.25))
+    agent.sync()
+    assert source.read()["status"]["checkpointBlockedSeconds"] == 1.25
 
 
 def test_the_global_loss_is_relayed_with_the_progress_and_a_non_finite_one_never(tmp_path, store_pair):

@@ -88,7 +88,8 @@ def test_every_variable_a_query_uses_is_defined_or_a_grafana_builtin():
 
 def test_the_panels_the_platform_team_asked_for():
     """World size over time, reforms, restarts and infrastructure losses by reason, reform duration by phase,
-    checkpoint age and step, samples/s and goodput: each has a panel reading the series that tell it."""
+    checkpoint age and step, samples/s, goodput and goodput by cause: each has a panel reading the series that tell
+    it."""
     panels = {panel["title"]: panel for panel in dashboard.all_panels()}
 
     def reads(title: str) -> set[str]:
@@ -113,6 +114,13 @@ def test_the_panels_the_platform_team_asked_for():
     assert reads("Samples/s") == {"disttrain_trainer_samples_per_second"}
     assert reads("Goodput") == {"disttrain_job_samples_consumed", "disttrain_trainer_samples_per_second"}
     assert "Goodput" in panels["Goodput"]["description"] and "deriv" in panels["Goodput"]["description"]
+    assert reads("Goodput by cause") == {"disttrain_job_goodput_seconds_total"}
+    assert panels["Goodput by cause"]["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    assert all("by (namespace, job, cause)" in t["expr"] for t in panels["Goodput by cause"]["targets"])
+    assert reads("Goodput ratio by cause (time range)") == {
+        "disttrain_job_goodput_seconds_total",
+        "disttrain_job_goodput_ratio",
+    }
 
 
 def test_grafana_can_load_it():

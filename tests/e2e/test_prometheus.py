@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from disttrain.api import conditions as cond
+from disttrain.api import goodput as goodput_mod
 from disttrain.operator import cli
 from disttrain.operator.local import chaos as chaos_mod
 from disttrain.operator.local.runtime import LocalRuntime, Snapshot
@@ -317,3 +318,75 @@ def test_goodput_over_the_run_counts_the_lost_node_and_the_reforms(observed):
         "result"
     ]
     assert 0 < float(series["value"][1]) < 1, series
+
+
+REFORM_CAUSES = {c.value for c in goodput_mod.REFORM_CAUSES} | {"reform"}
+
+
+@pytest.mark.timeout(300)
+def test_goodput_by_cause_accounts_for_the_whole_run(observed):
+    """The final status.goodput: causes adding up to the wall time from the job's start to its completion, training
+    most of it, the two reforms' seconds in their phases (at most their durations), the same in the summary."""
+    final = observed.statuses[-1]
+    account = final["goodput"]
+    seconds = account["seconds"]
+    start = cond.parse_time(account["since"])
+    assert math.isclose(sum(seconds.values()), account["wallSeconds"], abs_tol=1e-3), account
+    assert math.isclose(account["wallSeconds"], cond.parse_time(final["completionTime"]) - start, abs_tol=2e-3)
+    assert seconds["training"] > 0 and account["ratio"] == round(seconds["training"] / account["wallSeconds"], 4)
+    reforms = sum(seconds[c] for c in REFORM_CAUSES)
+    durations = sum(r.duration_seconds for r in observed.run.summary.reforms)
+    assert 0 < reforms <= durations + 1e-3, (seconds, durations)
+    assert seconds["queued"] == seconds["suspended"] == 0, seconds
+    summary = observed.run.summary
+    assert summary.goodput_ratio == account["ratio"]
+    assert dict(summary.goodput_seconds) == {c: s for c, s in seconds.items() if s}
+
+
+@pytest.mark.timeout(300)
+def test_the_goodput_counter_is_the_status_account(observed):
+    """Every stored sample of each cause's counter is what the status account grew since the operator first saw
+    the job (the series start at 0 there), and the last one is the final account."""
+    first = observed.statuses[0]["goodput"]["seconds"]
+    series = observed.samples("disttrain_job_goodput_seconds_total")
+    assert {dict(labels)["cause"] for labels in series} == set(first), series.keys()
+    for labels, points in series.items():
+        cause = dict(labels)["cause"]
+        for at, value in points:
+            seen = [s["goodput"]["seconds"][cause] - first[cause] for s in observed.statuses_around(at)]
+            assert any(math.isclose(value, v, abs_tol=1e-6) for v in seen), (cause, at, value, seen)
+        assert math.isclose(
+            points[-1][1], observed.statuses[-1]["goodput"]["seconds"][cause] - first[cause], abs_tol=1e-6
+        )
+
+
+@pytest.mark.timeout(300)
+def test_the_goodput_by_cause_panel_shows_the_status_account(observed):
+    """The panel's queries, run by Prometheus over the run: each cause's share is its share of what the counters
+    grew between the first and the last scrape (whose samples are the status account: the test above), and the
+    ratio over the job's life is status.goodput.ratio. increase() extrapolates each series by up to a scrape
+    interval at either end of the range (less for one that starts at 0): the shares agree within that."""
+    [shares, ratio] = [q for q in dashboard.queries() if q.panel == "Goodput ratio by cause (time range)"]
+    values = dashboard.grafana_values(
+        namespace=NAMESPACE,
+        job=JOB,
+        scrape_interval_s=1,
+        range_s=observed.end - observed.ticks[0],
+        goodput_window="30s",
+    )
+    at = f"{observed.end:.3f}"
+    answer = observed.prometheus.api("query", query=dashboard.fill(shares.expr, values), time=at)["result"]
+    got = {row["metric"]["cause"]: float(row["value"][1]) for row in answer}
+    final = observed.statuses[-1]["goodput"]
+    series = observed.samples("disttrain_job_goodput_seconds_total")
+    grown = {dict(labels)["cause"]: points[-1][1] - points[0][1] for labels, points in series.items()}
+    total = sum(grown.values())
+    assert grown["training"] > 0 and sum(grown[c] for c in REFORM_CAUSES) > 0, grown
+    assert set(got) == set(grown)
+    assert math.isclose(sum(got.values()), 1.0, abs_tol=1e-9), got
+    extrapolated = 2 * 1.0 / total  # two 1 s scrape intervals
+    for cause, share in got.items():
+        assert math.isclose(share, grown[cause] / total, abs_tol=extrapolated), (cause, share, grown[cause] / total)
+    assert got["training"] > 0.3, got
+    [row] = observed.prometheus.query_range(dashboard.fill(ratio.expr, values), observed.ticks[0], observed.end, 1)
+    assert float(row["values"][-1][1]) == final["ratio"], row

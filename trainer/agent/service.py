@@ -497,6 +497,8 @@ class Agent:
             )
             if report.samples_per_second is not None:
                 wanted["samplesPerSecond"] = round(report.samples_per_second, 1)
+            if report.checkpoint_blocked_seconds is not None:
+                wanted["checkpointBlockedSeconds"] = report.checkpoint_blocked_seconds
             if report.loss is not None and math.isfinite(report.loss):
                 wanted["loss"] = float(f"{report.loss:.6g}")
             startup = report.startup

@@ -8,7 +8,13 @@ from prometheus_client import CollectorRegistry
 
 from disttrain.api import timestamps
 from disttrain.operator import infralosses, losses
-from disttrain.operator.metrics import INFRASTRUCTURE_REASONS, REFORM_REASONS, RESTART_REASONS, OperatorMetrics
+from disttrain.operator.metrics import (
+    GOODPUT_CAUSES,
+    INFRASTRUCTURE_REASONS,
+    REFORM_REASONS,
+    RESTART_REASONS,
+    OperatorMetrics,
+)
 
 JOB = {"namespace": "team-a", "job": "demo"}
 
@@ -148,3 +154,25 @@ def test_each_agent_loss_counts_one_replacement():
     metrics.observe_job("team-a", "demo", {"phase": "Running", "agentLostAt": "2026-01-01T00:05:00Z"}, now=5)
     assert _value(registry, "disttrain_job_agent_replacements_total") == 2
     assert _value(registry, "disttrain_job_restarts_counted") == 0
+
+
+def test_the_goodput_counter_follows_the_status_by_cause():
+    """From the first sight (series at 0) by what each cause grew; the ratio gauge is the status' ratio."""
+    registry = CollectorRegistry()
+    metrics = OperatorMetrics(registry)
+
+    def observe(training: float, detection: float, ratio: float) -> None:
+        goodput = {"ratio": ratio, "seconds": {"training": training, "detection": detection, "bogus": 5.0}}
+        metrics.observe_job("team-a", "demo", {"phase": "Running", "goodput": goodput}, now=1)
+
+    observe(100.0, 0.0, 1.0)  # an operator that starts beside a running job: no increase yet
+    assert all(_value(registry, "disttrain_job_goodput_seconds_total", cause=c) == 0 for c in GOODPUT_CAUSES)
+    observe(130.0, 2.5, 0.98)
+    observe(150.0, 2.5, 0.985)
+    assert _value(registry, "disttrain_job_goodput_seconds_total", cause="training") == 50.0
+    assert _value(registry, "disttrain_job_goodput_seconds_total", cause="detection") == 2.5
+    assert _value(registry, "disttrain_job_goodput_seconds_total", cause="bogus") is None
+    assert _value(registry, "disttrain_job_goodput_ratio") == 0.985
+    metrics.forget_job("team-a", "demo")
+    assert _value(registry, "disttrain_job_goodput_seconds_total", cause="training") is None
+    assert _value(registry, "disttrain_job_goodput_ratio") is None
