@@ -75,8 +75,9 @@ ARG INDEX_URL=https://pypi.org/simple
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_FIND_LINKS=""
 ARG TORCH_LOCK=requirements/torch-cpu.txt
-# torch first, from its one source; then, from the other, torch's dependencies and those of disttrain[trainer,agent]
-# (the agent extra is the kubernetes client the job agent follows its job with; kopf is not installed here), as
+# torch first, from its one source; then, from the other, torch's dependencies and those of disttrain[trainer,agent,s3]
+# (the agent extra is the kubernetes client the job agent follows its job with, s3 the bucket client of checkpoints
+# in object storage; kopf is not installed here), as
 # scripts/images/lock.sh resolved them into requirements/trainer.txt.
 COPY ${TORCH_LOCK} /requirements/torch.txt
 RUN if [ -n "${TORCH_FIND_LINKS}" ]; then torch_from="--no-index --find-links ${TORCH_FIND_LINKS}"; \

@@ -4,7 +4,7 @@
 #
 #   requirements/build.txt      setuptools, the build backend that makes the disttrain wheel
 #   requirements/operator.txt   disttrain[operator]'s dependencies                            (PyPI)
-#   requirements/trainer.txt    disttrain[trainer,agent]'s dependencies, torch's own deps      (PyPI)
+#   requirements/trainer.txt    disttrain[trainer,agent,s3]'s dependencies, torch's own deps   (PyPI)
 #   requirements/torch-cpu.txt  torch's CPU wheel alone                                        (PyTorch's CPU index)
 #   requirements/torch-cuda.txt torch's CUDA wheel and what it needs beyond trainer.txt:        (PyPI)
 #                               nvidia-*, cuda-*, triton (`make image-cuda`, Linux x86-64 only)
@@ -52,7 +52,7 @@ compile requirements/operator.txt pyproject.toml --extra operator "$@"
 # joined, seed it so their pins are kept; uv records no hash for a lone `--no-deps` package, hence the split.
 full="$venv/trainer-full.txt"
 cat requirements/trainer.txt requirements/torch-cpu.txt > "$full" 2>/dev/null || : > "$full"
-compile "$full" pyproject.toml requirements/torch-cpu.in --extra trainer --extra agent \
+compile "$full" pyproject.toml requirements/torch-cpu.in --extra trainer --extra agent --extra s3 \
     --find-links "$TORCH_FIND_LINKS" "$@"
 split() {  # KEEP_TORCH: 1 keeps torch's entry only, 0 everything else (the header goes to both)
     awk -v keep="$1" '/^[a-z0-9]/ {in_torch = ($0 ~ /^torch==/)} /^#/ && !seen {print; next} {seen = 1}
@@ -67,7 +67,7 @@ grep -q -- '--hash=sha256:' requirements/torch-cpu.txt \
 # it keeps only what trainer.txt lacks, so the two files, joined, are the CUDA image's whole environment.
 cuda_full="$venv/trainer-cuda-full.txt"
 cat requirements/trainer.txt requirements/torch-cuda.txt > "$cuda_full" 2>/dev/null || : > "$cuda_full"
-compile "$cuda_full" pyproject.toml requirements/torch-cuda.in --extra trainer --extra agent \
+compile "$cuda_full" pyproject.toml requirements/torch-cuda.in --extra trainer --extra agent --extra s3 \
     --constraint requirements/trainer.txt "$@"
 awk 'NR == FNR {if (/^[a-z0-9]/) {sub(/==.*/, ""); locked[$0] = 1}; next}
      /^[a-z0-9]/ {name = $1; sub(/==.*/, "", name); new = !(name in locked)} /^#/ && !seen {print; next} {seen = 1}
