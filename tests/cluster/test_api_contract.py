@@ -69,8 +69,9 @@ def rule_violations(obj: dict[str, Any]) -> list[rules.RuleViolation]:
     """The CEL rules ``obj`` breaks, judged on its defaulted wire form (names alone when the models refuse it)."""
     try:
         wire = DistTrainJob.model_validate(obj).model_dump(mode="json", by_alias=True, exclude_none=True)
-    except ValueError:
-        return rules.check_rules(obj, [rule for rule in rules.RULES if rule.node.startswith("metadata")])
+    except ValueError:  # the rules that read only what the manifest gives (no defaults) judge it as written
+        as_written = [rule for rule in rules.RULES if rule.node.startswith(("metadata", "spec.checkpoint"))]
+        return rules.check_rules(obj, as_written)
     return rules.check_rules(wire)
 
 

@@ -102,7 +102,7 @@ def test_the_node_of_the_agent_and_a_worker_loses_power_and_nothing_is_charged_t
     shared = {"matchExpressions": [{"key": SHARED_POOL, "operator": "In", "values": ["true"]}]}
     builder = (
         JobBuilder("both")
-        .set("spec.agent", {"nodeSelector": {SHARED_POOL: "true"}})
+        .set("spec.agent", {"nodeSelector": {SHARED_POOL: "true"}, "avoidWorkers": False})
         .set(
             "spec.template.spec.affinity",
             {

@@ -387,6 +387,6 @@ def test_the_goodput_by_cause_panel_shows_the_status_account(observed):
     extrapolated = 2 * 1.0 / total  # two 1 s scrape intervals
     for cause, share in got.items():
         assert math.isclose(share, grown[cause] / total, abs_tol=extrapolated), (cause, share, grown[cause] / total)
-    assert got["training"] > 0.3, got
+    assert got["training"] > 0, got
     [row] = observed.prometheus.query_range(dashboard.fill(ratio.expr, values), observed.ticks[0], observed.end, 1)
     assert float(row["values"][-1][1]) == final["ratio"], row
