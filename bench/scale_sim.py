@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing
 import os
 import pathlib
@@ -53,12 +54,39 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def wait_for_port(port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def node_name(index: int) -> str:
     return f"sim-worker-{index}"
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return cpu_seconds_of(pathlib.Path(f"/proc/{pid}/stat"))
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds of each thread of ``pid`` (the main thread's id is ``pid``: the agent's loop)."""
+    found = {}
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found[int(task.name)] = cpu_seconds_of(task / "stat")
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def cpu_seconds_of(stat: pathlib.Path) -> float:
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
 
@@ -179,6 +207,16 @@ def sim_process(first: int, count: int, opts: dict[str, Any], events: Any, go: A
     )
     from disttrain.trainer.store import channel
 
+    if opts["log_dir"]:
+        import faulthandler
+        import signal as signals
+
+        faulthandler.register(signals.SIGUSR1, open(f"{opts['log_dir']}/stacks-{first}.txt", "w"), all_threads=True)
+        logging.basicConfig(
+            filename=f"{opts['log_dir']}/nodes-{first}.log",
+            level=logging.INFO,
+            format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s",
+        )
     nodes = [SimNode(first + i, opts, events) for i in range(count)]
     events.put(("ready", first, os.getpid()))
     go.wait()
@@ -226,6 +264,8 @@ def main() -> None:
     parser.add_argument("--keep-alive", type=int, default=1, help="spec.rendezvous.keepAliveIntervalSeconds")
     parser.add_argument("--silent-after", type=float, default=1.0, help="spec.rendezvous.silentAfterSeconds")
     parser.add_argument("--window", type=float, default=20.0, help="seconds of the steady window")
+    parser.add_argument("--log", action="store_true", help="the nodes' logs into the state directory")
+    parser.add_argument("--profile", action="store_true", help="cProfile the agent's loop into <state>/agent.prof")
     parser.add_argument("--timeout", type=float, default=300.0, help="longest wait for the rendezvous or the reform")
     args = parser.parse_args()
     state = pathlib.Path(tempfile.mkdtemp(prefix="scale-sim-"))
@@ -234,8 +274,9 @@ def main() -> None:
     write_job(state, job_document(args.nodes, args.keep_alive, args.silent_after, first_control))
     agent_env = dict(os.environ, **{env.STORE_SECRET: SECRET, env.JOB_UID: RUN_ID, env.STORE_FRONT: "1"})
     agent_log = open(state / "agent.log", "w")  # noqa: SIM115 - open for the agent's lifetime
+    profile = ["-m", "cProfile", "-o", str(state / "agent.prof")] if args.profile else []
     agent = subprocess.Popen(
-        [sys.executable, "-m", "disttrain.trainer.agent", "--state-dir", str(state), "--port", str(port)]
+        [sys.executable, *profile, "-m", "disttrain.trainer.agent", "--state-dir", str(state), "--port", str(port)]
         + ["--host", "127.0.0.1"],
         env=agent_env,
         stdout=agent_log,
@@ -249,14 +290,13 @@ def main() -> None:
         "nproc": args.nproc,
         "step_seconds": args.step_seconds,
         "keep_alive": args.keep_alive,
+        "log_dir": str(state) if args.log else "",
     }
     per = -(-args.nodes // args.processes)
     sims = []
     seen: list[tuple[Any, ...]] = []
     try:
-        deadline = time.monotonic() + 30
-        while not (state / "agent-status.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)  # the agent writes its first status once its store serves
+        wait_for_port(port, 60.0)  # the front listens once the agent's store serves
         for first in range(0, args.nodes, per):
             proc = ctx.Process(
                 target=sim_process, args=(first, min(per, args.nodes - first), opts, events, go, kill, end)
@@ -274,13 +314,20 @@ def main() -> None:
 
         time.sleep(max(5.0, 3 * args.step_seconds))  # every beat and beacon flowing
         a0, c0, t0 = cpu_seconds(agent.pid), sum(cpu_seconds(p) for p in sim_pids), time.monotonic()
+        threads0 = thread_cpu(agent.pid)
         peak = 0.0
         while time.monotonic() - t0 < args.window:
             time.sleep(0.5)
             peak = max(peak, rss_mb(agent.pid))
         a1, c1, t1 = cpu_seconds(agent.pid), sum(cpu_seconds(p) for p in sim_pids), time.monotonic()
+        threads1 = thread_cpu(agent.pid)
+        busy = sorted(((threads1[t] - threads0.get(t, 0.0)) / (t1 - t0), t) for t in threads1)[::-1]
         status = json.loads((state / "agent-status.json").read_text())
         print(f"agent_cpu_cores: {(a1 - a0) / (t1 - t0):.3f}", flush=True)
+        loop = next((c for c, t in busy if t == agent.pid), 0.0)
+        print(f"agent_loop_thread_cpu_cores: {loop:.3f}", flush=True)
+        others = [f"{c:.3f}" for c, t in busy if t != agent.pid][:3]
+        print(f"agent_other_threads_cpu_cores: {' '.join(others)}", flush=True)
         print(f"clients_cpu_cores: {(c1 - c0) / (t1 - t0):.3f}", flush=True)
         print(f"agent_rss_mb: {rss_mb(agent.pid):.0f}", flush=True)
         print(f"agent_rss_peak_mb: {peak:.0f}", flush=True)
