@@ -211,7 +211,8 @@ def sim_process(first: int, count: int, opts: dict[str, Any], events: Any, go: A
         import faulthandler
         import signal as signals
 
-        faulthandler.register(signals.SIGUSR1, open(f"{opts['log_dir']}/stacks-{first}.txt", "w"), all_threads=True)
+        stacks = open(f"{opts['log_dir']}/stacks-{first}.txt", "w")  # noqa: SIM115 - for the process's lifetime
+        faulthandler.register(signals.SIGUSR1, stacks, all_threads=True)  # kill -USR1: every thread's stack
         logging.basicConfig(
             filename=f"{opts['log_dir']}/nodes-{first}.log",
             level=logging.INFO,
@@ -275,9 +276,9 @@ def main() -> None:
     agent_env = dict(os.environ, **{env.STORE_SECRET: SECRET, env.JOB_UID: RUN_ID, env.STORE_FRONT: "1"})
     agent_log = open(state / "agent.log", "w")  # noqa: SIM115 - open for the agent's lifetime
     profile = ["-m", "cProfile", "-o", str(state / "agent.prof")] if args.profile else []
+    where = ["--state-dir", str(state), "--port", str(port), "--host", "127.0.0.1"]
     agent = subprocess.Popen(
-        [sys.executable, *profile, "-m", "disttrain.trainer.agent", "--state-dir", str(state), "--port", str(port)]
-        + ["--host", "127.0.0.1"],
+        [sys.executable, *profile, "-m", "disttrain.trainer.agent", *where],
         env=agent_env,
         stdout=agent_log,
         stderr=subprocess.STDOUT,
@@ -333,6 +334,8 @@ def main() -> None:
         print(f"agent_rss_peak_mb: {peak:.0f}", flush=True)
         print(f"silent_in_steady_window: {len(status.get('silentNodes') or [])}", flush=True)
         print(f"stalled_in_steady_window: {len(status.get('stalledNodes') or [])}", flush=True)
+        members = len(status.get("roundMembers") or [])
+        print(f"round_members_in_steady_window: {members}", flush=True)  # torch's sanitizer drops late keep-alives
 
         victim = args.nodes - 1
         kill.value = victim
@@ -350,7 +353,8 @@ def main() -> None:
             else:
                 time.sleep(0.05)
         if detected is None:
-            raise TimeoutError(f"{name} was not reported silent within {args.timeout:.0f} s")
+            print(f"detect_seconds: none within {args.timeout:.0f} s", flush=True)
+            return
         print(f"detect_seconds: {detected - stopped_at:.2f}", flush=True)
         reform = {"generation": 2, "action": "reform", "targetNodes": args.nodes - 1, "lost": [name]}
         write_job(state, job_document(args.nodes, args.keep_alive, args.silent_after, reform))
