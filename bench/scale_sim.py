@@ -264,6 +264,7 @@ def main() -> None:
     parser.add_argument("--step-seconds", type=float, default=1.0)
     parser.add_argument("--keep-alive", type=int, default=1, help="spec.rendezvous.keepAliveIntervalSeconds")
     parser.add_argument("--silent-after", type=float, default=1.0, help="spec.rendezvous.silentAfterSeconds")
+    parser.add_argument("--settle", type=float, default=5.0, help="seconds between the rendezvous and the window")
     parser.add_argument("--window", type=float, default=20.0, help="seconds of the steady window")
     parser.add_argument("--log", action="store_true", help="the nodes' logs into the state directory")
     parser.add_argument("--profile", action="store_true", help="cProfile the agent's loop into <state>/agent.prof")
@@ -313,7 +314,7 @@ def main() -> None:
         done = max(e[3] for e in seen if e[0] == "round" and e[2] == 1)
         print(f"rendezvous_seconds: {done - began:.2f}", flush=True)
 
-        time.sleep(max(5.0, 3 * args.step_seconds))  # every beat and beacon flowing
+        time.sleep(args.settle)  # every beat and beacon flowing
         a0, c0, t0 = cpu_seconds(agent.pid), sum(cpu_seconds(p) for p in sim_pids), time.monotonic()
         threads0 = thread_cpu(agent.pid)
         peak = 0.0
