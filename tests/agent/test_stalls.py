@@ -126,6 +126,9 @@ class FakeStore:
     def get(self, key: str) -> bytes:
         return self.values[key]
 
+    def multi_get(self, keys_: list[str]) -> list[bytes]:
+        return [self.values[k] for k in keys_]
+
     def put(self, b: keys.StepBeacon) -> None:
         self.values[keys.beacon_key(b.rank)] = b.model_dump_json().encode()
 

@@ -417,10 +417,15 @@ class Beats:
 def read_beats(store: Any, run_id: str, nodes: frozenset[str]) -> Beats:
     """The last beat of each of ``nodes`` that has one (a signed timestamp; anything else is no beat)."""
     found, leaving = {}, set()
-    for node in nodes:
-        key = beat_key(run_id, node)
-        if store.check([key]):
-            parsed = parse_beat(bytes(store.get(key)))
+    ordered = sorted(nodes)
+    names = [beat_key(run_id, node) for node in ordered]
+    # Every node beating (the usual case): one check and one multi_get, not two round trips per node.
+    batch = store.multi_get(names) if len(names) > 1 and store.check(names) else None
+    for index, node in enumerate(ordered):
+        key = names[index]
+        raw = batch[index] if batch is not None else (store.get(key) if store.check([key]) else None)
+        if raw is not None:
+            parsed = parse_beat(bytes(raw))
             if parsed is not None:
                 found[node] = datetime.datetime.fromtimestamp(parsed[0], datetime.timezone.utc)
                 if parsed[1]:

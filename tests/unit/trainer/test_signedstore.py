@@ -346,3 +346,48 @@ def test_a_process_exits_cleanly_with_threads_inside_signed_store_calls(net: Fix
     assert proc.returncode == 0, f"exit {proc.returncode} (attempt {attempt}): {stderr[-2000:]}"
     assert line.strip() == "main done"
     assert time.monotonic() - main_done < 30, "the exit waited for the store timeout (60 s) instead of ending the calls"
+
+
+class Counting:
+    """A raw client that counts the requests made through it (the signed store's round trips)."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.calls = raw, 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.raw, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def test_check_and_multi_get_of_many_keys_cost_two_round_trips_each_and_verify_every_value(net: Fixture) -> None:
+    """The agent reads one beat per node and one beacon per rank: a read of many keys must not cost a round trip
+    per key, and must refuse what a per-key read refuses."""
+    writer = net.client()
+    names = [f"beacon/{rank}" for rank in range(200)]
+    for rank, name in enumerate(names):
+        writer.set(name, str(rank))
+    counting = Counting(net.raw(timeout_s=2))
+    store = signedstore.SignedStore(counting, SECRET, UID, on_reject=lambda k, r: net.rejected.append((k, r)))
+    keys = [full(name) for name in names]
+    assert store.check(keys)
+    assert store.multi_get(keys) == [str(rank).encode() for rank in range(200)]
+    assert counting.calls == 4, "a check and a multi_get of 200 keys: two round trips each"
+    net.outsider.set(keys[7], b"forged")
+    assert not store.check(keys), "one invalid value among many: not all there"
+    assert net.rejected == [(keys[7], "invalid")]
+    threading.Timer(0.3, lambda: writer.set(names[7], "seven")).start()
+    values = store.multi_get(keys)
+    assert values[7] == b"seven" and values[8] == b"8", "multi_get waits for the valid value, as get does"
+    old = net.outsider.get(keys[9])
+    writer.set(names[9], "nine")
+    assert store.multi_get(keys)[9] == b"nine"
+    net.outsider.set(keys[9], old)
+    assert not store.check(keys) and (keys[9], "replay") in net.rejected
+    assert not store.check([*keys, full("absent")]), "an absent key among many"

@@ -1,0 +1,386 @@
+"""A large job by simulation: many simulated nodes speak the real protocol to one real job agent.
+
+The agent is the real one (``python -m disttrain.trainer.agent --state-dir``, local mode: it follows ``job.json`` and
+writes ``agent-status.json``), with its store, its front and its guardian. Each simulated node is a launcher without
+workers: the real ``disttrain`` rendezvous handler (:func:`disttrain.trainer.launch.rendezvous.create_handler`, as
+torchrun builds it, over the relay and the signed store, torch's keep-alives included), its node beat (10 a second),
+and after the rendezvous one :class:`~disttrain.api.control.StepBeacon` per rank and step, written through the
+signed store under ``beacon_key(rank)``. What is simulated: the ranks' beacons of one node go through one
+connection of that node (a real rank has a connection of its own), no training process runs, and the operator
+is played by this script (it reads ``silentNodes`` and writes the ``reform`` directive with the lost node).
+
+The nodes run as threads, ``--nodes / --processes`` per process. Printed:
+
+* ``rendezvous_seconds``: from the go to the last node's ``next_rendezvous()`` return (every node's join);
+* ``agent_cpu_cores`` and ``agent_rss_mb``: the agent process over ``--window`` seconds with every node beating and
+  every rank writing its beacon each ``--step-seconds`` (``/proc/<pid>/stat`` utime + stime);
+* ``clients_cpu_cores``: the simulated nodes' processes over the same window (they share the machine);
+* ``detect_seconds`` (the stop of one node to its name in ``silentNodes``) and ``reform_seconds`` (the stop to the
+  last survivor's next round complete, through the operator's ``reform`` directive as the agent relays it).
+
+    python bench/scale_sim.py --nodes 64 --processes 2
+    python bench/scale_sim.py --nodes 1024 --processes 8 --keep-alive 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing
+import os
+import pathlib
+import queue
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import _localbench  # noqa: F401 - puts the repository on sys.path
+
+from disttrain.api import control, env
+
+SECRET = "scale-sim-bench-" + "5" * 48
+RUN_ID = "scale-sim-uid"
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def node_name(index: int) -> str:
+    return f"sim-worker-{index}"
+
+
+def cpu_seconds(pid: int) -> float:
+    return cpu_seconds_of(pathlib.Path(f"/proc/{pid}/stat"))
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds of each thread of ``pid`` (the main thread's id is ``pid``: the agent's loop)."""
+    found = {}
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found[int(task.name)] = cpu_seconds_of(task / "stat")
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def cpu_seconds_of(stat: pathlib.Path) -> float:
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
+
+
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def job_document(nodes: int, keep_alive: int, silent_after: float, control_: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "disttrain.dev/v1alpha1",
+        "kind": "DistTrainJob",
+        "metadata": {"name": "scale-sim", "namespace": "bench", "uid": RUN_ID},
+        "spec": {
+            "nodes": {"min": 1, "max": nodes, "replicas": nodes},
+            "rendezvous": {
+                "keepAliveIntervalSeconds": keep_alive,
+                "keepAliveMaxAttempts": 3,
+                "silentAfterSeconds": silent_after,
+            },
+            "checkpoint": {"path": "/ckpt"},
+            "training": {"globalBatchSize": 24, "microBatchSize": 2, "lr": {"base": 0.1}, "maxSteps": 1000},
+        },
+        "status": {"control": control_},
+    }
+
+
+def write_job(state: pathlib.Path, document: dict[str, Any]) -> None:
+    tmp = state / ".job.json.tmp"
+    tmp.write_text(json.dumps(document))
+    os.replace(tmp, state / "job.json")
+
+
+class SimNode:
+    """One launcher: the handler (its beat starts with it), then rounds and the ranks' beacons until stopped."""
+
+    def __init__(self, index: int, opts: dict[str, Any], events: Any) -> None:
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+        from disttrain.trainer.launch import rendezvous
+        from disttrain.trainer.store import channel
+
+        self.index, self.opts, self.events = index, opts, events
+        os.environ[env.NODE_NAME] = node_name(index)
+        os.environ[env.POD_UID] = f"uid-{index}"
+        os.environ[env.NODE_INDEX] = str(index)
+        params = RendezvousParameters(
+            backend="disttrain",
+            endpoint=f"127.0.0.1:{opts['port']}",
+            run_id=RUN_ID,
+            min_nodes=1,
+            max_nodes=opts["nodes"],
+            local_addr="127.0.0.1",
+            is_host="false",
+            keep_alive_interval=opts["keep_alive"],
+            keep_alive_max_attempt=3,
+            join_timeout=600,
+            last_call_timeout=30,
+            read_timeout=120,
+        )
+        self.handler = rendezvous.create_handler(params)
+        self.beacons = channel.connect("127.0.0.1", opts["port"], 120.0, SECRET)
+        self.stopped = threading.Event()
+        self.rejoin = threading.Event()
+        self.thread = threading.Thread(target=self.run, name=f"sim-node-{index}", daemon=True)
+
+    def run(self) -> None:
+        nproc, step_s = self.opts["nproc"], self.opts["step_seconds"]
+        round_no = 0
+        while not self.stopped.is_set():
+            info = self.handler.next_rendezvous()
+            round_no += 1
+            world = info.world_size * nproc
+            group = f"round-{round_no}"
+            self.events.put(("round", self.index, round_no, time.time(), info.world_size))
+            step = 0
+            self.rejoin.clear()
+            while not self.stopped.is_set() and not self.rejoin.is_set():
+                step += 1
+                began = time.time()
+                for local in range(nproc):
+                    rank = info.rank * nproc + local
+                    beacon = control.StepBeacon(
+                        step=step,
+                        rank=rank,
+                        world_size=world,
+                        group=group,
+                        node=node_name(self.index),
+                        pod_uid=f"uid-{self.index}",
+                        time=time.time(),
+                    )
+                    try:
+                        self.beacons.set(control.beacon_key(rank), beacon.model_dump_json())
+                    except Exception:  # noqa: BLE001 - a loaded store: the next step writes again
+                        pass
+                self.stopped.wait(max(0.0, step_s - (time.time() - began)))
+
+    def stop(self) -> None:
+        """The node's machine dies: beats, torch's keep-alives and beacons stop without a word."""
+        self.stopped.set()
+        if self.handler.beat is not None:
+            self.handler.beat.stop()
+        self.handler._stop_heartbeats()
+
+
+def sim_process(first: int, count: int, opts: dict[str, Any], events: Any, go: Any, kill: Any, end: Any) -> None:
+    """``count`` simulated nodes from index ``first``; a watcher re-joins them on a new directive, as workers that
+    exit on ``reform`` make their launchers do."""
+    os.environ.update(
+        {
+            env.STORE_SECRET: SECRET,
+            env.STORE_FRONT: "1",
+            env.JOB_UID: RUN_ID,
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        }
+    )
+    from disttrain.trainer.store import channel
+
+    if opts["log_dir"]:
+        import faulthandler
+        import signal as signals
+
+        stacks = open(f"{opts['log_dir']}/stacks-{first}.txt", "w")  # noqa: SIM115 - for the process's lifetime
+        faulthandler.register(signals.SIGUSR1, stacks, all_threads=True)  # kill -USR1: every thread's stack
+        logging.basicConfig(
+            filename=f"{opts['log_dir']}/nodes-{first}.log",
+            level=logging.INFO,
+            format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s",
+        )
+    nodes = [SimNode(first + i, opts, events) for i in range(count)]
+    events.put(("ready", first, os.getpid()))
+    go.wait()
+    for node in nodes:
+        node.thread.start()
+    watcher = channel.connect("127.0.0.1", opts["port"], 120.0, SECRET)
+    seen_generation = None
+    while not end.is_set():
+        victim = kill.value
+        for node in nodes:
+            if node.index == victim and not node.stopped.is_set():
+                node.stop()
+                events.put(("stopped", node.index, time.time()))
+        signal = control.read_model(watcher, control.SIGNAL_KEY, control.ControlSignal)
+        if signal is not None:
+            if seen_generation is not None and signal.generation != seen_generation and signal.action != "none":
+                for node in nodes:
+                    node.rejoin.set()
+            seen_generation = signal.generation
+        end.wait(0.1)
+    os._exit(0)  # the nodes' threads block in store calls; the machine is done with them
+
+
+def wait_events(events: Any, kind: str, count: int, timeout: float, sink: list[tuple[Any, ...]]) -> None:
+    deadline = time.monotonic() + timeout
+    found = sum(1 for e in sink if e[0] == kind)
+    while found < count:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{found} of {count} {kind!r} events within {timeout:.0f} s")
+        try:
+            event = events.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            continue
+        sink.append(event)
+        found += event[0] == kind
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--nodes", type=int, default=1024)
+    parser.add_argument("--nproc", type=int, default=8, help="ranks per node (beacons per node and step)")
+    parser.add_argument("--processes", type=int, default=8)
+    parser.add_argument("--step-seconds", type=float, default=1.0)
+    parser.add_argument("--keep-alive", type=int, default=1, help="spec.rendezvous.keepAliveIntervalSeconds")
+    parser.add_argument("--silent-after", type=float, default=1.0, help="spec.rendezvous.silentAfterSeconds")
+    parser.add_argument("--settle", type=float, default=5.0, help="seconds between the rendezvous and the window")
+    parser.add_argument("--window", type=float, default=20.0, help="seconds of the steady window")
+    parser.add_argument("--log", action="store_true", help="the nodes' logs into the state directory")
+    parser.add_argument("--profile", action="store_true", help="cProfile the agent's loop into <state>/agent.prof")
+    parser.add_argument("--timeout", type=float, default=300.0, help="longest wait for the rendezvous or the reform")
+    args = parser.parse_args()
+    state = pathlib.Path(tempfile.mkdtemp(prefix="scale-sim-"))
+    port = free_port()
+    first_control = {"generation": 1, "action": "none", "targetNodes": args.nodes}
+    write_job(state, job_document(args.nodes, args.keep_alive, args.silent_after, first_control))
+    agent_env = dict(os.environ, **{env.STORE_SECRET: SECRET, env.JOB_UID: RUN_ID, env.STORE_FRONT: "1"})
+    agent_log = open(state / "agent.log", "w")  # noqa: SIM115 - open for the agent's lifetime
+    profile = ["-m", "cProfile", "-o", str(state / "agent.prof")] if args.profile else []
+    where = ["--state-dir", str(state), "--port", str(port), "--host", "127.0.0.1"]
+    agent = subprocess.Popen(
+        [sys.executable, *profile, "-m", "disttrain.trainer.agent", *where],
+        env=agent_env,
+        stdout=agent_log,
+        stderr=subprocess.STDOUT,
+    )
+    ctx = multiprocessing.get_context("spawn")
+    events, go, end, kill = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Value("i", -1)
+    opts = {
+        "port": port,
+        "nodes": args.nodes,
+        "nproc": args.nproc,
+        "step_seconds": args.step_seconds,
+        "keep_alive": args.keep_alive,
+        "log_dir": str(state) if args.log else "",
+    }
+    per = -(-args.nodes // args.processes)
+    sims = []
+    seen: list[tuple[Any, ...]] = []
+    try:
+        wait_for_port(port, 60.0)  # the front listens once the agent's store serves
+        for first in range(0, args.nodes, per):
+            proc = ctx.Process(
+                target=sim_process, args=(first, min(per, args.nodes - first), opts, events, go, kill, end)
+            )
+            proc.start()
+            sims.append(proc)
+        wait_events(events, "ready", len(sims), args.timeout, seen)
+        sim_pids = [e[2] for e in seen if e[0] == "ready"]
+        print(f"nodes: {args.nodes}, ranks: {args.nodes * args.nproc}, processes: {len(sims)}", flush=True)
+        began = time.time()
+        go.set()
+        wait_events(events, "round", args.nodes, args.timeout, seen)
+        done = max(e[3] for e in seen if e[0] == "round" and e[2] == 1)
+        print(f"rendezvous_seconds: {done - began:.2f}", flush=True)
+
+        time.sleep(args.settle)  # every beat and beacon flowing
+        a0, c0, t0 = cpu_seconds(agent.pid), sum(cpu_seconds(p) for p in sim_pids), time.monotonic()
+        threads0 = thread_cpu(agent.pid)
+        peak = 0.0
+        while time.monotonic() - t0 < args.window:
+            time.sleep(0.5)
+            peak = max(peak, rss_mb(agent.pid))
+        a1, c1, t1 = cpu_seconds(agent.pid), sum(cpu_seconds(p) for p in sim_pids), time.monotonic()
+        threads1 = thread_cpu(agent.pid)
+        busy = sorted(((threads1[t] - threads0.get(t, 0.0)) / (t1 - t0), t) for t in threads1)[::-1]
+        status = json.loads((state / "agent-status.json").read_text())
+        print(f"agent_cpu_cores: {(a1 - a0) / (t1 - t0):.3f}", flush=True)
+        loop = next((c for c, t in busy if t == agent.pid), 0.0)
+        print(f"agent_loop_thread_cpu_cores: {loop:.3f}", flush=True)
+        others = [f"{c:.3f}" for c, t in busy if t != agent.pid][:3]
+        print(f"agent_other_threads_cpu_cores: {' '.join(others)}", flush=True)
+        print(f"clients_cpu_cores: {(c1 - c0) / (t1 - t0):.3f}", flush=True)
+        print(f"agent_rss_mb: {rss_mb(agent.pid):.0f}", flush=True)
+        print(f"agent_rss_peak_mb: {peak:.0f}", flush=True)
+        print(f"silent_in_steady_window: {len(status.get('silentNodes') or [])}", flush=True)
+        print(f"stalled_in_steady_window: {len(status.get('stalledNodes') or [])}", flush=True)
+        members = len(status.get("roundMembers") or [])
+        print(f"round_members_in_steady_window: {members}", flush=True)  # torch's sanitizer drops late keep-alives
+
+        victim = args.nodes - 1
+        kill.value = victim
+        wait_events(events, "stopped", 1, 30, seen)
+        stopped_at = next(e[2] for e in seen if e[0] == "stopped")
+        name, detected = node_name(victim), None
+        deadline = time.monotonic() + args.timeout
+        while detected is None and time.monotonic() < deadline:
+            try:
+                silent = json.loads((state / "agent-status.json").read_text()).get("silentNodes") or []
+            except json.JSONDecodeError:
+                silent = []
+            if any(s.get("node") == name for s in silent):
+                detected = time.time()
+            else:
+                time.sleep(0.05)
+        if detected is None:
+            print(f"detect_seconds: none within {args.timeout:.0f} s", flush=True)
+            return
+        print(f"detect_seconds: {detected - stopped_at:.2f}", flush=True)
+        reform = {"generation": 2, "action": "reform", "targetNodes": args.nodes - 1, "lost": [name]}
+        write_job(state, job_document(args.nodes, args.keep_alive, args.silent_after, reform))
+        wait_events(events, "round", args.nodes + args.nodes - 1, args.timeout, seen)
+        reformed = max(e[3] for e in seen if e[0] == "round" and e[2] == 2)
+        sizes = {e[4] for e in seen if e[0] == "round" and e[2] == 2}
+        print(f"reform_seconds: {reformed - stopped_at:.2f}", flush=True)
+        print(f"reform_after_directive_seconds: {reformed - detected:.2f}", flush=True)
+        print(f"reformed_world_nodes: {','.join(map(str, sorted(sizes)))}", flush=True)
+        print(f"agent_rss_end_mb: {rss_mb(agent.pid):.0f}", flush=True)
+        print(f"agent_rss_hwm_mb: {rss_mb(agent.pid, 'VmHWM'):.0f}", flush=True)
+    finally:
+        end.set()
+        for proc in sims:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        agent.terminate()
+        try:
+            agent.wait(10)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+        agent_log.close()
+        print(f"state: {state}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
