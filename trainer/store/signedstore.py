@@ -384,9 +384,9 @@ class SignedStore(Store):
     def check(self, keys: list[str]) -> bool:
         with _call():
             batch = self._batched(keys)
-            if batch is not None:
-                return all(sealed is not None for sealed in batch)
-            return all(self._current(key)[1] is not None for key in keys)
+            if batch is not None and all(sealed is not None for sealed in batch):
+                return True
+            return all(self._current(key)[1] is not None for key in keys)  # what is missing or invalid, key by key
 
     def wait(self, keys: list[str], timeout: Optional[timedelta] = None) -> None:
         with _call():
