@@ -45,7 +45,7 @@ def test_the_port_opens_only_once_the_condition_holds_and_answers_every_probe() 
         # A kubelet probes every second for the pod's whole life: far more connections than a listen backlog.
         assert all(accepts(readiness.port, timeout=10) for _ in range(300))  # (a dropped SYN is retried after 1 s)
         warm.clear()
-        assert accepts(readiness.port), "once ready, the pod stays ready"
+        assert accepts(readiness.port, timeout=10), "once ready, the pod stays ready"
     finally:
         readiness.close()
 
