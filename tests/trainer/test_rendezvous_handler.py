@@ -134,8 +134,15 @@ def _outsider(port: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
 
 
-def _full_key(outsider: dist.TCPStore, suffix: str) -> str:
-    keys = [k for k in outsider.list_keys() if k.endswith("/" + suffix)]
+def _full_key(outsider: dist.TCPStore, suffix: str, timeout_s: float = 10.0) -> str:
+    """The full name of the one key ending in ``suffix``, once it is there: a ``set`` on another connection gets no
+    answer, so the key may not be listed yet when the writer returns."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        keys = [k for k in outsider.list_keys() if k.endswith("/" + suffix)]
+        if keys or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert len(keys) == 1, outsider.list_keys()
     return keys[0]
 
