@@ -10,7 +10,7 @@ expiry already compares. torch's sanitizer removes an expired node from the stat
 vanished from the participants with a heartbeat that old is silent too (one that leaves on its own, to re-join
 or to exit, has a fresh heartbeat when it goes). A node that is missed is still caught by Kubernetes' signals;
 a healthy node reported silent would be fenced for nothing, so every rule errs towards missing. Under attack
-(issue 27) the state may be one a reader restored from a stale copy: a node is judged by the freshest heartbeat of
+the state may be one a reader restored from a stale copy: a node is judged by the freshest heartbeat of
 it seen in any state, and no verdict is given while the state was tampered with and for a hold after
 (:class:`SilenceTracker`), so a stranger costs a later detection, never a fenced node.
 
@@ -234,7 +234,7 @@ class SilenceTracker:
     with their last heartbeat; ``now`` (the agent's monotonic clock) bounds how long a dropped node stays reported
     and how long heartbeats stay distrusted after the state was tampered with.
 
-    Under attack (issue 27) the state a reader finds may have been put back by a restore (a reader of the signed
+    Under attack the state a reader finds may have been put back by a restore (a reader of the signed
     store, or the agent's guardian, writes back the last valid value it saw after an outsider deleted or garbled
     the key): its heartbeats may be older than ones already written, and a node's keep-alive writes may be lost or
     late meanwhile. So the rule holds against restores in two ways:

@@ -422,7 +422,7 @@ def connect_store(params: RendezvousParameters) -> Store:
     """The raw client of the agent's store, built from the parameters ``c10d`` reads (``store_type``,
     ``read_timeout``, ``is_host``), without torch's ``create_backend``: that also builds a backend over the *raw*
     client, whose constructor writes an unsigned ``torch.rendezvous.<run id>`` placeholder outside the job's key
-    namespace on every node (issue 27). The agent hosts the store, so a node hosts it only when told
+    namespace on every node. The agent hosts the store, so a node hosts it only when told
     ``is_host=true``; torch's hostname guess is not made."""
     store_type = params.get("store_type", "tcp").strip().lower()
     if store_type != "tcp":
