@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from disttrain.api.conditions import format_time
+from disttrain.api.constants import LABEL_JOB_NAME, LABEL_ROLE, ROLE_WORKER
 from tests.cluster.harness import Cluster, eventually
 from tests.cluster.operator_process import OperatorProcess
 from tests.cluster.tables import kubectl_table
@@ -64,8 +65,19 @@ def test_eleven_node_losses_with_max_restarts_10_keep_the_job_training(
 ) -> None:
     for index in range(LOSSES):  # a machine for each replacement
         cluster.kubelets.add_node(f"{cluster.tag}-spare{index}")
+    one_per_machine = {  # each loss is one machine's and one worker's: the scheduler may not stack two workers
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "labelSelector": {"matchLabels": {LABEL_JOB_NAME: "spot", LABEL_ROLE: ROLE_WORKER}},
+                    "topologyKey": "kubernetes.io/hostname",
+                }
+            ]
+        }
+    }
+    builder = JobBuilder("spot").set("spec.template.spec.affinity", one_per_machine)
     agent = cluster.running(
-        "spot", JobBuilder("spot"), tmp_path, replicas=2, restart_policy={"maxRestarts": 10, "backoffSeconds": 0}
+        "spot", builder, tmp_path, replicas=2, restart_policy={"maxRestarts": 10, "backoffSeconds": 0}
     )
     for loss in range(LOSSES):
         status = lose_a_worker_node(cluster, "spot", agent, rendezvous_round=loss + 2)
