@@ -123,6 +123,11 @@ def read_target(store: Store) -> Optional[control.TargetPlan]:
     return control.read_model(store, control.TARGET_KEY, control.TargetPlan)
 
 
+COMPLETION_GRACE_S = 10.0
+"""How long after a node first sees a round complete its sanitizer keeps every participant of that round
+(:class:`_ReconnectingStateHolder`)."""
+
+
 class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
     """The stock executor, with the join operation wrapped by :meth:`_join_with_target` and ranks assigned by
     node index (:meth:`_mark_rendezvous_complete`)."""
@@ -306,7 +311,16 @@ class _ReconnectingStateHolder(dyn._BackendRendezvousStateHolder):
     (:attr:`ResilientStore.generation` moved), every state it reads has its heartbeats raised to at least the time it
     saw it, and a state so changed is written back. Each read, not only the first: the survivors reconnect one by
     one, and a survivor's write that lost the race puts old heartbeats back (seen in CI: a node dropped itself). A
-    node that really died meanwhile is found one expiry after that floor, by its silence in the new store."""
+    node that really died meanwhile is found one expiry after that floor, by its silence in the new store.
+
+    Also, for :data:`COMPLETION_GRACE_S` after this node first saw a round complete, its sanitizer drops no
+    participant of that round (:meth:`_sanitize_holding_completion`): a participant learns that its round completed
+    only at its next read of the state, and until then it neither heartbeats as a member nor, as rank 0, publishes the
+    round's ``MASTER_ADDR``. Dropped by another node's write before it read (a starved launcher, a new pod's first
+    seconds), it waited for the next round while the others waited out the store's read timeout for the address it
+    was to publish, and every node exited 1. The hold is local: the shared state keeps every heartbeat as written,
+    so the job agent's silence rule is unchanged, and a participant that dies in the window is still dropped at once
+    when the operator declares its pod lost."""
 
     def __init__(self, backend: Any, settings: dyn.RendezvousSettings, generation: Callable[[], int]) -> None:
         super().__init__(backend, settings)
@@ -314,6 +328,8 @@ class _ReconnectingStateHolder(dyn._BackendRendezvousStateHolder):
         self._seen_generation = generation()
         self._floor: Optional[datetime] = None
         self._floor_until = 0.0
+        self._completion_seen: Optional[tuple[int, float]] = None
+        """(round, monotonic time) this node first saw the latest complete round."""
 
     def _sanitize(self) -> None:
         generation = self._generation()
@@ -338,7 +354,32 @@ class _ReconnectingStateHolder(dyn._BackendRendezvousStateHolder):
                 # Written by the next sync (at once: torchrun's monitor loop syncs ten times a second), so the other
                 # nodes read it too.
                 self.mark_dirty()
-        super()._sanitize()
+        self._sanitize_holding_completion()
+
+    def _sanitize_holding_completion(self) -> None:
+        """torch's sanitizer, with the participants of a round completed less than :data:`COMPLETION_GRACE_S` ago
+        (by this node's first sight of it) counted alive: their heartbeats are read as now, then put back as they
+        were, so nothing is written for it."""
+        state = self._state
+        if not state.complete:
+            self._completion_seen = None
+            super()._sanitize()
+            return
+        if self._completion_seen is None or self._completion_seen[0] != state.round:
+            self._completion_seen = (state.round, time.monotonic())
+        if time.monotonic() - self._completion_seen[1] >= COMPLETION_GRACE_S:
+            super()._sanitize()
+            return
+        beats = state.last_heartbeats
+        held = {node: beats[node] for node in state.participants if node in beats}
+        now = datetime.now(timezone.utc)
+        for node in held:
+            beats[node] = now
+        try:
+            super()._sanitize()
+        finally:
+            for node, beat in held.items():
+                beats[node] = beat
 
 
 class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
