@@ -232,6 +232,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
             image=args.agent_image or None, heartbeat_s=args.agent_heartbeat_seconds, pulse_s=args.agent_pulse_seconds
         ),
         network=network,
+        instance=election_options.identity if election_options is not None else handlers.DEFAULT_INSTANCE,
     )
 
     @kopf.on.startup(registry=registry)

@@ -268,6 +268,10 @@ class Kube:
                 raise
 
 
+DEFAULT_INSTANCE = "disttrain-operator"
+"""``reportingInstance`` of the Events of an operator not told its identity (``--leader-election-identity``)."""
+
+
 def api_error_message(error: k8s.ApiException) -> str:
     """The API server's own sentence (which verb on which resource was refused), not just "403 Forbidden"."""
     try:
@@ -276,8 +280,11 @@ def api_error_message(error: k8s.ApiException) -> str:
         return str(error.body or "")
 
 
-def event_object(job: DistTrainJob, type_: str, reason: str, message: str, now: float) -> dict[str, Any]:
-    """A core/v1 Event about the job (unique name: Events need no idempotency, a repeat is just a repeat)."""
+def event_object(
+    job: DistTrainJob, type_: str, reason: str, message: str, now: float, instance: str = DEFAULT_INSTANCE
+) -> dict[str, Any]:
+    """A core/v1 Event about the job (unique name: Events need no idempotency, a repeat is just a repeat), reported
+    by ``instance``: the replica that acts, so that an Event says which operator posted it."""
     stamp = timestamps.format_time_seconds(now)
     return {
         "apiVersion": "v1",
@@ -298,7 +305,7 @@ def event_object(job: DistTrainJob, type_: str, reason: str, message: str, now: 
         "lastTimestamp": stamp,
         "count": 1,
         "reportingComponent": "disttrain.dev/operator",
-        "reportingInstance": "disttrain-operator",
+        "reportingInstance": instance,
     }
 
 
@@ -356,6 +363,8 @@ class Writer:
     """Which Events go out (rate limits); None: every one."""
     beats: agentbeat.AgentBeats = dataclasses.field(default_factory=agentbeat.AgentBeats)
     """The job agents' Lease renewals and pulses, as the Lease watch and the pulse links delivered them."""
+    instance: str = DEFAULT_INSTANCE
+    """This replica's identity, the ``reportingInstance`` of its Events."""
 
 
 async def _create(writer: Writer, job: DistTrainJob, obj: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -473,7 +482,7 @@ async def _post_events(writer: Writer, job: DistTrainJob, actions: Actions, now:
         if events is not None and not events.admit((ns, name, event.type, event.reason, event.message), now):
             continue
         try:
-            await writer.kube.create(event_object(job, event.type, event.reason, event.message, now))
+            await writer.kube.create(event_object(job, event.type, event.reason, event.message, now, writer.instance))
         except k8s.ApiException as error:  # events are best effort
             if is_namespace_ending(error):
                 log.debug("job %s/%s: no events: its namespace is being deleted", ns, name)
@@ -601,11 +610,13 @@ class OperatorHandlers:
         metrics: OperatorMetrics,
         agent: builders.AgentSettings = builders.DEFAULT_AGENT,
         network: access.NetworkPolicySettings = access.DEFAULT_NETWORK,
+        instance: str = DEFAULT_INSTANCE,
     ) -> None:
         self.api_client_factory = api_client_factory
         self.metrics = metrics
         self.agent = agent
         self.network = network
+        self.instance = instance
         self.pokes = Pokes()
         self.cache = ClusterCache()
         self.refusals: Refusals = {}
@@ -636,6 +647,7 @@ class OperatorHandlers:
                 failures=self.failures,
                 events=self.events,
                 beats=self.beats,
+                instance=self.instance,
             )
         return self._writer
 
@@ -836,10 +848,11 @@ def register(
     metrics: OperatorMetrics,
     agent: builders.AgentSettings = builders.DEFAULT_AGENT,
     network: access.NetworkPolicySettings = access.DEFAULT_NETWORK,
+    instance: str = DEFAULT_INSTANCE,
 ) -> OperatorHandlers:
     """Bind a new :class:`OperatorHandlers`' handlers on ``registry`` (a fresh one in tests, kopf's default one in
     ``disttrain operator``). Only event, cleanup and probe handlers: none makes kopf put a finalizer on a job."""
-    handlers = OperatorHandlers(api_client_factory, metrics, agent, network)
+    handlers = OperatorHandlers(api_client_factory, metrics, agent, network, instance)
     ours = {constants.LABEL_JOB_NAME: kopf.PRESENT}
     kopf.on.event(constants.GROUP, constants.VERSION, constants.PLURAL, registry=registry)(handlers.job_changed)
     kopf.on.event("v1", "pods", labels=ours, registry=registry)(handlers.pod_changed)

@@ -72,6 +72,16 @@ def job_events(plane: ControlPlane, namespace: str, job: str) -> list[tuple[str,
     return [(e["reason"], e["message"]) for e in ours]
 
 
+def event_reporters(plane: ControlPlane, namespace: str, job: str) -> dict[str, set[str]]:
+    """Each of the job's Event reasons and the operator replicas that reported it (``reportingInstance``)."""
+    items = plane.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
+    reporters: dict[str, set[str]] = {}
+    for event in items:
+        if event["involvedObject"].get("name") == job:
+            reporters.setdefault(event["reason"], set()).add(event.get("reportingInstance", ""))
+    return reporters
+
+
 def repeated_events(events: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """Events written twice in a row: the same Event may come again for a new state (Scheduled after a
     replacement), never twice for one."""

@@ -21,7 +21,7 @@ from tests.cluster.controlplane import ControlPlane
 from tests.cluster.harness import eventually
 from tests.cluster.operator_process import OperatorProcess
 from tests.cluster.rbac import OPERATOR_NAMESPACE, install_operator_rbac
-from tests.cluster.replicas import LEASE, Replicas, job_events, repeated_events
+from tests.cluster.replicas import LEASE, Replicas, event_reporters, job_events, repeated_events
 from tests.conftest import JobBuilder
 
 pytestmark = [pytest.mark.usefixtures("crd"), pytest.mark.timeout(240)]
@@ -81,6 +81,9 @@ def test_the_standby_takes_over_a_killed_leader_and_handles_a_worker_lost_meanwh
     # The same Event may come again for a new state (Scheduled after the replacement), never twice in a row.
     events = job_events(cluster.plane, cluster.ns, "fo")
     assert not repeated_events(events), f"Events posted twice in a row: {events}"
+    reporters = event_reporters(cluster.plane, cluster.ns, "fo")
+    assert reporters["Created"] == {"op-a"}, reporters  # each Event names the replica that acted
+    assert reporters["PodFailed"] == {"op-b"}, reporters
     print(f"leader killed -> standby holds the Lease: {took:.1f} s; -> reform directive: {acted:.1f} s")
 
 
