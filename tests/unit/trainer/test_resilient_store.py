@@ -3,7 +3,9 @@ started again on the same port (as the operator recreates the agent behind the s
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pathlib
 import pickle
 import signal
 import subprocess
@@ -42,9 +44,24 @@ class Server:
             self.proc.stdout.close()
 
     def freeze(self) -> None:
-        """Alive but silent: no answer and no reset, as a server on a powered-off node."""
+        """Alive but silent: no answer and no reset, as a server on a powered-off node. Returns once every thread
+        of the server has stopped: the kernel stops a process's threads only after the one woken for the signal
+        runs, and on a loaded machine the store's own thread answered a request meanwhile."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while not all(state in "Tt" for state in thread_states(self.proc.pid)):
+            assert time.monotonic() < deadline, "the server's threads did not stop within 30 s"
+            time.sleep(0.01)
+
+
+def thread_states(pid: int) -> list[str]:
+    """The scheduler state letter of each thread of process ``pid`` (``T``: stopped)."""
+    states = []
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            states.append(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0])
+    return states
 
 
 @pytest.fixture
