@@ -123,6 +123,12 @@ def read_target(store: Store) -> Optional[control.TargetPlan]:
     return control.read_model(store, control.TARGET_KEY, control.TargetPlan)
 
 
+NodeBeats = Callable[[frozenset[str]], dict[str, datetime]]
+"""Reads the last beat of each named node that beats (a launcher's last beat, as it leaves, is none)."""
+
+BEATS_REREAD_S = 1.0
+"""How long a read of the nodes' beats serves the sanitizer of :class:`_ReconnectingStateHolder`."""
+
 COMPLETION_GRACE_S = 10.0
 """How long after a node first sees a round complete its sanitizer keeps every participant of that round
 (:class:`_ReconnectingStateHolder`)."""
@@ -322,7 +328,13 @@ class _ReconnectingStateHolder(dyn._BackendRendezvousStateHolder):
     so the job agent's silence rule is unchanged, and a participant that dies in the window is still dropped at once
     when the operator declares its pod lost."""
 
-    def __init__(self, backend: Any, settings: dyn.RendezvousSettings, generation: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        backend: Any,
+        settings: dyn.RendezvousSettings,
+        generation: Callable[[], int],
+        beats: Optional[NodeBeats] = None,
+    ) -> None:
         super().__init__(backend, settings)
         self._generation = generation
         self._seen_generation = generation()
@@ -330,6 +342,9 @@ class _ReconnectingStateHolder(dyn._BackendRendezvousStateHolder):
         self._floor_until = 0.0
         self._completion_seen: Optional[tuple[int, float]] = None
         """(round, monotonic time) this node first saw the latest complete round."""
+        self._beats = beats
+        self._beats_read: tuple[float, frozenset[str], dict[str, datetime]] = (float("-inf"), frozenset(), {})
+        """(monotonic time, the nodes asked, their beats then) of the last read of the nodes' own beats."""
 
     def _sanitize(self) -> None:
         generation = self._generation()
@@ -357,21 +372,20 @@ class _ReconnectingStateHolder(dyn._BackendRendezvousStateHolder):
         self._sanitize_holding_completion()
 
     def _sanitize_holding_completion(self) -> None:
-        """torch's sanitizer, with the participants of a round completed less than :data:`COMPLETION_GRACE_S` ago
-        (by this node's first sight of it) counted alive: their heartbeats are read as now, then put back as they
-        were, so nothing is written for it."""
+        """torch's sanitizer, with some nodes counted alive whatever their heartbeat in the state says: the
+        participants of a round completed less than :data:`COMPLETION_GRACE_S` ago (by this node's first sight of
+        it), and every node whose own beat is fresh (:meth:`_alive_by_beat`). Their heartbeats are read as now, then
+        put back as they were, so nothing is written for it."""
         state = self._state
         if not state.complete:
             self._completion_seen = None
-            super()._sanitize()
-            return
-        if self._completion_seen is None or self._completion_seen[0] != state.round:
+        elif self._completion_seen is None or self._completion_seen[0] != state.round:
             self._completion_seen = (state.round, time.monotonic())
-        if time.monotonic() - self._completion_seen[1] >= COMPLETION_GRACE_S:
-            super()._sanitize()
-            return
+        recent = self._completion_seen is not None and time.monotonic() - self._completion_seen[1] < COMPLETION_GRACE_S
+        alive = set(state.participants) if recent else set()
+        alive |= self._alive_by_beat(state)
         beats = state.last_heartbeats
-        held = {node: beats[node] for node in state.participants if node in beats}
+        held = {node: beats[node] for node in alive if node in beats}
         now = datetime.now(timezone.utc)
         for node in held:
             beats[node] = now
@@ -380,6 +394,28 @@ class _ReconnectingStateHolder(dyn._BackendRendezvousStateHolder):
         finally:
             for node, beat in held.items():
                 beats[node] = beat
+
+    def _alive_by_beat(self, state: Any) -> set[Any]:
+        """The nodes whose heartbeat in the state expired while their launcher still beats under its own key (ten
+        times a second, :mod:`disttrain.trainer.launch.beat`). Every heartbeat is a compare-and-set of the one
+        shared state; with many nodes they collide and time out, and torch's sanitizer dropped live nodes by the
+        dozen (64 and 128 simulated nodes, ``bench/scale_sim.py``). A node's own key has no such contention. Read
+        only when a heartbeat expired, at most once a second."""
+        if self._beats is None:
+            return set()
+        expire = datetime.now(timezone.utc) - self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
+        expired = {node: heartbeats.node_name(node) for node, beat in state.last_heartbeats.items() if beat < expire}
+        if not expired:
+            return set()
+        read_at, asked, last = self._beats_read
+        names = frozenset(expired.values())
+        if time.monotonic() - read_at >= BEATS_REREAD_S or not names <= asked:
+            try:
+                last = self._beats(names)
+            except DistStoreError:
+                last = {}  # the store is away: torch's expiry alone decides, as without beats
+            self._beats_read = (time.monotonic(), names, last)
+        return {node for node, name in expired.items() if name in last and last[name] >= expire}
 
 
 class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
@@ -498,6 +534,16 @@ def keep_alive_interval(params: RendezvousParameters) -> float:
     return seconds
 
 
+def beats_reader(store: Store, run_id: str) -> NodeBeats:
+    """:data:`NodeBeats` over the nodes' beat keys in ``store`` (one batched read for all the nodes asked)."""
+
+    def read(nodes: frozenset[str]) -> dict[str, datetime]:
+        found = heartbeats.read_beats(store, run_id, nodes)
+        return {node: at for node, at in found.times.items() if node not in found.leaving}
+
+    return read
+
+
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Build the handler from torchrun's parameters, exactly as ``c10d`` reads them, over the agent's store seen
     through the signed store (:mod:`disttrain.trainer.store.channel`): torch's own keys under it (the rendezvous
@@ -533,7 +579,8 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         keep_alive_max_attempt=int(params.get_as_int("keep_alive_max_attempt", 3) or 3),
     )
     generation = (lambda: raw_state.generation) if isinstance(raw_state, ResilientStore) else (lambda: 0)
-    holder = _ReconnectingStateHolder(backend, settings, generation)
+
+    holder = _ReconnectingStateHolder(backend, settings, generation, beats_reader(state_store, params.run_id))
     node = DisttrainRendezvousHandler._node_desc_generator.generate(params.local_addr)
     handler = DisttrainRendezvousHandler(node, settings, backend.name, store, holder)
     if isinstance(raw, ResilientStore):

@@ -1,4 +1,5 @@
-"""A participant slow to read that its round completed is not dropped from it meanwhile.
+"""torch's heartbeat expiry drops no node that is alive: not a participant slow to read that its round completed,
+nor a node whose heartbeat write lost the race for the shared state while its launcher still beats.
 
 torch's sanitizer drops a participant whose heartbeat expired, on whichever node reads the state. A participant
 learns of its round's completion only at its next read; dropped before that (a starved launcher, a new pod's first
@@ -16,6 +17,7 @@ from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
 from disttrain.common.ports import free_port
+from disttrain.trainer.agent import heartbeats
 from disttrain.trainer.launch import rendezvous
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -24,12 +26,16 @@ EXPIRY = timedelta(seconds=2)  # keep_alive_interval 1 s x keep_alive_max_attemp
 
 
 @pytest.fixture
-def backend():
-    store = TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+def store() -> TCPStore:
+    return TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+@pytest.fixture
+def backend(store: TCPStore):
     return c10d_rendezvous_backend.C10dRendezvousBackend(store, "completion")
 
 
-def holder_over(backend) -> rendezvous._ReconnectingStateHolder:
+def holder_over(backend, beats: rendezvous.NodeBeats | None = None) -> rendezvous._ReconnectingStateHolder:
     settings = dyn.RendezvousSettings(
         "completion",
         min_nodes=1,
@@ -38,7 +44,7 @@ def holder_over(backend) -> rendezvous._ReconnectingStateHolder:
         keep_alive_interval=timedelta(seconds=1),
         keep_alive_max_attempt=2,
     )
-    return rendezvous._ReconnectingStateHolder(backend, settings, generation=lambda: 0)
+    return rendezvous._ReconnectingStateHolder(backend, settings, generation=lambda: 0, beats=beats)
 
 
 def nodes() -> list[dyn._NodeDesc]:
@@ -94,3 +100,37 @@ def test_a_round_still_forming_drops_an_expired_participant_as_torch_does(backen
     holder.sync()
 
     assert set(holder.state.participants) == {members[0], members[1]}
+
+
+def beat(store: TCPStore, node: dyn._NodeDesc, age_s: float, *, leaving: bool = False) -> None:
+    """The node's launcher beat ``age_s`` ago, under its own key (its last, as it left, with ``leaving``)."""
+    at = datetime.now(timezone.utc).timestamp() - age_s
+    store.set(heartbeats.beat_key("completion", node), heartbeats.encode_beat(at, leaving=leaving))
+
+
+def test_a_node_that_still_beats_stays_whatever_its_heartbeat_in_the_state(backend, store) -> None:
+    members = nodes()
+    publish(backend, complete=False, slow=members[0], members=members)
+    beat(store, members[0], age_s=0.2)  # its keep-alive lost the race for the state; its launcher beats on
+    holder = holder_over(backend, rendezvous.beats_reader(store, "completion"))
+
+    holder.sync()
+
+    assert set(holder.state.participants) == set(members)
+
+
+@pytest.mark.parametrize("how", ["silent", "left", "never beat"])
+def test_a_node_whose_beat_stopped_or_never_came_is_dropped_at_torchs_expiry(backend, store, how: str) -> None:
+    members = nodes()
+    publish(backend, complete=False, slow=members[0], members=members)
+    if how == "silent":
+        beat(store, members[0], age_s=(EXPIRY + timedelta(seconds=1)).total_seconds())
+    elif how == "left":
+        beat(store, members[0], age_s=0.2, leaving=True)
+    for other in members[1:]:
+        beat(store, other, age_s=0.2)
+    holder = holder_over(backend, rendezvous.beats_reader(store, "completion"))
+
+    holder.sync()
+
+    assert set(holder.state.participants) == {members[1], members[2]}
