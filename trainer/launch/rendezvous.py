@@ -127,7 +127,9 @@ NodeBeats = Callable[[frozenset[str]], dict[str, datetime]]
 """Reads the last beat of each named node that beats (a launcher's last beat, as it leaves, is none)."""
 
 BEATS_REREAD_S = 1.0
-"""How long a read of the nodes' beats serves the sanitizer of :class:`_ReconnectingStateHolder`."""
+"""How long a read of the nodes' beats serves the sanitizer of :class:`_ReconnectingStateHolder`, at least: a third
+of torch's expiry when that is longer (5 s at a keep-alive of 5 s x 3), so the reads of every node of a large job
+stay few while a live node's beat, read at most that long ago, still falls within the expiry."""
 
 COMPLETION_GRACE_S = 10.0
 """How long after a node first sees a round complete its sanitizer keeps every participant of that round
@@ -400,7 +402,7 @@ class _ReconnectingStateHolder(dyn._BackendRendezvousStateHolder):
         times a second, :mod:`disttrain.trainer.launch.beat`). Every heartbeat is a compare-and-set of the one
         shared state; with many nodes they collide and time out, and torch's sanitizer dropped live nodes by the
         dozen (64 and 128 simulated nodes, ``bench/scale_sim.py``). A node's own key has no such contention. Read
-        only when a heartbeat expired, at most once a second."""
+        only when a heartbeat expired, at most every :data:`BEATS_REREAD_S`."""
         if self._beats is None:
             return set()
         expire = datetime.now(timezone.utc) - self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
@@ -409,7 +411,8 @@ class _ReconnectingStateHolder(dyn._BackendRendezvousStateHolder):
             return set()
         read_at, asked, last = self._beats_read
         names = frozenset(expired.values())
-        if time.monotonic() - read_at >= BEATS_REREAD_S or not names <= asked:
+        expiry = self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
+        if time.monotonic() - read_at >= max(BEATS_REREAD_S, expiry.total_seconds() / 3) or not names <= asked:
             try:
                 last = self._beats(names)
             except DistStoreError:
