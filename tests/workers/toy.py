@@ -17,7 +17,10 @@ Settings come from the worker contract env like any disttrain program. Test-only
   ``kill_before_commit:<step>`` makes global rank 0 SIGKILL itself once every rank's files of that save are
   written and synced, just before COMPLETE.json (the worst moment); ``fail_write:<step>`` makes every rank's
   part of that save fail after DCP wrote its files; ``enospc_from:<step>`` makes every save from that step on
-  fail as a full disk does (OSError ENOSPC), for where a real small file system cannot be mounted.
+  fail as a full disk does (OSError ENOSPC), for where a real small file system cannot be mounted;
+  ``kill_at:<phase>:<step>`` makes global rank 0 SIGKILL itself at that
+  :class:`~disttrain.trainer.checkpoint.manager.CheckpointPhase` of the first save of that step or a later one
+  (a bucket's publisher may skip a save once a newer one is complete).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def fault_hook(spec: str) -> Optional[PhaseHook]:
     """The checkpoint hook for a ``TOY_FAULT`` value (None for no fault)."""
     if not spec:
         return None
+    if spec.startswith("kill_at:"):
+        return kill_hook(spec)
     kind, _, at = spec.partition(":")
     if kind not in ("kill_before_commit", "fail_write", "enospc_from") or not at.isdigit():
         raise ValueError(
@@ -58,6 +63,19 @@ def fault_hook(spec: str) -> Optional[PhaseHook]:
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "fail_write" and phase is CheckpointPhase.FILES_WRITTEN:
             raise OSError(f"fault injection: write of step {step} failed")
+
+    return hook
+
+
+def kill_hook(spec: str) -> PhaseHook:
+    """``kill_at:<phase>:<step>``: global rank 0 dies at that phase of a save of that step or later."""
+    _, where, at = spec.split(":", 2)
+    phase, at_step = CheckpointPhase(where), int(at)
+
+    def hook(now: CheckpointPhase, step: int) -> None:
+        if now is phase and step >= at_step and os.environ.get("RANK") == "0":
+            print(f"fault injection: SIGKILL at {now.value} of step {step}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     return hook
 

@@ -153,6 +153,7 @@ class CheckpointManager:
                 keep=spec.keep,
                 on_published=self._on_published,
                 retry=options.upload_retry,
+                on_phase=options.on_phase,
             )
         if rank == 0 or self.tier is not None:
             self.root.mkdir(parents=True, exist_ok=True)

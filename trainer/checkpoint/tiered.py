@@ -36,6 +36,7 @@ from typing import Optional
 from disttrain.api.manifest import MANIFEST_FILE, CheckpointManifest, FileDigest
 from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer.checkpoint import commit
+from disttrain.trainer.checkpoint.committer import CheckpointPhase, PhaseHook
 from disttrain.trainer.checkpoint.fence import FencedError
 from disttrain.trainer.checkpoint.objectstore import (
     ObjectStoreCommitter,
@@ -90,14 +91,17 @@ class RecordingStore:
     """The store an :class:`Uploader` of rank ``rank`` uploads through: after the files of a save are uploaded and
     read back, it records them (with their ETags) for the publisher."""
 
-    def __init__(self, store: ObjectStoreCommitter, rank: int) -> None:
+    def __init__(self, store: ObjectStoreCommitter, rank: int, on_phase: Optional[PhaseHook] = None) -> None:
         self.store = store
         self.rank = rank
+        self.on_phase = on_phase
 
     def upload_files(
         self, local_dir: Path, step: int, files: dict[str, FileDigest], round_: int
     ) -> dict[str, FileDigest]:
         uploaded = self.store.upload_files(local_dir, step, files, round_) if files else {}
+        if self.on_phase is not None:
+            self.on_phase(CheckpointPhase.UPLOADED, step)
         body = json.dumps({name: d.model_dump(mode="json") for name, d in uploaded.items()}).encode()
         self.store.client.put_object(
             Bucket=self.store.location.bucket, Key=record_key(self.store, step, round_, self.rank), Body=body
@@ -122,12 +126,14 @@ class Publisher:
         keep: int,
         on_published: Callable[[CheckpointManifest], None],
         retry: Optional[RetryPolicy] = None,
+        on_phase: Optional[PhaseHook] = None,
     ) -> None:
         self.store = store
         self.world_size = world_size
         self.keep = keep
         self.on_published = on_published
         self.retry = retry or RetryPolicy()
+        self.on_phase = on_phase or (lambda phase, step: None)
         self.protected: set[int] = set()
         self.published_step: Optional[int] = None
         self.last_error = ""
@@ -183,8 +189,9 @@ class Publisher:
         if {n: (d.size, d.digest) for n, d in uploaded.items()} != expected:
             raise OSError(f"checkpoint step-{m.step}: the ranks' upload records do not match its manifest")
         final = m.model_copy(update={"files": {n: uploaded[n] for n in m.files}})
-        key = self.store.publish(final)
+        key = self.store.publish(final, lambda: self.on_phase(CheckpointPhase.BEFORE_BUCKET_MANIFEST, m.step))
         self.published_step = m.step
+        self.on_phase(CheckpointPhase.BUCKET_COMPLETE, m.step)
         log.info(
             "checkpoint step-%d complete in s3://%s/%s (%d objects, %.1f MB)",
             m.step,
@@ -247,6 +254,7 @@ class BucketTier:
         keep: int,
         on_published: Callable[[CheckpointManifest], None],
         retry: Optional[RetryPolicy] = None,
+        on_phase: Optional[PhaseHook] = None,
     ) -> None:
         self.store = store
         self.root = root
@@ -254,7 +262,8 @@ class BucketTier:
         self.keep = keep
         self.retry = retry or RetryPolicy()
         self.on_published = on_published
-        self.uploader = Uploader(RecordingStore(store, rank), self.retry)  # type: ignore[arg-type]
+        self.on_phase = on_phase
+        self.uploader = Uploader(RecordingStore(store, rank, on_phase), self.retry)  # type: ignore[arg-type]
         self.publisher: Optional[Publisher] = None
         self.is_leader = False
         self.world_size = 1
@@ -266,7 +275,9 @@ class BucketTier:
         self.world_size = world_size
         self.is_leader = tier_leaders(identities)[identities[self.rank]] == self.rank
         if self.rank == 0 and self.publisher is None:
-            self.publisher = Publisher(self.store, world_size, self.keep, self.on_published, self.retry)
+            self.publisher = Publisher(
+                self.store, world_size, self.keep, self.on_published, self.retry, on_phase=self.on_phase
+            )
 
     def local_latest(self) -> Optional[CheckpointManifest]:
         found = commit.find_latest(self.root, log=log.warning)
