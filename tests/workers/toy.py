@@ -13,6 +13,8 @@ Settings come from the worker contract env like any disttrain program. Test-only
   ``TOY_USER_STATE=1``: register a :class:`toymodel.StepCounter` as user state. ``TOY_STREAM=1``: the samples as a
   seekable IterableDataset. ``TOY_NUM_WORKERS``: DataLoader worker processes. ``TOY_DEVICE``: the trainer's
   ``device`` option.
+- ``TOY_UPLOAD_RETRY=<initial s>,<max s>``: the backoff of the bucket's uploads (``checkpoint_upload_retry``), with
+  5 s request timeouts.
 - ``TOY_FAULT``: a checkpoint fault, injected through the trainer's ``on_checkpoint_phase`` hook.
   ``kill_before_commit:<step>`` makes global rank 0 SIGKILL itself once every rank's files of that save are
   written and synced, just before COMPLETE.json (the worst moment); ``fail_write:<step>`` makes every rank's
@@ -37,6 +39,7 @@ import toymodel  # a sibling: this folder is sys.path[0] of a script started by 
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from disttrain.trainer.checkpoint.manager import CheckpointPhase, PhaseHook
+from disttrain.trainer.checkpoint.uploads import RetryPolicy
 from disttrain.trainer.loop import ElasticTrainer
 
 
@@ -102,6 +105,11 @@ def main() -> None:
     if os.environ.get("TOY_SCALER_GROWTH_INTERVAL"):
         options["grad_scaler"] = ShardedGradScaler(
             device="cpu", init_scale=1024.0, growth_interval=int(os.environ["TOY_SCALER_GROWTH_INTERVAL"])
+        )
+    if os.environ.get("TOY_UPLOAD_RETRY"):
+        initial, longest = (float(x) for x in os.environ["TOY_UPLOAD_RETRY"].split(","))
+        options["checkpoint_upload_retry"] = RetryPolicy(
+            initial_s=initial, max_s=longest, connect_timeout_s=5.0, read_timeout_s=5.0
         )
     if os.environ.get("TOY_DEVICE"):
         options["device"] = os.environ["TOY_DEVICE"]

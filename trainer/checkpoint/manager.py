@@ -145,7 +145,7 @@ class CheckpointManager:
         self._resume_from: Optional[Published] = None
         self._tier_closed = False
         if spec.uri is not None:
-            store = tiered.bucket_committer(spec, options.job_uid, options.node)
+            store = tiered.bucket_committer(spec, options.job_uid, options.node, options.upload_retry)
             self.tier = BucketTier(
                 store,
                 self.root,

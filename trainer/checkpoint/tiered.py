@@ -58,14 +58,19 @@ MAX_LOCAL_COPIES = 3
 """Local copies a tier keeps at most while the bucket is behind: what an unreachable bucket can pile up."""
 
 
-def bucket_committer(spec: CheckpointSpec, job_uid: str = "", node: str = "") -> ObjectStoreCommitter:
-    """The committer of ``spec.uri`` with the client ``spec.s3`` describes (credentials from the environment)."""
+def bucket_committer(
+    spec: CheckpointSpec, job_uid: str = "", node: str = "", retry: Optional[RetryPolicy] = None
+) -> ObjectStoreCommitter:
+    """The committer of ``spec.uri`` with the client ``spec.s3`` describes (credentials from the environment) and
+    the request timeouts of ``retry``."""
     assert spec.uri is not None
     s3 = spec.s3
+    retry = retry or RetryPolicy()
     client = make_client(
         s3.endpoint if s3 else None,
         s3.region if s3 else None,
         s3.addressing_style.value if s3 else "auto",
+        (retry.connect_timeout_s, retry.read_timeout_s),
     )
     return ObjectStoreCommitter(client, parse_uri(spec.uri), job_uid=job_uid, node=node)
 

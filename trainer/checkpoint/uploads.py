@@ -24,8 +24,16 @@ log = logging.getLogger("disttrain.trainer")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
+    """How the background uploads and the publication wait out a bucket that fails: never the training steps."""
+
     initial_s: float = 1.0
+    """First wait after a failed attempt, doubled after each failure..."""
     max_s: float = 30.0
+    """...up to this."""
+    connect_timeout_s: float = 60.0
+    """One request's connect timeout: what an attempt waits for a bucket that drops packets (botocore's default)."""
+    read_timeout_s: float = 60.0
+    """One request's read timeout (botocore's default)."""
 
 
 @dataclasses.dataclass
