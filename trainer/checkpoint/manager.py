@@ -342,6 +342,10 @@ class CheckpointManager:
         with self._published_lock:
             self._published.append(manifest)
 
+    def last_upload_seconds(self) -> Optional[float]:
+        """With a bucket: how long this rank's newest finished upload took (intervalSteps: auto); else None."""
+        return self.tier.uploader.last_seconds if self.tier is not None else None
+
     def upload_backlog(self) -> Optional[str]:
         """With a bucket, on rank 0: the saves committed locally and not yet COMPLETE in the bucket, and why; None
         while the bucket keeps up (one save in flight with no error is keeping up)."""

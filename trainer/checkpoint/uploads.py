@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -63,6 +64,8 @@ class Uploader:
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._pending: list[Upload] = []
+        self.last_seconds: Optional[float] = None
+        """How long the newest upload that succeeded took, its failed attempts and their backoff excluded."""
 
     def submit(self, step: int, local_dir: Path, files: dict[str, FileDigest], round_: int) -> Upload:
         upload = Upload(step=step, round=round_, local_dir=local_dir, files=dict(files))
@@ -99,6 +102,7 @@ class Uploader:
                     self._finish(upload)
                     break
                 upload.attempts += 1
+                started = time.monotonic()
                 try:
                     upload.result = self.store.upload_files(upload.local_dir, upload.step, upload.files, upload.round)
                 except Exception as exc:  # noqa: BLE001 - a store that fails is retried, never raised into training
@@ -114,6 +118,7 @@ class Uploader:
                     delay = min(delay * 2, self.retry.max_s)
                     continue
                 upload.last_error = ""
+                self.last_seconds = time.monotonic() - started
                 self._finish(upload)
                 break
 
