@@ -44,7 +44,7 @@ from disttrain.trainer.checkpoint.objectstore import (
     make_client,
     parse_uri,
 )
-from disttrain.trainer.checkpoint.uploads import RetryPolicy, Upload, Uploader
+from disttrain.trainer.checkpoint.uploads import RetryPolicy, Upload, Uploader, lower_this_threads_priority
 
 log = logging.getLogger("disttrain.trainer")
 
@@ -208,6 +208,7 @@ class Publisher:
         self.on_published(final)
 
     def _run(self) -> None:
+        lower_this_threads_priority()
         delay = self.retry.initial_s / 4
         while not self._stop.is_set():
             with self._lock:

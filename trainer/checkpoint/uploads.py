@@ -5,12 +5,17 @@ the saves in order (:meth:`ObjectStoreCommitter.upload_files`: every file in fli
 A store that fails or cannot be reached is retried with exponential backoff (``initial_s`` doubling up to
 ``max_s``) until it answers or the uploader is closed: it delays the save's COMPLETE, never the caller. Each
 upload records its attempts and last error, which is what status, metrics and events report.
+
+The upload thread runs at a lower CPU priority (:data:`UPLOAD_NICENESS`), and so do the transfer threads it starts
+(Linux threads inherit their creator's): where cores are short, the training loop and its data loader go first and
+the upload takes what is left.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -21,6 +26,18 @@ from disttrain.api.manifest import FileDigest
 from disttrain.trainer.checkpoint.objectstore import ObjectStoreCommitter
 
 log = logging.getLogger("disttrain.trainer")
+
+UPLOAD_NICENESS = 10
+"""Added to the upload thread's nice value (about a tenth of a core's share against a training thread at 0)."""
+
+
+def lower_this_threads_priority(increment: int = UPLOAD_NICENESS) -> None:
+    """Best effort: this thread alone (Linux: a thread id is a process id for ``setpriority``), never raising."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except (OSError, AttributeError) as exc:
+        log.debug("upload thread keeps its priority: %s", exc)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -90,6 +107,7 @@ class Uploader:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        lower_this_threads_priority()
         while not self._stop.is_set():
             upload = self._queue.get()
             if upload is None:
