@@ -365,7 +365,8 @@ class BucketTier:
             self._retention = None
 
     def download(self, published: Published) -> Path:
-        """The bucket's checkpoint in this tier (the leader fetches it unless a valid copy of it is here)."""
+        """The bucket's checkpoint in this tier: the leader fetches it unless a valid copy of it is here (a node that
+        kept its local copy reads it from its disk while the nodes without one download it)."""
         path = self.root / commit.step_dir_name(published.manifest.step)
         local, _ = commit.read_manifest(path)
         if (
@@ -373,7 +374,9 @@ class BucketTier:
             and local.metadata_sha256 == published.manifest.metadata_sha256
             and commit.validate(path).ok
         ):
+            log.info("checkpoint step-%d: this tier holds it already (every digest checked), no download", local.step)
             return path
+        log.info("checkpoint step-%d: downloading it into this tier", published.manifest.step)
         return self.store.download(published, self.root)
 
     def flush(self, timeout_s: float) -> bool:
