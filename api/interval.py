@@ -7,8 +7,11 @@ approaches the MTBF). Pure Python: the trainer applies it, tests and ``bench/goo
 
 Inputs, and what stands in for them before they are measured:
 
-* ``C``: the blocking seconds of the newest save in this process; before the first save, one step
-  (:data:`PRIOR_SAVE_STEPS` steps).
+* ``C``: the cost of making a step durable (:func:`durable_save_seconds`). On a volume, the blocking seconds of
+  the newest save in this process. With a bucket (``checkpoint.uri``), the seconds the newest save's upload took
+  (the local tier's copy goes with its node, so a step is durable only once its upload is done), or the blocking
+  part when that is longer; and the interval is never shorter than one upload, or saves would queue behind the
+  uploads and the oldest be dropped unuploaded. Before the first save, one step (:data:`PRIOR_SAVE_STEPS` steps).
 * MTBF: running time of the job (since ``status.startTime``, suspensions excluded) divided by the failures the
   operator counted (``status.restarts.total`` and the infrastructure losses that redo steps); with no failure yet,
   :data:`PRIOR_MTBF_SECONDS` or the job's age, whichever is longer (a job that ran a day without failing is
@@ -75,14 +78,27 @@ def interval_steps(save_seconds: float, step_seconds: float, mtbf: float) -> int
     return int(min(MAX_STEPS, max(MIN_STEPS, round(steps))))
 
 
+def durable_save_seconds(blocking_seconds: float | None, upload_seconds: float | None) -> float | None:
+    """``C``: the longer of a save's blocking part and its upload (None for one not measured or not made); None
+    while neither is known."""
+    known = [s for s in (blocking_seconds, upload_seconds) if s is not None]
+    return max(known) if known else None
+
+
 def choose(
     save_seconds: float | None,
     step_seconds: float,
     age_seconds: float,
     failures: int,
     prior_mtbf_seconds: float = PRIOR_MTBF_SECONDS,
+    upload_seconds: float | None = None,
 ) -> IntervalChoice:
-    """The whole rule: the priors for what is not measured yet, Young/Daly, steps, bounds."""
-    save = save_seconds if save_seconds is not None else PRIOR_SAVE_STEPS * step_seconds
+    """The whole rule: the priors for what is not measured yet, Young/Daly, steps, bounds. ``save_seconds``: the
+    newest save's blocking part; ``upload_seconds``: its upload to the bucket (None on a volume)."""
+    durable = durable_save_seconds(save_seconds, upload_seconds)
+    save = durable if durable is not None else PRIOR_SAVE_STEPS * step_seconds
     mtbf = mtbf_seconds(age_seconds, failures, prior_mtbf_seconds)
-    return IntervalChoice(interval_steps(save, step_seconds, mtbf), save, step_seconds, mtbf)
+    steps = interval_steps(save, step_seconds, mtbf)
+    if upload_seconds is not None and step_seconds > 0 and math.isfinite(upload_seconds / step_seconds):
+        steps = min(MAX_STEPS, max(steps, math.ceil(upload_seconds / step_seconds)))  # no save waits on the last
+    return IntervalChoice(steps, save, step_seconds, mtbf)

@@ -1,14 +1,21 @@
-"""Checkpoints in an S3 bucket against a real S3 server: upload throughput, and resume from the bucket vs a volume.
+"""Checkpoints in an S3 bucket against a real S3 server: upload throughput, the training step during an upload, and
+resume from the bucket vs a volume.
 
     python bench/objectstore_throughput.py [--state-mb 128] [--repeats 3] [--part-mb 16] [--concurrency 8]
-                                           [--endpoint URL --access-key K --secret-key S]
+                                           [--step-batch 64] [--no-pin] [--endpoint URL --access-key K --secret-key S]
 
-Without ``--endpoint`` it starts a throwaway Ceph RADOS Gateway (tests/s3server.py, memstore OSD) on this machine.
+Without ``--endpoint`` it starts a throwaway Ceph RADOS Gateway (tests/s3server.py, memstore OSD) on this machine,
+and (unless ``--no-pin``) pins the gateway's processes to the last CPU and this process to the others: a job's
+bucket is on other machines, so the server's CPU time should not be counted against the training step.
 
 upload_vs_raw_put_ratio: the time of one multipart PUT of the same bytes as a single object (boto3's transfer
 manager, the same part size and concurrency: the server's streaming rate), divided by the time the checkpoint
 committer takes to upload a committed checkpoint's files, read each back (HEAD) and publish COMPLETE.json; medians
 of ``--repeats``, alternating in this run.
+step_during_upload_vs_idle: the median training step (forward, backward, AdamW on the same model, one torch thread)
+while the trainer's background Uploader sends a committed checkpoint to the bucket, divided by the median of as
+many steps with no upload, run right after it; ``--repeats`` uploads. On a machine that also runs the server, the
+server's CPU time is in it.
 resume_bucket_vs_volume: the time to resume a model + AdamW state from the bucket (find the newest trusted
 checkpoint, download it, verify every byte, load it with DCP) divided by loading the same checkpoint from a local
 volume (validate every digest, load).
@@ -38,6 +45,7 @@ from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer.checkpoint import commit, storage
 from disttrain.trainer.checkpoint import manager as ckpt_mod
 from disttrain.trainer.checkpoint.objectstore import Location, ObjectStoreCommitter, TransferOptions
+from disttrain.trainer.checkpoint.uploads import Uploader
 
 
 def load_seconds(step_dir: Path, manifest_sha: str, state: dict) -> float:
@@ -48,12 +56,55 @@ def load_seconds(step_dir: Path, manifest_sha: str, state: dict) -> float:
     return time.perf_counter() - t0
 
 
+def pin_apart(server: s3server.RadosGateway) -> None:
+    """The gateway's processes (every thread) on the last CPU, this process on the others."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return
+    for name in ("client.rgw.a", "osd.0", "mon.a"):
+        pid = server._pid(name)
+        for tid in os.listdir(f"/proc/{pid}/task") if pid else []:
+            os.sched_setaffinity(int(tid), {cpus[-1]})
+    os.sched_setaffinity(0, set(cpus[:-1]))
+    print(f"gateway on CPU {cpus[-1]}, this process on CPU {','.join(map(str, cpus[:-1]))}")
+
+
+def timed_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    bench.train_step(model, opt, x)
+    return time.perf_counter() - t0
+
+
+def step_seconds_with_and_without_upload(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, stores: list[ObjectStoreCommitter], local: Path
+) -> tuple[list[float], list[float]]:
+    """Step times while each store receives ``local``'s checkpoint from a background Uploader, and as many right
+    after with nothing uploading."""
+    v = commit.validate(local)
+    assert v.manifest is not None
+    during, idle = [], []
+    for store in stores:
+        agreed = store.claim_round()
+        uploader = Uploader(store)
+        upload = uploader.submit(1, local, dict(v.manifest.files), agreed)
+        steps = []
+        while not upload.done.is_set():
+            steps.append(timed_step(model, opt, x))
+        uploader.close()
+        assert upload.result is not None, upload.last_error
+        during += steps
+        idle += [timed_step(model, opt, x) for _ in steps]
+    return during, idle
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--state-mb", type=float, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--part-mb", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--step-batch", type=int, default=64, help="samples of a training step (1024 wide)")
+    parser.add_argument("--no-pin", action="store_true", help="leave the local gateway on every CPU")
     parser.add_argument("--endpoint", default="")
     parser.add_argument("--access-key", default=s3server.ACCESS_KEY)
     parser.add_argument("--secret-key", default=s3server.SECRET_KEY)
@@ -63,6 +114,8 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29571")
     dist.init_process_group("gloo", rank=0, world_size=1)
     server = None if args.endpoint else s3server.RadosGateway(memstore_bytes=4 * 2**30).__enter__()
+    if server is not None and not args.no_pin:
+        pin_apart(server)
     root = Path(tempfile.mkdtemp(prefix="s3-bench-"))
     try:
         import boto3
@@ -120,6 +173,20 @@ def main() -> None:
             f"raw multipart PUT: median {raw_s:.3f} s ({nbytes / raw_s / 2**20:.0f} MiB/s)"
         )
         print(f"upload_vs_raw_put_ratio: {raw_s / ours_s:.2f}")
+
+        x = torch.randn(args.step_batch, 1024)
+        for _ in range(3):
+            timed_step(model, opt, x)
+        stores = [
+            ObjectStoreCommitter(client, Location(bucket, f"steps-{r}"), transfer=transfer) for r in range(args.repeats)
+        ]
+        during, idle = step_seconds_with_and_without_upload(model, opt, x, stores, local)
+        busy_s, idle_s = statistics.median(during), statistics.median(idle)
+        print(
+            f"training step: median {busy_s * 1e3:.1f} ms during an upload ({len(during)} steps), "
+            f"{idle_s * 1e3:.1f} ms without"
+        )
+        print(f"step_during_upload_vs_idle: {busy_s / idle_s:.3f}")
 
         bucket_s, volume_s = [], []
         for r in range(args.repeats):

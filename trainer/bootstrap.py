@@ -179,6 +179,7 @@ def start(
                 metrics=metrics,
                 on_commit=lambda m: watchdog.publish(control_keys.CHECKPOINT_KEY, m.model_dump_json()),
                 on_phase=options.checkpoint.on_phase,
+                upload_retry=options.checkpoint.upload_retry,
                 job_uid=ctx.job_uid,
                 node=ctx.node_name,
             ),

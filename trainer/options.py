@@ -24,6 +24,7 @@ from disttrain.trainer import activation, inplace
 from disttrain.trainer import effects as effects_mod
 from disttrain.trainer import evaluation as evaluation_mod
 from disttrain.trainer.checkpoint.manager import PhaseHook
+from disttrain.trainer.checkpoint.uploads import RetryPolicy
 from disttrain.trainer.parallel import Parallelism, Precision
 
 if TYPE_CHECKING:
@@ -113,6 +114,9 @@ class CheckpointOptions:
     on_phase: Optional[PhaseHook] = None
     """Called inside a save at each :class:`~disttrain.trainer.checkpoint.manager.CheckpointPhase` (tests inject
     faults)."""
+    upload_retry: Optional[RetryPolicy] = None
+    """With ``spec.checkpoint.uri``: the backoff and request timeouts of the background uploads and publication
+    (None: :class:`~disttrain.trainer.checkpoint.uploads.RetryPolicy`'s defaults)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -156,6 +160,7 @@ class TrainerKwargs(TypedDict, total=False):
     collate_fn: Callable[[list[Any]], Any]
     log_every: int
     on_checkpoint_phase: Optional[PhaseHook]
+    checkpoint_upload_retry: Optional[RetryPolicy]
     parallelism: str | Parallelism
     precision: str | Precision
     shard_modules: Optional[Sequence[torch.nn.Module]]
@@ -214,6 +219,7 @@ class TrainerOptions:
             checkpoint=CheckpointOptions(
                 user_state=dict(kwargs.get("user_state") or {}),
                 on_phase=kwargs.get("on_checkpoint_phase"),
+                upload_retry=kwargs.get("checkpoint_upload_retry"),
             ),
             lifecycle=LifecycleOptions(reform_in_place=inplace.applies(contract.reform_in_place)),
             effects=EffectOptions(handlers=dict(kwargs.get("effects") or {}), evaluation=kwargs.get("evaluation")),

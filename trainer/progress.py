@@ -136,7 +136,8 @@ def _propose_interval(trainer: ElasticTrainer) -> int:
     """Rank 0's automatic checkpoint interval for the boundary agreement (0: none), published when it changes."""
     if trainer.planner is None:
         return 0
-    steps = trainer.planner.propose(trainer.checkpoints.last_save_blocking_s)
+    checkpoints = trainer.checkpoints
+    steps = trainer.planner.propose(checkpoints.last_save_blocking_s, checkpoints.last_upload_seconds())
     report = trainer.planner.report()
     if report is not None:
         trainer.watchdog.publish(control_keys.INTERVAL_KEY, report.model_dump_json())

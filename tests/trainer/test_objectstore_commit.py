@@ -356,3 +356,30 @@ def test_the_backlog_names_the_saves_waiting_for_the_bucket_and_why_until_it_is_
     assert tier.flush(60)
     assert tier.backlog() is None and c.find_latest().manifest.step == 4
     tier.close()
+
+
+def test_a_tier_that_holds_the_checkpoint_reads_it_from_disk_and_only_the_others_download(s3_bucket, local, tmp_path):
+    """A resume from the bucket on two nodes, one of which kept its local copy of the chosen checkpoint: that node
+    gets no object from the bucket, the other downloads every one; both end with the same verified checkpoint."""
+    c = committer(s3_bucket)
+    publish(c, local, 4)
+    found = c.find_latest()
+    assert found is not None
+    kept, fresh = tmp_path / "kept", tmp_path / "fresh"
+    shutil.copytree(local / "step-4", kept / "step-4")
+    gets: list[str] = []
+    for root in (kept, fresh):
+        reader = committer(s3_bucket)
+        reader.client.meta.events.register(
+            "before-parameter-build.s3.GetObject", lambda params, **_: gets.append(params["Key"])
+        )
+        tier = BucketTier(reader, root, 0, keep=3, on_published=lambda m: None)
+        assert tier.download(found) == root / "step-4"
+        if root is kept:
+            assert gets == []
+    assert {k.rsplit("/", 1)[1] for k in gets} == set(found.manifest.files)  # ranged GETs for the large ones
+    for root in (kept, fresh):
+        assert commit.validate(root / "step-4").ok
+        assert torch.equal(
+            load_tensors(root / "step-4", prefix="")["w"], load_tensors(local / "step-4", prefix="")["w"]
+        )

@@ -13,11 +13,16 @@ Settings come from the worker contract env like any disttrain program. Test-only
   ``TOY_USER_STATE=1``: register a :class:`toymodel.StepCounter` as user state. ``TOY_STREAM=1``: the samples as a
   seekable IterableDataset. ``TOY_NUM_WORKERS``: DataLoader worker processes. ``TOY_DEVICE``: the trainer's
   ``device`` option.
+- ``TOY_UPLOAD_RETRY=<initial s>,<max s>``: the backoff of the bucket's uploads (``checkpoint_upload_retry``), with
+  5 s request timeouts.
 - ``TOY_FAULT``: a checkpoint fault, injected through the trainer's ``on_checkpoint_phase`` hook.
   ``kill_before_commit:<step>`` makes global rank 0 SIGKILL itself once every rank's files of that save are
   written and synced, just before COMPLETE.json (the worst moment); ``fail_write:<step>`` makes every rank's
   part of that save fail after DCP wrote its files; ``enospc_from:<step>`` makes every save from that step on
-  fail as a full disk does (OSError ENOSPC), for where a real small file system cannot be mounted.
+  fail as a full disk does (OSError ENOSPC), for where a real small file system cannot be mounted;
+  ``kill_at:<phase>:<step>`` makes global rank 0 SIGKILL itself at that
+  :class:`~disttrain.trainer.checkpoint.manager.CheckpointPhase` of the first save of that step or a later one
+  (a bucket's publisher may skip a save once a newer one is complete).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import toymodel  # a sibling: this folder is sys.path[0] of a script started by 
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from disttrain.trainer.checkpoint.manager import CheckpointPhase, PhaseHook
+from disttrain.trainer.checkpoint.uploads import RetryPolicy
 from disttrain.trainer.loop import ElasticTrainer
 
 
@@ -41,6 +47,8 @@ def fault_hook(spec: str) -> Optional[PhaseHook]:
     """The checkpoint hook for a ``TOY_FAULT`` value (None for no fault)."""
     if not spec:
         return None
+    if spec.startswith("kill_at:"):
+        return kill_hook(spec)
     kind, _, at = spec.partition(":")
     if kind not in ("kill_before_commit", "fail_write", "enospc_from") or not at.isdigit():
         raise ValueError(
@@ -58,6 +66,19 @@ def fault_hook(spec: str) -> Optional[PhaseHook]:
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "fail_write" and phase is CheckpointPhase.FILES_WRITTEN:
             raise OSError(f"fault injection: write of step {step} failed")
+
+    return hook
+
+
+def kill_hook(spec: str) -> PhaseHook:
+    """``kill_at:<phase>:<step>``: global rank 0 dies at that phase of a save of that step or later."""
+    _, where, at = spec.split(":", 2)
+    phase, at_step = CheckpointPhase(where), int(at)
+
+    def hook(now: CheckpointPhase, step: int) -> None:
+        if now is phase and step >= at_step and os.environ.get("RANK") == "0":
+            print(f"fault injection: SIGKILL at {now.value} of step {step}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     return hook
 
@@ -84,6 +105,11 @@ def main() -> None:
     if os.environ.get("TOY_SCALER_GROWTH_INTERVAL"):
         options["grad_scaler"] = ShardedGradScaler(
             device="cpu", init_scale=1024.0, growth_interval=int(os.environ["TOY_SCALER_GROWTH_INTERVAL"])
+        )
+    if os.environ.get("TOY_UPLOAD_RETRY"):
+        initial, longest = (float(x) for x in os.environ["TOY_UPLOAD_RETRY"].split(","))
+        options["checkpoint_upload_retry"] = RetryPolicy(
+            initial_s=initial, max_s=longest, connect_timeout_s=5.0, read_timeout_s=5.0
         )
     if os.environ.get("TOY_DEVICE"):
         options["device"] = os.environ["TOY_DEVICE"]

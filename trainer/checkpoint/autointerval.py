@@ -2,7 +2,8 @@
 
 The rule itself is :mod:`disttrain.api.interval`. Its inputs come from three places:
 
-* the save cost and the step time: measured by rank 0 (:class:`IntervalPlanner`, fed by the loop);
+* the save cost (with a bucket, the upload's too) and the step time: measured by rank 0 (:class:`IntervalPlanner`,
+  fed by the loop);
 * the failures: only the operator counts them (``status.restarts.total``, the infrastructure losses that cost
   steps in ``status.infrastructureLosses.byReason``, ``status.startTime``), so the job
   agent writes them into ``RELIABILITY_KEY`` (:func:`reliability_from_status`) and rank 0 reads that key at most
@@ -113,12 +114,13 @@ class IntervalPlanner:
             return 0, now - self.started
         return self.reliability.failures, self.reliability.age_seconds(now)
 
-    def propose(self, save_seconds: Optional[float]) -> int:
-        """The interval to propose at this boundary (0: nothing measured yet, keep the agreed one)."""
+    def propose(self, save_seconds: Optional[float], upload_seconds: Optional[float] = None) -> int:
+        """The interval to propose at this boundary (0: nothing measured yet, keep the agreed one), from the newest
+        save's blocking seconds and, with a bucket, its upload's."""
         if self.step_seconds is None:
             return 0
         failures, age = self._failures_and_age(self.clock())
-        self.choice = interval.choose(save_seconds, self.step_seconds, age, failures)
+        self.choice = interval.choose(save_seconds, self.step_seconds, age, failures, upload_seconds=upload_seconds)
         return self.choice.steps
 
     def report(self) -> Optional[keys.IntervalReport]:

@@ -49,7 +49,20 @@ class CheckpointPhase(str, enum.Enum):
 
     PUBLISHED = "published"
     """Global rank 0, right after the rename to ``step-N`` and before retention reads the new checkpoint back:
-    damage done here must keep every older checkpoint alive."""
+    damage done here must keep every older checkpoint alive. With a bucket (``spec.checkpoint.uri``): the save is
+    committed on the local tier and rank 0 has not started uploading it."""
+
+    UPLOADED = "uploaded"
+    """With a bucket, every rank (its upload thread), once its files of a save are in the bucket and read back,
+    before it records them for the publisher: a crash here leaves objects that no COMPLETE.json lists."""
+
+    BEFORE_BUCKET_MANIFEST = "before_bucket_manifest"
+    """With a bucket, global rank 0's publisher thread, once every rank's upload record matched the manifest and
+    the fence held, just before the bucket's COMPLETE.json: every object is there, the commit is not."""
+
+    BUCKET_COMPLETE = "bucket_complete"
+    """With a bucket, global rank 0's publisher thread, right after the bucket's COMPLETE.json and before the
+    bucket's retention: a crash here leaves the new checkpoint and every older one the retention would delete."""
 
 
 PhaseHook = Callable[[CheckpointPhase, int], None]

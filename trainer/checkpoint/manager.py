@@ -145,7 +145,7 @@ class CheckpointManager:
         self._resume_from: Optional[Published] = None
         self._tier_closed = False
         if spec.uri is not None:
-            store = tiered.bucket_committer(spec, options.job_uid, options.node)
+            store = tiered.bucket_committer(spec, options.job_uid, options.node, options.upload_retry)
             self.tier = BucketTier(
                 store,
                 self.root,
@@ -153,6 +153,7 @@ class CheckpointManager:
                 keep=spec.keep,
                 on_published=self._on_published,
                 retry=options.upload_retry,
+                on_phase=options.on_phase,
             )
         if rank == 0 or self.tier is not None:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -340,6 +341,10 @@ class CheckpointManager:
             self.metrics.last_complete_step.set(manifest.step)
         with self._published_lock:
             self._published.append(manifest)
+
+    def last_upload_seconds(self) -> Optional[float]:
+        """With a bucket: how long this rank's newest finished upload took (intervalSteps: auto); else None."""
+        return self.tier.uploader.last_seconds if self.tier is not None else None
 
     def upload_backlog(self) -> Optional[str]:
         """With a bucket, on rank 0: the saves committed locally and not yet COMPLETE in the bucket, and why; None

@@ -86,12 +86,15 @@ class TransferOptions:
 
 
 def make_client(
-    endpoint_url: Optional[str] = None, region: Optional[str] = None, addressing_style: str = "auto"
+    endpoint_url: Optional[str] = None,
+    region: Optional[str] = None,
+    addressing_style: str = "auto",
+    timeouts: tuple[float, float] = (60.0, 60.0),
 ) -> Any:
     """A boto3 S3 client. Credentials come from boto3's own chain: the environment (``AWS_ACCESS_KEY_ID``...),
     a web identity token (IRSA-style workload identity), the instance's role, never from an argument here.
     ``endpoint_url``, ``region`` and ``addressing_style`` ("auto", "path", "virtual") are for S3-compatible
-    stores."""
+    stores; ``timeouts``: (connect, read) seconds of one request (botocore's defaults)."""
     import boto3
     from botocore.config import Config
 
@@ -99,7 +102,12 @@ def make_client(
         "s3",
         endpoint_url=endpoint_url or None,
         region_name=region or None,
-        config=Config(s3={"addressing_style": addressing_style}, retries={"mode": "standard"}),
+        config=Config(
+            s3={"addressing_style": addressing_style},
+            retries={"mode": "standard"},
+            connect_timeout=timeouts[0],
+            read_timeout=timeouts[1],
+        ),
     )
 
 

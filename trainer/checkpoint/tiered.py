@@ -36,6 +36,7 @@ from typing import Optional
 from disttrain.api.manifest import MANIFEST_FILE, CheckpointManifest, FileDigest
 from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer.checkpoint import commit
+from disttrain.trainer.checkpoint.committer import CheckpointPhase, PhaseHook
 from disttrain.trainer.checkpoint.fence import FencedError
 from disttrain.trainer.checkpoint.objectstore import (
     ObjectStoreCommitter,
@@ -43,7 +44,7 @@ from disttrain.trainer.checkpoint.objectstore import (
     make_client,
     parse_uri,
 )
-from disttrain.trainer.checkpoint.uploads import RetryPolicy, Upload, Uploader
+from disttrain.trainer.checkpoint.uploads import RetryPolicy, Upload, Uploader, lower_this_threads_priority
 
 log = logging.getLogger("disttrain.trainer")
 
@@ -57,14 +58,19 @@ MAX_LOCAL_COPIES = 3
 """Local copies a tier keeps at most while the bucket is behind: what an unreachable bucket can pile up."""
 
 
-def bucket_committer(spec: CheckpointSpec, job_uid: str = "", node: str = "") -> ObjectStoreCommitter:
-    """The committer of ``spec.uri`` with the client ``spec.s3`` describes (credentials from the environment)."""
+def bucket_committer(
+    spec: CheckpointSpec, job_uid: str = "", node: str = "", retry: Optional[RetryPolicy] = None
+) -> ObjectStoreCommitter:
+    """The committer of ``spec.uri`` with the client ``spec.s3`` describes (credentials from the environment) and
+    the request timeouts of ``retry``."""
     assert spec.uri is not None
     s3 = spec.s3
+    retry = retry or RetryPolicy()
     client = make_client(
         s3.endpoint if s3 else None,
         s3.region if s3 else None,
         s3.addressing_style.value if s3 else "auto",
+        (retry.connect_timeout_s, retry.read_timeout_s),
     )
     return ObjectStoreCommitter(client, parse_uri(spec.uri), job_uid=job_uid, node=node)
 
@@ -90,14 +96,17 @@ class RecordingStore:
     """The store an :class:`Uploader` of rank ``rank`` uploads through: after the files of a save are uploaded and
     read back, it records them (with their ETags) for the publisher."""
 
-    def __init__(self, store: ObjectStoreCommitter, rank: int) -> None:
+    def __init__(self, store: ObjectStoreCommitter, rank: int, on_phase: Optional[PhaseHook] = None) -> None:
         self.store = store
         self.rank = rank
+        self.on_phase = on_phase
 
     def upload_files(
         self, local_dir: Path, step: int, files: dict[str, FileDigest], round_: int
     ) -> dict[str, FileDigest]:
         uploaded = self.store.upload_files(local_dir, step, files, round_) if files else {}
+        if self.on_phase is not None:
+            self.on_phase(CheckpointPhase.UPLOADED, step)
         body = json.dumps({name: d.model_dump(mode="json") for name, d in uploaded.items()}).encode()
         self.store.client.put_object(
             Bucket=self.store.location.bucket, Key=record_key(self.store, step, round_, self.rank), Body=body
@@ -122,12 +131,14 @@ class Publisher:
         keep: int,
         on_published: Callable[[CheckpointManifest], None],
         retry: Optional[RetryPolicy] = None,
+        on_phase: Optional[PhaseHook] = None,
     ) -> None:
         self.store = store
         self.world_size = world_size
         self.keep = keep
         self.on_published = on_published
         self.retry = retry or RetryPolicy()
+        self.on_phase = on_phase or (lambda phase, step: None)
         self.protected: set[int] = set()
         self.published_step: Optional[int] = None
         self.last_error = ""
@@ -183,8 +194,9 @@ class Publisher:
         if {n: (d.size, d.digest) for n, d in uploaded.items()} != expected:
             raise OSError(f"checkpoint step-{m.step}: the ranks' upload records do not match its manifest")
         final = m.model_copy(update={"files": {n: uploaded[n] for n in m.files}})
-        key = self.store.publish(final)
+        key = self.store.publish(final, lambda: self.on_phase(CheckpointPhase.BEFORE_BUCKET_MANIFEST, m.step))
         self.published_step = m.step
+        self.on_phase(CheckpointPhase.BUCKET_COMPLETE, m.step)
         log.info(
             "checkpoint step-%d complete in s3://%s/%s (%d objects, %.1f MB)",
             m.step,
@@ -196,6 +208,7 @@ class Publisher:
         self.on_published(final)
 
     def _run(self) -> None:
+        lower_this_threads_priority()
         delay = self.retry.initial_s / 4
         while not self._stop.is_set():
             with self._lock:
@@ -247,6 +260,7 @@ class BucketTier:
         keep: int,
         on_published: Callable[[CheckpointManifest], None],
         retry: Optional[RetryPolicy] = None,
+        on_phase: Optional[PhaseHook] = None,
     ) -> None:
         self.store = store
         self.root = root
@@ -254,7 +268,8 @@ class BucketTier:
         self.keep = keep
         self.retry = retry or RetryPolicy()
         self.on_published = on_published
-        self.uploader = Uploader(RecordingStore(store, rank), self.retry)  # type: ignore[arg-type]
+        self.on_phase = on_phase
+        self.uploader = Uploader(RecordingStore(store, rank, on_phase), self.retry)  # type: ignore[arg-type]
         self.publisher: Optional[Publisher] = None
         self.is_leader = False
         self.world_size = 1
@@ -266,7 +281,9 @@ class BucketTier:
         self.world_size = world_size
         self.is_leader = tier_leaders(identities)[identities[self.rank]] == self.rank
         if self.rank == 0 and self.publisher is None:
-            self.publisher = Publisher(self.store, world_size, self.keep, self.on_published, self.retry)
+            self.publisher = Publisher(
+                self.store, world_size, self.keep, self.on_published, self.retry, on_phase=self.on_phase
+            )
 
     def local_latest(self) -> Optional[CheckpointManifest]:
         found = commit.find_latest(self.root, log=log.warning)
@@ -348,7 +365,8 @@ class BucketTier:
             self._retention = None
 
     def download(self, published: Published) -> Path:
-        """The bucket's checkpoint in this tier (the leader fetches it unless a valid copy of it is here)."""
+        """The bucket's checkpoint in this tier: the leader fetches it unless a valid copy of it is here (a node that
+        kept its local copy reads it from its disk while the nodes without one download it)."""
         path = self.root / commit.step_dir_name(published.manifest.step)
         local, _ = commit.read_manifest(path)
         if (
@@ -356,7 +374,9 @@ class BucketTier:
             and local.metadata_sha256 == published.manifest.metadata_sha256
             and commit.validate(path).ok
         ):
+            log.info("checkpoint step-%d: this tier holds it already (every digest checked), no download", local.step)
             return path
+        log.info("checkpoint step-%d: downloading it into this tier", published.manifest.step)
         return self.store.download(published, self.root)
 
     def flush(self, timeout_s: float) -> bool:

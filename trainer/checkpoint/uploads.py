@@ -5,14 +5,20 @@ the saves in order (:meth:`ObjectStoreCommitter.upload_files`: every file in fli
 A store that fails or cannot be reached is retried with exponential backoff (``initial_s`` doubling up to
 ``max_s``) until it answers or the uploader is closed: it delays the save's COMPLETE, never the caller. Each
 upload records its attempts and last error, which is what status, metrics and events report.
+
+The upload thread runs at a lower CPU priority (:data:`UPLOAD_NICENESS`), and so do the transfer threads it starts
+(Linux threads inherit their creator's): where cores are short, the training loop and its data loader go first and
+the upload takes what is left.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -21,11 +27,31 @@ from disttrain.trainer.checkpoint.objectstore import ObjectStoreCommitter
 
 log = logging.getLogger("disttrain.trainer")
 
+UPLOAD_NICENESS = 10
+"""Added to the upload thread's nice value (about a tenth of a core's share against a training thread at 0)."""
+
+
+def lower_this_threads_priority(increment: int = UPLOAD_NICENESS) -> None:
+    """Best effort: this thread alone (Linux: a thread id is a process id for ``setpriority``), never raising."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except (OSError, AttributeError) as exc:
+        log.debug("upload thread keeps its priority: %s", exc)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
+    """How the background uploads and the publication wait out a bucket that fails: never the training steps."""
+
     initial_s: float = 1.0
+    """First wait after a failed attempt, doubled after each failure..."""
     max_s: float = 30.0
+    """...up to this."""
+    connect_timeout_s: float = 60.0
+    """One request's connect timeout: what an attempt waits for a bucket that drops packets (botocore's default)."""
+    read_timeout_s: float = 60.0
+    """One request's read timeout (botocore's default)."""
 
 
 @dataclasses.dataclass
@@ -55,6 +81,8 @@ class Uploader:
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._pending: list[Upload] = []
+        self.last_seconds: Optional[float] = None
+        """How long the newest upload that succeeded took, its failed attempts and their backoff excluded."""
 
     def submit(self, step: int, local_dir: Path, files: dict[str, FileDigest], round_: int) -> Upload:
         upload = Upload(step=step, round=round_, local_dir=local_dir, files=dict(files))
@@ -79,6 +107,7 @@ class Uploader:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        lower_this_threads_priority()
         while not self._stop.is_set():
             upload = self._queue.get()
             if upload is None:
@@ -91,6 +120,7 @@ class Uploader:
                     self._finish(upload)
                     break
                 upload.attempts += 1
+                started = time.monotonic()
                 try:
                     upload.result = self.store.upload_files(upload.local_dir, upload.step, upload.files, upload.round)
                 except Exception as exc:  # noqa: BLE001 - a store that fails is retried, never raised into training
@@ -106,6 +136,7 @@ class Uploader:
                     delay = min(delay * 2, self.retry.max_s)
                     continue
                 upload.last_error = ""
+                self.last_seconds = time.monotonic() - started
                 self._finish(upload)
                 break
 

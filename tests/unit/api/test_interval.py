@@ -55,3 +55,30 @@ def test_choose_before_the_first_save_assumes_one_step_of_save_cost():
     choice = interval.choose(None, 0.1, age_seconds=10.0, failures=0)
     assert choice.save_seconds == 0.1 and choice.mtbf_seconds == interval.PRIOR_MTBF_SECONDS
     assert choice.steps == round(math.sqrt(2 * 0.1 * interval.PRIOR_MTBF_SECONDS) / 0.1)
+
+
+def test_with_a_bucket_the_cost_is_the_upload_that_makes_a_step_durable():
+    """A 0.1 s local save and an 8 s upload, 0.05 s steps, no failure yet (the 600 s prior): the interval is
+    Young/Daly's for 8 s, not for 0.1 s, and the choice reports the 8 s it planned with."""
+    on_a_volume = interval.choose(0.1, 0.05, 0.0, 0)
+    in_a_bucket = interval.choose(0.1, 0.05, 0.0, 0, upload_seconds=8.0)
+    assert on_a_volume.steps == interval.interval_steps(0.1, 0.05, 600.0) == 219
+    assert in_a_bucket.steps == interval.interval_steps(8.0, 0.05, 600.0) == 1960
+    assert in_a_bucket.save_seconds == 8.0
+    # A save that blocks longer than its upload takes: the blocking part is the cost.
+    assert interval.choose(3.0, 0.05, 0.0, 0, upload_seconds=2.0).save_seconds == 3.0
+
+
+def test_with_a_bucket_the_interval_is_never_shorter_than_one_upload():
+    """Failures every 10 s and a 300 s upload: Young/Daly says 77 s (77 one-second steps), but saves that come
+    faster than the uploads queue behind them; the interval is the upload's 300 steps."""
+    assert interval.interval_steps(300.0, 1.0, 10.0) == 77
+    assert interval.choose(0.5, 1.0, 100.0, 10, upload_seconds=300.0).steps == 300
+    assert interval.choose(0.5, 1.0, 100.0, 10, upload_seconds=1e9).steps == interval.MAX_STEPS
+
+
+def test_the_durable_cost_is_what_was_measured():
+    assert interval.durable_save_seconds(None, None) is None  # the prior applies
+    assert interval.durable_save_seconds(0.5, None) == 0.5  # a volume, or no upload finished yet
+    assert interval.durable_save_seconds(None, 2.0) == 2.0
+    assert interval.durable_save_seconds(0.5, 2.0) == 2.0
