@@ -59,6 +59,9 @@ DEBUG_DIR: Final = "DISTTRAIN_DEBUG_DIR"
 # restarts
 # the worker processes.
 LAUNCHER_SOCKET: Final = "DISTTRAIN_LAUNCHER_SOCKET"
+# The rendezvous round a worker process belongs to: the worker's launcher sets it before it starts (or hands a round to)
+# its workers. A directive issued for an earlier round is not acted on (disttrain.api.control.judge_directive).
+RENDEZVOUS_ROUND: Final = "DISTTRAIN_RENDEZVOUS_ROUND"
 # Local mode (disttrain.operator.local): the node a process belongs to, inherited by every process of the node's tree
 # and read from /proc/<pid>/environ to find and kill the whole tree (torchrun starts workers in sessions of their own).
 LOCAL_MARKER: Final = "DISTTRAIN_LOCAL_MARKER"

@@ -65,7 +65,12 @@ from typing import Any, Optional
 
 from torch.distributed import DistStoreError, Store, TCPStore
 from torch.distributed.elastic.events import NodeState, get_logging_handler
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, c10d_rendezvous_backend
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    c10d_rendezvous_backend,
+)
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
@@ -371,6 +376,14 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
 
     def target(self) -> Optional[control.TargetPlan]:
         return read_target(self._target_store)
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """torch's, then the round joined in ``$DISTTRAIN_RENDEZVOUS_ROUND``, which torchrun passes to the workers it
+        starts (and the launcher hands to those that take the round in place): a directive issued for an earlier
+        round is not theirs (:func:`disttrain.api.control.judge_directive`)."""
+        info = super().next_rendezvous()
+        os.environ[env.RENDEZVOUS_ROUND] = str(self._state_holder.state.round)
+        return info
 
     def get_backend(self) -> str:
         return constants.RDZV_BACKEND  # torchrun checks that the handler reports the backend it asked for
