@@ -22,6 +22,8 @@ AGENT_LEASE_RENEW_SECONDS: Final = "DISTTRAIN_AGENT_LEASE_RENEW_SECONDS"
 # downward API's ``status.podIP``) and how often it pulses. Unset or 0: no pulse.
 AGENT_PULSE_PORT: Final = "DISTTRAIN_AGENT_PULSE_PORT"
 AGENT_PULSE_SECONDS: Final = "DISTTRAIN_AGENT_PULSE_SECONDS"
+# The job's pulse key (a file: the job's Secret, mounted): the operator proves it before the agent pulses to it.
+AGENT_PULSE_KEY_FILE: Final = "DISTTRAIN_AGENT_PULSE_KEY_FILE"
 POD_IP: Final = "DISTTRAIN_POD_IP"
 # Stable node index of this node (the pod's ``disttrain.dev/node-index`` label). The ``disttrain`` rendezvous
 # handler orders ranks by it, and a replacement pod takes the index of the node it replaces, so every rank

@@ -50,6 +50,7 @@ from typing import Any, Optional, Protocol, cast
 
 from disttrain.api import agentview, constants, env, storeauth
 from disttrain.api import control as keys
+from disttrain.api import pulse as pulse_wire
 from disttrain.api.contract import job_checkpoint_dir
 from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.status import AGENT_FIELDS
@@ -795,7 +796,20 @@ def _start_pulse() -> Optional[pulse.PulseServer]:
     except ValueError:
         log.warning("$%s or $%s is not a number: no pulse", env.AGENT_PULSE_PORT, env.AGENT_PULSE_SECONDS)
         return None
-    return pulse.start(os.environ.get(env.POD_IP) or "0.0.0.0", port, os.environ.get(env.POD_UID) or "", period)
+    host, uid = os.environ.get(env.POD_IP) or "0.0.0.0", os.environ.get(env.POD_UID) or ""
+    return pulse.start(host, port, uid, period, _pulse_key(os.environ.get(env.AGENT_PULSE_KEY_FILE) or ""))
+
+
+def _pulse_key(path: str) -> Optional[bytes]:
+    """The job's pulse key from the file the operator mounted (its Secret's ``pulse-key``); None when there is none."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="ascii") as file:
+            return pulse_wire.parse_key(file.read())
+    except (OSError, ValueError) as exc:
+        log.warning("the pulse key at %s cannot be read: %s", path, exc)
+        return None
 
 
 def _start_lease(source: JobSource) -> Optional[lease.LeaseRenewer]:
