@@ -223,6 +223,13 @@ def test_a_directive_is_stamped_with_the_round_it_was_issued_for_and_keeps_it(tm
         store.delete_key(keys.SIGNAL_KEY)  # a stranger's deletion: the agent writes it again
         assert directive(1, "reform").round == 0
         assert directive(2, "drain").round == 1
+        # A replay of the older plan: a node's rendezvous keeps the newer plan it read.
+        assert handlers[0].target().generation == 2
+        replayed = keys.TargetPlan(generation=1, nodes=2, job_uid=RUN_ID, round=0)
+        store.set(keys.TARGET_KEY, replayed.model_dump_json())
+        fresh_store = agent_mod.scoped_store(server)  # a client with no memory of the newer value takes the replay
+        assert keys.read_model(fresh_store, keys.TARGET_KEY, keys.TargetPlan) == replayed
+        assert handlers[0].target().generation == 2, "the handler's plan never goes back"
     finally:
         for h in handlers:
             h._stop_heartbeats()

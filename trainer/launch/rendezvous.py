@@ -354,6 +354,8 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
     ) -> None:
         super().__init__(node, settings, backend_name, store, state_holder)
         self._target_store = store
+        self._newest_target: Optional[control.TargetPlan] = None
+        self._replayed_target: Optional[int] = None
         self.beat: Optional[NodeBeat] = None
         """This node's liveness beat to the job agent (:mod:`disttrain.trainer.launch.beat`), from creation to
         :meth:`shutdown`."""
@@ -375,7 +377,22 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
             super()._record(message, node_state, rank)
 
     def target(self) -> Optional[control.TargetPlan]:
-        return read_target(self._target_store)
+        """The agent's target plan; never one older than the newest this node read (a replay of an older plan is
+        logged and the newer one kept), so a round never completes on an old node count or exclude list."""
+        plan = read_target(self._target_store)
+        newest = self._newest_target
+        if plan is None or newest is None or plan.job_uid != newest.job_uid or plan.generation >= newest.generation:
+            self._newest_target = plan or newest
+            return plan
+        if self._replayed_target != plan.generation:
+            self._replayed_target = plan.generation
+            log.warning(
+                "rendezvous %s: target plan generation %d is older than the %d read before: kept the newer",
+                self._settings.run_id,
+                plan.generation,
+                newest.generation,
+            )
+        return newest
 
     def next_rendezvous(self) -> RendezvousInfo:
         """torch's, then the round joined in ``$DISTTRAIN_RENDEZVOUS_ROUND``, which torchrun passes to the workers it
