@@ -130,6 +130,9 @@ class PulseServer:
             if next_pulse - now > self.period:  # the wall clock was set back: never a gap in the pulse
                 next_pulse = next_boundary(now, self.period)
             timeout = max(0.0, next_pulse - now)
+            if self._pending:  # the oldest unproven connection's deadline comes first (dicts keep their order)
+                first = next(iter(self._pending.values()))
+                timeout = min(timeout, max(0.0, first.deadline - time.monotonic()))
             for key, _events in self._selector.select(timeout):
                 if key.fileobj is self._listener:
                     self._accept()
