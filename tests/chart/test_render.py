@@ -69,6 +69,15 @@ def test_the_operator_mounts_its_pulse_key_from_the_charts_secret(rendered):
     assert mount["readOnly"] and args.agent_pulse_key_file == f"{mount['mountPath']}/{pulse.SECRET_KEY}"
 
 
+def test_a_pulse_key_secret_of_ones_own_is_mounted_and_none_is_made():
+    """For charts rendered without a cluster (helm template, Argo CD), where every render would make a new key."""
+    objects = render({"agent": {"pulseKeySecret": "my-pulse-key"}})
+    assert not by_kind(objects, "Secret")
+    [deployment] = by_kind(objects, "Deployment")
+    [volume] = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v.get("secret")]
+    assert volume["secret"]["secretName"] == "my-pulse-key"
+
+
 def _operator_flow_schema(objects: list[dict[str, Any]]) -> dict[str, Any]:
     [schema] = [obj for obj in by_kind(objects, "FlowSchema") if not obj["metadata"]["name"].endswith("-progress")]
     return schema
