@@ -60,6 +60,8 @@ MAX_VALUE_BYTES = 64 * 1024
 store's own cap is the libuv server's 8 MiB per value, so one read never holds more than that in memory."""
 MAX_GENERATION = 2**31 - 1
 """Directive generations count directives (one per drain or reform); anything above this is forged or broken."""
+NO_ROUND = -1
+"""A directive's or a worker's rendezvous round when it is not known: the generation alone decides."""
 MAX_TIME = 253402300799.0
 """9999-12-31T23:59:59Z: the last Unix time an RFC 3339 timestamp can be made of."""
 MAX_COUNT = 2**53
@@ -90,6 +92,9 @@ class ControlSignal(BaseModel):
     job_uid: str = Field("", max_length=MAX_NAME)
     """metadata.uid of the job that issued it: a worker of another job (one recreated under the same name, or
     resumed from an old job's checkpoint) ignores it, and generations are compared only within one uid."""
+    round: int = Field(NO_ROUND, ge=NO_ROUND, le=MAX_GENERATION)
+    """The rendezvous round it was issued for: the last complete round the agent had seen when it first published
+    this generation (:data:`NO_ROUND`: none seen). A worker of a later round ignores it (:func:`judge_directive`)."""
 
 
 class TargetPlan(BaseModel):
@@ -102,6 +107,8 @@ class TargetPlan(BaseModel):
     """DISTTRAIN_NODE_NAMEs the operator declared lost: dropped from the finished round by the survivors."""
     job_uid: str = Field("", max_length=MAX_NAME)
     """As :attr:`ControlSignal.job_uid`."""
+    round: int = Field(NO_ROUND, ge=NO_ROUND, le=MAX_GENERATION)
+    """As :attr:`ControlSignal.round`."""
 
 
 class WorkerFailure(BaseModel):
@@ -225,6 +232,54 @@ class DiagnosticsRequest(BaseModel):
     id: str = Field(min_length=1, max_length=MAX_NAME)
     """What the dump files are named after (``stall-<step>``)."""
     job_uid: str = Field("", max_length=MAX_NAME)
+
+
+class DirectiveVerdict(str, enum.Enum):
+    """What a worker does with the directive it reads (:func:`judge_directive`)."""
+
+    ACT = "act"
+    """A new directive for this worker's round (or a later one): act on it."""
+    SEEN = "seen"
+    """The generation this worker already acted on or took as history."""
+    OLDER = "older"
+    """A generation below this worker's history: a replay. Logged and counted, never acted on."""
+    EARLIER_ROUND = "earlier-round"
+    """Issued for a round before this worker's: the directive that formed this round, or a replay. Logged and
+    counted, never acted on."""
+    FOREIGN = "foreign"
+    """Issued by another job (one recreated under the same name)."""
+
+
+def judge_directive(signal: ControlSignal, *, job_uid: str, history: int, worker_round: int) -> DirectiveVerdict:
+    """Whether a worker of rendezvous round ``worker_round`` whose history (the newest generation it acted on or
+    took as history) is ``history`` acts on ``signal``.
+
+    A directive is bound to the round it was issued for: a worker of a later round never acts on it, whatever its
+    history says, so a replayed old directive (a genuine envelope, validly signed) cannot make a fresh worker
+    reform again. A round or a job uid that is not known on either side leaves the decision to the generation."""
+    if signal.job_uid and job_uid and signal.job_uid != job_uid:
+        return DirectiveVerdict.FOREIGN
+    if signal.generation < history:
+        return DirectiveVerdict.OLDER
+    if signal.generation == history:
+        return DirectiveVerdict.SEEN
+    if signal.round != NO_ROUND and worker_round != NO_ROUND and signal.round < worker_round:
+        return DirectiveVerdict.EARLIER_ROUND
+    return DirectiveVerdict.ACT
+
+
+def last_complete_round(round_: int, complete: bool) -> int:
+    """The last complete round of a rendezvous state at ``round_`` (torch opens round n + 1 when every participant
+    of a complete round n left it): the round a directive published now is issued for."""
+    return round_ if complete else max(NO_ROUND, round_ - 1)
+
+
+def parse_round(value: Optional[str]) -> int:
+    """A worker's round from ``$DISTTRAIN_RENDEZVOUS_ROUND``; :data:`NO_ROUND` when unset or not a round."""
+    text = (value or "").strip()
+    if not text.isdigit() or len(text) > 10:
+        return NO_ROUND
+    return min(int(text), MAX_GENERATION)
 
 
 def is_valid_time(value: str) -> bool:

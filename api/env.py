@@ -22,6 +22,8 @@ AGENT_LEASE_RENEW_SECONDS: Final = "DISTTRAIN_AGENT_LEASE_RENEW_SECONDS"
 # downward API's ``status.podIP``) and how often it pulses. Unset or 0: no pulse.
 AGENT_PULSE_PORT: Final = "DISTTRAIN_AGENT_PULSE_PORT"
 AGENT_PULSE_SECONDS: Final = "DISTTRAIN_AGENT_PULSE_SECONDS"
+# The job's pulse key (a file: the job's Secret, mounted): the operator proves it before the agent pulses to it.
+AGENT_PULSE_KEY_FILE: Final = "DISTTRAIN_AGENT_PULSE_KEY_FILE"
 POD_IP: Final = "DISTTRAIN_POD_IP"
 # Stable node index of this node (the pod's ``disttrain.dev/node-index`` label). The ``disttrain`` rendezvous
 # handler orders ranks by it, and a replacement pod takes the index of the node it replaces, so every rank
@@ -59,6 +61,9 @@ DEBUG_DIR: Final = "DISTTRAIN_DEBUG_DIR"
 # restarts
 # the worker processes.
 LAUNCHER_SOCKET: Final = "DISTTRAIN_LAUNCHER_SOCKET"
+# The rendezvous round a worker process belongs to: the worker's launcher sets it before it starts (or hands a round to)
+# its workers. A directive issued for an earlier round is not acted on (disttrain.api.control.judge_directive).
+RENDEZVOUS_ROUND: Final = "DISTTRAIN_RENDEZVOUS_ROUND"
 # Local mode (disttrain.operator.local): the node a process belongs to, inherited by every process of the node's tree
 # and read from /proc/<pid>/environ to find and kill the whole tree (torchrun starts workers in sessions of their own).
 LOCAL_MARKER: Final = "DISTTRAIN_LOCAL_MARKER"

@@ -24,8 +24,9 @@ from typing import Any
 from kubernetes import client as k8s
 from tests.cluster.kubelet import PodAddresses  # bench/api_load.py puts the repository on sys.path
 
-from disttrain.api import constants
+from disttrain.api import constants, pulse
 from disttrain.api import env as env_names
+from disttrain.operator.access import LABEL_JOB_UID
 from disttrain.trainer.agent.pulse import PulseServer
 
 log = logging.getLogger("bench.fleet")
@@ -57,8 +58,11 @@ def stream_events(response: Any) -> Iterator[dict[str, Any]]:
 class Fleet:
     """Nodes, their heartbeats, and the pods running on them; two background threads."""
 
-    def __init__(self, api_client: k8s.ApiClient) -> None:
+    def __init__(self, api_client: k8s.ApiClient, operator_pulse_key: bytes = b"") -> None:
+        """``operator_pulse_key``: the operator's ``--agent-pulse-key-file`` key, from which each job's pulse key
+        (the one the operator puts in the job's Secret, which an agent reads) is derived."""
         self.core = k8s.CoreV1Api(api_client)
+        self.operator_pulse_key = operator_pulse_key
         self.leases = k8s.CoordinationV1Api(api_client)
         self.nodes: list[str] = []
         self.running: set[tuple[str, str]] = set()
@@ -123,7 +127,10 @@ class Fleet:
             env = {e["name"]: e.get("value") for e in container.get("env") or []}
             ports = [p for p in container.get("ports") or [] if p.get("name") == constants.AGENT_PULSE_PORT_NAME]
             if ports and env.get(env_names.AGENT_PULSE_SECONDS) and uid not in self._pulses:
-                server = PulseServer(ip, ports[0]["containerPort"], uid, float(env[env_names.AGENT_PULSE_SECONDS]))
+                job_uid = (pod["metadata"].get("labels") or {}).get(LABEL_JOB_UID, "")
+                key = pulse.job_key(self.operator_pulse_key, job_uid)
+                period = float(env[env_names.AGENT_PULSE_SECONDS])
+                server = PulseServer(ip, ports[0]["containerPort"], uid, period, key)
                 server.start()
                 with self._lock:
                     self._pulses[uid] = server

@@ -479,7 +479,13 @@ def main() -> int:
     fleet = jobs = None
     try:
         print(f"control plane at {plane.server}; logs in {plane.logs}; operator log in {work}", flush=True)
-        operator = start_operator(plane, work / "operator.log", [f"--agent-pulse-seconds={args.agent_pulse_seconds:g}"])
+        pulse_key = os.urandom(32)
+        (work / "pulse-key").write_text(pulse_key.hex())
+        operator_args = [
+            f"--agent-pulse-seconds={args.agent_pulse_seconds:g}",
+            f"--agent-pulse-key-file={work}/pulse-key",
+        ]
+        operator = start_operator(plane, work / "operator.log", operator_args)
         if not args.progress_level:  # as before the chart bounded them: the agents' writes in workload-low
             plane.kubectl("delete", "flowschema,prioritylevelconfiguration", f"{object_name()}-progress")
         admin = plane.api_client()
@@ -488,7 +494,7 @@ def main() -> int:
         # No controller-manager runs: create the ServiceAccount that its controller would (pods need it).
         core.create_namespaced_service_account(NAMESPACE, {"metadata": {"name": "default"}}, _request_timeout=TIMEOUT)
 
-        fleet = _fleet.Fleet(admin)
+        fleet = _fleet.Fleet(admin, pulse_key)
         fleet.add_nodes(args.nodes)
         fleet.start()
         names = [f"job-{i:04d}" for i in range(args.jobs)]

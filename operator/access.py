@@ -29,15 +29,17 @@ import copy
 import dataclasses
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
-from disttrain.api import constants, env, storeauth
+from disttrain.api import constants, env, pulse, storeauth
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import names
 
 VOLUME = "disttrain-store-secret"
 MOUNT_PATH = "/var/run/secrets/disttrain.dev/store"
 SECRET_FILE = f"{MOUNT_PATH}/{storeauth.SECRET_KEY}"
+PULSE_KEY_FILE = f"{MOUNT_PATH}/{pulse.SECRET_KEY}"
+"""The job's pulse key in the agent's container (the same Secret, :func:`build_store_secret`)."""
 
 
 def owner_reference(job: DistTrainJob) -> dict[str, Any]:
@@ -61,16 +63,20 @@ def _metadata(job: DistTrainJob, name: str) -> dict[str, Any]:
     }
 
 
-def build_store_secret(job: DistTrainJob, secret: str) -> dict[str, Any]:
-    """The job's store secret (created once: a repeated create is a 409 and the first secret stays)."""
+def build_store_secret(job: DistTrainJob, secret: str, pulse_key: Optional[bytes] = None) -> dict[str, Any]:
+    """The job's store secret, and its agent's pulse key when it pulses (created once: a repeated create is a 409
+    and the first Secret stays; the pulse key is derived from the job's uid, so it is the same either way)."""
     encoded = base64.b64encode(secret.encode()).decode()
+    data = {storeauth.SECRET_KEY: encoded}
+    if pulse_key is not None:
+        data[pulse.SECRET_KEY] = base64.b64encode(pulse_key.hex().encode()).decode()
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": _metadata(job, names.store_secret_name(job.metadata.name, job.metadata.uid or "")),
         "type": "Opaque",
         "immutable": True,
-        "data": {storeauth.SECRET_KEY: encoded},
+        "data": data,
     }
 
 

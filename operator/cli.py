@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Optional
 
-from disttrain.api import constants, crd, metricsserver, validation
+from disttrain.api import constants, crd, metricsserver, pulse, validation
 
 if TYPE_CHECKING:
     from disttrain.operator import access, election, leaderlease
@@ -30,6 +30,18 @@ def _non_negative_seconds(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r}: must be 0 (off) or a positive number of seconds")
     return value
+
+
+def _pulse_key(path: str) -> dict[str, bytes]:
+    """``AgentSettings``' pulse key from ``--agent-pulse-key-file`` (nothing: a key of this process's own); a file
+    that cannot be read, or holds no key, stops the operator with a one-line error naming it."""
+    if not path:
+        return {}
+    try:
+        with open(path, encoding="ascii") as file:
+            return {"pulse_key": pulse.parse_key(file.read())}
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--agent-pulse-key-file {path}: {exc}") from None
 
 
 def cmd_crd(args: argparse.Namespace) -> int:
@@ -229,7 +241,10 @@ def cmd_operator(args: argparse.Namespace) -> int:
         api_client,
         OperatorMetrics(),
         agent=pods.AgentSettings(
-            image=args.agent_image or None, heartbeat_s=args.agent_heartbeat_seconds, pulse_s=args.agent_pulse_seconds
+            image=args.agent_image or None,
+            heartbeat_s=args.agent_heartbeat_seconds,
+            pulse_s=args.agent_pulse_seconds,
+            **_pulse_key(args.agent_pulse_key_file),
         ),
         network=network,
         instance=election_options.identity if election_options is not None else handlers.DEFAULT_INSTANCE,
@@ -359,6 +374,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="how often every job agent pulses on a TCP connection this operator holds to its pod, so that the loss "
         f"of its node is noticed {constants.AGENT_PULSE_SILENT_SECONDS:g} s after its last pulse; no API write "
         "(0: no pulse, the Lease alone; default %(default)s)",
+    )
+    p_operator.add_argument(
+        "--agent-pulse-key-file",
+        default="",
+        metavar="FILE",
+        help="a file holding this operator's pulse key (64 hex digits or more; the chart mounts one from its Secret): "
+        "each job's pulse key is derived from it, so every replica and every later start of the operator can link "
+        "to the agents' pulses (default: a key of this process's own; after a restart the existing agents are then "
+        "judged by their Lease)",
     )
     p_operator.add_argument(
         "--network-policy",

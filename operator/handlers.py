@@ -456,7 +456,8 @@ async def _create_all(writer: Writer, job: DistTrainJob, actions: Actions) -> No
     """The agent with its Secret, Services, RBAC and NetworkPolicies, then the workers; the first failure raises."""
     ns, name = job.metadata.namespace, job.metadata.name
     if actions.create_agent:
-        await _create(writer, job, access.build_store_secret(job, storeauth.new_secret()))  # 409: ours stays
+        secret = access.build_store_secret(job, storeauth.new_secret(), writer.agent.job_pulse_key(job))
+        await _create(writer, job, secret)  # 409: ours stays
         for obj in builders.build_support_objects(job, writer.network, writer.agent.heartbeat_s):
             await _create(writer, job, obj)
         created = await _create_pod(
@@ -623,7 +624,7 @@ class OperatorHandlers:
         self.failures: Failures = {}
         self.events = eventrate.EventFilter()
         self.beats = agentbeat.AgentBeats(agent.heartbeat_s or constants.AGENT_LEASE_RENEW_SECONDS)
-        self.links = pulses.PulseLinks(self.beats)
+        self.links = pulses.PulseLinks(self.beats, agent.pulse_key)
         self.listings = listing.Listings(self.cache, self.list_scope, self.pokes.poke_jobs)
         self.loops: dict[JobKey, tuple[asyncio.Task[None], asyncio.Event]] = {}
         """Each job's reconcile loop and the event that stops it. Our own tasks, not kopf daemons: kopf puts a

@@ -11,10 +11,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 from collections.abc import Sequence
 from typing import Any, Optional
 
 from disttrain.api import constants, containers, determinism, env
+from disttrain.api import pulse as pulse_wire
 from disttrain.api import spec as spec_module
 from disttrain.api.contract import WorkerContract, job_checkpoint_dir
 from disttrain.api.spec import DistTrainJob
@@ -310,6 +312,14 @@ class AgentSettings:
     """How often it renews its Lease (0: it has none)."""
     pulse_s: float = constants.AGENT_PULSE_SECONDS
     """How often it pulses (0: no pulse)."""
+    pulse_key: bytes = dataclasses.field(default_factory=lambda: os.urandom(pulse_wire.KEY_BYTES), repr=False)
+    """The operator's own key, from which each job's pulse key is derived (:func:`disttrain.api.pulse.job_key`):
+    ``--agent-pulse-key-file``, or one of this process's own (then an operator started later cannot link to the
+    agents this one created: it judges them by their Lease)."""
+
+    def job_pulse_key(self, job: DistTrainJob) -> Optional[bytes]:
+        """The pulse key of ``job``'s agent; None when agents do not pulse."""
+        return pulse_wire.job_key(self.pulse_key, job.metadata.uid or "") if self.pulse_s > 0 else None
 
 
 DEFAULT_AGENT = AgentSettings()
@@ -371,6 +381,7 @@ def build_agent_pod(
             {"name": env.POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": env.AGENT_PULSE_PORT, "value": str(pulse)},
             {"name": env.AGENT_PULSE_SECONDS, "value": f"{pulse_s:g}"},
+            {"name": env.AGENT_PULSE_KEY_FILE, "value": access.PULSE_KEY_FILE},
         ]
     _place_agent(placement, spec)
     if placement.avoid_workers:

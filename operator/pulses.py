@@ -2,10 +2,12 @@
 :class:`~disttrain.operator.agentbeat.AgentBeats`.
 
 Why a connection from the operator, and not a report from the agent: the operator connects to the pod IP it read
-from the API server, so what answers there is the agent's network namespace, and nothing a stranger sends can
-stand in for it; the operator exposes no port and reads no secret. What the connection delivers is still checked:
-the first line must name the pod the operator meant (:func:`disttrain.api.pulse.hello`; an IP is reused
-by later pods, and :data:`HELLO_LIMIT` bounds it), and after it only pulses and the agent's last word count.
+from the API server, so what answers there is the agent's network namespace; the operator exposes no port and reads
+no Secret. It proves the job's pulse key (:func:`disttrain.api.pulse.job_key`, derived from the operator's own key
+and the job's uid) with :mod:`disttrain.api.handshake`, which gets it a link no stranger's connection can take, and
+checks the agent's proof back. What the connection delivers is still checked: after the proof, the first line must
+name the pod the operator meant (:func:`disttrain.api.pulse.hello`; an IP is reused by later pods, and
+:data:`HELLO_LIMIT` bounds it), and after it only pulses and the agent's last word count.
 
 The links follow the pod watch: :meth:`PulseLinks.follow` for every agent pod event (a Running pod with an IP and a
 pulse port gets a link, anything else loses it), :meth:`PulseLinks.forget` when the pod is gone. A link that fails
@@ -22,7 +24,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
-from disttrain.api import constants, pulse
+from disttrain.api import constants, handshake, pulse
+from disttrain.operator import access
 from disttrain.operator.agentbeat import AgentBeats, JobKey
 
 log = logging.getLogger("disttrain.operator")
@@ -42,6 +45,8 @@ class Target:
     uid: str
     host: str
     port: int
+    job_uid: str = ""
+    """The job's uid (the pod's ``disttrain.dev/job-uid`` label): what its pulse key is derived from."""
 
 
 def target_of(key: JobKey, pod: Mapping[str, Any]) -> Optional[Target]:
@@ -53,15 +58,18 @@ def target_of(key: JobKey, pod: Mapping[str, Any]) -> Optional[Target]:
     for container in spec.get("containers") or []:
         for port in container.get("ports") or []:
             if port.get("name") == constants.AGENT_PULSE_PORT_NAME and isinstance(port.get("containerPort"), int):
-                return Target(key, str(meta.get("uid") or ""), str(status["podIP"]), port["containerPort"])
+                job_uid = str((meta.get("labels") or {}).get(access.LABEL_JOB_UID) or "")
+                return Target(key, str(meta.get("uid") or ""), str(status["podIP"]), port["containerPort"], job_uid)
     return None
 
 
 class PulseLinks:
     """The connections to the agents' pulses, one task each, keyed by the agent pod's uid."""
 
-    def __init__(self, beats: AgentBeats) -> None:
+    def __init__(self, beats: AgentBeats, operator_key: bytes) -> None:
         self.beats = beats
+        self._operator_key = operator_key
+        """The operator's own key: each job's pulse key is derived from it (:func:`disttrain.api.pulse.job_key`)."""
         self._links: dict[str, tuple[Target, asyncio.Task[None]]] = {}
 
     def follow(self, key: JobKey, pod: Mapping[str, Any]) -> None:
@@ -101,11 +109,12 @@ class PulseLinks:
 
     async def _link(self, target: Target) -> None:
         loop = asyncio.get_running_loop()
+        key = pulse.job_key(self._operator_key, target.job_uid)
         while True:
             transport: Optional[asyncio.BaseTransport] = None
             try:
                 transport, reader = await asyncio.wait_for(
-                    loop.create_connection(lambda: _PulseReader(target, self.beats), target.host, target.port),
+                    loop.create_connection(lambda: _PulseReader(target, self.beats, key), target.host, target.port),
                     CONNECT_TIMEOUT_S,
                 )
                 await reader.closed
@@ -119,14 +128,18 @@ class PulseLinks:
 
 class _PulseReader(asyncio.Protocol):
     """One connection to an agent's pulse, read in the event loop's own callback (a pulse costs no task wake-up:
-    the operator reads five a second from every job). Any deviation from the wire closes the connection."""
+    the operator reads five a second from every job). It answers the agent's greeting with the job's pulse key and
+    checks the agent's proof; any deviation from the wire closes the connection."""
 
-    def __init__(self, target: Target, beats: AgentBeats) -> None:
-        self.target, self.beats = target, beats
+    def __init__(self, target: Target, beats: AgentBeats, key: bytes) -> None:
+        self.target, self.beats, self.key = target, beats, key
         self.expected = pulse.hello(target.uid)
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._transport: Optional[asyncio.Transport] = None
         self._first = b""
+        self._greeting = b""
+        self._answer = b""
+        self._proven = False
         self._greeted = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -135,6 +148,9 @@ class _PulseReader(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if not self._greeted:
+            data = self._handshake(data)
+            if not self._proven:
+                return
             self._first += data
             if b"\n" not in self._first:
                 if len(self._first) >= HELLO_LIMIT:
@@ -155,6 +171,33 @@ class _PulseReader(asyncio.Protocol):
             self._close("bytes that are no pulse")
         else:
             self.beats.pulsed(self.target.key, self.target.uid, time.monotonic())
+
+    def _handshake(self, data: bytes) -> bytes:
+        """Take the greeting (answer it) and the agent's proof from ``data``; what follows them."""
+        if not self._greeting:
+            self._first += data
+            if len(self._first) < handshake.GREETING_LEN:
+                return b""
+            self._greeting, data = self._first[: handshake.GREETING_LEN], self._first[handshake.GREETING_LEN :]
+            self._first = b""
+            try:
+                self._answer = handshake.answer(self.key, self._greeting)
+            except handshake.HandshakeFailed:
+                self._close("a greeting that is no pulse server's")
+                return b""
+            if self._transport is not None:
+                self._transport.write(self._answer)
+        if not self._proven:
+            self._first += data
+            if len(self._first) < handshake.PROOF_LEN:
+                return b""
+            proof, data = self._first[: handshake.PROOF_LEN], self._first[handshake.PROOF_LEN :]
+            self._first = b""
+            if not handshake.check_proof(self.key, self._greeting, self._answer, proof):
+                self._close("a proof without the job's pulse key")
+                return b""
+            self._proven = True
+        return data
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         if not self.closed.done():

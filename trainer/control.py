@@ -8,7 +8,10 @@ exits itself when that does not come soon, :mod:`disttrain.trainer.inplace`). Ea
 once: the generation present when this process started, or the one recorded in the checkpoint, is history and ignored,
 so a worker restarted after a reform does not reform again. Generations count within one job (its
 ``metadata.uid``): a signal of another job is ignored, and a checkpoint written by another job (one deleted and
-recreated under the same name) records nothing this job's directives are compared with.
+recreated under the same name) records nothing this job's directives are compared with. A directive is also bound
+to the rendezvous round it was issued for (:func:`disttrain.api.control.judge_directive`): a worker of a later round
+never acts on it, so an old directive replayed while a reform is in flight cannot send the new round's workers away
+again. The history only ever rises; a replay is logged and counted (:attr:`Watchdog.refused`), never acted on.
 
 The store is reached through :mod:`disttrain.trainer.store.channel`: every value read is verified against the job's
 secret
@@ -17,6 +20,7 @@ secret
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -79,6 +83,14 @@ class Watchdog:
         where the trainer re-forms in place after a directive's drain."""
         self.store: Optional[Store] = None
         self.seen_generation = -1
+        """The newest directive generation acted on or taken as history; it only ever rises."""
+        self.round = keys.NO_ROUND
+        """The rendezvous round this process belongs to (``$DISTTRAIN_RENDEZVOUS_ROUND``, read again whenever it
+        joins a round): directives issued for an earlier round are not acted on."""
+        self.refused: collections.Counter[str] = collections.Counter()
+        """Directives read and not acted on, by :class:`~disttrain.api.control.DirectiveVerdict` (``older``,
+        ``earlier-round``): replays, or the directive that formed this round."""
+        self._refusals_logged: set[tuple[int, int, str]] = set()
         self._thread: Optional[threading.Thread] = None
         self._history = threading.Lock()
         self.on_reform: Optional[Callable[[keys.ControlSignal], bool]] = None
@@ -130,7 +142,8 @@ class Watchdog:
             return
         host, port = parse_endpoint(self.endpoint)
         self.store = channel.connect(host, port, timeout_s)
-        self.seen_generation = self._history_at_connect()
+        self.round = keys.parse_round(os.environ.get(env.RENDEZVOUS_ROUND))
+        self.seen_generation = max(self.seen_generation, self._history_at_connect())
         request = keys.read_model(self.store, keys.DIAGNOSTICS_KEY, keys.DiagnosticsRequest)
         self.seen_diagnostics = request.id if request is not None else None
         self._reliability = keys.read_model(self.store, keys.RELIABILITY_KEY, keys.ReliabilityReport)
@@ -155,6 +168,7 @@ class Watchdog:
     def mark_history(self) -> None:
         """The directive in the store now is history (a worker that joins a new round in place, as one that
         starts): only a later generation is acted on."""
+        self.round = keys.parse_round(os.environ.get(env.RENDEZVOUS_ROUND))
         if self.store is None:
             return
         try:
@@ -222,8 +236,15 @@ class Watchdog:
         self.follow_diagnostics()
         self.follow_reliability()
         current = read_signal(self.store)
+        if current is None:
+            return
         with self._history:  # not interleaved with mark_history: a generation is acted on once
-            if current is None or not self._is_ours(current) or current.generation <= self.seen_generation:
+            verdict = keys.judge_directive(
+                current, job_uid=self.job_uid, history=self.seen_generation, worker_round=self.round
+            )
+            if verdict in (keys.DirectiveVerdict.OLDER, keys.DirectiveVerdict.EARLIER_ROUND):
+                self._refuse(current, verdict)
+            if verdict is not keys.DirectiveVerdict.ACT:
                 return
             self.seen_generation = current.generation
         if current.action == "reform" and self.on_reform is not None and self.on_reform(current):
@@ -240,6 +261,27 @@ class Watchdog:
             self._exit(int(ExitCode.REFORM))
         elif current.action == "drain":
             self.request_drain(f"drain signal generation {current.generation}: {current.reason}")
+
+    def _refuse(self, current: keys.ControlSignal, verdict: keys.DirectiveVerdict) -> None:
+        """Count a directive not acted on (a replay, or the one that formed this round) and log it once. A directive
+        of an earlier round becomes history: the history only ever rises."""
+        self.refused[verdict.value] += 1
+        if verdict is keys.DirectiveVerdict.EARLIER_ROUND:
+            self.seen_generation = max(self.seen_generation, current.generation)
+        seen = (current.generation, current.round, verdict.value)
+        if seen in self._refusals_logged:
+            return
+        self._refusals_logged.add(seen)
+        log.warning(
+            "directive generation %d (%s) not acted on: %s (this worker: round %d, history generation %d)",
+            current.generation,
+            current.action.value,
+            f"issued for round {current.round}"
+            if verdict is keys.DirectiveVerdict.EARLIER_ROUND
+            else "older than this worker's history",
+            self.round,
+            self.seen_generation,
+        )
 
     def follow_diagnostics(self) -> None:
         """Dump this rank's stacks (:mod:`disttrain.trainer.diagnostics`) once per new request of the job agent: it

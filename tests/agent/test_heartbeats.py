@@ -3,6 +3,8 @@ stops heartbeating (as a dead machine does), and the agent names its pod in ``st
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from datetime import timedelta
@@ -171,3 +173,65 @@ def test_an_outsider_deleting_and_garbling_the_state_costs_no_silence_verdict(tm
         time.sleep(0.25)
     assert verdicts == [], f"a verdict after the attack: {verdicts}"
     guard.stop()
+
+
+def test_a_directive_is_stamped_with_the_round_it_was_issued_for_and_keeps_it(tmp_path, monkeypatch):
+    """The launcher hands its workers the round it joined; the agent stamps each directive generation with the last
+    complete round when it first publishes it, and keeps that stamp for the generation: written again after a
+    stranger deleted it, the directive that formed round 1 still says round 0, so round 1's workers never act on it."""
+    from disttrain.api import control as keys
+
+    monkeypatch.setenv(env.STORE_SECRET, "heartbeats-test-" + "5" * 48)
+    monkeypatch.setenv(env.JOB_UID, RUN_ID)
+    monkeypatch.setenv(env.RENDEZVOUS_ROUND, "")  # restored after the test: the handlers set it in os.environ
+    port = free_port()
+    server = agent_mod.start_store(port, "127.0.0.1", timeout_s=10)
+    write_job(tmp_path)
+    job = json.loads((tmp_path / "job.json").read_text())
+    job["metadata"]["uid"] = RUN_ID
+    job["spec"]["rendezvous"] = {"keepAliveIntervalSeconds": 1, "keepAliveMaxAttempts": 2}
+    store = agent_mod.scoped_store(server)
+    agent = agent_mod.Agent(agent_mod.FileJobSource(tmp_path), store)
+    handlers = [handler(port, monkeypatch, f"demo-worker-{i}", f"uid-{i}") for i in range(2)]
+
+    def directive(generation: int, action: str) -> keys.ControlSignal:
+        job["status"]["control"] = {"generation": generation, "action": action, "targetNodes": 2}
+        (tmp_path / "job.json").write_text(json.dumps(job))
+        assert agent.sync()
+        signal = keys.read_model(store, keys.SIGNAL_KEY, keys.ControlSignal)
+        target = keys.read_model(store, keys.TARGET_KEY, keys.TargetPlan)
+        assert signal is not None and target is not None and signal.generation == generation
+        assert target.round == signal.round, "the plan carries the directive's round"
+        return signal
+
+    def next_round() -> None:
+        threads = [threading.Thread(target=h.next_rendezvous) for h in handlers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert not any(t.is_alive() for t in threads), "the rendezvous did not complete"
+
+    try:
+        assert directive(0, "none").round == keys.NO_ROUND, "no round complete yet"
+        next_round()
+        assert os.environ[env.RENDEZVOUS_ROUND] == "0", "the launcher passes its workers the round they joined"
+        assert directive(1, "reform").round == 0
+        next_round()  # the reform: both leave round 0 and form round 1
+        assert os.environ[env.RENDEZVOUS_ROUND] == "1"
+        assert directive(1, "reform").round == 0, "a generation keeps the round it was issued for"
+        store.delete_key(keys.SIGNAL_KEY)  # a stranger's deletion: the agent writes it again
+        assert directive(1, "reform").round == 0
+        assert directive(2, "drain").round == 1
+        # A replay of the older plan: a node's rendezvous keeps the newer plan it read.
+        assert handlers[0].target().generation == 2
+        replayed = keys.TargetPlan(generation=1, nodes=2, job_uid=RUN_ID, round=0)
+        store.set(keys.TARGET_KEY, replayed.model_dump_json())
+        fresh_store = agent_mod.scoped_store(server)  # a client with no memory of the newer value takes the replay
+        assert keys.read_model(fresh_store, keys.TARGET_KEY, keys.TargetPlan) == replayed
+        assert handlers[0].target().generation == 2, "the handler's plan never goes back"
+    finally:
+        for h in handlers:
+            h._stop_heartbeats()
+            if h.beat is not None:
+                h.beat.stop()

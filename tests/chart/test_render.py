@@ -3,6 +3,7 @@ Deployment whose arguments the ``disttrain operator`` CLI accepts and whose port
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from typing import Any
@@ -13,6 +14,7 @@ from tests.chart.dashboard import DASHBOARD
 from tests.chart.helm import NAMESPACE, NON_DEFAULT_VALUES, by_kind, render
 from tests.unit.operator.world import job_manifest
 
+from disttrain.api import pulse
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import cli, pods
 
@@ -45,11 +47,35 @@ def test_default_objects():
         "PriorityLevelConfiguration",
         "Role",
         "RoleBinding",
+        "Secret",
         "Service",
         "ServiceAccount",
         "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding",
     ]
+
+
+def test_the_operator_mounts_its_pulse_key_from_the_charts_secret(rendered):
+    """Each job's pulse key is derived from it: one key for every replica and every restart of the operator."""
+    _, objects = rendered
+    [secret] = by_kind(objects, "Secret")
+    key = pulse.parse_key(base64.b64decode(secret["data"][pulse.SECRET_KEY]).decode())
+    assert len(key) == pulse.KEY_BYTES
+    container, args = _operator_args(objects)
+    [deployment] = by_kind(objects, "Deployment")
+    [volume] = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v.get("secret")]
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["readOnly"] and args.agent_pulse_key_file == f"{mount['mountPath']}/{pulse.SECRET_KEY}"
+
+
+def test_a_pulse_key_secret_of_ones_own_is_mounted_and_none_is_made():
+    """For charts rendered without a cluster (helm template, Argo CD), where every render would make a new key."""
+    objects = render({"agent": {"pulseKeySecret": "my-pulse-key"}})
+    assert not by_kind(objects, "Secret")
+    [deployment] = by_kind(objects, "Deployment")
+    [volume] = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v.get("secret")]
+    assert volume["secret"]["secretName"] == "my-pulse-key"
 
 
 def _operator_flow_schema(objects: list[dict[str, Any]]) -> dict[str, Any]:
@@ -121,6 +147,7 @@ def test_non_default_objects():
             "PodMonitor",
             "PrometheusRule",
             "ConfigMap",
+            "Secret",
             "Role",
             "Role",
             "Role",

@@ -30,7 +30,7 @@ import uuid
 from pathlib import Path
 from typing import IO, Any, Optional
 
-from disttrain.api import constants, env, storeauth
+from disttrain.api import constants, env, pulse, storeauth
 from disttrain.api.spec import DistTrainJob
 from disttrain.common.ports import free_port
 from disttrain.operator import access, names, pods
@@ -191,6 +191,10 @@ class ProcessKubelets(Kubelets):
         spec = translate.to_process(pod, site, pod["spec"]["nodeName"], free_port() if is_worker else 0, readiness_port)
         if env.POD_IP in spec.env:  # the downward API's status.podIP: an address of the pod's own, not 127.0.0.1
             spec = dataclasses.replace(spec, env={**spec.env, env.POD_IP: self.pod_ip(pod)})
+        if env.AGENT_PULSE_KEY_FILE in spec.env:  # the agent's pulse key, from the same Secret: a file of its own here
+            key_file = self.logs / f"{meta['name']}.pulse-key"
+            key_file.write_bytes(base64.b64decode(secret["data"].get(pulse.SECRET_KEY, "")))
+            spec = dataclasses.replace(spec, env={**spec.env, env.AGENT_PULSE_KEY_FILE: str(key_file)})
         if env.TERMINATION_LOG in spec.env:  # the container's terminationMessagePath: a file of its own here
             spec = dataclasses.replace(
                 spec, env={**spec.env, env.TERMINATION_LOG: str(self.logs / f"{meta['name']}.termination")}

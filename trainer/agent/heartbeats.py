@@ -36,7 +36,7 @@ import pickle
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
-from disttrain.api import agentview
+from disttrain.api import agentview, control
 from disttrain.api.timestamps import format_time
 
 STATE_CLASS = ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState")
@@ -471,9 +471,25 @@ class HeartbeatWatch:
         self._identities: dict[str, Optional[NodeIdentity]] = {}
         self.members: Optional[list[str]] = None
         """Pod names of the last completed round seen (``status.roundMembers``); None before one is known."""
+        self._round_run_id: Optional[str] = None
+        self.last_complete_round = control.NO_ROUND
+        """The newest complete rendezvous round seen (of this run id): the round a directive published now is issued
+        for. It only rises: the agent's signed store refuses an older state (a replay) once it saw a newer one."""
         self.beside_running_group = False
         """The agent started while its job's group was running (its predecessor was lost): the silence rule holds
         its first verdicts (:class:`SilenceTracker`, ``hold_first``)."""
+
+    def read_round(self, run_id: str) -> int:
+        """:attr:`last_complete_round`, from a fresh read of ``run_id``'s state (a directive is about to go out)."""
+        self._note_round(run_id, read_state(self.store, run_id))
+        return self.last_complete_round
+
+    def _note_round(self, run_id: str, view: Optional[RendezvousView]) -> None:
+        if run_id != self._round_run_id:
+            self._round_run_id, self.last_complete_round = run_id, control.NO_ROUND
+        if view is not None and not view.closed:
+            complete = control.last_complete_round(view.round, view.complete)
+            self.last_complete_round = max(self.last_complete_round, complete)
 
     def directive_published(self) -> None:
         """See :meth:`SilenceTracker.directive_published`."""
@@ -496,6 +512,7 @@ class HeartbeatWatch:
             )
             self._tracker, self._settings, self._identities = tracker, settings, {}
         view = read_state(self.store, run_id)
+        self._note_round(run_id, view)
         leaving: frozenset[str] = frozenset()
         if view is not None and not view.closed:
             beats = read_beats(self.store, run_id, beating_nodes(view))

@@ -1,25 +1,33 @@
-"""The job agent's pulse: a byte every ``period`` seconds to whoever holds a connection, the operator's to notice.
+"""The job agent's pulse: a byte every ``period`` seconds to whoever proved the job's pulse key, the operator's to
+notice.
 
 Why: the agent's Lease (:mod:`disttrain.trainer.agent.lease`) is one API write per period, so it renews every
 second and the operator needs three silent periods (3-4 s) before it takes the agent for lost; a worker's node is
 found in about 1 s. A pulse costs no API write: the operator connects to the agent pod's IP (which it read from the
-API server, so no stranger can stand in for the agent) and takes the agent for lost when no pulse came for
+API server) and takes the agent for lost when no pulse came for
 :data:`~disttrain.api.constants.AGENT_PULSE_SILENT_SECONDS` (:mod:`disttrain.operator.agentbeat`).
 
-The wire (:mod:`disttrain.api.pulse`) goes one way: the server reads nothing. Its first line names the agent pod's
-uid, so the operator refuses a pulse from another pod that holds the IP now. Whoever connects learns only that the
-agent lives, and its pod uid (no secret: any reader of the pod sees it). The server holds at most
-:data:`MAX_PER_SOURCE` connections per source address (more are refused at once) and :data:`MAX_CLIENTS` in all;
-when all are taken, a new connection takes the place of the newest one of the address holding the most
-(:func:`evictee`), so a stranger holding connections from a few addresses never keeps the operator (one or two
-connections from its pod's address) from linking again. Loopback sources are the machine's own (local mode) and
-are not capped per address. It drops a client that sends anything (the operator never does) or that stops reading
-(its socket buffer full), so no client can hold the thread. The chart's NetworkPolicy
-admits only the operator's pods to this port where the network plugin enforces it.
+The wire (:mod:`disttrain.api.pulse`): the server greets every connection with a nonce; a connection *links* once
+it answered with the job's pulse key (:mod:`disttrain.api.handshake`), and only links get the server's proof, the
+pod's uid and the pulses. The two kinds never compete:
+
+* **Unproven connections** wait at most :data:`~disttrain.api.pulse.HANDSHAKE_S` for their answer (then they are
+  closed), at most :data:`MAX_PENDING_PER_SOURCE` per source address (more are refused; loopback, the machine's
+  own, excepted) and :data:`MAX_PENDING` in all (a newcomer then closes the oldest). The answer is 68 bytes; more
+  is never read.
+* **Links** (at most :data:`MAX_LINKS`: the operator's, and a new leader's or a re-link's for a moment) are never
+  taken by an unproven connection; a new link closes the oldest when all are taken. A link that sends anything
+  (the operator never does after its answer) or stops reading (its socket buffer full) is dropped, so no client can
+  hold the thread.
+
+So a stranger holding every connection it can costs the operator nothing: its answer, one round trip after it
+connects, makes it a link whatever the stranger holds. The chart's NetworkPolicy admits only the operator's pods to
+this port where the network plugin enforces it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import math
@@ -29,14 +37,17 @@ import threading
 import time
 from typing import Optional
 
-from disttrain.api.pulse import BYE, PULSE, hello
+from disttrain.api import handshake
+from disttrain.api.pulse import BYE, HANDSHAKE_S, PULSE, hello
 
 log = logging.getLogger("disttrain.agent")
 
-MAX_CLIENTS = 64
-"""Connections held at once: the operator needs one; a new operator (restart, upgrade) a second for a moment."""
-MAX_PER_SOURCE = 2
-"""Connections one source address may hold (the operator's pod: its link, and a second while it re-links)."""
+MAX_LINKS = 8
+"""Proven connections held at once: the operator needs one; a new leader (restart, upgrade) a second for a moment."""
+MAX_PENDING = 64
+"""Connections still to prove the key, from every source together."""
+MAX_PENDING_PER_SOURCE = 8
+"""Connections still to prove the key from one source address."""
 
 
 def is_loopback(source: str) -> bool:
@@ -49,23 +60,14 @@ def is_loopback(source: str) -> bool:
     return bool(address.is_loopback or (mapped is not None and mapped.is_loopback))
 
 
-def evictee(sources: list[str], new_source: str, max_clients: int = MAX_CLIENTS) -> Optional[int]:
-    """Which held connection (an index into ``sources``, oldest first) a new one from ``new_source`` replaces:
-    None while there is room; else the newest connection of the address holding the most (the new one counted),
-    -1 when that is the new one itself (it is refused)."""
-    if len(sources) < max_clients:
-        return None
-    counts: dict[str, int] = {}
-    for source in [*sources, new_source]:
-        counts[source] = counts.get(source, 0) + 1
-    busiest = max(counts, key=lambda source: counts[source])
-    if busiest == new_source and counts[new_source] > 1:
-        for index in range(len(sources) - 1, -1, -1):
-            if sources[index] == new_source:
-                return index
-    if counts[busiest] == 1:
-        return -1  # every address holds one: the newcomer waits for a slot
-    return max(index for index, source in enumerate(sources) if source == busiest)
+@dataclasses.dataclass
+class _Pending:
+    """A connection greeted and waiting for its answer."""
+
+    source: str
+    greeting: bytes
+    deadline: float
+    answer: bytearray = dataclasses.field(default_factory=bytearray)
 
 
 def next_boundary(now: float, period: float) -> float:
@@ -76,17 +78,19 @@ def next_boundary(now: float, period: float) -> float:
 
 
 class PulseServer:
-    """Pulses every ``period`` seconds to every connection on ``(host, port)``, on a thread of its own."""
+    """Pulses every ``period`` seconds to every link on ``(host, port)``, on a thread of its own; ``key`` is the
+    job's pulse key, which a connection must prove to become a link."""
 
-    def __init__(self, host: str, port: int, pod_uid: str, period: float) -> None:
-        self.pod_uid, self.period = pod_uid, period
+    def __init__(self, host: str, port: int, pod_uid: str, period: float, key: bytes) -> None:
+        self.pod_uid, self.period, self._key = pod_uid, period, key
         family = socket.AF_INET6 if ":" in host else socket.AF_INET  # the pod's IP may be IPv6
-        self._listener = socket.create_server((host, port), family=family, backlog=MAX_CLIENTS)
+        self._listener = socket.create_server((host, port), family=family, backlog=MAX_PENDING)
         self._listener.setblocking(False)
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
-        self._clients: set[socket.socket] = set()
-        self._order: list[tuple[socket.socket, str]] = []
-        """Held connections and their source addresses, oldest first."""
+        self._links: list[socket.socket] = []
+        """Proven connections, oldest first."""
+        self._pending: dict[socket.socket, _Pending] = {}
+        """Unproven connections, oldest first (dicts keep their order)."""
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._stop = threading.Event()
@@ -101,15 +105,23 @@ class PulseServer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.period + 1)
-        for client in list(self._clients):
+        for client in list(self._links):
             self._send(client, BYE)
+            self._drop(client)
+        for client in list(self._pending):
             self._drop(client)
         self._selector.close()
         self._listener.close()
 
     @property
     def clients(self) -> int:
-        return len(self._clients)
+        """Links: connections that proved the key."""
+        return len(self._links)
+
+    @property
+    def pending(self) -> int:
+        """Connections still to prove the key."""
+        return len(self._pending)
 
     def _run(self) -> None:
         next_pulse = time.time()
@@ -118,11 +130,17 @@ class PulseServer:
             if next_pulse - now > self.period:  # the wall clock was set back: never a gap in the pulse
                 next_pulse = next_boundary(now, self.period)
             timeout = max(0.0, next_pulse - now)
+            if self._pending:  # the oldest unproven connection's deadline comes first (dicts keep their order)
+                first = next(iter(self._pending.values()))
+                timeout = min(timeout, max(0.0, first.deadline - time.monotonic()))
             for key, _events in self._selector.select(timeout):
                 if key.fileobj is self._listener:
                     self._accept()
+                elif key.fileobj in self._pending:
+                    self._read_answer(key.fileobj)
                 else:
-                    self._drop(key.fileobj)  # type: ignore[arg-type]  # it sent something, or closed
+                    self._drop(key.fileobj)  # type: ignore[arg-type]  # a link sent something, or closed
+            self._expire(time.monotonic())
             now = time.time()
             if now >= next_pulse:
                 self._send_all(PULSE)
@@ -137,53 +155,86 @@ class PulseServer:
             log.debug("pulse: accept failed: %s", exc)
             return
         source = str(peer[0]) if peer else "?"
-        sources = [held for _sock, held in self._order]
-        if not is_loopback(source) and sources.count(source) >= MAX_PER_SOURCE:
+        from_source = sum(1 for held in self._pending.values() if held.source == source)
+        if not is_loopback(source) and from_source >= MAX_PENDING_PER_SOURCE:
             client.close()
             return
-        victim = evictee(sources, source)
-        if victim == -1:
-            client.close()
-            return
-        if victim is not None:
-            self._drop(self._order[victim][0])
+        if len(self._pending) >= MAX_PENDING:
+            self._drop(next(iter(self._pending)))  # the oldest unproven connection makes room
         client.setblocking(False)
         client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._clients.add(client)
-        self._order.append((client, source))
+        greeting = handshake.greeting()
+        self._pending[client] = _Pending(source, greeting, time.monotonic() + HANDSHAKE_S)
         self._selector.register(client, selectors.EVENT_READ)
-        self._send(client, hello(self.pod_uid))
+        if not self._sent(client, greeting):
+            self._drop(client)
+
+    def _read_answer(self, client: socket.socket) -> None:
+        """Read what is left of the answer (never more); a wrong one closes the connection, a right one links it."""
+        held = self._pending[client]
+        try:
+            data = client.recv(handshake.ANSWER_LEN - len(held.answer))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(client)
+            return
+        held.answer += data
+        if len(held.answer) < handshake.ANSWER_LEN:
+            return
+        proof = handshake.check_answer(self._key, held.greeting, bytes(held.answer))
+        del self._pending[client]
+        if proof is None:
+            self._drop(client)
+            return
+        if len(self._links) >= MAX_LINKS:
+            self._drop(self._links[0])  # a new link replaces the oldest: the operator's re-link, or a new leader
+        self._links.append(client)
+        self._send(client, proof + hello(self.pod_uid))
+
+    def _expire(self, now: float) -> None:
+        """Close the unproven connections whose answer is late."""
+        for client in [client for client, held in self._pending.items() if held.deadline <= now]:
+            self._drop(client)
 
     def _send_all(self, data: bytes) -> None:
-        for client in list(self._clients):
+        for client in list(self._links):
             self._send(client, data)
 
-    def _send(self, client: socket.socket, data: bytes) -> None:
+    @staticmethod
+    def _sent(client: socket.socket, data: bytes) -> bool:
         try:
-            if client.send(data) == len(data):
-                return
+            return client.send(data) == len(data)
         except OSError:
-            pass
-        self._drop(client)  # gone, or not reading: its buffer is full
+            return False
+
+    def _send(self, client: socket.socket, data: bytes) -> None:
+        if not self._sent(client, data):
+            self._drop(client)  # gone, or not reading: its buffer is full
 
     def _drop(self, client: socket.socket) -> None:
-        self._order = [(held, source) for held, source in self._order if held is not client]
-        if client in self._clients:
-            self._clients.discard(client)
-            try:
-                self._selector.unregister(client)
-            except (KeyError, ValueError):
-                pass
+        self._pending.pop(client, None)
+        if client in self._links:
+            self._links.remove(client)
+        try:
+            self._selector.unregister(client)
+        except (KeyError, ValueError):
+            pass
         client.close()
 
 
-def start(host: str, port: int, pod_uid: str, period: float) -> Optional[PulseServer]:
-    """The agent's pulse server, started; None when ``port`` or ``period`` is 0 or the address cannot be bound
-    (logged: the operator then judges the agent by its Lease alone)."""
+def start(host: str, port: int, pod_uid: str, period: float, key: Optional[bytes]) -> Optional[PulseServer]:
+    """The agent's pulse server, started; None when ``port`` or ``period`` is 0, there is no pulse key, or the
+    address cannot be bound (logged: the operator then judges the agent by its Lease alone)."""
     if port <= 0 or period <= 0 or not pod_uid:
         return None
+    if key is None:
+        log.warning("no pulse key in the job's Secret: no pulse; the operator will judge this agent by its Lease")
+        return None
     try:
-        server = PulseServer(host, port, pod_uid, period)
+        server = PulseServer(host, port, pod_uid, period, key)
     except OSError as exc:
         log.warning(
             "cannot serve the pulse on %s:%d (%s): the operator will judge this agent by its Lease", host, port, exc

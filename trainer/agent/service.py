@@ -50,6 +50,7 @@ from typing import Any, Optional, Protocol, cast
 
 from disttrain.api import agentview, constants, env, storeauth
 from disttrain.api import control as keys
+from disttrain.api import pulse as pulse_wire
 from disttrain.api.contract import job_checkpoint_dir
 from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.status import AGENT_FIELDS
@@ -318,6 +319,8 @@ class Agent:
         self._written_signal: Optional[str] = None
         self._written_target: Optional[str] = None
         self._written_reliability: Optional[str] = None
+        self._directive_round: Optional[tuple[int, int]] = None
+        """(generation, round) of the directive published last: the round it was issued for."""
         self._round_key: Optional[tuple[Any, ...]] = None
         self._rounds: Optional[int] = None
         self._round_start: Optional[str] = None
@@ -340,7 +343,8 @@ class Agent:
         self._rewrite_vanished()
         # The directive and the failure counts come from the status, not the spec: they reach the workers even
         # while the spec cannot be read.
-        self._write_directive(status.get("control") or {}, str((job.get("metadata") or {}).get("uid") or ""))
+        uid = str((job.get("metadata") or {}).get("uid") or "")
+        self._write_directive(status.get("control") or {}, uid, None if view is None else view.run_id)
         self._write_reliability(status)
         if view is None:
             return True
@@ -387,14 +391,16 @@ class Agent:
             log.info("writing status at once: %s", urgent)
         return due
 
-    def _write_directive(self, control: dict[str, Any], job_uid: str) -> None:
+    def _write_directive(self, control: dict[str, Any], job_uid: str, run_id: Optional[str] = None) -> None:
         try:
             generation = int(control.get("generation", 0))
+            round_ = self._round_of(generation, run_id)
             signal_value = keys.ControlSignal(
                 generation=generation,
                 action=control.get("action", "none"),
                 reason=str(control.get("reason", ""))[: keys.MAX_TEXT],
                 job_uid=job_uid,
+                round=round_,
             ).model_dump_json()
             target_nodes = int(control.get("targetNodes", 0))
             target_value = keys.TargetPlan(
@@ -403,6 +409,7 @@ class Agent:
                 exclude=list(control.get("exclude") or []),
                 lost=list(control.get("lost") or []),
                 job_uid=job_uid,
+                round=round_,
             ).model_dump_json()
         except (TypeError, ValueError) as error:
             log.warning("ignoring an invalid status.control %r: %s", control, error)
@@ -416,6 +423,20 @@ class Agent:
         if target_nodes > 0 and target_value != self._written_target:
             self.store.set(keys.TARGET_KEY, target_value)
             self._written_target = target_value
+
+    def _round_of(self, generation: int, run_id: Optional[str]) -> int:
+        """The rendezvous round directive ``generation`` is issued for: the last complete round seen when this agent
+        first published it, kept for as long as the generation stands (a rewrite after a stranger deleted the key
+        keeps it, so the group formed after the directive never takes it for its own)."""
+        if self._directive_round is None or self._directive_round[0] != generation:
+            seen = self.heartbeats.last_complete_round
+            if run_id is not None:
+                try:
+                    seen = self.heartbeats.read_round(run_id)
+                except Exception as error:  # noqa: BLE001 - the round last seen will do; the state is read each sync
+                    log.debug("could not read the rendezvous round: %r", error)
+            self._directive_round = (generation, seen)
+        return self._directive_round[1]
 
     def _rewrite_vanished(self) -> None:
         """Forget what was written when one of the agent's own keys is gone or no longer valid (a stranger deleted
@@ -775,7 +796,20 @@ def _start_pulse() -> Optional[pulse.PulseServer]:
     except ValueError:
         log.warning("$%s or $%s is not a number: no pulse", env.AGENT_PULSE_PORT, env.AGENT_PULSE_SECONDS)
         return None
-    return pulse.start(os.environ.get(env.POD_IP) or "0.0.0.0", port, os.environ.get(env.POD_UID) or "", period)
+    host, uid = os.environ.get(env.POD_IP) or "0.0.0.0", os.environ.get(env.POD_UID) or ""
+    return pulse.start(host, port, uid, period, _pulse_key(os.environ.get(env.AGENT_PULSE_KEY_FILE) or ""))
+
+
+def _pulse_key(path: str) -> Optional[bytes]:
+    """The job's pulse key from the file the operator mounted (its Secret's ``pulse-key``); None when there is none."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="ascii") as file:
+            return pulse_wire.parse_key(file.read())
+    except (OSError, ValueError) as exc:
+        log.warning("the pulse key at %s cannot be read: %s", path, exc)
+        return None
 
 
 def _start_lease(source: JobSource) -> Optional[lease.LeaseRenewer]:

@@ -189,7 +189,7 @@ def _directed_anew(handler: Any) -> Callable[[], bool]:
     entered = generation()
     if entered is None:  # no target to compare with (no operator, or its store away): the timeout alone
         return lambda: False
-    return lambda: (now := generation()) is not None and now != entered
+    return lambda: (now := generation()) is not None and now > entered  # a lower one is a replay, not a directive
 
 
 class CountingAgent(LocalElasticAgent):

@@ -65,7 +65,12 @@ from typing import Any, Optional
 
 from torch.distributed import DistStoreError, Store, TCPStore
 from torch.distributed.elastic.events import NodeState, get_logging_handler
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, c10d_rendezvous_backend
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    c10d_rendezvous_backend,
+)
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
@@ -429,6 +434,8 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
     ) -> None:
         super().__init__(node, settings, backend_name, store, state_holder)
         self._target_store = store
+        self._newest_target: Optional[control.TargetPlan] = None
+        self._replayed_target: Optional[int] = None
         self.beat: Optional[NodeBeat] = None
         """This node's liveness beat to the job agent (:mod:`disttrain.trainer.launch.beat`), from creation to
         :meth:`shutdown`."""
@@ -450,7 +457,30 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
             super()._record(message, node_state, rank)
 
     def target(self) -> Optional[control.TargetPlan]:
-        return read_target(self._target_store)
+        """The agent's target plan; never one older than the newest this node read (a replay of an older plan is
+        logged and the newer one kept), so a round never completes on an old node count or exclude list."""
+        plan = read_target(self._target_store)
+        newest = self._newest_target
+        if plan is None or newest is None or plan.job_uid != newest.job_uid or plan.generation >= newest.generation:
+            self._newest_target = plan or newest
+            return plan
+        if self._replayed_target != plan.generation:
+            self._replayed_target = plan.generation
+            log.warning(
+                "rendezvous %s: target plan generation %d is older than the %d read before: kept the newer",
+                self._settings.run_id,
+                plan.generation,
+                newest.generation,
+            )
+        return newest
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """torch's, then the round joined in ``$DISTTRAIN_RENDEZVOUS_ROUND``, which torchrun passes to the workers it
+        starts (and the launcher hands to those that take the round in place): a directive issued for an earlier
+        round is not theirs (:func:`disttrain.api.control.judge_directive`)."""
+        info = super().next_rendezvous()
+        os.environ[env.RENDEZVOUS_ROUND] = str(self._state_holder.state.round)
+        return info
 
     def get_backend(self) -> str:
         return constants.RDZV_BACKEND  # torchrun checks that the handler reports the backend it asked for

@@ -1,7 +1,8 @@
 """The store front's pure parts: the handshake that proves a client holds the job's secret, and a streaming scanner
 of torch's TCPStore requests that refuses the commands a job never sends.
 
-Handshake (every integer and nonce raw bytes; ``k = HMAC-SHA256(secret, "disttrain-store-front-key-v1")``)::
+Handshake (:mod:`disttrain.api.handshake`; every integer and nonce raw bytes; ``k = HMAC-SHA256(secret,
+"disttrain-store-front-key-v1")``)::
 
     front  -> client   b"DTF1" | nonce_f (32)
     client -> front    b"DTF1" | nonce_c (32) | HMAC(k, "client\\0" | nonce_f | nonce_c)
@@ -21,17 +22,21 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import struct
 from collections.abc import Generator
 from typing import Optional
 
-MAGIC = b"DTF1"
-NONCE = 32
-MAC = 32
-GREETING_LEN = len(MAGIC) + NONCE
-ANSWER_LEN = len(MAGIC) + NONCE + MAC
-PROOF_LEN = MAC
+from disttrain.api import handshake
+
+MAGIC, NONCE, MAC = handshake.MAGIC, handshake.NONCE, handshake.MAC
+GREETING_LEN, ANSWER_LEN, PROOF_LEN = handshake.GREETING_LEN, handshake.ANSWER_LEN, handshake.PROOF_LEN
+greeting, answer, check_answer, check_proof = (
+    handshake.greeting,
+    handshake.answer,
+    handshake.check_answer,
+    handshake.check_proof,
+)
+HandshakeFailed = handshake.HandshakeFailed
 
 MAX_KEY = 8 * 1024
 """torch's libuv server's own limit on a key name."""
@@ -51,45 +56,6 @@ queue entry is invisible to ``list_keys`` and an ``append`` grows a value past :
 def front_key(secret: str) -> bytes:
     """The handshake's MAC key, domain-separated from the value-sealing key of :mod:`disttrain.api.storeauth`."""
     return hmac.new(secret.encode(), b"disttrain-store-front-key-v1", hashlib.sha256).digest()
-
-
-def _mac(key: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
-    return hmac.new(key, label + b"\0" + first + second, hashlib.sha256).digest()
-
-
-def greeting(nonce_f: Optional[bytes] = None) -> bytes:
-    """The front's first bytes: its fresh nonce."""
-    return MAGIC + (nonce_f if nonce_f is not None else os.urandom(NONCE))
-
-
-def answer(key: bytes, greeting_bytes: bytes, nonce_c: Optional[bytes] = None) -> bytes:
-    """The client's proof for the front's ``greeting_bytes``; raises :class:`HandshakeFailed` on a bad greeting."""
-    if len(greeting_bytes) != GREETING_LEN or not greeting_bytes.startswith(MAGIC):
-        raise HandshakeFailed("the agent's store did not greet as a disttrain store front (wrong port or version?)")
-    nonce_c = nonce_c if nonce_c is not None else os.urandom(NONCE)
-    return MAGIC + nonce_c + _mac(key, b"client", greeting_bytes[len(MAGIC) :], nonce_c)
-
-
-def check_answer(key: bytes, greeting_bytes: bytes, answer_bytes: bytes) -> Optional[bytes]:
-    """The front's proof back to the client when ``answer_bytes`` proves the key, else None."""
-    if len(answer_bytes) != ANSWER_LEN or not answer_bytes.startswith(MAGIC):
-        return None
-    nonce_f = greeting_bytes[len(MAGIC) :]
-    nonce_c = answer_bytes[len(MAGIC) : len(MAGIC) + NONCE]
-    if not hmac.compare_digest(answer_bytes[len(MAGIC) + NONCE :], _mac(key, b"client", nonce_f, nonce_c)):
-        return None
-    return _mac(key, b"front", nonce_c, nonce_f)
-
-
-def check_proof(key: bytes, greeting_bytes: bytes, answer_bytes: bytes, proof: bytes) -> bool:
-    """Whether the front's ``proof`` shows it holds the key (the client's side)."""
-    nonce_f = greeting_bytes[len(MAGIC) :]
-    nonce_c = answer_bytes[len(MAGIC) : len(MAGIC) + NONCE]
-    return hmac.compare_digest(proof, _mac(key, b"front", nonce_c, nonce_f))
-
-
-class HandshakeFailed(ConnectionError):
-    """The other side does not hold the job's store secret, or does not speak the front's handshake."""
 
 
 class Refused(ValueError):

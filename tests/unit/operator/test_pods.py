@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
 import kubernetes_validate
 import pytest
 from tests.unit.operator.world import job_manifest
 
-from disttrain.api import env
+from disttrain.api import env, pulse
 from disttrain.api.contract import WorkerContract
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import access, cli, pods
@@ -207,6 +208,21 @@ def test_worker_and_agent_pods_mount_the_jobs_store_secret_and_nothing_else_of_t
         kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
     secret = access.build_store_secret(job, "s" * 64)
     kubernetes_validate.validate(secret, K8S_VERSION, strict=True)
+
+
+def test_the_jobs_secret_holds_its_agents_pulse_key_derived_from_the_operators_and_the_job_uid():
+    """The operator never reads the Secret back: it derives the key again from its own key and the job's uid, the
+    same whichever replica or start of the operator asks (a repeated create is a 409: the first Secret stays)."""
+    job = make_job()
+    settings = pods.AgentSettings(pulse_s=0.2, pulse_key=b"k" * 32)
+    secret = access.build_store_secret(job, "s" * 64, settings.job_pulse_key(job))
+    kubernetes_validate.validate(secret, K8S_VERSION, strict=True)
+    stored = pulse.parse_key(base64.b64decode(secret["data"][pulse.SECRET_KEY]).decode())
+    assert stored == pulse.job_key(b"k" * 32, job.metadata.uid or "")
+    assert stored == pods.AgentSettings(pulse_s=0.2, pulse_key=b"k" * 32).job_pulse_key(job), "another replica's"
+    assert stored != pulse.job_key(b"k" * 32, "another-uid"), "one job's key is not another's"
+    no_pulse = access.build_store_secret(job, "s" * 64, pods.AgentSettings(pulse_s=0).job_pulse_key(job))
+    assert set(no_pulse["data"]) == {"secret"}
 
 
 def selects(selector, labels):
@@ -485,6 +501,7 @@ def test_the_agent_pulses_on_the_port_after_its_stores_bound_to_its_pod_ip_and_o
     assert env["DISTTRAIN_AGENT_PULSE_SECONDS"]["value"] == "0.25"
     assert env["DISTTRAIN_POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert env["DISTTRAIN_POD_UID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}, "its first line"
+    assert env["DISTTRAIN_AGENT_PULSE_KEY_FILE"]["value"] == access.PULSE_KEY_FILE, "in the job's Secret, mounted"
     no_pulse = pods.build_agent_pod(job, pods.AgentSettings(heartbeat_s=0, pulse_s=0))["spec"]["containers"][0]
     assert [p["name"] for p in no_pulse["ports"]] == ["rendezvous"]
     assert not {e["name"] for e in no_pulse["env"]} & {"DISTTRAIN_AGENT_PULSE_PORT", "DISTTRAIN_POD_IP"}

@@ -1,9 +1,11 @@
 """The job agent's pulse end to end on real sockets: the agent's server (trainer/agent/pulse.py), the operator's
-links (operator/pulses.py) and the rule (operator/agentbeat.py) on the operator's real clock."""
+links (operator/pulses.py), the handshake that proves the job's pulse key, and the rule (operator/agentbeat.py) on
+the operator's real clock."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import signal
 import socket
 import subprocess
@@ -12,22 +14,27 @@ import time
 
 import pytest
 
-from disttrain.api import constants
+from disttrain.api import constants, handshake
 from disttrain.api import pulse as wire
-from disttrain.operator import pulses
+from disttrain.operator import access, pulses
 from disttrain.operator.agentbeat import PULSE, AgentBeats
 from disttrain.operator.observed import PodView
-from disttrain.trainer.agent.pulse import MAX_CLIENTS, PulseServer, evictee
+from disttrain.trainer.agent.pulse import MAX_LINKS, MAX_PENDING, MAX_PENDING_PER_SOURCE, PulseServer
 
 KEY = ("ns", "job")
 UID = "uid-agent-1"
+JOB_UID = "uid-job-1"
 AGENT = PodView(name="job-agent", uid=UID)
 PERIOD_S = 0.05
+OPERATOR_KEY = bytes(range(32))
+"""The operator's own key (``--agent-pulse-key-file``)."""
+JOB_KEY = wire.job_key(OPERATOR_KEY, JOB_UID)
+"""The job's pulse key, as the operator put it in the job's Secret."""
 
 
 def agent_pod(port: int, uid: str = UID, ip: str = "127.0.0.1", phase: str = "Running") -> dict:
     return {
-        "metadata": {"name": "job-agent", "uid": uid},
+        "metadata": {"name": "job-agent", "uid": uid, "labels": {access.LABEL_JOB_UID: JOB_UID}},
         "spec": {"containers": [{"ports": [{"name": constants.AGENT_PULSE_PORT_NAME, "containerPort": port}]}]},
         "status": {"phase": phase, "podIP": ip},
     }
@@ -52,7 +59,7 @@ def agent_process():
     code = (
         "import sys, time\n"
         "from disttrain.trainer.agent.pulse import PulseServer\n"
-        f"server = PulseServer('127.0.0.1', 0, {UID!r}, {PERIOD_S})\n"
+        f"server = PulseServer('127.0.0.1', 0, {UID!r}, {PERIOD_S}, {JOB_KEY!r})\n"
         "server.start()\n"
         "print(server.address[1], flush=True)\n"
         "time.sleep(600)\n"
@@ -69,7 +76,7 @@ def agent_process():
 
 @pytest.fixture
 def server():
-    started = PulseServer("127.0.0.1", 0, UID, PERIOD_S)
+    started = PulseServer("127.0.0.1", 0, UID, PERIOD_S, JOB_KEY)
     started.start()
     yield started
     started.stop()
@@ -81,7 +88,7 @@ async def test_a_live_agent_is_never_silent_and_a_dead_one_is_found_about_a_seco
 ):
     proc, port = agent_process
     beats = AgentBeats()
-    links = pulses.PulseLinks(beats)
+    links = pulses.PulseLinks(beats, OPERATOR_KEY)
     links.follow(KEY, agent_pod(port))
     try:
         assert await judge_until(beats, AGENT, 2.0) == "", "pulsing: never silent"
@@ -96,7 +103,7 @@ async def test_a_live_agent_is_never_silent_and_a_dead_one_is_found_about_a_seco
 
 async def test_a_pod_that_is_not_the_one_meant_gives_no_pulse(server):
     beats = AgentBeats()
-    links = pulses.PulseLinks(beats)
+    links = pulses.PulseLinks(beats, OPERATOR_KEY)
     other = PodView(name="job-agent", uid="uid-replacement")
     links.follow(KEY, agent_pod(server.address[1], uid=other.uid))  # the IP now answers for another pod
     try:
@@ -107,7 +114,7 @@ async def test_a_pod_that_is_not_the_one_meant_gives_no_pulse(server):
 
 
 def test_only_a_running_pod_with_an_ip_and_a_pulse_port_is_linked():
-    assert pulses.target_of(KEY, agent_pod(29401)) == pulses.Target(KEY, UID, "127.0.0.1", 29401)
+    assert pulses.target_of(KEY, agent_pod(29401)) == pulses.Target(KEY, UID, "127.0.0.1", 29401, JOB_UID)
     assert pulses.target_of(KEY, agent_pod(29401, phase="Pending")) is None
     assert pulses.target_of(KEY, agent_pod(29401, ip="")) is None
     no_port = agent_pod(29401)
@@ -118,15 +125,29 @@ def test_only_a_running_pod_with_an_ip_and_a_pulse_port_is_linked():
     assert pulses.target_of(KEY, deleting) is None
 
 
+async def _prove(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes) -> None:
+    """The agent's side of the handshake with ``key``, answered whatever the operator proved."""
+    greeting = handshake.greeting()
+    writer.write(greeting)
+    answer = await reader.readexactly(handshake.ANSWER_LEN)
+    proof = handshake.check_answer(key, greeting, answer)
+    writer.write(proof if proof is not None else bytes(handshake.PROOF_LEN))
+
+
 async def test_bytes_that_are_not_pulses_end_the_link_and_count_for_nothing():
-    """A server at the agent's address that names the right pod and then sends anything else (and names another
-    pod when the link comes back)."""
+    """A server at the agent's address that holds the job's key, names the right pod and then sends anything else
+    (and names another pod when the link comes back)."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     connections = []
 
     async def serve(reader, writer):
         connections.append(writer)
+        try:
+            await _prove(reader, writer, JOB_KEY)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            writer.close()
+            return
         if len(connections) == 1:
             for sent in (wire.hello(UID) + wire.PULSE, wire.PULSE):  # two pulses: a stream to judge
                 writer.write(sent)
@@ -142,7 +163,7 @@ async def test_bytes_that_are_not_pulses_end_the_link_and_count_for_nothing():
     listener.close()
     impostor = await asyncio.start_server(serve, "127.0.0.1", port)
     beats = AgentBeats()
-    links = pulses.PulseLinks(beats)
+    links = pulses.PulseLinks(beats, OPERATOR_KEY)
     links.follow(KEY, agent_pod(port))
     try:
         await asyncio.sleep(0.1)
@@ -155,34 +176,122 @@ async def test_bytes_that_are_not_pulses_end_the_link_and_count_for_nothing():
         await impostor.wait_closed()
 
 
-def test_the_server_reads_nothing_holds_at_most_its_clients_and_drops_one_that_talks(server):
-    host, port = server.address
-    held = [socket.create_connection((host, port), timeout=2) for _ in range(MAX_CLIENTS)]
+async def test_a_server_without_the_jobs_key_gives_no_pulse():
+    """Something at the agent's address that greets and pulses but cannot prove the job's key: no pulse counts."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    proofs_sent = []
+
+    async def serve(reader, writer):
+        try:
+            await _prove(reader, writer, wire.job_key(OPERATOR_KEY, "uid-another-job"))
+            proofs_sent.append(True)
+            writer.write(wire.hello(UID) + wire.PULSE * 8)
+            await writer.drain()
+            await asyncio.sleep(0.5)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the operator closed its end first
+        finally:
+            writer.close()
+
+    listener.close()
+    impostor = await asyncio.start_server(serve, "127.0.0.1", port)
+    beats = AgentBeats()
+    links = pulses.PulseLinks(beats, OPERATOR_KEY)
+    links.follow(KEY, agent_pod(port))
     try:
-        for client in held:
-            assert client.recv(len(wire.hello(UID))) == wire.hello(UID)
-        extra = socket.create_connection((host, port), timeout=2)
-        assert extra.recv(len(wire.hello(UID))) == wire.hello(UID), "full: a newcomer takes its address's newest place"
-        evicted = held.pop()
-        assert evicted.recv(64) == b"", "the newest connection of the busiest address made room"
-        evicted.close()
-        held.append(extra)
-        talker = held.pop()
-        talker.sendall(b"GET / HTTP/1.0\r\n\r\n")
-        deadline = time.monotonic() + 2
-        while server.clients > MAX_CLIENTS - 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert server.clients == MAX_CLIENTS - 1, "a client that sends anything is dropped"
-        talker.close()
-        assert held[0].recv(1) == wire.PULSE
+        await asyncio.sleep(1.0)
+        assert proofs_sent, "the operator answered the greeting"
+        assert beats.silence(KEY, AGENT, time.monotonic() + 10) == "", "no pulse taken: nothing to judge"
     finally:
-        for client in held:
-            client.close()
+        await links.close()
+        impostor.close()
+        await impostor.wait_closed()
+
+
+def _link(host: str, port: int, key: bytes = JOB_KEY, source: str = "127.0.0.1") -> socket.socket:
+    """A raw client that proves ``key`` as the operator does; returns it after the agent's proof and hello."""
+    sock = _from(source, port, host)
+    greeting = _recv_exactly(sock, handshake.GREETING_LEN)
+    answer = handshake.answer(key, greeting)
+    sock.sendall(answer)
+    proof = _recv_exactly(sock, handshake.PROOF_LEN)
+    assert handshake.check_proof(key, greeting, answer, proof), "the agent proves the key back"
+    assert _recv_exactly(sock, len(wire.hello(UID))) == wire.hello(UID)
+    return sock
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            return data
+        data += chunk
+    return data
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the server closed ``sock`` (it sends an unproven connection nothing but its greeting)."""
+    try:
+        while True:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return True
+            if wire.PULSE in chunk:
+                return False
+    except (ConnectionResetError, TimeoutError):
+        return False
+
+
+def _ends(sock: socket.socket) -> bool:
+    """Whether the server closes ``sock`` (a reset too: it closed with bytes of ours unread) within its timeout."""
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_only_a_connection_that_proves_the_key_is_pulsed_to(server):
+    host, port = server.address
+    silent = _from("127.0.0.1", port)
+    silent.settimeout(wire.HANDSHAKE_S + 3)
+    wrong = _from("127.0.0.1", port)
+    wrong_greeting = _recv_exactly(wrong, handshake.GREETING_LEN)
+    wrong.sendall(handshake.answer(wire.job_key(OPERATOR_KEY, "uid-another-job"), wrong_greeting))
+    operator = _link(host, port)
+    try:
+        assert operator.recv(1) == wire.PULSE
+        assert _closed(wrong), "a wrong answer: closed, no pulse"
+        assert len(_recv_exactly(silent, handshake.GREETING_LEN)) == handshake.GREETING_LEN
+        assert _closed(silent), "no answer within the handshake's time: closed, never a pulse"
+        assert server.clients == 1 and server.pending == 0
+        operator.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        assert _ends(operator), "a link that sends anything is dropped"
+    finally:
+        for sock in (silent, wrong, operator):
+            sock.close()
+
+
+def test_a_new_link_replaces_the_oldest_when_all_are_taken(server):
+    host, port = server.address
+    held = [_link(host, port) for _ in range(MAX_LINKS)]
+    newest = _link(host, port)
+    try:
+        assert _ends(held[0]), "the oldest link made room"
+        assert newest.recv(1) == wire.PULSE and held[1].recv(1) == wire.PULSE
+    finally:
+        for sock in [*held, newest]:
+            sock.close()
 
 
 async def test_an_agent_that_stops_cleanly_says_so_and_is_not_taken_for_lost(server):
     beats = AgentBeats()
-    links = pulses.PulseLinks(beats)
+    links = pulses.PulseLinks(beats, OPERATOR_KEY)
     links.follow(KEY, agent_pod(server.address[1]))
     try:
         assert await judge_until(beats, AGENT, 1.0) == ""
@@ -193,7 +302,7 @@ async def test_an_agent_that_stops_cleanly_says_so_and_is_not_taken_for_lost(ser
 
 
 async def test_links_of_pods_that_are_no_longer_their_jobs_agent_are_closed(server):
-    links = pulses.PulseLinks(AgentBeats())
+    links = pulses.PulseLinks(AgentBeats(), OPERATOR_KEY)
     links.follow(KEY, agent_pod(server.address[1]))
     links.follow(("ns", "other"), agent_pod(server.address[1], uid="uid-other"))
     try:
@@ -213,40 +322,48 @@ def test_pulses_fall_on_the_same_wall_clock_instants_for_every_agent():
     assert next_boundary(7.99, 0.25) == pytest.approx(8.0)
 
 
-def _from(source: str, port: int) -> socket.socket:
+def _from(source: str, port: int, host: str = "127.0.0.1") -> socket.socket:
     sock = socket.socket()
-    sock.settimeout(2)
+    sock.settimeout(5)
     sock.bind((source, 0))
-    sock.connect(("127.0.0.1", port))
+    sock.connect((host, port))
     return sock
 
 
-def test_a_stranger_holding_every_slot_cannot_keep_the_operator_from_linking_again(server):
-    """The stranger (127.0.0.2) holds all the connections; the operator (127.0.0.3) links and gets its pulse."""
+async def test_strangers_holding_every_connection_cannot_keep_the_operator_from_linking_and_linking_again(server):
+    """Strangers from many addresses hold every unproven place the agent has (and one address more than its share),
+    and keep opening new connections; the operator links, gets its pulse, and links again after its link broke."""
     port = server.address[1]
-    stranger = [_from("127.0.0.2", port) for _ in range(MAX_CLIENTS)]
+    addresses = [f"127.0.0.{n}" for n in range(10, 10 + MAX_PENDING // MAX_PENDING_PER_SOURCE + 2)]
+    held = [_from(address, port) for address in addresses for _ in range(MAX_PENDING_PER_SOURCE)]
+    held += [_from(addresses[0], port) for _ in range(2)]  # beyond its address's share: refused at once
+    stop = asyncio.Event()
+
+    async def churn() -> None:  # new connections from ever other addresses: each closes the oldest unproven one
+        for n in itertools.count():
+            if stop.is_set():
+                return
+            held.append(await asyncio.to_thread(_from, f"127.0.1.{n % 250 + 1}", port))
+            await asyncio.sleep(0.01)
+
+    churner = asyncio.create_task(churn())
+    beats = AgentBeats()
+    links = pulses.PulseLinks(beats, OPERATOR_KEY)
     try:
-        for sock in stranger:
-            assert sock.recv(len(wire.hello(UID))) == wire.hello(UID)
-        operator = _from("127.0.0.3", port)
-        assert operator.recv(len(wire.hello(UID))) == wire.hello(UID)
-        assert operator.recv(1) == wire.PULSE
-        assert server.clients == MAX_CLIENTS
-        operator.close()
+        await asyncio.sleep(0.3)
+        assert server.pending == MAX_PENDING and server.clients == 0, "the strangers hold every unproven place"
+        links.follow(KEY, agent_pod(port))
+        assert await judge_until(beats, AGENT, 2.0) == "", "linked: pulsed, never silent"
+        assert server.clients == 1
+        links.forget(UID)  # the link breaks (a restart of the operator, a reset on the way)
+        await asyncio.sleep(0.1)
+        links.follow(KEY, agent_pod(port))
+        assert await judge_until(beats, AGENT, 2.0) == "", "linked again: still pulsed, never silent"
+        assert server.clients == 1, "the old link closed, the new one held"
+        assert server.pending <= MAX_PENDING
     finally:
-        for sock in stranger:
+        stop.set()
+        await churner
+        await links.close()
+        for sock in held:
             sock.close()
-
-
-@pytest.mark.parametrize(
-    "sources, new, expected",
-    [
-        (["a", "b"], "c", None),  # room left
-        (["op", "s", "s", "s"], "op2", 3),  # the busiest address's newest
-        (["op", "s", "s", "s"], "s", 3),  # the stranger replaces its own newest
-        (["a", "b", "c", "d"], "e", -1),  # one each: the newcomer is refused
-        (["op", "a", "a", "b", "b"], "c", 2),  # ties: the first busiest address's newest
-    ],
-)
-def test_which_connection_a_newcomer_replaces(sources, new, expected):
-    assert evictee(sources, new, max_clients=len(sources) if len(sources) > 2 else 4) == expected

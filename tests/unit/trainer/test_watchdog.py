@@ -102,3 +102,56 @@ def test_no_endpoint_means_no_channel():
 def test_a_malformed_endpoint_is_named(bad):
     with pytest.raises(ValueError, match="host:port"):
         parse_endpoint(bad)
+
+
+def stamped(server, generation: int, action: str, round_: int, *, plan: bool = False) -> None:
+    """The directive as the agent publishes it: stamped with the round it was issued for (and its target plan)."""
+    if plan:
+        target = control.TargetPlan(generation=generation, nodes=2, job_uid="uid-w", round=round_)
+        server.set(control.TARGET_KEY, target.model_dump_json())
+    value = control.ControlSignal(generation=generation, action=action, job_uid="uid-w", round=round_)
+    server.set(control.SIGNAL_KEY, value.model_dump_json())
+    server.get(control.SIGNAL_KEY)
+
+
+def test_a_replay_of_both_the_signal_and_the_plan_cannot_make_a_worker_of_a_later_round_reform(store, monkeypatch):
+    """Generation 6 (issued in round 3) formed this worker's round 4. A process past the front replayed generation 5
+    under both keys, so the fresh worker's history is 5; when generation 6 comes back it is not acted on: it was
+    issued for round 3. It is counted, logged once, and becomes history; generation 7, issued in round 4, is obeyed."""
+    server, endpoint = store
+    monkeypatch.setenv(env.RENDEZVOUS_ROUND, "4")
+    stamped(server, 5, "reform", 2, plan=True)  # the replay, seen first
+    exits: list[int] = []
+    dog = Watchdog(endpoint, exit_fn=exits.append)
+    dog.connect()
+    assert dog.round == 4 and dog.seen_generation == 5
+    stamped(server, 6, "reform", 3, plan=True)  # the agent's guardian puts the newest back
+    dog.poll_once()
+    dog.poll_once()
+    assert exits == [] and not dog.drain_requested
+    assert dog.refused["earlier-round"] == 1 and dog.seen_generation == 6, "counted once: then it is history"
+    stamped(server, 5, "reform", 2)  # replayed again: now below the history
+    dog.poll_once()
+    assert exits == [] and dog.refused["older"] == 1 and dog.seen_generation == 6, "the history never goes down"
+    stamped(server, 7, "reform", 4)
+    dog.poll_once()
+    assert exits == [int(ExitCode.REFORM)]
+
+
+def test_a_worker_that_joins_a_new_round_in_place_takes_its_round(store, monkeypatch):
+    """In place the process outlives its round: the launcher hands it the next round's environment, and a directive
+    of the round it left is no longer its own."""
+    server, endpoint = store
+    monkeypatch.setenv(env.RENDEZVOUS_ROUND, "1")
+    exits: list[int] = []
+    dog = Watchdog(endpoint, exit_fn=exits.append)
+    dog.connect()
+    monkeypatch.setenv(env.RENDEZVOUS_ROUND, "2")  # what the handover puts in os.environ
+    dog.mark_history()
+    assert dog.round == 2
+    stamped(server, 3, "drain", 1)
+    dog.poll_once()
+    assert not dog.drain_requested and dog.refused["earlier-round"] == 1
+    stamped(server, 4, "drain", 2)
+    dog.poll_once()
+    assert dog.drain_requested
