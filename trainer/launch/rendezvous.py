@@ -420,8 +420,9 @@ class _ReconnectingStateHolder(dyn._BackendRendezvousStateHolder):
         if time.monotonic() - read_at >= max(BEATS_REREAD_S, expiry.total_seconds() / 3) or not names <= asked:
             try:
                 last = self._beats(names)
-            except DistStoreError:
-                last = {}  # the store is away: torch's expiry alone decides, as without beats
+            except Exception as exc:  # noqa: BLE001 - the beats only spare nodes; without them torch's expiry decides
+                log.debug("rendezvous %s: the nodes' beats could not be read: %s", self._settings.run_id, exc)
+                last = {}
             self._beats_read = (time.monotonic(), names, last)
         return {node for node, name in expired.items() if name in last and last[name] >= expire}
 
