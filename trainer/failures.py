@@ -12,6 +12,10 @@ and one whose peer hangs past the collective timeout gets a plain ``RuntimeError
 
     [.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 4000ms for recv operation to complete
 
+or, from an ``all_reduce`` whose pair was closed by gloo's own timeout, a message without any path::
+
+    Application timeout caused pair closure
+
 So for ``RuntimeError`` the message is still matched, here and nowhere else. The markers are the ones the
 trainer has always used; the first two were seen on torch 2.13.0, the others cover older gloo builds, socket
 errors and NCCL messages that were not reproduced on this CPU-only machine.
@@ -48,6 +52,7 @@ RUNTIME_ERROR_MARKERS: tuple[str, ...] = (
     "Connection closed by peer",  # gloo, peer died (seen on torch 2.13.0)
     "Timed out",
     "timed out",  # gloo, peer hung past the collective timeout (seen on torch 2.13.0)
+    "caused pair closure",  # gloo, a pending operation past the collective timeout (seen on torch 2.13.0)
     "Gloo",
     "gloo",  # any gloo transport error: its messages carry the gloo source path
     "Connection reset",

@@ -258,7 +258,8 @@ class Lifecycle:
             trainer.held, trainer.keeper = trainer.keeper, None
         inplace.retire(trainer.model)
         if trainer.template is not None:  # sharded: the old model and its mesh go now; the keeper holds the state
-            self._param_names = parallel_mod.release(trainer.raw_model, trainer.optimizer)
+            self._param_names = trainer.parallel.optimizer_layout
+            parallel_mod.release(trainer.optimizer)
             trainer.raw_model = torch.nn.Module()
         raw, parallelism, sums = trainer.raw_model, trainer.parallel.parallelism, trainer.parallel.sums_gradients
         trainer.model, trainer.parallel = raw, parallel_mod.ParallelModel(raw, parallelism, sums)

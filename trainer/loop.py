@@ -385,10 +385,6 @@ class ElasticTrainer:
         gate.device_wait(self.completion.wait, self.state.step + 1, self.rank)  # the reductions done on the device
         try:
             gate.agree(True, self.state.step + 1, self.rank)
-            if self.keeper is not None:
-                # The last step's copy is on the partner before anyone moves on: asked after the agreement above,
-                # which fails at once when a peer is gone (a receive alone would wait for the timeout).
-                gate.agree(self._replicated(), self.state.step + 1, self.rank, what="in-memory copies")
         except gate.StepAbortedError:
             self.optimizer.zero_grad(set_to_none=True)  # nothing of this step's gradient is ever applied
             raise
@@ -398,6 +394,14 @@ class ElasticTrainer:
         if self.scheduler is not None:
             self.scheduler.step()
         self.completion.finish(self._count_step)
+        self._keep_in_memory()
+
+    def _keep_in_memory(self) -> None:
+        """Keep the step just counted in memory and on the partner (a sharded model reforming in place), and agree
+        that every copy landed before the step is reported: a rank lost after this point leaves its shards of this
+        step on its partner, so the group resumes at the newest step anyone reported. A copy that failed raises
+        :class:`~disttrain.trainer.gate.StepAbortedError` (a group failure): the step is not reported, and the next
+        group rebuilds the newest step whole in its members' memory (this one where every copy landed)."""
         if self.keeper is not None:
             steady, rest = recovery.split_contents(snapshots.contents(self))
             self.keeper.capture(self.state.step, steady, rest)
@@ -406,6 +410,9 @@ class ElasticTrainer:
             if self.held is not None:
                 self.held.release()
                 self.held = None
+        else:
+            return
+        gate.agree(self._replicated(), self.state.step, self.rank, what="in-memory copies")
 
     def _replicated(self) -> bool:
         """Whether this rank's copy of the last step reached its partner and its source's reached it."""

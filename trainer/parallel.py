@@ -67,10 +67,20 @@ class ParallelModel:
     FSDP2 and mixed-precision DDP sum; fp32 DDP keeps its stock averaging (exact in fp32 anyway).
     """
 
-    def __init__(self, module: nn.Module, parallelism: Parallelism, sums_gradients: bool) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        parallelism: Parallelism,
+        sums_gradients: bool,
+        optimizer_layout: Sequence[Sequence[str]] = (),
+    ) -> None:
         self.module = module
         self.parallelism = parallelism
         self.sums_gradients = sums_gradients
+        self.optimizer_layout = [list(names) for names in optimizer_layout]
+        """FSDP2: the names of each optimizer param group's parameters, read when the model was sharded (what
+        :func:`rewrap` points the optimizer at again). Read then because a step that fails mid-forward or
+        mid-backward leaves unsharded parameters registered on the modules, which the optimizer does not hold."""
 
     def loss_factor(self, world_size: int) -> float:
         """What a loss normalised by the global count is multiplied by before backward: W under an averaging
@@ -127,8 +137,8 @@ def wrap(
         return ParallelModel(ddp, parallelism, sums_gradients=sums)
     if isinstance(model, DistributedDataParallel):
         raise ValueError("parallelism='fsdp2' needs the plain model, not one already wrapped in DDP")
-    _shard(model, optimizer, device, precision, shard_modules, where, tp_plan)
-    return ParallelModel(model, parallelism, sums_gradients=True)
+    names = _shard(model, optimizer, device, precision, shard_modules, where, tp_plan)
+    return ParallelModel(model, parallelism, sums_gradients=True, optimizer_layout=names)
 
 
 def default_shard_modules(model: nn.Module) -> list[nn.Module]:
@@ -201,7 +211,7 @@ def _shard(
     shard_modules: Optional[Sequence[nn.Module]],
     where: mesh_mod.Layout,
     tp_plan: Optional[Mapping[str, ParallelStyle]],
-) -> None:
+) -> list[list[str]]:
     if optimizer.state:
         raise ValueError(
             "parallelism='fsdp2' needs a fresh optimizer (no state yet): fully_shard replaces the parameters, "
@@ -210,6 +220,14 @@ def _shard(
     names = {id(p): name for name, p in model.named_parameters()}
     _shard_model(model, device, precision, shard_modules, where, tp_plan)
     _point_optimizer(optimizer, model, names)
+    return optimizer_layout(model, optimizer)
+
+
+def optimizer_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The names in ``model`` of each of ``optimizer``'s param groups' parameters (while the model's registered
+    parameters are the ones the optimizer holds: sharded, between steps)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
 def _shard_model(
@@ -283,16 +301,13 @@ class ModelTemplate:
         return copy.deepcopy(self.module)
 
 
-def release(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """Let go of a sharded model whose group ended: the names of each param group's parameters (what :func:`rewrap`
-    points the optimizer at again), the optimizer emptied of the old parameters and their state. Nothing then holds
-    the old mesh but ``model``, which the caller drops, so the old process groups are freed at once."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    layout = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+def release(optimizer: torch.optim.Optimizer) -> None:
+    """Let go of a sharded model whose group ended: the optimizer emptied of the old parameters and their state.
+    Nothing then holds the old mesh but the model, which the caller drops, so the old process groups are freed at
+    once (the names :func:`rewrap` points the optimizer at again are the wrapper's ``optimizer_layout``)."""
     for group in optimizer.param_groups:
         group["params"] = []
     optimizer.state.clear()
-    return layout
 
 
 def rewrap(
@@ -316,7 +331,7 @@ def rewrap(
     params = dict(model.named_parameters())
     for group, names in zip(optimizer.param_groups, param_names, strict=True):
         group["params"] = [params[name] for name in names]
-    return ParallelModel(model, Parallelism.FSDP2, sums_gradients=True)
+    return ParallelModel(model, Parallelism.FSDP2, sums_gradients=True, optimizer_layout=param_names)
 
 
 def _sum_allreduce_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -5,6 +5,7 @@ Settings come from the worker contract env like any disttrain program. Test-only
 - ``TOY_OUT`` (folder), ``TOY_RUN`` (name): records go to ``$TOY_OUT/$TOY_RUN-<pid>.jsonl``, one JSON line per
   step (:func:`toymodel.step_record`); rank 0 saves the final parameters to ``$TOY_OUT/$TOY_RUN-final.pt``.
 - ``TOY_DATASET``: number of samples (97). ``TOY_STEP_SLEEP``: seconds to sleep after each step.
+- ``TOY_LOG_EVERY``: rank 0 logs every that many steps (the trainer's ``log_every``; 10).
 - ``TOY_DRAIN_AT``: ask for a drain after this step. ``TOY_HANG_RANK1_AT``: rank 1 stops at this step, so its
   peers block in a collective.
 - ``TOY_PARALLELISM`` (``ddp``/``fsdp2``), ``TOY_PRECISION`` (``fp32``/``bf16``/``fp16``), ``TOY_CLIP`` (max
@@ -113,6 +114,8 @@ def main() -> None:
         )
     if os.environ.get("TOY_DEVICE"):
         options["device"] = os.environ["TOY_DEVICE"]
+    if os.environ.get("TOY_LOG_EVERY"):
+        options["log_every"] = int(os.environ["TOY_LOG_EVERY"])
     if os.environ.get("TOY_NUM_WORKERS"):
         options["num_workers"] = int(os.environ["TOY_NUM_WORKERS"])
     if os.environ.get("TOY_USER_STATE"):

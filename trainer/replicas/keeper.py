@@ -2,20 +2,26 @@
 
 After each step that every rank counted, a rank captures its own items (:mod:`.capture`) and sends the items no
 other node holds to its partner (:func:`~.catalogue.partner_of`), receiving its source's in turn, in a background
-thread on a gloo group of its own. Two versions of each are kept: when a group breaks, its survivors may have
-counted one step more than a lost rank replicated, and the newest step whole on every side is then the one before
-(:func:`~.catalogue.choose_step`). The next optimizer step waits for the replication of the last one
-(:meth:`ReplicaKeeper.wait_replicated`), so a rank never moves two steps past what its partner holds.
+thread on a gloo group of its own. A step is reported only once every rank's copy of it landed (the trainer
+waits for :meth:`ReplicaKeeper.wait_replicated` and agrees on it right after the capture), so the newest step any
+rank reported is whole in the survivors' memory. Two versions of each are kept: a group that breaks while a step's
+copies are in flight may hold that step whole or not, and the newest step whole on every side is then the one
+before (:func:`~.catalogue.choose_step`).
 
 Memory, per rank: two host copies of its own shards, plus two of its source's shards where no other node holds
 them (FSDP2 and FSDP x TP; HSDP with two or more replicas and DDP need none).
+
+Fault injection (tests only): ``DISTTRAIN_FAULT_SLOW_COPY=<seconds>`` delays each of this process's copies by that
+long, so a node killed at any moment of a step is most likely lost while its copy is in flight.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
@@ -30,6 +36,17 @@ log = logging.getLogger("disttrain.trainer")
 
 VERSIONS = 2
 """Versions of each kind a rank keeps (see the module docstring)."""
+
+FAULT_SLOW_COPY = "DISTTRAIN_FAULT_SLOW_COPY"
+
+
+def injected_copy_delay(environ: Optional[Mapping[str, str]] = None) -> float:
+    """The seconds fault injection (:data:`FAULT_SLOW_COPY`) delays each copy by; 0 without it."""
+    value = (environ if environ is not None else os.environ).get(FAULT_SLOW_COPY, "").strip()
+    try:
+        return max(0.0, float(value)) if value else 0.0
+    except ValueError:
+        raise ValueError(f"{FAULT_SLOW_COPY}={value!r}: expected a number of seconds") from None
 
 
 @dataclasses.dataclass
@@ -93,6 +110,9 @@ class ReplicaKeeper:
 
     def _replicate(self, step: int, values: Mapping[ItemKey, capture_mod.Value], epoch: int) -> None:
         try:
+            delay = injected_copy_delay()
+            if delay:
+                time.sleep(delay)
             outgoing = {}
             if self.partner is not None and self.sent_keys:
                 tensors = [values[k] for k in self.sent_keys]

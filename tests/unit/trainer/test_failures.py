@@ -25,8 +25,17 @@ GLOO_PEER_HUNG = (
         dist.DistStoreError("x"),
         RuntimeError(GLOO_PEER_DIED),
         RuntimeError(GLOO_PEER_HUNG),
+        RuntimeError("Application timeout caused pair closure"),  # an all_reduce past the timeout, 2.13.0
     ],
-    ids=["DistError", "DistBackendError", "DistNetworkError", "DistStoreError", "gloo-peer-died", "gloo-peer-hung"],
+    ids=[
+        "DistError",
+        "DistBackendError",
+        "DistNetworkError",
+        "DistStoreError",
+        "gloo-peer-died",
+        "gloo-peer-hung",
+        "gloo-pair-closed-on-timeout",
+    ],
 )
 def test_a_failed_collective_is_recognised(exc):
     assert is_collective_failure(exc)

@@ -127,3 +127,46 @@ def test_a_seeking_dataset_pickles_without_its_open_iterator():
 def test_a_tensor_dataset_passes_through_unchanged():
     dataset = torch.utils.data.TensorDataset(torch.zeros(3))
     assert data.random_access(dataset) is dataset
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_step_failed_mid_forward_still_lets_the_optimizer_move_onto_a_new_sharding(one_process_group):
+    """A failure in the middle of FSDP2's forward leaves unsharded parameters registered on the modules; the names the
+    optimizer is pointed at again come from when the model was sharded, so leaving and re-sharding still work."""
+    from disttrain.trainer import mesh as mesh_mod
+    from disttrain.trainer.options import ParallelOptions
+
+    model = Stack()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    template = parallel.ModelTemplate(model)
+    cpu, fp32 = torch.device("cpu"), parallel.Precision.FP32
+    wrapped = parallel.wrap(model, optimizer, cpu, ParallelOptions(parallelism=parallel.Parallelism.FSDP2), fp32)
+
+    def fail(*_args: object) -> None:
+        raise RuntimeError("a peer is gone")
+
+    model.blocks[1].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="a peer is gone"):
+        model(torch.ones(2, 4))
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert any(id(p) not in held for p in model.parameters()), "the failed forward left unsharded parameters"
+
+    layout = wrapped.optimizer_layout
+    parallel.release(optimizer)
+    layout_1 = mesh_mod.Layout(mesh_mod.MeshKind.FLAT, 1, 1)
+    again = parallel.rewrap(template, layout, optimizer, cpu, parallel.Sharding(fp32, layout_1))
+    names = {id(p): name for name, p in again.module.named_parameters()}
+    assert [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups] == [
+        [name for name, _ in Stack().named_parameters()]
+    ]
