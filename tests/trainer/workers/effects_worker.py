@@ -8,8 +8,8 @@ key, ``<name>.refused`` each key offered again. Rank 0 notes each evaluation it 
 ``TOY_STEP_SLEEP``: seconds to sleep after each step (so background uploads keep up with the saves).
 
 ``EFFECT_FAULT=<phase>:<step>``: global rank 0 SIGKILLs itself at that checkpoint phase of that step's save
-(:class:`~disttrain.trainer.checkpoint.manager.CheckpointPhase` values), or with ``in_handler`` once the sink
-accepted the ``notify`` effect of that step, before the trainer confirms it.
+(:class:`~disttrain.trainer.checkpoint.manager.CheckpointPhase` values; ``<step>+``: that step's or a later one's),
+or with ``in_handler`` once the sink accepted the ``notify`` effect of that step, before the trainer confirms it.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def sink(name: str) -> Callable[[str, dict[str, Any]], None]:
 
 
 def phase_hook(phase: CheckpointPhase, step: int) -> None:
-    if phase.value == FAULT_WHERE and str(step) == FAULT_STEP and os.environ.get("RANK") == "0":
+    at = str(step) == FAULT_STEP or (FAULT_STEP.endswith("+") and step >= int(FAULT_STEP[:-1]))
+    if phase.value == FAULT_WHERE and at and os.environ.get("RANK") == "0":
         die(f"at {phase.value} of step {step}")
 
 
