@@ -180,9 +180,10 @@ class EffectLedger:
     """What is declared, what a commit holds and what is still owed, for one process.
 
     ``declared``: declarations of steps no commit covers yet. ``due``: effects a commit holds and this process has
-    not confirmed (only the runner, global rank 0, keeps them: its manifest is the one written). A save records
-    ``due`` plus the declarations of the steps it covers (:meth:`record_for`); once the loop sees that save
-    committed (:meth:`note_committed`) they become due."""
+    not confirmed (only the runner, global rank 0, keeps them: its manifest is the one written). ``held``: effects
+    the resumed commit holds while that commit is not durable (with a bucket, a local copy not COMPLETE in the
+    bucket). A save records ``held``, ``due`` and the declarations of the steps it covers (:meth:`record_for`);
+    once the loop sees that save durable (:meth:`note_committed`) they become due."""
 
     def __init__(
         self,
@@ -201,6 +202,7 @@ class EffectLedger:
         self.metrics = metrics
         self.declared: list[EffectRecord] = []
         self.due: list[EffectRecord] = []
+        self.held: list[EffectRecord] = []
         self._saving: dict[int, list[EffectRecord]] = {}
         self._confirmed: set[tuple[int, str]] = set()
         self._warned: set[str] = set()
@@ -215,9 +217,10 @@ class EffectLedger:
             )
         record = make_record(name, payload, step, self.run_id)
         declared = merge(self.declared, [record])
-        if len(declared) + len(self.due) > MAX_EFFECTS:
+        waiting = len(declared) + len(self.due) + len(self.held)
+        if waiting > MAX_EFFECTS:
             raise ValueError(
-                f"{len(declared) + len(self.due)} side effects would wait for a commit or their handler, at most "
+                f"{waiting} side effects would wait for a commit or their handler, at most "
                 f"{MAX_EFFECTS} are recorded with a checkpoint: declare them for rare events, or checkpoint more often"
             )
         self.declared = declared
@@ -225,31 +228,44 @@ class EffectLedger:
 
     def record_for(self, step: int) -> list[EffectRecord]:
         """What the checkpoint of ``step`` records (remembered until that save commits or another replaces it)."""
-        records = merge(self.due, [r for r in self.declared if r.step <= step])
+        records = merge(merge(self.held, self.due), [r for r in self.declared if r.step <= step])
         self._saving = {s: v for s, v in self._saving.items() if s < step}
         self._saving[step] = records
         return records
 
     def note_committed(self, step: Optional[int]) -> None:
-        """The newest committed step as the loop sees it: a save of that step that this ledger recorded is now
-        durable, so its effects become due and their declarations leave ``declared``."""
+        """The newest durable step as the loop sees it (committed on a volume, COMPLETE in the bucket with one): a
+        save of that step that this ledger recorded survives losing this node, so its effects become due and their
+        declarations leave ``declared``."""
         if step is None or step not in self._saving:
             return
         records = self._saving.pop(step)
         self._saving = {s: v for s, v in self._saving.items() if s > step}
         self.declared = [r for r in self.declared if r.step > step]
+        self.held = []  # every save recorded since the resume holds them
         if self.runner:
             self.due = merge(self.due, [r for r in records if (r.step, r.name) not in self._confirmed])
             self._export()
 
-    def restore(self, manifest: Optional[CheckpointManifest], resumed_step: int) -> None:
+    def restore(self, manifest: Optional[CheckpointManifest], resumed_step: int, durable: bool = True) -> None:
         """After a resume at ``resumed_step`` from ``manifest`` (the newest commit, None: none): declarations of
-        steps that will be redone go; what the commit holds and no confirmation covers is due."""
+        steps that will be redone go; what the commit holds and no confirmation covers is due, or, when that commit
+        is not ``durable`` (a local copy the bucket does not hold), held until a save that records it is."""
         committed = manifest.step if manifest is not None else 0
         self.declared = [r for r in self.declared if committed < r.step <= resumed_step]
         self._saving.clear()
+        self.held = []
         if self.runner and manifest is not None:
             owed = [r for r in manifest.effects if not self._is_confirmed(r)]
+            if not durable:
+                self.held = owed
+                if owed:
+                    log.info(
+                        "checkpoint step-%d is not in the bucket yet: its %d side effects wait for a save that is",
+                        manifest.step,
+                        len(owed),
+                    )
+                return
             self.due = merge(self.due, owed)
             if owed:
                 log.info(

@@ -156,7 +156,7 @@ class Lifecycle:
             step,
             int(ExitCode.DRAINED),
         )
-        trainer.checkpoints.close_tier()  # with checkpoint.uri: the drain's save reaches the bucket before the pod goes
+        trainer.finish_uploads()  # with checkpoint.uri: the drain's save reaches the bucket before the pod goes
         watchdog.stop()
         trainer.checkpoints.join_retention()
         startup_mod.note_exit(watchdog.store)

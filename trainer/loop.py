@@ -283,6 +283,7 @@ class ElasticTrainer:
                 life.reform_in_place()
                 first, t_prev = True, time.monotonic()
         self.commit_current_step()
+        self.finish_uploads()
         log.info("training finished at step %d (%d samples)", self.state.step, self.state.samples_consumed)
 
     def close(self) -> None:
@@ -320,9 +321,16 @@ class ElasticTrainer:
             self._save(force_sync=True)
         self._settle_effects()
 
+    def finish_uploads(self) -> None:
+        """With a bucket, before the process leaves: the last saves reach it, then their effects run."""
+        if self.checkpoints.tier is not None:
+            self.checkpoints.close_tier()
+            self._settle_effects()
+
     def _settle_effects(self) -> None:
-        """Effects of a save that committed become due; rank 0 carries out what is due."""
-        self.effects.note_committed(self.checkpoints.last_committed_step)
+        """Effects of a save that is durable (committed; with a bucket, COMPLETE there) become due; rank 0 carries
+        out what is due."""
+        self.effects.note_committed(self.checkpoints.durable_step)
         self.effects.carry_out()
 
     def _evaluate_if_due(self, last: bool) -> None:

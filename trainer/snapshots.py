@@ -217,7 +217,8 @@ def restore_effects(trainer: ElasticTrainer, found: Optional[CheckpointManifest]
     ledger.runner = trainer.rank == 0
     if not ledger.runner:
         ledger.due = []
-    ledger.restore(found, trainer.state.step)
+    durable = trainer.checkpoints.durable_step
+    ledger.restore(found, trainer.state.step, durable=found is None or (durable is not None and found.step <= durable))
     if trainer.evaluator is not None:
         trainer.evaluator.reset()
         recorded = [r.step for r in (found.effects if found else []) if r.name == evaluation_mod.EVAL_EFFECT]

@@ -141,6 +141,7 @@ class CheckpointManager:
         (:mod:`disttrain.trainer.checkpoint.tiered`)."""
         self.bucket_round: Optional[int] = None
         self._published: list[CheckpointManifest] = []
+        self._bucket_step: Optional[int] = None  # rank 0: the newest step COMPLETE in the bucket that it knows of
         self._published_lock = threading.Lock()
         self._resume_from: Optional[Published] = None
         self._tier_closed = False
@@ -341,6 +342,17 @@ class CheckpointManager:
             self.metrics.last_complete_step.set(manifest.step)
         with self._published_lock:
             self._published.append(manifest)
+            self._bucket_step = max(manifest.step, self._bucket_step or 0)
+
+    @property
+    def durable_step(self) -> Optional[int]:
+        """The newest step whose checkpoint survives losing this node, which is when its side effects may run: the
+        committed one on a volume; with a bucket, the newest COMPLETE there (rank 0, whose publisher writes it and
+        who alone carries out effects; the other ranks count their local commits)."""
+        if self.tier is None or self.rank != 0:
+            return self.last_committed_step
+        with self._published_lock:
+            return self._bucket_step
 
     def last_upload_seconds(self) -> Optional[float]:
         """With a bucket: how long this rank's newest finished upload took (intervalSteps: auto); else None."""
@@ -409,6 +421,8 @@ class CheckpointManager:
         if self.rank == 0:
             local_steps = {step for leader, step in steps if leader}
             found = self.tier.store.find_latest()
+            with self._published_lock:
+                self._bucket_step = found.manifest.step if found is not None else None
             everywhere = local is not None and local_steps == {local.step}
             if local is not None and everywhere and (found is None or local.step >= found.manifest.step):
                 log.info(

@@ -5,9 +5,11 @@ Both handlers are a downstream sink that refuses a key it has seen: ``$TOY_OUT/<
 key, ``<name>.refused`` each key offered again. Rank 0 notes each evaluation it runs in ``evals.log`` as
 ``<step> <pid>``.
 
+``TOY_STEP_SLEEP``: seconds to sleep after each step (so background uploads keep up with the saves).
+
 ``EFFECT_FAULT=<phase>:<step>``: global rank 0 SIGKILLs itself at that checkpoint phase of that step's save
-(:class:`~disttrain.trainer.checkpoint.manager.CheckpointPhase` values), or with ``in_handler`` once the sink
-accepted the ``notify`` effect of that step, before the trainer confirms it.
+(:class:`~disttrain.trainer.checkpoint.manager.CheckpointPhase` values; ``<step>+``: that step's or a later one's),
+or with ``in_handler`` once the sink accepted the ``notify`` effect of that step, before the trainer confirms it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,7 @@ from disttrain.trainer.evaluation import EvalOptions
 from disttrain.trainer.loop import ElasticTrainer
 
 OUT = Path(os.environ["TOY_OUT"])
+SLEEP = float(os.environ.get("TOY_STEP_SLEEP", "0"))
 FAULT_WHERE, _, FAULT_STEP = os.environ.get("EFFECT_FAULT", "").partition(":")
 
 
@@ -60,7 +64,8 @@ def sink(name: str) -> Callable[[str, dict[str, Any]], None]:
 
 
 def phase_hook(phase: CheckpointPhase, step: int) -> None:
-    if phase.value == FAULT_WHERE and str(step) == FAULT_STEP and os.environ.get("RANK") == "0":
+    at = str(step) == FAULT_STEP or (FAULT_STEP.endswith("+") and step >= int(FAULT_STEP[:-1]))
+    if phase.value == FAULT_WHERE and at and os.environ.get("RANK") == "0":
         die(f"at {phase.value} of step {step}")
 
 
@@ -96,6 +101,7 @@ def main() -> None:
         for step in trainer.steps():
             toymodel.train_step(trainer, step)
             trainer.declare_effect("notify", {"step": step.index + 1})
+            time.sleep(SLEEP)
 
 
 if __name__ == "__main__":

@@ -168,3 +168,30 @@ def test_evaluation_batches_give_every_rank_the_same_number_of_rounds_and_every_
     assert sorted(i for s in shares for b in s for i in b) == list(range(10))
     assert shares[1][1] == [9] and rank_batches(2, 3, 2, 1) == [[]]  # an empty round is a padding batch
     assert jsonable({"loss": float("nan"), "n": 2.0}) == {"loss": "nan", "n": 2.0}
+
+
+def test_a_resume_from_a_commit_not_in_the_bucket_holds_its_effects_until_a_save_is_durable(tmp_path):
+    """A local copy the bucket does not hold dies with the node: its effects run only once a later save that
+    records them is COMPLETE in the bucket, so a resume from the bucket's older step never meets them twice."""
+    sink = Sink()
+    first = ledger(tmp_path / "node-a", sink, run_id="run-a")
+    first.declare("notify", {"n": 4}, step=4)
+    local = manifest(4, first.record_for(4))  # committed on the local tier, not yet COMPLETE in the bucket
+    resumed = ledger(tmp_path / "node-a", sink, run_id="run-b")
+    resumed.restore(local, resumed_step=4, durable=False)
+    assert resumed.carry_out() == 0 and not sink.calls
+    resumed.declare("notify", {"n": 6}, step=6)
+    recorded = resumed.record_for(6)
+    assert [r.key for r in recorded] == ["run-a/4/notify", "run-b/6/notify"]  # the bucket's copy records both
+    resumed.note_committed(6)
+    assert resumed.carry_out() == 2
+    assert [k for k, _ in sink.calls] == ["run-a/4/notify", "run-b/6/notify"]
+
+
+def test_a_resume_from_a_durable_commit_carries_its_effects_out_at_once(tmp_path):
+    sink = Sink()
+    first = ledger(tmp_path, sink, run_id="run-a")
+    first.declare("notify", {}, step=3)
+    resumed = ledger(tmp_path / "other-node", sink, run_id="run-b")
+    resumed.restore(manifest(3, first.record_for(3)), resumed_step=3, durable=True)
+    assert resumed.carry_out() == 1 and [k for k, _ in sink.calls] == ["run-a/3/notify"]
