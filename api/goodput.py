@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
 REFRESH_SECONDS = 120.0
 """While nothing else in the status changes, ``status.goodput`` is written at most this often (a write per job
-every few seconds would double the operator's API requests); it is brought up to date with every other write."""
+every few seconds would double the operator's API requests); it is brought up to date with every other write. The
+operator stretches it per job, up to 1.5 times, to spread jobs started together (``disttrain.operator.refresh``)."""
 STALL_REASON = "StepStalled"
 """The reform reason of a stalled node's eviction (:class:`disttrain.api.conditions.Reason`)."""
 
@@ -350,8 +351,9 @@ def facts_of(status: DistTrainJobStatus, *, created: Optional[float], now: float
     )
 
 
-def is_due(previous: Optional[GoodputStatus], now: float) -> bool:
-    """Whether the account must be written although nothing else in the status changed."""
+def is_due(previous: Optional[GoodputStatus], now: float, period: float = REFRESH_SECONDS) -> bool:
+    """Whether the account must be written although nothing else in the status changed (``period``: the job's
+    seconds between two such writes)."""
     if previous is None or previous.accounted_until is None:
         return True
-    return now - previous.accounted_until >= REFRESH_SECONDS
+    return now - previous.accounted_until >= period

@@ -141,3 +141,19 @@ def duration_quantile(before: Buckets, after: Buckets, key: tuple[str, ...], q: 
         if count >= q * counts[-1]:
             return le
     return None
+
+
+def read_flows(metrics_text: str) -> dict[str, float]:
+    """Requests dispatched by API Priority and Fairness since the API server started, by FlowSchema.
+
+    Why: ``apiserver_request_total`` has no user label, but the chart's FlowSchemas do tell the callers apart:
+    ``<release>`` matches the operator's ServiceAccount (all its requests) and ``<release>-progress`` the job
+    agents' status writes, so the two split disttrain's requests between the operator and the agents."""
+    flows: dict[str, float] = collections.defaultdict(float)
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != "apiserver_flowcontrol_dispatched_requests":
+            continue
+        for sample in family.samples:
+            if sample.name == "apiserver_flowcontrol_dispatched_requests_total":
+                flows[sample.labels.get("flow_schema", "")] += sample.value
+    return dict(flows)

@@ -529,7 +529,8 @@ def main() -> int:
         )
         time.sleep(args.warmup)
 
-        counts_before = _apicount.read_counts(plane.request("GET", "/metrics", raw=True).decode())
+        metrics_text = plane.request("GET", "/metrics", raw=True).decode()
+        counts_before, flows_before = _apicount.read_counts(metrics_text), _apicount.read_flows(metrics_text)
         _rss, cpu_before = process_stats(operator.proc.pid)
         shares = CpuShares(
             {
@@ -544,7 +545,8 @@ def main() -> int:
         time.sleep(args.window)
         window_profile.join()
         elapsed = time.monotonic() - window_started
-        counts_after = _apicount.read_counts(plane.request("GET", "/metrics", raw=True).decode())
+        metrics_text = plane.request("GET", "/metrics", raw=True).decode()
+        counts_after, flows_after = _apicount.read_counts(metrics_text), _apicount.read_flows(metrics_text)
         rss_mb, cpu_after = process_stats(operator.proc.pid)
         minutes = elapsed / 60
         print(f"CPU over the window (load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores):")
@@ -555,6 +557,13 @@ def main() -> int:
         print(f"\ndisttrain's requests over {elapsed:.0f} s of steady state ({args.jobs} jobs, {args.nodes} nodes):")
         for key, value in sorted(delta.items(), key=lambda kv: -kv[1]):
             print(f"  {_apicount.describe(key):40s} {value:8.0f}  ({value / args.jobs / minutes:.2f} per job-minute)")
+        print("by caller (the chart's FlowSchemas; a watch counts when it starts):")
+        for caller, schema in (
+            ("the operator", object_name()),
+            ("the agents' status writes", f"{object_name()}-progress"),
+        ):
+            value = flows_after.get(schema, 0.0) - flows_before.get(schema, 0.0)
+            print(f"  {caller:40s} {value:8.0f}  ({value / args.jobs / minutes:.2f} per job-minute)")
         phases = {(j.get("status") or {}).get("phase") for j in list_jobs(custom)}
         print(f"job phases at the end of the window: {sorted(str(p) for p in phases)}")
         if fleet.errors:

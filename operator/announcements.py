@@ -4,38 +4,23 @@ rejected values. Pure."""
 
 from __future__ import annotations
 
-import hashlib
-
-from disttrain.api import conditions, timestamps
+from disttrain.api import conditions, goodput, timestamps
 from disttrain.api.conditions import ConditionType, Reason
 from disttrain.api.status import STORE_KEY_CLASSES, STORE_REJECT_REASONS, CheckpointRef, DistTrainJobStatus
 from disttrain.operator.draft import Draft
 from disttrain.operator.observed import NORMAL, WARNING, Event
-
-CHECKPOINT_MESSAGE_REFRESH_SECONDS = 60.0
-"""How late the Checkpointed condition's message may name an older checkpoint than status.lastCheckpoint."""
-
-
-def checkpoint_refresh_seconds(job_key: str) -> float:
-    """The job's own period between two refreshes of the Checkpointed message: between 1 and 1.5 x
-    :data:`CHECKPOINT_MESSAGE_REFRESH_SECONDS`, fixed per job (from its uid).
-
-    Why: jobs started together commit together, and with one period for all their refreshes would stay in step:
-    at 500 jobs, 500 reconciles and status writes in the same second of every minute, and a directive decided or
-    written then queued behind them. Different periods spread the refreshes over the minute within a few cycles.
-    """
-    fraction = int.from_bytes(hashlib.sha256(job_key.encode()).digest()[:4], "big") / 2**32
-    return CHECKPOINT_MESSAGE_REFRESH_SECONDS * (1.0 + 0.5 * fraction)
+from disttrain.operator.refresh import refresh_seconds
 
 
 def announce_checkpoint(d: Draft) -> None:
     """The Checkpointed condition names the newest complete checkpoint; CheckpointCommitted is an event only on a
     transition: the first checkpoint, and the first one committed after training resumed from a checkpoint.
 
-    Between transitions the message follows ``status.lastCheckpoint`` at most
-    :func:`checkpoint_refresh_seconds` late: each refresh is a status write, and a job committing every
-    few seconds must not cost one per commit (the agent's ``lastCheckpoint`` and the checkpoint metrics are
-    always current).
+    Between transitions the message follows ``status.lastCheckpoint`` at most the job's
+    :func:`~disttrain.operator.refresh.refresh_seconds` late, and with the goodput account's refresh when that one
+    is due first: each refresh is a status write, and a job committing every few seconds must not cost one per
+    commit, nor one for the message and another for the account (the agent's ``lastCheckpoint`` and the checkpoint
+    metrics are always current).
     """
     ckpt = d.status.last_checkpoint
     if ckpt is None:
@@ -45,8 +30,9 @@ def announce_checkpoint(d: Draft) -> None:
     if previous is not None and previous.status == "True" and previous.reason == Reason.CHECKPOINT_COMMITTED.value:
         if previous.message != message:
             shown_since = timestamps.parse_time(previous.last_update_time or previous.last_transition_time) or 0.0
-            refresh_at = shown_since + checkpoint_refresh_seconds(d.job.metadata.uid or d.job.metadata.name)
-            if d.now >= refresh_at:
+            period = refresh_seconds(d.job.metadata.uid or d.job.metadata.name)
+            refresh_at = shown_since + period
+            if d.now >= refresh_at or goodput.is_due(d.status.goodput, d.now, period):
                 d.condition(ConditionType.CHECKPOINTED, True, Reason.CHECKPOINT_COMMITTED, message)
             else:
                 d.timer(refresh_at)

@@ -28,6 +28,7 @@ from disttrain.operator.observed import (
     WorkerCreation,
 )
 from disttrain.operator.patches import copy_json, merge_patch
+from disttrain.operator.refresh import refresh_seconds
 
 
 class Draft:
@@ -106,7 +107,8 @@ class Draft:
         new = self.status.to_wire()
         patch = merge_patch(self.old, new)
         account = self.account_goodput()
-        if account != self.status.goodput and (patch or goodput.is_due(self.status.goodput, self.now)):
+        period = refresh_seconds(self.job.metadata.uid or self.job.metadata.name)
+        if account != self.status.goodput and (patch or goodput.is_due(self.status.goodput, self.now, period)):
             new["goodput"] = account.to_wire()  # with another write, or when due: never a write per progress report
             patch = merge_patch(self.old, new)
         return Actions(

@@ -5,17 +5,18 @@ from __future__ import annotations
 import pytest
 from tests.unit.operator.world import World, job_manifest
 
-from disttrain.operator import announcements
+from disttrain.api import goodput
+from disttrain.operator import refresh
 
 pytestmark = pytest.mark.timeout(30)
-REFRESH = announcements.checkpoint_refresh_seconds("job-uid-1")  # the World's job
+REFRESH = refresh.refresh_seconds("job-uid-1")  # the World's job
 
 
 def test_each_job_has_its_own_refresh_period_so_jobs_started_together_spread_their_refreshes():
-    periods = [announcements.checkpoint_refresh_seconds(f"uid-{i}") for i in range(500)]
-    base = announcements.CHECKPOINT_MESSAGE_REFRESH_SECONDS
+    periods = [refresh.refresh_seconds(f"uid-{i}") for i in range(500)]
+    base = goodput.REFRESH_SECONDS
     assert all(base <= p < 1.5 * base for p in periods)
-    assert periods == [announcements.checkpoint_refresh_seconds(f"uid-{i}") for i in range(500)], "stable per job"
+    assert periods == [refresh.refresh_seconds(f"uid-{i}") for i in range(500)], "stable per job"
     seconds = [sum(1 for p in periods if s <= p - base < s + 1) for s in range(int(base / 2))]
     assert max(seconds) < 0.1 * len(periods)  # with one period for all, every job would refresh in one second
 

@@ -9,6 +9,7 @@ import pytest
 from tests.unit.operator.world import World, job_manifest
 
 from disttrain.api import goodput, timestamps
+from disttrain.operator import refresh
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -45,3 +46,22 @@ def test_the_account_rides_on_another_write():
     patch = world.step().status_patch
     assert "restarts" in patch and "goodput" in patch
     assert timestamps.parse_time(world.status["goodput"]["accountedUntil"]) == world.now
+
+
+def test_a_job_that_commits_often_refreshes_its_checkpoint_message_and_its_account_in_one_write():
+    world = World(job_manifest(replicas=2)).running_world(2)
+    world.checkpoint(5).step(1)
+    period = refresh.refresh_seconds("job-uid-1")  # the World's job
+    written = []
+    for step in range(6, 66):  # 600 s of progress every 10 s, a checkpoint with each
+        world.now += 10
+        world.progress(2, step, same_round=True).checkpoint(step)
+        patch = world.step().status_patch
+        if patch:
+            assert set(patch) == {"conditions", "goodput"}, patch  # the message and the account together
+            assert world.condition("Checkpointed")["message"].startswith(f"checkpoint at step {step} ")
+            written.append(world.now)
+    assert len(written) >= 3, written
+    gaps = [b - a for a, b in itertools.pairwise(written)]
+    assert all(gap >= period for gap in gaps), gaps
+    assert len(written) <= 600 / period + 1
