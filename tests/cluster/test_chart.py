@@ -7,6 +7,7 @@ Only the real server decides RBAC (the first real run of the old deploy/ showed 
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import ssl
@@ -261,11 +262,18 @@ def _assert_operator_pod_is_admitted(plane: ControlPlane, namespace: str, object
     assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr, refused.stderr
 
 
-def _operator_command(objects: list[dict[str, Any]], kubeconfig: str, liveness_port: int) -> list[str]:
-    """The Deployment's own arguments, run here: its kubeconfig is the ServiceAccount's token, its ports local."""
+def _operator_command(objects: list[dict[str, Any]], kubeconfig: str, liveness_port: int, tmp: Path) -> list[str]:
+    """The Deployment's own arguments, run here: its kubeconfig is the ServiceAccount's token, its ports local, and
+    its pulse key the chart's Secret written to a file under ``tmp`` (in a pod, the Secret's volume)."""
     [deployment] = by_kind(objects, "Deployment")
     [container] = deployment["spec"]["template"]["spec"]["containers"]
     args = [a for a in container["args"] if not a.startswith(("--metrics-port=", "--liveness="))]
+    flag = "--agent-pulse-key-file="
+    if any(a.startswith(flag) for a in args):
+        [secret] = [o for o in by_kind(objects, "Secret") if o["metadata"]["name"].endswith("-pulse-key")]
+        key_file = tmp / "pulse-key"
+        key_file.write_bytes(base64.b64decode(secret["data"]["pulse-key"]))
+        args = [f"{flag}{key_file}" if a.startswith(flag) else a for a in args]
     program, *subcommand = container["command"]  # `disttrain operator`: the console script, run as its module
     assert program == "disttrain"
     return [
@@ -315,7 +323,7 @@ def test_operator_runs_as_its_service_account(control_plane: ControlPlane, tmp_p
     env = {key: value for key, value in os.environ.items() if key != "KUBECONFIG"}
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            _operator_command(objects, str(kubeconfig), port),
+            _operator_command(objects, str(kubeconfig), port, tmp_path),
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**env, "PYTHONUNBUFFERED": "1"},
