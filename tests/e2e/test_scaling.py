@@ -100,6 +100,10 @@ def test_planned_scale_down_and_scale_up_lose_no_step(tmp_path):
     assert all(first_step[g] == resumed_from[g] + 1 for g in first_step), (first_step, resumed_from)
     assert run.summary.lost_steps == 0
     assert run.summary.restarts_by_reason == {}
+    # Every node's workers, the scale-up node's too, started in a warm interpreter: a cold start imports torch
+    # again, and a newcomer late past the group's collective timeout fails the reform.
+    cold = [p.name for p in (run.state.path / "logs").glob("*.log") if "worker starts cold" in p.read_text()]
+    assert cold == [], f"workers started cold on {cold}"
 
 
 @pytest.mark.timeout(300)

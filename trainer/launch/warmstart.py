@@ -68,6 +68,9 @@ PER_WORKER_ENV = frozenset(
     }
 )
 """Variables torchrun sets per worker and that nothing reads at import time; ``TORCHELASTIC_*`` too."""
+PER_ROUND_ENV = frozenset({env_names.RENDEZVOUS_ROUND})
+"""Variables the rendezvous handler sets in the launcher's environment once a round completes, after the warm
+interpreters started; the trainer reads them when it joins the group, never at import time."""
 ALLOWED_FLAGS = frozenset({"-u"})
 FORK_ANSWER_TIMEOUT_S = 300.0
 """Longest a worker start waits for the warm interpreter's fork (it may still be importing, on a loaded node);
@@ -125,7 +128,7 @@ def env_is_compatible(warm: Mapping[str, str], worker: Mapping[str, str]) -> boo
     for key in set(warm) | set(worker):
         if (
             warm.get(key) != worker.get(key)
-            and key not in PER_WORKER_ENV | ncclenv.NAMES
+            and key not in PER_WORKER_ENV | PER_ROUND_ENV | ncclenv.NAMES
             and not key.startswith("TORCHELASTIC_")
         ):
             log.info("worker starts cold: %s differs from the warm interpreter's environment", key)

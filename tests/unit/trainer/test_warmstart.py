@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from disttrain.api import env
 from disttrain.trainer.launch.warmstart import WarmPool, env_is_compatible, warm_command, workers_environment
 
 
@@ -30,6 +31,10 @@ def test_only_torchruns_per_worker_variables_may_differ() -> None:
     base = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
     worker = {**base, "RANK": "3", "LOCAL_RANK": "1", "MASTER_PORT": "29500", "TORCHELASTIC_ERROR_FILE": "/tmp/e"}
     assert env_is_compatible(base, worker)
+    # The round joined is set by the rendezvous handler after the interpreters started: a new node's first workers,
+    # and every later round's, start warm.
+    assert env_is_compatible(base, {**worker, env.RENDEZVOUS_ROUND: "2"})
+    assert env_is_compatible({**base, env.RENDEZVOUS_ROUND: "1"}, {**worker, env.RENDEZVOUS_ROUND: "2"})
     assert not env_is_compatible(base, {**worker, "OMP_NUM_THREADS": "4"})  # read when torch is imported
     assert not env_is_compatible(base, {**worker, "PYTHONHASHSEED": "0"})  # read when Python starts
     assert not env_is_compatible(base, {k: v for k, v in worker.items() if k != "PATH"})
