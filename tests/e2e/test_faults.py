@@ -52,6 +52,33 @@ def test_a_killed_job_agent_is_recreated_and_the_group_trains_on_through_its_los
     _covers_epoch_once(run, 288)
 
 
+@pytest.mark.timeout(240)
+def test_the_agent_and_a_worker_lost_together_re_form_in_place_with_no_step_lost(tmp_path):
+    """The agent's machine also ran a worker: both die at once. The survivors keep their state in memory, wait for
+    the new agent's store (their rendezvous retries while it is away) and re-form in place with the replacement:
+    one incident, nothing charged, no step run twice."""
+    run = run_job(
+        tmp_path,
+        e2e_job("both", tmp_path / "records", replicas=3, max_steps=30, dataset=360, step_sleep=0.3),
+        chaos="kill-agent@step=8,kill-node@step=8",
+    )
+    assert run.summary.succeeded, run.reasons()
+    reasons = run.reasons()
+    assert "ChaosKillAgent" in reasons and "ChaosKillNode" in reasons and "AgentRestarted" in reasons
+    assert "PartOfIncident" not in reasons, "a survivor exited: it did not wait for the new agent"
+    [reform] = run.summary.reforms
+    assert reform.lost_steps == 0 and reform.resumed_from_step >= 8, reform
+    assert dict(run.summary.restarts_by_reason) == {}, run.summary.restarts_by_reason
+    reformed = [e["message"] for e in run.events if e["reason"] == "Reformed"]
+    assert len(reformed) == 1 and "state from memory" in reformed[0], reformed
+    executions = run.executions()
+    assert sorted(executions) == list(range(1, 31))
+    # Only the step the kill interrupted runs again (its records are written before its reduction), in place.
+    again = sorted(step for step, runs in executions.items() if len(runs) > 1)
+    assert again in ([], [reform.resumed_from_step + 1]), (again, reform)
+    _covers_epoch_once(run, 360)
+
+
 def _kill_inside_the_step_10_write(tmp_path, in_place: bool):
     """Rank 0 holds the commit of step 10 open after every shard is written; its machine dies right then."""
     out = tmp_path / "records"

@@ -66,6 +66,7 @@ from typing import Any, Optional
 from torch.distributed import DistStoreError, Store, TCPStore
 from torch.distributed.elastic.events import NodeState, get_logging_handler
 from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -131,6 +132,9 @@ def read_target(store: Store) -> Optional[control.TargetPlan]:
 NodeBeats = Callable[[frozenset[str]], dict[str, datetime]]
 """Reads the last beat of each named node that beats (a launcher's last beat, as it leaves, is none)."""
 
+STORE_AWAY_RETRY_S = 0.5
+"""Pause before a rendezvous operation that failed on the agent's store runs again (see
+:meth:`_TargetAwareOpExecutor.run`)."""
 BEATS_REREAD_S = 1.0
 """How long a read of the nodes' beats serves the sanitizer of :class:`_ReconnectingStateHolder`, at least: a third
 of torch's expiry when that is longer (5 s at a keep-alive of 5 s x 3), so the reads of every node of a large job
@@ -172,15 +176,33 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
         deadline: float,
         update_deadline: Optional[Callable[[timedelta], float]] = None,
     ) -> None:
+        """The stock operation, retried while the agent's store is away, until the operation's own deadline: the
+        operator recreates a lost agent behind the same address within seconds, and a node whose workers wait for
+        the next round in place must still be there to take it. Every operation is a loop of re-reads and
+        compare-and-sets of the shared state, so running it again is safe."""
+        joining = isinstance(state_handler, dyn._RendezvousJoinOp)
         if isinstance(state_handler, dyn._RendezvousJoinOp):
             join = state_handler
-            # Before this node can appear among the participants, so whoever completes the round can read it.
-            self.publish_identity()
 
             def state_handler(ctx: dyn._RendezvousContext, deadline: float) -> dyn._Action:
                 return self._join_polling(join, ctx, deadline)
 
-        super().run(state_handler, deadline, update_deadline)
+        while True:
+            try:
+                if joining:  # before this node can appear among the participants, so whoever completes reads it
+                    self.publish_identity()
+                super().run(state_handler, deadline, update_deadline)
+                return
+            except (RendezvousConnectionError, DistStoreError) as exc:
+                if time.monotonic() + STORE_AWAY_RETRY_S > deadline:
+                    raise
+                log.warning(
+                    "rendezvous %s: the agent's store is away (%s); trying again in %.1f s",
+                    self._settings.run_id,
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                    STORE_AWAY_RETRY_S,
+                )
+                time.sleep(STORE_AWAY_RETRY_S)
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
         if events_recorded():
