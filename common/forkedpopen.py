@@ -11,7 +11,7 @@ import signal
 import subprocess
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 
 class ForkedPopen(subprocess.Popen):  # type: ignore[type-arg]
@@ -61,10 +61,22 @@ class ForkedPopen(subprocess.Popen):  # type: ignore[type-arg]
         return f"<{type(self).__name__}: pid={self.pid} returncode={self.returncode}>"
 
 
+class Fork(NamedTuple):
+    """One process a :class:`ForkAnswers` process forked: its pid, and which of its forks it is. Once a fork was
+    reaped its pid may name a later one, so exits are kept per fork, not per pid."""
+
+    pid: int
+    serial: int
+
+
 class ForkAnswers:
     """What a process that forks on request answers, as JSON lines on a pipe, read by a thread of its own: its ready
     line (and why it refuses to fork, if it does), the pids it forked, their exits (it is their parent and reaps
-    them). Local mode's fork server and the launcher's warm interpreters both speak this way."""
+    them). Local mode's fork server and the launcher's warm interpreters both speak this way.
+
+    An exit belongs to the fork that holds its pid when the exit is read: the forking process answers a fork before
+    it reaps it, and reaps it before the pid can name another process. An exit of a pid no fork holds (a child the
+    process started for itself) is ignored."""
 
     def __init__(self, fd: int, thread_name: str) -> None:
         self.ready = False
@@ -73,7 +85,10 @@ class ForkAnswers:
         self.gone = False
         """The pipe closed: the process is gone, and the ones it forked with it (``PR_SET_PDEATHSIG``)."""
         self._exits: dict[int, int] = {}
-        self._forked: set[int] = set()
+        """Exit codes by :attr:`Fork.serial`."""
+        self._running: dict[int, int] = {}
+        """The serial of the fork that holds each pid, from its answer until its exit."""
+        self._serials = 0
         self._pending: list[dict[str, Any]] = []
         self._changed = threading.Condition()
         self._reader = threading.Thread(target=self._read, args=(fd,), name=thread_name, daemon=True)
@@ -92,8 +107,9 @@ class ForkAnswers:
                         self._changed.notify_all()
         with self._changed:  # no kill here: the pids of its forks may already name other processes
             self.gone = True
-            for pid in self._forked - set(self._exits):
-                self._exits[pid] = -signal.SIGKILL
+            for serial in self._running.values():
+                self._exits[serial] = -signal.SIGKILL
+            self._running.clear()
             self._changed.notify_all()
 
     def _take(self, answer: dict[str, Any]) -> None:
@@ -102,26 +118,30 @@ class ForkAnswers:
             self.refused = str(answer["refused"]) if answer.get("refused") else None
         elif "exit" in answer:
             pid, status = answer["exit"], answer.get("status")
-            if isinstance(pid, int) and isinstance(status, int):
-                self._exits[pid] = os.waitstatus_to_exitcode(status)
+            if isinstance(pid, int) and isinstance(status, int) and pid in self._running:
+                self._exits[self._running.pop(pid)] = os.waitstatus_to_exitcode(status)
         else:
+            if isinstance(answer.get("spawned"), int):
+                self._serials += 1
+                self._running[answer["spawned"]] = self._serials
+                answer = {**answer, "serial": self._serials}
             self._pending.append(answer)
 
     def is_busy(self) -> bool:
         """A process it forked still runs (it would die with it)."""
         with self._changed:
-            return not self.gone and bool(self._forked - set(self._exits))
+            return not self.gone and bool(self._running)
 
-    def exit_code(self, pid: int, timeout: Optional[float]) -> Optional[int]:
-        """The exit code of fork ``pid`` (negative: the signal), waiting up to ``timeout`` (None: as long as it
-        runs); None while it runs."""
+    def exit_code(self, fork: Fork, timeout: Optional[float]) -> Optional[int]:
+        """The exit code of ``fork`` (negative: the signal), waiting up to ``timeout`` (None: as long as it runs);
+        None while it runs."""
         with self._changed:
-            self._changed.wait_for(lambda: pid in self._exits, timeout)
-            return self._exits.get(pid)
+            self._changed.wait_for(lambda: fork.serial in self._exits, timeout)
+            return self._exits.get(fork.serial)
 
-    def request_fork(self, send: Callable[[], bool], timeout: float) -> tuple[Optional[int], Optional[dict[str, Any]]]:
+    def request_fork(self, send: Callable[[], bool], timeout: float) -> tuple[Optional[Fork], Optional[dict[str, Any]]]:
         """Ask for a fork (``send`` writes the request; False: it could not) and wait up to ``timeout`` for the
-        answer. ``(pid, None)``: forked; ``(None, answer)``: refused (``answer["refused"]`` says why) or gone
+        answer. ``(fork, None)``: forked; ``(None, answer)``: refused (``answer["refused"]`` says why) or gone
         (``{}``); ``(None, None)``: no answer in time (the caller ends the process)."""
         with self._changed:
             self._pending.clear()
@@ -132,10 +152,8 @@ class ForkAnswers:
         with self._changed:
             answered = self._changed.wait_for(lambda: bool(self._pending) or self.gone, timeout)
             answer = self._pending.pop(0) if self._pending else {}
-            spawned = answer.get("spawned")
-            if isinstance(spawned, int):
-                self._forked.add(spawned)
-                return spawned, None
+            if "serial" in answer:
+                return Fork(answer["spawned"], answer["serial"]), None
         return None, answer if answered else None
 
     def join(self, timeout: float) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any, Optional
 
 from disttrain.api import env as env_names
-from disttrain.common.forkedpopen import ForkAnswers, ForkedPopen
+from disttrain.common.forkedpopen import Fork, ForkAnswers, ForkedPopen
 from disttrain.operator.local import proctree
 
 log = logging.getLogger("disttrain.local")
@@ -86,12 +86,13 @@ def _leading_options(args: Sequence[str]) -> list[str]:
 class ForkedPod(ForkedPopen):
     """The runtime's handle on a pod its fork server forked, with the exit code the server (its parent) reports."""
 
-    def __init__(self, pid: int, args: Sequence[str], server: _Server) -> None:
-        super().__init__(pid, args)
+    def __init__(self, fork: Fork, args: Sequence[str], server: _Server) -> None:
+        super().__init__(fork.pid, args)
+        self._fork = fork
         self._server = server
 
     def _exit_code(self, timeout: Optional[float]) -> Optional[int]:
-        return self._server.exit_code(self.pid, timeout)
+        return self._server.exit_code(self._fork, timeout)
 
 
 class _Server:
@@ -121,8 +122,8 @@ class _Server:
         """A pod it forked still runs (it would die with the server)."""
         return self.answers.is_busy()
 
-    def exit_code(self, pid: int, timeout: Optional[float]) -> Optional[int]:
-        return self.answers.exit_code(pid, timeout)
+    def exit_code(self, fork: Fork, timeout: Optional[float]) -> Optional[int]:
+        return self.answers.exit_code(fork, timeout)
 
     def _send(self, request: dict[str, Any]) -> bool:
         if self.proc.stdin is None:
@@ -137,9 +138,9 @@ class _Server:
     def fork(self, request: dict[str, Any]) -> Optional[ForkedPod]:
         """The pod, forked; None: refused (the reason is logged) or the server is gone."""
         with self._ask:
-            pid, answer = self.answers.request_fork(lambda: self._send(request), ANSWER_TIMEOUT_S)
-        if pid is not None:
-            return ForkedPod(pid, request["argv"], self)
+            fork, answer = self.answers.request_fork(lambda: self._send(request), ANSWER_TIMEOUT_S)
+        if fork is not None:
+            return ForkedPod(fork, request["argv"], self)
         if answer is None:
             log.warning("fork server %d did not answer in %.0f s; ending it", self.proc.pid, ANSWER_TIMEOUT_S)
             self.close()

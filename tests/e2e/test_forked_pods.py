@@ -50,24 +50,32 @@ def _wait_tree(marker: str, count: int) -> set[int]:
     return proctree.find_tree(marker)
 
 
-def _start(servers: ForkServers, tmp_path: Path, n: int, hold_s: float, value: str, **extra: str):
+@pytest.fixture
+def pod_script(tmp_path: Path) -> Path:
+    """The pods' program, written once before any pod starts: rewriting it (truncate, then write) while a pod
+    started earlier reads it would run that pod as an empty script, which exits 0."""
     script = tmp_path / "pod.py"
     script.write_text(POD)
-    out = (tmp_path / f"pod-{n}.log").open("ab")
+    return script
+
+
+def _start(servers: ForkServers, script: Path, n: int, hold_s: float, value: str, **extra: str):
+    folder = script.parent
+    out = (folder / f"pod-{n}.log").open("ab")
     environ = {**os.environ, "DISTTRAIN_POD_VALUE": value, "DISTTRAIN_NODE_INDEX": str(n), **extra}
     environ = proctree.marked(environ, _marker(n))
     argv = [sys.executable, str(script), str(hold_s)]
-    forked = servers.start(argv, environ, str(tmp_path), out)
-    return forked or proctree.spawn(argv, environ, str(tmp_path), out, _marker(n)), out
+    forked = servers.start(argv, environ, str(folder), out)
+    return forked or proctree.spawn(argv, environ, str(folder), out, _marker(n)), out
 
 
-def test_a_forked_pod_runs_as_a_cold_one_and_every_process_of_it_carries_its_marker(tmp_path: Path):
+def test_a_forked_pod_runs_as_a_cold_one_and_every_process_of_it_carries_its_marker(tmp_path: Path, pod_script: Path):
     servers = ForkServers(tmp_path, ON)
     outs = []
     try:
-        cold, cold_out = _start(ForkServers(tmp_path, {env_names.LOCAL_FORK: "0"}), tmp_path, 0, 0.0, "v0")
-        forked, forked_out = _start(servers, tmp_path, 1, 0.0, "v1")
-        again, again_out = _start(servers, tmp_path, 2, 0.0, "v2")
+        cold, cold_out = _start(ForkServers(tmp_path, {env_names.LOCAL_FORK: "0"}), pod_script, 0, 0.0, "v0")
+        forked, forked_out = _start(servers, pod_script, 1, 0.0, "v1")
+        again, again_out = _start(servers, pod_script, 2, 0.0, "v2")
         outs = [cold_out, forked_out, again_out]
         assert not isinstance(cold, ForkedPod)
         assert isinstance(forked, ForkedPod) and isinstance(again, ForkedPod), "the fork server refused (see its log)"
@@ -90,11 +98,13 @@ def test_a_forked_pod_runs_as_a_cold_one_and_every_process_of_it_carries_its_mar
         servers.close()
 
 
-def test_a_killed_forked_pod_reports_its_signal_and_a_closed_server_takes_its_pods_with_it(tmp_path: Path):
+def test_a_killed_forked_pod_reports_its_signal_and_a_closed_server_takes_its_pods_with_it(
+    tmp_path: Path, pod_script: Path
+):
     servers = ForkServers(tmp_path, ON)
     try:
-        killed, out1 = _start(servers, tmp_path, 1, 120.0, "a")
-        left, out2 = _start(servers, tmp_path, 2, 120.0, "b")
+        killed, out1 = _start(servers, pod_script, 1, 120.0, "a")
+        left, out2 = _start(servers, pod_script, 2, 120.0, "b")
         assert isinstance(killed, ForkedPod) and isinstance(left, ForkedPod)
         assert killed.poll() is None
         killed.send_signal(signal.SIGKILL)
@@ -113,18 +123,20 @@ def test_a_killed_forked_pod_reports_its_signal_and_a_closed_server_takes_its_po
         servers.close()
 
 
-def test_servers_beyond_the_cap_replace_idle_ones_and_never_end_a_running_pod(tmp_path: Path, monkeypatch):
+def test_servers_beyond_the_cap_replace_idle_ones_and_never_end_a_running_pod(
+    tmp_path: Path, pod_script: Path, monkeypatch
+):
     monkeypatch.setattr(forkserver, "MAX_SERVERS", 1)
     servers = ForkServers(tmp_path, ON)
     try:
-        running, out1 = _start(servers, tmp_path, 1, 120.0, "a")
+        running, out1 = _start(servers, pod_script, 1, 120.0, "a")
         assert isinstance(running, ForkedPod)
-        other, out2 = _start(servers, tmp_path, 2, 0.0, "b", OTHER_KIND="1")  # another server's pod: no room
+        other, out2 = _start(servers, pod_script, 2, 0.0, "b", OTHER_KIND="1")  # another server's pod: no room
         assert not isinstance(other, ForkedPod) and other.wait(timeout=60) == 7
         assert running.poll() is None, "the busy server was ended"
         running.kill()
         assert running.wait(timeout=30) == -signal.SIGKILL
-        third, out3 = _start(servers, tmp_path, 3, 0.0, "c", OTHER_KIND="1")  # the idle server makes room
+        third, out3 = _start(servers, pod_script, 3, 0.0, "c", OTHER_KIND="1")  # the idle server makes room
         assert isinstance(third, ForkedPod) and third.wait(timeout=60) == 7
         for n in (1, 2, 3):
             proctree.kill_tree(_marker(n))

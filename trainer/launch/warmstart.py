@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
 
 from disttrain.api import env as env_names
-from disttrain.common.forkedpopen import ForkAnswers, ForkedPopen
+from disttrain.common.forkedpopen import Fork, ForkAnswers, ForkedPopen
 from disttrain.trainer.launch import ncclenv, warmproc
 from disttrain.trainer.launch.warmproc import HANDOVER_ENV, PRELOAD, READY_FD_ENV
 
@@ -263,12 +263,13 @@ class ForkedWorker(_Forked):
     """torchrun's handle on a worker forked by a warm interpreter, which is its parent, reaps it and reports its
     exit code."""
 
-    def __init__(self, pid: int, args: Sequence[str], warm: _Warm) -> None:
-        super().__init__(pid, args)
+    def __init__(self, fork: Fork, args: Sequence[str], warm: _Warm) -> None:
+        super().__init__(fork.pid, args)
+        self._fork = fork
         self._warm = warm
 
     def _exit_code(self, timeout: Optional[float]) -> Optional[int]:
-        return self._warm.exit_code(self.pid, timeout)
+        return self._warm.exit_code(self._fork, timeout)
 
 
 class _ForkedInterpreter(_Forked):
@@ -388,10 +389,10 @@ class _Warm:
         """Its imports are done (checked without waiting)."""
         return self.answers.ready
 
-    def exit_code(self, pid: int, timeout: Optional[float]) -> Optional[int]:
-        """The exit code of forked worker ``pid`` (negative: the signal), waiting up to ``timeout`` (None: as long
+    def exit_code(self, fork: Fork, timeout: Optional[float]) -> Optional[int]:
+        """The exit code of forked worker ``fork`` (negative: the signal), waiting up to ``timeout`` (None: as long
         as it runs); None while it runs."""
-        return self.answers.exit_code(pid, timeout)
+        return self.answers.exit_code(fork, timeout)
 
     def _request(self, request: dict[str, object]) -> bool:
         stdin = self.proc.stdin
@@ -407,11 +408,11 @@ class _Warm:
     def fork(self, argv: Sequence[str], request: dict[str, object]) -> Optional[ForkedWorker]:
         """A worker forked from this interpreter (waiting for its imports if they run); None: refused or gone."""
         with self._ask:
-            pid, answer = self.answers.request_fork(
+            fork, answer = self.answers.request_fork(
                 lambda: self._request({"op": "fork", **request}), FORK_ANSWER_TIMEOUT_S
             )
-        if pid is not None:
-            return ForkedWorker(pid, argv, self)
+        if fork is not None:
+            return ForkedWorker(fork, argv, self)
         if answer is None:
             waited = FORK_ANSWER_TIMEOUT_S
             log.warning("warm interpreter %d did not fork in %.0f s; ending it", self.proc.pid, waited)
