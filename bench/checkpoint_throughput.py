@@ -27,10 +27,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.spec import CheckpointSpec
-from disttrain.trainer import sampler
 from disttrain.trainer.checkpoint import manager as ckpt_mod
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.manifests
+
+from tests.manifests import bare_manifest
 
 
 def build(state_mb: float, width: int = 1024) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -50,23 +52,6 @@ def train_step(model, opt, x, manager=None) -> None:
         manager.before_optimizer_step()
     opt.step()
     opt.zero_grad(set_to_none=True)
-
-
-def manifest(step: int) -> CheckpointManifest:
-    return CheckpointManifest(
-        step=step,
-        samples_consumed=0,
-        data_cursor=0,
-        world_size=1,
-        plan={},
-        lr_scale=1.0,
-        dataset=sampler.fingerprint(1, 0),
-        metadata_sha256="-",
-        files={},
-        created_at="-",
-        code_version="bench",
-        config_hash="-",
-    )
 
 
 def dd_seconds(directory: Path, nbytes: int) -> float:
@@ -101,12 +86,12 @@ def fsdp2_worker(args: argparse.Namespace) -> None:
     train_step(model, opt, torch.randn(args.batch // world, 1024))
     state = {"app": ckpt_mod.ModelOptimState(model, opt), "trainer": ckpt_mod.TrainerState()}
     manager = ckpt_mod.CheckpointManager(root / "fsdp2", CheckpointSpec(keep=1), rank, world, group)
-    manager.save(0, state, manifest(0))  # warm-up
+    manager.save(0, state, bare_manifest(0))  # warm-up
     save_s, dd_s = [], []
     for i in range(args.repeats):
         dist.barrier()
         t0 = time.perf_counter()
-        manager.save(i + 1, state, manifest(i + 1))
+        manager.save(i + 1, state, bare_manifest(i + 1))
         dist.barrier()
         save_s.append(time.perf_counter() - t0)
         manager.join_retention()
@@ -187,11 +172,11 @@ def main() -> None:
         state = {"app": ckpt_mod.ModelOptimState(model, opt), "trainer": ckpt_mod.TrainerState()}
 
         sync = ckpt_mod.CheckpointManager(root / "sync", CheckpointSpec(keep=1), 0, 1, group)
-        sync.save(0, state, manifest(0))  # warm-up: DCP caches its plan after the first save
+        sync.save(0, state, bare_manifest(0))  # warm-up: DCP caches its plan after the first save
         save_s, dd_s, nbytes = [], [], 0
         for i in range(args.repeats):
             t0 = time.perf_counter()
-            sync.save(i + 1, state, manifest(i + 1))
+            sync.save(i + 1, state, bare_manifest(i + 1))
             save_s.append(time.perf_counter() - t0)
             sync.join_retention()
             nbytes = sum(f.stat().st_size for f in (root / "sync" / f"step-{i + 1}").iterdir())
@@ -207,7 +192,7 @@ def main() -> None:
         async_mgr = ckpt_mod.CheckpointManager(root / "async", CheckpointSpec(keep=1, async_save=True), 0, 1, group)
         for i in range(args.repeats):
             before = async_mgr.blocked_s
-            async_mgr.save(i + 1, state, manifest(i + 1))
+            async_mgr.save(i + 1, state, bare_manifest(i + 1))
             train_step(model, opt, x, async_mgr)  # the next step overlaps the staging copy
             blocked.append(async_mgr.blocked_s - before)
             while async_mgr.local_pending_state()[0]:
