@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _torchrun import run_standalone
 
 from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer.checkpoint import manager as ckpt_mod
@@ -116,29 +117,8 @@ def run_fsdp2_case(args: argparse.Namespace) -> list[str]:
     """The sharded case under torchrun; returns its output lines."""
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-fsdp2-", dir=args.dir))
     try:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            __file__,
-            "--state-mb",
-            str(args.state_mb),
-            "--repeats",
-            str(args.repeats),
-            "--batch",
-            str(args.batch),
-            "--case",
-            "fsdp2",
-            "--root",
-            str(root),
-        ]
-        proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.stderr.write(proc.stderr[-5000:])
-            raise SystemExit(proc.returncode)
-        return [ln for ln in proc.stdout.splitlines() if ln.strip()]
+        worker_args = ["--state-mb", str(args.state_mb), "--repeats", str(args.repeats), "--batch", str(args.batch)]
+        return run_standalone(__file__, [*worker_args, "--case", "fsdp2", "--root", str(root)])
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
