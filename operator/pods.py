@@ -425,32 +425,31 @@ def _prefer_no_workers(job: DistTrainJob, pod_spec: dict[str, Any]) -> None:
     }
 
 
-def build_agent_service(job: DistTrainJob) -> dict[str, Any]:
-    port = job.spec.rendezvous.port
+def _service(job: DistTrainJob, name: str, role: str, port_name: str, port: int, **spec: Any) -> dict[str, Any]:
+    """A Service of the job's pods of ``role`` with one TCP port; ``spec``: its other fields."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(job, names.agent_service_name(job.metadata.name), constants.ROLE_AGENT),
+        "metadata": _metadata(job, name, role),
         "spec": {
-            "selector": job_labels(job, constants.ROLE_AGENT),
-            "ports": [{"name": "rendezvous", "port": port, "targetPort": port, "protocol": "TCP"}],
+            **spec,
+            "selector": job_labels(job, role),
+            "ports": [{"name": port_name, "port": port, "targetPort": port, "protocol": "TCP"}],
         },
     }
+
+
+def build_agent_service(job: DistTrainJob) -> dict[str, Any]:
+    name = names.agent_service_name(job.metadata.name)
+    return _service(job, name, constants.ROLE_AGENT, "rendezvous", job.spec.rendezvous.port)
 
 
 def build_headless_service(job: DistTrainJob) -> dict[str, Any]:
     """Stable DNS for worker pods (``<pod>.<job>-workers``), ready or not, for collectives between nodes."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _metadata(job, names.headless_service_name(job.metadata.name), constants.ROLE_WORKER),
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": True,
-            "selector": job_labels(job, constants.ROLE_WORKER),
-            "ports": [{"name": "metrics", "port": METRICS_PORT, "targetPort": METRICS_PORT, "protocol": "TCP"}],
-        },
-    }
+    name = names.headless_service_name(job.metadata.name)
+    return _service(
+        job, name, constants.ROLE_WORKER, "metrics", METRICS_PORT, clusterIP="None", publishNotReadyAddresses=True
+    )
 
 
 def build_service_account(job: DistTrainJob) -> dict[str, Any]:
