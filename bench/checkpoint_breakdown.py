@@ -92,11 +92,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29563")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    group = dist.new_group(backend="gloo")
+    group = bench.one_process_group(29563)
     root = Path(tempfile.mkdtemp(prefix="ckpt-breakdown-", dir=args.dir))
     for owner, name, label in PARTS:
         timed(owner, name, label)

@@ -55,6 +55,15 @@ def train_step(model, opt, x, manager=None) -> None:
     opt.zero_grad(set_to_none=True)
 
 
+def one_process_group(port: int) -> dist.ProcessGroup:
+    """A gloo group of this process alone (on one intra-op thread), for the single-process saves."""
+    torch.set_num_threads(1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    return dist.new_group(backend="gloo")
+
+
 def dd_seconds(directory: Path, nbytes: int) -> float:
     target = directory / "dd.bin"
     block = 4 * 2**20
@@ -139,11 +148,7 @@ def main() -> None:
     if args.case == "fsdp2":
         print("\n".join(fsdp2_lines))
         return
-    torch.set_num_threads(1)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    group = dist.new_group(backend="gloo")
+    group = one_process_group(29561)
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     try:
         model, opt = build(args.state_mb)
