@@ -1,7 +1,7 @@
 """Pure builders of every Kubernetes object the operator creates for a job. No I/O, no kopf.
 
 ``build_worker_pod`` is the only definition of what a worker runs: the kube adapter posts its output and the
-local runtime turns the same dict into a process (``worker_command`` / ``worker_env`` extract what it needs).
+local runtime turns the same dict into a process (:func:`disttrain.operator.local.translate.to_process`).
 Every object carries the job's labels and a controller ownerReference, so deleting the job garbage-collects
 everything (on a real cluster; the kmock emulator has no garbage collector).
 """
@@ -276,16 +276,6 @@ def trainer_container(pod: dict[str, Any]) -> dict[str, Any]:
     """The trainer container of a pod built here."""
     pod_containers: list[dict[str, Any]] = pod["spec"]["containers"]
     return pod_containers[containers.trainer_index(pod_containers)]
-
-
-def worker_command(pod: dict[str, Any]) -> list[str]:
-    """argv of a worker pod's trainer container (``python -m disttrain.trainer.launch ... <training command>``)."""
-    return list(trainer_container(pod)["command"])
-
-
-def worker_env_dict(pod: dict[str, Any]) -> dict[str, str]:
-    """The literal env of a worker pod's trainer container (valueFrom entries are skipped)."""
-    return {e["name"]: e["value"] for e in trainer_container(pod).get("env") or [] if "value" in e}
 
 
 def agent_command(job: DistTrainJob) -> list[str]:
