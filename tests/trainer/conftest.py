@@ -10,7 +10,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,12 @@ from typing import Any, Optional
 
 import pytest
 
+from disttrain.common.ports import free_port
 from disttrain.operator.local.forkserver import ForkServers
 
 REPO = Path(__file__).resolve().parents[2]
 TOY = REPO / "tests" / "workers" / "toy.py"
 STORE_SERVER = REPO / "tests" / "trainer" / "workers" / "store_server.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_contract(
