@@ -16,10 +16,11 @@ I/O, and never torch, kopf or kubernetes (the ``disttrain.api`` rule).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationError
 
+from disttrain.api.fielderrors import field_errors
 from disttrain.api.spec import (
     CheckpointSpec,
     ContractModel,
@@ -97,23 +98,4 @@ def view_input(job: Mapping[str, Any]) -> dict[str, Any]:
 
 def describe(error: ValidationError) -> list[str]:
     """One ``path: message`` line per error of ``error``, the path in wire names (``spec.rendezvous.port``)."""
-    lines = []
-    for item in error.errors(include_url=False):
-        path = ""
-        for part in item["loc"]:
-            if isinstance(part, str) and part.startswith("function-"):
-                continue
-            path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
-        if item["type"] == "missing":
-            message = "required field is missing"
-        elif item["type"] == "extra_forbidden":
-            message = "unknown field"
-        else:
-            message = f"{item['msg']} (got {_shown(item.get('input'))})"
-        lines.append(f"{path or '<job>'}: {message}")
-    return lines
-
-
-def _shown(value: Optional[object]) -> str:
-    text = repr(value)
-    return text if len(text) <= MAX_VALUE_SHOWN else text[: MAX_VALUE_SHOWN - 3] + "..."
+    return [f"{path}: {message}" for path, message in field_errors(error, "<job>", MAX_VALUE_SHOWN)]

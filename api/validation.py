@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from disttrain.api import constants, crd, rules, yamlload
 from disttrain.api import containers as containers_mod
+from disttrain.api.fielderrors import field_errors, wire_path
 from disttrain.api.plan import valid_node_counts
 from disttrain.api.spec import DistTrainJob, GangScheduler
 
@@ -76,26 +77,8 @@ class ManifestError(ValueError):
         super().__init__(f"{source}: invalid DistTrainJob:\n{lines}")
 
 
-def _format_loc(loc: tuple[Any, ...]) -> str:
-    path = ""
-    for part in loc:
-        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
-    return path
-
-
 def _pydantic_problems(error: ValidationError) -> list[Problem]:
-    problems = []
-    for item in error.errors(include_url=False):
-        loc = tuple(p for p in item["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-        path = _format_loc(loc) or "<root>"
-        if item["type"] == "extra_forbidden":
-            message = "unknown field"
-        elif item["type"] == "missing":
-            message = "required field is missing"
-        else:
-            message = f"{item['msg']} (got {shorten(repr(item['input']), 100)})"
-        problems.append(Problem(path, message))
-    return problems
+    return [Problem(path, message) for path, message in field_errors(error, "<root>", 100)]
 
 
 def _strict(schema: Any) -> Any:
@@ -137,7 +120,7 @@ def _template_problems(
     problems = []
     validator = validator or _template_validator()
     for err in sorted(validator.iter_errors(template), key=lambda e: list(e.absolute_path)):
-        path = _format_loc((*prefix, *err.absolute_path))
+        path = wire_path((*prefix, *err.absolute_path))
         if err.validator == "additionalProperties":  # name each unknown field, as the API server's strict decoding
             known = set(err.schema.get("properties", {}))
             problems += [Problem(f"{path}.{key}", "unknown field") for key in sorted(err.instance) if key not in known]

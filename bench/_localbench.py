@@ -32,6 +32,34 @@ def use_registered_backend() -> str:
     return rendezvous_fallback() or constants.RDZV_BACKEND
 
 
+def local_job(name: str, container: dict[str, Any], **sections: Any) -> dict[str, Any]:
+    """A DistTrainJob for local mode that runs ``container`` on every node, with the benchmarks' common settings:
+    heartbeats every second, checkpoints on the ``local`` claim, quick replacements, no restart backoff. Each of
+    ``sections`` (``nodes``, ``training``, ``elastic``, ...) updates the spec's section of that name."""
+    spec: dict[str, Any] = {
+        "nodes": {"min": 1, "max": 4, "replicas": 1},
+        "nprocPerNode": 1,
+        "template": {"spec": {"containers": [container]}},
+        "rendezvous": {
+            "joinTimeoutSeconds": 120,
+            "lastCallTimeoutSeconds": 30,
+            "keepAliveIntervalSeconds": 1,
+            "keepAliveMaxAttempts": 3,
+        },
+        "checkpoint": {"claimName": "local", "path": "/ckpt", "intervalSteps": 5, "keep": 3},
+        "elastic": {
+            "scaleDebounceSeconds": 0,
+            "replacementWaitSeconds": 5,
+            "drainTimeoutSeconds": 60,
+            "collectiveTimeoutSeconds": 20,
+        },
+        "restartPolicy": {"backoffSeconds": 0, "maxRestarts": 100},
+    }
+    for section, value in sections.items():
+        spec[section] = {**spec[section], **value} if isinstance(spec.get(section), dict) else value
+    return {"apiVersion": "disttrain.dev/v1alpha1", "kind": "DistTrainJob", "metadata": {"name": name}, "spec": spec}
+
+
 def recorder_job(
     name: str,
     out: pathlib.Path,
@@ -48,48 +76,25 @@ def recorder_job(
         {"name": "E2E_DATASET", "value": str(dataset or global_batch * max_steps)},
         {"name": "E2E_STEP_SLEEP", "value": str(step_sleep)},
     ]
-    return {
-        "apiVersion": "disttrain.dev/v1alpha1",
-        "kind": "DistTrainJob",
-        "metadata": {"name": name},
-        "spec": {
-            "nodes": {"min": 1, "max": 4, "replicas": replicas},
-            "nprocPerNode": 1,
-            "template": {
-                "spec": {
-                    "containers": [
-                        {
-                            "name": "trainer",
-                            "image": "local",
-                            "env": env,
-                            "command": ["python", "-u", "tests/workers/recorder.py"],
-                        }
-                    ]
-                }
-            },
-            "rendezvous": {
-                "joinTimeoutSeconds": 120,
-                "lastCallTimeoutSeconds": 30,
-                "keepAliveIntervalSeconds": 1,
-                "keepAliveMaxAttempts": 3,
-            },
-            "training": {
-                "globalBatchSize": global_batch,
-                "microBatchSize": 1,
-                "lr": {"base": 0.05},
-                "maxSteps": max_steps,
-                "seed": 3,
-            },
-            "checkpoint": {"claimName": "local", "path": "/ckpt", "intervalSteps": interval, "keep": 3},
-            "elastic": {
-                "scaleDebounceSeconds": 0,
-                "replacementWaitSeconds": 5,
-                "drainTimeoutSeconds": 60,
-                "collectiveTimeoutSeconds": 20,
-            },
-            "restartPolicy": {"backoffSeconds": 0, "maxRestarts": 100},
-        },
+    container = {
+        "name": "trainer",
+        "image": "local",
+        "env": env,
+        "command": ["python", "-u", "tests/workers/recorder.py"],
     }
+    return local_job(
+        name,
+        container,
+        nodes={"replicas": replicas},
+        training={
+            "globalBatchSize": global_batch,
+            "microBatchSize": 1,
+            "lr": {"base": 0.05},
+            "maxSteps": max_steps,
+            "seed": 3,
+        },
+        checkpoint={"intervalSteps": interval},
+    )
 
 
 def tinylm_job(name: str, *, replicas: int, max_steps: int) -> dict[str, Any]:

@@ -36,20 +36,14 @@ import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # tests.cluster: the control plane, operator process and kubelets of the test tier
-
-from tests.cluster.controlplane import ControlPlane  # noqa: E402
-from tests.cluster.harness import (  # noqa: E402
+from _clusterbench import run_namespace  # puts the repository on sys.path: the test tier's control plane
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.harness import (
     AgentNodeLoss,
-    Cluster,
     agent_node_loss,
-    checkpoint_claim,
-    delete_jobs,
     start_operator,
     step_times,
 )
-from tests.cluster.process_kubelet import ProcessKubelets  # noqa: E402
 
 PATHS = {
     "pulse": ("pulse 0.2 s", ()),
@@ -133,18 +127,8 @@ def main() -> int:
 
 def run_once(plane: ControlPlane, work: pathlib.Path, run: int, args: argparse.Namespace) -> Outcome:
     """One job through the loss of its agent's node, in a namespace of its own."""
-    namespace = plane.create_namespace(f"agentloss-{run}")
-    run_dir = work / namespace
-    (run_dir / "volume").mkdir(parents=True)
-    checkpoint_claim(plane, namespace, run_dir / "volume")
-    kubelets = ProcessKubelets(plane, run_dir / "volume", run_dir / "pods", namespaces={namespace})
-    try:
-        seen = agent_node_loss(
-            Cluster(plane, namespace, kubelets), run_dir, max_steps=args.max_steps, step_sleep=args.step_sleep
-        )
-    finally:
-        delete_jobs(plane, namespace)
-        kubelets.stop()
+    with run_namespace(plane, work, f"agentloss-{run}") as (cluster, run_dir):
+        seen = agent_node_loss(cluster, run_dir, max_steps=args.max_steps, step_sleep=args.step_sleep)
     outcome = outcome_of(seen)
     print(f"run {run}: {outcome}", flush=True)
     return outcome

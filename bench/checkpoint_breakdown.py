@@ -31,7 +31,8 @@ from torch.distributed.checkpoint import filesystem, utils
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import checkpoint_throughput as bench
+import checkpoint_throughput as bench  # also puts the repository on sys.path (tests.manifests)
+from tests.manifests import bare_manifest
 
 from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer.checkpoint import commit, storage, writeback
@@ -91,11 +92,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29563")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    group = dist.new_group(backend="gloo")
+    group = bench.one_process_group(29563)
     root = Path(tempfile.mkdtemp(prefix="ckpt-breakdown-", dir=args.dir))
     for owner, name, label in PARTS:
         timed(owner, name, label)
@@ -106,7 +103,7 @@ def main() -> None:
         managers = {c: ckpt_mod.CheckpointManager(root / c, CheckpointSpec(keep=1), 0, 1, group) for c in CONFIGS}
         for c, m in managers.items():  # warm-up (and the plan cache's first fill)
             with config(c):
-                m.save(0, state, bench.manifest(0))
+                m.save(0, state, bare_manifest(0))
                 m.join_retention()
         parts: dict[str, dict[str, list[float]]] = {c: collections.defaultdict(list) for c in CONFIGS}
         dd_s, nbytes = [], 0
@@ -114,7 +111,7 @@ def main() -> None:
             for c, m in managers.items():
                 TIMES.clear()
                 with config(c):
-                    m.save(i + 1, state, bench.manifest(i + 1))
+                    m.save(i + 1, state, bare_manifest(i + 1))
                 m.join_retention()
                 for label in (p[2] for p in PARTS):
                     parts[c][label].append(TIMES.get(label, 0.0))

@@ -26,11 +26,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _torchrun import run_standalone
 
-from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.spec import CheckpointSpec
-from disttrain.trainer import sampler
 from disttrain.trainer.checkpoint import manager as ckpt_mod
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.manifests
+
+from tests.manifests import bare_manifest
 
 
 def build(state_mb: float, width: int = 1024) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -52,21 +55,13 @@ def train_step(model, opt, x, manager=None) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def manifest(step: int) -> CheckpointManifest:
-    return CheckpointManifest(
-        step=step,
-        samples_consumed=0,
-        data_cursor=0,
-        world_size=1,
-        plan={},
-        lr_scale=1.0,
-        dataset=sampler.fingerprint(1, 0),
-        metadata_sha256="-",
-        files={},
-        created_at="-",
-        code_version="bench",
-        config_hash="-",
-    )
+def one_process_group(port: int) -> dist.ProcessGroup:
+    """A gloo group of this process alone (on one intra-op thread), for the single-process saves."""
+    torch.set_num_threads(1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    return dist.new_group(backend="gloo")
 
 
 def dd_seconds(directory: Path, nbytes: int) -> float:
@@ -101,12 +96,12 @@ def fsdp2_worker(args: argparse.Namespace) -> None:
     train_step(model, opt, torch.randn(args.batch // world, 1024))
     state = {"app": ckpt_mod.ModelOptimState(model, opt), "trainer": ckpt_mod.TrainerState()}
     manager = ckpt_mod.CheckpointManager(root / "fsdp2", CheckpointSpec(keep=1), rank, world, group)
-    manager.save(0, state, manifest(0))  # warm-up
+    manager.save(0, state, bare_manifest(0))  # warm-up
     save_s, dd_s = [], []
     for i in range(args.repeats):
         dist.barrier()
         t0 = time.perf_counter()
-        manager.save(i + 1, state, manifest(i + 1))
+        manager.save(i + 1, state, bare_manifest(i + 1))
         dist.barrier()
         save_s.append(time.perf_counter() - t0)
         manager.join_retention()
@@ -131,29 +126,8 @@ def run_fsdp2_case(args: argparse.Namespace) -> list[str]:
     """The sharded case under torchrun; returns its output lines."""
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-fsdp2-", dir=args.dir))
     try:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            __file__,
-            "--state-mb",
-            str(args.state_mb),
-            "--repeats",
-            str(args.repeats),
-            "--batch",
-            str(args.batch),
-            "--case",
-            "fsdp2",
-            "--root",
-            str(root),
-        ]
-        proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.stderr.write(proc.stderr[-5000:])
-            raise SystemExit(proc.returncode)
-        return [ln for ln in proc.stdout.splitlines() if ln.strip()]
+        worker_args = ["--state-mb", str(args.state_mb), "--repeats", str(args.repeats), "--batch", str(args.batch)]
+        return run_standalone(__file__, [*worker_args, "--case", "fsdp2", "--root", str(root)])
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -174,11 +148,7 @@ def main() -> None:
     if args.case == "fsdp2":
         print("\n".join(fsdp2_lines))
         return
-    torch.set_num_threads(1)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    group = dist.new_group(backend="gloo")
+    group = one_process_group(29561)
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     try:
         model, opt = build(args.state_mb)
@@ -187,11 +157,11 @@ def main() -> None:
         state = {"app": ckpt_mod.ModelOptimState(model, opt), "trainer": ckpt_mod.TrainerState()}
 
         sync = ckpt_mod.CheckpointManager(root / "sync", CheckpointSpec(keep=1), 0, 1, group)
-        sync.save(0, state, manifest(0))  # warm-up: DCP caches its plan after the first save
+        sync.save(0, state, bare_manifest(0))  # warm-up: DCP caches its plan after the first save
         save_s, dd_s, nbytes = [], [], 0
         for i in range(args.repeats):
             t0 = time.perf_counter()
-            sync.save(i + 1, state, manifest(i + 1))
+            sync.save(i + 1, state, bare_manifest(i + 1))
             save_s.append(time.perf_counter() - t0)
             sync.join_retention()
             nbytes = sum(f.stat().st_size for f in (root / "sync" / f"step-{i + 1}").iterdir())
@@ -207,7 +177,7 @@ def main() -> None:
         async_mgr = ckpt_mod.CheckpointManager(root / "async", CheckpointSpec(keep=1, async_save=True), 0, 1, group)
         for i in range(args.repeats):
             before = async_mgr.blocked_s
-            async_mgr.save(i + 1, state, manifest(i + 1))
+            async_mgr.save(i + 1, state, bare_manifest(i + 1))
             train_step(model, opt, x, async_mgr)  # the next step overlaps the staging copy
             blocked.append(async_mgr.blocked_s - before)
             while async_mgr.local_pending_state()[0]:

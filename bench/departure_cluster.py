@@ -30,13 +30,10 @@ import tempfile
 import time
 from typing import Any
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # tests.cluster: the control plane, operator process and kubelets of the test tier
-
-from tests.cluster.controlplane import KUBECTL, ControlPlane  # noqa: E402
-from tests.cluster.harness import Cluster, checkpoint_claim, delete_jobs, eventually, start_operator  # noqa: E402
-from tests.cluster.process_kubelet import ProcessKubelets  # noqa: E402
-from tests.e2e.conftest import e2e_job  # noqa: E402
+from _clusterbench import run_namespace  # puts the repository on sys.path: the test tier's control plane
+from tests.cluster.controlplane import KUBECTL, ControlPlane
+from tests.cluster.harness import Cluster, eventually, start_operator
+from tests.e2e.conftest import e2e_job
 
 SCENARIOS = ("drain", "drain-old", "scale-in")
 OLD_PATH = {"onCordon": False, "taints": []}
@@ -141,16 +138,8 @@ def main() -> int:
         operator = start_operator(plane, work / "operator.log")
         try:
             for scenario in scenarios:
-                namespace = plane.create_namespace(f"dep-{scenario}")
-                run_dir = work / namespace
-                (run_dir / "volume").mkdir(parents=True)
-                checkpoint_claim(plane, namespace, run_dir / "volume")
-                kubelets = ProcessKubelets(plane, run_dir / "volume", run_dir / "pods", namespaces={namespace})
-                try:
-                    outcome = run_scenario(Cluster(plane, namespace, kubelets), run_dir, scenario)
-                finally:
-                    delete_jobs(plane, namespace)
-                    kubelets.stop()
+                with run_namespace(plane, work, f"dep-{scenario}") as (cluster, run_dir):
+                    outcome = run_scenario(cluster, run_dir, scenario)
                 outcomes.append(outcome)
                 print(outcome, flush=True)
         finally:

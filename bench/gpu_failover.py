@@ -393,6 +393,14 @@ def plain_ddp(width: int, depth: int, micro_batch: int, steps: int) -> None:
 # ---- the driver ------------------------------------------------------------------------------------------------------
 
 
+def localbench() -> Any:
+    """``bench/_localbench.py``, imported by the driver only: the workers have no use for the local runtime."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import _localbench
+
+    return _localbench
+
+
 def job(
     name: str, out: pathlib.Path, args: argparse.Namespace, nodes: int, kill_at: int, stall: bool = False
 ) -> dict[str, Any]:
@@ -424,38 +432,26 @@ def job(
         container["resources"] = {"limits": {"nvidia.com/gpu": args.nproc_per_node}}
     else:
         container["env"].append({"name": "CUDA_VISIBLE_DEVICES", "value": ""})
-    return {
-        "apiVersion": "disttrain.dev/v1alpha1",
-        "kind": "DistTrainJob",
-        "metadata": {"name": name},
-        "spec": {
-            "nodes": {"min": 1, "max": nodes, "replicas": nodes},
-            "nprocPerNode": args.nproc_per_node,
-            "template": {"spec": {"containers": [container]}},
-            "rendezvous": {
-                "joinTimeoutSeconds": 120,
-                "lastCallTimeoutSeconds": 30,
-                "keepAliveIntervalSeconds": 1,
-                "keepAliveMaxAttempts": 3,
-            },
-            "training": {
-                "globalBatchSize": global_batch,
-                "microBatchSize": args.micro_batch,
-                "lr": {"base": 0.01},
-                "maxSteps": args.steps,
-                "seed": 3,
-            },
-            "checkpoint": {"claimName": "local", "path": "/ckpt", "intervalSteps": args.checkpoint_interval, "keep": 3},
-            "elastic": {
-                "scaleDebounceSeconds": 0,
-                "replacementWaitSeconds": args.replacement_wait,
-                "drainTimeoutSeconds": 60,
-                "collectiveTimeoutSeconds": timeout,
-                "reformInPlace": stall or args.in_place,
-            },
-            "restartPolicy": {"backoffSeconds": 0, "maxRestarts": 10},
+    return localbench().local_job(
+        name,
+        container,
+        nodes={"max": nodes, "replicas": nodes},
+        nprocPerNode=args.nproc_per_node,
+        training={
+            "globalBatchSize": global_batch,
+            "microBatchSize": args.micro_batch,
+            "lr": {"base": 0.01},
+            "maxSteps": args.steps,
+            "seed": 3,
         },
-    }
+        checkpoint={"intervalSteps": args.checkpoint_interval},
+        elastic={
+            "replacementWaitSeconds": args.replacement_wait,
+            "collectiveTimeoutSeconds": timeout,
+            "reformInPlace": stall or args.in_place,
+        },
+        restartPolicy={"maxRestarts": 10},
+    )
 
 
 DUMP_WAIT_MS = 1000
@@ -487,9 +483,7 @@ def run_job(
     name: str, base: pathlib.Path, args: argparse.Namespace, nodes: int, kill_at: int, stall: bool = False
 ) -> RunResult:
     """Run one local-mode job to its end; with ``kill_at``, SIGKILL the last node once its rank is held in that step."""
-    sys.path.insert(0, str(REPO / "bench"))
-    import _localbench as lb
-
+    lb = localbench()
     out = base / name / "records"
     seen: dict[str, Any] = {"status": {}}
 

@@ -29,13 +29,12 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+from _torchrun import run_standalone
 
 N_SAMPLES = 65536
 WARMUP = 3
@@ -240,32 +239,10 @@ def main() -> None:
     if "RANK" in os.environ:
         worker(args)
         return
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     lines = []
     for case in ["ddp", "ordered", "fsdp2", "loader"] if args.case == "all" else [args.case]:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            __file__,
-            "--steps",
-            str(args.steps),
-            "--batch",
-            str(args.batch),
-            "--loader-batch",
-            str(args.loader_batch),
-            "--accum",
-            str(args.accum),
-            "--case",
-            case,
-        ]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.stderr.write(proc.stderr[-5000:])
-            raise SystemExit(proc.returncode)
-        lines += [ln for ln in proc.stdout.splitlines() if ln.strip()]
+        worker_args = ["--steps", str(args.steps), "--batch", str(args.batch), "--loader-batch", str(args.loader_batch)]
+        lines += run_standalone(__file__, [*worker_args, "--accum", str(args.accum), "--case", case])
     ratios = ("throughput_vs_", "ordered_throughput_vs_", "loader_samples_per_second_vs_")
     details = [ln for ln in lines if not ln.startswith(ratios)]
     print("\n".join(details + [ln for ln in lines if ln.startswith(ratios)]))

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.s3server: 
 
 import checkpoint_throughput as bench
 from tests import s3server
+from tests.manifests import bare_manifest
 
 from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer.checkpoint import commit, storage
@@ -138,7 +139,7 @@ def main() -> None:
         bench.train_step(model, opt, torch.randn(256, 1024))
         state = {"app": ckpt_mod.ModelOptimState(model, opt), "trainer": ckpt_mod.TrainerState()}
         manager = ckpt_mod.CheckpointManager(root / "local", CheckpointSpec(keep=1), 0, 1, dist.group.WORLD)
-        manager.save(1, state, bench.manifest(1))
+        manager.save(1, state, bare_manifest(1))
         manager.close()
         local = root / "local" / "step-1"
         v = commit.validate(local)

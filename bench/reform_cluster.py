@@ -30,19 +30,13 @@ import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # tests.cluster: the control plane, operator process and kubelets of the test tier
-
-from tests.cluster.controlplane import ControlPlane  # noqa: E402
-from tests.cluster.harness import (  # noqa: E402
+from _clusterbench import run_namespace  # puts the repository on sys.path: the test tier's control plane
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.harness import (
     PHASES,
-    Cluster,
-    checkpoint_claim,
-    delete_jobs,
     silent_node_reform,
     start_operator,
 )
-from tests.cluster.process_kubelet import ProcessKubelets  # noqa: E402
 
 
 def main() -> int:
@@ -64,21 +58,10 @@ def main() -> int:
         results = []
         try:
             for run in range(args.runs):
-                namespace = plane.create_namespace(f"reform-{run}")
-                run_dir = work / namespace
-                (run_dir / "volume").mkdir(parents=True)
-                checkpoint_claim(plane, namespace, run_dir / "volume")
-                kubelets = ProcessKubelets(plane, run_dir / "volume", run_dir / "pods", namespaces={namespace})
-                try:
+                with run_namespace(plane, work, f"reform-{run}") as (cluster, run_dir):
                     seen = silent_node_reform(
-                        Cluster(plane, namespace, kubelets),
-                        run_dir,
-                        spares=args.spares,
-                        replacement_wait_s=args.replacement_wait,
+                        cluster, run_dir, spares=args.spares, replacement_wait_s=args.replacement_wait
                     )
-                finally:
-                    delete_jobs(plane, namespace)
-                    kubelets.stop()
                 phases = seen.status["lastReform"]["phases"]
                 results.append(seen)
                 print(

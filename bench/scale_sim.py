@@ -42,16 +42,11 @@ from typing import Any
 import _localbench  # noqa: F401 - puts the repository on sys.path
 
 from disttrain.api import control, env
+from disttrain.common.ports import free_port
 
 SECRET = "scale-sim-bench-" + "5" * 48
 RUN_ID = "scale-sim-uid"
 TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_for_port(port: int, timeout_s: float) -> None:

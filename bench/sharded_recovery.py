@@ -34,44 +34,23 @@ STEP_LINE = re.compile(r"^(\S+ \S+) \[disttrain rank 0\] INFO step (\d+) loss", 
 
 
 def gptlm_job(name: str, *, steps: int, in_place: bool) -> dict[str, Any]:
-    return {
-        "apiVersion": "disttrain.dev/v1alpha1",
-        "kind": "DistTrainJob",
-        "metadata": {"name": name},
-        "spec": {
-            "nodes": {"min": 1, "max": 3, "replicas": 3},
-            "nprocPerNode": 1,
-            "template": {
-                "spec": {
-                    "containers": [
-                        {
-                            "name": "trainer",
-                            "image": "local",
-                            "command": ["python", "-u", "examples/gptlm/train.py"],
-                            "args": ["--precision", "fp32"],
-                            "env": [{"name": "OMP_NUM_THREADS", "value": "1"}],
-                        }
-                    ]
-                }
-            },
-            "rendezvous": {"lastCallTimeoutSeconds": 30, "keepAliveIntervalSeconds": 1, "keepAliveMaxAttempts": 3},
-            "training": {
-                "globalBatchSize": 12,
-                "microBatchSize": 2,
-                "lr": {"base": 0.001},
-                "maxSteps": steps,
-                "seed": 1,
-            },
-            "checkpoint": {"claimName": "bench", "path": "/ckpt", "intervalSteps": 20, "keep": 3},
-            "elastic": {
-                "scaleDebounceSeconds": 0,
-                "replacementWaitSeconds": 5,
-                "collectiveTimeoutSeconds": 10,
-                "reformInPlace": in_place,
-            },
-            "restartPolicy": {"backoffSeconds": 0, "maxRestarts": 10},
-        },
+    container = {
+        "name": "trainer",
+        "image": "local",
+        "command": ["python", "-u", "examples/gptlm/train.py"],
+        "args": ["--precision", "fp32"],
+        "env": [{"name": "OMP_NUM_THREADS", "value": "1"}],
     }
+    return lb.local_job(
+        name,
+        container,
+        nodes={"max": 3, "replicas": 3},
+        rendezvous={"joinTimeoutSeconds": 600},
+        training={"globalBatchSize": 12, "microBatchSize": 2, "lr": {"base": 0.001}, "maxSteps": steps, "seed": 1},
+        checkpoint={"claimName": "bench", "intervalSteps": 20},
+        elastic={"drainTimeoutSeconds": 120, "collectiveTimeoutSeconds": 10, "reformInPlace": in_place},
+        restartPolicy={"maxRestarts": 10},
+    )
 
 
 def run_killed(name: str, obj: dict[str, Any], kill_at: int) -> dict[str, Any]:

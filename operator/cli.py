@@ -236,18 +236,15 @@ def cmd_operator(args: argparse.Namespace) -> int:
         elector = election.Elector(client.ApiClient(kube_configuration()), election_options, leader)
 
     registry = kopf.get_default_registry()  # carries kopf's own login handlers (in-cluster, kubeconfig)
+    agent = pods.AgentSettings(
+        image=args.agent_image or None,
+        heartbeat_s=args.agent_heartbeat_seconds,
+        pulse_s=args.agent_pulse_seconds,
+        **_pulse_key(args.agent_pulse_key_file),
+    )
+    instance = election_options.identity if election_options is not None else handlers.DEFAULT_INSTANCE
     handlers.register(
-        registry,
-        api_client,
-        OperatorMetrics(),
-        agent=pods.AgentSettings(
-            image=args.agent_image or None,
-            heartbeat_s=args.agent_heartbeat_seconds,
-            pulse_s=args.agent_pulse_seconds,
-            **_pulse_key(args.agent_pulse_key_file),
-        ),
-        network=network,
-        instance=election_options.identity if election_options is not None else handlers.DEFAULT_INSTANCE,
+        registry, handlers.OperatorHandlers(api_client, OperatorMetrics(), agent, network=network, instance=instance)
     )
 
     @kopf.on.startup(registry=registry)

@@ -843,17 +843,9 @@ class OperatorHandlers:
         return len(self.pokes.events)
 
 
-def register(
-    registry: kopf.OperatorRegistry,
-    api_client_factory: Callable[[], k8s.ApiClient],
-    metrics: OperatorMetrics,
-    agent: builders.AgentSettings = builders.DEFAULT_AGENT,
-    network: access.NetworkPolicySettings = access.DEFAULT_NETWORK,
-    instance: str = DEFAULT_INSTANCE,
-) -> OperatorHandlers:
-    """Bind a new :class:`OperatorHandlers`' handlers on ``registry`` (a fresh one in tests, kopf's default one in
-    ``disttrain operator``). Only event, cleanup and probe handlers: none makes kopf put a finalizer on a job."""
-    handlers = OperatorHandlers(api_client_factory, metrics, agent, network, instance)
+def register(registry: kopf.OperatorRegistry, handlers: OperatorHandlers) -> None:
+    """Bind ``handlers`` on ``registry`` (a fresh one in tests, kopf's default one in ``disttrain operator``). Only
+    event, cleanup and probe handlers: none makes kopf put a finalizer on a job."""
     ours = {constants.LABEL_JOB_NAME: kopf.PRESENT}
     kopf.on.event(constants.GROUP, constants.VERSION, constants.PLURAL, registry=registry)(handlers.job_changed)
     kopf.on.event("v1", "pods", labels=ours, registry=registry)(handlers.pod_changed)
@@ -861,7 +853,6 @@ def register(
     kopf.on.event("v1", "nodes", registry=registry)(handlers.node_changed)
     kopf.on.cleanup(registry=registry)(handlers.stop_sweeps)
     kopf.on.probe(id="jobs", registry=registry)(handlers.jobs_probe)
-    return handlers
 
 
 WATCH_SINKS = ("job_changed", "pod_changed", "node_changed", "lease_changed")

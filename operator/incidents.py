@@ -104,20 +104,9 @@ def open_incident(d: Draft, first: str, cause: Reason, message: str, *, charged:
     st = d.status
     if d.is_true(ConditionType.SUCCEEDED):
         return False
-    if not charged:
-        st.incident = Incident(
-            opened_at=d.now,
-            reason=cause.value,
-            first_pod=first,
-            covers={p.name for p in d.seen.workers},
-            charged=False,
-        )
-        return True
-    infrastructure = is_infrastructure_cause(cause)
-    if infrastructure:
-        if not charge_infrastructure_loss(d, cause, message):
-            return False
-    elif not charge_restart(d, cause, message):
+    infrastructure = charged and is_infrastructure_cause(cause)
+    charge = charge_infrastructure_loss if infrastructure else charge_restart
+    if charged and not charge(d, cause, message):
         return False
     st.incident = Incident(
         opened_at=d.now,
@@ -125,10 +114,12 @@ def open_incident(d: Draft, first: str, cause: Reason, message: str, *, charged:
         first_pod=first,
         covers={p.name for p in d.seen.workers},
         infrastructure=infrastructure,
+        charged=charged,
     )
-    st.consecutive_failures += 1
-    delay = backoff_seconds(d.spec, st.consecutive_failures)
-    st.next_restart_time = d.now + delay if delay > 0 else None
+    if charged:
+        st.consecutive_failures += 1
+        delay = backoff_seconds(d.spec, st.consecutive_failures)
+        st.next_restart_time = d.now + delay if delay > 0 else None
     return True
 
 

@@ -14,24 +14,17 @@ from collections.abc import Sequence
 from disttrain.api.conditions import Reason
 from disttrain.api.status import InfrastructureLossCounts
 from disttrain.operator.draft import Draft, fail
+from disttrain.operator.losses import NODE_CAUSES
 
 WINDOW_SECONDS = 3_600.0
 """The guard's window: ``maxInfrastructureLossesPerHour`` losses at most within any hour."""
 
-INFRASTRUCTURE_CAUSES = frozenset(
-    {
-        Reason.NODE_LOST,
-        Reason.NODE_NOT_READY,
-        Reason.NODE_UNREACHABLE,
-        Reason.NODE_DELETED,
-        Reason.NODE_DRAINING,
-        Reason.HEARTBEAT_LOST,
-        Reason.EVICTED,
-        Reason.POD_DELETED,
-        Reason.NODE_DEPARTING,
-        Reason.AGENT_RESTARTED,
-    }
-)
+INFRASTRUCTURE_CAUSES = NODE_CAUSES | {
+    Reason.EVICTED,
+    Reason.POD_DELETED,
+    Reason.NODE_DEPARTING,
+    Reason.AGENT_RESTARTED,
+}
 """Loss causes that are the cluster's, not the user's code: a node's loss (NodeLost also names a failure that a
 peer's loss explains), an eviction, a deletion (a scheduler's preemption deletes the pod), a departing node and the
 job agent's loss. PodFailed (the user's exit code) and StepStalled (a hang may be the user's code as well as a GPU)

@@ -24,7 +24,12 @@ def unused_worker_name(job: str, index: int, taken: Collection[str]) -> str:
 
 
 def agent_name(job: str) -> str:
+    """``<job>-agent``: the job agent's pod, and its Service, ServiceAccount and Role (one name for all four: the
+    chart's status guard knows the agent by its ServiceAccount ``<job>-agent``)."""
     return f"{job}-agent"
+
+
+agent_service_name = service_account_name = role_name = agent_name
 
 
 def agent_lease_name(job: str) -> str:
@@ -32,20 +37,8 @@ def agent_lease_name(job: str) -> str:
     return f"{job}-agent-heartbeat"
 
 
-def agent_service_name(job: str) -> str:
-    return f"{job}-agent"
-
-
 def headless_service_name(job: str) -> str:
     return f"{job}-workers"
-
-
-def service_account_name(job: str) -> str:
-    return f"{job}-agent"
-
-
-def role_name(job: str) -> str:
-    return f"{job}-agent"
 
 
 def store_secret_name(job: str, uid: str) -> str:

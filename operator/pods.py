@@ -1,7 +1,7 @@
 """Pure builders of every Kubernetes object the operator creates for a job. No I/O, no kopf.
 
 ``build_worker_pod`` is the only definition of what a worker runs: the kube adapter posts its output and the
-local runtime turns the same dict into a process (``worker_command`` / ``worker_env`` extract what it needs).
+local runtime turns the same dict into a process (:func:`disttrain.operator.local.translate.to_process`).
 Every object carries the job's labels and a controller ownerReference, so deleting the job garbage-collects
 everything (on a real cluster; the kmock emulator has no garbage collector).
 """
@@ -278,16 +278,6 @@ def trainer_container(pod: dict[str, Any]) -> dict[str, Any]:
     return pod_containers[containers.trainer_index(pod_containers)]
 
 
-def worker_command(pod: dict[str, Any]) -> list[str]:
-    """argv of a worker pod's trainer container (``python -m disttrain.trainer.launch ... <training command>``)."""
-    return list(trainer_container(pod)["command"])
-
-
-def worker_env_dict(pod: dict[str, Any]) -> dict[str, str]:
-    """The literal env of a worker pod's trainer container (valueFrom entries are skipped)."""
-    return {e["name"]: e["value"] for e in trainer_container(pod).get("env") or [] if "value" in e}
-
-
 def agent_command(job: DistTrainJob) -> list[str]:
     return ["python", "-m", "disttrain.trainer.agent", "--port", str(job.spec.rendezvous.port)]
 
@@ -425,32 +415,31 @@ def _prefer_no_workers(job: DistTrainJob, pod_spec: dict[str, Any]) -> None:
     }
 
 
-def build_agent_service(job: DistTrainJob) -> dict[str, Any]:
-    port = job.spec.rendezvous.port
+def _service(job: DistTrainJob, name: str, role: str, port_name: str, port: int, **spec: Any) -> dict[str, Any]:
+    """A Service of the job's pods of ``role`` with one TCP port; ``spec``: its other fields."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(job, names.agent_service_name(job.metadata.name), constants.ROLE_AGENT),
+        "metadata": _metadata(job, name, role),
         "spec": {
-            "selector": job_labels(job, constants.ROLE_AGENT),
-            "ports": [{"name": "rendezvous", "port": port, "targetPort": port, "protocol": "TCP"}],
+            **spec,
+            "selector": job_labels(job, role),
+            "ports": [{"name": port_name, "port": port, "targetPort": port, "protocol": "TCP"}],
         },
     }
+
+
+def build_agent_service(job: DistTrainJob) -> dict[str, Any]:
+    name = names.agent_service_name(job.metadata.name)
+    return _service(job, name, constants.ROLE_AGENT, "rendezvous", job.spec.rendezvous.port)
 
 
 def build_headless_service(job: DistTrainJob) -> dict[str, Any]:
     """Stable DNS for worker pods (``<pod>.<job>-workers``), ready or not, for collectives between nodes."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _metadata(job, names.headless_service_name(job.metadata.name), constants.ROLE_WORKER),
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": True,
-            "selector": job_labels(job, constants.ROLE_WORKER),
-            "ports": [{"name": "metrics", "port": METRICS_PORT, "targetPort": METRICS_PORT, "protocol": "TCP"}],
-        },
-    }
+    name = names.headless_service_name(job.metadata.name)
+    return _service(
+        job, name, constants.ROLE_WORKER, "metrics", METRICS_PORT, clusterIP="None", publishNotReadyAddresses=True
+    )
 
 
 def build_service_account(job: DistTrainJob) -> dict[str, Any]:

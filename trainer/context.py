@@ -82,10 +82,6 @@ class ElasticContext:
             job_uid=e.get(env_names.JOB_UID, ""),
         )
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
 
 @dataclasses.dataclass
 class Groups:

@@ -41,11 +41,6 @@ def micro_indices(indices: Sequence[int], accum_steps: int) -> list[list[int]]:
     return [list(indices[k::accum_steps]) for k in range(accum_steps)]
 
 
-def global_micro_batch(k: int, world_size: int, rank: int) -> int:
-    """Index j of this rank's local micro batch k in the step's fixed summation order."""
-    return k * world_size + rank
-
-
 def for_training(
     training: TrainingSpec, model: torch.nn.Module, parallelism: Parallelism, precision: Precision, plan: Plan
 ) -> Optional[OrderedReducer]:

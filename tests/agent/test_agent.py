@@ -7,7 +7,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,17 +18,12 @@ from torch.distributed import DistNetworkError, TCPStore
 from disttrain.api import control as keys
 from disttrain.api import env
 from disttrain.api.reformphases import WorkerStartup
+from disttrain.common.ports import free_port
 from disttrain.trainer.agent import service as agent_mod
 from disttrain.trainer.control import read_signal
 from disttrain.trainer.store import channel, relay
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 SPEC = {

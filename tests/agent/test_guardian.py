@@ -7,7 +7,6 @@ import copy
 import datetime
 import json
 import os
-import socket
 import threading
 import time
 
@@ -17,6 +16,7 @@ from torch.distributed import TCPStore
 
 from disttrain.api import control as keys
 from disttrain.api import env, storeauth
+from disttrain.common.ports import free_port
 from disttrain.trainer.agent import guardian
 from disttrain.trainer.agent import service as agent_mod
 from disttrain.trainer.store import channel
@@ -27,12 +27,6 @@ SECRET = "guardian-test-" + "7" * 50
 UID = "0f0f0f0f-0000-4000-8000-000000000027"
 NS = storeauth.key_prefix(SECRET) + "/"
 STATE = NS + "torch.rendezvous.run1"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture

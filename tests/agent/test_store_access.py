@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import datetime
 import json
-import socket
 
 import pytest
 from tests.agent.test_agent import SPEC
@@ -20,6 +19,7 @@ from torch.distributed import DistError, TCPStore
 from disttrain.api import control as keys
 from disttrain.api import env, storeauth
 from disttrain.api.exitcodes import ExitCode
+from disttrain.common.ports import free_port
 from disttrain.trainer.agent import service as agent_mod
 from disttrain.trainer.control import Watchdog
 from disttrain.trainer.store import channel
@@ -32,12 +32,6 @@ SECRET = "0123456789abcdef" * 4
 def real_key(key: str) -> str:
     """A key of the job as the server names it (what the outsider finds with ``list_keys``)."""
     return storeauth.key_prefix(SECRET) + "/" + key
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_job(state, control=None, uid="uid-1"):

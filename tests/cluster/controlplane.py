@@ -24,7 +24,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -40,6 +39,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
 
+from disttrain.common.ports import free_port
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ASSETS = REPO_ROOT.parent / "shared" / "k8s"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
@@ -48,12 +49,6 @@ KUBECTL = os.environ.get("DISTTRAIN_KUBECTL", "kubectl")
 
 class ControlPlaneUnavailable(RuntimeError):
     """The binaries are missing (a skip locally, a failure under CI)."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _cache_root() -> Path:

@@ -10,7 +10,6 @@ import math
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -20,16 +19,11 @@ from typing import Any, Optional
 
 import yaml
 
+from disttrain.common.ports import free_port
 from tests.chart.prometheus_tools import find_binary
 
 Target = tuple[str, dict[str, str]]
 """host:port and the target's labels."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prometheus:

@@ -25,6 +25,7 @@ from disttrain.api.spec import DistTrainJob
 from disttrain.common.ports import free_port
 from disttrain.operator import pods
 from tests.images.buildah import Container, container, stop
+from tests.workerpods import worker_command, worker_env_dict
 
 STATE = "/var/lib/disttrain-state"
 
@@ -65,7 +66,7 @@ def run_job(image: str, job: DistTrainJob, tmp: Path, timeout: float = 180) -> J
     agent = pods.trainer_container(agent_pod)
     agent_argv = [*agent["command"], "--state-dir", STATE, "--host", "127.0.0.1"]
     worker_pod = pods.build_worker_pod(job, 0, endpoint=f"127.0.0.1:{port}")
-    worker_env = pods.worker_env_dict(worker_pod)
+    worker_env = worker_env_dict(worker_pod)
     worker_env[env_names.METRICS_PORT] = str(free_port())  # pods have their own IPs; these share the host's
     # No Secret volume here: the job's store secret goes into both containers' env instead of the mounted file.
     secret_env = {env_names.STORE_SECRET: storeauth.new_secret()}
@@ -78,9 +79,7 @@ def run_job(image: str, job: DistTrainJob, tmp: Path, timeout: float = 180) -> J
         agent_proc = agent_ctr.start(agent_argv, tmp / "agent.log", env=secret_env, volumes={state: STATE})
         try:
             wait_for_port(agent_ctr, port, agent_proc, tmp / "agent.log")
-            worker = worker_ctr.start(
-                pods.worker_command(worker_pod), tmp / "worker.log", env=worker_env, volumes=volumes
-            )
+            worker = worker_ctr.start(worker_command(worker_pod), tmp / "worker.log", env=worker_env, volumes=volumes)
             try:
                 returncode = worker.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -101,7 +100,7 @@ def run_job(image: str, job: DistTrainJob, tmp: Path, timeout: float = 180) -> J
         agent_log=(tmp / "agent.log").read_text(),
         checkpoints=checkpoints,
         agent_status=json.loads(status_file.read_text()) if status_file.exists() else {},
-        command=pods.worker_command(worker_pod),
+        command=worker_command(worker_pod),
     )
 
 

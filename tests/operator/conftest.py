@@ -70,7 +70,7 @@ class Operator:
             self.api_client = k8s.ApiClient(configuration)
             return self.api_client
 
-        handlers.register(registry, api_client, self.metrics)
+        handlers.register(registry, handlers.OperatorHandlers(api_client, self.metrics))
         ready = asyncio.Event()
         self.stop_flag = asyncio.Event()
         self.task = asyncio.create_task(

@@ -11,7 +11,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,15 +23,10 @@ from tests.operator.conftest import PODS, eventually
 from tests.operator.test_kopf_kmock import _count_workers, _future, _phase, running_job, workers
 
 from disttrain.api import constants
+from disttrain.common.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def http_get(url: str) -> tuple[int, str]:

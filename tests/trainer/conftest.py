@@ -10,27 +10,22 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 
+from disttrain.common.ports import free_port
 from disttrain.operator.local.forkserver import ForkServers
 
 REPO = Path(__file__).resolve().parents[2]
 TOY = REPO / "tests" / "workers" / "toy.py"
 STORE_SERVER = REPO / "tests" / "trainer" / "workers" / "store_server.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_contract(
@@ -248,6 +243,30 @@ def harness(tmp_path: Path, fork_servers: ForkServers):
     h = Harness(tmp_path, fork_servers)
     yield h
     h.cleanup()
+
+
+def consumed(records: list[dict], steps: range) -> Counter:
+    """How often each sample index was trained on in ``steps``, from a run's records (a replayed step counts again)."""
+    out: Counter = Counter()
+    for r in records:
+        if r["step"] in steps:
+            out.update(r["indices"])
+    return out
+
+
+def bucket_contract(harness: Harness, s3_server: Any, bucket: str, prefix: str, **kw: Any) -> str:
+    """``harness.contract(**kw)`` with its checkpoints in ``s3://<bucket>/<prefix>/`` of ``s3_server``."""
+    contract = json.loads(harness.contract(**kw))
+    contract["checkpoint"] |= {
+        "uri": f"s3://{bucket}/{prefix}/",
+        "s3": {"endpoint": s3_server.endpoint, "region": "us-east-1", "addressingStyle": "path"},
+    }
+    return json.dumps(contract)
+
+
+def bucket_credentials(s3_server: Any) -> dict[str, str]:
+    """What the pod gets from checkpoint.s3.credentialsSecret."""
+    return {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
 
 
 @pytest.fixture(scope="session")

@@ -10,22 +10,14 @@ The dataset (97 samples) is not a multiple of the global batch (12), so steps st
 """
 
 import shutil
-from collections import Counter
 
 import pytest
 import torch
 from tests.checkpoint_tensors import differing, load_tensors
 from tests.trainer import drift
+from tests.trainer.conftest import consumed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def consumed(records: list[dict], steps: range) -> Counter:
-    out: Counter = Counter()
-    for r in records:
-        if r["step"] in steps:
-            out.update(r["indices"])
-    return out
 
 
 def test_a_resume_at_four_ranks_is_bitwise_exact_and_at_two_or_three_within_the_published_drift(harness):

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tests.checkpoint_tensors import assert_readable_by_dcp
-from tests.trainer.conftest import Harness
+from tests.trainer.conftest import Harness, consumed
 
 from disttrain.trainer.checkpoint import export
 
@@ -44,14 +44,6 @@ RESUMES = {
     "bf16-clip": [(3, {})],
     "fp32-async": [(3, {})],
 }
-
-
-def consumed(records: list[dict], steps: range) -> Counter:
-    out: Counter = Counter()
-    for r in records:
-        if r["step"] in steps:
-            out.update(r["indices"])
-    return out
 
 
 def resumed_step(log: str) -> int:

@@ -29,7 +29,7 @@ from disttrain.trainer.checkpoint import commit
 from disttrain.trainer.checkpoint.fence import FencedError
 from disttrain.trainer.checkpoint.manager import CheckpointManager, ModelOptimState
 from disttrain.trainer.checkpoint.objectstore import Location, ObjectStoreCommitter, TransferOptions, parse_uri
-from disttrain.trainer.checkpoint.tiered import BucketTier, Publisher, RecordingStore
+from disttrain.trainer.checkpoint.tiered import BucketTier, Publisher, PublishOptions, RecordingStore
 from disttrain.trainer.checkpoint.uploads import RetryPolicy, Uploader
 
 pytestmark = pytest.mark.timeout(180)
@@ -302,7 +302,7 @@ def test_the_publisher_completes_a_save_only_once_every_rank_recorded_uploads_ma
     c = committer(s3_bucket)
     agreed = c.claim_round()
     published: list = []
-    publisher = Publisher(c, 2, keep=3, on_published=published.append, retry=RetryPolicy(initial_s=0.2, max_s=0.5))
+    publisher = Publisher(c, 2, PublishOptions(3, published.append, RetryPolicy(initial_s=0.2, max_s=0.5)))
     publisher.submit(manifest.model_copy(update={"fence_round": agreed}))
     RecordingStore(c, 0).upload_files(local / "step-4", 4, parts[0], agreed)
     assert c.find_latest() is None  # rank 1's part is not recorded: no COMPLETE, however long one waits
@@ -333,9 +333,7 @@ def test_the_backlog_names_the_saves_waiting_for_the_bucket_and_why_until_it_is_
     shutil.copytree(local, tmp_path / "tier")
     c = committer(s3_bucket)
     agreed = c.claim_round()
-    tier = BucketTier(
-        c, tmp_path / "tier", 0, keep=3, on_published=lambda m: None, retry=RetryPolicy(initial_s=0.2, max_s=0.5)
-    )
+    tier = BucketTier(c, tmp_path / "tier", 0, PublishOptions(3, lambda m: None, RetryPolicy(initial_s=0.2, max_s=0.5)))
     tier.join_group(["this-node"], 1)
     assert tier.backlog() is None
     s3_server.stop_gateway()
@@ -373,7 +371,7 @@ def test_a_tier_that_holds_the_checkpoint_reads_it_from_disk_and_only_the_others
         reader.client.meta.events.register(
             "before-parameter-build.s3.GetObject", lambda params, **_: gets.append(params["Key"])
         )
-        tier = BucketTier(reader, root, 0, keep=3, on_published=lambda m: None)
+        tier = BucketTier(reader, root, 0, PublishOptions(3, lambda m: None))
         assert tier.download(found) == root / "step-4"
         if root is kept:
             assert gets == []

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import re
 
@@ -27,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from tests.manifests import bare_manifest
+from tests.trainer.conftest import bucket_contract, bucket_credentials
 
 from disttrain.api.manifest import MANIFEST_FILE
 from disttrain.api.spec import CheckpointSpec
@@ -48,19 +48,6 @@ KILLS = [
 ]
 
 
-def bucket_contract(harness, s3_server, bucket: str) -> str:
-    contract = json.loads(harness.contract(global_batch=8, micro=1, interval=2, max_steps=10, keep=1))
-    contract["checkpoint"] |= {
-        "uri": f"s3://{bucket}/{PREFIX}/",
-        "s3": {"endpoint": s3_server.endpoint, "region": "us-east-1", "addressingStyle": "path"},
-    }
-    return json.dumps(contract)
-
-
-def credentials(s3_server) -> dict[str, str]:
-    return {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
-
-
 def keys_under(s3_bucket, prefix: str) -> set[str]:
     client, bucket = s3_bucket
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{PREFIX}/{prefix}/")
@@ -80,13 +67,15 @@ def test_a_sigkill_at_every_phase_of_the_buckets_commit_never_leaves_a_complete_
     harness, s3_server, s3_bucket
 ):
     _, bucket = s3_bucket
-    contract = bucket_contract(harness, s3_server, bucket)
+    contract = bucket_contract(
+        harness, s3_server, bucket, PREFIX, global_batch=8, micro=1, interval=2, max_steps=10, keep=1
+    )
     view = ObjectStoreCommitter(s3_bucket[0], Location(bucket, PREFIX))
     resume_from = None
     for i, (phase, at) in enumerate(KILLS):
         name, tier = f"k{i}", harness.tmp / f"tier-{i}"
         rc, log = harness.run(
-            2, contract, name, ckpt=tier, TOY_FAULT=f"kill_at:{phase.value}:{at}", **credentials(s3_server)
+            2, contract, name, ckpt=tier, TOY_FAULT=f"kill_at:{phase.value}:{at}", **bucket_credentials(s3_server)
         )
         killed = re.search(rf"fault injection: SIGKILL at {phase.value} of step (\d+)", log)
         assert rc != 0 and killed, log[-3000:]
@@ -113,7 +102,7 @@ def test_a_sigkill_at_every_phase_of_the_buckets_commit_never_leaves_a_complete_
             assert found is None or found.manifest.order < (round_, step)
         resume_from = found.manifest.step if found else None
 
-    rc, log = harness.run(2, contract, "last", ckpt=harness.tmp / "tier-last", **credentials(s3_server))
+    rc, log = harness.run(2, contract, "last", ckpt=harness.tmp / "tier-last", **bucket_credentials(s3_server))
     assert rc == 0, log[-3000:]
     assert f"resuming from s3://{bucket}/{PREFIX}/step-{resume_from}/r" in log, log[-3000:]
     latest = view.find_latest()
@@ -144,7 +133,7 @@ def test_a_stale_groups_late_save_never_becomes_complete_in_the_bucket(
     claimed its round. Its save commits on its own local tier, its publisher refuses the bucket, and the new group
     resumes from and publishes over the old group's last COMPLETE checkpoint."""
     _, bucket = s3_bucket
-    for key, value in credentials(s3_server).items():
+    for key, value in bucket_credentials(s3_server).items():
         monkeypatch.setenv(key, value)
     spec = CheckpointSpec.model_validate(
         {

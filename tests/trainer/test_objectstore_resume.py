@@ -9,13 +9,12 @@ is down, every COMPLETE in the bucket lists all its bytes, and the last save bec
 
 from __future__ import annotations
 
-import json
 import re
-from collections import Counter
 
 import pytest
 import torch
 from tests.trainer import drift
+from tests.trainer.conftest import bucket_contract, bucket_credentials, consumed
 
 from disttrain.trainer.checkpoint import commit
 from disttrain.trainer.checkpoint.objectstore import Location, ObjectStoreCommitter
@@ -26,31 +25,9 @@ pytestmark = pytest.mark.timeout(300)
 PREFIX = "jobs/toy"
 
 
-def bucket_contract(harness, s3_server, bucket: str, **kw) -> str:
-    contract = json.loads(harness.contract(global_batch=12, micro=1, interval=2, **kw))
-    contract["checkpoint"] |= {
-        "uri": f"s3://{bucket}/{PREFIX}/",
-        "s3": {"endpoint": s3_server.endpoint, "region": "us-east-1", "addressingStyle": "path"},
-    }
-    return json.dumps(contract)
-
-
-def credentials(s3_server) -> dict[str, str]:
-    """What the pod gets from checkpoint.s3.credentialsSecret."""
-    return {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
-
-
 def bucket_view(s3_bucket) -> ObjectStoreCommitter:
     client, bucket = s3_bucket
     return ObjectStoreCommitter(client, Location(bucket, PREFIX))
-
-
-def consumed(records: list[dict], steps: range) -> Counter:
-    out: Counter = Counter()
-    for r in records:
-        if r["step"] in steps:
-            out.update(r["indices"])
-    return out
 
 
 def newest_step(view: ObjectStoreCommitter) -> int:
@@ -60,12 +37,12 @@ def newest_step(view: ObjectStoreCommitter) -> int:
 
 def test_a_job_killed_mid_run_resumes_from_the_bucket_at_another_world_size(harness, s3_server, s3_bucket):
     _, bucket = s3_bucket
-    contract = bucket_contract(harness, s3_server, bucket, max_steps=10)
+    contract = bucket_contract(harness, s3_server, bucket, PREFIX, global_batch=12, micro=1, interval=2, max_steps=10)
     reference = harness.contract(global_batch=12, micro=1, interval=2, max_steps=10)  # on a volume, uninterrupted
     rc, log = harness.run(4, reference, "ref", ckpt=harness.tmp / "ref-volume")
     assert rc == 0, log[-3000:]
 
-    first = harness.start(4, contract, "first", TOY_STEP_SLEEP="0.5", **credentials(s3_server))
+    first = harness.start(4, contract, "first", TOY_STEP_SLEEP="0.5", **bucket_credentials(s3_server))
     view = bucket_view(s3_bucket)
     harness.wait_until("a COMPLETE checkpoint of step 4 or later", lambda: newest_step(view) >= 4, 120)
     harness.kill_tree(first.pid)
@@ -76,7 +53,7 @@ def test_a_job_killed_mid_run_resumes_from_the_bucket_at_another_world_size(harn
     resumed_at = newest.manifest.step
 
     tier = harness.tmp / "new-pod-tier"  # the killed pods' emptyDirs are gone with them
-    rc, log = harness.run(2, contract, "w2", ckpt=tier, **credentials(s3_server))
+    rc, log = harness.run(2, contract, "w2", ckpt=tier, **bucket_credentials(s3_server))
     assert rc == 0, log[-3000:]
     assert f"resuming from s3://{bucket}/{PREFIX}/step-{resumed_at}/r" in log
     assert f"resumed from checkpoint step-{resumed_at} (saved at world size 4) at world size 2" in log
@@ -103,8 +80,12 @@ def test_an_unreachable_bucket_never_stops_training_and_completes_once_back(harn
     (``checkpoint_upload_retry``: 0.2 s doubling to 1 s). A 60 s outage would add a minute to the tier and
     show nothing more. Async saves: the sync ones are the other test's."""
     _, bucket = s3_bucket
-    contract = bucket_contract(harness, s3_server, bucket, max_steps=16, async_save=True)
-    run = harness.start(2, contract, "outage", TOY_STEP_SLEEP="0.2", TOY_UPLOAD_RETRY="0.2,1", **credentials(s3_server))
+    contract = bucket_contract(
+        harness, s3_server, bucket, PREFIX, global_batch=12, micro=1, interval=2, max_steps=16, async_save=True
+    )
+    run = harness.start(
+        2, contract, "outage", TOY_STEP_SLEEP="0.2", TOY_UPLOAD_RETRY="0.2,1", **bucket_credentials(s3_server)
+    )
     harness.wait_for_step("outage", 1, timeout=120)
     view = bucket_view(s3_bucket)
     s3_server.stop_gateway()

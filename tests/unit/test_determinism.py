@@ -7,6 +7,7 @@ import copy
 
 import torch
 from tests.unit.operator.world import job_manifest
+from tests.workerpods import worker_env_dict
 
 from disttrain.api import determinism as api_determinism
 from disttrain.api.contract import WorkerContract
@@ -25,7 +26,7 @@ def make_job(deterministic: bool, user_env: list[dict[str, str]] = ()) -> DistTr
 
 def test_a_deterministic_job_gives_its_workers_the_fixed_cublas_workspace_and_the_contract_says_so():
     job = make_job(True)
-    values = pods.worker_env_dict(pods.build_worker_pod(job, 0))
+    values = worker_env_dict(pods.build_worker_pod(job, 0))
     assert values["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert WorkerContract.from_env_value(values["DISTTRAIN_CONTRACT"]).training.deterministic is True
 
@@ -38,7 +39,7 @@ def test_the_users_own_workspace_setting_is_kept_and_not_doubled():
 
 def test_a_job_without_it_sets_nothing():
     job = make_job(False)
-    assert "CUBLAS_WORKSPACE_CONFIG" not in pods.worker_env_dict(pods.build_worker_pod(job, 0))
+    assert "CUBLAS_WORKSPACE_CONFIG" not in worker_env_dict(pods.build_worker_pod(job, 0))
     assert job.spec.training.deterministic is False
 
 

@@ -153,10 +153,6 @@ class Guardian:
             ]
             return {"total": sum(self._counts.values()), "counts": counts, "recent": recent}
 
-    def remembered(self) -> int:
-        with self._lock:
-            return len(self._last)
-
     # ---- the sweep ------------------------------------------------------------------------------------------
     def key_class(self, key: str) -> str:
         if not key.startswith(self.namespace):

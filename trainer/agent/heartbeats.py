@@ -159,7 +159,7 @@ def state_key(run_id: str) -> str:
 def encode_beat(at: float, *, leaving: bool = False) -> str:
     """The value of a beat: the node's wall-clock time (compared only with other nodes' times, as torch's are).
     ``leaving``: the launcher's last beat, written as it shuts down (its workers finished or failed): the node's
-    silence from then on is its way out, which its pod's exit will say (:func:`is_leaving`)."""
+    silence from then on is its way out, which its pod's exit will say (:func:`parse_beat`)."""
     return json.dumps({"at": round(at, 3), "leaving": True} if leaving else {"at": round(at, 3)})
 
 
@@ -173,18 +173,6 @@ def parse_beat(raw: bytes) -> Optional[tuple[float, bool]]:
     if not isinstance(at, (int, float)) or isinstance(at, bool) or not 0 < at < MAX_BEAT_TIME:
         return None
     return float(at), value.get("leaving") is True
-
-
-def decode_beat(raw: bytes) -> Optional[float]:
-    """The time of a beat; None for anything that is not one."""
-    parsed = parse_beat(raw)
-    return None if parsed is None else parsed[0]
-
-
-def is_leaving(raw: bytes) -> bool:
-    """Whether a beat (one :func:`decode_beat` accepts) is a launcher's last."""
-    parsed = parse_beat(raw)
-    return parsed is not None and parsed[1]
 
 
 def beat_key(run_id: str, node: object) -> str:
@@ -411,7 +399,7 @@ class Beats:
     times: dict[str, datetime.datetime]
     """The last beat of each node that has one."""
     leaving: frozenset[str]
-    """The nodes whose last beat is their launcher's last (:func:`is_leaving`)."""
+    """The nodes whose last beat is their launcher's last (:func:`parse_beat`)."""
 
 
 def read_beats(store: Any, run_id: str, nodes: frozenset[str]) -> Beats:

@@ -482,21 +482,6 @@ def plan_temp_cleanup(root: Path, own_round: int, in_flight: Iterable[str] = ())
     return names
 
 
-def plan_retention(
-    root: Path,
-    keep: int,
-    own_round: int = 0,
-    in_flight: Iterable[str] = (),
-    protected: Iterable[int] = (),
-    is_valid: Optional[Callable[[Path], bool]] = None,
-) -> list[str]:
-    """Both plans at once (full validation of every checkpoint unless ``is_valid`` says otherwise)."""
-    check = is_valid if is_valid is not None else (lambda path: validate(path).ok)
-    return plan_step_deletions(root, keep, check, protected, own_round or None) + plan_temp_cleanup(
-        root, own_round, in_flight
-    )
-
-
 def is_disk_full(exc: BaseException) -> bool:
     """Whether ENOSPC (or EDQUOT) is behind ``exc``: its causes and DCP's per-rank ``failures`` are followed."""
     seen: set[int] = set()

@@ -45,7 +45,7 @@ from disttrain.trainer.checkpoint.committer import CheckpointPhase, Committer, P
 from disttrain.trainer.checkpoint.objectstore import Published
 from disttrain.trainer.checkpoint.saving import InFlightSave, ShardWriter
 from disttrain.trainer.checkpoint.state import ModelOptimState, SchedulerState, TrainerState
-from disttrain.trainer.checkpoint.tiered import BucketTier
+from disttrain.trainer.checkpoint.tiered import BucketTier, PublishOptions
 from disttrain.trainer.checkpoint.uploads import RetryPolicy
 from disttrain.trainer.metrics import TrainerMetrics
 
@@ -147,15 +147,10 @@ class CheckpointManager:
         self._tier_closed = False
         if spec.uri is not None:
             store = tiered.bucket_committer(spec, options.job_uid, options.node, options.upload_retry)
-            self.tier = BucketTier(
-                store,
-                self.root,
-                rank,
-                keep=spec.keep,
-                on_published=self._on_published,
-                retry=options.upload_retry,
-                on_phase=options.on_phase,
+            publishing = PublishOptions(
+                spec.keep, self._on_published, options.upload_retry or RetryPolicy(), options.on_phase
             )
+            self.tier = BucketTier(store, self.root, rank, publishing)
         if rank == 0 or self.tier is not None:
             self.root.mkdir(parents=True, exist_ok=True)
 

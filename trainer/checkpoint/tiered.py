@@ -114,6 +114,18 @@ class RecordingStore:
         return uploaded
 
 
+@dataclasses.dataclass(frozen=True)
+class PublishOptions:
+    """How a job's saves reach the bucket: shared by a rank's :class:`BucketTier` and rank 0's :class:`Publisher`."""
+
+    keep: int
+    """COMPLETE saves the bucket keeps (``spec.checkpoint.keep``)."""
+    on_published: Callable[[CheckpointManifest], None]
+    """Called on rank 0 with each save's manifest once its COMPLETE.json is in the bucket."""
+    retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
+    on_phase: Optional[PhaseHook] = None
+
+
 @dataclasses.dataclass
 class PendingPublish:
     manifest: CheckpointManifest
@@ -124,21 +136,13 @@ class Publisher:
     """Global rank 0's thread: publishes a save's COMPLETE.json once every rank recorded its upload, newest first
     (an older save still waiting once a newer one is complete is dropped), then applies the bucket's retention."""
 
-    def __init__(
-        self,
-        store: ObjectStoreCommitter,
-        world_size: int,
-        keep: int,
-        on_published: Callable[[CheckpointManifest], None],
-        retry: Optional[RetryPolicy] = None,
-        on_phase: Optional[PhaseHook] = None,
-    ) -> None:
+    def __init__(self, store: ObjectStoreCommitter, world_size: int, options: PublishOptions) -> None:
         self.store = store
         self.world_size = world_size
-        self.keep = keep
-        self.on_published = on_published
-        self.retry = retry or RetryPolicy()
-        self.on_phase = on_phase or (lambda phase, step: None)
+        self.keep = options.keep
+        self.on_published = options.on_published
+        self.retry = options.retry
+        self.on_phase = options.on_phase or (lambda phase, step: None)
         self.protected: set[int] = set()
         self.published_step: Optional[int] = None
         self.last_error = ""
@@ -251,25 +255,12 @@ class BucketTier:
     """One rank's side of a job's checkpoints in a bucket: its uploads, its tier's local copies and, on global
     rank 0, the publisher."""
 
-    def __init__(
-        self,
-        store: ObjectStoreCommitter,
-        root: Path,
-        rank: int,
-        *,
-        keep: int,
-        on_published: Callable[[CheckpointManifest], None],
-        retry: Optional[RetryPolicy] = None,
-        on_phase: Optional[PhaseHook] = None,
-    ) -> None:
+    def __init__(self, store: ObjectStoreCommitter, root: Path, rank: int, options: PublishOptions) -> None:
         self.store = store
         self.root = root
         self.rank = rank
-        self.keep = keep
-        self.retry = retry or RetryPolicy()
-        self.on_published = on_published
-        self.on_phase = on_phase
-        self.uploader = Uploader(RecordingStore(store, rank, on_phase), self.retry)  # type: ignore[arg-type]
+        self.options = options
+        self.uploader = Uploader(RecordingStore(store, rank, options.on_phase), options.retry)  # type: ignore[arg-type]
         self.publisher: Optional[Publisher] = None
         self.is_leader = False
         self.world_size = 1
@@ -281,9 +272,7 @@ class BucketTier:
         self.world_size = world_size
         self.is_leader = tier_leaders(identities)[identities[self.rank]] == self.rank
         if self.rank == 0 and self.publisher is None:
-            self.publisher = Publisher(
-                self.store, world_size, self.keep, self.on_published, self.retry, on_phase=self.on_phase
-            )
+            self.publisher = Publisher(self.store, world_size, self.options)
 
     def local_latest(self) -> Optional[CheckpointManifest]:
         found = commit.find_latest(self.root, log=log.warning)

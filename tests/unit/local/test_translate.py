@@ -2,6 +2,8 @@
 
 import sys
 
+from tests.workerpods import worker_command, worker_env_dict
+
 from disttrain.api import env
 from disttrain.api.spec import DistTrainJob
 from disttrain.operator import pods
@@ -42,14 +44,14 @@ def test_the_cluster_pod_becomes_the_same_command_on_localhost(make_job):
     assert "--rdzv-endpoint=127.0.0.1:41234" in argv
     assert argv[-5:] == [sys.executable, "-u", "train.py", "--ckpt", "/tmp/state/ckpt/extra"]
     # Everything else torchrun gets is the builder's, untouched.
-    cluster = pods.worker_command(pod)
+    cluster = worker_command(pod)
     same = [a for a in cluster if "rdzv-endpoint" not in a and a not in ("python",) and "/var/lib" not in a]
     assert all(a in argv for a in same)
     assert spec.env[env.AGENT_ENDPOINT] == "127.0.0.1:41234"
     assert spec.env[env.CHECKPOINT_DIR] == "/tmp/state/ckpt"
     assert spec.env[env.METRICS_PORT] == "45000" and spec.env[env.READY_PORT] == "45001"
     assert spec.env[env.NODE_NAME] == "tr-worker-1"
-    assert spec.env[env.CONTRACT] == pods.worker_env_dict(pod)[env.CONTRACT]
+    assert spec.env[env.CONTRACT] == worker_env_dict(pod)[env.CONTRACT]
     assert spec.env["POD"] == "tr-worker-1" and spec.env["GREETING"] == "hello tr-worker-1"
     assert spec.env["PATH"] == "/usr/bin" and spec.cwd == "/tmp/work"
 

@@ -67,7 +67,7 @@ def test_the_operator_puts_no_finalizer_on_jobs():
     """No handler that makes kopf add a finalizer (a daemon, a timer, an on-delete handler): deleting a job must
     not wait for the operator. kopf still knows the old name, to remove it from jobs an older operator finalized."""
     registry = kopf.OperatorRegistry()
-    handlers.register(registry, lambda: None, OperatorMetrics())  # type: ignore[arg-type,return-value]
+    handlers.register(registry, handlers.OperatorHandlers(lambda: None, OperatorMetrics()))  # type: ignore[arg-type,return-value]
     assert not registry._spawning.get_all_handlers()
     assert not any(h.requires_finalizer for h in registry._changing.get_all_handlers())
     settings = kopf.OperatorSettings()

@@ -8,6 +8,7 @@ import json
 import kubernetes_validate
 import pytest
 from tests.unit.operator.world import job_manifest
+from tests.workerpods import worker_command, worker_env_dict
 
 from disttrain.api import env, pulse
 from disttrain.api.contract import WorkerContract
@@ -58,7 +59,7 @@ def test_an_invalid_object_is_refused_by_the_validator():
 def test_worker_pod_runs_the_training_command_under_torchrun():
     job = make_job()
     pod = pods.build_worker_pod(job, 1)
-    argv = pods.worker_command(pod)
+    argv = worker_command(pod)
     assert argv[:3] == ["python", "-m", "disttrain.trainer.launch"]  # torchrun, ending with the user's exit code
     assert "--nnodes=1:4" in argv and "--nproc-per-node=1" in argv
     assert "--rdzv-backend=disttrain" in argv
@@ -106,14 +107,14 @@ def test_worker_pod_identity_labels_and_owner():
 
 def test_a_replacement_pod_keeps_the_node_index_it_takes_under_another_name():
     pod = pods.build_worker_pod(make_job(), 1, name="demo-worker-1-1")
-    values = pods.worker_env_dict(pod)
+    values = worker_env_dict(pod)
     assert pod["metadata"]["name"] == pod["spec"]["hostname"] == values[env.NODE_NAME] == "demo-worker-1-1"
     assert pod["metadata"]["labels"]["disttrain.dev/node-index"] == values[env.NODE_INDEX] == "1"
 
 
 def test_worker_env_carries_the_contract_and_drops_user_spoofing():
     job = make_job()
-    values = pods.worker_env_dict(pods.build_worker_pod(job, 0))
+    values = worker_env_dict(pods.build_worker_pod(job, 0))
     assert values["USER_VAR"] == "1"
     assert values[env.NODE_NAME] == "demo-worker-0" and values[env.NODE_INDEX] == "0"
     assert values[env.CHECKPOINT_DIR] == "/var/lib/disttrain/checkpoints/default/demo"
@@ -129,9 +130,9 @@ def test_worker_env_carries_the_contract_and_drops_user_spoofing():
 
 def test_local_runtime_can_override_endpoint_and_checkpoint_dir():
     pod = pods.build_worker_pod(make_job(), 0, endpoint="127.0.0.1:5555", checkpoint_directory="/tmp/ck")
-    values = pods.worker_env_dict(pod)
+    values = worker_env_dict(pod)
     assert values[env.AGENT_ENDPOINT] == "127.0.0.1:5555" and values[env.CHECKPOINT_DIR] == "/tmp/ck"
-    assert "--rdzv-endpoint=127.0.0.1:5555" in pods.worker_command(pod)
+    assert "--rdzv-endpoint=127.0.0.1:5555" in worker_command(pod)
 
 
 def bucket_job(s3: dict | None = None, limit: str | None = None, user_env: list | None = None) -> DistTrainJob:
@@ -159,13 +160,13 @@ def test_a_bucket_gets_an_empty_dir_as_its_local_tier_and_the_secret_s_credentia
     assert by_name["AWS_SESSION_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
     assert [e["name"] for e in trainer["env"]].count("AWS_ACCESS_KEY_ID") == 1  # the template's value gave way
     assert by_name["USER_VAR"]["value"] == "1"
-    contract = WorkerContract.from_env_value(pods.worker_env_dict(pod)[env.CONTRACT])
+    contract = WorkerContract.from_env_value(worker_env_dict(pod)[env.CONTRACT])
     assert contract.checkpoint.uri == "s3://ckpt-bucket/jobs" and contract.checkpoint.s3 is not None
     assert (contract.checkpoint.s3.endpoint, contract.checkpoint.s3.addressing_style.value) == (
         "http://rgw:8080",
         "path",
     )
-    assert pods.worker_env_dict(pod)[env.CHECKPOINT_DIR] == "/local-tier/default/demo"
+    assert worker_env_dict(pod)[env.CHECKPOINT_DIR] == "/local-tier/default/demo"
 
 
 def test_without_a_secret_a_bucket_job_s_pod_has_no_credentials_but_its_own():
@@ -364,7 +365,7 @@ def test_a_worker_reads_ready_when_its_launcher_listens_and_a_probe_of_the_users
     """The readiness port is how the operator knows a newcomer's workers start warm
     (disttrain.trainer.launch.readiness)."""
     [container] = pods.build_worker_pod(make_job(), 0)["spec"]["containers"]
-    port = int(pods.worker_env_dict({"spec": {"containers": [container]}})[env.READY_PORT])
+    port = int(worker_env_dict({"spec": {"containers": [container]}})[env.READY_PORT])
     assert container["readinessProbe"] == {"tcpSocket": {"port": port}, "periodSeconds": 1}
     assert port not in {p["containerPort"] for p in container["ports"]}  # never one of the metrics ports
     manifest = job_manifest(replicas=2)

@@ -7,7 +7,7 @@ import logging
 import kopf
 import pytest
 
-from disttrain.operator.handlers import WATCH_SINKS, configure, register
+from disttrain.operator.handlers import WATCH_SINKS, OperatorHandlers, configure, register
 from disttrain.operator.metrics import OperatorMetrics
 
 
@@ -36,7 +36,7 @@ def test_the_quieted_names_are_the_handlers_that_feed_the_caches() -> None:
     from prometheus_client import CollectorRegistry
 
     registry = kopf.OperatorRegistry()
-    register(registry, lambda: None, OperatorMetrics(CollectorRegistry()))  # type: ignore[arg-type, return-value]
+    register(registry, OperatorHandlers(lambda: None, OperatorMetrics(CollectorRegistry())))  # type: ignore[arg-type, return-value]
     handler_ids = {str(h.id) for h in registry._watching.get_all_handlers()}
     for sink in WATCH_SINKS:
         assert any(i.endswith(f".{sink}") for i in handler_ids), (sink, handler_ids)

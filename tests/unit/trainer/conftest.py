@@ -1,11 +1,26 @@
-"""Fixtures shared by the trainer's unit tests."""
+"""Fixtures and helpers shared by the trainer's unit tests."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from disttrain.common.ports import free_port
+from disttrain.trainer.checkpoint import commit
+
+
+def plan_retention(
+    root: Path, keep: int, own_round: int = 0, in_flight: Iterable[str] = (), protected: Iterable[int] = ()
+) -> list[str]:
+    """Both of the committer's retention plans at once, every checkpoint fully validated: the steps to delete
+    (:func:`~disttrain.trainer.checkpoint.commit.plan_step_deletions`), then the temporary directories."""
+    valid = lambda path: commit.validate(path).ok  # noqa: E731
+    return commit.plan_step_deletions(root, keep, valid, protected, own_round or None) + commit.plan_temp_cleanup(
+        root, own_round, in_flight
+    )
 
 
 @pytest.fixture

@@ -9,10 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from tests.checkpoint_tensors import load_tensors
+from tests.manifests import bare_manifest
 
-from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.spec import CheckpointSpec
-from disttrain.trainer import sampler
 from disttrain.trainer.checkpoint import commit, storage, writeback
 from disttrain.trainer.checkpoint import manager as ckpt_mod
 
@@ -47,28 +46,11 @@ def test_tensors_spanning_several_writeback_slices_round_trip_with_digests_of_th
         assert commit.file_digest(tmp_path / name, "crc32").digest == writer.digests[name][1]
     meta = commit.file_digest(tmp_path / commit.METADATA_FILE, "sha256")
     commit.write_manifest(  # committed: the reader unpickles .metadata only once it matches this hash
-        tmp_path, _manifest(0).model_copy(update={"metadata_sha256": meta.digest.split(":", 1)[1]})
+        tmp_path, bare_manifest(0, metadata_sha256=meta.digest.split(":", 1)[1])
     )
     loaded = load_tensors(tmp_path, prefix="")
     for key in ("big", "exact", "small", "empty"):
         assert torch.equal(loaded[key], state[key]), key
-
-
-def _manifest(step: int) -> CheckpointManifest:
-    return CheckpointManifest(
-        step=step,
-        samples_consumed=0,
-        data_cursor=0,
-        world_size=1,
-        plan={},
-        lr_scale=1.0,
-        dataset=sampler.fingerprint(1, 0),
-        metadata_sha256="-",
-        files={},
-        created_at="-",
-        code_version="test",
-        config_hash="-",
-    )
 
 
 def test_a_save_after_the_state_gained_tensors_holds_them_despite_the_cached_plan(tmp_path, one_process_group):
@@ -77,13 +59,13 @@ def test_a_save_after_the_state_gained_tensors_holds_them_despite_the_cached_pla
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     state = {"app": ckpt_mod.ModelOptimState(model, opt), "trainer": ckpt_mod.TrainerState()}
     manager = ckpt_mod.CheckpointManager(tmp_path, CheckpointSpec(keep=3), 0, 1, dist.group.WORLD)
-    manager.save(1, state, _manifest(1))  # no optimizer state yet: the plan DCP caches has none
+    manager.save(1, state, bare_manifest(1))  # no optimizer state yet: the plan DCP caches has none
     model(torch.randn(5, 4)).sum().backward()
     opt.step()
-    manager.save(2, state, _manifest(2))  # the moments exist now
+    manager.save(2, state, bare_manifest(2))  # the moments exist now
     with torch.no_grad():
         model.weight.add_(1.0)
-    manager.save(3, state, _manifest(3))  # same layout: the cached plan, new values
+    manager.save(3, state, bare_manifest(3))  # same layout: the cached plan, new values
     manager.close()
     second, third = load_tensors(tmp_path / "step-2"), load_tensors(tmp_path / "step-3")
     moments = [k for k in second if k.startswith("app.optim.state.")]
@@ -106,7 +88,7 @@ def test_checkpoints_whose_items_are_raw_tensor_bytes_still_load(tmp_path, one_p
     dcp.save(state, storage_writer=storage.CheckpointWriter(str(tmp_path)))
     monkeypatch.undo()
     meta = commit.file_digest(tmp_path / commit.METADATA_FILE, "sha256")
-    commit.write_manifest(tmp_path, _manifest(0).model_copy(update={"metadata_sha256": meta.digest.split(":", 1)[1]}))
+    commit.write_manifest(tmp_path, bare_manifest(0, metadata_sha256=meta.digest.split(":", 1)[1]))
     assert sum(p.stat().st_size for p in tmp_path.glob("*.distcp")) == 5 * 3 * 4 + 4 * 2  # raw: no archive
     loaded = load_tensors(tmp_path, prefix="")
     for key, value in state.items():

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pydantic
 import pytest
+from tests.unit.trainer.conftest import plan_retention
 
 from disttrain.api.manifest import MANIFEST_FILE, CheckpointManifest, DatasetFingerprint
 from disttrain.trainer.checkpoint import commit, fence
@@ -131,15 +132,15 @@ def test_retention_after_a_fallback_from_a_corrupt_checkpoint_keeps_the_valid_on
     (make_checkpoint(tmp_path, 100) / "__0_0.distcp").write_bytes(b"z" * 1000)
     make_checkpoint(tmp_path, 95)
     # The corrupt step-100 neither counts towards keep nor is kept: it is cleaned; the loaded step-90 stays.
-    assert commit.plan_retention(tmp_path, keep=1, protected=[90, 95]) == ["step-100"]
-    assert commit.plan_retention(tmp_path, keep=1, protected=[95]) == ["step-100", "step-90"]
+    assert plan_retention(tmp_path, keep=1, protected=[90, 95]) == ["step-100"]
+    assert plan_retention(tmp_path, keep=1, protected=[95]) == ["step-100", "step-90"]
 
 
 def test_retention_never_counts_a_checkpoint_without_a_manifest_and_removes_it(tmp_path):
     make_checkpoint(tmp_path, 2)
     make_checkpoint(tmp_path, 4)
     (make_checkpoint(tmp_path, 6) / MANIFEST_FILE).unlink()
-    assert commit.plan_retention(tmp_path, keep=1) == ["step-6", "step-2"]
+    assert plan_retention(tmp_path, keep=1) == ["step-6", "step-2"]
 
 
 @pytest.mark.parametrize(
@@ -178,7 +179,7 @@ def test_retention_removes_torn_saves_but_not_the_one_in_flight(tmp_path):
     (tmp_path / commit.tmp_dir_name(6, "dead", 3)).mkdir()
     (tmp_path / commit.tmp_dir_name(8, "live", 3)).mkdir()
     live = commit.tmp_dir_name(8, "live", 3)
-    commit.delete(tmp_path, commit.plan_retention(tmp_path, keep=1, own_round=3, in_flight=[live]))
+    commit.delete(tmp_path, plan_retention(tmp_path, keep=1, own_round=3, in_flight=[live]))
     assert sorted(p.name for p in tmp_path.iterdir()) == [live, "step-4"]
 
 

@@ -7,6 +7,7 @@ import pickle
 from pathlib import Path
 
 import pytest
+from tests.unit.trainer.conftest import plan_retention
 
 from disttrain.api.manifest import MANIFEST_FILE, CheckpointManifest, DatasetFingerprint
 from disttrain.trainer.checkpoint import commit, fence, storage
@@ -139,7 +140,7 @@ def test_retention_cleans_invalid_and_look_alike_entries_but_never_the_newest_or
     (tmp_path / "step-4.bak").write_text("x")
     (tmp_path / "step-").mkdir()
     (tmp_path / "unrelated").mkdir()
-    planned = commit.plan_retention(tmp_path, keep=1, own_round=2)
+    planned = plan_retention(tmp_path, keep=1, own_round=2)
     assert planned == ["step-", "step-04", "step-4.bak", "step-6", "step-7", "step-9", "step-2"]
     commit.delete(tmp_path, planned)
     assert names(tmp_path) == ["step-4", "step-8", "unrelated"]
@@ -153,7 +154,7 @@ def test_retention_never_removes_a_newer_rounds_temp_dir_nor_the_save_in_flight(
         commit.tmp_dir_name(3, "next", 3),
     ]:
         (tmp_path / name).mkdir()
-    planned = commit.plan_retention(tmp_path, keep=1, own_round=2, in_flight=[commit.tmp_dir_name(3, "live", 2)])
+    planned = plan_retention(tmp_path, keep=1, own_round=2, in_flight=[commit.tmp_dir_name(3, "live", 2)])
     assert planned == [commit.tmp_dir_name(3, "dead", 1)]
 
 
@@ -184,7 +185,7 @@ def test_a_step_directory_that_is_a_link_is_invalid_and_retention_unlinks_only_t
         "followed)); falling back to an older checkpoint"
     ]
     assert commit.newest_committed(root) == (1, "step-2")  # the link's round 50 is not believed either
-    planned = commit.plan_retention(root, keep=1, own_round=1)
+    planned = plan_retention(root, keep=1, own_round=1)
     assert planned == ["step-9"]
     commit.delete(root, planned)
     assert names(root) == ["step-2"]

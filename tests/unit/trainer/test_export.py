@@ -12,32 +12,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 from tests.checkpoint_tensors import assert_readable_by_dcp
+from tests.manifests import bare_manifest
 
-from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.spec import CheckpointSpec
 from disttrain.common.ports import free_port
 from disttrain.operator import cli
-from disttrain.trainer import sampler
 from disttrain.trainer.checkpoint import export
 from disttrain.trainer.checkpoint import manager as ckpt_mod
-
-
-def _manifest(step: int) -> CheckpointManifest:
-    return CheckpointManifest(
-        step=step,
-        samples_consumed=0,
-        data_cursor=0,
-        world_size=1,
-        plan={},
-        lr_scale=1.0,
-        dataset=sampler.fingerprint(1, 0),
-        metadata_sha256="-",
-        files={},
-        created_at="-",
-        code_version="test",
-        config_hash="-",
-        job="ns/demo",
-    )
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +33,11 @@ def trained(tmp_path_factory):
         opt = torch.optim.AdamW(model.parameters(), lr=0.1)
         state = {"app": ckpt_mod.ModelOptimState(model, opt), "trainer": ckpt_mod.TrainerState()}
         manager = ckpt_mod.CheckpointManager(root, CheckpointSpec(keep=3), 0, 1, dist.group.WORLD)
-        manager.save(1, state, _manifest(1))
+        manager.save(1, state, bare_manifest(1, job="ns/demo"))
         x = model[0](torch.randn(4, 6)).relu()
         model[2](x.to(torch.bfloat16)).float().sum().backward()
         opt.step()
-        manager.save(2, state, _manifest(2))
+        manager.save(2, state, bare_manifest(2, job="ns/demo"))
         manager.close()
     finally:
         dist.destroy_process_group()

@@ -282,7 +282,7 @@ def test_an_agent_started_beside_a_running_group_holds_its_verdicts_until_every_
     "raw", [b"", b"not json", b"[]", b'{"at": "1"}', b'{"at": true}', b'{"at": -1}', b'{"at": 1e308}', b'{"at": NaN}']
 )
 def test_a_beat_that_is_not_a_time_is_no_beat(raw: bytes) -> None:
-    assert hb.decode_beat(raw) is None
+    assert hb.parse_beat(raw) is None
 
 
 def test_a_beat_raises_the_heartbeat_of_a_node_in_the_state_and_names_nobody_else() -> None:
@@ -300,12 +300,13 @@ def test_a_beat_raises_the_heartbeat_of_a_node_in_the_state_and_names_nobody_els
         repr(B): T0 + timedelta(seconds=10),
         repr(C): T0 + timedelta(seconds=11),
     }
-    assert hb.decode_beat(hb.encode_beat(1_800_000_000.25).encode()) == 1_800_000_000.25
+    assert hb.parse_beat(hb.encode_beat(1_800_000_000.25).encode()) == (1_800_000_000.25, False)
 
 
 def test_a_last_beat_is_a_beat_that_says_so_and_nothing_else_does() -> None:
     last = hb.encode_beat(1_800_000_000.25, leaving=True).encode()
-    assert hb.decode_beat(last) == 1_800_000_000.25 and hb.is_leaving(last)
-    assert not hb.is_leaving(hb.encode_beat(1_800_000_000.25).encode())
-    for raw in (b'{"leaving": true}', b'{"at": -1, "leaving": true}', b'{"at": 5, "leaving": 1}', b"garbage"):
-        assert not hb.is_leaving(raw), raw
+    assert hb.parse_beat(last) == (1_800_000_000.25, True)
+    assert hb.parse_beat(hb.encode_beat(1_800_000_000.25).encode()) == (1_800_000_000.25, False)
+    for raw in (b'{"leaving": true}', b'{"at": -1, "leaving": true}', b"garbage"):
+        assert hb.parse_beat(raw) is None, raw
+    assert hb.parse_beat(b'{"at": 5, "leaving": 1}') == (5.0, False)

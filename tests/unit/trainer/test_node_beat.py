@@ -24,12 +24,12 @@ def test_a_launcher_that_shuts_down_leaves_a_last_beat_that_says_so() -> None:
     deadline = time.monotonic() + 5
     while not store.check([KEY]) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not hb.is_leaving(last_beat(store))
-    before = hb.decode_beat(last_beat(store))
+    before = hb.parse_beat(last_beat(store))
+    assert before is not None and not before[1]
     beat.leave()
     assert not beat._thread.is_alive()
-    raw = last_beat(store)
-    assert hb.is_leaving(raw) and (hb.decode_beat(raw) or 0) >= (before or 0)
+    last = hb.parse_beat(last_beat(store))
+    assert last is not None and last[1] and last[0] >= before[0]
 
 
 def test_a_beat_stopped_without_leaving_writes_no_last_beat() -> None:
@@ -39,7 +39,8 @@ def test_a_beat_stopped_without_leaving_writes_no_last_beat() -> None:
     time.sleep(0.05)
     beat.stop()
     beat._thread.join(5)
-    assert not hb.is_leaving(last_beat(store))
+    parsed = hb.parse_beat(last_beat(store))
+    assert parsed is not None and not parsed[1]
 
 
 def test_a_last_beat_the_store_refuses_does_not_hold_the_shutdown() -> None:

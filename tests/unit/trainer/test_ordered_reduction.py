@@ -26,7 +26,7 @@ def test_every_world_size_forms_the_same_micro_batches(cursor, micro, m):
         for rank in range(world):
             positions = sampler.rank_positions(cursor, global_batch, world, rank)
             for k, batch in enumerate(ordered_reduction.micro_indices(positions, accum)):
-                got[ordered_reduction.global_micro_batch(k, world, rank)] = batch
+                got[k * world + rank] = batch  # j = k*W + r: the order OrderedReducer sums in
         assert got == expected, f"world size {world}"
 
 
