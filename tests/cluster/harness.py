@@ -42,6 +42,25 @@ def eventually(check: Callable[[], T], timeout: float = 30, interval: float = 0.
     raise AssertionError(f"{what or 'condition'} not met within {timeout:.0f} s; last value: {last!r}")
 
 
+def while_progressing(
+    check: Callable[[], T], progress: Callable[[], Any], stall: float, interval: float = 0.5, what: str = ""
+) -> T:
+    """:func:`eventually`, with a deadline that moves while the job moves: it fails once ``progress()`` (a step, the
+    pods' phases) has not changed for ``stall`` seconds. A loaded machine slows every step and start, which no fixed
+    deadline fits; a job that is stuck still fails ``stall`` seconds after it stopped."""
+    last_progress, moved = progress(), time.monotonic()
+    last: Any = None
+    while time.monotonic() - moved < stall:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+        now_progress = progress()
+        if now_progress != last_progress:
+            last_progress, moved = now_progress, time.monotonic()
+    raise AssertionError(f"{what or 'condition'}: no progress for {stall:.0f} s (at {last_progress!r})")
+
+
 class Cluster:
     """kubectl and REST helpers for one test's namespace and job."""
 
@@ -412,7 +431,12 @@ def agent_node_loss(
         status = cluster.status(name)
         return status if status.get("phase") == "Running" and status.get("step", 0) >= 5 else None
 
-    before = eventually(training, timeout=180, what="2 nodes training (real agent progress)") or {}
+    def started() -> tuple[Any, ...]:
+        pods = [*cluster.pods().values(), *cluster.pods("agent").values()]
+        status = cluster.status(name)
+        return (sorted(str(p.get("status", {}).get("phase")) for p in pods), status.get("phase"), status.get("step"))
+
+    before = while_progressing(training, started, stall=90, what="2 nodes training (real agent progress)") or {}
     old = cluster.pods("agent")[f"{name}-agent"]
     node = old["spec"]["nodeName"]
     workers_before = {n: p["metadata"]["uid"] for n, p in cluster.live_workers().items()}
@@ -442,7 +466,13 @@ def agent_node_loss(
     eventually(back, timeout=120, interval=0.1, what="a new agent pod running")
     workers_when_back = {n: p["metadata"]["uid"] for n, p in cluster.live_workers().items()}
     status = (
-        eventually(lambda: cluster.phase(name, "Succeeded"), timeout=180, interval=0.5, what="the job Succeeded") or {}
+        while_progressing(
+            lambda: cluster.phase(name, "Succeeded"),
+            lambda: cluster.status(name).get("step"),
+            stall=60,
+            what="the job Succeeded",
+        )
+        or {}
     )
     time.sleep(1)  # the last lines reach the logs
     events = cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/events")["items"]
