@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import socket
+import struct
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
@@ -156,6 +158,9 @@ async def answers(host: str, port: int, timeout: float) -> bool:
         transport, _protocol = await asyncio.wait_for(loop.create_connection(asyncio.Protocol, host, port), timeout)
     except (OSError, asyncio.TimeoutError):
         return False
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset: no TIME_WAIT here
     transport.abort()
     return True
 

@@ -5,7 +5,9 @@ the operator's real clock."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import pathlib
 import signal
 import socket
 import subprocess
@@ -58,8 +60,8 @@ async def judge_until(beats: AgentBeats, agent: PodView, seconds: float, links: 
 
 @pytest.fixture
 def agent_process():
-    """An agent's pulse server in a process of its own, which the test may freeze (SIGSTOP: a machine that died
-    sends nothing, not even a FIN) or kill; its port."""
+    """An agent's pulse server in a process of its own, which the test may freeze (SIGSTOP: a starved process; with
+    its accept queue full, a machine that died, which answers nothing) or kill; its port."""
     code = (
         "import sys, time\n"
         "from disttrain.trainer.agent.pulse import PulseServer\n"
@@ -86,6 +88,22 @@ def server():
     started.stop()
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """SIGSTOP, returning once every thread of ``proc`` has stopped (the kernel stops them only after the one woken
+    for the signal runs: on a loaded machine the server accepted connections meanwhile)."""
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while True:
+        states = []
+        for task in pathlib.Path(f"/proc/{proc.pid}/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                states.append(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0])
+        if all(state in "Tt" for state in states):
+            return
+        assert time.monotonic() < deadline, "the agent's threads did not stop within 30 s"
+        time.sleep(0.01)
+
+
 def fill_backlog(port: int, count: int = MAX_PENDING + 16) -> list[socket.socket]:
     """Connections that fill the accept queue of a stopped server's port: its kernel then drops new SYNs, as a
     powered-off machine answers nothing."""
@@ -110,7 +128,7 @@ async def test_a_live_agent_is_never_silent_and_a_dead_one_is_found_about_a_seco
     try:
         assert await judge_until(beats, AGENT, 2.0, links) == "", "pulsing: never silent"
         if death == "machine":  # nothing more is sent, not even a FIN, and no connection is accepted
-            proc.send_signal(signal.SIGSTOP)
+            stop(proc)
             held = fill_backlog(port)
         else:  # its process is killed: a FIN, and its port refuses
             proc.send_signal(signal.SIGKILL)
@@ -134,13 +152,13 @@ async def test_an_agent_starved_for_seconds_is_not_taken_for_lost_and_a_hung_one
     links.follow(KEY, agent_pod(port))
     try:
         assert await judge_until(beats, AGENT, 0.5, links) == ""
-        proc.send_signal(signal.SIGSTOP)
+        stop(proc)
         assert await judge_until(beats, AGENT, 2 * constants.AGENT_PULSE_SILENT_SECONDS, links) == "", "starved: alive"
         proc.send_signal(signal.SIGCONT)
         assert await judge_until(beats, AGENT, 0.5, links) == ""
         assert links.count == 1
         monkeypatch.setattr(agentbeat, "HUNG_S", 1.5)
-        proc.send_signal(signal.SIGSTOP)
+        stop(proc)
         stopped = time.monotonic()
         assert await judge_until(beats, AGENT, 3.0, links) == PULSE
         assert time.monotonic() - stopped >= 1.5 - PERIOD_S, "judged before it was hung"
