@@ -21,7 +21,13 @@ The **pulse** (:mod:`disttrain.trainer.agent.pulse`) finds a dead agent in about
 no API write: the operator holds a TCP connection to the agent pod's IP and the agent sends a byte every 0.2 s. The
 agent is silent when the pulse of the current agent pod (its uid, in the connection's first line) came at least
 twice and then not for :data:`~disttrain.api.constants.AGENT_PULSE_SILENT_SECONDS`, unless its last word said it
-stops (a clean exit: its job ended; the pod's phase tells the rest). A pulse that never came (no
+stops (a clean exit: its job ended; the pod's phase tells the rest), or its pod's node answered meanwhile. A pulse
+silent for :data:`PROBE_AFTER_S` makes the adapter *probe* the agent pod: it opens a TCP connection to its pulse port
+(:func:`disttrain.operator.pulses.answers`), which the node's kernel accepts from the listening socket's backlog
+without any CPU time of the agent's process. So an answer proves the node is up and the agent's process holds its
+socket (a dead process's port refuses, a dead node answers nothing): the agent is alive but starved (a busy node, a
+long pause of its interpreter), and its silence counts from the probe's start, as if it had pulsed then. An agent
+whose node answers but that has not pulsed for :data:`HUNG_S` is hung, and silent. A pulse that never came (no
 connection: an older agent, a NetworkPolicy without the operator, a network plugin in the way) judges nothing, and
 the Lease's rule still holds. The operator's own stalls are not the agent's: after the adapter's checks paused for
 :data:`STALL_S` (its event loop busy, its process starved), every pulse's silence counts from the end of the pause,
@@ -52,6 +58,10 @@ CHECK_S = 0.1
 """How often the adapter looks for silent agents (a pulse's silence is judged to this)."""
 STALL_S = 0.5
 """A pause of the adapter's checks this long is the operator's stall: the pulses' silences restart after it."""
+PROBE_AFTER_S = 0.5
+"""A pulse silent this long gets its node probed (half the least silence judged: the answer is in before it)."""
+HUNG_S = 10.0
+"""An agent whose node answers the probes but that has not pulsed for this long is hung: silent all the same."""
 LEASE = "silent in its Lease"
 PULSE = "its pulse stopped"
 """Why an agent was found silent (:meth:`AgentBeats.silence`), for its Event."""
@@ -86,6 +96,15 @@ class Pulse:
     announced: bool = False
     ended: bool = False
     """The agent said it stops (a clean exit): its silence is no loss."""
+    answered_at: Optional[float] = None
+    """When the latest probe that the agent's node answered began (the operator's monotonic time)."""
+    probing: bool = False
+    """A probe of the agent's node is under way."""
+
+    @property
+    def alive_at(self) -> float:
+        """The latest sign of life: a pulse, or the start of a probe that the agent's node answered."""
+        return self.seen_at if self.answered_at is None else max(self.seen_at, self.answered_at)
 
 
 class AgentBeats:
@@ -116,6 +135,25 @@ class AgentBeats:
         pulse = self._pulses.get(key)
         if pulse is not None and pulse.uid == uid:
             pulse.ended = True
+
+    def to_probe(self, now: float) -> list[tuple[JobKey, str]]:
+        """The agent pods (job, uid) whose pulse is silent for :data:`PROBE_AFTER_S` since their latest sign of life
+        and whose node is not being probed yet: the adapter probes each and reports with :meth:`probed`."""
+        due = []
+        for key, pulse in self._pulses.items():
+            if not pulse.probing and not pulse.ended and pulse.pulses >= 2 and now - pulse.alive_at > PROBE_AFTER_S:
+                pulse.probing = True
+                due.append((key, pulse.uid))
+        return due
+
+    def probed(self, key: JobKey, uid: str, began: float, answered: bool) -> None:
+        """The probe of agent pod ``uid`` begun at ``began`` is over: its node accepted the connection or not."""
+        pulse = self._pulses.get(key)
+        if pulse is None or pulse.uid != uid:
+            return
+        pulse.probing = False
+        if answered:
+            pulse.answered_at = began if pulse.answered_at is None else max(pulse.answered_at, began)
 
     def checked(self, now: float) -> None:
         """The adapter looks now; after a pause of :data:`STALL_S` the pulses' silences restart (see the module)."""
@@ -186,7 +224,7 @@ def pulse_is_silent(pulse: Pulse, agent_uid: str, now: float, silent_s: float) -
     """The pulse rule of the module docstring, for the last pulse heard and the current agent pod's uid."""
     if not agent_uid or pulse.uid != agent_uid or pulse.pulses < 2 or pulse.ended:
         return False
-    return now - pulse.seen_at > silent_s
+    return now - pulse.alive_at > silent_s or now - pulse.seen_at > HUNG_S
 
 
 def is_silent(beat: Beat, agent_uid: str, now: float, silent_s: float) -> bool:

@@ -808,6 +808,8 @@ class OperatorHandlers:
             self.beats.checked(now)
             if tick % PRUNE_LINKS_EVERY == 0:
                 self.links.prune(self.agent_uid)
+            for key, uid in self.beats.to_probe(now):
+                self.links.probe(key, uid, now)
             for (namespace, name), why in self.beats.newly_silent(self.agent_of, now):
                 self.agent_silent(namespace, name, why)
 

@@ -12,7 +12,7 @@ name the pod the operator meant (:func:`disttrain.api.pulse.hello`; an IP is reu
 The links follow the pod watch: :meth:`PulseLinks.follow` for every agent pod event (a Running pod with an IP and a
 pulse port gets a link, anything else loses it), :meth:`PulseLinks.forget` when the pod is gone. A link that fails
 (refused, reset, closed, a wrong first line) tries again every :data:`RETRY_S` while its pod is current; it never
-judges: :mod:`disttrain.operator.agentbeat` does, from the pulses' times.
+judges: :mod:`disttrain.operator.agentbeat` does, from the pulses' times and the answers to :meth:`PulseLinks.probe`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import socket
+import struct
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
@@ -35,6 +37,8 @@ HELLO_TIMEOUT_S = 2.0
 RETRY_S = 0.5
 HELLO_LIMIT = 128
 """The longest first line taken: the magic and a pod uid."""
+PROBE_TIMEOUT_S = 1.0
+"""How long a probe waits for the agent's node to accept its connection."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +75,7 @@ class PulseLinks:
         self._operator_key = operator_key
         """The operator's own key: each job's pulse key is derived from it (:func:`disttrain.api.pulse.job_key`)."""
         self._links: dict[str, tuple[Target, asyncio.Task[None]]] = {}
+        self._probes: set[asyncio.Task[None]] = set()
 
     def follow(self, key: JobKey, pod: Mapping[str, Any]) -> None:
         """An event of the job's agent pod: link to its pulse when it has one, unlink it when it no longer does."""
@@ -96,9 +101,26 @@ class PulseLinks:
             if current(target.key) != uid:
                 self.forget(uid)
 
+    def probe(self, key: JobKey, uid: str, began: float) -> None:
+        """Ask whether agent pod ``uid``'s node accepts a connection on its pulse port (:func:`answers`), and tell
+        :meth:`AgentBeats.probed`; a pod without a link answers nothing."""
+        link = self._links.get(uid)
+        if link is None:
+            self.beats.probed(key, uid, began, answered=False)
+            return
+
+        async def run(target: Target) -> None:
+            self.beats.probed(key, uid, began, await answers(target.host, target.port, PROBE_TIMEOUT_S))
+
+        task = asyncio.create_task(run(link[0]), name=f"probe {key[0]}/{key[1]}")
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
     async def close(self) -> None:
         """Close every link and wait until they are closed."""
-        tasks = [task for _target, task in self._links.values()]
+        tasks = [task for _target, task in self._links.values()] + list(self._probes)
+        for task in self._probes:
+            task.cancel()
         for uid in list(self._links):
             self.forget(uid)
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -124,6 +146,23 @@ class PulseLinks:
                 if transport is not None:
                     transport.close()
             await asyncio.sleep(RETRY_S)
+
+
+async def answers(host: str, port: int, timeout: float) -> bool:
+    """Whether ``host:port`` accepts a TCP connection within ``timeout``. The agent's kernel completes it from the
+    listening socket's backlog however starved the agent's process is, so an answer says the node is up and the
+    process holds its port; a dead process's port refuses, a dead node answers nothing. The connection is reset at
+    once: the agent, when it runs, finds it gone."""
+    loop = asyncio.get_running_loop()
+    try:
+        transport, _protocol = await asyncio.wait_for(loop.create_connection(asyncio.Protocol, host, port), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset: no TIME_WAIT here
+    transport.abort()
+    return True
 
 
 class _PulseReader(asyncio.Protocol):

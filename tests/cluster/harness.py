@@ -42,6 +42,50 @@ def eventually(check: Callable[[], T], timeout: float = 30, interval: float = 0.
     raise AssertionError(f"{what or 'condition'} not met within {timeout:.0f} s; last value: {last!r}")
 
 
+def while_progressing(
+    check: Callable[[], T],
+    progress: Callable[[], Any],
+    stall: float,
+    interval: float = 0.5,
+    what: str = "",
+    seen: Callable[[], Any] = lambda: None,
+) -> T:
+    """:func:`eventually`, with a deadline that moves while the job moves: it fails once ``progress()`` (a step, the
+    pods' phases) has not changed for ``stall`` seconds, saying ``seen()``. A loaded machine slows every step and
+    start, which no fixed deadline fits; a job that is stuck still fails ``stall`` seconds after it stopped."""
+    last_progress, moved = progress(), time.monotonic()
+    last: Any = None
+    while time.monotonic() - moved < stall:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+        now_progress = progress()
+        if now_progress != last_progress:
+            last_progress, moved = now_progress, time.monotonic()
+    raise AssertionError(f"{what or 'condition'}: no progress for {stall:.0f} s (at {last_progress!r}); {seen()}")
+
+
+def job_state(cluster: Cluster, name: str) -> str:
+    """What a failed wait reports: the job's status, its Events and its pods, for the cause (CI keeps no cluster)."""
+    status = cluster.status(name)
+    events = cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/events")["items"]
+    pods = {
+        n: (p["metadata"]["uid"][:8], p["spec"].get("nodeName"), p["status"].get("phase"))
+        for role in ("worker", "agent")
+        for n, p in cluster.pods(role).items()
+    }
+    said = [f"{e['reason']}: {e['message']}" for e in events if e["involvedObject"].get("name") == name]
+    return f"status {json.dumps(status)}; events {said}; pods {pods}"
+
+
+def start_progress(cluster: Cluster, name: str) -> tuple[Any, ...]:
+    """How far a job's start got: its pods' phases, its phase and step (for :func:`while_progressing`)."""
+    pods = [*cluster.pods().values(), *cluster.pods("agent").values()]
+    status = cluster.status(name)
+    return (sorted(str(p.get("status", {}).get("phase")) for p in pods), status.get("phase"), status.get("step"))
+
+
 class Cluster:
     """kubectl and REST helpers for one test's namespace and job."""
 
@@ -261,7 +305,13 @@ def silent_node_reform(
             return None
         return status if status.get("phase") == "Running" and status.get("step", 0) >= step else None
 
-    running = eventually(lambda: training(10), timeout=180, what="3 nodes training (real agent progress)")
+    running = while_progressing(
+        lambda: training(10),
+        lambda: start_progress(cluster, name),
+        stall=90,
+        what="3 nodes training (real agent progress)",
+        seen=lambda: job_state(cluster, name),
+    )
     agent_node = cluster.pods("agent")[f"{name}-agent"]["spec"]["nodeName"]
     members = set(running.get("roundMembers") or cluster.live_workers())
     victim = next(p for n, p in cluster.live_workers().items() if p["spec"]["nodeName"] != agent_node and n in members)
@@ -412,7 +462,16 @@ def agent_node_loss(
         status = cluster.status(name)
         return status if status.get("phase") == "Running" and status.get("step", 0) >= 5 else None
 
-    before = eventually(training, timeout=180, what="2 nodes training (real agent progress)") or {}
+    before = (
+        while_progressing(
+            training,
+            lambda: start_progress(cluster, name),
+            stall=90,
+            what="2 nodes training (real agent progress)",
+            seen=lambda: job_state(cluster, name),
+        )
+        or {}
+    )
     old = cluster.pods("agent")[f"{name}-agent"]
     node = old["spec"]["nodeName"]
     workers_before = {n: p["metadata"]["uid"] for n, p in cluster.live_workers().items()}
@@ -442,7 +501,14 @@ def agent_node_loss(
     eventually(back, timeout=120, interval=0.1, what="a new agent pod running")
     workers_when_back = {n: p["metadata"]["uid"] for n, p in cluster.live_workers().items()}
     status = (
-        eventually(lambda: cluster.phase(name, "Succeeded"), timeout=180, interval=0.5, what="the job Succeeded") or {}
+        while_progressing(
+            lambda: cluster.phase(name, "Succeeded"),
+            lambda: cluster.status(name).get("step"),
+            stall=60,
+            what="the job Succeeded",
+            seen=lambda: job_state(cluster, name),
+        )
+        or {}
     )
     time.sleep(1)  # the last lines reach the logs
     events = cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/events")["items"]

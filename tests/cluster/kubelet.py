@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import threading
-import time
 import urllib.error
 from typing import Any
 
@@ -55,9 +54,13 @@ class Kubelets:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._pod_ips = PodAddresses()
+        self.errors: list[str] = []
         self._thread = threading.Thread(target=self._run, name="kubelets", daemon=True)
         self._thread.start()
-        self.errors: list[str] = []
+        # The Leases on a thread of their own, as a kubelet's node lease controller: starting a pod may wait for a
+        # fork server's imports (tens of seconds on a loaded machine), longer than the node-monitor grace period.
+        self._renewer = threading.Thread(target=self._renew, name="kubelets-leases", daemon=True)
+        self._renewer.start()
 
     def pod_ip(self, pod: dict[str, Any]) -> str:
         return self._pod_ips.of(pod["metadata"]["uid"])
@@ -125,6 +128,7 @@ class Kubelets:
         """Stop the loop and remove this test's Nodes, so the scheduler places no later test's pod on them."""
         self._stop.set()
         self._thread.join(timeout=10)
+        self._renewer.join(timeout=10)
         for name in self.created:
             with contextlib.suppress(urllib.error.HTTPError):
                 self.plane.request("DELETE", f"/api/v1/nodes/{name}")
@@ -132,26 +136,31 @@ class Kubelets:
     # --- the loop ----------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        last_renew = 0.0
         while not self._stop.is_set():
             with self._lock:
                 alive = set(self.alive)
                 exits = dict(self.exit_codes)
             try:
-                if time.monotonic() - last_renew >= RENEW_SECONDS:
-                    last_renew = time.monotonic()
-                    for name in alive:
-                        self.plane.request(
-                            "PATCH",
-                            f"{LEASES}/{name}",
-                            {"spec": {"renewTime": _now()}},
-                            content_type="application/merge-patch+json",
-                        )
                 if alive:
                     self._sync_pods(alive, exits)
             except (urllib.error.URLError, OSError, ValueError) as error:  # the API server may be stopping
                 self.errors.append(repr(error))
             self._stop.wait(SYNC_SECONDS)
+
+    def _renew(self) -> None:
+        while not self._stop.wait(RENEW_SECONDS):
+            with self._lock:
+                alive = set(self.alive)
+            for name in alive:
+                try:
+                    self.plane.request(
+                        "PATCH",
+                        f"{LEASES}/{name}",
+                        {"spec": {"renewTime": _now()}},
+                        content_type="application/merge-patch+json",
+                    )
+                except (urllib.error.URLError, OSError, ValueError) as error:  # the API server may be stopping
+                    self.errors.append(repr(error))
 
     def _sync_pods(self, alive: set[str], exits: dict[str, int]) -> None:
         pods = self.plane.request("GET", "/api/v1/pods")["items"]

@@ -16,7 +16,7 @@ import pytest
 
 from tests.cluster.harness import agent_node_loss
 
-pytestmark = [pytest.mark.usefixtures("crd"), pytest.mark.timeout(360)]
+pytestmark = [pytest.mark.usefixtures("crd"), pytest.mark.timeout(600)]
 
 
 def test_the_group_trains_through_the_loss_of_its_agents_node_and_ends_with_every_step_run_once(

@@ -5,7 +5,8 @@ Why: the agent's Lease (:mod:`disttrain.trainer.agent.lease`) is one API write p
 second and the operator needs three silent periods (3-4 s) before it takes the agent for lost; a worker's node is
 found in about 1 s. A pulse costs no API write: the operator connects to the agent pod's IP (which it read from the
 API server) and takes the agent for lost when no pulse came for
-:data:`~disttrain.api.constants.AGENT_PULSE_SILENT_SECONDS` (:mod:`disttrain.operator.agentbeat`).
+:data:`~disttrain.api.constants.AGENT_PULSE_SILENT_SECONDS`, unless this pod's node accepted a connection of its
+meanwhile (a probe: this process is starved, not dead; :mod:`disttrain.operator.agentbeat`).
 
 The wire (:mod:`disttrain.api.pulse`): the server greets every connection with a nonce; a connection *links* once
 it answered with the job's pulse key (:mod:`disttrain.api.handshake`), and only links get the server's proof, the
@@ -48,6 +49,8 @@ MAX_PENDING = 64
 """Connections still to prove the key, from every source together."""
 MAX_PENDING_PER_SOURCE = 8
 """Connections still to prove the key from one source address."""
+LATE_S = 0.5
+"""A pulse this late is logged: the process was starved (its node busy, its interpreter paused)."""
 
 
 def is_loopback(source: str) -> bool:
@@ -143,6 +146,12 @@ class PulseServer:
             self._expire(time.monotonic())
             now = time.time()
             if now >= next_pulse:
+                if now - next_pulse > LATE_S:
+                    log.warning(
+                        "pulse %.2f s late: this process was starved (the operator probes its port before it takes it "
+                        "for lost)",
+                        now - next_pulse,
+                    )
                 self._send_all(PULSE)
                 next_pulse = next_boundary(now, self.period)
 

@@ -3,7 +3,7 @@ clock."""
 
 from __future__ import annotations
 
-from disttrain.operator.agentbeat import GAP_FACTOR, LEASE, PULSE, STALL_S, AgentBeats
+from disttrain.operator.agentbeat import GAP_FACTOR, HUNG_S, LEASE, PROBE_AFTER_S, PULSE, STALL_S, AgentBeats
 from disttrain.operator.observed import PodView
 
 KEY = ("ns", "job")
@@ -149,3 +149,40 @@ def test_an_agent_that_said_it_stops_is_not_silent_until_it_pulses_again():
     assert beats.silence(KEY, AGENT, last + 10) == ""
     last = pulse(beats, 20.0, 21.0)
     assert beats.silence(KEY, AGENT, last + PULSE_SILENT_S + 0.05) == PULSE
+
+
+def test_a_silent_pulse_whose_node_answers_a_probe_is_starved_not_lost_until_it_is_hung():
+    beats = AgentBeats()
+    last = pulse(beats, 0.0, 1.0)
+    assert beats.to_probe(last + PROBE_AFTER_S - 0.05) == []
+    assert beats.to_probe(last + PROBE_AFTER_S + 0.05) == [(KEY, "uid-a")]
+    assert beats.to_probe(last + PROBE_AFTER_S + 0.15) == [], "one probe at a time"
+    beats.probed(KEY, "uid-a", last + PROBE_AFTER_S + 0.05, answered=True)
+    began = last + PROBE_AFTER_S + 0.05
+    assert not beats.is_silent(KEY, AGENT, last + PULSE_SILENT_S + 0.1), "its node answered: starved, alive"
+    # Each answer counts as a sign of life from when its probe began; one that is not answered does not.
+    assert beats.to_probe(began + PROBE_AFTER_S + 0.05) == [(KEY, "uid-a")]
+    beats.probed(KEY, "uid-a", began + PROBE_AFTER_S + 0.05, answered=False)
+    assert not beats.is_silent(KEY, AGENT, began + PULSE_SILENT_S - 0.05)
+    assert beats.silence(KEY, AGENT, began + PULSE_SILENT_S + 0.05) == PULSE
+
+
+def test_an_agent_whose_node_answers_but_that_never_pulses_again_is_hung_and_silent():
+    beats = AgentBeats()
+    last = pulse(beats, 0.0, 1.0)
+    at = last
+    while at < last + HUNG_S - 0.2:
+        at = round(at + 0.1, 6)
+        for key, uid in beats.to_probe(at):
+            beats.probed(key, uid, at, answered=True)
+        assert not beats.is_silent(KEY, AGENT, at), at
+    assert beats.is_silent(KEY, AGENT, last + HUNG_S + 0.05)
+
+
+def test_probes_of_another_pod_or_of_an_agent_that_said_it_stops_count_for_nothing():
+    beats = AgentBeats()
+    last = pulse(beats, 0.0, 1.0)
+    beats.probed(KEY, "uid-old", last + 0.6, answered=True)
+    assert beats.is_silent(KEY, AGENT, last + PULSE_SILENT_S + 0.05)
+    beats.ended(KEY, "uid-a")
+    assert beats.to_probe(last + 5.0) == []

@@ -5,7 +5,9 @@ the operator's real clock."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import pathlib
 import signal
 import socket
 import subprocess
@@ -16,7 +18,7 @@ import pytest
 
 from disttrain.api import constants, handshake
 from disttrain.api import pulse as wire
-from disttrain.operator import access, pulses
+from disttrain.operator import access, agentbeat, pulses
 from disttrain.operator.agentbeat import PULSE, AgentBeats
 from disttrain.operator.observed import PodView
 from disttrain.trainer.agent.pulse import MAX_LINKS, MAX_PENDING, MAX_PENDING_PER_SOURCE, PulseServer
@@ -40,12 +42,16 @@ def agent_pod(port: int, uid: str = UID, ip: str = "127.0.0.1", phase: str = "Ru
     }
 
 
-async def judge_until(beats: AgentBeats, agent: PodView, seconds: float) -> str:
-    """Check every 0.1 s, as the adapter does, for ``seconds`` or until the agent is found silent; the verdict."""
+async def judge_until(beats: AgentBeats, agent: PodView, seconds: float, links: pulses.PulseLinks | None = None) -> str:
+    """Check every 0.1 s, as the adapter does (probing the nodes of silent pulses through ``links``), for
+    ``seconds`` or until the agent is found silent; the verdict."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         await asyncio.sleep(0.1)
         beats.checked(time.monotonic())
+        if links is not None:
+            for key, uid in beats.to_probe(time.monotonic()):
+                links.probe(key, uid, time.monotonic())
         why = beats.silence(KEY, agent, time.monotonic())
         if why:
             return why
@@ -54,8 +60,8 @@ async def judge_until(beats: AgentBeats, agent: PodView, seconds: float) -> str:
 
 @pytest.fixture
 def agent_process():
-    """An agent's pulse server in a process of its own, which the test may freeze (SIGSTOP: a machine that died
-    sends nothing, not even a FIN) or kill; its port."""
+    """An agent's pulse server in a process of its own, which the test may freeze (SIGSTOP: a starved process; with
+    its accept queue full, a machine that died, which answers nothing) or kill; its port."""
     code = (
         "import sys, time\n"
         "from disttrain.trainer.agent.pulse import PulseServer\n"
@@ -82,7 +88,35 @@ def server():
     started.stop()
 
 
-@pytest.mark.parametrize("death", [signal.SIGSTOP, signal.SIGKILL])
+def stop(proc: subprocess.Popen) -> None:
+    """SIGSTOP, returning once every thread of ``proc`` has stopped (the kernel stops them only after the one woken
+    for the signal runs: on a loaded machine the server accepted connections meanwhile)."""
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while True:
+        states = []
+        for task in pathlib.Path(f"/proc/{proc.pid}/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                states.append(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0])
+        if all(state in "Tt" for state in states):
+            return
+        assert time.monotonic() < deadline, "the agent's threads did not stop within 30 s"
+        time.sleep(0.01)
+
+
+def fill_backlog(port: int, count: int = MAX_PENDING + 16) -> list[socket.socket]:
+    """Connections that fill the accept queue of a stopped server's port: its kernel then drops new SYNs, as a
+    powered-off machine answers nothing."""
+    held = []
+    for _ in range(count):
+        client = socket.socket()
+        client.setblocking(False)
+        client.connect_ex(("127.0.0.1", port))
+        held.append(client)
+    return held
+
+
+@pytest.mark.parametrize("death", ["machine", "process"])
 async def test_a_live_agent_is_never_silent_and_a_dead_one_is_found_about_a_second_after_its_last_pulse(
     agent_process, death
 ):
@@ -90,14 +124,46 @@ async def test_a_live_agent_is_never_silent_and_a_dead_one_is_found_about_a_seco
     beats = AgentBeats()
     links = pulses.PulseLinks(beats, OPERATOR_KEY)
     links.follow(KEY, agent_pod(port))
+    held: list[socket.socket] = []
     try:
-        assert await judge_until(beats, AGENT, 2.0) == "", "pulsing: never silent"
-        proc.send_signal(death)  # the agent's machine dies (nothing more is sent) or its process is killed (a FIN)
+        assert await judge_until(beats, AGENT, 2.0, links) == "", "pulsing: never silent"
+        if death == "machine":  # nothing more is sent, not even a FIN, and no connection is accepted
+            stop(proc)
+            held = fill_backlog(port)
+        else:  # its process is killed: a FIN, and its port refuses
+            proc.send_signal(signal.SIGKILL)
         stopped = time.monotonic()
-        assert await judge_until(beats, AGENT, 3.0) == PULSE
+        assert await judge_until(beats, AGENT, 3.0, links) == PULSE
         noticed = time.monotonic() - stopped
         assert constants.AGENT_PULSE_SILENT_SECONDS - PERIOD_S <= noticed < constants.AGENT_PULSE_SILENT_SECONDS + 0.8
     finally:
+        for client in held:
+            client.close()
+        await links.close()
+
+
+async def test_an_agent_starved_for_seconds_is_not_taken_for_lost_and_a_hung_one_is(agent_process, monkeypatch):
+    """A process that gets no CPU (SIGSTOP: the pulse thread does not run) on a node that is up: its kernel still
+    accepts the probes' connections, so its silence is no loss; it pulses again once it runs. One that never pulses
+    again is taken for hung after ``HUNG_S``."""
+    proc, port = agent_process
+    beats = AgentBeats()
+    links = pulses.PulseLinks(beats, OPERATOR_KEY)
+    links.follow(KEY, agent_pod(port))
+    try:
+        assert await judge_until(beats, AGENT, 0.5, links) == ""
+        stop(proc)
+        assert await judge_until(beats, AGENT, 2 * constants.AGENT_PULSE_SILENT_SECONDS, links) == "", "starved: alive"
+        proc.send_signal(signal.SIGCONT)
+        assert await judge_until(beats, AGENT, 0.5, links) == ""
+        assert links.count == 1
+        monkeypatch.setattr(agentbeat, "HUNG_S", 1.5)
+        stop(proc)
+        stopped = time.monotonic()
+        assert await judge_until(beats, AGENT, 3.0, links) == PULSE
+        assert time.monotonic() - stopped >= 1.5 - PERIOD_S, "judged before it was hung"
+    finally:
+        proc.send_signal(signal.SIGCONT)
         await links.close()
 
 
