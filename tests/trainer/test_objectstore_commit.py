@@ -39,7 +39,7 @@ SMALL_PARTS = TransferOptions(part_size=5 * 2**20, max_concurrency=4)  # S3's sm
 
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
-    """Committed local checkpoints of steps 2, 4 and 6 (steps 4 and 6 large enough for multipart uploads), each
+    """Committed local checkpoints of steps 2, 4, 6 and 8 (steps 4 and 6 large enough for multipart uploads), each
     with a small model whose weight is the step."""
     root = tmp_path_factory.mktemp("local")
     store = dist.FileStore(str(root / "store"), 1)
@@ -49,7 +49,7 @@ def local(tmp_path_factory):
         g = torch.Generator().manual_seed(0)
         model = torch.nn.Linear(4, 3)
         app = ModelOptimState(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        for step, n in ((2, 1000), (4, 3 * 2**20), (6, 3 * 2**20)):
+        for step, n in ((2, 1000), (4, 3 * 2**20), (6, 3 * 2**20), (8, 1000)):
             with torch.no_grad():
                 model.weight.fill_(float(step))
             ckpt.save(step, {"app": app, "w": torch.randn(n, generator=g), "step": step}, bare_manifest(step))
@@ -189,15 +189,20 @@ def test_retention_deletes_only_behind_a_newer_trusted_checkpoint_and_spares_a_n
     client, bucket = s3_bucket
     c = committer(s3_bucket)
     publish(c, local, 2)
-    publish(c, local, 4)
-    manifest6 = commit.validate(local / "step-6").manifest
-    c.upload(local / "step-6", manifest6)  # this round's incomplete save, not in flight any more
-    assert c.retain(keep=1) == ["step-2/r1", "step-6/r1"]
-    assert [p.key_prefix for p in c.published()] == ["step-4/r1"]
-    # The newest checkpoint damaged: nothing older would be deleted for it (it is not trusted).
+    c.upload(local / "step-4", commit.validate(local / "step-4").manifest)  # abandoned: a newer save is COMPLETE
     publish(c, local, 6)
-    client.delete_object(Bucket=bucket, Key="jobs/demo/step-6/r1/" + commit.METADATA_FILE)
-    assert c.retain(keep=1) == ["step-6/r1"] and c.find_latest().manifest.step == 4
+    manifest8 = commit.validate(local / "step-8").manifest
+    # Newer than the newest COMPLETE: it may still be uploading, its objects arriving from other ranks before rank
+    # 0's publisher hears of the save, so no in-flight list can name it yet. Kept.
+    c.upload(local / "step-8", manifest8)
+    assert c.retain(keep=1) == ["step-2/r1", "step-4/r1"]
+    assert [p.key_prefix for p in c.published()] == ["step-6/r1"]
+    assert any(k["Key"].startswith("jobs/demo/step-8/r1/") for k in client.list_objects_v2(Bucket=bucket)["Contents"])
+    # The newest checkpoint damaged: nothing older is deleted for it (it is not trusted).
+    c.publish(c.upload(local / "step-8", manifest8))
+    client.delete_object(Bucket=bucket, Key="jobs/demo/step-8/r1/" + commit.METADATA_FILE)
+    assert c.retain(keep=1) == ["step-8/r1"] and c.find_latest().manifest.step == 6
+    manifest6 = commit.validate(local / "step-6").manifest
     # A newer group's save in flight is not this group's to delete, and this group is fenced anyway.
     newer = committer(s3_bucket)
     newer.upload(local / "step-6", manifest6)

@@ -375,8 +375,12 @@ class ObjectStoreCommitter:
     # ---- retention ----------------------------------------------------------------------------------------
     def retain(self, keep: int, protected: Iterable[int] = (), in_flight: Iterable[str] = ()) -> list[str]:
         """Delete all but the ``keep`` newest trusted checkpoints (never one of ``protected`` steps, never the
-        newest), and incomplete prefixes of this round or older not ``in_flight``; returns the prefixes removed.
-        Only while this group holds the newest round, and only once the newest published checkpoint verifies."""
+        newest), and incomplete prefixes of this round or older not ``in_flight`` whose step is older than the newest
+        trusted one; returns the prefixes removed. Only while this group holds the newest round, and only once the
+        newest published checkpoint verifies.
+
+        An incomplete save of a newer step is kept whatever ``in_flight`` says: the other ranks upload their objects
+        as soon as the save is committed locally, which can be before global rank 0's publisher hears of it."""
         self.check()
         published = self.published()
         trusted = [p for p in published if not self.problem(p)]
@@ -388,9 +392,16 @@ class ObjectStoreCommitter:
         complete = {p.key_prefix for p in published}
         own = self.claim_round()
         skip = set(in_flight) | keep_prefixes
+        newest_step = trusted[0].manifest.step
         for prefix in self._prefixes():
-            m = re.match(r"^step-\d+/r(\d+)$", prefix)
-            if m and prefix not in complete and prefix not in skip and int(m.group(1)) <= own:
+            m = re.match(r"^step-(\d+)/r(\d+)$", prefix)
+            if (
+                m
+                and prefix not in complete
+                and prefix not in skip
+                and int(m.group(2)) <= own
+                and int(m.group(1)) < newest_step
+            ):
                 doomed.append(prefix)
         removed = []
         for prefix in doomed:
