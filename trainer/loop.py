@@ -324,13 +324,13 @@ class ElasticTrainer:
     def finish_uploads(self) -> None:
         """With a bucket, before the process leaves: the last saves reach it, then their effects run."""
         if self.checkpoints.tier is not None:
-            self.checkpoints.close_tier()
+            self.checkpoints.commits.close_tier()
             self._settle_effects()
 
     def _settle_effects(self) -> None:
         """Effects of a save that is durable (committed; with a bucket, COMPLETE there) become due; rank 0 carries
         out what is due."""
-        self.effects.note_committed(self.checkpoints.durable_step)
+        self.effects.note_committed(self.checkpoints.commits.durable_step)
         self.effects.carry_out()
 
     def _evaluate_if_due(self, last: bool) -> None:
@@ -462,7 +462,7 @@ class ElasticTrainer:
         pending = self.checkpoints.pending
         if pending is not None and agreed.save_finished_everywhere(pending.step):
             self.checkpoints.poll(all_done=True)
-        self.checkpoints.report_published()
+        self.checkpoints.commits.report_published()
         if agreed.drain:
             self.agreement.settle()
             self.lifecycle.drain()
