@@ -70,8 +70,8 @@ class GroupCommit:
             on_commit=options.on_commit,
         )
         self.fence_round: Optional[int] = None  # claimed by rank 0 of this group at its first collective
-        self.session: Optional[str] = None
-        self.bucket_round: Optional[int] = None
+        self.session: Optional[str] = None  # the random part of the group's save nonces, agreed with the round
+        self.bucket_round: Optional[int] = None  # with a bucket: the round rank 0 claimed there
         self.tier: Optional[BucketTier] = None
         """With ``spec.uri``: the bucket, reached through the local tier at ``root`` (:mod:`.tiered`)."""
         self._published: list[CheckpointManifest] = []

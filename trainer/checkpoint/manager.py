@@ -108,6 +108,7 @@ class CheckpointManager:
         self.commits = GroupCommit(self.root, spec, rank, world_size, group, options)
         """The commit of each save across the group, retention, the fence round and, with a bucket, its tier."""
         self.tier: Optional[BucketTier] = self.commits.tier
+        """With ``spec.uri``: the bucket, reached through the local tier at ``root`` (the commits' own)."""
         self.last_save_time = time.monotonic()
         self.last_saved_step: Optional[int] = None
         self.loaded_step: Optional[int] = None
