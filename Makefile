@@ -50,7 +50,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/mypy
 	$(BIN)/ruff format --check $(LINTED)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit/test_layers.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit/test_layers.py tests/unit/test_shape.py
 
 # The tiers are pytest markers (tests/conftest.py: unit, operator, trainer, e2e, cluster, chart, security, images).
 # `make test` is what CI runs: every tier but images, in lanes side by side (scripts/test_tiers.py), the tier times

@@ -141,7 +141,7 @@ def broadcast_module(module: torch.nn.Module, source: int = 0) -> None:
 def guard_buffer_sync(ddp: DistributedDataParallel, on_failure: Callable[[BaseException], None]) -> None:
     """Keep a failed buffer broadcast at the start of DDP's forward from the user's code: the failure is reported to
     ``on_failure`` and the forward runs on this rank's own buffers (the step is discarded and redone)."""
-    sync = ddp._sync_buffers
+    sync: Callable[[], None] = ddp._sync_buffers  # torch leaves it unannotated
 
     def guarded() -> None:
         try:

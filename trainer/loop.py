@@ -49,7 +49,6 @@ from disttrain.trainer import sampler as sampler_mod
 from disttrain.trainer.bootstrap import Components, MapDataset, Started
 from disttrain.trainer.boundary import BoundaryAgreement
 from disttrain.trainer.checkpoint import manager as ckpt_mod
-from disttrain.trainer.inplace import is_group_failure
 from disttrain.trainer.options import TrainerKwargs, TrainerOptions
 from disttrain.trainer.replicas.keeper import ReplicaKeeper
 from disttrain.trainer.step import MicroBatch, Step, to_device
@@ -324,13 +323,13 @@ class ElasticTrainer:
     def finish_uploads(self) -> None:
         """With a bucket, before the process leaves: the last saves reach it, then their effects run."""
         if self.checkpoints.tier is not None:
-            self.checkpoints.close_tier()
+            self.checkpoints.commits.close_tier()
             self._settle_effects()
 
     def _settle_effects(self) -> None:
         """Effects of a save that is durable (committed; with a bucket, COMPLETE there) become due; rank 0 carries
         out what is due."""
-        self.effects.note_committed(self.checkpoints.durable_step)
+        self.effects.note_committed(self.checkpoints.commits.durable_step)
         self.effects.carry_out()
 
     def _evaluate_if_due(self, last: bool) -> None:
@@ -402,37 +401,7 @@ class ElasticTrainer:
         if self.scheduler is not None:
             self.scheduler.step()
         self.completion.finish(self._count_step)
-        self._keep_in_memory()
-
-    def _keep_in_memory(self) -> None:
-        """Keep the step just counted in memory and on the partner (a sharded model reforming in place), and agree
-        that every copy landed before the step is reported: a rank lost after this point leaves its shards of this
-        step on its partner, so the group resumes at the newest step anyone reported. A copy that failed raises
-        :class:`~disttrain.trainer.gate.StepAbortedError` (a group failure): the step is not reported, and the next
-        group rebuilds the newest step whole in its members' memory (this one where every copy landed)."""
-        if self.keeper is not None:
-            steady, rest = recovery.split_contents(snapshots.contents(self))
-            self.keeper.capture(self.state.step, steady, rest)
-        elif self.template is not None and self.replica_group is not None:
-            self.keeper = recovery.start_keeping(self, snapshots.contents(self))
-            if self.held is not None:
-                self.held.release()
-                self.held = None
-        else:
-            return
-        gate.agree(self._replicated(), self.state.step, self.rank, what="in-memory copies")
-
-    def _replicated(self) -> bool:
-        """Whether this rank's copy of the last step reached its partner and its source's reached it."""
-        assert self.keeper is not None
-        try:
-            self.keeper.wait_replicated()
-        except Exception as exc:
-            if not is_group_failure(exc):
-                raise
-            log.warning("the in-memory copy of step %d failed: %s", self.state.step, str(exc).splitlines()[0][:200])
-            return False
-        return True
+        recovery.keep_step(self, lambda: snapshots.contents(self))
 
     def _count_step(self) -> None:
         """The step is done: advance the counter, the data cursor and what a checkpoint records with them."""
@@ -462,7 +431,7 @@ class ElasticTrainer:
         pending = self.checkpoints.pending
         if pending is not None and agreed.save_finished_everywhere(pending.step):
             self.checkpoints.poll(all_done=True)
-        self.checkpoints.report_published()
+        self.checkpoints.commits.report_published()
         if agreed.drain:
             self.agreement.settle()
             self.lifecycle.drain()

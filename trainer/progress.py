@@ -81,7 +81,7 @@ def report_step(trainer: ElasticTrainer, step: Step, seconds: float) -> None:
             time=time.time(),
             startup=trainer.startup.report(),
             in_place_fallback=trainer.in_place_fallback,
-            checkpoint_upload=trainer.checkpoints.upload_backlog(),
+            checkpoint_upload=trainer.checkpoints.commits.upload_backlog(),
             checkpoint_blocked_seconds=round(ckpts.blocked_s, 3),
         )
         trainer.watchdog.publish(control_keys.PROGRESS_KEY, report.model_dump_json())
@@ -137,7 +137,7 @@ def _propose_interval(trainer: ElasticTrainer) -> int:
     if trainer.planner is None:
         return 0
     checkpoints = trainer.checkpoints
-    steps = trainer.planner.propose(checkpoints.last_save_blocking_s, checkpoints.last_upload_seconds())
+    steps = trainer.planner.propose(checkpoints.last_save_blocking_s, checkpoints.commits.last_upload_seconds())
     report = trainer.planner.report()
     if report is not None:
         trainer.watchdog.publish(control_keys.INTERVAL_KEY, report.model_dump_json())

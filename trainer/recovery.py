@@ -9,8 +9,8 @@ the in-memory reader. No process restarts and nothing is read from the checkpoin
 (a rank and its partner were lost together) does the group load its newest complete checkpoint instead, and says
 why.
 
-Callers: :func:`disttrain.trainer.snapshots.resume` (at every start of a group) and the loop (a capture after each
-counted step).
+Callers: :func:`disttrain.trainer.snapshots.resume` (at every start of a group) and the loop (:func:`keep_step`
+after each counted step).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from disttrain.trainer import groupsockets
+from disttrain.trainer import gate, groupsockets
+from disttrain.trainer.inplace import is_group_failure
 from disttrain.trainer.replicas import capture as capture_mod
 from disttrain.trainer.replicas import wire
 from disttrain.trainer.replicas.catalogue import Block, Catalogue, ItemSpec, Member, assign, choose_step, needs_copy
@@ -83,6 +84,39 @@ def start_keeping(trainer: ElasticTrainer, contents: dict[str, Any]) -> ReplicaK
 
 STEADY = ("app",)
 """The contents whose tensors stay the same objects from step to step (model and optimizer state)."""
+
+
+def keep_step(trainer: ElasticTrainer, contents: Callable[[], dict[str, Any]]) -> None:
+    """Keep the step just counted in memory and on the partner (a sharded model reforming in place), and agree
+    that every copy landed before the step is reported: a rank lost after this point leaves its shards of this
+    step on its partner, so the group resumes at the newest step anyone reported. A copy that failed raises
+    :class:`~disttrain.trainer.gate.StepAbortedError` (a group failure): the step is not reported, and the next
+    group rebuilds the newest step whole in its members' memory (this one where every copy landed). ``contents``: what
+    a checkpoint of the trainer holds (:func:`disttrain.trainer.snapshots.contents`)."""
+    if trainer.keeper is not None:
+        steady, rest = split_contents(contents())
+        trainer.keeper.capture(trainer.state.step, steady, rest)
+    elif trainer.template is not None and trainer.replica_group is not None:
+        trainer.keeper = start_keeping(trainer, contents())
+        if trainer.held is not None:
+            trainer.held.release()
+            trainer.held = None
+    else:
+        return
+    step = trainer.state.step
+    gate.agree(_replicated(trainer.keeper, step), step, trainer.rank, what="in-memory copies")
+
+
+def _replicated(keeper: ReplicaKeeper, step: int) -> bool:
+    """Whether this rank's copy of the last step reached its partner and its source's reached it."""
+    try:
+        keeper.wait_replicated()
+    except Exception as exc:
+        if not is_group_failure(exc):
+            raise
+        log.warning("the in-memory copy of step %d failed: %s", step, str(exc).splitlines()[0][:200])
+        return False
+    return True
 
 
 def split_contents(contents: dict[str, Any]) -> tuple[Callable[[], dict[str, Any]], dict[str, Any]]:

@@ -177,7 +177,7 @@ def resume_from_memory(trainer: ElasticTrainer, source: int, holdings: list[inpl
     # The same history on every rank (when a save is due follows from it): the newest complete checkpoint.
     newest_checkpoint = disk if disk != inplace.NO_STATE else None
     ckpts = trainer.checkpoints
-    ckpts.loaded_step = ckpts.last_saved_step = ckpts.last_committed_step = newest_checkpoint
+    ckpts.loaded_step = ckpts.last_saved_step = ckpts.commits.last_committed_step = newest_checkpoint
     log.info(
         "resumed in place from step %d held in memory by rank %d (%d of %d ranks received %.1f MB in %.2f s) at "
         "world size %d: plan %s, samples consumed %d; the newest checkpoint is step %s",
@@ -204,7 +204,7 @@ def _resumed_in_place(trainer: ElasticTrainer, step: int, found: Optional[Checkp
     trainer.resumed_from = step
     newest_checkpoint = found.step if found is not None else None
     ckpts = trainer.checkpoints
-    ckpts.loaded_step = ckpts.last_saved_step = ckpts.last_committed_step = newest_checkpoint
+    ckpts.loaded_step = ckpts.last_saved_step = ckpts.commits.last_committed_step = newest_checkpoint
     if not trainer.watchdog.started:
         trainer.watchdog.start(recorded_generation=s.control_generation, recorded_uid=trainer.ctx.job_uid or None)
 
@@ -217,7 +217,7 @@ def restore_effects(trainer: ElasticTrainer, found: Optional[CheckpointManifest]
     ledger.runner = trainer.rank == 0
     if not ledger.runner:
         ledger.due = []
-    durable = trainer.checkpoints.durable_step
+    durable = trainer.checkpoints.commits.durable_step
     ledger.restore(found, trainer.state.step, durable=found is None or (durable is not None and found.step <= durable))
     if trainer.evaluator is not None:
         trainer.evaluator.reset()

@@ -202,7 +202,7 @@ class Step:
         if self.on_reduction is not None and len(self._losses) == len(self.micro_indices) - 1:
             self.on_reduction(self.index + 1)
         with self.trainer.keeping_group_failures():
-            self.trainer.precision.scale(loss_sum * (factor / denom)).backward()
+            self.trainer.precision.scale(loss_sum * (factor / denom)).backward()  # type: ignore[no-untyped-call]
         self._losses.append(loss_sum.detach())
         self.loss_count += int(count if count is not None else len(self.micro_indices[0]) if self.micro_indices else 0)
 

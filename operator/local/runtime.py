@@ -16,18 +16,18 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-from disttrain.api import constants, storeauth
-from disttrain.api import env as env_names
+from disttrain.api import constants
 from disttrain.api.spec import DistTrainJob
 from disttrain.common.ports import free_port
-from disttrain.operator import agentfields, announcements, eventrate, names, pods, reconcile
-from disttrain.operator.local import agentlink, forkserver, gpuslices, translate
+from disttrain.operator import agentfields, announcements, eventrate, pods, reconcile
+from disttrain.operator.local import agentlink, gpuslices
 from disttrain.operator.local.chaos import ChaosEvent
 from disttrain.operator.local.forkserver import ForkServers
 from disttrain.operator.local.gpuslices import GpuSlices
 from disttrain.operator.local.logtail import LogTail
 from disttrain.operator.local.metrics import LocalMetrics
 from disttrain.operator.local.nodes import LocalPod, chaos_victim
+from disttrain.operator.local.spawner import PodPorts, PodSpawner
 from disttrain.operator.local.statedir import StateDir
 from disttrain.operator.local.summary import Recorder, Summary
 from disttrain.operator.observed import Actions, Observed, WorkerCreation
@@ -98,13 +98,9 @@ class LocalRuntime:
         obj["status"] = {}
         self.obj = obj
         self.chaos = list(options.chaos)
-        self.workdir = options.workdir or os.getcwd()
         self.workers: dict[str, LocalPod] = {}
         self.agent: Optional[LocalPod] = None
         self.lost_machines: list[LocalPod] = []
-        self.machine_count = 0
-        self.store_port = free_port()
-        self.store_secret = storeauth.new_secret()
         self.started = time.time()
         self.events: list[dict[str, Any]] = []
         self.event_filter = eventrate.EventFilter()
@@ -120,9 +116,16 @@ class LocalRuntime:
         self.stop_requested = ""
         self.rdzv_fallback = rendezvous_fallback()
         self.cluster_checkpoint_dir = pods.checkpoint_dir(job)
-        self.forks = options.forks if options.forks is not None else ForkServers(state.logs_dir)
-        """Pods start as forks of a process that imported torch once (the same program, without the import)."""
         self._owns_forks = options.forks is None
+        self.spawner = PodSpawner(
+            state,
+            options.workdir or os.getcwd(),
+            options.forks if options.forks is not None else ForkServers(state.logs_dir),
+            self.rdzv_fallback,
+            with_gpus=options.gpus is not None,
+        )
+        """Pods start as forks of a process that imported torch once (the same program, without the import)."""
+        self.store_port = self.spawner.store_port
         self.gpus = options.gpus
         self._waiting_for_gpus: set[str] = set()
         """Workers not created yet because no GPU slice was free (reported once each)."""
@@ -160,82 +163,6 @@ class LocalRuntime:
             self.options.on_event(event)
 
     # ---- process management ----------------------------------------------------------------------------
-    def site(self) -> translate.LocalSite:
-        job = self.job()
-        host = names.agent_service_name(self.name)
-        ns = job.metadata.namespace
-        return translate.LocalSite(
-            agent_hosts=(f"{host}.{ns}.svc.cluster.local", f"{host}.{ns}.svc", f"{host}.{ns}", host),
-            cluster_port=job.spec.rendezvous.port,
-            local_port=self.store_port,
-            cluster_checkpoint_dir=pods.checkpoint_dir(job),
-            checkpoint_dir=str(self.state.checkpoints_dir),
-            workdir=self.workdir,
-            base_env=dict(os.environ),
-            rdzv_backend=self.rdzv_fallback,
-            store_secret=self.store_secret,
-        )
-
-    def _spawn(
-        self,
-        pod: dict[str, Any],
-        index: int,
-        metrics_port: int,
-        readiness_port: int = 0,
-        node_env: Optional[dict[str, str]] = None,
-    ) -> LocalPod:
-        """Start ``pod``'s process tree on a fresh local machine; ``node_env``: what this node's environment has of
-        its own (its GPUs), over the pod's."""
-        name = pod["metadata"]["name"]
-        self.machine_count += 1
-        machine = f"local-{self.machine_count}"
-        uid = str(uuid.uuid4())
-        pod = copy.deepcopy(pod)
-        pod["metadata"]["uid"] = uid
-        spec = translate.to_process(pod, self.site(), machine, metrics_port, readiness_port)
-        if node_env:
-            spec = dataclasses.replace(spec, env={**spec.env, **node_env}, per_pod=spec.per_pod | frozenset(node_env))
-        termination_log = ""
-        if env_names.TERMINATION_LOG in spec.env:  # a worker: its launcher's failure report, one file per pod
-            termination_log = str(self.state.logs_dir / f"{name}.{uid}.termination")
-            spec = dataclasses.replace(spec, env={**spec.env, env_names.TERMINATION_LOG: termination_log})
-        log = self.state.log_file(name).open("ab")
-        log.write(f"==== {time.strftime('%H:%M:%S')} {name} (uid {uid}) on {machine}: {' '.join(spec.argv)}\n".encode())
-        log.flush()
-        marker = f"{self.obj['metadata']['uid']}/{uid}"
-        proc = forkserver.start_pod(self.forks, spec.argv, spec.env, spec.cwd, log, marker, spec.per_pod)
-        return LocalPod(
-            name=name,
-            uid=uid,
-            index=index,
-            node=machine,
-            marker=marker,
-            proc=proc,
-            log=log,
-            created_at=time.time(),
-            metrics_port=metrics_port,
-            readiness_port=readiness_port,
-            termination_log=termination_log,
-        )
-
-    def prepare_forks(self) -> None:
-        """Start the fork servers of the agent and the nodes at once: they import torch side by side, and the first
-        tick's pods wait for both together rather than one after the other."""
-        if not self.forks.enabled:
-            return
-        job = self.job()
-        agent = agentlink.localize_agent_pod(pods.build_agent_pod(job, pods.LOCAL_AGENT), self.state, self.store_port)
-        worker = pods.build_worker_pod(
-            job, 0, endpoint=f"127.0.0.1:{self.store_port}", checkpoint_directory=str(self.state.checkpoints_dir)
-        )
-        for pod in (agent, worker):
-            try:
-                spec = translate.to_process(pod, self.site(), "local-0", 0, 0)
-            except ValueError:
-                continue  # a pod that cannot run here: creating it reports why
-            per_pod = spec.per_pod | ({gpuslices.VISIBLE_DEVICES_ENV} if self.gpus is not None else set())
-            self.forks.prepare(spec.argv, spec.env, per_pod)
-
     def create_worker(self, worker: WorkerCreation) -> None:
         node_env = None
         if self.gpus is not None:
@@ -276,7 +203,7 @@ class LocalRuntime:
             checkpoint_directory=str(self.state.checkpoints_dir),
         )
         port = free_port()
-        local = self._spawn(pod, worker.node_index, port, free_port(), node_env)
+        local = self.spawner.spawn(job, pod, worker.node_index, PodPorts(port, free_port()), node_env)
         local.ready_port = self.store_port
         self.workers[local.name] = local
         self._waiting_for_gpus.discard(local.name)
@@ -293,7 +220,7 @@ class LocalRuntime:
         job = self.job()
         pod = pods.build_agent_pod(job, pods.LOCAL_AGENT)
         pod = agentlink.localize_agent_pod(pod, self.state, self.store_port)
-        self.agent = self._spawn(pod, -1, 0)
+        self.agent = self.spawner.spawn(job, pod, -1)
         self.record_event(
             "Normal",
             "AgentStarted",
@@ -491,7 +418,7 @@ class LocalRuntime:
                 f"nodes use {self.rdzv_fallback!r} (rounds wait for last-call timeouts, scale-ups may "
                 "reform twice)",
             )
-        self.prepare_forks()
+        self.spawner.prepare_forks(self.job())
         try:
             while not self.is_done() and not self.stop_requested:
                 actions = self.tick()
@@ -521,6 +448,6 @@ class LocalRuntime:
         self.workers.clear()
         self.agent = None
         if self._owns_forks:
-            self.forks.close()
+            self.spawner.forks.close()
         self.metrics.shutdown()
         self.write_state()

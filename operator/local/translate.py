@@ -21,7 +21,7 @@ import dataclasses
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from disttrain.api import containers
 from disttrain.api import env as env_names
@@ -106,20 +106,20 @@ def translate_argv(argv: Sequence[str], site: LocalSite) -> list[str]:
 def _field_value(path: str, pod: Mapping[str, Any], node_name: str) -> Optional[str]:
     meta = pod.get("metadata", {})
     if path == "metadata.name":
-        return meta.get("name")
+        return cast(Optional[str], meta.get("name"))
     if path == "metadata.namespace":
-        return meta.get("namespace", "default")
+        return cast(str, meta.get("namespace", "default"))
     if path == "metadata.uid":
-        return meta.get("uid", meta.get("name"))
+        return cast(Optional[str], meta.get("uid", meta.get("name")))
     if path in ("status.podIP", "status.hostIP"):
         return "127.0.0.1"
     if path == "spec.nodeName":
         return node_name
     if path == "spec.serviceAccountName":
-        return pod.get("spec", {}).get("serviceAccountName", "default")
+        return cast(str, pod.get("spec", {}).get("serviceAccountName", "default"))
     match = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
     if match:
-        return meta.get(match.group(1), {}).get(match.group(2))
+        return cast(Optional[str], meta.get(match.group(1), {}).get(match.group(2)))
     return None
 
 

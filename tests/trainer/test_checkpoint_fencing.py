@@ -62,7 +62,7 @@ def test_a_stale_group_cannot_publish_or_delete_the_new_groups_save(tmp_path, gr
     found = new.find_latest()
     assert found is not None and found.step == 2
     new.load(found, state(0.0))
-    assert (old.fence_round, new.fence_round) == (1, 2)
+    assert (old.commits.fence_round, new.commits.fence_round) == (1, 2)
 
     with caplog.at_level(logging.INFO, logger="disttrain.trainer"):
         new.save(4, state(4.0), manifest(4))
@@ -70,7 +70,7 @@ def test_a_stale_group_cannot_publish_or_delete_the_new_groups_save(tmp_path, gr
 
     assert len(stale_commit["temps"]) == 1 and "-r2-" in stale_commit["temps"][0]  # the new group's save in flight
     assert "holds round 1, a newer group holds round 2 (claimed by node node-b" in caplog.text
-    assert old.consecutive_failures == 1
+    assert old.commits.consecutive_failures == 1
     names = sorted(p.name for p in root.iterdir() if p.name != ".fence")
     assert names == ["step-2", "step-4"], names  # step-3 never published; the loaded step-2 is kept
     committed = commit.validate(root / "step-4")
@@ -113,7 +113,7 @@ def test_a_stale_group_frozen_before_its_rename_cannot_replace_the_newer_groups_
         old.join_retention()
 
     assert "step-4 committed by fence round 2; this group holds round 1" in caplog.text, caplog.text[-2000:]
-    assert old.consecutive_failures == 1 and woke["new"].consecutive_failures == 0
+    assert old.commits.consecutive_failures == 1 and woke["new"].commits.consecutive_failures == 0
     v = commit.validate(root / "step-4")
     assert v.ok and v.manifest is not None and v.manifest.fence_round == 2
     assert torch.equal(load_tensors(root / "step-4", prefix="")["w"], torch.full((64,), 40.0))

@@ -154,7 +154,7 @@ def test_a_stale_groups_late_save_never_becomes_complete_in_the_bucket(
     assert old.tier is not None and old.tier.flush(30)
     new = manager("node-b")
     found = new.find_latest()
-    assert found is not None and found.step == 2 and (old.bucket_round, new.bucket_round) == (1, 2)
+    assert found is not None and found.step == 2 and (old.commits.bucket_round, new.commits.bucket_round) == (1, 2)
     new.load(found, {"w": torch.zeros(64)})
 
     with caplog.at_level(logging.INFO, logger="disttrain.trainer"):

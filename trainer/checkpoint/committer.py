@@ -1,6 +1,6 @@
 """Rank 0's side of a checkpoint on a volume: the fence claim, the commit, resume's choice and retention.
 
-The collectives stay in :mod:`disttrain.trainer.checkpoint.manager`; this class does what only rank 0 does, on
+The collectives are in :mod:`disttrain.trainer.checkpoint.groupcommit`; this class does what only rank 0 does, on
 the files of :mod:`disttrain.trainer.checkpoint.commit` under the fence of :mod:`disttrain.trainer.checkpoint
 .fence`: it checks the fence, writes COMPLETE.json (with its fence round), renames the temporary directory to
 ``step-N`` unless a newer round committed, and applies retention. Retention reads the new checkpoint back (every

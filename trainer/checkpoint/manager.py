@@ -1,11 +1,12 @@
 """Checkpoint manager over ``torch.distributed.checkpoint``: when to save, the save's collectives, resume.
 
-What is saved is in :mod:`disttrain.trainer.checkpoint.state`; rank 0's commit, resume choice and retention on the
-volume in :mod:`disttrain.trainer.checkpoint.committer`. A save:
+What is saved is in :mod:`disttrain.trainer.checkpoint.state`; the commit across the group and retention in
+:mod:`disttrain.trainer.checkpoint.groupcommit` (rank 0's part on the volume in
+:mod:`disttrain.trainer.checkpoint.committer`). A save:
 
 1. every rank writes its DCP files under a temporary directory named from a per-save nonce equal on all ranks;
 2. every rank fsyncs and digests the files it wrote (in parallel), and sends the digests to rank 0;
-3. rank 0 commits (:meth:`Committer.commit`: fence check, COMPLETE.json, rename to ``step-N``, retention) and
+3. rank 0 commits (:meth:`GroupCommit.commit`: fence check, COMPLETE.json, rename to ``step-N``, retention) and
    broadcasts whether it did.
 
 Before it resumes, every new group claims the next fence round; resume picks the newest valid checkpoint in
@@ -25,12 +26,9 @@ process with a retryable error rather than training on without a recoverable sta
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import errno
 import logging
-import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
@@ -40,12 +38,13 @@ import torch.distributed.checkpoint as dcp
 
 from disttrain.api.manifest import CheckpointManifest, FileDigest
 from disttrain.api.spec import CheckpointSpec
-from disttrain.trainer.checkpoint import commit, storage, tiered
-from disttrain.trainer.checkpoint.committer import CheckpointPhase, Committer, PhaseHook
+from disttrain.trainer.checkpoint import commit, storage
+from disttrain.trainer.checkpoint.committer import CheckpointPhase, PhaseHook
+from disttrain.trainer.checkpoint.groupcommit import CheckpointFailedError, GroupCommit
 from disttrain.trainer.checkpoint.objectstore import Published
 from disttrain.trainer.checkpoint.saving import InFlightSave, ShardWriter
 from disttrain.trainer.checkpoint.state import ModelOptimState, SchedulerState, TrainerState
-from disttrain.trainer.checkpoint.tiered import BucketTier, PublishOptions
+from disttrain.trainer.checkpoint.tiered import BucketTier
 from disttrain.trainer.checkpoint.uploads import RetryPolicy
 from disttrain.trainer.metrics import TrainerMetrics
 
@@ -61,10 +60,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("disttrain.trainer")
-
-
-class CheckpointFailedError(RuntimeError):
-    """Saves kept failing: training on would pile up unrecoverable work."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,51 +103,35 @@ class CheckpointManager:
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
-        self.group = group
+        self._group = group
         self.metrics = options.metrics
-        self.max_consecutive_failures = options.max_consecutive_failures
-        self.writer_threads = options.writer_threads
-        self.consecutive_failures = 0
+        self.commits = GroupCommit(self.root, spec, rank, world_size, group, options)
+        """The commit of each save across the group, retention, the fence round and, with a bucket, its tier."""
+        self.tier: Optional[BucketTier] = self.commits.tier
+        """With ``spec.uri``: the bucket, reached through the local tier at ``root`` (the commits' own)."""
         self.last_save_time = time.monotonic()
         self.last_saved_step: Optional[int] = None
-        self.last_committed_step: Optional[int] = None
-        """The newest step this process saw committed (or loaded): what an abandoned save falls back to."""
         self.loaded_step: Optional[int] = None
         self.pending: Optional[InFlightSave] = None
-        self.committer = Committer(
-            self.root,
-            spec,
-            job_uid=options.job_uid,
-            node=options.node,
-            on_phase=options.on_phase,
-            on_commit=options.on_commit,
-        )
         self.writer = ShardWriter(
-            rank, group, options.writer_threads, lambda step: self._phase(CheckpointPhase.FILES_WRITTEN, step)
+            rank, group, options.writer_threads, lambda step: self.commits.phase(CheckpointPhase.FILES_WRITTEN, step)
         )
-        self._session: Optional[str] = None
-        self.fence_round: Optional[int] = None  # claimed by rank 0 of this group at its first collective
         self._saves = 0
         self.blocked_s = 0.0  # total seconds training waited for saves (sync saves, async kick-off and staging)
         self.last_save_blocking_s: Optional[float] = None  # the newest save's blocking part (intervalSteps: auto)
         self.agreed_interval: Optional[int] = None  # intervalSteps: auto, rank 0's interval as the group agreed it
-        self.tier: Optional[BucketTier] = None
-        """With ``spec.uri``: the bucket, reached through the local tier at ``root``
-        (:mod:`disttrain.trainer.checkpoint.tiered`)."""
-        self.bucket_round: Optional[int] = None
-        self._published: list[CheckpointManifest] = []
-        self._bucket_step: Optional[int] = None  # rank 0: the newest step COMPLETE in the bucket that it knows of
-        self._published_lock = threading.Lock()
         self._resume_from: Optional[Published] = None
-        self._tier_closed = False
-        if spec.uri is not None:
-            store = tiered.bucket_committer(spec, options.job_uid, options.node, options.upload_retry)
-            publishing = PublishOptions(
-                spec.keep, self._on_published, options.upload_retry or RetryPolicy(), options.on_phase
-            )
-            self.tier = BucketTier(store, self.root, rank, publishing)
         if rank == 0 or self.tier is not None:
             self.root.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        return self._group
+
+    @group.setter
+    def group(self, group: Optional[dist.ProcessGroup]) -> None:
+        """Set to None when the group ended under this manager (an in-place reform)."""
+        self._group = self.commits.group = group
 
     # ---- when ---------------------------------------------------------------------------------------------
     def should_save(self, step: int, last: bool = False) -> bool:
@@ -187,7 +166,7 @@ class CheckpointManager:
             self.wait_pending()
         t0 = time.monotonic()
         nonce = self._nonce()
-        tmp = self.root / commit.tmp_dir_name(step, nonce, self._round())
+        tmp = self.root / commit.tmp_dir_name(step, nonce, self.commits.claim_round())
         self.last_saved_step = step
         self.last_save_time = time.monotonic()
         if self.spec.async_save and not force_sync:
@@ -197,7 +176,7 @@ class CheckpointManager:
             self._observe("blocking", self.pending.blocking_s)
             return
         digests, error = self.writer.write(step, tmp, state)
-        self._commit_collectively(step, tmp, manifest, digests, error)
+        self._commit(step, tmp, manifest, digests, error)
         self.last_save_blocking_s = time.monotonic() - t0
         self.blocked_s += time.monotonic() - t0
         self._observe("blocking", time.monotonic() - t0)
@@ -236,10 +215,10 @@ class CheckpointManager:
 
     def _complete_pending(self, p: InFlightSave) -> None:
         self.pending = None
-        self._commit_collectively(p.step, p.tmp, p.manifest, p.digests, p.error)
+        self._commit(p.step, p.tmp, p.manifest, p.digests, p.error)
         self._observe("background", time.monotonic() - p.started)
 
-    def _commit_collectively(
+    def _commit(
         self,
         step: int,
         tmp: Path,
@@ -247,159 +226,26 @@ class CheckpointManager:
         digests: dict[str, FileDigest],
         error: Optional[BaseException],
     ) -> None:
-        gathered: list[Any] = [None] * self.world_size
-        payload = {
-            "digests": {k: v.model_dump() for k, v in digests.items()},
-            "error": self.committer.describe(step, error) if error else None,
-        }
-        dist.all_gather_object(gathered, payload, group=self.group)
-        errors = [g["error"] for g in gathered if g["error"]]
-        if errors:
-            self._failed(step, tmp, "; ".join(sorted(set(errors))))
-            return
-        if self.tier is not None:
-            self._commit_to_tier(step, tmp, manifest, gathered, digests)
-            return
-        committed, problem = True, ""
-        if self.rank == 0:
-            try:
-                files = {}
-                for g in gathered:
-                    files.update({k: FileDigest(**v) for k, v in g["digests"].items()})
-                protected = {self.loaded_step} if self.loaded_step is not None else set()
-                self.committer.commit(step, tmp, manifest, files, protected)
-            except Exception as exc:  # noqa: BLE001
-                log.error("checkpoint step-%d could not be committed: %s", step, exc)
-                committed, problem = False, self.committer.describe(step, exc)
-        flag: list[Any] = [committed, problem]
-        dist.broadcast_object_list(flag, src=0, group=self.group)
-        if not flag[0]:
-            self._failed(step, tmp, f"rank 0 could not commit: {flag[1]}")
-            return
-        self.consecutive_failures = 0
-        self.last_committed_step = step
-        if self.metrics is not None:
-            self.metrics.last_complete_step.set(step)
-
-    def _commit_to_tier(
-        self,
-        step: int,
-        tmp: Path,
-        manifest: CheckpointManifest,
-        gathered: list[Any],
-        mine: dict[str, FileDigest],
-    ) -> None:
-        """With a bucket: each tier's leader commits the save on its local tier (COMPLETE.json, the rename to
-        ``step-N``), every rank then starts uploading its own files, and rank 0 its publication in the bucket."""
-        assert self.tier is not None
-        files = {}
-        for g in gathered:
-            files.update({k: FileDigest(**v) for k, v in g["digests"].items()})
-        final = manifest.model_copy(
-            update={
-                "files": files,
-                "metadata_sha256": files[commit.METADATA_FILE].digest.split(":", 1)[1],
-                "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                "job_uid": self.options.job_uid or None,
-                "fence_round": self.bucket_round,
-            }
-        )
-        problem = ""
-        if self.tier.is_leader:
-            try:
-                if self.rank == 0:
-                    self._phase(CheckpointPhase.BEFORE_MANIFEST, step)
-                commit.write_manifest(tmp, final)
-                if self.rank == 0:
-                    self._phase(CheckpointPhase.BEFORE_PUBLISH, step)
-                commit.publish(self.root, tmp, step)
-            except Exception as exc:  # noqa: BLE001
-                log.error("checkpoint step-%d could not be committed on the local tier: %s", step, exc)
-                problem = f"rank {self.rank}: {self.committer.describe(step, exc)}"
-        problems: list[Any] = [None] * self.world_size
-        dist.all_gather_object(problems, problem, group=self.group)
-        if any(problems):
-            self._failed(step, tmp, "; ".join(p for p in problems if p))
-            return
-        if self.rank == 0:
-            self._phase(CheckpointPhase.PUBLISHED, step)
-            log.info("checkpoint step-%d committed on the local tier; uploading to the bucket", step)
-        self.tier.after_local_commit(final, mine, self._round())
-        self.consecutive_failures = 0
-        self.last_committed_step = step
-        if self.metrics is not None:
-            self.metrics.checkpoint_uploads_pending.set(self.tier.uploads_pending())
-
-    def _on_published(self, manifest: CheckpointManifest) -> None:
-        """Rank 0's publisher thread: a save is COMPLETE in the bucket (reported from the training thread, at the
-        next :meth:`report_published`: the control channel is the training thread's)."""
-        if self.metrics is not None:
-            self.metrics.last_complete_step.set(manifest.step)
-        with self._published_lock:
-            self._published.append(manifest)
-            self._bucket_step = max(manifest.step, self._bucket_step or 0)
-
-    @property
-    def durable_step(self) -> Optional[int]:
-        """The newest step whose checkpoint survives losing this node, which is when its side effects may run: the
-        committed one on a volume; with a bucket, the newest COMPLETE there (rank 0, whose publisher writes it and
-        who alone carries out effects; the other ranks count their local commits)."""
-        if self.tier is None or self.rank != 0:
-            return self.last_committed_step
-        with self._published_lock:
-            return self._bucket_step
-
-    def last_upload_seconds(self) -> Optional[float]:
-        """With a bucket: how long this rank's newest finished upload took (intervalSteps: auto); else None."""
-        return self.tier.uploader.last_seconds if self.tier is not None else None
-
-    def upload_backlog(self) -> Optional[str]:
-        """With a bucket, on rank 0: the saves committed locally and not yet COMPLETE in the bucket, and why; None
-        while the bucket keeps up (one save in flight with no error is keeping up)."""
-        return self.tier.backlog() if self.tier is not None else None
-
-    def report_published(self) -> None:
-        """Hand what the bucket completed since the last call to ``on_commit`` (the job agent's lastCheckpoint)."""
-        if self.tier is None:
-            return
-        if self.metrics is not None:
-            self.metrics.checkpoint_uploads_pending.set(self.tier.uploads_pending())
-        with self._published_lock:
-            published, self._published = self._published, []
-        for manifest in published:
-            if self.options.on_commit is not None:
-                self.options.on_commit(manifest)
-
-    def join_retention(self) -> None:
-        self.committer.join_retention()
-        if self.tier is not None:
-            self.tier.join_retention()
-
-    def _failed(self, step: int, tmp: Path, reason: str) -> None:
-        self.consecutive_failures += 1
-        if self.metrics is not None:
-            self.metrics.checkpoint_failures.inc()
-        log.error("checkpoint save at step %d FAILED (%d in a row): %s", step, self.consecutive_failures, reason)
-        if self.rank == 0 or (self.tier is not None and self.tier.is_leader):
-            self.committer.remove(tmp)
-        self.last_saved_step = None
-        if self.consecutive_failures >= self.max_consecutive_failures:
-            raise CheckpointFailedError(f"{self.consecutive_failures} checkpoint saves in a row failed; last: {reason}")
+        protected = {self.loaded_step} if self.loaded_step is not None else set()
+        if not self.commits.commit(step, tmp, manifest, digests, error, protected):
+            self.last_saved_step = None
+            self.commits.stop_if_exhausted()
 
     @property
     def retry_due(self) -> bool:
         """A failed save is retried (synchronously) at the next boundary."""
-        return 0 < self.consecutive_failures < self.max_consecutive_failures and self.last_saved_step is None
+        failures = self.commits.consecutive_failures
+        return 0 < failures < self.options.max_consecutive_failures and self.last_saved_step is None
 
     # ---- load ---------------------------------------------------------------------------------------------
     def find_latest(self) -> Optional[CheckpointManifest]:
         """Rank 0 validates (newest first, reasons logged) and broadcasts the choice."""
-        self._round()  # this group takes the fence before it decides what to resume from
+        self.commits.claim_round()  # this group takes the fence before it decides what to resume from
         if self.tier is not None:
             return self._find_latest_in_tiers()
         choice: list[Any] = [None]
         if self.rank == 0:
-            found = self.committer.find_latest()
+            found = self.commits.committer.find_latest()
             if found is not None:
                 choice[0] = found.model_dump_json()
         dist.broadcast_object_list(choice, src=0, group=self.group)
@@ -416,8 +262,7 @@ class CheckpointManager:
         if self.rank == 0:
             local_steps = {step for leader, step in steps if leader}
             found = self.tier.store.find_latest()
-            with self._published_lock:
-                self._bucket_step = found.manifest.step if found is not None else None
+            self.commits.note_bucket_step(found.manifest.step if found is not None else None)
             everywhere = local is not None and local_steps == {local.step}
             if local is not None and everywhere and (found is None or local.step >= found.manifest.step):
                 log.info(
@@ -463,7 +308,7 @@ class CheckpointManager:
             self._resume_from = None
         if self.tier is not None and self.tier.publisher is not None:
             self.tier.publisher.protected = {manifest.step}  # bucket retention never deletes what the run loaded
-        path = self.committer.step_path(manifest.step)
+        path = self.commits.committer.step_path(manifest.step)
         if commit.is_link(path):
             raise commit.LinkError(
                 errno.ELOOP, "is a symbolic link (links in the checkpoint tree are never followed)", str(path)
@@ -471,32 +316,15 @@ class CheckpointManager:
         reader = storage.CheckpointReader(str(path), expected_metadata_sha256=manifest.metadata_sha256)
         dcp.load(state, storage_reader=reader, process_group=self.group)
         self.loaded_step = manifest.step
-        self.last_saved_step = self.last_committed_step = manifest.step
+        self.last_saved_step = self.commits.last_committed_step = manifest.step
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def _nonce(self) -> str:
         """Fresh per save and equal on all ranks: a random session id agreed once, plus a save counter (saves
         are collective, so every rank counts alike). No collective on the per-save path."""
-        self._round()
+        self.commits.claim_round()
         self._saves += 1
-        return f"{self._session}{self._saves:04d}"
-
-    def _round(self) -> int:
-        """This group's fence round: rank 0 claims it on the volume once and broadcasts it with the session id
-        (collective the first time; every rank reaches it first through :meth:`find_latest` or a save)."""
-        if self.fence_round is None:
-            box: list[Any] = [None]
-            if self.rank == 0:
-                bucket_round = self.tier.store.claim_round() if self.tier is not None else None
-                box[0] = (self.committer.claim_round(), uuid.uuid4().hex[:8], bucket_round)
-            dist.broadcast_object_list(box, src=0, group=self.group)
-            self.fence_round, self._session, self.bucket_round = box[0]
-            if self.tier is not None:
-                identities: list[Any] = [None] * self.world_size
-                dist.all_gather_object(identities, tiered.tier_identity(self.root), group=self.group)
-                self.tier.join_group(identities, self.world_size)
-                self.tier.store.round = self.bucket_round  # every rank uploads under the round rank 0 claimed
-        return self.fence_round
+        return f"{self.commits.session}{self._saves:04d}"
 
     def _barrier(self) -> None:
         dist.barrier(group=self.group)
@@ -505,8 +333,9 @@ class CheckpointManager:
         if self.metrics is not None:
             self.metrics.save_seconds.labels(phase=phase).observe(seconds)
 
-    def _phase(self, phase: CheckpointPhase, step: int) -> None:
-        self.committer.phase(phase, step)
+    def join_retention(self) -> None:
+        """Wait for the retention this group's commits started."""
+        self.commits.join_retention()
 
     # ---- in-place reforms ---------------------------------------------------------------------------------
     def abandon(self, timeout_s: float) -> None:
@@ -523,9 +352,9 @@ class CheckpointManager:
             if not pending.done.wait(timeout_s):
                 raise RuntimeError(f"the save of step {pending.step} did not end within {timeout_s:.0f} s")
             if self.rank == 0:
-                self.committer.remove(pending.tmp)
+                self.commits.committer.remove(pending.tmp)
             log.info("the save of step %d in flight was dropped with its group", pending.step)
-        self.last_saved_step = self.last_committed_step  # a save the group did not finish is no save
+        self.last_saved_step = self.commits.last_committed_step  # a save the group did not finish is no save
         self.join_retention()
 
     def successor(self, rank: int, world_size: int, group: Optional[dist.ProcessGroup]) -> CheckpointManager:
@@ -534,40 +363,19 @@ class CheckpointManager:
         a fence round of its own, claimed at its first collective."""
         # The next group claims a round of its own: what this one did not publish yet is not its to publish, and an
         # in-place reform does not wait for the bucket.
-        self.close_tier(flush=False)
+        self.commits.close_tier(flush=False)
         successor = CheckpointManager(self.root, self.spec, rank, world_size, group, self.options)
-        for name in (
-            "consecutive_failures",
-            "last_save_time",
-            "last_saved_step",
-            "last_committed_step",
-            "loaded_step",
-            "blocked_s",
-            "last_save_blocking_s",
-            "agreed_interval",
-        ):
+        for name in ("last_save_time", "last_saved_step", "loaded_step", "blocked_s", "last_save_blocking_s"):
             setattr(successor, name, getattr(self, name))
+        successor.agreed_interval = self.agreed_interval
+        successor.commits.consecutive_failures = self.commits.consecutive_failures
+        successor.commits.last_committed_step = self.commits.last_committed_step
         self.writer.close()
         return successor
 
     def close(self) -> None:
         if self.pending is not None:
             self.wait_pending()
-        self.close_tier()
+        self.commits.close_tier()
         self.join_retention()
         self.writer.close()
-
-    def close_tier(self, flush: bool = True) -> None:
-        """With a bucket: let this rank's uploads and rank 0's publication finish (bounded; not with ``flush``
-        False), stop them, and report what the bucket completed. Once only."""
-        if self.tier is None or self._tier_closed:
-            return
-        self._tier_closed = True
-        if flush and not self.tier.flush(self.options.upload_flush_timeout_s):
-            log.error(
-                "checkpoint uploads did not finish within %.0f s: the saves not yet COMPLETE in the bucket stay "
-                "on the local tier only",
-                self.options.upload_flush_timeout_s,
-            )
-        self.tier.close()
-        self.report_published()
