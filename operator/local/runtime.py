@@ -86,6 +86,10 @@ class RunOptions:
     gpus: Optional[GpuSlices] = None
     """The machine's GPUs to split between the nodes (each gets its own ``CUDA_VISIBLE_DEVICES``); None leaves the
     nodes' environment as it is (a CPU machine, or a job that pins its devices itself)."""
+    pulse_key: Optional[bytes] = None
+    """An operator's own pulse key: the agent then pulses as on a cluster (on :attr:`LocalRuntime.pulse_port`, to
+    whoever proves the job's key derived from this one), for a caller that links to it as the operator does. None:
+    no pulse (the runtime watches the agent's process itself)."""
 
 
 class LocalRuntime:
@@ -105,6 +109,15 @@ class LocalRuntime:
         self.machine_count = 0
         self.store_port = free_port()
         self.store_secret = storeauth.new_secret()
+        self.agent_settings = pods.LOCAL_AGENT
+        self.pulse_port = 0
+        self.pulse_key_file = ""
+        if options.pulse_key is not None:
+            self.agent_settings = dataclasses.replace(
+                pods.LOCAL_AGENT, pulse_s=constants.AGENT_PULSE_SECONDS, pulse_key=options.pulse_key
+            )
+            self.pulse_port = free_port()
+            self.pulse_key_file = str(state.path / "pulse-key")
         self.started = time.time()
         self.events: list[dict[str, Any]] = []
         self.event_filter = eventrate.EventFilter()
@@ -174,6 +187,8 @@ class LocalRuntime:
             base_env=dict(os.environ),
             rdzv_backend=self.rdzv_fallback,
             store_secret=self.store_secret,
+            pulse_port=self.pulse_port,
+            pulse_key_file=self.pulse_key_file,
         )
 
     def _spawn(
@@ -224,7 +239,9 @@ class LocalRuntime:
         if not self.forks.enabled:
             return
         job = self.job()
-        agent = agentlink.localize_agent_pod(pods.build_agent_pod(job, pods.LOCAL_AGENT), self.state, self.store_port)
+        agent = agentlink.localize_agent_pod(
+            pods.build_agent_pod(job, self.agent_settings), self.state, self.store_port
+        )
         worker = pods.build_worker_pod(
             job, 0, endpoint=f"127.0.0.1:{self.store_port}", checkpoint_directory=str(self.state.checkpoints_dir)
         )
@@ -291,7 +308,12 @@ class LocalRuntime:
     def create_agent(self) -> None:
         self.write_state()  # the agent takes a missing job.json for a deleted job, and a forked one reads it at once
         job = self.job()
-        pod = pods.build_agent_pod(job, pods.LOCAL_AGENT)
+        key = self.agent_settings.job_pulse_key(job)
+        if key is not None and self.pulse_key_file:  # the job's Secret's pulse key, as the operator writes it
+            fd = os.open(self.pulse_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="ascii") as file:
+                file.write(key.hex())
+        pod = pods.build_agent_pod(job, self.agent_settings)
         pod = agentlink.localize_agent_pod(pod, self.state, self.store_port)
         self.agent = self._spawn(pod, -1, 0)
         self.record_event(
