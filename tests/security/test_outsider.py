@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import itertools
 import json
@@ -33,13 +32,12 @@ import pytest
 from disttrain.api import constants
 from disttrain.operator import access, pods, pulses
 from disttrain.operator.agentbeat import AgentBeats
-from disttrain.operator.local import proctree
 from disttrain.operator.local.runtime import LocalRuntime, Snapshot
 from disttrain.operator.observed import PodView
 from disttrain.trainer.agent.pulse import MAX_PENDING
 from tests.conftest import REPO_ROOT, JobBuilder
 from tests.e2e.conftest import Run, e2e_job, run_job
-from tests.security import sniffed
+from tests.security import agentmemory, sniffed
 
 pytestmark = [pytest.mark.security, pytest.mark.slow]
 
@@ -82,29 +80,6 @@ class Attacked:
     agent_rss_before: int
     """The agent's RSS when the attack began (its own baseline: Python, torch)."""
     outsider_log: str
-
-
-def _rss_of(pids: set[int]) -> tuple[int, int]:
-    """(sum of VmRSS, largest VmHWM) of ``pids`` in bytes, from /proc (pids that are gone count 0)."""
-    rss = hwm = 0
-    for pid in pids:
-        try:
-            text = pathlib.Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            if line.startswith("VmRSS:"):
-                rss += int(line.split()[1]) * 1024
-            elif line.startswith("VmHWM:"):
-                hwm = max(hwm, int(line.split()[1]) * 1024)
-    return rss, hwm
-
-
-def _agent_pids(runtime: LocalRuntime) -> set[int]:
-    agent = runtime.agent
-    if agent is None or not agent.is_alive:
-        return set()
-    return proctree.find_tree(agent.marker, agent.proc.pid)
 
 
 def _steps_recorded(records: pathlib.Path) -> int:
@@ -154,12 +129,10 @@ def _attacked_run(
         peak does not count; after the attack, the job's own growth does not either)."""
         until = time.monotonic() + seconds * strike.phases + 2.0
         while not state["stop"].is_set() and time.monotonic() < until:
-            pids = _agent_pids(runtime)
+            pids = agentmemory.agent_pids(runtime)
             if not state["before"]:
-                for pid in pids:
-                    with contextlib.suppress(OSError):
-                        pathlib.Path(f"/proc/{pid}/clear_refs").write_text("5")  # resets VmHWM to VmRSS
-            rss, hwm = _rss_of(pids)
+                agentmemory.reset_peaks(pids)
+            rss, hwm = agentmemory.rss_of(pids)
             state["before"] = state["before"] or rss
             state["peak"] = max(state["peak"], rss, hwm)
             proc = state["proc"]
