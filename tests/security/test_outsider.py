@@ -282,6 +282,7 @@ def _record(
     gap = _longest_gap(attacked.run, attacked.attack_start, attacked.attack_end)
     base_gap = _longest_gap(baseline) + extra_sleep if baseline else nan
     ops = sum(report.get("ops", {}).values())
+    attempts = ops + sum(report.get("errors", {}).values())  # a TCPStore client's refused connections are errors
     warnings = collections.Counter(e["reason"] for e in attacked.run.events if e["type"] == "Warning")
     cost = (
         f"training after the attack began {training:+5.1f} s, job wall {wall:+5.1f} s against the unattacked run; "
@@ -290,7 +291,7 @@ def _record(
         else f"job wall {summary.wall_seconds:.1f} s; longest step gap during the attack {gap:.2f} s"
     )
     line = (
-        f"{attack:>6}: {cost}; {ops} attempts, "
+        f"{attack:>6}: {cost}; {attempts} attempts, "
         f"{report.get('bytes_sent', 0) / MIB:.0f} MiB sent, {len(report.get('keys_seen', []))} keys seen; "
         f"phase {summary.phase}, restarts {dict(summary.restarts_by_reason) or 0}, warnings {dict(warnings)}"
     )
