@@ -44,7 +44,7 @@ ALL = ("list", "forge", "pickle", "delete", "flood", "raw")
 """The attacks in the order ``all`` runs them: those that need nothing but the store's address."""
 CLIENT_ATTACKS = ("list", "forge", "pickle", "delete", "flood")
 """The attacks of a TCPStore client (the others write on the wire themselves)."""
-ATTACKS = (*ALL, "replay", "beacons", "pulse")
+ATTACKS = (*ALL, "idle", "replay", "beacons", "pulse")
 """Every attack; the last three use what was sniffed (``--sniffed``)."""
 
 CONTROL_NAMES = (
@@ -578,18 +578,18 @@ def attack_beacons(outsider: Outsider, seconds: float, sniffed: Sniffed) -> None
         time.sleep(0.02)
 
 
-class PulseHolder(threading.Thread):
-    """Holds as many connections to the agent's pulse port as it will keep, from many source addresses on a
-    loopback target (``127.0.0.N``, as many strangers would), opening new ones as fast as old ones are closed, until
-    stopped: what kept the operator from linking again after its link broke. Counts what it opened and how many
-    the agent closed."""
+class Holder(threading.Thread):
+    """Holds ``count`` connections to ``address``, from ``sources`` source addresses on a loopback target
+    (``127.0.x.y``, as many strangers would), opening new ones as fast as old ones are closed, until stopped. On the
+    pulse port it is what kept the operator from linking again after its link broke; on the store port, what kept
+    replacement workers out. Counts what it opened and how many the other side closed."""
 
     SOURCES = 16
-    PER_SOURCE = 8
 
-    def __init__(self, address: tuple[str, int]) -> None:
-        super().__init__(name="pulse-holder", daemon=True)
+    def __init__(self, name: str, address: tuple[str, int], count: int) -> None:
+        super().__init__(name=f"{name}-holder", daemon=True)
         self.address = address
+        self.count = count
         self.stop_event = threading.Event()
         self.counts: collections.Counter[str] = collections.Counter()
         self.most_held = 0
@@ -604,12 +604,12 @@ class PulseHolder(threading.Thread):
         n = 0
         while not self.stop_event.is_set():
             open_now = [sock for sock in held if _still_open(sock)]
-            self.counts["closed-by-agent"] += len(held) - len(open_now)
+            self.counts["closed"] += len(held) - len(open_now)
             for sock in held:
                 if sock not in open_now:
                     sock.close()
             held = open_now
-            while len(held) < self.SOURCES * self.PER_SOURCE and not self.stop_event.is_set():
+            while len(held) < self.count and not self.stop_event.is_set():
                 sock = socket.socket()
                 sock.settimeout(1.0)
                 source = self._source(n % self.SOURCES)
@@ -658,28 +658,43 @@ class Plan:
     raw: tuple[str, ...] = tuple(RAW_REQUESTS)
     """The abuses the ``raw`` attack sends."""
     hold: int = 1000
-    """The idle connections the ``raw`` attack holds."""
+    """The idle connections the ``raw`` and ``idle`` attacks hold."""
+    hold_until: str = ""
+    """A file: ``pulse`` and ``idle`` go on holding after the other attacks until it exists."""
+
+
+HOLD_UNTIL_MAX_S = 180.0
+"""The longest the holders wait for ``--hold-until`` after the other attacks."""
 
 
 def run(outsider: Outsider, attack: str, plan: Plan) -> None:
-    """The attacks one after the other, each for ``plan.seconds``; ``pulse`` holds the pulse port meanwhile (for
-    ``seconds`` when it is the only one)."""
-    sniffed = plan.sniffed
+    """The attacks one after the other, each for ``plan.seconds``; meanwhile ``pulse`` holds the pulse port and
+    ``idle`` holds ``plan.hold`` connections to the store port (for ``seconds`` when they are the only ones; until
+    ``plan.hold_until`` exists when it is given)."""
     attacks = ALL if attack == "all" else tuple(attack.split(","))
-    holder = None
-    if "pulse" in attacks and sniffed.pulse is not None:
-        holder = PulseHolder(sniffed.pulse)
+    holders: dict[str, Holder] = {}
+    if "pulse" in attacks and plan.sniffed.pulse is not None:
+        holders["pulse"] = Holder("pulse", plan.sniffed.pulse, 128)
+    if "idle" in attacks:
+        holders["idle"] = Holder("idle", (outsider.host, outsider.port), plan.hold)
+    phases = {}
+    for name, holder in holders.items():
         holder.start()
-        outsider.report.phases.append({"attack": "pulse", "start": time.time(), "end": 0.0, "ops": 0})
-        attacks = tuple(name for name in attacks if name != "pulse") or ("hold",)
+        phases[name] = {"attack": name, "start": time.time(), "end": 0.0, "ops": 0}
+        outsider.report.phases.append(phases[name])
+    attacks = tuple(name for name in attacks if name not in holders) or ("hold",)
     try:
         _run_in_turn(outsider, attacks, plan)
+        if holders and plan.hold_until:
+            until = time.monotonic() + HOLD_UNTIL_MAX_S
+            while not os.path.exists(plan.hold_until) and time.monotonic() < until:
+                time.sleep(0.1)
     finally:
-        if holder is not None:
+        for name, holder in holders.items():
             holder.stop()
-            outsider.report.ops.update({f"pulse-{k}": v for k, v in holder.counts.items()})
-            outsider.report.ops["pulse-most-held"] = holder.most_held
-            outsider.report.phases[0].update(end=time.time(), ops=holder.counts["opened"])
+            outsider.report.ops.update({f"{name}-{k}": v for k, v in holder.counts.items()})
+            outsider.report.ops[f"{name}-most-held"] = holder.most_held
+            phases[name].update(end=time.time(), ops=holder.counts["opened"])
 
 
 def _run_in_turn(outsider: Outsider, attacks: tuple[str, ...], plan: Plan) -> None:
@@ -739,7 +754,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         help="the abuses the raw attack sends, joined by commas, or 'none' (default: all of %(default)s)",
     )
     parser.add_argument(
-        "--hold", type=int, default=1000, help="idle connections the raw attack holds meanwhile (default 1000)"
+        "--hold", type=int, default=1000, help="idle connections the raw and idle attacks hold (default 1000)"
+    )
+    parser.add_argument(
+        "--hold-until",
+        help="a file: the pulse and idle attacks go on holding after the others until it exists (at most 180 s)",
     )
     parser.add_argument(
         "--sniffed",
@@ -812,7 +831,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             outsider.call("check", ["outsider/connect"])  # connect before the clock starts
             report.started_at, start = time.time(), time.monotonic()
         max_bytes = int(args.max_flood_mb * 1024 * 1024)
-        plan = Plan(args.seconds, args.marker, max_bytes, Sniffed.load(args.sniffed), args.raw, args.hold)
+        sniffed = Sniffed.load(args.sniffed)
+        plan = Plan(args.seconds, args.marker, max_bytes, sniffed, args.raw, args.hold, args.hold_until or "")
         run(outsider, args.attack, plan)
     finally:
         report.seconds = round(time.monotonic() - start, 3)

@@ -103,6 +103,10 @@ class Strike:
     """Called on every tick, with whether the attack has begun (a scale request, the operator's pulse link)."""
     pulse_key: Optional[bytes] = None
     """The operator's own pulse key: the agent pulses (``RunOptions.pulse_key``)."""
+    outsider_args: tuple[str, ...] = ()
+    """More arguments of the outsider."""
+    watch_s: float = 0.0
+    """How much longer than its attacks the outsider may go on (its holders), the agent's memory watched."""
 
 
 def _attacked_run(
@@ -127,7 +131,7 @@ def _attacked_run(
     def watch(runtime: LocalRuntime) -> None:
         """The agent's peak while the attack lasts (its high-water mark reset as it begins, so the agent's start-up
         peak does not count; after the attack, the job's own growth does not either)."""
-        until = time.monotonic() + seconds * strike.phases + 2.0
+        until = time.monotonic() + seconds * strike.phases + strike.watch_s + 2.0
         while not state["stop"].is_set() and time.monotonic() < until:
             pids = agentmemory.agent_pids(runtime)
             if not state["before"]:
@@ -160,6 +164,7 @@ def _attacked_run(
     argv += ["--report", str(report_path), "--go-file", str(go_file)]
     if strike.sniff is not None:
         argv += ["--sniffed", str(sniffed_path)]
+    argv += strike.outsider_args
     with log_path.open("wb") as log:  # the child holds its own copy
         state["proc"] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     ready_by = time.monotonic() + 120
@@ -182,7 +187,7 @@ def _attacked_run(
             if not state["start"]:
                 proc.terminate()  # the job ended before the attack step
             try:
-                until = (state["start"] or time.time()) + seconds * strike.phases + 15
+                until = (state["start"] or time.time()) + seconds * strike.phases + strike.watch_s + 15
                 proc.wait(timeout=max(5.0, until - time.time()))
             except subprocess.TimeoutExpired:
                 proc.terminate()  # it still writes its report
@@ -359,7 +364,7 @@ def test_raw_abuse_of_the_store_port_is_refused_at_the_front_and_bounded(tmp_pat
     _assert_unharmed(attacked)
 
 
-REFORM_STEPS = 60
+REFORM_STEPS = 80
 REFORM_PHASE_SECONDS = 4.0
 """Each of the reform attack's two phases: the replay while the reform is in flight, then the beacons."""
 REFORM_DATASET = 12 * REFORM_STEPS
@@ -438,30 +443,44 @@ class OperatorLink(threading.Thread):
 
 
 @pytest.mark.timeout(300)
-def test_replayed_directives_garbled_beacons_and_a_held_pulse_port_during_a_reform_cost_nothing(
-    tmp_path, security_results
-):
+def test_replayed_directives_garbled_beacons_and_held_ports_during_reforms_cost_nothing(tmp_path, security_results):
     """A 3-node job with a tight stall rule (``stallMinSeconds: 3``) whose agent pulses to an operator's link. As
-    the attack begins the job is scaled to 2 nodes (a reform, never charged). The outsider knows what a stranger
-    watching the network sees (the directive and the beacons as they went by, signed but not encrypted, and the
-    pulse port): it replays the old directive while the reform is in flight, then garbles, deletes and replays the
-    step beacons, and all the while holds every place the pulse port gives unproven connections, while the
-    operator's link breaks twice. Asserted: nothing passed the front, the job went from 3 nodes to 2 once and
-    Succeeded with every step and every sample once, no restart charged, no node named stalled or lost, the agent
-    never replaced, always pulsed (linked again after each break), and its memory grew by at most 64 MiB."""
+    the attack begins the job is scaled to 2 nodes, and back to 3 as soon as that drain is issued (two reforms,
+    never charged; a new worker joins). The outsider knows what a stranger watching the network sees (the directive
+    and the beacons as they went by, signed but not encrypted, and the pulse port): it replays the old directive
+    while the reform is in flight, then garbles, deletes and replays the step beacons; all the while, and until the
+    new worker has joined, it holds 1,000 connections to the store port and every place the pulse port gives
+    unproven connections, while the operator's link breaks twice. Asserted: nothing passed the front, the job went
+    from 3 nodes to 2 and back to 3 and Succeeded with every step and every sample once, no restart charged, no node
+    named stalled or lost, the agent never replaced, always pulsed (linked again after each break), and its memory
+    grew by at most 64 MiB."""
     runtime_box: dict[str, LocalRuntime] = {}
     link = OperatorLink(lambda: runtime_box.get("runtime"), os.urandom(32))
     scaled: list[int] = []
+    joined = tmp_path / "outsider.joined"
+    """Written once the new worker has joined: the outsider's holders stop then."""
 
     def on_tick(runtime: LocalRuntime, snapshot: Snapshot, attacked: bool) -> None:
         runtime_box.setdefault("runtime", runtime)
-        if attacked and not scaled:
+        if snapshot.status.get("phase") in ("Succeeded", "Failed"):
+            link.judging.clear()  # the agent's end is the job's, not a silence
+        if not attacked:
+            return
+        if not scaled:
             scaled.append(2)
             runtime.set_replicas(2, "test: scale-down while the outsider replays the old directive")
             now = time.monotonic()
-            link.judge_until = now + 2 * REFORM_PHASE_SECONDS + 2.0  # the attack's phases; then the job ends its way
             link.judging.set()
             link.break_requests.extend([now + 1.5, now + 1.5 + REFORM_PHASE_SECONDS])
+        elif scaled == [2] and (snapshot.status.get("control") or {}).get("action") == "drain":
+            scaled.append(3)
+            runtime.set_replicas(3, "test: scale back up while the outsider holds the ports")
+        elif scaled == [2, 3] and not joined.exists():
+            up = [e["time"] for e in runtime.events if e["reason"] == "ScaledUp"]
+            back = [e for e in runtime.events if e["reason"] == "RendezvousComplete" and "3 nodes" in e["message"]]
+            if up and any(e["time"] >= up[0] for e in back):
+                joined.write_text("the new worker joined")
+                link.judge_until = time.monotonic() + 1.0
 
     builder = e2e_job(
         "outsider-reform",
@@ -477,12 +496,14 @@ def test_replayed_directives_garbled_beacons_and_a_held_pulse_port_during_a_refo
         sniff=lambda runtime: sniffed.sniff(runtime, 3),
         on_tick=on_tick,
         pulse_key=link.operator_key,
+        outsider_args=("--hold", "1000", "--hold-until", str(joined)),
+        watch_s=60.0,
     )
 
     link.start()
     try:
         attacked = _attacked_run(
-            tmp_path, "replay,beacons,pulse", seconds=REFORM_PHASE_SECONDS, watch_memory=True, strike=strike
+            tmp_path, "replay,beacons,pulse,idle", seconds=REFORM_PHASE_SECONDS, watch_memory=True, strike=strike
         )
     finally:
         link.judging.clear()
@@ -497,6 +518,11 @@ def test_replayed_directives_garbled_beacons_and_a_held_pulse_port_during_a_refo
     for name in ("replay-raw", "beacons-raw"):
         assert ops.get(name, 0) > 0 and ops.get(f"{name}-closed") == ops.get(name), f"{name}: {ops}"
     assert ops.get("pulse-most-held", 0) >= MAX_PENDING, f"the outsider did not hold the pulse port: {ops}"
+    assert ops.get("idle-most-held", 0) >= 128, f"the outsider did not hold the store port: {ops}"
+    assert joined.exists(), f"the new worker never joined; events {run.reasons()}"
+    idle = next(phase for phase in report["phases"] if phase["attack"] == "idle")
+    rejoined = max(e["time"] for e in run.events if e["reason"] == "RendezvousComplete")
+    assert idle["end"] >= rejoined, "the outsider stopped holding the store port before the new worker joined"
     assert report["keys_seen"] == [] and not ops.get("connect"), f"the outsider got past the front: {ops}"
 
     assert run.summary.succeeded, f"phase {run.summary.phase}: {run.summary.message}; events {run.reasons()}"
@@ -505,7 +531,7 @@ def test_replayed_directives_garbled_beacons_and_a_held_pulse_port_during_a_refo
     reasons = collections.Counter(run.reasons())
     harmful = {r: n for r, n in reasons.items() if r in ("NodeLost", "StepStalled", "RestartBudgetExhausted")}
     assert not harmful, f"a healthy node was named lost or stalled: {harmful}; events {run.reasons()}"
-    assert reasons["ScaledDown"] == 1, f"the scale-down is the one reform: {run.reasons()}"
+    assert reasons["ScaledDown"] == 1 and reasons["ScaledUp"] == 1, f"the scale requests' reforms: {run.reasons()}"
     assert not run.runtime.obj["status"].get("stalledNodes"), run.runtime.obj["status"].get("stalledNodes")
     agent_log = run.state.log_file("outsider-reform-agent").read_text(errors="replace")
     assert agent_log.count("serving the store") == 1, "the agent was replaced"
@@ -514,7 +540,7 @@ def test_replayed_directives_garbled_beacons_and_a_held_pulse_port_during_a_refo
     assert sorted(trajectory) == list(range(1, REFORM_STEPS + 1)), f"steps skipped or extra: {sorted(trajectory)}"
     worlds = [records[0]["world"] for _, records in sorted(trajectory.items())]
     changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
-    assert changes == [3, 2], f"one reform, from 3 nodes to 2 (world size per step: {worlds})"
+    assert changes == [3, 2, 3], f"two reforms, 3 nodes to 2 and back (world size per step: {worlds})"
     assert all(len(records) == records[0]["world"] for records in trajectory.values()), "a step lacks a rank"
     consumed = collections.Counter(i for records in trajectory.values() for r in records for i in r["indices"])
     assert sorted(consumed) == list(range(REFORM_DATASET)) and set(consumed.values()) == {1}, "samples lost or twice"
