@@ -582,9 +582,13 @@ class Holder(threading.Thread):
     """Holds ``count`` connections to ``address``, from ``sources`` source addresses on a loopback target
     (``127.0.x.y``, as many strangers would), opening new ones as fast as old ones are closed, until stopped. On the
     pulse port it is what kept the operator from linking again after its link broke; on the store port, what kept
-    replacement workers out. Counts what it opened and how many the other side closed."""
+    replacement workers out. It opens at most ``RATE`` connections a second: enough to take every place a closed
+    one leaves (unproven ones are closed after seconds), while its own CPU, on a test machine shared with the job,
+    does not starve the job. Counts what it opened and how many the other side closed."""
 
     SOURCES = 16
+    RATE = 100
+    PERIOD_S = 0.05
 
     def __init__(self, name: str, address: tuple[str, int], count: int) -> None:
         super().__init__(name=f"{name}-holder", daemon=True)
@@ -609,7 +613,9 @@ class Holder(threading.Thread):
                 if sock not in open_now:
                     sock.close()
             held = open_now
-            while len(held) < self.count and not self.stop_event.is_set():
+            budget = int(self.RATE * self.PERIOD_S)
+            while len(held) < self.count and budget > 0 and not self.stop_event.is_set():
+                budget -= 1
                 sock = socket.socket()
                 sock.settimeout(1.0)
                 source = self._source(n % self.SOURCES)
@@ -625,7 +631,7 @@ class Holder(threading.Thread):
                 held.append(sock)
                 self.counts["opened"] += 1
             self.most_held = max(self.most_held, len(held))
-            self.stop_event.wait(0.05)
+            self.stop_event.wait(self.PERIOD_S)
         for sock in held:
             sock.close()
 

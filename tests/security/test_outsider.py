@@ -437,7 +437,8 @@ class OperatorLink(threading.Thread):
                 if self.judging.is_set() and now > self.judge_until:
                     self.judging.clear()
                 if why and self.judging.is_set():
-                    self.verdicts.append(why)
+                    last = max(self.pulses, default=0.0)
+                    self.verdicts.append(f"{why} at {now:.2f} (the last pulse {now - last:.2f} s before)")
         finally:
             await links.close()
 
@@ -449,11 +450,11 @@ def test_replayed_directives_garbled_beacons_and_held_ports_during_reforms_cost_
     never charged; a new worker joins). The outsider knows what a stranger watching the network sees (the directive
     and the beacons as they went by, signed but not encrypted, and the pulse port): it replays the old directive
     while the reform is in flight, then garbles, deletes and replays the step beacons; all the while, and until the
-    new worker has joined, it holds 1,000 connections to the store port and every place the pulse port gives
-    unproven connections, while the operator's link breaks twice. Asserted: nothing passed the front, the job went
-    from 3 nodes to 2 and back to 3 and Succeeded with every step and every sample once, no restart charged, no node
-    named stalled or lost, the agent never replaced, always pulsed (linked again after each break), and its memory
-    grew by at most 64 MiB."""
+    new worker has joined, it keeps up to 1,000 connections to the store port and 128 to the pulse port open,
+    opening 100 a second of each in place of those closed, while the operator's link breaks twice. Asserted:
+    nothing passed the front, the job went from 3 nodes to 2 and back to 3 and Succeeded with every step and every
+    sample once, no restart charged, no node named stalled or lost, the agent never replaced, always pulsed (linked
+    again after each break), and its memory grew by at most 64 MiB."""
     runtime_box: dict[str, LocalRuntime] = {}
     link = OperatorLink(lambda: runtime_box.get("runtime"), os.urandom(32))
     scaled: list[int] = []
@@ -518,7 +519,7 @@ def test_replayed_directives_garbled_beacons_and_held_ports_during_reforms_cost_
     for name in ("replay-raw", "beacons-raw"):
         assert ops.get(name, 0) > 0 and ops.get(f"{name}-closed") == ops.get(name), f"{name}: {ops}"
     assert ops.get("pulse-most-held", 0) >= MAX_PENDING, f"the outsider did not hold the pulse port: {ops}"
-    assert ops.get("idle-most-held", 0) >= 128, f"the outsider did not hold the store port: {ops}"
+    assert ops.get("idle-most-held", 0) >= 100, f"the outsider did not hold the store port: {ops}"
     assert joined.exists(), f"the new worker never joined; events {run.reasons()}"
     idle = next(phase for phase in report["phases"] if phase["attack"] == "idle")
     rejoined = max(e["time"] for e in run.events if e["reason"] == "RendezvousComplete")
@@ -548,6 +549,7 @@ def test_replayed_directives_garbled_beacons_and_held_ports_during_reforms_cost_
 
     assert len(link.breaks) == 2, f"the operator's link was broken {len(link.breaks)} times, not 2"
     assert all(any(p > b for p in link.pulses) for b in link.breaks), "no pulse after a break: not linked again"
-    assert link.verdicts == [], f"the operator judged the agent silent: {link.verdicts[:3]}"
+    gaps = sorted(round(b - a, 2) for a, b in itertools.pairwise(link.pulses))[-3:]
+    assert link.verdicts == [], f"the operator judged the agent silent: {link.verdicts[:3]}; longest gaps {gaps}"
     growth = attacked.peak_agent_rss - attacked.agent_rss_before
     assert growth <= 64 * MIB, f"the agent grew by {growth / MIB:.0f} MiB under the attack (allowed: 64 MiB)"
