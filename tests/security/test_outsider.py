@@ -51,6 +51,9 @@ RAW_SECONDS = 15.0
 RUNAWAY_RSS = 3 * 2**30
 """The test stops the flood when the agent passes this (a local agent has no memory limit to stop it)."""
 MIB = 2**20
+CONNECT_OVERRUN_S = 12.0
+"""How long past its end an attack of a TCPStore client may go on: a connection attempt the front refuses is not
+interrupted (torch's client waits 5 s, then retries once after about 5.5 s)."""
 
 
 def _memory_bytes(quantity: str) -> int:
@@ -95,8 +98,6 @@ class Strike:
 
     builder: Optional[JobBuilder] = None
     """The job (None: the 2-node recorder job of ``MAX_STEPS`` steps)."""
-    phases: int = 1
-    """How many attacks of ``seconds`` the outsider runs one after the other (what the memory is watched over)."""
     sniff: Optional[Callable[[LocalRuntime], dict[str, Any]]] = None
     """What the outsider saw on the network, read as the attack begins (``--sniffed``)."""
     on_tick: Optional[Callable[[LocalRuntime, Snapshot, bool], None]] = None
@@ -121,6 +122,8 @@ def _attacked_run(
     """Run the job; once a rank has recorded step ``ATTACK_AT_STEP``, the outsider (started and ready before the
     job) attacks the agent's store port."""
     strike = strike or Strike()
+    phases = len([name for name in attack.split(",") if name not in ("pulse", "idle")])
+    """The attacks of ``seconds`` the outsider runs one after the other (the holders run alongside)."""
     marker = tmp_path / "marker"
     report_path = tmp_path / "outsider.json"
     log_path = tmp_path / "outsider.log"
@@ -131,7 +134,7 @@ def _attacked_run(
     def watch(runtime: LocalRuntime) -> None:
         """The agent's peak while the attack lasts (its high-water mark reset as it begins, so the agent's start-up
         peak does not count; after the attack, the job's own growth does not either)."""
-        until = time.monotonic() + seconds * strike.phases + strike.watch_s + 2.0
+        until = time.monotonic() + seconds * phases + strike.watch_s + 2.0
         while not state["stop"].is_set() and time.monotonic() < until:
             pids = agentmemory.agent_pids(runtime)
             if not state["before"]:
@@ -187,7 +190,7 @@ def _attacked_run(
             if not state["start"]:
                 proc.terminate()  # the job ended before the attack step
             try:
-                until = (state["start"] or time.time()) + seconds * strike.phases + strike.watch_s + 15
+                until = (state["start"] or time.time()) + (seconds + CONNECT_OVERRUN_S) * phases + strike.watch_s + 15
                 proc.wait(timeout=max(5.0, until - time.time()))
             except subprocess.TimeoutExpired:
                 proc.terminate()  # it still writes its report
@@ -493,7 +496,6 @@ def test_replayed_directives_garbled_beacons_and_held_ports_during_reforms_cost_
     ).set("spec.elastic.stallMinSeconds", 3)
     strike = Strike(
         builder=builder,
-        phases=2,
         sniff=lambda runtime: sniffed.sniff(runtime, 3),
         on_tick=on_tick,
         pulse_key=link.operator_key,
