@@ -52,8 +52,8 @@ RUNAWAY_RSS = 3 * 2**30
 """The test stops the flood when the agent passes this (a local agent has no memory limit to stop it)."""
 MIB = 2**20
 CONNECT_OVERRUN_S = 12.0
-"""How long past its end an attack of a TCPStore client may go on: a connection attempt the front refuses is not
-interrupted (torch's client waits 5 s, then retries once after about 5.5 s)."""
+"""How long a TCPStore client's connection attempt that the front refuses may go on, deaf to SIGTERM (torch's client
+waits 5 s, then retries once after about 5.5 s)."""
 
 
 def _memory_bytes(quantity: str) -> int:
@@ -132,10 +132,10 @@ def _attacked_run(
     state: dict[str, Any] = {"proc": None, "start": 0.0, "peak": 0, "before": 0, "stop": threading.Event()}
 
     def watch(runtime: LocalRuntime) -> None:
-        """The agent's peak while the attack lasts (its high-water mark reset as it begins, so the agent's start-up
-        peak does not count; after the attack, the job's own growth does not either)."""
+        """The agent's peak while the attack lasts, until the outsider ends (its high-water mark reset as it begins,
+        so the agent's start-up peak does not count; after the attack, the job's own growth does not either)."""
         until = time.monotonic() + seconds * phases + strike.watch_s + 2.0
-        while not state["stop"].is_set() and time.monotonic() < until:
+        while not state["stop"].is_set() and time.monotonic() < until and state["proc"].poll() is None:
             pids = agentmemory.agent_pids(runtime)
             if not state["before"]:
                 agentmemory.reset_peaks(pids)
@@ -190,12 +190,13 @@ def _attacked_run(
             if not state["start"]:
                 proc.terminate()  # the job ended before the attack step
             try:
-                until = (state["start"] or time.time()) + (seconds + CONNECT_OVERRUN_S) * phases + strike.watch_s + 15
+                # the last attacks may be cut short: what they cost was measured while the job ran
+                until = (state["start"] or time.time()) + seconds + strike.watch_s + 15
                 proc.wait(timeout=max(5.0, until - time.time()))
             except subprocess.TimeoutExpired:
-                proc.terminate()  # it still writes its report
+                proc.terminate()  # it still writes its report, once a refused connection attempt has ended
                 try:
-                    proc.wait(timeout=10)
+                    proc.wait(timeout=CONNECT_OVERRUN_S + 5)
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
