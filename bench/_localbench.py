@@ -118,9 +118,11 @@ def run(
     timeout_s: float = 600,
     not_ready_delay_s: float = 0.0,
     gpus: Any = None,
+    pulse_key: Optional[bytes] = None,
 ) -> LocalRuntime:
     """Run ``obj`` to its end in local mode; ``gpus``: a :class:`~disttrain.operator.local.gpuslices.GpuSlices` to
-    split between the nodes (None: their environment is left as it is)."""
+    split between the nodes (None: their environment is left as it is); ``pulse_key``: the agent pulses as on a
+    cluster (``RunOptions.pulse_key``)."""
     job = DistTrainJob.model_validate(obj)
     holder: dict[str, LocalRuntime] = {}
 
@@ -129,7 +131,12 @@ def run(
             on_tick(holder["runtime"], snapshot)
 
     options = RunOptions(
-        chaos=parse_chaos(chaos), workdir=str(REPO), on_tick=tick, not_ready_delay_s=not_ready_delay_s, gpus=gpus
+        chaos=parse_chaos(chaos),
+        workdir=str(REPO),
+        on_tick=tick,
+        not_ready_delay_s=not_ready_delay_s,
+        gpus=gpus,
+        pulse_key=pulse_key,
     )
     runtime = LocalRuntime(job, StateDir(state_dir), options)
     holder["runtime"] = runtime

@@ -86,6 +86,10 @@ class RunOptions:
     gpus: Optional[GpuSlices] = None
     """The machine's GPUs to split between the nodes (each gets its own ``CUDA_VISIBLE_DEVICES``); None leaves the
     nodes' environment as it is (a CPU machine, or a job that pins its devices itself)."""
+    pulse_key: Optional[bytes] = None
+    """An operator's own pulse key: the agent then pulses as on a cluster (on :attr:`LocalRuntime.pulse_port`, to
+    whoever proves the job's key derived from this one), for a caller that links to it as the operator does. None:
+    no pulse (the runtime watches the agent's process itself)."""
 
 
 class LocalRuntime:
@@ -101,6 +105,11 @@ class LocalRuntime:
         self.workers: dict[str, LocalPod] = {}
         self.agent: Optional[LocalPod] = None
         self.lost_machines: list[LocalPod] = []
+        self.agent_settings = pods.LOCAL_AGENT
+        if options.pulse_key is not None:
+            self.agent_settings = dataclasses.replace(
+                pods.LOCAL_AGENT, pulse_s=constants.AGENT_PULSE_SECONDS, pulse_key=options.pulse_key
+            )
         self.started = time.time()
         self.events: list[dict[str, Any]] = []
         self.event_filter = eventrate.EventFilter()
@@ -123,9 +132,14 @@ class LocalRuntime:
             options.forks if options.forks is not None else ForkServers(state.logs_dir),
             self.rdzv_fallback,
             with_gpus=options.gpus is not None,
+            agent_settings=self.agent_settings,
+            pulse_port=free_port() if options.pulse_key is not None else 0,
+            pulse_key_file=str(state.path / "pulse-key") if options.pulse_key is not None else "",
         )
         """Pods start as forks of a process that imported torch once (the same program, without the import)."""
         self.store_port = self.spawner.store_port
+        self.pulse_port = self.spawner.pulse_port
+        self.pulse_key_file = self.spawner.pulse_key_file
         self.gpus = options.gpus
         self._waiting_for_gpus: set[str] = set()
         """Workers not created yet because no GPU slice was free (reported once each)."""
@@ -218,7 +232,12 @@ class LocalRuntime:
     def create_agent(self) -> None:
         self.write_state()  # the agent takes a missing job.json for a deleted job, and a forked one reads it at once
         job = self.job()
-        pod = pods.build_agent_pod(job, pods.LOCAL_AGENT)
+        key = self.agent_settings.job_pulse_key(job)
+        if key is not None and self.pulse_key_file:  # the job's Secret's pulse key, as the operator writes it
+            fd = os.open(self.pulse_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="ascii") as file:
+                file.write(key.hex())
+        pod = pods.build_agent_pod(job, self.agent_settings)
         pod = agentlink.localize_agent_pod(pod, self.state, self.store_port)
         self.agent = self.spawner.spawn(job, pod, -1)
         self.record_event(

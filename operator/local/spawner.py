@@ -46,6 +46,12 @@ class PodSpawner:
     store_port: int = dataclasses.field(default_factory=free_port)
     """Where the local job agent serves the store."""
     store_secret: str = dataclasses.field(default_factory=storeauth.new_secret)
+    agent_settings: pods.AgentSettings = pods.LOCAL_AGENT
+    """How the job agent runs here (with a pulse key, it pulses as on a cluster)."""
+    pulse_port: int = 0
+    """Where the agent serves its pulse (0: it does not)."""
+    pulse_key_file: str = ""
+    """The file the agent reads the job's pulse key from ("" without a pulse)."""
     machine_count: int = 0
 
     def site(self, job: DistTrainJob) -> translate.LocalSite:
@@ -61,6 +67,8 @@ class PodSpawner:
             base_env=dict(os.environ),
             rdzv_backend=self.rdzv_backend,
             store_secret=self.store_secret,
+            pulse_port=self.pulse_port,
+            pulse_key_file=self.pulse_key_file,
         )
 
     def spawn(
@@ -110,7 +118,9 @@ class PodSpawner:
         tick's pods wait for both together rather than one after the other."""
         if not self.forks.enabled:
             return
-        agent = agentlink.localize_agent_pod(pods.build_agent_pod(job, pods.LOCAL_AGENT), self.state, self.store_port)
+        agent = agentlink.localize_agent_pod(
+            pods.build_agent_pod(job, self.agent_settings), self.state, self.store_port
+        )
         worker = pods.build_worker_pod(
             job, 0, endpoint=f"127.0.0.1:{self.store_port}", checkpoint_directory=str(self.state.checkpoints_dir)
         )

@@ -48,6 +48,10 @@ class LocalSite:
     """torchrun rendezvous backend to use instead of the pod's (when its handler is not installed here)."""
     store_secret: str = ""
     """The job's store secret: what the mounted Secret holds on Kubernetes, given in the env here."""
+    pulse_port: int = 0
+    """Where the local agent serves its pulse (0: it has none)."""
+    pulse_key_file: str = ""
+    """The file holding the job's pulse key: what the mounted Secret holds on Kubernetes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +171,10 @@ def to_process(
         env[env_names.READY_PORT] = str(ready_port)
     if env.pop(env_names.STORE_SECRET_FILE, None) is not None:  # no Secret volume here: the secret itself
         env[env_names.STORE_SECRET] = site.store_secret
+    if env_names.AGENT_PULSE_PORT in env:
+        env[env_names.AGENT_PULSE_PORT] = str(site.pulse_port)
+    if env_names.AGENT_PULSE_KEY_FILE in env:
+        env[env_names.AGENT_PULSE_KEY_FILE] = site.pulse_key_file
     workdir = container.get("workingDir")
     cwd = site.workdir if not workdir or not _exists(workdir) else workdir
     per_pod = frozenset(

@@ -143,6 +143,7 @@ def run_job(
     on_tick: Optional[Callable[[LocalRuntime, Snapshot], None]] = None,
     timeout_s: float = 150,
     not_ready_delay_s: float = 0.0,
+    pulse_key: Optional[bytes] = None,
 ) -> Run:
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump(builder.build()))
@@ -161,6 +162,7 @@ def run_job(
         on_tick=tick,
         not_ready_delay_s=not_ready_delay_s,
         forks=shared_fork_servers(),
+        pulse_key=pulse_key,
     )
     runtime = LocalRuntime(job, state, options)
     holder["runtime"] = runtime

