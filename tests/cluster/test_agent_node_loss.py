@@ -52,12 +52,13 @@ def test_the_group_trains_through_the_loss_of_its_agents_node_and_ends_with_ever
     twice = {step: ranks for step, ranks in ranks_by_step.items() if sorted(ranks) != [0, 1]}
     assert not twice, f"steps run twice or by one rank only: {twice}"
 
-    # The agent's pulse told the operator, not its Lease (three 1 s periods) nor Kubernetes' NotReady (the
-    # node-lifecycle controller's grace period is 20 s here).
+    # The agent's own signs of life told the operator (its pulse, or its Lease: three 1 s periods), not
+    # Kubernetes' NotReady (the node-lifecycle controller's grace period is 20 s here). How soon each path notices
+    # is measured by bench/agent_loss_cluster.py.
     not_ready = seen.node_not_ready_at  # nan: still Ready when the new agent ran
     assert math.isnan(not_ready) or seen.agent_deleted_at < not_ready, "replaced only once its node was NotReady"
     [message] = [e["message"] for e in seen.events if e["reason"] == "AgentRestarted"]
-    assert "its pulse stopped" in message, message
+    assert "its pulse stopped" in message or "silent in its Lease" in message, message
 
     # Training went on through the outage, without a pause: steps right after the power-off and right before the new
     # agent ran, no gap near a store timeout.
