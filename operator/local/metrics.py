@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import prometheus_client as prom
 
+from disttrain.api import metricsserver
 from disttrain.operator.metrics import OperatorMetrics
 
 
@@ -32,8 +33,9 @@ class LocalMetrics:
         self._server: Any = None
 
     def serve(self, port: int = 0) -> str:
-        """Start the HTTP exporter on 127.0.0.1 (``port`` 0: a free one); returns its URL."""
-        self._server, _thread = prom.start_http_server(port, addr="127.0.0.1", registry=self.registry)
+        """Start the HTTP exporter on 127.0.0.1 (``port`` 0: a free one), bounded as the operator's is; returns its
+        URL."""
+        self._server = metricsserver.serve(port, "127.0.0.1", self.registry)
         return f"http://127.0.0.1:{self._server.server_port}/metrics"
 
     def shutdown(self) -> None:

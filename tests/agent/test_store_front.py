@@ -100,6 +100,19 @@ def test_append_and_queue_commands_are_refused_even_to_a_proven_client(served):
     assert server.get("k") == b"v"
 
 
+def test_a_key_that_is_not_utf8_is_refused_so_the_store_can_still_be_listed(served):
+    """torch's ``list_keys`` decodes every key as UTF-8: one such key in the store would make every listing fail,
+    and the agent's guardian could sweep nothing any more."""
+    server, gate = served
+    sock = _proven_socket(gate)
+    key = b"/bad\xff\xfe"
+    sock.sendall(bytes([wire.VALIDATE]) + (0x3C85F7CE).to_bytes(4, "little") + b"\x01" + struct_u64(len(key)) + key)
+    sock.sendall(struct_u64(1) + b"x")
+    assert _closed(sock)
+    assert _until(lambda: gate.counts["refused"] == 1)
+    assert server.list_keys() == [], "nothing was stored, and the store can be listed"
+
+
 def test_a_request_left_half_sent_and_a_silent_stranger_are_cut_off(served):
     _, gate = served
     sock = _proven_socket(gate)

@@ -13,9 +13,9 @@ answer closes the connection before a byte of it reaches torch's server. The fro
 refuse an impostor standing in for the agent.
 
 Requests (torch's ``QueryType``, little-endian as torch writes them): a command byte, then fixed fields, strings
-(``u64`` length + bytes, at most :data:`MAX_KEY` for a key) and payloads (``u64`` length + bytes, at most
-:data:`MAX_PAYLOAD`). The scanner keeps no payload: it checks lengths, counts the bytes still owed and lets them
-pass, so one connection costs a few bytes of state whatever the values' size.
+(``u64`` length + bytes, at most :data:`MAX_KEY` for a key, which must be UTF-8) and payloads (``u64`` length + bytes,
+at most :data:`MAX_PAYLOAD`). The scanner keeps no payload: it checks lengths, counts the bytes still owed and lets
+them pass, so one connection costs at most one key name of state whatever the values' size.
 """
 
 from __future__ import annotations
@@ -80,6 +80,20 @@ def _sized(limit: int, what: str) -> _Steps:
         yield ("pass", size)
 
 
+def _key() -> _Steps:
+    """A key name: torch's clients read keys back as text (``list_keys`` decodes UTF-8), so one key that is not
+    UTF-8 would make every listing fail, and the agent's guardian could sweep nothing any more."""
+    size = _u64((yield ("take", 8)))
+    if size > MAX_KEY:
+        raise Refused(f"a key of {size} bytes; at most {MAX_KEY} pass the front")
+    if size:
+        name = yield ("take", size)
+        try:
+            name.decode("utf-8")
+        except UnicodeDecodeError:
+            raise Refused("a key that is not UTF-8 (torch's clients could not list the store's keys)") from None
+
+
 def _count() -> Generator[_Ask, bytes, int]:
     count = _u64((yield ("take", 8)))
     if count > MAX_KEY_COUNT:
@@ -93,18 +107,18 @@ def _request(command: int) -> _Steps:
     if command in (VALIDATE, PING):
         yield ("pass", 4)
     elif command in (SET, COMPARE_SET):
-        yield from _sized(MAX_KEY, "a key")
+        yield from _key()
         yield from _sized(MAX_PAYLOAD, "a value")
         if command == COMPARE_SET:
             yield from _sized(MAX_PAYLOAD, "a value")
     elif command in (GET, DELETE_KEY):
-        yield from _sized(MAX_KEY, "a key")
+        yield from _key()
     elif command == ADD:
-        yield from _sized(MAX_KEY, "a key")
+        yield from _key()
         yield ("pass", 8)
     elif command in (CHECK, WAIT, MULTI_GET, MULTI_SET):
         for _ in range((yield from _count())):
-            yield from _sized(MAX_KEY, "a key")
+            yield from _key()
             if command == MULTI_SET:
                 yield from _sized(MAX_PAYLOAD, "a value")
     elif command not in (GETNUMKEYS, CANCEL_WAIT, LIST_KEYS):

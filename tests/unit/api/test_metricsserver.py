@@ -1,11 +1,15 @@
-"""The metrics exporter of the operator and of every worker: slow or idle clients cannot grow it."""
+"""The metrics exporter of the operator, of the local runtime and of every worker: slow or idle clients can neither
+grow it nor keep a scraper out."""
 
 from __future__ import annotations
 
+import gzip
+import os
 import socket
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import prometheus_client
 import pytest
@@ -14,54 +18,108 @@ from disttrain.api import metricsserver
 
 pytestmark = pytest.mark.timeout(60)
 
+FAST = metricsserver.Limits(max_connections=16, request_s=0.5, answer_s=0.5)
 
-def _serve(monkeypatch: pytest.MonkeyPatch, timeout_s: float) -> metricsserver.BoundedMetricsServer:
-    monkeypatch.setattr(metricsserver._QuietHandler, "timeout", timeout_s)
+
+@pytest.fixture
+def server(request: pytest.FixtureRequest) -> Iterator[metricsserver.BoundedMetricsServer]:
+    limits = getattr(request, "param", FAST)
     registry = prometheus_client.CollectorRegistry()
     prometheus_client.Counter("bench_things", "things", registry=registry).inc()
-    return metricsserver.serve(0, "127.0.0.1", registry)
+    started = metricsserver.serve(0, "127.0.0.1", registry, limits)
+    yield started
+    started.shutdown()
+    started.server_close()
 
 
-def _scrape(port: int) -> bytes:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
-        return bytes(answer.read())
+def _scrape(port: int, timeout: float = 5.0, encoding: str = "") -> bytes:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
+    if encoding:
+        request.add_header("Accept-Encoding", encoding)
+    with urllib.request.urlopen(request, timeout=timeout) as answer:
+        body = bytes(answer.read())
+        return gzip.decompress(body) if answer.headers.get("Content-Encoding") == "gzip" else body
 
 
-def test_idle_clients_hold_at_most_the_cap_and_the_rest_are_refused(monkeypatch):
-    server = _serve(monkeypatch, timeout_s=30.0)
-    port = server.server_address[1]
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_scrape_is_answered_with_the_registrys_metrics(server):
+    assert b"bench_things_total 1.0" in _scrape(server.server_port)
+    assert b"bench_things_total 1.0" in _scrape(server.server_port, encoding="gzip")
+    assert server.served == 2
+
+
+@pytest.mark.parametrize("server", [metricsserver.Limits(max_connections=16, request_s=30.0)], indirect=True)
+def test_idle_clients_cost_no_thread_hold_at_most_the_cap_and_never_keep_a_scraper_out(server):
+    threads = _threads()
+    idle = [socket.create_connection(("127.0.0.1", server.server_port)) for _ in range(300)]  # send nothing
     try:
-        threads_before = threading.active_count()
-        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(50)]  # connect, send nothing
-        deadline = time.monotonic() + 10
-        while server.refused < 50 - metricsserver.MAX_CONNECTIONS and time.monotonic() < deadline:
-            assert threading.active_count() - threads_before <= metricsserver.MAX_CONNECTIONS
-            time.sleep(0.05)
-        assert server.refused == 50 - metricsserver.MAX_CONNECTIONS
-        assert threading.active_count() - threads_before <= metricsserver.MAX_CONNECTIONS
+        for _ in range(5):
+            assert b"bench_things_total 1.0" in _scrape(server.server_port, timeout=2.0)
+            assert server.open_connections <= 16
+        assert _threads() == threads, "a thread per connection"
+        assert server.evicted >= 300 - 16
+    finally:
         for sock in idle:
             sock.close()
-        deadline = time.monotonic() + 10
-        while True:  # the slots come back as the idle clients go
-            try:
-                assert b"bench_things_total 1.0" in _scrape(port)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "no scrape got through after the idle clients left"
-                time.sleep(0.1)
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
-def test_a_client_that_sends_half_a_request_is_dropped(monkeypatch):
-    server = _serve(monkeypatch, timeout_s=0.5)
+def test_a_request_sent_a_byte_at_a_time_is_cut_off_when_its_time_is_up(server):
+    sock = socket.create_connection(("127.0.0.1", server.server_port))
+    sock.settimeout(5)
     try:
-        sock = socket.create_connection(server.server_address[:2])
-        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # the headers never end
-        sock.settimeout(5)
-        assert sock.recv(4096) == b"", "the server closed it"
-        sock.close()
+        for byte in b"GET /metrics HTTP/1.1\r\nHost: x\r\n" * 10:  # each byte well within any per-read timeout
+            sock.send(bytes([byte]))
+            time.sleep(0.05)
+        pytest.fail("the server took a request trickled for longer than its request_s")
+    except OSError:
+        pass
+    assert server.dropped == 1 and server.served == 0
+    sock.close()
+
+
+def test_a_request_without_end_or_too_long_is_dropped(server):
+    half = socket.create_connection(("127.0.0.1", server.server_port))
+    half.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # the headers never end
+    half.settimeout(5)
+    assert half.recv(4096) == b"", "closed at its deadline"
+    long = socket.create_connection(("127.0.0.1", server.server_port))
+    long.sendall(b"GET /" + b"a" * 10_000)
+    long.settimeout(5)
+    try:
+        assert long.recv(4096) == b""
+    except ConnectionResetError:
+        pass
+    assert server.dropped == 2
+    half.close()
+    long.close()
+
+
+def test_clients_that_never_read_their_answer_do_not_hold_the_server(server):
+    threads = _threads()
+    deaf = []
+    for _ in range(100):
+        sock = socket.create_connection(("127.0.0.1", server.server_port))
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        deaf.append(sock)
+    try:
+        assert b"bench_things_total 1.0" in _scrape(server.server_port, timeout=2.0)
+        assert _threads() == threads
+        assert server.open_connections <= 16
     finally:
-        server.shutdown()
-        server.server_close()
+        for sock in deaf:
+            sock.close()
+
+
+def test_a_bad_request_line_gets_400_and_shutdown_ends_the_thread():
+    registry = prometheus_client.CollectorRegistry()
+    started = metricsserver.serve(0, "127.0.0.1", registry, FAST)
+    with socket.create_connection(("127.0.0.1", started.server_port)) as sock:
+        sock.sendall(b"junk\r\n\r\n")
+        sock.settimeout(5)
+        assert sock.recv(4096).startswith(b"HTTP/1.0 400")
+    started.shutdown()
+    started.server_close()
+    assert not [t for t in threading.enumerate() if t.name == "metrics-server" and t.is_alive()]

@@ -75,6 +75,8 @@ def test_the_scanner_knows_a_request_that_has_begun_and_not_ended():
         (b"\x03" + struct.pack("<Q", wire.MAX_KEY + 1), "a key of 8193 bytes"),
         (b"\x01" + _string(b"/k") + struct.pack("<Q", wire.MAX_PAYLOAD + 1), "a value of 8388609 bytes"),
         (b"\x0a" + struct.pack("<Q", wire.MAX_KEY_COUNT + 1), "1025 keys in one request"),
+        (b"\x01" + _string(b"/bad\xff\xfe") + _string(b"x"), "not UTF-8"),
+        (b"\x05" + struct.pack("<Q", 2) + _string(b"/ok") + _string(b"/\xc3"), "not UTF-8"),
     ],
 )
 def test_the_scanner_refuses_queues_appends_and_oversized_requests_before_a_byte_of_them_passes(request_bytes, reason):
