@@ -15,7 +15,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Optional
 
-from disttrain.api import constants, crd, metricsserver, pulse, validation
+from disttrain.api import constants, crd, pulse, validation
+from disttrain.common import httpserver
 
 if TYPE_CHECKING:
     from disttrain.operator import access, election, leaderlease
@@ -252,7 +253,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
         handlers.configure(settings)
 
     if args.metrics_port:
-        metricsserver.serve(args.metrics_port, args.metrics_address)  # bounded: connections and timeouts
+        httpserver.serve_metrics(args.metrics_port, args.metrics_address)  # bounded: connections and timeouts
     if elector is None:
         leader.set(1)
     else:  # a standby: nothing of kopf runs until this process holds the Lease

@@ -10,8 +10,6 @@ why they stop a leader before a standby may take its Lease: :mod:`disttrain.oper
 
 from __future__ import annotations
 
-import functools
-import http.server
 import json
 import logging
 import os
@@ -24,6 +22,7 @@ from typing import Any, Optional
 from kubernetes import client as k8s
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge
 
+from disttrain.common import httpserver
 from disttrain.operator import leaderlease
 from disttrain.operator.leaderlease import ElectionOptions
 
@@ -232,21 +231,14 @@ class StandbyHealth:
         parsed = urllib.parse.urlsplit(url)
         path = parsed.path or "/"
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                ok = urllib.parse.urlsplit(self.path).path == path
-                self.send_response(200 if ok else 404)
-                self.send_header("Content-Type", "application/json")
-                self.end_headers()
-                self.wfile.write(b'{"standby": true}' if ok else b"{}")
+        def answer(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+            ok = environ.get("PATH_INFO", "") == path
+            start_response("200 OK" if ok else "404 Not Found", [("Content-Type", "application/json")])
+            return [b'{"standby": true}' if ok else b"{}"]
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer((parsed.hostname or "0.0.0.0", parsed.port or 80), Handler)
-        self.server.daemon_threads = True
-        serve = functools.partial(self.server.serve_forever, poll_interval=0.05)  # close() waits one poll at most
-        threading.Thread(target=serve, name="standby-health", daemon=True).start()
+        # bounded like the metrics port: a stranger's slow connections cost no thread and cannot lock the kubelet out
+        self.server = httpserver.BoundedHttpServer((parsed.hostname or "0.0.0.0", parsed.port or 80), answer)
+        threading.Thread(target=self.server.serve_forever, name="standby-health", daemon=True).start()
 
     def close(self) -> None:
         self.server.shutdown()

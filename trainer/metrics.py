@@ -9,7 +9,7 @@ import logging
 
 import prometheus_client as prom
 
-from disttrain.api import metricsserver
+from disttrain.common import httpserver
 
 log = logging.getLogger("disttrain.trainer")
 
@@ -77,7 +77,7 @@ class TrainerMetrics:
         if port <= 0:
             return False
         try:
-            metricsserver.serve(port, registry=self.registry)  # bounded: connections and timeouts
+            httpserver.serve_metrics(port, registry=self.registry)  # bounded: connections and timeouts
         except OSError as exc:
             log.warning("metrics exporter disabled: cannot listen on port %d: %s", port, exc)
             return False

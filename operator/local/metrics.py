@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import prometheus_client as prom
 
-from disttrain.api import metricsserver
+from disttrain.common import httpserver
 from disttrain.operator.metrics import OperatorMetrics
 
 
@@ -35,7 +35,7 @@ class LocalMetrics:
     def serve(self, port: int = 0) -> str:
         """Start the HTTP exporter on 127.0.0.1 (``port`` 0: a free one), bounded as the operator's is; returns its
         URL."""
-        self._server = metricsserver.serve(port, "127.0.0.1", self.registry)
+        self._server = httpserver.serve_metrics(port, "127.0.0.1", self.registry)
         return f"http://127.0.0.1:{self._server.server_port}/metrics"
 
     def shutdown(self) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import pytest
 
-from disttrain.api import metricsserver
+from disttrain.common import httpserver
 from disttrain.operator.local import proctree
 from disttrain.operator.local.runtime import LocalRuntime, Snapshot
 from tests.conftest import REPO_ROOT
@@ -160,7 +160,7 @@ def test_slow_clients_on_the_metrics_ports_neither_grow_a_worker_nor_keep_a_scra
         if target.worker:
             threads, sockets = target.threads_most - target.threads_before, target.sockets_most - target.sockets_before
             assert threads <= THREAD_SLACK, f"{target.name}: {threads} threads more under the attack"
-            bound = metricsserver.LIMITS.max_connections + SOCKET_SLACK
+            bound = httpserver.LIMITS.max_connections + SOCKET_SLACK
             assert sockets <= bound, f"{target.name}: {sockets} sockets more under the attack (bound {bound})"
             growth = target.rss_most - target.rss_before
             assert growth <= 64 * MIB, f"{target.name} grew by {growth / MIB:.0f} MiB under the attack"

@@ -1,5 +1,6 @@
-"""A Prometheus exporter that a stranger can neither grow nor lock: one thread for all its connections, at most
-:attr:`Limits.max_connections` of them, each request and each answer bounded in time as a whole.
+"""An HTTP server for a WSGI app that a stranger can neither grow nor lock: one thread for all its connections, at
+most :attr:`Limits.max_connections` of them, each request and each answer bounded in time as a whole. It serves the
+Prometheus exporters (:func:`serve_metrics`) and the operator standby's liveness answer.
 
 Why: ``prometheus_client.start_http_server`` serves every connection on a thread of its own without a timeout, so
 slow clients on a metrics port (the operator's, every worker's) pile up threads without bound. A cap alone is not
@@ -46,7 +47,7 @@ class Limits:
 
 LIMITS = Limits()
 POLL_S = 0.1
-"""How often the loop looks at deadlines and at :meth:`BoundedMetricsServer.shutdown` when nothing happens."""
+"""How often the loop looks at deadlines and at :meth:`BoundedHttpServer.shutdown` when nothing happens."""
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -60,7 +61,7 @@ class _Connection:
     """The bytes still to send, once the request is complete."""
 
 
-class BoundedMetricsServer:
+class BoundedHttpServer:
     """Serves a WSGI app on ``address`` from one thread (:meth:`serve_forever`) within :class:`Limits`."""
 
     def __init__(self, address: tuple[str, int], app: WsgiApp, limits: Limits = LIMITS) -> None:
@@ -243,14 +244,14 @@ def _response(status: str, headers: list[tuple[str, str]], body: bytes) -> bytes
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
-def serve(
+def serve_metrics(
     port: int, addr: str = "0.0.0.0", registry: Optional[Any] = None, limits: Limits = LIMITS
-) -> BoundedMetricsServer:
+) -> BoundedHttpServer:
     """Serve ``registry`` (prometheus-client's default registry when None) on ``addr:port`` on a daemon thread;
     raises ``OSError`` when the port cannot be bound."""
     import prometheus_client
 
     app = prometheus_client.make_wsgi_app(registry or prometheus_client.REGISTRY)
-    server = BoundedMetricsServer((addr, port), app, limits)
+    server = BoundedHttpServer((addr, port), app, limits)
     threading.Thread(target=server.serve_forever, name="metrics-server", daemon=True).start()
     return server
