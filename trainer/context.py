@@ -22,7 +22,7 @@ import torch.distributed as dist
 from disttrain.api import env as env_names
 from disttrain.api.contract import WorkerContract, job_checkpoint_dir
 from disttrain.common.ports import free_port
-from disttrain.trainer import exits, flightrecorder, groupsockets, localdevice
+from disttrain.trainer import exits, flightrecorder, groupsockets, localdevice, peerobjects
 
 log = logging.getLogger("disttrain.trainer")
 
@@ -104,6 +104,7 @@ def init_process_group(ctx: ElasticContext, use_cuda: Optional[bool] = None) -> 
     (:func:`~disttrain.trainer.localdevice.missing_device_message`), and the group is bound to the device
     (``device_id``): NCCL's communicator is created here rather than at the first collective, so a peer that cannot
     join fails the group's start, and torch can abort this device's communicator on its own."""
+    peerobjects.install()  # before any object collective: peers' pickles are decoded as plain data only
     timeout = datetime.timedelta(seconds=ctx.contract.collective_timeout_seconds)
     device_id: Optional[torch.device] = None
     if use_cuda if use_cuda is not None else torch.cuda.is_available():
