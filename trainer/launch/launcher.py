@@ -97,8 +97,17 @@ def is_user_failure(failure: ProcessFailure) -> bool:
 
 
 def user_failures(failures: Mapping[int, ProcessFailure]) -> dict[int, ProcessFailure]:
-    """The failures that are the user's code failing (not the protocol exits, not torchrun's own SIGTERMs)."""
-    return {rank: f for rank, f in failures.items() if is_user_failure(f)}
+    """The failures that are the user's code failing (not the protocol exits, not torchrun's own SIGTERMs).
+
+    When a worker leaves with a protocol exit, torchrun stops its siblings: SIGTERM, then SIGKILL for one that has not
+    ended 30 s later (it was blocked, waiting for the next round, say). Such a SIGKILL, without an error file, next
+    to a protocol exit is that escalation, not the user's failure."""
+    stopped_for_protocol = any(not is_user_failure(f) and f.exitcode in PROTOCOL_EXITS | {1} for f in failures.values())
+    return {
+        rank: f
+        for rank, f in failures.items()
+        if is_user_failure(f) and not (stopped_for_protocol and f.exitcode == -signal.SIGKILL and not raised(f))
+    }
 
 
 def first_failure(failures: Mapping[int, ProcessFailure]) -> tuple[int, ProcessFailure]:

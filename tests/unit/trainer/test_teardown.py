@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -114,6 +115,12 @@ def test_a_worker_the_guard_ended_counts_as_a_reform_not_as_the_users_failure(tm
         error_file = str(tmp_path / "error.json")
         assert not launcher.is_user_failure(ProcessFailure(0, child.pid, 1, error_file))
         assert launcher.is_user_failure(ProcessFailure(0, child.pid + 1_000_000, 1, error_file))
+        # torchrun then stops the sibling, which waited for the next round: SIGTERM, and SIGKILL 30 s later
+        guarded = ProcessFailure(0, child.pid, 1, error_file)
+        escalated = ProcessFailure(1, child.pid + 1_000_000, -signal.SIGKILL, error_file)
+        assert launcher.user_failures({0: guarded, 1: escalated}) == {}
+        killed_alone = launcher.user_failures({1: escalated})  # the kernel's OOM killer, say: the user's
+        assert killed_alone == {1: escalated}
     finally:
         leaving.marker(child.pid).unlink(missing_ok=True)
 
