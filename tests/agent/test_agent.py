@@ -68,6 +68,25 @@ def progress(step, world=2, run="r1", restart=0, process="p1", rate=None, loss=N
     ).model_dump_json()
 
 
+def checkpoint_manifest(step, created_at="2023-11-14T22:14:00Z", **extra):
+    """A checkpoint manifest as the workers write it to the store, 24 samples a step."""
+    return {
+        "step": step,
+        "samples_consumed": step * 24,
+        "data_cursor": step * 24,
+        "world_size": 2,
+        "plan": {},
+        "lr_scale": 1.0,
+        "dataset": {"length": 1000, "seed": 0},
+        "metadata_sha256": "x",
+        "files": {},
+        "created_at": created_at,
+        "code_version": "0.1.0",
+        "config_hash": "h",
+        **extra,
+    }
+
+
 def test_directive_reaches_the_workers_store_keys(tmp_path, store_pair):
     server, client = store_pair
     write_job(
@@ -107,20 +126,7 @@ def test_progress_checkpoint_and_failure_are_relayed_into_status(tmp_path, store
         "time": "2023-11-14T22:15:00.000Z",
     }
     assert status["control"]["targetNodes"] == 2, "the runtime's fields are kept"
-    manifest = {
-        "step": 10,
-        "samples_consumed": 240,
-        "data_cursor": 240,
-        "world_size": 2,
-        "plan": {},
-        "lr_scale": 1.0,
-        "dataset": {"length": 1000, "seed": 0},
-        "metadata_sha256": "x",
-        "files": {},
-        "created_at": "2023-11-14T22:14:00Z",
-        "code_version": "0.1.0",
-        "config_hash": "h",
-    }
+    manifest = checkpoint_manifest(10)
     client.set(keys.CHECKPOINT_KEY, json.dumps(manifest))
     client.set(keys.PROGRESS_KEY, progress(11, world=3, restart=1))
     agent.sync()
@@ -139,23 +145,7 @@ def test_the_last_checkpoint_of_a_bucket_job_is_named_by_its_prefix_in_the_bucke
     from disttrain.api.agentview import AgentJob
     from disttrain.api.manifest import CheckpointManifest
 
-    manifest = CheckpointManifest.model_validate(
-        {
-            "step": 10,
-            "samples_consumed": 240,
-            "data_cursor": 240,
-            "world_size": 2,
-            "plan": {},
-            "lr_scale": 1.0,
-            "dataset": {"length": 1000, "seed": 0},
-            "metadata_sha256": "x",
-            "files": {},
-            "created_at": "2023-11-14T22:14:00Z",
-            "code_version": "0.1.0",
-            "config_hash": "h",
-            "fence_round": 3,
-        }
-    )
+    manifest = CheckpointManifest.model_validate(checkpoint_manifest(10, fence_round=3))
     job = {"metadata": {"name": "demo", "namespace": "team"}, "spec": copy.deepcopy(SPEC)}
     assert agent_mod._checkpoint_location(AgentJob.model_validate(job), manifest) == "/ckpt/team/demo/step-10"
     job["spec"]["checkpoint"]["uri"] = "s3://ckpt-bucket/runs/demo/"
@@ -401,20 +391,7 @@ def test_while_a_drain_is_in_flight_its_checkpoint_is_written_at_once(tmp_path, 
     agent = agent_mod.Agent(source, server, clock=clock)
     client.set(keys.PROGRESS_KEY, progress(7))
     agent.sync()
-    manifest = {
-        "step": 8,
-        "samples_consumed": 192,
-        "data_cursor": 192,
-        "world_size": 2,
-        "plan": {},
-        "lr_scale": 1.0,
-        "dataset": {"length": 1000, "seed": 0},
-        "metadata_sha256": "x",
-        "files": {},
-        "created_at": "2023-11-14T22:14:00Z",
-        "code_version": "0.1.0",
-        "config_hash": "h",
-    }
+    manifest = checkpoint_manifest(8)
     clock.now += 0.5
     client.set(keys.CHECKPOINT_KEY, json.dumps(manifest))
     agent.sync()
@@ -443,32 +420,26 @@ def test_a_429_is_told_apart_and_its_retry_after_honoured():
     assert not agent_mod.is_throttled(TimeoutError()) and agent_mod.retry_after(TimeoutError()) == 0.0
 
 
-def test_the_throughput_of_rank_0_is_relayed_with_the_progress(tmp_path, store_pair):
-    """status.samplesPerSecond (the SAMPLES/S column of kubectl get) is the trainer's own figure, rounded."""
+@pytest.mark.parametrize(
+    ("field", "reported", "relayed"),
+    [
+        # the SAMPLES/S column of kubectl get: the trainer's own figure, rounded
+        ("samplesPerSecond", {"rate": 812.4567}, 812.5),
+        # feeds the goodput account's checkpointBlocked cause
+        ("checkpointBlockedSeconds", {"blocked": 1.25}, 1.25),
+    ],
+)
+def test_a_figure_of_rank_0_is_relayed_with_the_progress_once_reported(tmp_path, store_pair, field, reported, relayed):
     server, client = store_pair
     write_job(tmp_path)
     source = agent_mod.FileJobSource(tmp_path)
     agent = agent_mod.Agent(source, server)
     client.set(keys.PROGRESS_KEY, progress(3))
     agent.sync()
-    assert "samplesPerSecond" not in source.read()["status"], "no figure yet: nothing invented"
-    client.set(keys.PROGRESS_KEY, progress(4, rate=812.4567))
+    assert field not in source.read()["status"], "no figure yet: nothing invented"
+    client.set(keys.PROGRESS_KEY, progress(4, **reported))
     agent.sync()
-    assert source.read()["status"]["samplesPerSecond"] == 812.5
-
-
-def test_the_seconds_blocked_on_checkpoints_are_relayed_with_the_progress(tmp_path, store_pair):
-    """status.checkpointBlockedSeconds feeds the goodput account's checkpointBlocked cause."""
-    server, client = store_pair
-    write_job(tmp_path)
-    source = agent_mod.FileJobSource(tmp_path)
-    agent = agent_mod.Agent(source, server)
-    client.set(keys.PROGRESS_KEY, progress(3))
-    agent.sync()
-    assert "checkpointBlockedSeconds" not in source.read()["status"]
-    client.set(keys.PROGRESS_KEY, progress(4, blocked=1.25))
-    agent.sync()
-    assert source.read()["status"]["checkpointBlockedSeconds"] == 1.25
+    assert source.read()["status"][field] == relayed
 
 
 def test_the_global_loss_is_relayed_with_the_progress_and_a_non_finite_one_never(tmp_path, store_pair):
