@@ -66,17 +66,11 @@ def dead_code() -> list[vulture.core.Item]:
 
 
 def main() -> int:
-    found = dead_code()
-    for item in found:
-        print(f"{Path(item.filename).relative_to(ROOT)}:{item.first_lineno}: {item.message}")
-    if found:
-        print(
-            f"{len(found)} unused definitions: remove them, or name the framework that calls one in"
-            " scripts/check_dead_code.py",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    unused = [f"{Path(item.filename).relative_to(ROOT)}:{item.first_lineno}: {item.message}" for item in dead_code()]
+    if not unused:
+        return 0
+    print("\n".join(unused))
+    sys.exit(f"{len(unused)} unused definitions: remove them, or name what calls one in scripts/check_dead_code.py")
 
 
 if __name__ == "__main__":
