@@ -65,8 +65,3 @@ def test_five_shared_lines_and_code_alike_only_in_shape_pass(tmp_path):
     b = module(tmp_path / "b.py", ("head", five), ("renamed", renamed))
     result = check(a, b)
     assert result.returncode == 0, result.stdout
-
-
-def test_the_tree_has_no_duplicated_block():
-    result = check()
-    assert result.returncode == 0, result.stdout + result.stderr
