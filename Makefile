@@ -44,12 +44,16 @@ demo: $(DEMO_STAMP)
 	$(BIN)/disttrain local run examples/jobs/demo.yaml --chaos "kill-node@30s,add-node@50s"
 
 # Static checks over the whole tree, configured in pyproject.toml: ruff lint (with the shape limits: arguments,
-# statements, complexity), mypy (strict over the packages), ruff format, and the layer contract.
+# statements, complexity), mypy (strict over the packages), ruff format, no duplicated block of 6 or more lines
+# (scripts/check_duplicates.py, its allow-list of declared boilerplate inside), no unused function, method or class
+# (scripts/check_dead_code.py: vulture, with what only a framework calls named there), and the layer contract.
 LINTED := .
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/mypy
 	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/python scripts/check_duplicates.py
+	$(BIN)/python scripts/check_dead_code.py
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit/test_layers.py tests/unit/test_shape.py
 
 # The tiers are pytest markers (tests/conftest.py: unit, operator, trainer, e2e, cluster, chart, security, images).

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Protocol
 
 
 class ForkedPopen(subprocess.Popen):  # type: ignore[type-arg]
@@ -67,6 +67,24 @@ class Fork(NamedTuple):
 
     pid: int
     serial: int
+
+
+class ExitReporter(Protocol):
+    """The parent of forked processes, which reaps them: a fork server, a warm interpreter."""
+
+    def exit_code(self, fork: Fork, timeout: Optional[float]) -> Optional[int]: ...
+
+
+class ForkedChild(ForkedPopen):
+    """A process forked on request by another, its parent, which reaps it and reports its exit code."""
+
+    def __init__(self, fork: Fork, args: Sequence[str], parent: ExitReporter) -> None:
+        super().__init__(fork.pid, args)
+        self._fork = fork
+        self._parent = parent
+
+    def _exit_code(self, timeout: Optional[float]) -> Optional[int]:
+        return self._parent.exit_code(self._fork, timeout)
 
 
 class ForkAnswers:

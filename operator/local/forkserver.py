@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any, Optional
 
 from disttrain.api import env as env_names
-from disttrain.common.forkedpopen import Fork, ForkAnswers, ForkedPopen
+from disttrain.common.forkedpopen import Fork, ForkAnswers, ForkedChild
 from disttrain.operator.local import proctree
 
 log = logging.getLogger("disttrain.local")
@@ -83,16 +83,8 @@ def _leading_options(args: Sequence[str]) -> list[str]:
     return options
 
 
-class ForkedPod(ForkedPopen):
+class ForkedPod(ForkedChild):
     """The runtime's handle on a pod its fork server forked, with the exit code the server (its parent) reports."""
-
-    def __init__(self, fork: Fork, args: Sequence[str], server: _Server) -> None:
-        super().__init__(fork.pid, args)
-        self._fork = fork
-        self._server = server
-
-    def _exit_code(self, timeout: Optional[float]) -> Optional[int]:
-        return self._server.exit_code(self._fork, timeout)
 
 
 class _Server:

@@ -44,14 +44,6 @@ def write_job(state, control=None, **status):
     (state / "job.json").write_text(json.dumps(job))
 
 
-@pytest.fixture
-def store_pair():
-    port = free_port()
-    server = agent_mod.start_store(port, "127.0.0.1", timeout_s=5)
-    client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
-    yield server, client
-
-
 def progress(step, world=2, run="r1", restart=0, process="p1", rate=None, loss=None, blocked=None):
     return keys.ProgressReport(
         step=step,
@@ -66,6 +58,25 @@ def progress(step, world=2, run="r1", restart=0, process="p1", rate=None, loss=N
         time=1_700_000_000.5 + step,
         checkpoint_blocked_seconds=blocked,
     ).model_dump_json()
+
+
+def checkpoint_manifest(step, created_at="2023-11-14T22:14:00Z", **extra):
+    """A checkpoint manifest as the workers write it to the store, 24 samples a step."""
+    return {
+        "step": step,
+        "samples_consumed": step * 24,
+        "data_cursor": step * 24,
+        "world_size": 2,
+        "plan": {},
+        "lr_scale": 1.0,
+        "dataset": {"length": 1000, "seed": 0},
+        "metadata_sha256": "x",
+        "files": {},
+        "created_at": created_at,
+        "code_version": "0.1.0",
+        "config_hash": "h",
+        **extra,
+    }
 
 
 def test_directive_reaches_the_workers_store_keys(tmp_path, store_pair):
@@ -107,20 +118,7 @@ def test_progress_checkpoint_and_failure_are_relayed_into_status(tmp_path, store
         "time": "2023-11-14T22:15:00.000Z",
     }
     assert status["control"]["targetNodes"] == 2, "the runtime's fields are kept"
-    manifest = {
-        "step": 10,
-        "samples_consumed": 240,
-        "data_cursor": 240,
-        "world_size": 2,
-        "plan": {},
-        "lr_scale": 1.0,
-        "dataset": {"length": 1000, "seed": 0},
-        "metadata_sha256": "x",
-        "files": {},
-        "created_at": "2023-11-14T22:14:00Z",
-        "code_version": "0.1.0",
-        "config_hash": "h",
-    }
+    manifest = checkpoint_manifest(10)
     client.set(keys.CHECKPOINT_KEY, json.dumps(manifest))
     client.set(keys.PROGRESS_KEY, progress(11, world=3, restart=1))
     agent.sync()
@@ -139,23 +137,7 @@ def test_the_last_checkpoint_of_a_bucket_job_is_named_by_its_prefix_in_the_bucke
     from disttrain.api.agentview import AgentJob
     from disttrain.api.manifest import CheckpointManifest
 
-    manifest = CheckpointManifest.model_validate(
-        {
-            "step": 10,
-            "samples_consumed": 240,
-            "data_cursor": 240,
-            "world_size": 2,
-            "plan": {},
-            "lr_scale": 1.0,
-            "dataset": {"length": 1000, "seed": 0},
-            "metadata_sha256": "x",
-            "files": {},
-            "created_at": "2023-11-14T22:14:00Z",
-            "code_version": "0.1.0",
-            "config_hash": "h",
-            "fence_round": 3,
-        }
-    )
+    manifest = CheckpointManifest.model_validate(checkpoint_manifest(10, fence_round=3))
     job = {"metadata": {"name": "demo", "namespace": "team"}, "spec": copy.deepcopy(SPEC)}
     assert agent_mod._checkpoint_location(AgentJob.model_validate(job), manifest) == "/ckpt/team/demo/step-10"
     job["spec"]["checkpoint"]["uri"] = "s3://ckpt-bucket/runs/demo/"
@@ -312,6 +294,15 @@ class Clock:
         return self.now
 
 
+def rate_limited_agent(state, server, *, jitter: bool = True):
+    """An agent over a rate-limited source on a clock of the test's own: (agent, source, clock)."""
+    source, clock = RateLimited(state), Clock()
+    agent = agent_mod.Agent(source, server, clock=clock)
+    if not jitter:
+        agent.throttle.draw = lambda: 0.0  # the periodic write is due exactly an interval later
+    return agent, source, clock
+
+
 def write_spec_job(state, control=None, **status):
     write_job(state, control, **status)
     job = json.loads((state / "job.json").read_text())
@@ -323,9 +314,7 @@ def write_spec_job(state, control=None, **status):
 def test_on_kubernetes_progress_is_written_once_an_interval_and_what_the_operator_acts_on_at_once(tmp_path, store_pair):
     server, client = store_pair
     write_spec_job(tmp_path)
-    source, clock = RateLimited(tmp_path), Clock()
-    agent = agent_mod.Agent(source, server, clock=clock)
-    agent.throttle.draw = lambda: 0.0  # no jitter: the periodic write is due exactly an interval later
+    agent, source, clock = rate_limited_agent(tmp_path, server, jitter=False)
     client.set(keys.PROGRESS_KEY, progress(1))
     agent.sync()
     assert len(source.patches) == 1 and source.patches[0]["rendezvousRound"] == 1, "a new round: at once"
@@ -397,24 +386,10 @@ def test_while_its_writes_are_slow_the_agent_writes_progress_less_often_but_a_ne
 def test_while_a_drain_is_in_flight_its_checkpoint_is_written_at_once(tmp_path, store_pair):
     server, client = store_pair
     write_spec_job(tmp_path, {"generation": 2, "action": "drain", "reason": "ScaledDown", "targetNodes": 1})
-    source, clock = RateLimited(tmp_path), Clock()
-    agent = agent_mod.Agent(source, server, clock=clock)
+    agent, source, clock = rate_limited_agent(tmp_path, server)
     client.set(keys.PROGRESS_KEY, progress(7))
     agent.sync()
-    manifest = {
-        "step": 8,
-        "samples_consumed": 192,
-        "data_cursor": 192,
-        "world_size": 2,
-        "plan": {},
-        "lr_scale": 1.0,
-        "dataset": {"length": 1000, "seed": 0},
-        "metadata_sha256": "x",
-        "files": {},
-        "created_at": "2023-11-14T22:14:00Z",
-        "code_version": "0.1.0",
-        "config_hash": "h",
-    }
+    manifest = checkpoint_manifest(8)
     clock.now += 0.5
     client.set(keys.CHECKPOINT_KEY, json.dumps(manifest))
     agent.sync()
@@ -443,32 +418,26 @@ def test_a_429_is_told_apart_and_its_retry_after_honoured():
     assert not agent_mod.is_throttled(TimeoutError()) and agent_mod.retry_after(TimeoutError()) == 0.0
 
 
-def test_the_throughput_of_rank_0_is_relayed_with_the_progress(tmp_path, store_pair):
-    """status.samplesPerSecond (the SAMPLES/S column of kubectl get) is the trainer's own figure, rounded."""
+@pytest.mark.parametrize(
+    ("field", "reported", "relayed"),
+    [
+        # the SAMPLES/S column of kubectl get: the trainer's own figure, rounded
+        ("samplesPerSecond", {"rate": 812.4567}, 812.5),
+        # feeds the goodput account's checkpointBlocked cause
+        ("checkpointBlockedSeconds", {"blocked": 1.25}, 1.25),
+    ],
+)
+def test_a_figure_of_rank_0_is_relayed_with_the_progress_once_reported(tmp_path, store_pair, field, reported, relayed):
     server, client = store_pair
     write_job(tmp_path)
     source = agent_mod.FileJobSource(tmp_path)
     agent = agent_mod.Agent(source, server)
     client.set(keys.PROGRESS_KEY, progress(3))
     agent.sync()
-    assert "samplesPerSecond" not in source.read()["status"], "no figure yet: nothing invented"
-    client.set(keys.PROGRESS_KEY, progress(4, rate=812.4567))
+    assert field not in source.read()["status"], "no figure yet: nothing invented"
+    client.set(keys.PROGRESS_KEY, progress(4, **reported))
     agent.sync()
-    assert source.read()["status"]["samplesPerSecond"] == 812.5
-
-
-def test_the_seconds_blocked_on_checkpoints_are_relayed_with_the_progress(tmp_path, store_pair):
-    """status.checkpointBlockedSeconds feeds the goodput account's checkpointBlocked cause."""
-    server, client = store_pair
-    write_job(tmp_path)
-    source = agent_mod.FileJobSource(tmp_path)
-    agent = agent_mod.Agent(source, server)
-    client.set(keys.PROGRESS_KEY, progress(3))
-    agent.sync()
-    assert "checkpointBlockedSeconds" not in source.read()["status"]
-    client.set(keys.PROGRESS_KEY, progress(4, blocked=1.25))
-    agent.sync()
-    assert source.read()["status"]["checkpointBlockedSeconds"] == 1.25
+    assert source.read()["status"][field] == relayed
 
 
 def test_the_global_loss_is_relayed_with_the_progress_and_a_non_finite_one_never(tmp_path, store_pair):
@@ -487,36 +456,37 @@ def test_the_global_loss_is_relayed_with_the_progress_and_a_non_finite_one_never
     assert status["step"] == 5 and status["loss"] == 1.18182, "the last finite value stays"
 
 
-def test_why_reforms_restart_the_workers_is_relayed_and_cleared_by_a_group_that_reforms_in_place(tmp_path, store_pair):
-    """status.inPlaceFallback says why spec.elastic.reformInPlace does not apply (FSDP2, ...); a later group for which
-    it applies removes the reason rather than leaving a stale one."""
+@pytest.mark.parametrize(
+    ("field", "reported", "value"),
+    [
+        # why spec.elastic.reformInPlace does not apply (FSDP2, ...); a later group for which it applies removes it
+        (
+            "inPlaceFallback",
+            "in_place_fallback",
+            "parallelism='fsdp2' shards the state: in-place reform needs parallelism='ddp'",
+        ),
+        (
+            "checkpointUpload",
+            "checkpoint_upload",
+            "2 save(s) not yet COMPLETE in the bucket (oldest step-2): EndpointConnectionError: Could not connect",
+        ),
+    ],
+)
+def test_a_reported_condition_is_relayed_and_cleared_by_a_report_without_it(
+    tmp_path, store_pair, field, reported, value
+):
+    """Rather than left stale: a new group in place (no fallback), a bucket that caught up."""
     server, client = store_pair
     write_job(tmp_path)
     source = agent_mod.FileJobSource(tmp_path)
     agent = agent_mod.Agent(source, server)
-    reason = "parallelism='fsdp2' shards the state: in-place reform needs parallelism='ddp'"
     report = keys.ProgressReport.model_validate_json(progress(3))
-    client.set(keys.PROGRESS_KEY, report.model_copy(update={"in_place_fallback": reason}).model_dump_json())
+    client.set(keys.PROGRESS_KEY, report.model_copy(update={reported: value}).model_dump_json())
     agent.sync()
-    assert source.read()["status"]["inPlaceFallback"] == reason
-    client.set(keys.PROGRESS_KEY, progress(1, process="p2"))  # a new group, in place
+    assert source.read()["status"][field] == value
+    client.set(keys.PROGRESS_KEY, progress(4, process="p2"))
     agent.sync()
-    assert source.read()["status"].get("inPlaceFallback") is None
-
-
-def test_a_bucket_behind_is_relayed_and_cleared_once_it_caught_up(tmp_path, store_pair):
-    server, client = store_pair
-    write_job(tmp_path)
-    source = agent_mod.FileJobSource(tmp_path)
-    agent = agent_mod.Agent(source, server)
-    behind = "2 save(s) not yet COMPLETE in the bucket (oldest step-2): EndpointConnectionError: Could not connect"
-    report = keys.ProgressReport.model_validate_json(progress(5))
-    client.set(keys.PROGRESS_KEY, report.model_copy(update={"checkpoint_upload": behind}).model_dump_json())
-    agent.sync()
-    assert source.read()["status"]["checkpointUpload"] == behind
-    client.set(keys.PROGRESS_KEY, progress(6))
-    agent.sync()
-    assert source.read()["status"].get("checkpointUpload") is None
+    assert source.read()["status"].get(field) is None
 
 
 def test_the_step_a_group_resumed_from_is_relayed_and_cleared_by_a_fresh_group(tmp_path, store_pair):

@@ -271,7 +271,7 @@ def test_a_real_rendezvous_under_the_guardian_loses_nothing_and_survives_a_delet
     """torchrun's rendezvous (our handler, torch's c10d backend, its per-round keys) through the signed store
     while the guardian sweeps: no legitimate value is ever rejected; the state deleted by an outsider is back and
     the nodes' keep-alives go on writing it."""
-    from tests.agent.test_heartbeats import handler
+    from tests.agent.test_heartbeats import complete_round, handler
 
     monkeypatch.setenv(env.STORE_SECRET, SECRET)
     monkeypatch.setenv(env.JOB_UID, UID)
@@ -282,12 +282,7 @@ def test_a_real_rendezvous_under_the_guardian_loses_nothing_and_survives_a_delet
     g.start()
     try:
         handlers = [handler(port, monkeypatch, f"demo-worker-{i}", f"uid-{i}") for i in range(2)]
-        threads = [threading.Thread(target=h.next_rendezvous) for h in handlers]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
-        assert not any(t.is_alive() for t in threads), "the rendezvous did not complete under the guardian"
+        complete_round(handlers)
         time.sleep(0.5)
         assert g.counts() == {}, f"the guardian rejected a legitimate value: {g.snapshot()}"
         state_keys = [k for k in server.list_keys() if k.endswith("torch.rendezvous.job-uid-1")]

@@ -40,27 +40,40 @@ def handler(port: int, monkeypatch: pytest.MonkeyPatch, name: str, uid: str):
     return rendezvous.create_handler(params)
 
 
-def test_a_node_that_stops_heartbeating_is_reported_with_its_pod(tmp_path, monkeypatch):
-    monkeypatch.setenv(env.STORE_SECRET, "heartbeats-test-" + "3" * 48)  # every store client signs with it
-    monkeypatch.setenv(env.JOB_UID, RUN_ID)
-    port = free_port()
-    server = agent_mod.start_store(port, "127.0.0.1", timeout_s=10)
-    write_job(tmp_path)
-    job = (
-        (tmp_path / "job.json").read_text().replace('"namespace": "team"}', f'"namespace": "team", "uid": "{RUN_ID}"}}')
-    )
-    job = job.replace(
-        '"spec": {', '"spec": {"rendezvous": {"keepAliveIntervalSeconds": 1, "keepAliveMaxAttempts": 2}, '
-    )
-    (tmp_path / "job.json").write_text(job)
-    agent = agent_mod.Agent(agent_mod.FileJobSource(tmp_path), agent_mod.scoped_store(server))
-    handlers = [handler(port, monkeypatch, f"demo-worker-{i}", f"uid-{i}") for i in range(2)]
+def complete_round(handlers) -> None:
+    """Every handler joins the next rendezvous round, each on a thread of its own, and the round completes."""
     threads = [threading.Thread(target=h.next_rendezvous) for h in handlers]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(30)
     assert not any(t.is_alive() for t in threads), "the rendezvous did not complete"
+
+
+def start_store(monkeypatch: pytest.MonkeyPatch, secret: str):
+    """(port, the agent's store server) for the job RUN_ID, whose processes sign with ``secret``."""
+    monkeypatch.setenv(env.STORE_SECRET, secret)
+    monkeypatch.setenv(env.JOB_UID, RUN_ID)
+    port = free_port()
+    return port, agent_mod.start_store(port, "127.0.0.1", timeout_s=10)
+
+
+def write_rendezvous_job(state) -> dict:
+    """The job RUN_ID with a 1 s keep-alive, 2 attempts (torch's expiry: 2 s), written where the agent reads it."""
+    write_job(state)
+    job = json.loads((state / "job.json").read_text())
+    job["metadata"]["uid"] = RUN_ID
+    job["spec"]["rendezvous"] = {"keepAliveIntervalSeconds": 1, "keepAliveMaxAttempts": 2}
+    (state / "job.json").write_text(json.dumps(job))
+    return job
+
+
+def test_a_node_that_stops_heartbeating_is_reported_with_its_pod(tmp_path, monkeypatch):
+    port, server = start_store(monkeypatch, "heartbeats-test-" + "3" * 48)
+    write_rendezvous_job(tmp_path)
+    agent = agent_mod.Agent(agent_mod.FileJobSource(tmp_path), agent_mod.scoped_store(server))
+    handlers = [handler(port, monkeypatch, f"demo-worker-{i}", f"uid-{i}") for i in range(2)]
+    complete_round(handlers)
     assert agent.sync()
     assert agent.source.read()["status"].get("silentNodes") is None, "both heartbeat: nobody is silent"
     # The pods of the completed round, read from the same state (a hot spare waiting outside is never among them).
@@ -113,29 +126,14 @@ def test_an_outsider_deleting_and_garbling_the_state_costs_no_silence_verdict(tm
     attack and the agent (with its guardian, as in a pod) reports nobody silent, then or after. (That a node that
     really stops is still named once the hold is over is shown in tests/unit/trainer/test_heartbeats.py; without an
     attack, by the test above.)"""
-    monkeypatch.setenv(env.STORE_SECRET, "heartbeats-test-" + "4" * 48)
-    monkeypatch.setenv(env.JOB_UID, RUN_ID)
-    port = free_port()
-    server = agent_mod.start_store(port, "127.0.0.1", timeout_s=10)
-    write_job(tmp_path)
-    job = (
-        (tmp_path / "job.json").read_text().replace('"namespace": "team"}', f'"namespace": "team", "uid": "{RUN_ID}"}}')
-    )
-    job = job.replace(
-        '"spec": {', '"spec": {"rendezvous": {"keepAliveIntervalSeconds": 1, "keepAliveMaxAttempts": 2}, '
-    )
-    (tmp_path / "job.json").write_text(job)
+    port, server = start_store(monkeypatch, "heartbeats-test-" + "4" * 48)
+    write_rendezvous_job(tmp_path)
     store = agent_mod.scoped_store(server)
     guard = agent_mod.start_guardian(port, store)
     assert guard is not None
     agent = agent_mod.Agent(agent_mod.FileJobSource(tmp_path), store, guard=guard)
     handlers = [handler(port, monkeypatch, f"demo-worker-{i}", f"uid-{i}") for i in range(2)]
-    threads = [threading.Thread(target=h.next_rendezvous) for h in handlers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert not any(t.is_alive() for t in threads), "the rendezvous did not complete"
+    complete_round(handlers)
     for h in handlers:
         h._stop_heartbeats()
     state_key = next(k for k in server.list_keys() if k.endswith("/torch.rendezvous." + RUN_ID))
@@ -181,15 +179,9 @@ def test_a_directive_is_stamped_with_the_round_it_was_issued_for_and_keeps_it(tm
     stranger deleted it, the directive that formed round 1 still says round 0, so round 1's workers never act on it."""
     from disttrain.api import control as keys
 
-    monkeypatch.setenv(env.STORE_SECRET, "heartbeats-test-" + "5" * 48)
-    monkeypatch.setenv(env.JOB_UID, RUN_ID)
     monkeypatch.setenv(env.RENDEZVOUS_ROUND, "")  # restored after the test: the handlers set it in os.environ
-    port = free_port()
-    server = agent_mod.start_store(port, "127.0.0.1", timeout_s=10)
-    write_job(tmp_path)
-    job = json.loads((tmp_path / "job.json").read_text())
-    job["metadata"]["uid"] = RUN_ID
-    job["spec"]["rendezvous"] = {"keepAliveIntervalSeconds": 1, "keepAliveMaxAttempts": 2}
+    port, server = start_store(monkeypatch, "heartbeats-test-" + "5" * 48)
+    job = write_rendezvous_job(tmp_path)
     store = agent_mod.scoped_store(server)
     agent = agent_mod.Agent(agent_mod.FileJobSource(tmp_path), store)
     handlers = [handler(port, monkeypatch, f"demo-worker-{i}", f"uid-{i}") for i in range(2)]
@@ -204,20 +196,12 @@ def test_a_directive_is_stamped_with_the_round_it_was_issued_for_and_keeps_it(tm
         assert target.round == signal.round, "the plan carries the directive's round"
         return signal
 
-    def next_round() -> None:
-        threads = [threading.Thread(target=h.next_rendezvous) for h in handlers]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
-        assert not any(t.is_alive() for t in threads), "the rendezvous did not complete"
-
     try:
         assert directive(0, "none").round == keys.NO_ROUND, "no round complete yet"
-        next_round()
+        complete_round(handlers)
         assert os.environ[env.RENDEZVOUS_ROUND] == "0", "the launcher passes its workers the round they joined"
         assert directive(1, "reform").round == 0
-        next_round()  # the reform: both leave round 0 and form round 1
+        complete_round(handlers)  # the reform: both leave round 0 and form round 1
         assert os.environ[env.RENDEZVOUS_ROUND] == "1"
         assert directive(1, "reform").round == 0, "a generation keeps the round it was issued for"
         store.delete_key(keys.SIGNAL_KEY)  # a stranger's deletion: the agent writes it again

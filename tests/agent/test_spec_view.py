@@ -10,8 +10,7 @@ import logging
 import pickle
 
 import pytest
-from tests.agent.test_agent import SPEC, Clock, RateLimited, free_port, progress, write_job
-from torch.distributed import TCPStore
+from tests.agent.test_agent import SPEC, progress, rate_limited_agent, write_job
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
 from disttrain.api import agentview
@@ -127,20 +126,10 @@ def test_the_heartbeat_rule_is_the_jobs_rendezvous_spec_with_its_defaults(make_j
     assert [entry["node"] for entry in watch.report(job, now=0.0)] == silent
 
 
-@pytest.fixture
-def store_pair():
-    port = free_port()
-    server = agent_mod.start_store(port, "127.0.0.1", timeout_s=5)
-    client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
-    return server, client
-
-
 def test_without_a_reporting_interval_the_agent_writes_progress_at_the_specs_default(tmp_path, store_pair):
     server, client = store_pair
     write_job(tmp_path)
-    source, clock = RateLimited(tmp_path), Clock()
-    agent = agent_mod.Agent(source, server, clock=clock)
-    agent.throttle.draw = lambda: 0.0  # no jitter: the periodic write is due exactly an interval later
+    agent, source, clock = rate_limited_agent(tmp_path, server, jitter=False)
     client.set(keys.PROGRESS_KEY, progress(1))
     agent.sync()
     client.set(keys.PROGRESS_KEY, progress(2))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from torch.distributed import HashStore
 
 from disttrain.api import control as keys
 from disttrain.trainer.agent import stalls
@@ -116,25 +117,15 @@ def test_the_report_puts_a_nodes_ranks_together_and_says_where_the_dumps_are():
     ]
 
 
-class FakeStore:
-    def __init__(self) -> None:
-        self.values: dict[str, bytes] = {}
-
-    def check(self, keys_: list[str]) -> bool:
-        return all(k in self.values for k in keys_)
-
-    def get(self, key: str) -> bytes:
-        return self.values[key]
-
-    def multi_get(self, keys_: list[str]) -> list[bytes]:
-        return [self.values[k] for k in keys_]
+class BeaconStore(HashStore):
+    """torch's in-memory store in place of the job's, with the ranks' beacons put as the trainers write them."""
 
     def put(self, b: keys.StepBeacon) -> None:
-        self.values[keys.beacon_key(b.rank)] = b.model_dump_json().encode()
+        self.set(keys.beacon_key(b.rank), b.model_dump_json())
 
 
 def test_the_watch_learns_the_step_time_reports_after_the_dump_grace_and_holds_the_stall_until_it_resolves():
-    store = FakeStore()
+    store = BeaconStore()
     watch = stalls.StallWatch(store)
     settings: dict = {"factor": 3.0, "min_seconds": 2.0, "quiet": False, "directory": "/d"}
     for step in range(1, 5):  # 0.5 s steps on every rank's own clock
@@ -159,7 +150,7 @@ def test_the_watch_learns_the_step_time_reports_after_the_dump_grace_and_holds_t
     assert watch.report(now=13.0, **settings) == (None, None)
 
 
-class TamperedStore(FakeStore):
+class TamperedStore(BeaconStore):
     """As the signed store behaves: a garbled beacon reads as absent, and each refusal is counted."""
 
     def __init__(self) -> None:

@@ -13,7 +13,7 @@ import datetime
 import json
 
 import pytest
-from tests.agent.test_agent import SPEC
+from tests.agent.test_agent import SPEC, checkpoint_manifest
 from torch.distributed import DistError, TCPStore
 
 from disttrain.api import control as keys
@@ -64,22 +64,7 @@ def failure(code=85, message="bad dataset"):
 
 
 def manifest(step=10, created_at="2023-11-14T22:14:00Z"):
-    return json.dumps(
-        {
-            "step": step,
-            "samples_consumed": 240,
-            "data_cursor": 240,
-            "world_size": 2,
-            "plan": {},
-            "lr_scale": 1.0,
-            "dataset": {"length": 1000, "seed": 0},
-            "metadata_sha256": "x",
-            "files": {},
-            "created_at": created_at,
-            "code_version": "0.1.0",
-            "config_hash": "h",
-        }
-    )
+    return json.dumps(checkpoint_manifest(step, created_at))
 
 
 @pytest.fixture
@@ -91,6 +76,17 @@ def job_store(monkeypatch):
     server = agent_mod.start_store(port, "127.0.0.1", timeout_s=30)
     outsider = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
     yield port, agent_mod.scoped_store(server), outsider
+
+
+def agent_and_watchdog(state, port, store):
+    """An agent that has synced the job once, and a worker's Watchdog connected to its store, exits recorded."""
+    write_job(state)
+    agent = agent_mod.Agent(agent_mod.FileJobSource(state), store)
+    agent.sync()
+    exits: list[int] = []
+    watchdog = Watchdog(f"127.0.0.1:{port}", exit_fn=exits.append)
+    watchdog.connect(timeout_s=30)
+    return agent, watchdog, exits
 
 
 def test_a_client_without_the_secret_can_neither_fail_nor_fake_progress_nor_checkpoints(tmp_path, job_store):
@@ -120,12 +116,7 @@ def test_a_client_without_the_secret_can_neither_fail_nor_fake_progress_nor_chec
 
 def test_a_client_without_the_secret_cannot_reform_or_drain_the_workers(tmp_path, job_store):
     port, store, outsider = job_store
-    write_job(tmp_path)
-    agent = agent_mod.Agent(agent_mod.FileJobSource(tmp_path), store)
-    agent.sync()
-    exits: list[int] = []
-    watchdog = Watchdog(f"127.0.0.1:{port}", exit_fn=exits.append)
-    watchdog.connect(timeout_s=30)
+    agent, watchdog, exits = agent_and_watchdog(tmp_path, port, store)
     watchdog.start()
     watchdog.stop()  # polled by hand below
     forged = keys.ControlSignal(generation=99, action=keys.DirectiveAction.REFORM, job_uid="uid-1").model_dump_json()
@@ -149,12 +140,7 @@ def test_a_client_without_the_secret_cannot_reform_or_drain_the_workers(tmp_path
 def test_a_signal_with_generation_2_62_does_not_disable_later_directives(tmp_path, job_store):
     """Even written inside the namespace (a buggy worker), an out-of-bounds generation is refused, not obeyed."""
     port, store, _ = job_store
-    write_job(tmp_path)
-    agent = agent_mod.Agent(agent_mod.FileJobSource(tmp_path), store)
-    agent.sync()
-    exits: list[int] = []
-    watchdog = Watchdog(f"127.0.0.1:{port}", exit_fn=exits.append)
-    watchdog.connect(timeout_s=30)
+    agent, watchdog, exits = agent_and_watchdog(tmp_path, port, store)
     store.set(keys.SIGNAL_KEY, json.dumps({"generation": 2**62, "action": "none", "reason": "", "job_uid": "uid-1"}))
     watchdog.poll_once()
     assert watchdog.seen_generation < 2**31

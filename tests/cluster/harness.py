@@ -372,17 +372,6 @@ def step_times(records: list[dict[str, Any]]) -> dict[int, float]:
     return times
 
 
-def log_times(text: str, needle: str) -> list[float]:
-    """The ``asctime`` stamps (this machine's local time, as the trainer's and launcher's logging writes them) of the
-    lines that contain ``needle``."""
-    stamps = []
-    for line in text.splitlines():
-        if needle in line:
-            with contextlib.suppress(ValueError):
-                stamps.append(datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp())
-    return stamps
-
-
 @dataclasses.dataclass
 class AgentNodeLoss:
     """What the agent-node-loss scenario saw. Times are this machine's ``time.time()``."""

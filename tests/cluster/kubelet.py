@@ -172,16 +172,7 @@ class Kubelets:
             path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
             try:
                 if meta.get("deletionTimestamp"):
-                    self.plane.request(
-                        "DELETE",
-                        path,
-                        {
-                            "apiVersion": "v1",
-                            "kind": "DeleteOptions",
-                            "gracePeriodSeconds": 0,
-                            "preconditions": {"uid": meta["uid"]},
-                        },
-                    )
+                    self._delete_now(path, meta)
                 elif meta["name"] in exits and pod["status"].get("phase") == "Running":
                     self._report(path, pod, exit_code=exits[meta["name"]])
                     with self._lock:  # once: a replacement that reuses the name runs on
@@ -192,6 +183,19 @@ class Kubelets:
                 if error.code not in (404, 409):
                     raise
                 error.close()  # it holds the answer's TLS socket (a ResourceWarning when collected later)
+
+    def _delete_now(self, path: str, meta: dict[str, Any]) -> None:
+        """Remove the pod at once, as a kubelet does once its containers are gone (and only that pod: its uid)."""
+        self.plane.request(
+            "DELETE",
+            path,
+            {
+                "apiVersion": "v1",
+                "kind": "DeleteOptions",
+                "gracePeriodSeconds": 0,
+                "preconditions": {"uid": meta["uid"]},
+            },
+        )
 
     def _report(self, path: str, pod: dict[str, Any], exit_code: int | None, ready_when_running: bool = True) -> None:
         stamp = _now()[:19] + "Z"

@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -18,7 +17,7 @@ from pathlib import Path
 
 from tests.cluster.controlplane import free_port
 from tests.cluster.rbac import chart_operator_flags
-from tests.conftest import REPO_ROOT
+from tests.operatorprocess import spawn_operator
 
 FORBIDDEN = re.compile(r"(?<![,.:\d])\b403\b|forbidden", re.IGNORECASE)  # not a log timestamp ",403"
 # A pod refused by Pod Security admission is a 403 too, but about the pod, not the operator's RBAC.
@@ -39,26 +38,14 @@ class OperatorProcess:
 
     def start(self, timeout: float = 30) -> None:
         self.metrics_port, liveness = free_port(), free_port()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("KUBECONFIG", None)
-        command = [
-            sys.executable,
-            "-m",
-            "disttrain.operator.cli",
-            "operator",
-            "--all-namespaces",
-            f"--kubeconfig={self.kubeconfig}",
-            f"--metrics-port={self.metrics_port}",
-            "--metrics-address=127.0.0.1",
-            f"--liveness=http://127.0.0.1:{liveness}/healthz",
+        self.proc = spawn_operator(
+            self.kubeconfig,
+            self.log,
+            self.metrics_port,
+            liveness,
             # as the chart runs it: the agents' NetworkPolicies admit its pods to their pulse port
-            *chart_operator_flags("--operator-namespace", "--operator-pod-selector"),
-            *self.extra_args,
-        ]
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True
-            )
+            [*chart_operator_flags("--operator-namespace", "--operator-pod-selector"), *self.extra_args],
+        )
         deadline = time.monotonic() + timeout
         while True:
             assert self.proc.poll() is None, f"operator exited:\n{self.log_text()[-4000:]}"

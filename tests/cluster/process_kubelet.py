@@ -139,16 +139,7 @@ class ProcessKubelets(Kubelets):
             if time.monotonic() - container.term_sent_at < GRACE_SECONDS:
                 return
             proctree.kill_tree(container.marker, container.proc.pid)
-        self.plane.request(
-            "DELETE",
-            path,
-            {
-                "apiVersion": "v1",
-                "kind": "DeleteOptions",
-                "gracePeriodSeconds": 0,
-                "preconditions": {"uid": meta["uid"]},
-            },
-        )
+        self._delete_now(path, meta)
 
     # --- starting a pod's container ----------------------------------------------------------------------
 

@@ -8,11 +8,9 @@ middle of a reform and checks that the next operator creates no duplicate and lo
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -21,12 +19,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tests.operator.conftest import PODS, eventually
 from tests.operator.test_kopf_kmock import _count_workers, _future, _phase, running_job, workers
+from tests.operatorprocess import spawn_operator
 
 from disttrain.api import constants
 from disttrain.common.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
-REPO = Path(__file__).resolve().parents[2]
 
 
 def http_get(url: str) -> tuple[int, str]:
@@ -38,10 +36,7 @@ def http_get(url: str) -> tuple[int, str]:
 
 
 class OperatorProcess:
-    """``python -m disttrain.operator.cli operator --all-namespaces`` with a kubeconfig naming the emulator.
-
-    (``--namespace`` would make kopf scan /api/v1/namespaces, which kmock 0.8 answers with 500.)
-    """
+    """The operator process (:func:`tests.operatorprocess.spawn_operator`) with a kubeconfig naming the emulator."""
 
     def __init__(self, url: str, tmp: Path) -> None:
         self.kubeconfig = tmp / "kubeconfig"
@@ -57,21 +52,7 @@ class OperatorProcess:
 
     async def start(self) -> None:
         self.metrics_port, self.liveness_port = free_port(), free_port()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("KUBECONFIG", None)
-        cmd = [
-            sys.executable,
-            "-m",
-            "disttrain.operator.cli",
-            "operator",
-            "--all-namespaces",
-            f"--kubeconfig={self.kubeconfig}",
-            f"--metrics-port={self.metrics_port}",
-            "--metrics-address=127.0.0.1",
-            f"--liveness=http://127.0.0.1:{self.liveness_port}/healthz",
-        ]
-        with open(self.log, "a") as log:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.proc = spawn_operator(self.kubeconfig, self.log, self.metrics_port, self.liveness_port)
 
         async def alive():
             assert self.proc.poll() is None, self.log.read_text()[-3000:]

@@ -40,10 +40,22 @@ def state(value: float) -> dict:
     return {"w": torch.full((64,), value)}
 
 
+def node_manager(root: Path, spec: CheckpointSpec, group, node: str, on_phase=None) -> CheckpointManager:
+    """The checkpoint manager of the job's group on ``node`` (one rank)."""
+    return CheckpointManager(root, spec, 0, 1, group, ManagerOptions(job_uid="uid-1", node=node, on_phase=on_phase))
+
+
+def resume_from_step_2(manager: CheckpointManager) -> None:
+    """A new group resumes: the latest checkpoint it finds is step 2."""
+    found = manager.find_latest()
+    assert found is not None and found.step == 2
+    manager.load(found, state(0.0))
+
+
 def test_a_stale_group_cannot_publish_or_delete_the_new_groups_save(tmp_path, group, caplog):
     root = tmp_path / "ckpt"
     spec = CheckpointSpec(keep=1, intervalSteps=1)
-    old = CheckpointManager(root, spec, 0, 1, group, ManagerOptions(job_uid="uid-1", node="node-a"))
+    old = node_manager(root, spec, group, "node-a")
     assert old.find_latest() is None
     old.save(2, state(2.0), manifest(2))
     assert (root / "step-2").is_dir()
@@ -56,12 +68,8 @@ def test_a_stale_group_cannot_publish_or_delete_the_new_groups_save(tmp_path, gr
             old.save(3, state(3.0), manifest(3))  # the partitioned old rank 0 finishes its commit late
             old.join_retention()
 
-    new = CheckpointManager(
-        root, spec, 0, 1, group, ManagerOptions(job_uid="uid-1", node="node-b", on_phase=old_group_commits_now)
-    )
-    found = new.find_latest()
-    assert found is not None and found.step == 2
-    new.load(found, state(0.0))
+    new = node_manager(root, spec, group, "node-b", old_group_commits_now)
+    resume_from_step_2(new)
     assert (old.commits.fence_round, new.commits.fence_round) == (1, 2)
 
     with caplog.at_level(logging.INFO, logger="disttrain.trainer"):
@@ -89,23 +97,12 @@ def test_a_stale_group_frozen_before_its_rename_cannot_replace_the_newer_groups_
 
     def new_group_commits_while_the_old_one_is_frozen(phase: CheckpointPhase, step: int) -> None:
         if phase is CheckpointPhase.BEFORE_PUBLISH and step == 4 and not woke:
-            woke["new"] = new = CheckpointManager(
-                root, spec, 0, 1, group, ManagerOptions(job_uid="uid-1", node="node-b")
-            )
-            found = new.find_latest()
-            assert found is not None and found.step == 2
-            new.load(found, state(0.0))
+            woke["new"] = new = node_manager(root, spec, group, "node-b")
+            resume_from_step_2(new)
             new.save(4, state(40.0), manifest(4))
             new.join_retention()
 
-    old = CheckpointManager(
-        root,
-        spec,
-        0,
-        1,
-        group,
-        ManagerOptions(job_uid="uid-1", node="node-a", on_phase=new_group_commits_while_the_old_one_is_frozen),
-    )
+    old = node_manager(root, spec, group, "node-a", new_group_commits_while_the_old_one_is_frozen)
     assert old.find_latest() is None
     old.save(2, state(2.0), manifest(2))
     with caplog.at_level(logging.INFO, logger="disttrain.trainer"):
@@ -129,21 +126,10 @@ def test_a_stale_groups_late_commit_at_a_higher_step_never_shadows_the_newer_rou
 
     def new_group_resumes_while_the_old_one_is_frozen(phase: CheckpointPhase, step: int) -> None:
         if phase is CheckpointPhase.BEFORE_PUBLISH and step == 5:
-            groups["new"] = new = CheckpointManager(
-                root, spec, 0, 1, group, ManagerOptions(job_uid="uid-1", node="node-b")
-            )
-            found = new.find_latest()
-            assert found is not None and found.step == 2
-            new.load(found, state(0.0))
+            groups["new"] = new = node_manager(root, spec, group, "node-b")
+            resume_from_step_2(new)
 
-    old = CheckpointManager(
-        root,
-        spec,
-        0,
-        1,
-        group,
-        ManagerOptions(job_uid="uid-1", node="node-a", on_phase=new_group_resumes_while_the_old_one_is_frozen),
-    )
+    old = node_manager(root, spec, group, "node-a", new_group_resumes_while_the_old_one_is_frozen)
     assert old.find_latest() is None
     old.save(2, state(2.0), manifest(2))
     old.save(5, state(5.0), manifest(5))  # nothing newer is committed yet: the stale step-5 is published
@@ -153,7 +139,7 @@ def test_a_stale_groups_late_commit_at_a_higher_step_never_shadows_the_newer_rou
     new = groups["new"]
     new.save(4, state(4.0), manifest(4))
     new.join_retention()
-    third = CheckpointManager(root, spec, 0, 1, group, ManagerOptions(job_uid="uid-1", node="node-c"))
+    third = node_manager(root, spec, group, "node-c")
     found = third.find_latest()
     assert found is not None and (found.step, found.fence_round) == (4, 2)
     assert sorted(p.name for p in root.iterdir() if p.name != ".fence") == ["step-2", "step-4", "step-5"]

@@ -16,6 +16,7 @@ import datetime
 import logging
 import threading
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -25,11 +26,13 @@ from disttrain.api.manifest import CheckpointManifest, FileDigest
 from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer.checkpoint import commit, tiered
 from disttrain.trainer.checkpoint.committer import CheckpointPhase, Committer
+from disttrain.trainer.checkpoint.saving import Written
 from disttrain.trainer.checkpoint.tiered import BucketTier, PublishOptions
 from disttrain.trainer.checkpoint.uploads import RetryPolicy
 
 if TYPE_CHECKING:
     from disttrain.trainer.checkpoint.manager import ManagerOptions
+    from disttrain.trainer.metrics import TrainerMetrics
 
 log = logging.getLogger("disttrain.trainer")
 
@@ -38,31 +41,71 @@ class CheckpointFailedError(RuntimeError):
     """Saves kept failing: training on would pile up unrecoverable work."""
 
 
-class GroupCommit:
+@dataclass
+class SaveGroup:
+    """The group whose saves a :class:`CheckpointManager` makes and its :class:`GroupCommit` commits, one object
+    shared by both: where the saves go, under which policy, and this process's place in the group."""
+
+    root: Path
+    spec: CheckpointSpec
+    rank: int
+    world_size: int
+    group: Optional[dist.ProcessGroup]
+    """None once the group ended under the manager (an in-place reform)."""
+    options: ManagerOptions
+
+
+class InSaveGroup:
+    """The fields of the shared :class:`SaveGroup`, read (and the process group set) as attributes of its own."""
+
+    where: SaveGroup
+
+    @property
+    def root(self) -> Path:
+        return self.where.root
+
+    @property
+    def spec(self) -> CheckpointSpec:
+        return self.where.spec
+
+    @property
+    def rank(self) -> int:
+        return self.where.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.where.world_size
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        return self.where.group
+
+    @group.setter
+    def group(self, group: Optional[dist.ProcessGroup]) -> None:
+        self.where.group = group
+
+    @property
+    def options(self) -> ManagerOptions:
+        return self.where.options
+
+    @property
+    def metrics(self) -> Optional[TrainerMetrics]:
+        return self.where.options.metrics
+
+
+class GroupCommit(InSaveGroup):
     """Commit and retention of one group's saves (collective): the fence round, the commit, failures in a row,
     and with a bucket the local tiers and what the bucket completed."""
 
-    def __init__(
-        self,
-        root: Path,
-        spec: CheckpointSpec,
-        rank: int,
-        world_size: int,
-        group: Optional[dist.ProcessGroup],
-        options: ManagerOptions,
-    ) -> None:
-        self.root = root
-        self.rank = rank
-        self.world_size = world_size
-        self.group = group
-        self.options = options
-        self.metrics = options.metrics
+    def __init__(self, where: SaveGroup) -> None:
+        self.where = where
+        spec, options = where.spec, where.options
         self.consecutive_failures = 0
         self.last_committed_step: Optional[int] = None
         """The newest step this process saw committed (or loaded): what an abandoned save falls back to."""
         self.last_failure = ""
         self.committer = Committer(
-            root,
+            where.root,
             spec,
             job_uid=options.job_uid,
             node=options.node,
@@ -83,7 +126,7 @@ class GroupCommit:
             publishing = PublishOptions(
                 spec.keep, self._on_published, options.upload_retry or RetryPolicy(), options.on_phase
             )
-            self.tier = BucketTier(store, root, rank, publishing)
+            self.tier = BucketTier(store, where.root, where.rank, publishing)
 
     # ---- the fence round ----------------------------------------------------------------------------------
     def claim_round(self) -> int:
@@ -110,12 +153,13 @@ class GroupCommit:
         step: int,
         tmp: Path,
         manifest: CheckpointManifest,
-        digests: dict[str, FileDigest],
-        error: Optional[BaseException],
+        written: Written,
         protected: set[int],
     ) -> bool:
         """Commit the save in ``tmp`` (collective); False when it failed (counted, its directory removed: call
-        :meth:`stop_if_exhausted` next). ``protected``: steps retention keeps whatever ``keep`` says."""
+        :meth:`stop_if_exhausted` next). ``written``: this rank's part. ``protected``: steps retention keeps
+        whatever ``keep`` says."""
+        digests, error = written
         gathered: list[Any] = [None] * self.world_size
         payload = {
             "digests": {k: v.model_dump() for k, v in digests.items()},

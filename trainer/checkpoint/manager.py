@@ -36,13 +36,13 @@ from typing import Any, Optional
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from disttrain.api.manifest import CheckpointManifest, FileDigest
+from disttrain.api.manifest import CheckpointManifest
 from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer.checkpoint import commit, storage
 from disttrain.trainer.checkpoint.committer import CheckpointPhase, PhaseHook
-from disttrain.trainer.checkpoint.groupcommit import CheckpointFailedError, GroupCommit
+from disttrain.trainer.checkpoint.groupcommit import CheckpointFailedError, GroupCommit, InSaveGroup, SaveGroup
 from disttrain.trainer.checkpoint.objectstore import Published
-from disttrain.trainer.checkpoint.saving import InFlightSave, ShardWriter
+from disttrain.trainer.checkpoint.saving import InFlightSave, ShardWriter, Written
 from disttrain.trainer.checkpoint.state import ModelOptimState, SchedulerState, TrainerState
 from disttrain.trainer.checkpoint.tiered import BucketTier
 from disttrain.trainer.checkpoint.uploads import RetryPolicy
@@ -85,7 +85,7 @@ class ManagerOptions:
     """With ``spec.uri``: how long :meth:`CheckpointManager.close` waits for uploads in flight and their COMPLETE."""
 
 
-class CheckpointManager:
+class CheckpointManager(InSaveGroup):
     """Owns the "when" (interval in steps or seconds, the last step, a drain) and the "how" of checkpoints."""
 
     def __init__(
@@ -98,14 +98,8 @@ class CheckpointManager:
         options: Optional[ManagerOptions] = None,
     ) -> None:
         options = options or ManagerOptions()
-        self.options = options
-        self.root = Path(root)
-        self.spec = spec
-        self.rank = rank
-        self.world_size = world_size
-        self._group = group
-        self.metrics = options.metrics
-        self.commits = GroupCommit(self.root, spec, rank, world_size, group, options)
+        self.where = SaveGroup(Path(root), spec, rank, world_size, group, options)
+        self.commits = GroupCommit(self.where)
         """The commit of each save across the group, retention, the fence round and, with a bucket, its tier."""
         self.tier: Optional[BucketTier] = self.commits.tier
         """With ``spec.uri``: the bucket, reached through the local tier at ``root`` (the commits' own)."""
@@ -123,15 +117,6 @@ class CheckpointManager:
         self._resume_from: Optional[Published] = None
         if rank == 0 or self.tier is not None:
             self.root.mkdir(parents=True, exist_ok=True)
-
-    @property
-    def group(self) -> Optional[dist.ProcessGroup]:
-        return self._group
-
-    @group.setter
-    def group(self, group: Optional[dist.ProcessGroup]) -> None:
-        """Set to None when the group ended under this manager (an in-place reform)."""
-        self._group = self.commits.group = group
 
     # ---- when ---------------------------------------------------------------------------------------------
     def should_save(self, step: int, last: bool = False) -> bool:
@@ -175,8 +160,7 @@ class CheckpointManager:
             self.blocked_s += self.pending.blocking_s
             self._observe("blocking", self.pending.blocking_s)
             return
-        digests, error = self.writer.write(step, tmp, state)
-        self._commit(step, tmp, manifest, digests, error)
+        self._commit(step, tmp, manifest, self.writer.write(step, tmp, state))
         self.last_save_blocking_s = time.monotonic() - t0
         self.blocked_s += time.monotonic() - t0
         self._observe("blocking", time.monotonic() - t0)
@@ -215,19 +199,12 @@ class CheckpointManager:
 
     def _complete_pending(self, p: InFlightSave) -> None:
         self.pending = None
-        self._commit(p.step, p.tmp, p.manifest, p.digests, p.error)
+        self._commit(p.step, p.tmp, p.manifest, (p.digests, p.error))
         self._observe("background", time.monotonic() - p.started)
 
-    def _commit(
-        self,
-        step: int,
-        tmp: Path,
-        manifest: CheckpointManifest,
-        digests: dict[str, FileDigest],
-        error: Optional[BaseException],
-    ) -> None:
+    def _commit(self, step: int, tmp: Path, manifest: CheckpointManifest, written: Written) -> None:
         protected = {self.loaded_step} if self.loaded_step is not None else set()
-        if not self.commits.commit(step, tmp, manifest, digests, error, protected):
+        if not self.commits.commit(step, tmp, manifest, written, protected):
             self.last_saved_step = None
             self.commits.stop_if_exhausted()
 

@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
 
 from disttrain.api import env as env_names
-from disttrain.common.forkedpopen import Fork, ForkAnswers, ForkedPopen
+from disttrain.common.forkedpopen import Fork, ForkAnswers, ForkedChild, ForkedPopen
 from disttrain.trainer.launch import ncclenv, warmproc
 from disttrain.trainer.launch.warmproc import HANDOVER_ENV, PRELOAD, READY_FD_ENV
 
@@ -254,25 +254,12 @@ def workers_environment(nproc_per_node: int, environ: Mapping[str, str] = os.env
     return workers
 
 
-class _Forked(ForkedPopen):
-    """A process this package forked; see :class:`disttrain.common.forkedpopen.ForkedPopen` (torchrun signals a
-    worker's session with ``killpg``, which needs only its ``pid``)."""
-
-
-class ForkedWorker(_Forked):
+class ForkedWorker(ForkedChild):
     """torchrun's handle on a worker forked by a warm interpreter, which is its parent, reaps it and reports its
-    exit code."""
-
-    def __init__(self, fork: Fork, args: Sequence[str], warm: _Warm) -> None:
-        super().__init__(fork.pid, args)
-        self._fork = fork
-        self._warm = warm
-
-    def _exit_code(self, timeout: Optional[float]) -> Optional[int]:
-        return self._warm.exit_code(self._fork, timeout)
+    exit code (torchrun signals a worker's session with ``killpg``, which needs only its ``pid``)."""
 
 
-class _ForkedInterpreter(_Forked):
+class _ForkedInterpreter(ForkedPopen):
     """A warm interpreter this process forked from itself (:meth:`WarmPool.prestart_here`): its child, reaped here,
     by polling (another thread may wait for it too: a blocking ``waitpid`` of one would leave the other none)."""
 

@@ -142,10 +142,7 @@ class StoreFront:
         writer.transport.abort()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        _track_current_task(self._tasks)
         peer = writer.get_extra_info("peername")
         source = str(peer[0]) if peer else "?"
         self._writers.add(writer)
@@ -236,6 +233,14 @@ def _read_at_most(transport: asyncio.BaseTransport, size: Optional[int]) -> None
         vars(transport)["max_size"] = size
     elif size is None:
         vars(transport).pop("max_size", None)
+
+
+def _track_current_task(tasks: set[asyncio.Task[None]]) -> None:
+    """Keep the connection's task in ``tasks`` while it runs, so that :func:`_cancel` can end it."""
+    task = asyncio.current_task()
+    if task is not None:
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
 
 async def _cancel(tasks: set[asyncio.Task[None]], writers: set[asyncio.StreamWriter]) -> None:

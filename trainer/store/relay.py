@@ -26,7 +26,7 @@ from typing import Optional
 
 from disttrain.api import env
 from disttrain.trainer.store import splice, wire
-from disttrain.trainer.store.front import DEFAULT_LIMITS, FrontLimits, _cancel, _transport
+from disttrain.trainer.store.front import DEFAULT_LIMITS, FrontLimits, _cancel, _track_current_task, _transport
 
 log = logging.getLogger("disttrain.store.relay")
 
@@ -69,10 +69,7 @@ class Relay:
         self._loop.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        _track_current_task(self._tasks)
         upstream: Optional[asyncio.StreamWriter] = None
         self._writers.add(writer)
         try:

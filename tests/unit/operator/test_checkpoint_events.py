@@ -54,14 +54,20 @@ def test_the_message_catches_up_when_its_timer_fires_without_a_new_commit():
     assert world.condition("Checkpointed")["message"].startswith("checkpoint at step 20 ")
 
 
-def test_the_first_commit_after_a_resume_is_announced_again():
-    world = World(job_manifest(replicas=3)).running_world(3)
+def replaced_world(replicas: int) -> World:
+    """Checkpoint 10 committed, then node 1 lost and replaced after the backoff, the new group's pods running."""
+    world = World(job_manifest(replicas=replicas)).running_world(replicas)
     world.checkpoint(10).step(1)
     world.vanish(1)
     world.step(1)
     world.step(5)  # after the backoff: the replacement
     world.run_all()
     world.step(1)
+    return world
+
+
+def test_the_first_commit_after_a_resume_is_announced_again():
+    world = replaced_world(3)
     world.progress(3, step=11).step(1)  # the new group's first step follows the checkpoint it resumed from
     assert "ResumedFromStep" in world.reasons()
     resumed = world.condition("Checkpointed")
@@ -75,13 +81,7 @@ def test_the_first_commit_after_a_resume_is_announced_again():
 
 def resumed_world(resumed_from_step: int, **relayed: str) -> World:
     """Checkpoint 10 committed, a node lost, and the new group reporting the step after the one it loaded."""
-    world = World(job_manifest(replicas=2)).running_world(2)
-    world.checkpoint(10).step(1)
-    world.vanish(1)
-    world.step(1)
-    world.step(5)
-    world.run_all()
-    world.step(1)
+    world = replaced_world(2)
     world.progress(2, step=resumed_from_step + 1)
     world.status.update(resumedFromStep=resumed_from_step, **relayed)
     world.step(1)

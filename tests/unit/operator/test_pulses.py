@@ -200,11 +200,24 @@ async def _prove(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key
     writer.write(proof if proof is not None else bytes(handshake.PROOF_LEN))
 
 
+@contextlib.asynccontextmanager
+async def links_to_impostor(serve):
+    """The operator's pulse links following KEY to an agent address where ``serve`` answers; yields their beats."""
+    impostor = await asyncio.start_server(serve, "127.0.0.1", 0)
+    beats = AgentBeats()
+    links = pulses.PulseLinks(beats, OPERATOR_KEY)
+    links.follow(KEY, agent_pod(impostor.sockets[0].getsockname()[1]))
+    try:
+        yield beats
+    finally:
+        await links.close()
+        impostor.close()
+        await impostor.wait_closed()
+
+
 async def test_bytes_that_are_not_pulses_end_the_link_and_count_for_nothing():
     """A server at the agent's address that holds the job's key, names the right pod and then sends anything else
     (and names another pod when the link comes back)."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
     connections = []
 
     async def serve(reader, writer):
@@ -226,26 +239,15 @@ async def test_bytes_that_are_not_pulses_end_the_link_and_count_for_nothing():
         await asyncio.sleep(0.2)
         writer.close()
 
-    listener.close()
-    impostor = await asyncio.start_server(serve, "127.0.0.1", port)
-    beats = AgentBeats()
-    links = pulses.PulseLinks(beats, OPERATOR_KEY)
-    links.follow(KEY, agent_pod(port))
-    try:
+    async with links_to_impostor(serve) as beats:
         await asyncio.sleep(0.1)
         beats.checked(time.monotonic())
         assert await judge_until(beats, AGENT, 3.0) == PULSE, "the two pulses before the junk, then silence"
         assert len(connections) >= 2, "the link came back"
-    finally:
-        await links.close()
-        impostor.close()
-        await impostor.wait_closed()
 
 
 async def test_a_server_without_the_jobs_key_gives_no_pulse():
     """Something at the agent's address that greets and pulses but cannot prove the job's key: no pulse counts."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
     proofs_sent = []
 
     async def serve(reader, writer):
@@ -260,19 +262,10 @@ async def test_a_server_without_the_jobs_key_gives_no_pulse():
         finally:
             writer.close()
 
-    listener.close()
-    impostor = await asyncio.start_server(serve, "127.0.0.1", port)
-    beats = AgentBeats()
-    links = pulses.PulseLinks(beats, OPERATOR_KEY)
-    links.follow(KEY, agent_pod(port))
-    try:
+    async with links_to_impostor(serve) as beats:
         await asyncio.sleep(1.0)
         assert proofs_sent, "the operator answered the greeting"
         assert beats.silence(KEY, AGENT, time.monotonic() + 10) == "", "no pulse taken: nothing to judge"
-    finally:
-        await links.close()
-        impostor.close()
-        await impostor.wait_closed()
 
 
 def _link(host: str, port: int, key: bytes = JOB_KEY, source: str = "127.0.0.1") -> socket.socket:

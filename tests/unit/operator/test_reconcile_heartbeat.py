@@ -30,9 +30,7 @@ def test_a_silent_node_is_lost_before_its_node_is_notready():
     world = silent_world()
     silent = world.worker(1)
     actions = report(world, silent).step(1)
-    assert world.control["action"] == "reform" and world.control["reason"] == "HeartbeatLost"
-    assert silent.name in world.control["exclude"], "fenced: kept out of the next rendezvous round"
-    assert [(d.name, d.reason) for d in actions.delete_pods] == [(silent.name, "HeartbeatLost")]
+    world.assert_reformed_without(actions, silent, "HeartbeatLost")
     world.status["silentNodes"] = []  # the agent's report may be gone by now; the pod lingers Terminating
     actions = world.step(5)  # after the restart backoff
     assert [(w.node_index, w.name) for w in actions.create_workers] == [(1, "demo-worker-1-1")], (

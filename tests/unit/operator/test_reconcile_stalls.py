@@ -40,9 +40,7 @@ def test_a_stalled_node_is_named_evicted_and_replaced_and_the_group_reforms():
     world = stalled_world()
     lagging = world.worker(1)
     actions = report(world, lagging).step(1)
-    assert world.control["action"] == "reform" and world.control["reason"] == "StepStalled"
-    assert lagging.name in world.control["exclude"], "fenced: kept out of the next rendezvous round"
-    assert [(d.name, d.reason) for d in actions.delete_pods] == [(lagging.name, "StepStalled")]
+    world.assert_reformed_without(actions, lagging, "StepStalled")
     [message] = [m for r, m in world.events if r == "StepStalled"]
     assert f"node {lagging.name}" in message and "rank(s) 1" in message and "step 7" in message
     assert "waited 12 s" in message and DUMPS in message

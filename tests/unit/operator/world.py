@@ -228,6 +228,12 @@ class World:
     def control(self) -> dict[str, Any]:
         return self.status.get("control", {})
 
+    def assert_reformed_without(self, actions: Actions, pod: PodView, reason: str) -> None:
+        """The group re-forms for ``reason`` without ``pod``: fenced out of the next round, its pod deleted."""
+        assert self.control["action"] == "reform" and self.control["reason"] == reason
+        assert pod.name in self.control["exclude"], "fenced: kept out of the next rendezvous round"
+        assert [(d.name, d.reason) for d in actions.delete_pods] == [(pod.name, reason)]
+
     def running_world(self, nodes: int = 2) -> World:
         """Helper: create the job, run every pod and report progress at ``nodes`` nodes."""
         self.step()

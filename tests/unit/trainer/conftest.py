@@ -8,8 +8,37 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from disttrain.api.manifest import CheckpointManifest, DatasetFingerprint
 from disttrain.common.ports import free_port
 from disttrain.trainer.checkpoint import commit
+
+
+def make_checkpoint(
+    root: Path, step: int, round_: int | None = None, payload: bytes = b"x" * 1000, nonce: str = "n"
+) -> Path:
+    """A committed checkpoint of fence round ``round_`` (None: written before rounds existed), one rank's files."""
+    tmp = root / commit.tmp_dir_name(step, nonce, round_ or 0)
+    tmp.mkdir(parents=True)
+    (tmp / ".metadata").write_bytes(b"meta" + str(step).encode())
+    (tmp / "__0_0.distcp").write_bytes(payload)
+    files = commit.digest_files(tmp, [".metadata", "__0_0.distcp"])
+    manifest = CheckpointManifest(
+        step=step,
+        samples_consumed=step * 4,
+        data_cursor=step * 4,
+        world_size=2,
+        plan={"worldSize": 2},
+        lr_scale=1.0,
+        dataset=DatasetFingerprint(length=9, seed=0),
+        metadata_sha256=files[".metadata"].digest.split(":")[1],
+        files=files,
+        created_at="now",
+        code_version="t",
+        config_hash="h",
+        fence_round=round_,
+    )
+    commit.write_manifest(tmp, manifest)
+    return commit.publish(root, tmp, step)
 
 
 def plan_retention(

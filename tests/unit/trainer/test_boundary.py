@@ -7,10 +7,20 @@ from disttrain.trainer.boundary import NO_SAVE, BoundaryFlags
 
 
 def flags(
-    drain: bool = False, in_progress: bool = False, failed: bool = False, seconds: bool = False, pending: int = NO_SAVE
+    drain: bool = False,
+    in_progress: bool = False,
+    failed: bool = False,
+    seconds: bool = False,
+    pending: int = NO_SAVE,
+    interval: int = 0,
 ) -> BoundaryFlags:
     return BoundaryFlags.of_rank(
-        drain=drain, save_in_progress=in_progress, save_failed=failed, seconds_due=seconds, pending_step=pending
+        drain=drain,
+        save_in_progress=in_progress,
+        save_failed=failed,
+        seconds_due=seconds,
+        pending_step=pending,
+        interval_steps=interval,
     )
 
 
@@ -24,27 +34,13 @@ def test_the_tensor_is_seven_int64s_and_round_trips():
     t = f.to_tensor()
     assert t.dtype == torch.int64 and t.tolist() == [1, 0, 1, 0, 8, -8, 0]
     assert BoundaryFlags.from_tensor(t) == f
-    g = BoundaryFlags.of_rank(
-        drain=False,
-        save_in_progress=False,
-        save_failed=False,
-        seconds_due=False,
-        pending_step=NO_SAVE,
-        interval_steps=17,
-    )
+    g = flags(interval=17)
     assert BoundaryFlags.from_tensor(g.to_tensor()) == g
 
 
 def test_rank_zeros_interval_proposal_reaches_every_rank():
     """Only rank 0 proposes (the others send 0), so MAX hands its interval to all."""
-    proposal = BoundaryFlags.of_rank(
-        drain=False,
-        save_in_progress=False,
-        save_failed=False,
-        seconds_due=False,
-        pending_step=NO_SAVE,
-        interval_steps=23,
-    )
+    proposal = flags(interval=23)
     assert reduced(proposal, flags(), flags()).interval_steps == 23
 
 

@@ -3,38 +3,13 @@
 import errno
 import json
 import threading
-from pathlib import Path
 
 import pydantic
 import pytest
-from tests.unit.trainer.conftest import plan_retention
+from tests.unit.trainer.conftest import make_checkpoint, plan_retention
 
-from disttrain.api.manifest import MANIFEST_FILE, CheckpointManifest, DatasetFingerprint
+from disttrain.api.manifest import MANIFEST_FILE, CheckpointManifest
 from disttrain.trainer.checkpoint import commit, fence
-
-
-def make_checkpoint(root: Path, step: int, payload: bytes = b"x" * 1000, nonce: str = "n") -> Path:
-    tmp = root / commit.tmp_dir_name(step, nonce)
-    tmp.mkdir(parents=True)
-    (tmp / ".metadata").write_bytes(b"meta" + str(step).encode())
-    (tmp / "__0_0.distcp").write_bytes(payload)
-    files = commit.digest_files(tmp, [".metadata", "__0_0.distcp"])
-    manifest = CheckpointManifest(
-        step=step,
-        samples_consumed=step * 4,
-        data_cursor=step * 4,
-        world_size=2,
-        plan={"worldSize": 2},
-        lr_scale=1.0,
-        dataset=DatasetFingerprint(length=9, seed=0),
-        metadata_sha256=files[".metadata"].digest.split(":")[1],
-        files=files,
-        created_at="now",
-        code_version="t",
-        config_hash="h",
-    )
-    commit.write_manifest(tmp, manifest)
-    return commit.publish(root, tmp, step)
 
 
 def test_a_committed_checkpoint_validates(tmp_path):

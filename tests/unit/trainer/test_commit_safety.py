@@ -7,38 +7,10 @@ import pickle
 from pathlib import Path
 
 import pytest
-from tests.unit.trainer.conftest import plan_retention
+from tests.unit.trainer.conftest import make_checkpoint, plan_retention
 
-from disttrain.api.manifest import MANIFEST_FILE, CheckpointManifest, DatasetFingerprint
+from disttrain.api.manifest import MANIFEST_FILE
 from disttrain.trainer.checkpoint import commit, fence, storage
-
-
-def make_checkpoint(
-    root: Path, step: int, round_: int | None = 1, payload: bytes = b"x" * 1000, nonce: str = "n"
-) -> Path:
-    """A committed checkpoint of fence round ``round_`` (None: written before rounds existed)."""
-    tmp = root / commit.tmp_dir_name(step, nonce, round_ or 0)
-    tmp.mkdir(parents=True)
-    (tmp / ".metadata").write_bytes(b"meta" + str(step).encode())
-    (tmp / "__0_0.distcp").write_bytes(payload)
-    files = commit.digest_files(tmp, [".metadata", "__0_0.distcp"])
-    manifest = CheckpointManifest(
-        step=step,
-        samples_consumed=step,
-        data_cursor=step,
-        world_size=1,
-        plan={},
-        lr_scale=1.0,
-        dataset=DatasetFingerprint(length=9, seed=0),
-        metadata_sha256=files[".metadata"].digest.split(":")[1],
-        files=files,
-        created_at="now",
-        code_version="t",
-        config_hash="h",
-        fence_round=round_,
-    )
-    commit.write_manifest(tmp, manifest)
-    return commit.publish(root, tmp, step)
 
 
 def names(root: Path) -> list[str]:
@@ -171,7 +143,7 @@ def other_jobs_checkpoint(tmp_path: Path) -> Path:
 def test_a_step_directory_that_is_a_link_is_invalid_and_retention_unlinks_only_the_link(tmp_path):
     root = tmp_path / "ckpt"
     root.mkdir()
-    make_checkpoint(root, 2)
+    make_checkpoint(root, 2, round_=1)
     target = other_jobs_checkpoint(tmp_path)
     (root / "step-9").symlink_to(target)
     assert (
@@ -196,7 +168,7 @@ def test_a_step_directory_that_is_a_link_is_invalid_and_retention_unlinks_only_t
 def test_a_file_that_is_a_link_is_refused_even_when_its_target_matches(tmp_path, name):
     root = tmp_path / "ckpt"
     root.mkdir()
-    path = make_checkpoint(root, 4)
+    path = make_checkpoint(root, 4, round_=1)
     copy = tmp_path / f"copy-of-{name}"
     copy.write_bytes((path / name).read_bytes())  # same bytes: only refusing the link can tell
     (path / name).unlink()
@@ -211,7 +183,7 @@ def test_deleting_a_checkpoint_does_not_follow_links_inside_it(tmp_path):
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "keep.txt").write_text("mine")
-    step = make_checkpoint(root, 2)
+    step = make_checkpoint(root, 2, round_=1)
     (step / "escape").symlink_to(precious)
     (step / "escape-file").symlink_to(precious / "keep.txt")
     assert commit.delete(root, ["step-2"]) == ["step-2"]
@@ -242,7 +214,7 @@ class _Touch:
 
 
 def test_a_metadata_pickle_that_is_not_the_committed_one_is_never_unpickled(tmp_path):
-    path = make_checkpoint(tmp_path / "ckpt", 4)
+    path = make_checkpoint(tmp_path / "ckpt", 4, round_=1)
     ran = tmp_path / "code-ran"
     (path / ".metadata").write_bytes(pickle.dumps(_Touch(ran)))
     with pytest.raises(storage.MetadataMismatchError, match="is never unpickled"):
@@ -257,7 +229,7 @@ def test_a_metadata_pickle_that_is_not_the_committed_one_is_never_unpickled(tmp_
 
 
 def test_the_reader_does_not_follow_a_linked_metadata_file(tmp_path):
-    path = make_checkpoint(tmp_path / "ckpt", 4)
+    path = make_checkpoint(tmp_path / "ckpt", 4, round_=1)
     copy = tmp_path / "meta-copy"
     copy.write_bytes((path / ".metadata").read_bytes())
     os.unlink(path / ".metadata")

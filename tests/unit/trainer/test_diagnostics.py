@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 
+from torch.distributed import HashStore
+
 from disttrain.api import control as keys
 from disttrain.api import env
 from disttrain.trainer import control, diagnostics
@@ -33,31 +35,18 @@ def test_an_unsafe_node_name_stays_inside_the_folder(tmp_path):
     assert written and all(path.startswith(str(tmp_path) + "/") and "/../" not in path for path in written)
 
 
-class _Store:
-    """The two calls the watchdog reads the control keys with."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, bytes] = {}
-
-    def check(self, keys_: list[str]) -> bool:
-        return all(k in self.values for k in keys_)
-
-    def get(self, key: str) -> bytes:
-        return self.values[key]
-
-
 def test_the_watchdog_dumps_once_per_request_of_its_own_job(tmp_path, monkeypatch):
     monkeypatch.setenv(env.CHECKPOINT_DIR, str(tmp_path))
     monkeypatch.setenv(env.NODE_NAME, "demo-worker-0")
     monkeypatch.setenv("RANK", "2")
     watchdog = control.Watchdog(None, job_uid="uid-1")
-    store = _Store()
-    watchdog.store = store  # type: ignore[assignment]
+    store = HashStore()  # torch's in-memory store, in place of the job's
+    watchdog.store = store
     stacks = tmp_path / keys.DIAGNOSTICS_FOLDER / "demo-worker-0" / "stall-9-rank2.stacks.txt"
 
     def ask(request_id: str, job_uid: str) -> None:
         request = keys.DiagnosticsRequest(id=request_id, job_uid=job_uid)
-        store.values[keys.DIAGNOSTICS_KEY] = request.model_dump_json().encode()
+        store.set(keys.DIAGNOSTICS_KEY, request.model_dump_json())
         watchdog.follow_diagnostics()
 
     ask("stall-9", "uid-other")

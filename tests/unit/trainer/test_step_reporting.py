@@ -1,4 +1,5 @@
-"""The values a step reports are read lazily (no device sync per backward or per clip) and are still exact."""
+"""The values a step reports are read lazily (no device sync per backward or per clip) and are still exact; its
+beacon comes once, before the last backward."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ from disttrain.trainer import parallel, precision
 from disttrain.trainer.step import Step
 
 
-def _trainer(model: torch.nn.Module) -> types.SimpleNamespace:
+def _trainer(model: torch.nn.Module, accum_steps: int = 2, micro_batch: int = 3) -> types.SimpleNamespace:
     """The parts of an ElasticTrainer a Step reads: plan, parallel model, precision, ordered reduction, and the
     in-place reform's failure note (none: a failure is raised)."""
     return types.SimpleNamespace(
         keeping_group_failures=contextlib.nullcontext,
         group_failure=None,
-        plan=types.SimpleNamespace(accum_steps=2, micro_batch=3, global_batch=6),
+        plan=types.SimpleNamespace(accum_steps=accum_steps, micro_batch=micro_batch, global_batch=6),
         parallel=parallel.ParallelModel(model, parallel.Parallelism.DDP, sums_gradients=True),
         precision=precision.PrecisionState(parallel.Precision.FP32, torch.device("cpu")),
         ordered=None,
@@ -51,3 +52,15 @@ def test_clipping_returns_the_norm_before_clipping_as_a_tensor_and_clips_to_the_
     assert abs(float(norm) - 3.0 * 5**0.5) < 1e-5
     after = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     assert abs(float(after) - 1.0) < 1e-5
+
+
+def test_the_beacon_comes_once_before_the_last_backward():
+    """The step tells its beacon the step number once, just before the backward of its last micro batch (the one
+    that starts the gradient reduction), so a rank stuck anywhere before it is seen behind its peers."""
+    model = torch.nn.Linear(4, 1)
+    owner = _trainer(model, accum_steps=3, micro_batch=2)
+    told: list[tuple[int, int]] = []
+    step = Step(owner, 4, list(range(6)), on_reduction=lambda n: told.append((n, len(step._losses))))
+    for _ in range(3):
+        step.backward(model(torch.randn(2, 4)).pow(2).sum())
+    assert told == [(5, 2)], "step 5, after two of the three backwards"
