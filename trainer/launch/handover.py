@@ -23,16 +23,19 @@ Nothing here imports torch: the launcher creates the socket before it imports to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import struct
 import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from types import FrameType
 from typing import Any, Optional
 
 from disttrain.api import env as env_names
@@ -108,7 +111,8 @@ class WorkerLink:
         try:
             self.sock.settimeout(timeout_s)
             _send(self.sock, {"reform": {"step": step, "time": time.time()}})
-            message = self._lines.read()
+            with _sigterm_ends_wait():
+                message = self._lines.read()
         except OSError as exc:
             log.warning("no next round from the launcher (%s)", exc)
             return None
@@ -120,6 +124,30 @@ class WorkerLink:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class _StopRequested(OSError):
+    """SIGTERM came while the worker waited for a round."""
+
+
+@contextlib.contextmanager
+def _sigterm_ends_wait() -> Iterator[None]:
+    """While a worker waits for the next round, SIGTERM ends the wait (and so the process) at once.
+
+    Why: the trainer's SIGTERM handler asks for a drain at the next step boundary, and a waiting worker has no step:
+    torchrun, stopping the node's workers after a sibling's reform exit, would wait 30 s and then SIGKILL it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Optional[FrameType]) -> None:
+        raise _StopRequested("SIGTERM while waiting for the next round")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _Worker:

@@ -82,6 +82,40 @@ def test_a_closed_launcher_ends_the_wait() -> None:
     assert json.loads(out) is None
 
 
+SIGTERMED_WORKER = textwrap.dedent(
+    """
+    import json, signal, sys
+    from disttrain.trainer.launch.handover import WorkerLink
+
+    def drain(signum, frame):  # as the trainer's: a drain at the next step boundary, which a waiting worker never has
+        pass
+
+    signal.signal(signal.SIGTERM, drain)
+    link = WorkerLink.connect()
+    assert link is not None
+    env = link.request_round(3, timeout_s=120)
+    print(json.dumps({"env": env, "handler_back": signal.getsignal(signal.SIGTERM) is drain}), flush=True)
+    """
+)
+
+
+def test_sigterm_ends_a_workers_wait_for_the_next_round_at_once() -> None:
+    """torchrun stops a node's workers with SIGTERM, then SIGKILL 30 s later: a waiting worker must not need the
+    SIGKILL."""
+    broker = Broker.listen()
+    assert broker is not None
+    try:
+        environ = {**os.environ, env_names.LAUNCHER_SOCKET: broker.name, "LOCAL_RANK": "0"}
+        proc = subprocess.Popen([sys.executable, "-c", SIGTERMED_WORKER], env=environ, stdout=subprocess.PIPE)
+        _wait(lambda: broker.is_waiting(proc.pid))
+        proc.terminate()
+        out, _ = proc.communicate(timeout=20)  # well before the 120 s the wait would take
+        assert json.loads(out) == {"env": None, "handler_back": True}
+        assert proc.returncode == 0
+    finally:
+        broker.close()
+
+
 def test_without_a_launcher_socket_there_is_no_link() -> None:
     assert WorkerLink.connect({}) is None
     assert WorkerLink.connect({env_names.LAUNCHER_SOCKET: "@disttrain-handover-nobody-listens"}) is None
