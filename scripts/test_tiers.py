@@ -1,10 +1,10 @@
 """Run the test tiers (pytest markers given by tests/conftest.py) as `make test` does, lanes side by side, and print
 each tier's time, counts and result at the end.
 
-A lane runs its tiers one after the other; lanes run at once. The two longest tiers (trainer, e2e) run as two
-shards each, split by file on the wall times in tests/tier_costs.json (`--save-costs` rewrites it from the last
-run), so that three lanes of about the same length keep both cores busy: the lanes' processes wait on timeouts,
-rendezvous and the control plane much of the time. Each tier's (shard's) output goes to
+A lane runs its tiers one after the other; lanes run at once. The two longest tiers (trainer, e2e) and the security
+tier run as two shards each, split by file on the wall times in tests/tier_costs.json (`--save-costs` rewrites it
+from the last run), so that three lanes of about the same length keep both cores busy: the lanes' processes wait
+on timeouts, rendezvous and the control plane much of the time. Each tier's (shard's) output goes to
 build/test-logs/<tier>.log (<tier>-<i>.log); a failing tier's summary is printed at the end.
 
 Each test's wall and CPU seconds go to build/test-logs/<tier>.costs.jsonl (tests/plugins/costs.py):
@@ -39,8 +39,8 @@ from tests.plugins.costs import COSTS_ENV  # noqa: E402
 LOGS = REPO / "build" / "test-logs"
 
 LANES: tuple[tuple[str, ...], ...] = (
-    ("trainer/1", "e2e/1"),
-    ("trainer/2", "e2e/2", "security"),
+    ("trainer/1", "e2e/1", "security/2"),
+    ("trainer/2", "e2e/2", "security/1"),
     ("unit", "operator", "chart", "cluster"),
 )
 """What `make test` runs (every tier but images, which `make test-images` builds and checks). ``tier/i`` is the
