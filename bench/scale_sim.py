@@ -245,11 +245,23 @@ def sim_process(first: int, count: int, opts: dict[str, Any], events: Any, go: A
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         }
     )
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
+
     from disttrain.trainer.launch import rendezvous
     from disttrain.trainer.store import channel
 
-    if opts["no_backoff"]:  # the handler as torch retries: a lost write decides and writes again at once
-        rendezvous.LOST_WRITE_BACKOFF_S = 0.0
+    if opts["stock"]:  # the handler with torch's writes of the state: side by side with the handler's own
+        rendezvous.LOST_WRITE_BACKOFF_S = 0.0  # a lost write decides and writes again at once
+
+        def leave_alone(self: Any, leave: Any, ctx: Any, deadline: float) -> Any:
+            return leave(ctx, deadline)  # each survivor of a reform removes itself
+
+        rendezvous._TargetAwareOpExecutor._exit_with_target = leave_alone  # type: ignore[method-assign]
+
+        def keep_alive_in_state(self: Any, ctx: Any) -> Any:
+            return dyn._Action.KEEP_ALIVE if dyn._should_keep_alive(ctx) else dyn._Action.SYNC
+
+        rendezvous._TargetAwareOpExecutor._keep_alive_or_sync = keep_alive_in_state  # type: ignore[method-assign]
     if opts["log_dir"]:
         import faulthandler
         import signal as signals
@@ -354,7 +366,10 @@ def main() -> None:
     parser.add_argument("--log", action="store_true", help="the nodes' logs into the state directory")
     parser.add_argument("--profile", action="store_true", help="cProfile the agent's loop into <state>/agent.prof")
     parser.add_argument(
-        "--no-backoff", action="store_true", help="no pause after a lost write of the rendezvous state (as torch)"
+        "--stock",
+        action="store_true",
+        help="the state written as torch writes it: no pause after a lost write, survivors of a reform leave one by "
+        "one, waiting nodes keep alive in the state",
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="longest wait for the rendezvous or the reform")
     args = parser.parse_args()
@@ -381,7 +396,7 @@ def main() -> None:
         "step_seconds": args.step_seconds,
         "keep_alive": args.keep_alive,
         "log_dir": str(state) if args.log else "",
-        "no_backoff": args.no_backoff,
+        "stock": args.stock,
     }
     per = -(-args.nodes // args.processes)
     sims = []

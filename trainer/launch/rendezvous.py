@@ -25,7 +25,12 @@ under ``TARGET_KEY`` (without one the handler is plain c10d):
   (then torchrun fails as on any rendezvous timeout; the operator is deleting that pod anyway).
 * **Nodes listed in ``lost``** (pods the operator declared lost: a dead node's pod lingers Terminating) are dropped
   from the finished round by the survivors re-joining it, as torch's sanitizer does only once their heartbeats
-  expired (``keep_alive_interval`` x ``keep_alive_max_attempt``, about 3 s): the next round opens at once.
+  expired (``keep_alive_interval`` x ``keep_alive_max_attempt``, about 3 s): the next round opens at once. And
+  **the survivors of such a reform leave the round together**: the first to leave the round the reform was issued
+  for takes every participant out in one write (:meth:`_TargetAwareOpExecutor._exit_with_target`), where stock
+  c10d has each node remove itself, then write itself into the wait list, one compare-and-set at a time.
+* **A node that waits in a join while its own beat runs writes no keep-alive into the state**: the beat keeps it
+  alive for torch's sanitizer and the job agent (:meth:`_TargetAwareOpExecutor._keep_alive_or_sync`).
 * **Waiting nodes do not restart a healthy group** (``num_nodes_waiting`` answers 0). Stock torchrun restarts
   the workers the moment a new node waits, which loses every step since the last checkpoint; here the operator
   re-forms the group with a ``drain`` directive (checkpoint at the step boundary, then exit), so a scale-up
@@ -189,6 +194,9 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
     ) -> None:
         super().__init__(node, state_holder, settings)
         self._pod_uid = pod_uid
+        self.beating: Callable[[], bool] = lambda: False
+        """Whether this node's own beat (:mod:`disttrain.trainer.launch.beat`) is being written (set by the
+        handler, which owns the beat)."""
         self._target = target
         self._node_name = node_name
         self._store = store
@@ -213,6 +221,12 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
 
             def state_handler(ctx: dyn._RendezvousContext, deadline: float) -> dyn._Action:
                 return self._join_polling(join, ctx, deadline)
+
+        elif isinstance(state_handler, dyn._RendezvousExitOp):
+            leave = state_handler
+
+            def state_handler(ctx: dyn._RendezvousContext, deadline: float) -> dyn._Action:
+                return self._exit_with_target(leave, ctx, deadline)
 
         while True:
             try:
@@ -266,22 +280,8 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
         target = self._target()
         if target is None:
             return join(ctx, deadline)
-        if state.complete and (target.lost or target.exclude):
-            gone = self._lost_participants(state, target, ctx.node)
-            if gone:
-                # As torch's own sanitizer does once their heartbeats expire (keep_alive_interval x
-                # keep_alive_max_attempt later): with no participant left the next round opens.
-                for node in gone:
-                    del state.participants[node]
-                    state.last_heartbeats.pop(node, None)
-                dyn._remove_participant_epilogue(state, ctx.settings)
-                log.info(
-                    "rendezvous %s round %d: dropping %s, declared lost or excluded by the operator",
-                    ctx.settings.run_id,
-                    state.round,
-                    ", ".join(self._names[node] for node in gone),
-                )
-                return dyn._Action.KEEP_ALIVE  # marks the state dirty: the next sync writes it (or rereads it)
+        if state.complete and (target.lost or target.exclude) and self._drop_lost(ctx, target):
+            return dyn._Action.KEEP_ALIVE  # marks the state dirty: the next sync writes it (or rereads it)
         if self._node_name and self._node_name in target.exclude:
             if ctx.node in state.participants and not state.complete:
                 return dyn._Action.REMOVE_FROM_PARTICIPANTS
@@ -318,8 +318,75 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
                     target.nodes,
                     target.generation,
                 )
-            return dyn._Action.KEEP_ALIVE if dyn._should_keep_alive(ctx) else dyn._Action.SYNC
+            return self._keep_alive_or_sync(ctx)
+        if action is dyn._Action.KEEP_ALIVE:
+            return self._keep_alive_or_sync(ctx)
         return action
+
+    def _drop_lost(self, ctx: dyn._RendezvousContext, target: control.TargetPlan) -> bool:
+        """Drop the participants of the finished round that the operator declared lost or excluded, as torch's own
+        sanitizer does once their heartbeats expire (keep_alive_interval x keep_alive_max_attempt later): with no
+        participant left the next round opens. Whether any was dropped (the state is then to be written)."""
+        state = ctx.state
+        gone = self._lost_participants(state, target, ctx.node)
+        if not gone:
+            return False
+        for node in gone:
+            del state.participants[node]
+            state.last_heartbeats.pop(node, None)
+        dyn._remove_participant_epilogue(state, ctx.settings)
+        log.info(
+            "rendezvous %s round %d: dropping %s, declared lost or excluded by the operator",
+            ctx.settings.run_id,
+            state.round,
+            ", ".join(self._names[node] for node in gone),
+        )
+        return True
+
+    def _keep_alive_or_sync(self, ctx: dyn._RendezvousContext) -> dyn._Action:
+        """A keep-alive of a node that waits in a join, written into the shared state only when this node's own beat
+        is not being written. Why: every keep-alive is a compare-and-set of the whole state, which makes the other
+        nodes' pending writes lose; with a round's nodes waiting, one every ``keep_alive_interval`` each, they took
+        most of the writes the store landed (a reform of 128 simulated nodes: about 400 of 540). The beat keeps the
+        node alive instead: torch's sanitizer spares a node whose beat is fresh
+        (:meth:`_ReconnectingStateHolder._alive_by_beat`), and the job agent judges silence by the fresher of the
+        two. After the round, torch's keep-alive timer writes as before."""
+        if not dyn._should_keep_alive(ctx):
+            return dyn._Action.SYNC
+        return dyn._Action.SYNC if self.beating() else dyn._Action.KEEP_ALIVE
+
+    def _exit_with_target(
+        self, leave: dyn._RendezvousExitOp, ctx: dyn._RendezvousContext, deadline: float
+    ) -> dyn._Action:
+        """The stock exit, except in a reform: the first survivor to leave the round the operator's reform was issued
+        for (a target naming lost nodes, for that complete round) takes every participant out of it in one write,
+        which opens the next round; the others then find themselves out of it and write nothing.
+
+        Why: stock, each survivor removes itself (one compare-and-set of the whole state each), the round opens only
+        once the last one did, and a survivor that left meanwhile writes itself into the wait list before it can
+        join: three writes per node, one at a time. 128 simulated nodes needed a minute for them. Every survivor of
+        a reform re-joins (the directive, or the failed collective, ends its round), so nobody is taken out of a
+        group that goes on; a directive of an earlier round no longer matches the state's round."""
+        action = leave(ctx, deadline)
+        if action is not dyn._Action.REMOVE_FROM_PARTICIPANTS:
+            return action
+        state = ctx.state
+        target = self._target()
+        if target is None or not target.lost or not state.complete or state.round != target.round:
+            return action
+        leaving = list(state.participants)
+        for node in leaving:
+            del state.participants[node]
+            state.last_heartbeats.pop(node, None)
+        dyn._remove_participant_epilogue(state, ctx.settings)  # no participant left: the next round opens
+        log.info(
+            "rendezvous %s round %d: reform (target generation %d): the %d participants leave it together",
+            ctx.settings.run_id,
+            target.round,
+            target.generation,
+            len(leaving),
+        )
+        return dyn._Action.KEEP_ALIVE  # marks the state dirty: the next sync writes it (or rereads it)
 
     def _lost_participants(self, state: Any, target: control.TargetPlan, me: Any) -> list[Any]:
         """Participants of the finished round whose pod the operator declared lost or excluded (a scale-down victim
@@ -522,6 +589,7 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
             rank_order.node_index_from_env(os.environ),
             os.environ.get(env.POD_UID, ""),
         )
+        self._op_executor.beating = lambda: self.beat is not None and self.beat.beating
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING, rank: Optional[int] = None) -> None:
         if events_recorded():
