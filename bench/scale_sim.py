@@ -148,14 +148,19 @@ class SimNode:
         self.beacons = channel.connect("127.0.0.1", opts["port"], 120.0, SECRET)
         self.stopped = threading.Event()
         self.rejoin = threading.Event()
+        self.rounds = 0
+        self.joined = False
         self.thread = threading.Thread(target=self.run, name=f"sim-node-{index}", daemon=True)
 
     def run(self) -> None:
         nproc, step_s = self.opts["nproc"], self.opts["step_seconds"]
         round_no = 0
         while not self.stopped.is_set():
+            self.joined = False
             info = self.handler.next_rendezvous()
+            self.joined = True
             round_no += 1
+            self.rounds = round_no
             world = info.world_size * nproc
             group = f"round-{round_no}"
             self.events.put(("round", self.index, round_no, time.time(), info.world_size))
@@ -189,6 +194,46 @@ class SimNode:
         self.handler._stop_heartbeats()
 
 
+class StateCounts:
+    """Counts of this process's reads and compare-and-sets of the shared rendezvous state (torch's c10d backend,
+    wrapped, behaviour unchanged): where a round's time goes is in how many writes lose the race."""
+
+    def __init__(self) -> None:
+        from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
+
+        self.lock = threading.Lock()
+        self.counts = {"reads": 0, "writes": 0, "lost": 0, "state_bytes": 0, "read_s": 0.0, "write_s": 0.0}
+        get_state, set_state = backend.C10dRendezvousBackend.get_state, backend.C10dRendezvousBackend.set_state
+
+        def counted_get(this: Any) -> Any:
+            began = time.monotonic()
+            found = get_state(this)
+            self.add(reads=1, read_s=time.monotonic() - began, state_bytes=len(found[1]) if found else 0)
+            return found
+
+        def counted_set(this: Any, state: bytes, token: Any = None) -> Any:
+            began = time.monotonic()
+            found = set_state(this, state, token)
+            lost = found is None or not found[2]
+            self.add(writes=1, lost=int(lost), write_s=time.monotonic() - began, state_bytes=len(state))
+            return found
+
+        backend.C10dRendezvousBackend.get_state = counted_get  # type: ignore[method-assign]
+        backend.C10dRendezvousBackend.set_state = counted_set  # type: ignore[method-assign]
+
+    def add(self, **amounts: float) -> None:
+        with self.lock:
+            for name, amount in amounts.items():
+                if name == "state_bytes":
+                    self.counts[name] = max(self.counts[name], amount)
+                else:
+                    self.counts[name] += amount
+
+    def snapshot(self) -> dict[str, float]:
+        with self.lock:
+            return dict(self.counts)
+
+
 def sim_process(first: int, count: int, opts: dict[str, Any], events: Any, go: Any, kill: Any, end: Any) -> None:
     """``count`` simulated nodes from index ``first``; a watcher re-joins them on a new directive, as workers that
     exit on ``reform`` make their launchers do."""
@@ -200,8 +245,23 @@ def sim_process(first: int, count: int, opts: dict[str, Any], events: Any, go: A
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         }
     )
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
+
+    from disttrain.trainer.launch import rendezvous
     from disttrain.trainer.store import channel
 
+    if opts["stock"]:  # the handler with torch's writes of the state: side by side with the handler's own
+        rendezvous.LOST_WRITE_BACKOFF_S = 0.0  # a lost write decides and writes again at once
+
+        def leave_alone(self: Any, leave: Any, ctx: Any, deadline: float) -> Any:
+            return leave(ctx, deadline)  # each survivor of a reform removes itself
+
+        rendezvous._TargetAwareOpExecutor._exit_with_target = leave_alone  # type: ignore[method-assign]
+
+        def keep_alive_in_state(self: Any, ctx: Any) -> Any:
+            return dyn._Action.KEEP_ALIVE if dyn._should_keep_alive(ctx) else dyn._Action.SYNC
+
+        rendezvous._TargetAwareOpExecutor._keep_alive_or_sync = keep_alive_in_state  # type: ignore[method-assign]
     if opts["log_dir"]:
         import faulthandler
         import signal as signals
@@ -213,6 +273,7 @@ def sim_process(first: int, count: int, opts: dict[str, Any], events: Any, go: A
             level=logging.INFO,
             format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s",
         )
+    counts = StateCounts()
     nodes = [SimNode(first + i, opts, events) for i in range(count)]
     events.put(("ready", first, os.getpid()))
     go.wait()
@@ -220,7 +281,17 @@ def sim_process(first: int, count: int, opts: dict[str, Any], events: Any, go: A
         node.thread.start()
     watcher = channel.connect("127.0.0.1", opts["port"], 120.0, SECRET)
     seen_generation = None
+    reported = 0
+    progress_at = time.monotonic()
     while not end.is_set():
+        if time.monotonic() - progress_at >= 10:
+            progress_at = time.monotonic()
+            joined = sum(node.joined for node in nodes)
+            events.put(("progress", first, time.time(), counts.snapshot(), joined))
+        rounds = min((node.rounds for node in nodes if not node.stopped.is_set()), default=0)
+        if rounds > reported:  # every node of this process is in its next round: the counts so far
+            reported = rounds
+            events.put(("counts", first, rounds, counts.snapshot()))
         victim = kill.value
         for node in nodes:
             if node.index == victim and not node.stopped.is_set():
@@ -236,12 +307,21 @@ def sim_process(first: int, count: int, opts: dict[str, Any], events: Any, go: A
     os._exit(0)  # the nodes' threads block in store calls; the machine is done with them
 
 
+def first_key(found: dict[Any, Any]) -> Any:
+    return next(iter(found))
+
+
 def wait_events(events: Any, kind: str, count: int, timeout: float, sink: list[tuple[Any, ...]]) -> None:
     deadline = time.monotonic() + timeout
     found = sum(1 for e in sink if e[0] == kind)
     while found < count:
         left = deadline - time.monotonic()
         if left <= 0:
+            latest = {e[1]: e for e in sink if e[0] == "progress"}
+            if latest:
+                total = {name: sum(e[3][name] for e in latest.values()) for name in latest[first_key(latest)][3]}
+                joined = sum(e[4] for e in latest.values())
+                print(f"progress: {joined} nodes past their join; state so far: {total}", flush=True)
             raise TimeoutError(f"{found} of {count} {kind!r} events within {timeout:.0f} s")
         try:
             event = events.get(timeout=min(left, 1.0))
@@ -249,6 +329,28 @@ def wait_events(events: Any, kind: str, count: int, timeout: float, sink: list[t
             continue
         sink.append(event)
         found += event[0] == kind
+
+
+def print_counts(
+    events: Any, seen: list[tuple[Any, ...]], processes: int, round_no: int, since: dict[str, float], timeout: float
+) -> dict[str, float]:
+    """The simulated nodes' reads and writes of the rendezvous state up to their ``round_no``-th round (less
+    ``since``); returns the totals."""
+    wait_events(events, "counts", processes * round_no, timeout, seen)
+    total: dict[str, float] = {}
+    for event in seen:
+        if event[0] == "counts" and event[2] == round_no:
+            for name, amount in event[3].items():
+                total[name] = max(total.get(name, 0), amount) if name == "state_bytes" else total.get(name, 0) + amount
+    delta = {name: amount if name == "state_bytes" else amount - since.get(name, 0) for name, amount in total.items()}
+    writes, reads = max(1, int(delta["writes"])), max(1, int(delta["reads"]))
+    print(
+        f"round_{round_no}_state_reads: {delta['reads']:.0f}, writes: {delta['writes']:.0f}, lost writes: "
+        f"{delta['lost']:.0f}, largest state: {delta['state_bytes'] / 1024:.0f} KiB, write round trip "
+        f"{1000 * delta['write_s'] / writes:.0f} ms, read {1000 * delta['read_s'] / reads:.0f} ms",
+        flush=True,
+    )
+    return total
 
 
 def main() -> None:
@@ -263,6 +365,12 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=20.0, help="seconds of the steady window")
     parser.add_argument("--log", action="store_true", help="the nodes' logs into the state directory")
     parser.add_argument("--profile", action="store_true", help="cProfile the agent's loop into <state>/agent.prof")
+    parser.add_argument(
+        "--stock",
+        action="store_true",
+        help="the state written as torch writes it: no pause after a lost write, survivors of a reform leave one by "
+        "one, waiting nodes keep alive in the state",
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="longest wait for the rendezvous or the reform")
     args = parser.parse_args()
     state = pathlib.Path(tempfile.mkdtemp(prefix="scale-sim-"))
@@ -288,6 +396,7 @@ def main() -> None:
         "step_seconds": args.step_seconds,
         "keep_alive": args.keep_alive,
         "log_dir": str(state) if args.log else "",
+        "stock": args.stock,
     }
     per = -(-args.nodes // args.processes)
     sims = []
@@ -303,11 +412,16 @@ def main() -> None:
         wait_events(events, "ready", len(sims), args.timeout, seen)
         sim_pids = [e[2] for e in seen if e[0] == "ready"]
         print(f"nodes: {args.nodes}, ranks: {args.nodes * args.nproc}, processes: {len(sims)}", flush=True)
+        cpu_before = cpu_seconds(agent.pid), sum(cpu_seconds(p) for p in sim_pids)
         began = time.time()
         go.set()
         wait_events(events, "round", args.nodes, args.timeout, seen)
         done = max(e[3] for e in seen if e[0] == "round" and e[2] == 1)
         print(f"rendezvous_seconds: {done - began:.2f}", flush=True)
+        cpu_after = cpu_seconds(agent.pid), sum(cpu_seconds(p) for p in sim_pids)
+        print(f"rendezvous_agent_cpu_seconds: {cpu_after[0] - cpu_before[0]:.1f}", flush=True)
+        print(f"rendezvous_clients_cpu_seconds: {cpu_after[1] - cpu_before[1]:.1f}", flush=True)
+        first_counts = print_counts(events, seen, len(sims), 1, {}, args.timeout)
 
         time.sleep(args.settle)  # every beat and beacon flowing
         a0, c0, t0 = cpu_seconds(agent.pid), sum(cpu_seconds(p) for p in sim_pids), time.monotonic()
@@ -359,6 +473,7 @@ def main() -> None:
         sizes = {e[4] for e in seen if e[0] == "round" and e[2] == 2}
         print(f"reform_seconds: {reformed - stopped_at:.2f}", flush=True)
         print(f"reform_after_directive_seconds: {reformed - detected:.2f}", flush=True)
+        print_counts(events, seen, len(sims), 2, first_counts, args.timeout)
         print(f"reformed_world_nodes: {','.join(map(str, sorted(sizes)))}", flush=True)
         print(f"agent_rss_end_mb: {rss_mb(agent.pid):.0f}", flush=True)
         print(f"agent_rss_hwm_mb: {rss_mb(agent.pid, 'VmHWM'):.0f}", flush=True)

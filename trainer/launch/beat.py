@@ -45,6 +45,11 @@ class NodeBeat:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def beating(self) -> bool:
+        """Whether this node's beats are being written: started, not stopped, and the last write went through."""
+        return self._thread.is_alive() and not self._stop.is_set() and not self._failing
+
     def stop(self) -> None:
         """Stop beating without a word (the beat of a node whose machine died stops so)."""
         self._stop.set()

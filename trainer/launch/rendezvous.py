@@ -25,13 +25,21 @@ under ``TARGET_KEY`` (without one the handler is plain c10d):
   (then torchrun fails as on any rendezvous timeout; the operator is deleting that pod anyway).
 * **Nodes listed in ``lost``** (pods the operator declared lost: a dead node's pod lingers Terminating) are dropped
   from the finished round by the survivors re-joining it, as torch's sanitizer does only once their heartbeats
-  expired (``keep_alive_interval`` x ``keep_alive_max_attempt``, about 3 s): the next round opens at once.
+  expired (``keep_alive_interval`` x ``keep_alive_max_attempt``, about 3 s): the next round opens at once. And
+  **the survivors of such a reform leave the round together**: the first to leave the round the reform was issued
+  for takes every participant out in one write (:meth:`_TargetAwareOpExecutor._exit_with_target`), where stock
+  c10d has each node remove itself, then write itself into the wait list, one compare-and-set at a time.
+* **A node that waits in a join while its own beat runs writes no keep-alive into the state**: the beat keeps it
+  alive for torch's sanitizer and the job agent (:meth:`_TargetAwareOpExecutor._keep_alive_or_sync`).
 * **Waiting nodes do not restart a healthy group** (``num_nodes_waiting`` answers 0). Stock torchrun restarts
   the workers the moment a new node waits, which loses every step since the last checkpoint; here the operator
   re-forms the group with a ``drain`` directive (checkpoint at the step boundary, then exit), so a scale-up
   loses no step.
 
-Two changes hold with or without a target. **A node that waits in a join re-reads the state every tenth of a
+Three changes hold with or without a target. **A node whose write of the state lost the race pauses before it
+decides again** (:func:`lost_write_backoff`, full jitter over a span that doubles with each lost write in a row),
+then reads the state afresh; torch writes again at once, and with every node of a large round doing so almost no
+write landed. **A node that waits in a join re-reads the state every tenth of a
 second** (:func:`sync_poll_seconds`), where torch sleeps a whole second before each re-read of a state it caches
 for a second: a reform waits on several such reads in a row (the survivors leaving the old round, the last node
 joining, the completion being seen), so the stock pacing alone cost 1-2 s of every reform. Only the join reads
@@ -58,6 +66,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
@@ -97,6 +106,29 @@ SYNC_POLL_NODES = 32
 def sync_poll_seconds(nodes: int) -> float:
     """The pause between two reads of the rendezvous state by a node that waits, with ``nodes`` in the state."""
     return min(1.0, SYNC_POLL_S * max(1.0, nodes / SYNC_POLL_NODES))
+
+
+LOST_WRITE_BACKOFF_S = 0.05
+"""The first pause of a node whose write of the rendezvous state lost the race (see :func:`lost_write_backoff`)."""
+LOST_WRITE_BACKOFF_MAX_S = 2.0
+"""The longest pause after lost writes in a row, for up to :data:`SYNC_POLL_NODES` nodes; it grows with the nodes."""
+
+
+def lost_write_backoff(lost_in_a_row: int, nodes: int, draw: Optional[Callable[[], float]] = None) -> float:
+    """The pause before a node re-reads the state after its ``lost_in_a_row``-th lost write in a row (``nodes`` in
+    the state): full jitter over an exponentially growing span, capped where the span lets about one node in
+    :data:`SYNC_POLL_NODES` try at once.
+
+    Why: every write of the state is a compare-and-set of the whole state, and a lost one hands torch the winner's
+    state, on which it decides and writes again at once. With every node of a round joining together, each success
+    made all the others lose and retry together: a herd of N retries per success, whose read-to-write windows
+    (long on a loaded machine) overlap so that almost every write loses (128 simulated nodes: 11,032 of 11,177
+    writes lost, no round in 60 s, ``bench/scale_sim.py``). Spread out, the writes mostly land."""
+    if lost_in_a_row <= 0 or LOST_WRITE_BACKOFF_S <= 0:
+        return 0.0
+    cap = LOST_WRITE_BACKOFF_MAX_S * max(1.0, nodes / SYNC_POLL_NODES)
+    span = min(cap, LOST_WRITE_BACKOFF_S * 2 ** min(lost_in_a_row - 1, 32))
+    return float(span * (draw or random.random)())
 
 
 def sync_fresh(holder: Any) -> None:
@@ -162,6 +194,9 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
     ) -> None:
         super().__init__(node, state_holder, settings)
         self._pod_uid = pod_uid
+        self.beating: Callable[[], bool] = lambda: False
+        """Whether this node's own beat (:mod:`disttrain.trainer.launch.beat`) is being written (set by the
+        handler, which owns the beat)."""
         self._target = target
         self._node_name = node_name
         self._store = store
@@ -186,6 +221,12 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
 
             def state_handler(ctx: dyn._RendezvousContext, deadline: float) -> dyn._Action:
                 return self._join_polling(join, ctx, deadline)
+
+        elif isinstance(state_handler, dyn._RendezvousExitOp):
+            leave = state_handler
+
+            def state_handler(ctx: dyn._RendezvousContext, deadline: float) -> dyn._Action:
+                return self._exit_with_target(leave, ctx, deadline)
 
         while True:
             try:
@@ -239,22 +280,8 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
         target = self._target()
         if target is None:
             return join(ctx, deadline)
-        if state.complete and (target.lost or target.exclude):
-            gone = self._lost_participants(state, target, ctx.node)
-            if gone:
-                # As torch's own sanitizer does once their heartbeats expire (keep_alive_interval x
-                # keep_alive_max_attempt later): with no participant left the next round opens.
-                for node in gone:
-                    del state.participants[node]
-                    state.last_heartbeats.pop(node, None)
-                dyn._remove_participant_epilogue(state, ctx.settings)
-                log.info(
-                    "rendezvous %s round %d: dropping %s, declared lost or excluded by the operator",
-                    ctx.settings.run_id,
-                    state.round,
-                    ", ".join(self._names[node] for node in gone),
-                )
-                return dyn._Action.KEEP_ALIVE  # marks the state dirty: the next sync writes it (or rereads it)
+        if state.complete and (target.lost or target.exclude) and self._drop_lost(ctx, target):
+            return dyn._Action.KEEP_ALIVE  # marks the state dirty: the next sync writes it (or rereads it)
         if self._node_name and self._node_name in target.exclude:
             if ctx.node in state.participants and not state.complete:
                 return dyn._Action.REMOVE_FROM_PARTICIPANTS
@@ -291,8 +318,75 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
                     target.nodes,
                     target.generation,
                 )
-            return dyn._Action.KEEP_ALIVE if dyn._should_keep_alive(ctx) else dyn._Action.SYNC
+            return self._keep_alive_or_sync(ctx)
+        if action is dyn._Action.KEEP_ALIVE:
+            return self._keep_alive_or_sync(ctx)
         return action
+
+    def _drop_lost(self, ctx: dyn._RendezvousContext, target: control.TargetPlan) -> bool:
+        """Drop the participants of the finished round that the operator declared lost or excluded, as torch's own
+        sanitizer does once their heartbeats expire (keep_alive_interval x keep_alive_max_attempt later): with no
+        participant left the next round opens. Whether any was dropped (the state is then to be written)."""
+        state = ctx.state
+        gone = self._lost_participants(state, target, ctx.node)
+        if not gone:
+            return False
+        for node in gone:
+            del state.participants[node]
+            state.last_heartbeats.pop(node, None)
+        dyn._remove_participant_epilogue(state, ctx.settings)
+        log.info(
+            "rendezvous %s round %d: dropping %s, declared lost or excluded by the operator",
+            ctx.settings.run_id,
+            state.round,
+            ", ".join(self._names[node] for node in gone),
+        )
+        return True
+
+    def _keep_alive_or_sync(self, ctx: dyn._RendezvousContext) -> dyn._Action:
+        """A keep-alive of a node that waits in a join, written into the shared state only when this node's own beat
+        is not being written. Why: every keep-alive is a compare-and-set of the whole state, which makes the other
+        nodes' pending writes lose; with a round's nodes waiting, one every ``keep_alive_interval`` each, they took
+        most of the writes the store landed (a reform of 128 simulated nodes: about 400 of 540). The beat keeps the
+        node alive instead: torch's sanitizer spares a node whose beat is fresh
+        (:meth:`_ReconnectingStateHolder._alive_by_beat`), and the job agent judges silence by the fresher of the
+        two. After the round, torch's keep-alive timer writes as before."""
+        if not dyn._should_keep_alive(ctx):
+            return dyn._Action.SYNC
+        return dyn._Action.SYNC if self.beating() else dyn._Action.KEEP_ALIVE
+
+    def _exit_with_target(
+        self, leave: dyn._RendezvousExitOp, ctx: dyn._RendezvousContext, deadline: float
+    ) -> dyn._Action:
+        """The stock exit, except in a reform: the first survivor to leave the round the operator's reform was issued
+        for (a target naming lost nodes, for that complete round) takes every participant out of it in one write,
+        which opens the next round; the others then find themselves out of it and write nothing.
+
+        Why: stock, each survivor removes itself (one compare-and-set of the whole state each), the round opens only
+        once the last one did, and a survivor that left meanwhile writes itself into the wait list before it can
+        join: three writes per node, one at a time. 128 simulated nodes needed a minute for them. Every survivor of
+        a reform re-joins (the directive, or the failed collective, ends its round), so nobody is taken out of a
+        group that goes on; a directive of an earlier round no longer matches the state's round."""
+        action = leave(ctx, deadline)
+        if action is not dyn._Action.REMOVE_FROM_PARTICIPANTS:
+            return action
+        state = ctx.state
+        target = self._target()
+        if target is None or not target.lost or not state.complete or state.round != target.round:
+            return action
+        leaving = list(state.participants)
+        for node in leaving:
+            del state.participants[node]
+            state.last_heartbeats.pop(node, None)
+        dyn._remove_participant_epilogue(state, ctx.settings)  # no participant left: the next round opens
+        log.info(
+            "rendezvous %s round %d: reform (target generation %d): the %d participants leave it together",
+            ctx.settings.run_id,
+            target.round,
+            target.generation,
+            len(leaving),
+        )
+        return dyn._Action.KEEP_ALIVE  # marks the state dirty: the next sync writes it (or rereads it)
 
     def _lost_participants(self, state: Any, target: control.TargetPlan, me: Any) -> list[Any]:
         """Participants of the finished round whose pod the operator declared lost or excluded (a scale-down victim
@@ -371,9 +465,30 @@ class _ReconnectingStateHolder(dyn._BackendRendezvousStateHolder):
         self._floor_until = 0.0
         self._completion_seen: Optional[tuple[int, float]] = None
         """(round, monotonic time) this node first saw the latest complete round."""
+        self._lost_in_a_row = 0
+        """This node's writes of the state lost in a row (:func:`lost_write_backoff`)."""
         self._beats = beats
         self._beats_read: tuple[float, frozenset[str], dict[str, datetime]] = (float("-inf"), frozenset(), {})
         """(monotonic time, the nodes asked, their beats then) of the last read of the nodes' own beats."""
+
+    def sync(self) -> Optional[bool]:
+        """torch's sync; after a lost write, a pause (:func:`lost_write_backoff`) and a fresh read, so the caller
+        decides its next write on the state as it is after the pause, not as the write found it."""
+        has_set = super().sync()
+        if has_set is None:
+            return None
+        if has_set:
+            self._lost_in_a_row = 0
+            return True
+        self._lost_in_a_row += 1
+        state = self._state
+        pause = lost_write_backoff(
+            self._lost_in_a_row, len(state.participants) + len(state.wait_list) + len(state.redundancy_list)
+        )
+        if pause > 0:
+            time.sleep(pause)
+            sync_fresh(self)
+        return False
 
     def _sanitize(self) -> None:
         generation = self._generation()
@@ -474,6 +589,7 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
             rank_order.node_index_from_env(os.environ),
             os.environ.get(env.POD_UID, ""),
         )
+        self._op_executor.beating = lambda: self.beat is not None and self.beat.beating
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING, rank: Optional[int] = None) -> None:
         if events_recorded():
