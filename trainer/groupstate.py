@@ -79,12 +79,12 @@ class GroupState:
         """Which samples this rank reads: the rank, or its TP group's index on an FSDP x TP mesh."""
         return sampler_mod.data_rank(self.rank, self.world_size, self.plan.data_degree)
 
-    def left(self) -> GroupState:
+    def left(self, drop_model: bool) -> GroupState:
         """This state once its group is left: no process group, no wrapper over it, no reducer, no agreement in
         flight; the checkpoint manager (its history), the planner and the wrapper's optimizer layout stay for the
-        next :func:`form`. ``raw_model``: DDP's model stays; a sharded one is dropped (its mesh goes with it)."""
+        next :func:`form`. ``drop_model``: a sharded model goes too (its mesh with it); DDP's model stays."""
         old = self.parallel
-        raw = self.raw_model if old.parallelism is not parallel_mod.Parallelism.FSDP2 else torch.nn.Module()
+        raw = torch.nn.Module() if drop_model else self.raw_model
         self.checkpoints.group = None
         return dataclasses.replace(
             self,

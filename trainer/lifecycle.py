@@ -271,9 +271,10 @@ class Lifecycle:
             log.debug("the boundary agreement in flight ended with: %s", exc)
         self.memory.leave()
         inplace.retire(group.model)
-        if self.lasting.template is not None:  # sharded: the old model and its mesh go now; the memory holds the state
+        sharded = self.lasting.template is not None
+        if sharded:  # the old model and its mesh go now; the memory holds the state
             parallel_mod.release(self.lasting.optimizer)
-        host.group = group.left()
+        host.group = group.left(drop_model=sharded)
         del group
         inplace.leave_groups()
 
