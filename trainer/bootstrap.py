@@ -2,9 +2,11 @@
 order, handed to the trainer as :class:`Started`.
 
 In this order: read the worker contract (or take ``context``) and the options, join the process group and a gloo
-group for checkpoints, serve metrics on ``DISTTRAIN_METRICS_PORT + LOCAL_RANK``, plan batch and LR for the world
-size, move the model to its device, apply activation checkpointing and wrap it in DDP or FSDP2 (on a 2-D mesh when
-``spec.training.mesh`` says so), install the SIGTERM handler, connect to the job agent. Ends the process with
+group for checkpoints, serve metrics on ``DISTTRAIN_METRICS_PORT + LOCAL_RANK``, move the model to its device, apply
+activation checkpointing, then form the group's state (:func:`disttrain.trainer.groupstate.form`, as every in-place
+reform does: plan batch and LR for the world size, wrap the model in DDP or FSDP2, on a 2-D mesh when
+``spec.training.mesh`` says so, and start the checkpoint manager), install the SIGTERM handler, connect to the job
+agent. Ends the process with
 ``ExitCode.PERMANENT`` (after telling the agent) when the contract, an option or the dataset is invalid or the world
 size does not fit the contract.
 """
@@ -19,24 +21,19 @@ import time
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
-import torch.distributed as dist
 
 from disttrain.api import contract as contract_mod
-from disttrain.api import control as control_keys
-from disttrain.api.plan import Plan
 from disttrain.api.spec import LRSchedule
-from disttrain.trainer import activation, determinism, exits, inplace, ordered_reduction
+from disttrain.trainer import activation, determinism, exits, groupstate, inplace
 from disttrain.trainer import context as ctx_mod
 from disttrain.trainer import data as data_mod
 from disttrain.trainer import effects as effects_mod
 from disttrain.trainer import evaluation as evaluation_mod
-from disttrain.trainer import lifecycle as lifecycle_mod
-from disttrain.trainer import mesh as mesh_mod
 from disttrain.trainer import parallel as parallel_mod
 from disttrain.trainer import precision as precision_mod
 from disttrain.trainer import startup as startup_mod
-from disttrain.trainer.checkpoint import manager as ckpt_mod
 from disttrain.trainer.control import Watchdog
+from disttrain.trainer.groupstate import GroupState, Lasting
 from disttrain.trainer.launch.handover import WorkerLink
 from disttrain.trainer.metrics import TrainerMetrics
 from disttrain.trainer.options import OptionError, TrainerKwargs, TrainerOptions
@@ -73,46 +70,35 @@ class Components:
 class Started:
     """What :meth:`ElasticTrainer.from_env` started for this process, handed to the constructor."""
 
-    context: ctx_mod.ElasticContext
-    groups: ctx_mod.Groups
-    rank: int
-    plan: Plan
-    parallel: parallel_mod.ParallelModel
-    ordered: Optional[ordered_reduction.OrderedReducer]
-    """The gradient reducer of ``spec.training.gradientReduction: ordered`` (None: DDP's all-reduce)."""
+    group: GroupState
+    """What belongs to the group this process joined (:func:`disttrain.trainer.groupstate.form`)."""
+    lasting: Lasting
+    """What the trainer keeps from group to group."""
     precision: precision_mod.PrecisionState
-    checkpoints: ckpt_mod.CheckpointManager
-    watchdog: Watchdog
-    metrics: TrainerMetrics
-    in_place: bool
-    """The job's workers reform in place (:mod:`disttrain.trainer.inplace`)."""
     link: Optional[WorkerLink]
     """This process's channel to its launcher (None: it cannot wait for the next round and restarts instead)."""
-    startup: startup_mod.StartupClock
     in_place_fallback: Optional[str] = None
     """Why reforms restart this job's workers although in place was asked for (rank 0 reports it); None: they stay."""
-    template: Optional[parallel_mod.ModelTemplate] = None
-    """The sharded model's structure before wrapping, which a group re-formed in place shards again (None: DDP, or
-    no in-place reforms)."""
 
 
 def side_effects(
     options: TrainerOptions, started: Started
 ) -> tuple[effects_mod.EffectLedger, Optional[evaluation_mod.Evaluator]]:
     """The effect ledger (rank 0 carries out) and the evaluator, with their metrics on the worker's registry."""
+    group, registry = started.group, started.lasting.metrics.registry
     handlers = dict(options.effects.handlers)
     evaluation = options.effects.evaluation
     evaluator = None
     if evaluation is not None:
         handlers[evaluation_mod.EVAL_EFFECT] = evaluation_mod.result_handler(evaluation)
-        metrics = evaluation_mod.EvalMetrics(started.metrics.registry)
-        evaluator = evaluation_mod.Evaluator(evaluation, started.groups.device, metrics)
+        metrics = evaluation_mod.EvalMetrics(registry)
+        evaluator = evaluation_mod.Evaluator(evaluation, group.device, metrics)
     ledger = effects_mod.EffectLedger(
         handlers,
-        started.context.run_id or started.context.job_uid,
-        started.context.checkpoint_dir,
-        runner=started.rank == 0,
-        metrics=effects_mod.EffectMetrics(started.metrics.registry),
+        group.context.run_id or group.context.job_uid,
+        group.context.checkpoint_dir,
+        runner=group.rank == 0,
+        metrics=effects_mod.EffectMetrics(registry),
     )
     return ledger, evaluator
 
@@ -131,7 +117,7 @@ def start(
     clock = startup_mod.StartupClock(_IMPORTED_AT)
     clock.mark("setup_begin")
     _configure_logging()
-    ctx = context or lifecycle_mod.context_or_exit()
+    ctx = context or groupstate.context_or_exit()
     try:
         options = TrainerOptions.from_env(ctx.contract, **kwargs)
     except OptionError as exc:
@@ -143,51 +129,21 @@ def start(
     par, prec = options.parallel, options.precision
     determinism.apply(ctx.contract.training)
     groups = ctx_mod.init_process_group(ctx, use_cuda=_use_cuda_or_exit(par.device, ctx.contract.gpus_per_node))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     metrics = _serve_metrics(ctx)
-    training_plan = lifecycle_mod.plan_or_exit(ctx.contract.training, world_size)
     on_device = model.to(groups.device)  # in place: the optimizer keeps the same Parameter objects
     in_place = options.lifecycle.reform_in_place and not isinstance(model, torch.nn.parallel.DistributedDataParallel)
     try:
         activation.apply(on_device, par.activation_checkpointing)  # before wrapping: the model's own modules
         sharded_in_place = in_place and par.parallelism is parallel_mod.Parallelism.FSDP2
         template = parallel_mod.ModelTemplate(on_device, par.shard_modules) if sharded_in_place else None
-        wrapped = parallel_mod.wrap(
-            on_device,
-            optimizer,
-            groups.device,
-            par,
-            prec.precision,
-            init_sync=not in_place,
-            layout=mesh_mod.layout(ctx.contract.training.mesh, world_size),
-        )
         precision_state = precision_mod.PrecisionState(prec.precision, groups.device, prec.grad_scaler)
-        ordered = ordered_reduction.for_training(
-            ctx.contract.training, on_device, par.parallelism, prec.precision, training_plan
-        )
     except ValueError as exc:
         exits.exit_permanent(str(exc))
     watchdog = Watchdog(ctx.agent_endpoint, job_uid=ctx.job_uid)
-    try:
-        checkpoints = ckpt_mod.CheckpointManager(
-            ctx.checkpoint_dir,
-            ctx.contract.checkpoint,
-            rank,
-            world_size,
-            groups.checkpoint,
-            ckpt_mod.ManagerOptions(
-                metrics=metrics,
-                on_commit=lambda m: watchdog.publish(control_keys.CHECKPOINT_KEY, m.model_dump_json()),
-                on_phase=options.checkpoint.on_phase,
-                upload_retry=options.checkpoint.upload_retry,
-                job_uid=ctx.job_uid,
-                node=ctx.node_name,
-            ),
-        )
-    except ImportError as exc:  # checkpoint.uri without the S3 client: no restart installs it
-        exits.exit_permanent(
-            f"spec.checkpoint.uri needs boto3 in the trainer's image: pip install 'disttrain[trainer,s3]' ({exc})"
-        )
+    lasting = Lasting(
+        options=options, optimizer=optimizer, watchdog=watchdog, metrics=metrics, in_place=in_place, template=template
+    )
+    group = groupstate.form(ctx, groups, clock, lasting, on_device)
     _open_control_channel(watchdog)
     if scheduler is not None and ctx.contract.training.lr.schedule is not LRSchedule.CONSTANT:
         log.warning(
@@ -195,32 +151,18 @@ def start(
             "applies on top of base LR x world-size factor",
             ctx.contract.training.lr.schedule.value,
         )
-    if rank == 0:
+    if group.rank == 0:
         clock.stamps["old_exit_first"], clock.stamps["old_exit_last"] = startup_mod.take_exit_times(watchdog.store)
     clock.mark("group_ready")
-    started = Started(
-        context=ctx,
-        groups=groups,
-        rank=rank,
-        plan=training_plan,
-        parallel=wrapped,
-        ordered=ordered,
-        precision=precision_state,
-        checkpoints=checkpoints,
-        watchdog=watchdog,
-        metrics=metrics,
-        in_place=in_place,
-        link=WorkerLink.connect() if in_place else None,
-        startup=clock,
-        template=template,
-    )
-    if rank == 0:
+    link = WorkerLink.connect() if in_place else None
+    reason = None
+    if group.rank == 0:
         prewrapped = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         reason = inplace.fallback_reason(
-            ctx.contract.reform_in_place, par.parallelism.value, prewrapped, started.link is not None
+            ctx.contract.reform_in_place, par.parallelism.value, prewrapped, link is not None
         )
         inplace.log_fallback(reason)
-        started = dataclasses.replace(started, in_place_fallback=reason)
+    started = Started(group=group, lasting=lasting, precision=precision_state, link=link, in_place_fallback=reason)
     components = Components(model=on_device, optimizer=optimizer, dataset=readable, scheduler=scheduler)
     return options, components, started
 

@@ -101,7 +101,8 @@ class Watchdog:
         self._reliability_wanted = False
         self._reliability_read_at: Optional[float] = None
         self.beacons: Optional[BeaconSender] = None
-        """Publishes the step beacons (:func:`disttrain.trainer.progress.send_beacon` makes it); stopped with this."""
+        """Publishes the step beacons (:meth:`disttrain.trainer.progress.Reporter.send_beacon` makes it); stopped with
+        this."""
 
     @property
     def drain_requested(self) -> bool:

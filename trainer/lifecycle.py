@@ -2,11 +2,11 @@
 directive, and the handover to the next round in place (:mod:`disttrain.trainer.inplace`,
 :mod:`disttrain.trainer.launch.handover`).
 
-:class:`Lifecycle` belongs to one :class:`~disttrain.trainer.loop.ElasticTrainer`, whose loop asks it at every step
-boundary whether the group has ended (a failure, the reform directive, a drain in place). It decides between exiting
-with the :class:`~disttrain.api.exitcodes.ExitCode` the operator reads and staying for the next round; in place it
-leaves the old group and rebuilds the trainer's group-bound parts (process group, wrapper, checkpoint manager) the way
-:meth:`~disttrain.trainer.loop.ElasticTrainer.from_env` built them. It never trains.
+:class:`Lifecycle` belongs to one trainer (its :class:`Host`), whose loop asks it at every step boundary whether the
+group has ended (a failure, the reform directive, a drain in place). It decides between exiting with the
+:class:`~disttrain.api.exitcodes.ExitCode` the operator reads and staying for the next round; in place it leaves the
+old group and replaces the host's :class:`~disttrain.trainer.groupstate.GroupState` with the next group's, built by
+:func:`~disttrain.trainer.groupstate.form` as at the first start. It never trains.
 """
 
 from __future__ import annotations
@@ -16,30 +16,24 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 import torch
-import torch.distributed as dist
 
 from disttrain.api import control as control_keys
 from disttrain.api.exitcodes import ExitCode
-from disttrain.api.plan import InvalidWorldSizeError, Plan, plan
-from disttrain.api.spec import TrainingSpec
+from disttrain.api.plan import InvalidWorldSizeError
 from disttrain.trainer import context as ctx_mod
-from disttrain.trainer import exits, failures, inplace, ordered_reduction, progress, teardown
-from disttrain.trainer import mesh as mesh_mod
+from disttrain.trainer import exits, failures, groupstate, inplace, teardown
 from disttrain.trainer import parallel as parallel_mod
 from disttrain.trainer import sampler as sampler_mod
 from disttrain.trainer import startup as startup_mod
-from disttrain.trainer.boundary import BoundaryAgreement
 from disttrain.trainer.failures import is_collective_failure
+from disttrain.trainer.groupstate import GroupState, Lasting
 from disttrain.trainer.launch.handover import WorkerLink
 from disttrain.trainer.options import LifecycleOptions
-
-if TYPE_CHECKING:
-    from disttrain.trainer.loop import ElasticTrainer
+from disttrain.trainer.recovery import Memory
 
 log = logging.getLogger("disttrain.trainer")
 
@@ -51,17 +45,41 @@ ABORT_AFTER_S = 1.0
 aborted under it: a step that ends sooner is kept, one blocked on a dead peer is freed."""
 
 
+class Host(Protocol):
+    """What a :class:`Lifecycle` needs of the trainer it serves: the group's state, which it replaces at a reform, the
+    step count, and the loop's own steps of ending and starting a group."""
+
+    group: GroupState
+
+    @property
+    def step(self) -> int: ...
+
+    def commit_current_step(self) -> None:
+        """Make sure a committed checkpoint holds every step that ran."""
+
+    def finish_uploads(self) -> None:
+        """With a bucket: the last saves reach it."""
+
+    def close_feed(self) -> None:
+        """Stop the data loader's workers."""
+
+    def resume(self) -> None:
+        """Take the state the group continues from."""
+
+
 class Lifecycle:
     """Signals, drain and in-place reforms of one trainer (see the module docstring)."""
 
     def __init__(
-        self, trainer: ElasticTrainer, options: LifecycleOptions, in_place: bool, link: Optional[WorkerLink]
+        self, host: Host, options: LifecycleOptions, lasting: Lasting, link: Optional[WorkerLink], memory: Memory
     ) -> None:
-        self.trainer = trainer
+        self.host = host
         self.options = options
-        self.in_place = in_place
+        self.lasting = lasting
+        self.in_place = lasting.in_place
         """The job's workers reform in place: the same on every rank, so every new group agrees on the state before
         it resumes."""
+        self.memory = memory
         self.link = link
         """This process's channel to its launcher (None: it cannot wait for the next round and restarts instead)."""
         self.group_failure: Optional[BaseException] = None
@@ -69,8 +87,6 @@ class Lifecycle:
         self.reform_signal: Optional[control_keys.ControlSignal] = None
         self.drained_in_place = False
         self._reforming = threading.Event()
-        self._param_names: list[list[str]] = []
-        """A sharded model's optimizer parameters by name, between leaving a group and joining the next."""
 
     @property
     def can_stay(self) -> bool:
@@ -81,7 +97,7 @@ class Lifecycle:
         """Guard the wrapper and listen for the reform directive (once the trainer's parts are in place)."""
         self.guard_wrapper()
         if self.link is not None:
-            self.trainer.watchdog.on_reform = self.on_reform_directive
+            self.lasting.watchdog.on_reform = self.on_reform_directive
 
     def close(self) -> None:
         if self.link is not None:
@@ -110,7 +126,7 @@ class Lifecycle:
 
     def guard_wrapper(self) -> None:
         """Keep a failed buffer broadcast in DDP's forward (called from the user's code) from the user."""
-        model = self.trainer.model
+        model = self.host.group.model
         if self.can_stay and isinstance(model, torch.nn.parallel.DistributedDataParallel):
             inplace.guard_buffer_sync(model, self.note_group_failure)
 
@@ -132,7 +148,7 @@ class Lifecycle:
                 str(exc).splitlines()[0] if str(exc) else "",
                 int(ExitCode.REFORM),
             )
-            startup_mod.note_exit(self.trainer.watchdog.store)
+            startup_mod.note_exit(self.lasting.watchdog.store)
             exits.hard_exit(ExitCode.REFORM)
         exits.record_error(exc)
 
@@ -140,9 +156,9 @@ class Lifecycle:
     def drain(self) -> None:
         """Commit the current step, then exit ``ExitCode.DRAINED``: no step that ran is lost. In place, a worker
         that is neither stopped (SIGTERM) nor a victim of the directive stays for the next round instead."""
-        trainer = self.trainer
-        trainer.commit_current_step()
-        watchdog, step = trainer.watchdog, trainer.state.step
+        host = self.host
+        host.commit_current_step()
+        watchdog, step = self.lasting.watchdog, host.step
         reason = watchdog.drain_reason or "drain on another rank"
         if self.can_stay and not watchdog.exit_requested and not self.is_excluded():
             log.info("drained at step %d (%s): checkpoint step-%d committed; re-forming in place", step, reason, step)
@@ -156,19 +172,19 @@ class Lifecycle:
             step,
             int(ExitCode.DRAINED),
         )
-        trainer.finish_uploads()  # with checkpoint.uri: the drain's save reaches the bucket before the pod goes
+        host.finish_uploads()  # with checkpoint.uri: the drain's save reaches the bucket before the pod goes
         watchdog.stop()
-        trainer.checkpoints.join_retention()
+        host.group.checkpoints.join_retention()
         startup_mod.note_exit(watchdog.store)
         exits.hard_exit(ExitCode.DRAINED)
 
     def is_excluded(self) -> bool:
         """This node is a victim of the directive in flight (the agent's target plan excludes it)."""
-        store = self.trainer.watchdog.store
+        store = self.lasting.watchdog.store
         if store is None:
             return False
         target = control_keys.read_model(store, control_keys.TARGET_KEY, control_keys.TargetPlan)
-        return target is not None and self.trainer.ctx.node_name in target.exclude
+        return target is not None and self.host.group.context.node_name in target.exclude
 
     # ---- in-place reforms --------------------------------------------------------------------------------
     def on_reform_directive(self, signal: control_keys.ControlSignal) -> bool:
@@ -182,8 +198,9 @@ class Lifecycle:
         receive whose connections could not be shut down (no ``/proc``) fails only then."""
         self.reform_signal = signal
         grace_s = self.options.reform_grace_s
-        if self.trainer.template is not None:
-            grace_s = max(grace_s, self.trainer.ctx.contract.collective_timeout_seconds + SHARDED_GRACE_MARGIN_S)
+        if self.lasting.template is not None:
+            timeout_s = self.host.group.context.contract.collective_timeout_seconds
+            grace_s = max(grace_s, timeout_s + SHARDED_GRACE_MARGIN_S)
 
         def exit_if_blocked() -> None:
             if not self._reforming.wait(min(ABORT_AFTER_S, grace_s)):
@@ -203,7 +220,7 @@ class Lifecycle:
                     grace_s,
                     int(ExitCode.REFORM),
                 )
-                startup_mod.note_exit(self.trainer.watchdog.store)
+                startup_mod.note_exit(self.lasting.watchdog.store)
                 exits.hard_exit(ExitCode.REFORM)
 
         threading.Thread(target=exit_if_blocked, name="disttrain-reform-grace", daemon=True).start()
@@ -220,13 +237,13 @@ class Lifecycle:
             if self.reform_signal is not None
             else "drained"
         )
-        trainer = self.trainer
-        step = trainer.state.step
+        host = self.host
+        step = host.step
         self.group_failure = None  # its traceback holds the old group's objects: they must go now (_leave_group)
         # Every wait in leaving has a deadline (the save in flight, the teardown); this bounds the rest.
-        bound = trainer.ctx.contract.collective_timeout_seconds + 5.0 + teardown.LEAVE_DEADLINE_S
+        bound = host.group.context.contract.collective_timeout_seconds + 5.0 + teardown.LEAVE_DEADLINE_S
         with teardown.hang_guard(bound + teardown.HANG_MARGIN_S, "leaving the group"):
-            startup_mod.note_exit(trainer.watchdog.store)
+            startup_mod.note_exit(self.lasting.watchdog.store)
             self._leave_group()
         env = self.link.request_round(step, self.options.round_wait_s) if self.link is not None else None
         if env is None:
@@ -234,108 +251,51 @@ class Lifecycle:
             exits.hard_exit(ExitCode.REFORM)
         log.info("re-forming in place after step %d (%s)", step, cause)
         self._join_round(env)
-        trainer.resume()
+        host.resume()
         self.group_failure, self.reform_signal, self.drained_in_place = None, None, False
         self._reforming.clear()
 
     def _leave_group(self) -> None:
         """Drop everything bound to the group that ended: a save in flight, the loader, the wrapper, the groups."""
-        trainer = self.trainer
+        host, group = self.host, self.host.group
         try:
-            trainer.checkpoints.abandon(timeout_s=trainer.ctx.contract.collective_timeout_seconds + 5.0)
+            group.checkpoints.abandon(timeout_s=group.context.contract.collective_timeout_seconds + 5.0)
         except RuntimeError as exc:
             log.warning("cannot re-form in place (%s); exiting %d", exc, int(ExitCode.REFORM))
             exits.hard_exit(ExitCode.REFORM)
-        trainer.close_feed()
-        trainer.optimizer.zero_grad(set_to_none=True)
+        host.close_feed()
+        self.lasting.optimizer.zero_grad(set_to_none=True)
         try:
-            trainer.agreement.settle()  # fails at once on a broken group; a left group must hold no work in flight
+            group.agreement.settle()  # fails at once on a broken group; a left group must hold no work in flight
         except Exception as exc:  # noqa: BLE001 - the failure that ends this group, seen once more
             log.debug("the boundary agreement in flight ended with: %s", exc)
-        trainer.agreement = BoundaryAgreement()
-        if trainer.keeper is not None:
-            trainer.keeper.detach()  # what it holds stays for the next group's recovery
-            trainer.held, trainer.keeper = trainer.keeper, None
-        inplace.retire(trainer.model)
-        if trainer.template is not None:  # sharded: the old model and its mesh go now; the keeper holds the state
-            self._param_names = trainer.parallel.optimizer_layout
-            parallel_mod.release(trainer.optimizer)
-            trainer.raw_model = torch.nn.Module()
-        raw, parallelism, sums = trainer.raw_model, trainer.parallel.parallelism, trainer.parallel.sums_gradients
-        trainer.model, trainer.parallel = raw, parallel_mod.ParallelModel(raw, parallelism, sums)
-        trainer.ordered = None
-        trainer.checkpoints.group = None
-        trainer.replica_group = None
-        trainer.groups = ctx_mod.Groups(default=None, checkpoint=None, device=trainer.device)
+        self.memory.leave()
+        inplace.retire(group.model)
+        sharded = self.lasting.template is not None
+        if sharded:  # the old model and its mesh go now; the memory holds the state
+            parallel_mod.release(self.lasting.optimizer)
+        host.group = group.left(drop_model=sharded)
+        del group
         inplace.leave_groups()
 
     def _join_round(self, environ: Mapping[str, str]) -> None:
         """Become the worker of the next round ``environ`` describes (what torchrun would have started a process
-        with), and rebuild the group-bound parts the way ``from_env`` builds them."""
-        trainer = self.trainer
+        with), and form the next group's state the way the first start formed it."""
+        host, lasting = self.host, self.lasting
         handed_over = time.time()
         os.environ.clear()
         os.environ.update(environ)
         os.environ[startup_mod.HANDOVER_ENV] = repr(handed_over)
-        trainer.startup = startup_mod.StartupClock(handed_over)
-        trainer.startup.mark("setup_begin", handed_over)
-        ctx = context_or_exit()
-        groups = ctx_mod.init_process_group(ctx, use_cuda=trainer.device.type == "cuda")
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        training_plan = plan_or_exit(ctx.contract.training, world_size)
-        parallelism = trainer.options.parallel.parallelism
-        precision = trainer.options.precision.precision
-        try:
-            if trainer.template is not None:  # sharded: a new model on the new mesh; its state comes in the resume
-                how = parallel_mod.Sharding(
-                    precision, mesh_mod.layout(ctx.contract.training.mesh, world_size), trainer.options.parallel.tp_plan
-                )
-                wrapped = parallel_mod.rewrap(
-                    trainer.template, self._param_names, trainer.optimizer, groups.device, how
-                )
-                trainer.raw_model = wrapped.module
-            else:
-                wrapped = parallel_mod.wrap(
-                    trainer.raw_model,
-                    trainer.optimizer,
-                    groups.device,
-                    trainer.options.parallel,
-                    precision,
-                    init_sync=False,
-                )
-            ordered = ordered_reduction.for_training(
-                ctx.contract.training, trainer.raw_model, parallelism, precision, training_plan
-            )
-        except ValueError as exc:
-            exits.exit_permanent(str(exc))
-        trainer.ctx, trainer.groups, trainer.rank, trainer.world_size = ctx, groups, rank, world_size
-        trainer.plan, trainer.parallel, trainer.model, trainer.ordered = training_plan, wrapped, wrapped.module, ordered
-        trainer.checkpoints = trainer.checkpoints.successor(rank, world_size, groups.checkpoint)
-        trainer.agreement = BoundaryAgreement()
-        auto = trainer.checkpoints.spec.auto_interval
-        trainer.planner = progress.interval_planner(rank, auto, trainer.watchdog, kept=trainer.planner)
-        trainer.process_id = uuid.uuid4().hex
-        trainer.metrics.restart_count.set(ctx.restart_count)
-        trainer.watchdog.mark_history()  # the directive that ended the old group is done with this round
+        clock = startup_mod.StartupClock(handed_over)
+        clock.mark("setup_begin", handed_over)
+        ctx = groupstate.context_or_exit()
+        groups = ctx_mod.init_process_group(ctx, use_cuda=host.group.device.type == "cuda")
+        host.group = group = groupstate.form(ctx, groups, clock, lasting, host.group)
+        lasting.metrics.restart_count.set(ctx.restart_count)
+        lasting.watchdog.mark_history()  # the directive that ended the old group is done with this round
         teardown.joined_new_group()
         self.guard_wrapper()
-        if rank == 0:
-            first, last = startup_mod.take_exit_times(trainer.watchdog.store)
-            trainer.startup.stamps["old_exit_first"], trainer.startup.stamps["old_exit_last"] = first, last
-        trainer.startup.mark("group_ready")
-
-
-def context_or_exit() -> ctx_mod.ElasticContext:
-    """This round's context from the environment; a missing or invalid contract exits ``PERMANENT``."""
-    try:
-        return ctx_mod.ElasticContext.from_env()
-    except ctx_mod.ContractError as exc:
-        exits.exit_permanent(str(exc))
-
-
-def plan_or_exit(training: TrainingSpec, world_size: int) -> Plan:
-    """The batch and LR plan for ``world_size``; a world size the contract does not allow exits ``PERMANENT``."""
-    try:
-        return plan(training, world_size)
-    except InvalidWorldSizeError as exc:
-        exits.exit_permanent(f"spec.training: {exc}")
+        if group.rank == 0:
+            first, last = startup_mod.take_exit_times(lasting.watchdog.store)
+            clock.stamps["old_exit_first"], clock.stamps["old_exit_last"] = first, last
+        clock.mark("group_ready")

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
-import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from types import TracebackType
@@ -36,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import TensorDataset
 
+from disttrain.api.plan import Plan
 from disttrain.api.spec import TrainingSpec
 from disttrain.trainer import bootstrap, gate, progress, recovery, snapshots
 from disttrain.trainer import completion as completion_mod
@@ -47,10 +46,11 @@ from disttrain.trainer import lr as lr_mod
 from disttrain.trainer import precision as precision_mod
 from disttrain.trainer import sampler as sampler_mod
 from disttrain.trainer.bootstrap import Components, MapDataset, Started
-from disttrain.trainer.boundary import BoundaryAgreement
 from disttrain.trainer.checkpoint import manager as ckpt_mod
+from disttrain.trainer.groupstate import GroupState
 from disttrain.trainer.options import TrainerKwargs, TrainerOptions
-from disttrain.trainer.replicas.keeper import ReplicaKeeper
+from disttrain.trainer.ordered_reduction import OrderedReducer
+from disttrain.trainer.parallel import ParallelModel
 from disttrain.trainer.step import MicroBatch, Step, to_device
 
 if TYPE_CHECKING:
@@ -72,55 +72,42 @@ class ElasticTrainer:
 
     def __init__(self, options: TrainerOptions, components: Components, started: Started) -> None:
         self.options = options
-        self.ctx = started.context
-        self.training: TrainingSpec = started.context.contract.training
-        self.groups = started.groups
-        self.device = started.groups.device
-        self.rank = started.rank
-        self.world_size = started.plan.world_size
-        self.plan = started.plan
-        self.raw_model = components.model
-        self.parallel = started.parallel
-        self.model = started.parallel.module
-        self.ordered = started.ordered
+        self.group: GroupState = started.group
+        """Everything bound to the current process group (:mod:`disttrain.trainer.groupstate`): replaced whole when
+        the lifecycle re-forms the group in place."""
+        self.training: TrainingSpec = started.group.context.contract.training
+        self.device = started.group.device
         self.precision = started.precision
         self.optimizer = components.optimizer
         self.scheduler = components.scheduler
         self.dataset = components.dataset
-        self.checkpoints = started.checkpoints
-        self.watchdog = started.watchdog
-        self.metrics = started.metrics
-        self.startup = started.startup
-        """This process's startup stamps, sent with rank 0's progress."""
-        self.in_place_fallback = started.in_place_fallback
-        self.template = started.template
+        self.watchdog = started.lasting.watchdog
+        self.metrics = started.lasting.metrics
+        self.template = started.lasting.template
         """A sharded model's structure, sharded again on each new mesh in place (None: DDP or no in-place reforms)."""
-        self.keeper: Optional[ReplicaKeeper] = None
-        """This group's state in memory, and the partner's copy (a sharded model reforming in place); from the end
-        of the group's first step, when the state's layout is settled (the optimizer's lazy state, the LR fields)."""
-        self.held: Optional[ReplicaKeeper] = None
-        """The keeper of the group before, whose versions the next recovery reads (until this group keeps its own)."""
-        self.replica_group: Optional[dist.ProcessGroup] = None
-        """The gloo group of the keeper's copies and of recoveries from memory (its own: a thread uses it)."""
-        self.resumed_from_memory: Optional[bool] = None
-        """This group took its state from memory (True) or its checkpoint (False) in an in-place reform."""
-        self.recovery_note: Optional[str] = None
-        """Why this group resumed from its checkpoint though it reforms in place (None: from memory, a first start)."""
+        self.memory = recovery.Memory()
+        """This group's state in memory and the partner's copy, and the previous group's (a sharded model reforming
+        in place)."""
+        self.resumption = snapshots.Resumption()
+        """Where the current group's state came from (a checkpoint, memory), as rank 0's progress reports it."""
         self.sampler = sampler_mod.GlobalSampler(len(components.dataset), self.training.seed)
         self.state = ckpt_mod.TrainerState()
-        self.lr_state = lr_mod.LRState(started.plan.lr_scale, started.plan.lr_scale, 0)
-        self.resumed_from: Optional[int] = None
-        self.resumed_from_job_uid: Optional[str] = None
-        self.process_id = uuid.uuid4().hex  # tells the agent a new group from the old one (ProgressReport.process_id)
+        self.saved = snapshots.Saved(
+            optimizer=self.optimizer,
+            state=self.state,
+            scheduler=self.scheduler,
+            precision=self.precision,
+            user_state=options.checkpoint.user_state,
+        )
+        """What a checkpoint holds besides the model (:mod:`disttrain.trainer.snapshots`)."""
+        self.lr_state = lr_mod.LRState(started.group.plan.lr_scale, started.group.plan.lr_scale, 0)
         self.has_state = False
-        self.agreement = BoundaryAgreement()
-        self.planner = progress.interval_planner(started.rank, started.checkpoints.spec.auto_interval, self.watchdog)
-        self.blocked_seen = 0.0
-        self.completion = completion_mod.for_device(started.groups.device)
+        self.completion = completion_mod.for_device(started.group.device)
         """The step counter moves only once the device finished the step (:mod:`disttrain.trainer.completion`)."""
-        self.lifecycle = lifecycle_mod.Lifecycle(self, options.lifecycle, started.in_place, started.link)
+        self.lifecycle = lifecycle_mod.Lifecycle(self, options.lifecycle, started.lasting, started.link, self.memory)
         self.effects, self.evaluator = bootstrap.side_effects(options, started)
         """Side effects once per committed step (:mod:`disttrain.trainer.effects`); evaluation in the loop."""
+        self.reporter = progress.Reporter(options.log_every, self.watchdog, self.metrics, started.in_place_fallback)
         self._feed: Optional[data_mod.LoaderFeed] = None
         self._grad_norm: Optional[torch.Tensor] = None  # the last step's, read only when asked (a device sync)
         if options.precision.clip_grad_norm is not None:
@@ -177,7 +164,42 @@ class ElasticTrainer:
     def data_rank(self) -> int:
         """Which samples this rank reads: the rank, or its TP group's index on an FSDP x TP mesh (whose ranks read
         the same samples)."""
-        return sampler_mod.data_rank(self.rank, self.world_size, self.plan.data_degree)
+        return self.group.data_rank
+
+    # The current group's parts (:class:`~disttrain.trainer.groupstate.GroupState`), as the training script reads them.
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
+
+    @property
+    def plan(self) -> Plan:
+        return self.group.plan
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The wrapped model of the current group: call it at each step (a reform in place wraps it again)."""
+        return self.group.model
+
+    @property
+    def parallel(self) -> ParallelModel:
+        return self.group.parallel
+
+    @property
+    def ordered(self) -> Optional[OrderedReducer]:
+        return self.group.ordered
+
+    @property
+    def checkpoints(self) -> ckpt_mod.CheckpointManager:
+        return self.group.checkpoints
+
+    @property
+    def resumed_from(self) -> Optional[int]:
+        """The step this process's state was last resumed from (a checkpoint's or memory's; None: a fresh start)."""
+        return self.resumption.step
 
     @property
     def samples_consumed(self) -> int:
@@ -225,7 +247,7 @@ class ElasticTrainer:
         """The whole model's weights as plain CPU tensors on global rank 0 (empty elsewhere), under DDP or FSDP2
         alike: the way to export the trained model. Collective: every rank calls it."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.raw_model, options=options)
+        return get_model_state_dict(self.group.raw_model, options=options)
 
     def fetch(self, indices: list[int]) -> Any:
         """The collated micro batch for dataset ``indices``, on the trainer's device."""
@@ -257,8 +279,8 @@ class ElasticTrainer:
                 self,
                 self.state.step,
                 self.sampler.indices(positions),
-                lambda n: progress.send_beacon(self, n),
-                reduce_loss=progress.is_loss_read(self, self.state.step + 1),
+                lambda n: self.reporter.send_beacon(self.group, n),
+                reduce_loss=self.reporter.is_loss_read(self.state.step + 1),
             )
             yield step
             if life.group_failure is None:  # a directive still lets the step finish: the gate decides it on every rank
@@ -270,10 +292,11 @@ class ElasticTrainer:
                 continue
             now = time.monotonic()
             if first:
-                self.startup.mark("first_step")
+                self.group.startup.mark("first_step")
                 self.metrics.resume_seconds.set(now - _PROCESS_START)
                 first = False
-            progress.report_step(self, step, now - t_prev)
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.reporter.report_step(self.group, self.state, self.resumption, step, now - t_prev, lr)
             t_prev = now
             with self.keeping_group_failures():
                 self._boundary()
@@ -301,9 +324,21 @@ class ElasticTrainer:
     # ---- internals (also called by the lifecycle) ----------------------------------------------------------
     def resume(self) -> None:
         """Take the state this group continues from, then start reading batches from its cursor."""
-        snapshots.resume(self)
+        parts = snapshots.Resuming(
+            saved=self.saved,
+            training=self.training,
+            dataset=self.sampler.fingerprint,
+            in_place=self.lifecycle.in_place,
+            template=self.template,
+            memory=self.memory,
+            watchdog=self.watchdog,
+            metrics=self.metrics,
+            effects=self.effects,
+            evaluator=self.evaluator,
+        )
+        self.lr_state = snapshots.resume(self.group, parts, self.resumption, self.has_state)
         self.has_state = True
-        self.startup.mark("resumed")
+        self.group.startup.mark("resumed")
         if self.options.data.num_workers > 0:
             self._feed = self._start_feed()
 
@@ -343,41 +378,23 @@ class ElasticTrainer:
 
     def _start_feed(self) -> data_mod.LoaderFeed:
         """A DataLoader that reads ahead exactly the micro batches the steps from the restored cursor will ask for."""
-        p = self.plan
-        batches = data_mod.CursorBatchSampler(
-            self.sampler,
-            self.state.data_cursor,
-            p.global_batch,
-            p.data_degree,
-            self.data_rank,
-            p.micro_batch,
-            p.accum_steps,
-        )
-        data = self.options.data
-        return data_mod.LoaderFeed(
-            self.dataset,
-            data.collate_fn,
-            batches,
-            num_workers=data.num_workers,
-            prefetch_factor=data.prefetch_factor,
-            pin_memory=self.device.type == "cuda",
-        )
+        p, data = self.plan, self.options.data
+        shape = (p.global_batch, p.data_degree, self.data_rank, p.micro_batch, p.accum_steps)
+        batches = data_mod.CursorBatchSampler(self.sampler, self.state.data_cursor, *shape)
+        pin = self.device.type == "cuda"
+        return data_mod.LoaderFeed(self.dataset, data.collate_fn, batches, data.num_workers, data.prefetch_factor, pin)
 
     def _save(self, force_sync: bool) -> None:
-        contents, manifest = snapshots.contents(self), snapshots.manifest(self)
-        self.checkpoints.save(self.state.step, contents, manifest, force_sync=force_sync)
+        state = self.state
+        lr_scale = self.lr_state.scale_at(max(0, state.step - 1), self.training.lr.ramp_steps)
+        fingerprint = self.sampler.fingerprint
+        manifest = snapshots.manifest(self.group, self.training, state, lr_scale, fingerprint, self.effects)
+        self.checkpoints.save(state.step, self.saved.contents(self.group.raw_model), manifest, force_sync=force_sync)
 
     def _apply_lr(self) -> None:
         scale = self.lr_state.scale_at(self.state.step, self.training.lr.ramp_steps)
         lr_mod.apply_lr(self.optimizer, self.scheduler, self.training, self.state.samples_consumed, scale)
-        if self.scheduler is not None:
-            # The scheduler's own factor applies on top of the base LRs just recomputed from the rule.
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # get_lr() outside step() warns; we call it deliberately
-                closed = getattr(self.scheduler, "_get_closed_form_lr", None)
-                lrs = closed() if closed is not None else self.scheduler.get_lr()
-            for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
-                group["lr"] = lr
+        lr_mod.apply_scheduler_factor(self.optimizer, self.scheduler)
         self.metrics.lr_scale.set(scale)
 
     def _optimizer_step(self) -> None:
@@ -388,7 +405,7 @@ class ElasticTrainer:
         self.precision.unscale(self.optimizer)
         clip = self.options.precision.clip_grad_norm
         if clip is not None:
-            self._grad_norm = precision_mod.clip_global_grad_norm(self.raw_model, clip)
+            self._grad_norm = precision_mod.clip_global_grad_norm(self.group.raw_model, clip)
         gate.device_wait(self.completion.wait, self.state.step + 1, self.rank)  # the reductions done on the device
         try:
             gate.agree(True, self.state.step + 1, self.rank)
@@ -401,7 +418,7 @@ class ElasticTrainer:
         if self.scheduler is not None:
             self.scheduler.step()
         self.completion.finish(self._count_step)
-        recovery.keep_step(self, lambda: snapshots.contents(self))
+        recovery.keep_step(self.memory, self.group, self.state.step, lambda: self.saved.contents(self.group.raw_model))
 
     def _count_step(self) -> None:
         """The step is done: advance the counter, the data cursor and what a checkpoint records with them."""
@@ -418,7 +435,7 @@ class ElasticTrainer:
         every rank finished, drain, or checkpoint when due."""
         last = self.done
         self._evaluate_if_due(last)
-        agreed = self.agreement.exchange(progress.boundary_flags(self), read_now=last)
+        agreed = self.group.agreement.exchange(self.reporter.boundary_flags(self.group), read_now=last)
         if agreed is None:
             # The first boundary of a run has no agreement yet; a save due by step count needs none (every rank
             # decides alike from the step), so the first interval after a resume is not skipped.
@@ -433,7 +450,7 @@ class ElasticTrainer:
             self.checkpoints.poll(all_done=True)
         self.checkpoints.commits.report_published()
         if agreed.drain:
-            self.agreement.settle()
+            self.group.agreement.settle()
             self.lifecycle.drain()
             return  # drained in place (otherwise the process has exited)
         if self.checkpoints.should_save(self.state.step, last=last) or agreed.seconds_due or self.checkpoints.retry_due:

@@ -9,6 +9,7 @@ per-group ratios; the absolute ``lr`` stored in the optimizer state is overwritt
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -66,3 +67,16 @@ def apply_lr(optimizer: Any, scheduler: Any, training: TrainingSpec, samples_con
     if scheduler is not None and hasattr(scheduler, "base_lrs"):
         scheduler.base_lrs = [base * float(g.get("lr_mult", 1.0)) for g in optimizer.param_groups]
     return lr
+
+
+def apply_scheduler_factor(optimizer: Any, scheduler: Any) -> None:
+    """The scheduler's own factor on top of the base LRs :func:`apply_lr` just recomputed from the rule (no
+    scheduler: nothing)."""
+    if scheduler is None:
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # get_lr() outside step() warns; we call it deliberately
+        closed = getattr(scheduler, "_get_closed_form_lr", None)
+        lrs = closed() if closed is not None else scheduler.get_lr()
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr

@@ -10,7 +10,8 @@ the in-memory reader. No process restarts and nothing is read from the checkpoin
 why.
 
 Callers: :func:`disttrain.trainer.snapshots.resume` (at every start of a group) and the loop (:func:`keep_step`
-after each counted step).
+after each counted step), with the group's state (:class:`~disttrain.trainer.groupstate.GroupState`) and the
+trainer's :class:`Memory`.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from disttrain.trainer import gate, groupsockets
+from disttrain.trainer.groupstate import GroupState
 from disttrain.trainer.inplace import is_group_failure
 from disttrain.trainer.replicas import capture as capture_mod
 from disttrain.trainer.replicas import wire
@@ -34,10 +36,24 @@ from disttrain.trainer.replicas.catalogue import Block, Catalogue, ItemSpec, Mem
 from disttrain.trainer.replicas.keeper import ReplicaKeeper, Version
 from disttrain.trainer.replicas.reader import MemoryReader
 
-if TYPE_CHECKING:
-    from disttrain.trainer.loop import ElasticTrainer
-
 log = logging.getLogger("disttrain.trainer")
+
+
+@dataclasses.dataclass
+class Memory:
+    """A trainer's state in memory, across its groups (a sharded model reforming in place)."""
+
+    keeper: Optional[ReplicaKeeper] = None
+    """This group's state in memory, and the partner's copy; from the end of the group's first step, when the
+    state's layout is settled (the optimizer's lazy state, the LR fields)."""
+    held: Optional[ReplicaKeeper] = None
+    """The keeper of the group before, whose versions the next recovery reads (until this group keeps its own)."""
+
+    def leave(self) -> None:
+        """The group ended: what its keeper holds stays for the next group's recovery."""
+        if self.keeper is not None:
+            self.keeper.detach()
+            self.held, self.keeper = self.keeper, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,25 +67,25 @@ class Rebuilt:
     seconds: float = 0.0
 
 
-def start_keeping(trainer: ElasticTrainer, contents: dict[str, Any]) -> ReplicaKeeper:
+def start_keeping(state: GroupState, step: int, contents: dict[str, Any]) -> ReplicaKeeper:
     """Describe this group's state (every rank's items, gathered once, after the group's first step) and keep its
-    current version. Collective on ``trainer.replica_group``."""
-    group = trainer.replica_group
+    version of ``step``. Collective on ``state.replica_group``."""
+    group, rank = state.replica_group, state.rank
     specs, values = capture_mod.capture(capture_mod.state_dict_of(contents))
     document = {
-        "node": failure_domain(trainer),
+        "node": failure_domain(state),
         "items": [s.to_json() for s in specs],
-        "group": uuid.uuid4().hex if trainer.rank == 0 else None,
+        "group": uuid.uuid4().hex if rank == 0 else None,
     }
-    docs = wire.all_gather_json(document, group, trainer.world_size)
+    docs = wire.all_gather_json(document, group, state.world_size)
     members = tuple(
         Member(rank, str(doc["node"]), tuple(ItemSpec.from_json(s) for s in doc["items"]))
         for rank, doc in enumerate(docs)
     )
-    keeper = ReplicaKeeper(Catalogue(str(docs[0]["group"]), members), trainer.rank, group)
-    keeper.own.append(Version(trainer.state.step, values))
-    keeper.start_replication(trainer.state.step, values)
-    if trainer.rank == 0:
+    keeper = ReplicaKeeper(Catalogue(str(docs[0]["group"]), members), rank, group)
+    keeper.own.append(Version(step, values))
+    keeper.start_replication(step, values)
+    if rank == 0:
         own = sum(capture_mod.nbytes(s) for s in specs if s.is_tensor)
         log.info(
             "keeping the state in memory: %.1f MB of own shards per version on rank 0, %.1f MB of its partner's "
@@ -86,25 +102,25 @@ STEADY = ("app",)
 """The contents whose tensors stay the same objects from step to step (model and optimizer state)."""
 
 
-def keep_step(trainer: ElasticTrainer, contents: Callable[[], dict[str, Any]]) -> None:
-    """Keep the step just counted in memory and on the partner (a sharded model reforming in place), and agree
-    that every copy landed before the step is reported: a rank lost after this point leaves its shards of this
-    step on its partner, so the group resumes at the newest step anyone reported. A copy that failed raises
-    :class:`~disttrain.trainer.gate.StepAbortedError` (a group failure): the step is not reported, and the next
-    group rebuilds the newest step whole in its members' memory (this one where every copy landed). ``contents``: what
-    a checkpoint of the trainer holds (:func:`disttrain.trainer.snapshots.contents`)."""
-    if trainer.keeper is not None:
+def keep_step(memory: Memory, state: GroupState, step: int, contents: Callable[[], dict[str, Any]]) -> None:
+    """Keep ``step``, just counted, in memory and on the partner (a sharded model reforming in place: ``state`` has a
+    replica group), and agree that every copy landed before the step is reported: a rank lost after this point
+    leaves its shards of this step on its partner, so the group resumes at the newest step anyone reported. A copy
+    that failed raises :class:`~disttrain.trainer.gate.StepAbortedError` (a group failure): the step is not
+    reported, and the next group rebuilds the newest step whole in its members' memory (this one where every copy
+    landed). ``contents``: what a checkpoint of the trainer holds
+    (:meth:`disttrain.trainer.snapshots.Saved.contents`)."""
+    if memory.keeper is not None:
         steady, rest = split_contents(contents())
-        trainer.keeper.capture(trainer.state.step, steady, rest)
-    elif trainer.template is not None and trainer.replica_group is not None:
-        trainer.keeper = start_keeping(trainer, contents())
-        if trainer.held is not None:
-            trainer.held.release()
-            trainer.held = None
+        memory.keeper.capture(step, steady, rest)
+    elif state.replica_group is not None:
+        memory.keeper = start_keeping(state, step, contents())
+        if memory.held is not None:
+            memory.held.release()
+            memory.held = None
     else:
         return
-    step = trainer.state.step
-    gate.agree(_replicated(trainer.keeper, step), step, trainer.rank, what="in-memory copies")
+    gate.agree(_replicated(memory.keeper, step), step, state.rank, what="in-memory copies")
 
 
 def _replicated(keeper: ReplicaKeeper, step: int) -> bool:
@@ -127,10 +143,10 @@ def split_contents(contents: dict[str, Any]) -> tuple[Callable[[], dict[str, Any
     return (lambda: capture_mod.state_dict_of(steady)), capture_mod.state_dict_of(rest)
 
 
-def failure_domain(trainer: ElasticTrainer) -> str:
+def failure_domain(state: GroupState) -> str:
     """What dies together with this rank: its worker pod (the node name) and its torchrun agent (the group rank), so
     a partner is never in the same one."""
-    return f"{trainer.ctx.node_name}#{trainer.ctx.group_rank}"
+    return f"{state.context.node_name}#{state.context.group_rank}"
 
 
 def _summary(keeper: Optional[ReplicaKeeper]) -> dict[str, Any]:
@@ -141,12 +157,15 @@ def _summary(keeper: Optional[ReplicaKeeper]) -> dict[str, Any]:
     return {"group": keeper.catalogue.group_id, "blocks": own + copies}
 
 
-def resume_from_memory(trainer: ElasticTrainer, contents: dict[str, Any], floor: Optional[int]) -> Rebuilt:
-    """Rebuild ``contents`` from the members' memory at the newest step whole across them, if it is at least
-    ``floor`` (the newest complete checkpoint). Collective on ``trainer.replica_group``."""
+def resume_from_memory(
+    state: GroupState, keeper: Optional[ReplicaKeeper], contents: dict[str, Any], floor: Optional[int]
+) -> Rebuilt:
+    """Rebuild ``contents`` from the members' memory (``keeper``: this process's, of the group before) at the newest
+    step whole across them, if it is at least ``floor`` (the newest complete checkpoint). Collective on
+    ``state.replica_group``."""
     t0 = time.monotonic()
-    group, keeper = trainer.replica_group, trainer.held
-    summaries = wire.all_gather_json(_summary(keeper), group, trainer.world_size)
+    group, rank, world_size = state.replica_group, state.rank, state.world_size
+    summaries = wire.all_gather_json(_summary(keeper), group, world_size)
     newest: dict[str, int] = {}
     for doc in summaries:
         for _, step, _ in doc["blocks"]:
@@ -156,8 +175,8 @@ def resume_from_memory(trainer: ElasticTrainer, contents: dict[str, Any], floor:
         return Rebuilt(None, "no member holds state in memory")
     old_group = max(newest, key=lambda g: newest[g])
     teller = next(r for r, doc in enumerate(summaries) if doc["group"] == old_group)
-    sent = keeper.catalogue.to_json() if trainer.rank == teller and keeper is not None else None
-    catalogue = Catalogue.from_json(wire.all_gather_json(sent, group, trainer.world_size)[teller])
+    sent = keeper.catalogue.to_json() if rank == teller and keeper is not None else None
+    catalogue = Catalogue.from_json(wire.all_gather_json(sent, group, world_size)[teller])
     copies = needs_copy(catalogue)
     own_keys = {m.rank: frozenset(s.key for s in m.items) for m in catalogue.members}
     blocks = [
@@ -178,15 +197,15 @@ def resume_from_memory(trainer: ElasticTrainer, contents: dict[str, Any], floor:
     if floor is not None and step < floor:
         return Rebuilt(None, f"the checkpoint (step {floor}) is newer than the state in memory (step {step})")
     local = keeper.values_at(step) if keeper is not None and keeper.catalogue.group_id == old_group else {}
-    reader = MemoryReader(catalogue, local, assign(blocks, step, catalogue), trainer.rank, trainer.world_size, group)
+    reader = MemoryReader(catalogue, local, assign(blocks, step, catalogue), rank, world_size, group)
     dcp.load(contents, storage_reader=reader, no_dist=True)
     return Rebuilt(step, fetched_bytes=reader.bytes_fetched, seconds=time.monotonic() - t0)
 
 
-def new_replica_group(trainer: ElasticTrainer) -> Optional[dist.ProcessGroup]:
+def new_replica_group(timeout_seconds: float) -> Optional[dist.ProcessGroup]:
     """The gloo group this group's replication and recovery exchanges run on (a background thread uses it, so it is
     nobody else's). Collective."""
-    timeout = datetime.timedelta(seconds=trainer.ctx.contract.collective_timeout_seconds)
+    timeout = datetime.timedelta(seconds=timeout_seconds)
     with groupsockets.capture():
         group: Optional[dist.ProcessGroup] = dist.new_group(backend="gloo", timeout=timeout)
     return group

@@ -25,11 +25,19 @@ from disttrain.trainer.randomness import sample_seed
 class StepOwner(Protocol):
     """What a :class:`Step` reads of its trainer."""
 
-    plan: Plan
-    parallel: parallel_mod.ParallelModel
     precision: precision_mod.PrecisionState
-    ordered: Optional[ordered_reduction.OrderedReducer]
-    world_size: int
+
+    @property
+    def plan(self) -> Plan: ...
+
+    @property
+    def parallel(self) -> parallel_mod.ParallelModel: ...
+
+    @property
+    def ordered(self) -> Optional[ordered_reduction.OrderedReducer]: ...
+
+    @property
+    def world_size(self) -> int: ...
 
     @property
     def seed(self) -> int: ...

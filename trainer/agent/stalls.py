@@ -2,10 +2,10 @@
 reduction while its peers wait there is named in seconds of the stall, not when the collective times out.
 
 Every rank writes a :class:`~disttrain.api.control.StepBeacon` (step, rank, node, group, its own clock) just before
-each step's last backward (:func:`disttrain.trainer.progress.send_beacon`). The rule (:func:`detect`): in the current
-group (the group of the beacon that changed last), the ranks at the highest step N wait in N's reduction; the ranks
-of the group behind N are stalled once the first of the waiting ranks has waited ``stallFactor`` times the median step
-time, and at least ``stallMinSeconds``; before the agent has a median (no two beacons of one rank yet: a rank that
+each step's last backward (:meth:`disttrain.trainer.progress.Reporter.send_beacon`). The rule (:func:`detect`): in the
+current group (the group of the beacon that changed last), the ranks at the highest step N wait in N's reduction; the
+ranks of the group behind N are stalled once the first of the waiting ranks has waited ``stallFactor`` times the median
+step time, and at least ``stallMinSeconds``; before the agent has a median (no two beacons of one rank yet: a rank that
 stalls in a group's first seconds), ``stallMinSeconds`` alone. It gives no verdict
 
 * on the group's first step (a warm-up, a load);

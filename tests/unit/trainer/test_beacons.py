@@ -159,14 +159,14 @@ class DictStore:
 def test_the_trainers_beacon_on_the_cpu_is_a_step_beacon_under_the_ranks_key_and_stops_with_the_watchdog():
     watchdog = Watchdog(None)
     watchdog.store = DictStore()  # type: ignore[assignment]
-    trainer = types.SimpleNamespace(
-        watchdog=watchdog,
+    group = types.SimpleNamespace(
         device=torch.device("cpu"),
         rank=3,
         world_size=4,
         checkpoints=types.SimpleNamespace(local_pending_state=lambda: (None, None)),
     )
-    progress.send_beacon(trainer, 12)  # type: ignore[arg-type]
+    reporter = progress.Reporter(10, watchdog, metrics=None, in_place_fallback=None)  # type: ignore[arg-type]
+    reporter.send_beacon(group, 12)  # type: ignore[arg-type]
     beacon = keys.StepBeacon.model_validate_json(watchdog.store.values[keys.beacon_key(3)])
     assert (beacon.step, beacon.rank, beacon.world_size, beacon.saving) == (12, 3, 4, False)
     assert watchdog.beacons is not None

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from disttrain.api.plan import Plan
-from disttrain.trainer import completion
+from disttrain.trainer import completion, recovery
 from disttrain.trainer.checkpoint.manager import TrainerState
 from disttrain.trainer.loop import ElasticTrainer
 from disttrain.trainer.lr import LRState
@@ -90,17 +90,19 @@ def _trainer_on_fake_device(calls: list[str], on_sync: Callable[[], None]) -> An
     model = torch.nn.Linear(2, 1)
     trainer: Any = ElasticTrainer.__new__(ElasticTrainer)
     trainer.options = TrainerOptions()
-    trainer.ordered = None
-    trainer.rank = 0
-    trainer.keeper = None
-    trainer.template = None
-    trainer.raw_model = model
+    trainer.group = types.SimpleNamespace(
+        ordered=None,
+        rank=0,
+        raw_model=model,
+        replica_group=None,
+        checkpoints=types.SimpleNamespace(before_optimizer_step=lambda: None),
+        plan=Plan(world_size=1, micro_batch=4, accum_steps=1, global_batch=4, lr_scale=1.0),
+    )
+    trainer.memory = recovery.Memory()
     trainer.optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     trainer.scheduler = None
     trainer.precision = PrecisionState(Precision.FP32, torch.device("cpu"))
-    trainer.checkpoints = types.SimpleNamespace(before_optimizer_step=lambda: None)
     trainer.watchdog = types.SimpleNamespace(seen_generation=-1)
-    trainer.plan = Plan(world_size=1, micro_batch=4, accum_steps=1, global_batch=4, lr_scale=1.0)
     trainer.lr_state = LRState(1.0, 1.0, 0)
     trainer.state = TrainerState()
     trainer.completion = completion.StepCompletion(lambda: FakeDeviceEvent(calls, on_sync))
@@ -113,12 +115,12 @@ def test_the_trainer_steps_after_its_reductions_and_counts_after_its_update_comp
 
     def at_wait() -> None:  # the device is still working: nothing that marks the step done may have moved yet
         seen = {"step": trainer.state.step, "cursor": trainer.state.data_cursor}
-        seen["weight"] = trainer.raw_model.weight.detach().clone()
+        seen["weight"] = trainer.group.raw_model.weight.detach().clone()
         seen_at_waits.append(seen)
 
     trainer = _trainer_on_fake_device(calls, at_wait)
-    before = trainer.raw_model.weight.detach().clone()
-    trainer.raw_model(torch.ones(4, 2)).sum().backward()
+    before = trainer.group.raw_model.weight.detach().clone()
+    trainer.group.raw_model(torch.ones(4, 2)).sum().backward()
 
     trainer._optimizer_step()
 
