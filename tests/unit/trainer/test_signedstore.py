@@ -265,8 +265,10 @@ def test_a_reader_restores_the_rendezvous_state_it_saw_when_it_is_garbled_or_del
 def test_a_restore_never_clobbers_a_newer_valid_state(net: Fixture) -> None:
     one, two = net.client(), net.client()
     one.set("torch.rendezvous.run", "old")
+    one.num_keys()  # a set gets no answer: a round trip on its connection proves the server handled it
     assert two.get("torch.rendezvous.run") == b"old"
     one.set("torch.rendezvous.run", "new")
+    one.num_keys()
     assert two.get("torch.rendezvous.run") == b"new"
     assert net.outsider.get(full("torch.rendezvous.run")) != b""
 
