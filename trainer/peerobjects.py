@@ -9,6 +9,8 @@ attribute (``distributed_c10d._unpickler``); :func:`install` replaces it with :c
 * builtin containers and scalars (no builtin function: no ``eval``, ``getattr`` or ``__import__``), and paths;
 * what a tensor is built from (torch's own weights-only list: dtypes, sizes, devices, the tensor rebuild functions);
   a storage's bytes are read with ``torch.load(weights_only=True)`` instead of torch's free ``torch.load``;
+* exceptions of a module this process has imported, with their traceback summaries: what DCP gathers when a
+  rank's save or load failed (so every rank raises the same error instead of one timing out in the next collective);
 * the dataclasses, named tuples and enums of DCP (``torch.distributed.checkpoint``) and of DTensor
   (``torch.distributed.tensor``), and its placements (``Shard``, ``Replicate``, ...): constructing one assigns
   fields, nothing else.
@@ -25,6 +27,7 @@ import enum
 import importlib
 import io
 import pickle
+import sys
 from typing import Any
 
 import torch
@@ -38,6 +41,7 @@ _BUILTINS = frozenset(
 )
 _COLLECTIONS = frozenset({"OrderedDict", "Counter", "defaultdict", "deque"})
 _PATHS = frozenset({"PurePath", "PurePosixPath", "PosixPath", "Path"})
+_TRACEBACKS = frozenset({"StackSummary", "FrameSummary"})
 _DATA_MODULES = ("torch.distributed.checkpoint.", "torch.distributed.tensor.")
 
 
@@ -71,6 +75,11 @@ def allowed_global(module: str, name: str) -> Any:
         return known
     if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
         return getattr(torch, name)
+    if module == "traceback" and name in _TRACEBACKS:
+        return getattr(importlib.import_module("traceback"), name)
+    error = getattr(sys.modules.get(module), name, None)  # only a module this process imported: no import runs here
+    if isinstance(error, type) and issubclass(error, BaseException):
+        return error
     if (module + ".").startswith(_DATA_MODULES) and "." not in name:
         value = getattr(importlib.import_module(module), name, None)
         if _is_plain_data_class(value):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import pickle
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.distributed_c10d as c10d
+from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.tensor import Replicate, Shard
 
@@ -48,6 +50,23 @@ PLAIN = [
     Path("step-5/__0_0.distcp"),
     {"problems": [None, "rank 1: disk full"]},
 ]
+
+
+def _failure() -> object:
+    """What DCP gathers from a rank whose write failed: the exception and its traceback summary."""
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device", "step-3/__0_0.distcp")
+    except OSError as exc:
+        return CheckpointException("write", {0: _wrap_exception(exc)})
+
+
+@pytest.mark.parametrize("protocol", [2, pickle.HIGHEST_PROTOCOL])
+def test_a_ranks_failure_reaches_its_peers_as_the_error_it_was(protocol):
+    received = _decode(pickle.dumps(_failure(), protocol=protocol))
+    assert isinstance(received, CheckpointException)
+    error, summary = received.failures[0]
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC
+    assert summary[-1].name == "_failure"
 
 
 @pytest.mark.parametrize("protocol", [2, pickle.HIGHEST_PROTOCOL])
@@ -107,6 +126,8 @@ def test_a_builtin_callable_or_a_class_that_acts_is_refused():
     for module, name in [("builtins", "eval"), ("builtins", "getattr"), ("subprocess", "Popen"), ("torch", "load")]:
         with pytest.raises(pickle.UnpicklingError, match=f"{module}.{name}"):
             peerobjects.allowed_global(module, name)
+    with pytest.raises(pickle.UnpicklingError):  # an exception of a module nobody imported: finding it would import it
+        peerobjects.allowed_global("antigravity", "Error")
     with pytest.raises(pickle.UnpicklingError):  # a DCP class that is no plain data: its constructor writes files
         peerobjects.allowed_global("torch.distributed.checkpoint.filesystem", "FileSystemWriter")
 
