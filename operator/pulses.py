@@ -129,10 +129,18 @@ class PulseLinks:
     def count(self) -> int:
         return len(self._links)
 
+    def _is_linked(self, target: Target) -> bool:
+        link = self._links.get(target.uid)
+        return link is not None and link[0] is target
+
     async def _link(self, target: Target) -> None:
+        """Connect, read pulses until the connection ends, connect again, for as long as ``target`` is followed.
+
+        The loop also ends on its own once :meth:`forget` dropped the target: on Python < 3.12 ``asyncio.wait_for``
+        can swallow the cancellation that arrives as its connection completes, and the task would retry for ever."""
         loop = asyncio.get_running_loop()
         key = pulse.job_key(self._operator_key, target.job_uid)
-        while True:
+        while self._is_linked(target):
             transport: Optional[asyncio.BaseTransport] = None
             try:
                 transport, reader = await asyncio.wait_for(

@@ -167,6 +167,23 @@ async def test_an_agent_starved_for_seconds_is_not_taken_for_lost_and_a_hung_one
         await links.close()
 
 
+async def test_a_link_whose_target_was_dropped_ends_even_when_its_cancellation_was_lost():
+    """``asyncio.wait_for`` (Python < 3.12) can swallow a cancellation that arrives as its connection completes: the
+    link must still end once its target is no longer followed, or :meth:`PulseLinks.close` waits for ever."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # nothing listens: every connection is refused, and the link retries
+    links = pulses.PulseLinks(AgentBeats(), OPERATOR_KEY)
+    pod = agent_pod(port)
+    links.follow(KEY, pod)
+    ((_target, task),) = links._links.values()
+    await asyncio.sleep(2 * pulses.RETRY_S)
+    assert not task.done(), "a followed link retries"
+    links._links.clear()  # what forget does, without the cancel that wait_for may swallow
+    await asyncio.wait_for(asyncio.shield(task), 4 * pulses.RETRY_S)
+    await links.close()
+
+
 async def test_a_pod_that_is_not_the_one_meant_gives_no_pulse(server):
     beats = AgentBeats()
     links = pulses.PulseLinks(beats, OPERATOR_KEY)
