@@ -6,7 +6,8 @@ whoever gets bytes into a group's connection would run code in every rank. torch
 attribute (``distributed_c10d._unpickler``); :func:`install` replaces it with :class:`PeerUnpickler`, whose
 ``find_class`` admits only plain data:
 
-* builtin containers and scalars (no builtin function: no ``eval``, ``getattr`` or ``__import__``), and paths;
+* builtin containers and scalars (no builtin function: no ``eval`` or ``__import__``, and ``getattr`` only for an
+  enum member by name, as newer Pythons pickle one), and paths;
 * what a tensor is built from (torch's own weights-only list: dtypes, sizes, devices, the tensor rebuild functions);
   a storage's bytes are read with ``torch.load(weights_only=True)`` instead of torch's free ``torch.load``;
 * exceptions of a module this process has imported, with their traceback summaries: what DCP gathers when a
@@ -50,6 +51,13 @@ def _load_storage(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
+def _enum_member(cls: Any, name: str) -> Any:
+    """``getattr`` as pickle uses it for an enum member (Python's newer enums pickle by name): nothing else."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls.__members__[name]
+    raise pickle.UnpicklingError(f"a peer sent getattr({cls!r}, {name!r}), which is no enum member: refused")
+
+
 def _is_plain_data_class(value: Any) -> bool:
     if not isinstance(value, type):
         return False
@@ -62,6 +70,8 @@ def allowed_global(module: str, name: str) -> Any:
     """The object pickle's ``GLOBAL module name`` stands for, when it is plain data; raises otherwise."""
     module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))  # protocol 2's Python 2 names
     module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+    if (module, name) == ("builtins", "getattr"):
+        return _enum_member
     if module == "builtins" and name in _BUILTINS:
         return getattr(__import__("builtins"), name)
     if module == "collections" and name in _COLLECTIONS:

@@ -122,8 +122,28 @@ def test_a_storage_cannot_smuggle_a_free_unpickle(tmp_path):
     assert not marker.exists()
 
 
+class _ByName:
+    """An enum member as Python 3.12 (and later 3.11 releases) pickle it: ``getattr(cls, name)``."""
+
+    def __init__(self, owner: object, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (getattr, (self.owner, self.name))
+
+
+def test_an_enum_member_pickled_by_name_decodes_and_getattr_does_nothing_else(tmp_path):
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    for protocol in (2, pickle.HIGHEST_PROTOCOL):
+        assert _decode(pickle.dumps(_ByName(WriteItemType, "TENSOR"), protocol=protocol)) is WriteItemType.TENSOR
+    for owner, name in [(torch.Size, "__init__"), (WriteItemType, "__class__"), (Path, "cwd")]:
+        with pytest.raises(pickle.UnpicklingError, match="no enum member"):
+            _decode(pickle.dumps(_ByName(owner, name)))
+
+
 def test_a_builtin_callable_or_a_class_that_acts_is_refused():
-    for module, name in [("builtins", "eval"), ("builtins", "getattr"), ("subprocess", "Popen"), ("torch", "load")]:
+    for module, name in [("builtins", "eval"), ("builtins", "setattr"), ("subprocess", "Popen"), ("torch", "load")]:
         with pytest.raises(pickle.UnpicklingError, match=f"{module}.{name}"):
             peerobjects.allowed_global(module, name)
     with pytest.raises(pickle.UnpicklingError):  # an exception of a module nobody imported: finding it would import it
