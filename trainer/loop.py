@@ -36,7 +36,7 @@ from torch.utils.data import TensorDataset
 
 from disttrain.api.plan import Plan
 from disttrain.api.spec import TrainingSpec
-from disttrain.trainer import bootstrap, gate, progress, recovery, snapshots
+from disttrain.trainer import bootstrap, exits, gate, progress, recovery, snapshots, startfailures
 from disttrain.trainer import completion as completion_mod
 from disttrain.trainer import context as ctx_mod
 from disttrain.trainer import data as data_mod
@@ -127,7 +127,8 @@ class ElasticTrainer:
         """Start the trainer of this worker, configured by the torchrun and ``DISTTRAIN_*`` environment: what starts,
         in which order, is :func:`disttrain.trainer.bootstrap.start`'s. Ends the process with ``ExitCode.PERMANENT``
         (after telling the agent) when the contract, an option or the dataset is invalid or the world size does not
-        fit the contract.
+        fit the contract, and with ``ExitCode.REFORM`` when the group fails to start because its peers left
+        (:mod:`disttrain.trainer.startfailures`).
 
         ``kwargs`` are the options of :class:`~disttrain.trainer.options.TrainerKwargs` (``parallelism``,
         ``precision``, ``shard_modules``, ``grad_scaler``, ``clip_grad_norm``, ``user_state``, ``collate_fn``,
@@ -135,9 +136,15 @@ class ElasticTrainer:
         documented on its field of :class:`~disttrain.trainer.options.TrainerOptions`. ``dataset``: map-style, or
         an ``IterableDataset`` that can seek (:class:`~disttrain.trainer.data.SeekableStream`).
         """
-        options, components, started = bootstrap.start(
-            model, optimizer, dataset, scheduler=scheduler, context=context, **kwargs
-        )
+        try:
+            options, components, started = bootstrap.start(
+                model, optimizer, dataset, scheduler=scheduler, context=context, **kwargs
+            )
+        except Exception as exc:
+            startfailures.exit_if_peers_failed(exc)  # a start its peers failed re-joins, a bounded number of times
+            exits.record_error(exc)
+            raise
+        startfailures.clear()
         trainer = cls(options, components, started)
         trainer.lifecycle.start()
         return trainer
