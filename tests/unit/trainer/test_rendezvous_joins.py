@@ -4,14 +4,16 @@ state (:mod:`disttrain.trainer.launch.joins`). The choice is pure; the rounds ru
 
 from __future__ import annotations
 
+import pickle
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from torch.distributed import TCPStore
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters, c10d_rendezvous_backend
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
 from disttrain.api import control, env
@@ -196,3 +198,36 @@ def test_nodes_taking_slots_of_one_bucket_at_once_each_get_a_slot_of_their_own(j
         thread.join(30)
 
     assert sorted(taken) == list(range(1, 9))
+
+
+def test_a_node_that_comes_after_the_round_closed_waits_for_the_next_in_torchs_wait_list(job, monkeypatch) -> None:
+    port, client = job
+    client.set(control.TARGET_KEY, control.TargetPlan(generation=2, nodes=2, job_uid="joins-job").model_dump_json())
+    handlers = [handler(port, index, monkeypatch) for index in (0, 1, 2)]
+    try:
+        assert join_all(handlers[:2]) == {0: (0, 2), 1: (1, 2)}
+        ended: list[BaseException] = []
+
+        def join_late() -> None:
+            try:
+                handlers[2].next_rendezvous()
+            except RendezvousClosedError as exc:
+                ended.append(exc)
+
+        late = threading.Thread(target=join_late, daemon=True)
+        late.start()
+        backend = c10d_rendezvous_backend.C10dRendezvousBackend(client, RUN)
+        deadline = time.monotonic() + 20
+        state = None
+        while time.monotonic() < deadline:
+            state = pickle.loads(backend.get_state()[0])
+            if handlers[2]._this_node in state.wait_list:
+                break
+            time.sleep(0.1)
+        assert state is not None and handlers[2]._this_node in state.wait_list, "the late node waits for round 1"
+        assert state.round == 0 and state.complete and len(state.participants) == 2
+        handlers[0].set_closed()  # the job ends: the late node's join ends with it
+        late.join(20)
+        assert ended, "the late node's join ended when the rendezvous closed"
+    finally:
+        stop(handlers)
