@@ -2,7 +2,7 @@
 
 Why: torch's c10d rendezvous keeps the round in one shared state, and a node joins by a compare-and-set of all of
 it (the whole participants dict, re-read and re-written by each node). N nodes write N states of size N one at a
-time, and every write that lands makes every other pending one lose: 128 simulated nodes needed 850 writes (725
+time, and every write that lands makes every other pending one lose: 128 simulated nodes needed 853 writes (725
 lost), 256 formed no round (``bench/scale_sim.py``). Here a node that finds the round open takes a slot in one of
 :data:`BUCKETS` counters (a compare-and-set of a few bytes, contended by one node in :data:`BUCKETS` only), writes a
 :class:`JoinRecord` under that slot (a blind ``set`` of a key of its own) and waits. Now and then (about
@@ -12,12 +12,13 @@ round's target, it writes the complete round into torch's state in one compare-a
 (participants, heartbeats, ranks), and marks the round closed under :func:`closed_key`, a key of a few bytes that
 the waiting nodes poll instead of the whole state.
 
-Keys are reused from round to round (a counter and a record name their round),
-so a long job does not pile them up in the store.
+Keys are reused from round to round (a counter and a record name their round), so a long job does not pile them up
+in the store.
 
 Used by :class:`disttrain.trainer.launch.rendezvous._TargetAwareOpExecutor` while the job agent publishes a target
 plan of more than :data:`PER_NODE_JOINS_ABOVE` nodes (rdzv-conf ``per_node_joins_above``); smaller rounds join as
-torch does (one write per node is quicker there than a listing). Pure but for the functions that take a store.
+torch does (there one write per node is quicker than reading the counters and records). Pure but for the
+functions that take a store.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any, Optional, TypeVar
 PER_NODE_JOINS_ABOVE = 32
 """Rounds whose target is above this many nodes join by records; smaller ones by torch's compare-and-set."""
 CLOSE_TRIES_PER_S = 5.0
-"""How many times a second, summed over a round's waiting nodes, one of them lists the records to close the round."""
+"""How many times a second, summed over a round's waiting nodes, one of them reads the records to close the round."""
 CLOSE_TRY_MIN_S = 0.2
 """The shortest pause between two tries of one node (a small round)."""
 READ_CHUNK = 512
