@@ -9,7 +9,8 @@ signed store under ``beacon_key(rank)``. What is simulated: the ranks' beacons o
 connection of that node (a real rank has a connection of its own), no training process runs, and the operator
 is played by this script (it reads ``silentNodes`` and writes the ``reform`` directive with the lost node).
 
-The nodes run as threads, ``--nodes / --processes`` per process. Printed:
+Rounds of more than ``--per-node-joins-above`` nodes (the handler's default, 32) are joined by per-node records
+(:mod:`disttrain.trainer.launch.joins`). The nodes run as threads, ``--nodes / --processes`` per process. Printed:
 
 * ``rendezvous_seconds``: from the go to the last node's ``next_rendezvous()`` return (every node's join);
 * ``agent_cpu_cores`` and ``agent_rss_mb``: the agent process over ``--window`` seconds with every node beating and
@@ -143,6 +144,7 @@ class SimNode:
             join_timeout=600,
             last_call_timeout=30,
             read_timeout=120,
+            per_node_joins_above=opts["joins_above"],
         )
         self.handler = rendezvous.create_handler(params)
         self.beacons = channel.connect("127.0.0.1", opts["port"], 120.0, SECRET)
@@ -368,8 +370,14 @@ def main() -> None:
     parser.add_argument(
         "--stock",
         action="store_true",
-        help="the state written as torch writes it: no pause after a lost write, survivors of a reform leave one by "
-        "one, waiting nodes keep alive in the state",
+        help="the state written as torch writes it: every join a compare-and-set of it, no pause after a lost write, "
+        "survivors of a reform leave one by one, waiting nodes keep alive in the state",
+    )
+    parser.add_argument(
+        "--per-node-joins-above",
+        type=int,
+        default=32,
+        help="rdzv-conf per_node_joins_above: larger rounds join by per-node records (a huge number: compare-and-set)",
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="longest wait for the rendezvous or the reform")
     args = parser.parse_args()
@@ -397,6 +405,7 @@ def main() -> None:
         "keep_alive": args.keep_alive,
         "log_dir": str(state) if args.log else "",
         "stock": args.stock,
+        "joins_above": 1 << 30 if args.stock else args.per_node_joins_above,
     }
     per = -(-args.nodes // args.processes)
     sims = []

@@ -21,6 +21,7 @@ import pytest
 import torch.distributed as dist
 
 from disttrain.api import control
+from disttrain.trainer.launch import joins as join_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -39,9 +40,10 @@ def start_node(
     index: int | None = None,
     nnodes: str = "1:3",
     keep_alive: int = 1,
+    conf_extra: str = "",
     **extra_env: str,
 ) -> subprocess.Popen:
-    conf = f"is_host=false,join_timeout=60,last_call_timeout={last_call},keep_alive_interval={keep_alive}"
+    conf = f"is_host=false,join_timeout=60,last_call_timeout={last_call},keep_alive_interval={keep_alive}{conf_extra}"
     cmd = [
         sys.executable,
         "-m",
@@ -278,17 +280,23 @@ def test_ranks_follow_node_indices_and_a_replacement_takes_the_lost_nodes_rank(h
     assert {n: records[n]["GROUP_RANK"] for n in nodes} == {"node-0-1": "0", "node-1": "1", "node-2": "2"}
 
 
-def test_survivors_drop_a_node_declared_lost_from_the_finished_round_without_waiting_for_its_heartbeats(harness):
+@pytest.mark.parametrize("joins", ["compare-and-set", "per-node"])
+def test_survivors_drop_a_node_declared_lost_from_the_finished_round_without_waiting_for_its_heartbeats(
+    harness, joins: str
+):
     """A node dies (its whole tree) while the group runs; the operator declares its pod lost and lowers the target.
     The survivors' workers fail and their agents re-join: they drop the dead participant from the finished round
     at once. Without that, torch keeps it a participant until its heartbeats expire (keep_alive_interval 20 s x 3
-    attempts = 60 s here), and the survivors could not open the next round before this test gives up."""
+    attempts = 60 s here), and the survivors could not open the next round before this test gives up. Both ways
+    of joining: torch's (a compare-and-set of the state per node) and per-node join records, closed by one node
+    (``per_node_joins_above=0``: every round; by default only rounds of more than 32 nodes)."""
+    conf_extra = ",per_node_joins_above=0" if joins == "per-node" else ""
     port = harness.start_store()
     store = harness.client(port)
     store.set(control.TARGET_KEY, control.TargetPlan(generation=1, nodes=3).model_dump_json())
     out = harness.out
     nodes = {
-        name: start_node(harness, port, name, out, index=i, keep_alive=20, PROBE_SLEEP="120")
+        name: start_node(harness, port, name, out, index=i, keep_alive=20, conf_extra=conf_extra, PROBE_SLEEP="120")
         for i, name in enumerate(("node-0", "node-1", "node-2"))
     }
     records = wait_for(out, set(nodes), 30)
@@ -305,6 +313,8 @@ def test_survivors_drop_a_node_declared_lost_from_the_finished_round_without_wai
     assert set(nodes) <= records.keys(), logs_of(out, nodes)
     assert {records[n]["WORLD_SIZE"] for n in nodes} == {"2"}
     assert {records[n]["GROUP_RANK"] for n in nodes} == {"0", "1"}
+    closed_from_records = [join_records.is_closed(store, "probe", round_) for round_ in (0, 1)]
+    assert closed_from_records == [joins == "per-node"] * 2
 
 
 def test_the_handler_writes_nothing_outside_the_jobs_key_namespace(harness, monkeypatch):

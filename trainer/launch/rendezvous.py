@@ -29,6 +29,14 @@ under ``TARGET_KEY`` (without one the handler is plain c10d):
   **the survivors of such a reform leave the round together**: the first to leave the round the reform was issued
   for takes every participant out in one write (:meth:`_TargetAwareOpExecutor._exit_with_target`), where stock
   c10d has each node remove itself, then write itself into the wait list, one compare-and-set at a time.
+* **A round of more than 32 nodes (rdzv-conf ``per_node_joins_above``) is joined by per-node records**
+  (:mod:`disttrain.trainer.launch.joins`): a node that finds the round open takes a slot in one of 32 small
+  counters and writes a record of its own, and waits (polling a closed mark of a few bytes); a waiting node, at a
+  random moment, reads the records and, once the live ones (beat fresh, not excluded or lost) reach the target,
+  writes the complete round into torch's state in one compare-and-set (:meth:`_TargetAwareOpExecutor._join_by_record`).
+  Stock, every join is a compare-and-set of the whole state: N nodes wrote N states of size N one at a time, and a
+  round of 256 simulated nodes never formed. A node that comes after the round closed waits for the next one in
+  torch's wait list, as stock.
 * **A node that waits in a join while its own beat runs writes no keep-alive into the state**: the beat keeps it
   alive for torch's sanitizer and the job agent (:meth:`_TargetAwareOpExecutor._keep_alive_or_sync`).
 * **Waiting nodes do not restart a healthy group** (``num_nodes_waiting`` answers 0). Stock torchrun restarts
@@ -86,7 +94,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from disttrain.api import constants, control, env, storeauth
 from disttrain.trainer.agent import heartbeats
-from disttrain.trainer.launch import rank_order
+from disttrain.trainer.launch import joins, rank_order
 from disttrain.trainer.launch.beat import NodeBeat
 from disttrain.trainer.store import channel, relay
 from disttrain.trainer.store.resilient import ResilientStore
@@ -172,6 +180,10 @@ BEATS_REREAD_S = 1.0
 of torch's expiry when that is longer (5 s at a keep-alive of 5 s x 3), so the reads of every node of a large job
 stay few while a live node's beat, read at most that long ago, still falls within the expiry."""
 
+STATE_REREAD_S = 2.0
+"""How often a node that waits on its join record reads the state whatever the closed mark says (a round the
+rendezvous closed, a closer that died between its write and the mark)."""
+
 COMPLETION_GRACE_S = 10.0
 """How long after a node first sees a round complete its sanitizer keeps every participant of that round
 (:class:`_ReconnectingStateHolder`)."""
@@ -204,6 +216,20 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
         self._floor_logged_round = -1
         self._names: dict[Any, str] = {}  # participant -> DISTTRAIN_NODE_NAME, from its identity key
         self._indices: dict[Any, int] = {}  # participant -> DISTTRAIN_NODE_INDEX, from its published index key
+        self.beats: Optional[NodeBeats] = None
+        self.per_node_joins_above = joins.PER_NODE_JOINS_ABOVE
+        """Rounds of more nodes than this join by records (rdzv-conf ``per_node_joins_above``)."""
+        """The nodes' own beats (set by :func:`create_handler`): a node whose beat is silent is not taken into a round
+        it joined by record (:mod:`disttrain.trainer.launch.joins`)."""
+        self._record_round: Optional[int] = None
+        """The round this node wrote its join record for, and the store generation it wrote it in."""
+        self._record_generation = 0
+        self._record_wanted = 0
+        self._close_try_at = 0.0
+        self._closing: Optional[list[Any]] = None
+        """The participants this node is about to write complete (:meth:`_mark_rendezvous_complete`)."""
+        self._closed_round: Optional[int] = None
+        """The round this node wrote complete, to be marked closed (:func:`joins.mark_closed`) once it sees it so."""
 
     def run(
         self,
@@ -259,17 +285,42 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
 
     def _join_polling(self, join: dyn._RendezvousJoinOp, ctx: dyn._RendezvousContext, deadline: float) -> dyn._Action:
         """The join, re-read every :func:`sync_poll_seconds` while it only waits (``SYNC``) instead of the stock
-        executor's one-second sleep; any other action (a heartbeat, joining, completing, a timeout) goes back to the
-        stock loop, which applies it to ``self._state``, the state read last."""
+        executor's one-second sleep (see :meth:`_await_news` for a node waiting on its join record); any other
+        action (a heartbeat, joining, completing, a timeout) goes back to the stock loop, which applies it to
+        ``self._state``, the state read last."""
+        self._mark_closed(ctx.state)
         action = self._join_with_target(join, ctx, deadline)
         while action is dyn._Action.SYNC:
-            state = ctx.state
-            time.sleep(sync_poll_seconds(len(state.participants) + len(state.wait_list) + len(state.redundancy_list)))
+            self._await_news(ctx.state, deadline)
             sync_fresh(self._state_holder)
             self._state = self._state_holder.state
             ctx = dyn._RendezvousContext(self._node, self._state, self._settings)
+            self._mark_closed(ctx.state)
             action = self._join_with_target(join, ctx, deadline)
         return action
+
+    def _mark_closed(self, state: Any) -> None:
+        """Once the round this node wrote complete is seen so, the mark that the nodes waiting on records poll."""
+        if state.complete and self._closed_round == state.round:
+            self._closed_round = None
+            joins.mark_closed(self._store, self._settings.run_id, state.round)
+
+    def _await_news(self, state: Any, deadline: float) -> None:
+        """One pause of :func:`sync_poll_seconds`; for a node that waits on its join record in the open round,
+        until the round is marked closed (a key of a few bytes, polled at that pacing), its turn to try closing
+        the round comes, :data:`STATE_REREAD_S` passed, or the deadline: the state is read only then."""
+        if state.complete or self._record_round != state.round:
+            time.sleep(sync_poll_seconds(len(state.participants) + len(state.wait_list) + len(state.redundancy_list)))
+            return
+        pause = sync_poll_seconds(self._record_wanted)
+        until = min(time.monotonic() + STATE_REREAD_S, self._close_try_at, deadline)
+        while True:
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(pause, left))
+            if joins.is_closed(self._store, self._settings.run_id, state.round):
+                return
 
     def _join_with_target(
         self, join: dyn._RendezvousJoinOp, ctx: dyn._RendezvousContext, deadline: float
@@ -294,6 +345,8 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
                     return dyn._Action.ERROR_TIMEOUT
                 return dyn._Action.SYNC  # wait outside the rendezvous; polled about once a second
         wanted = min(max(target.nodes, ctx.settings.min_nodes), ctx.settings.max_nodes)
+        if not state.complete and ctx.node not in state.participants and wanted > self.per_node_joins_above:
+            return self._join_by_record(ctx, target, wanted, deadline)
         if not state.complete and ctx.node in state.participants and len(state.participants) >= wanted:
             log.info(
                 "rendezvous %s round %d: %d of target %d nodes joined (target generation %d); completing",
@@ -322,6 +375,88 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
         if action is dyn._Action.KEEP_ALIVE:
             return self._keep_alive_or_sync(ctx)
         return action
+
+    def _join_by_record(
+        self, ctx: dyn._RendezvousContext, target: control.TargetPlan, wanted: int, deadline: float
+    ) -> dyn._Action:
+        """Joining an open round of ``wanted`` nodes by a record of this node's own (:mod:`joins`): written once per
+        round (again after the agent's store came back empty), then ``SYNC`` until the round completes, except
+        when this node's turn to try closing it comes and enough live nodes have joined: then the completion, in
+        one write of the state (:meth:`_mark_rendezvous_complete` adds the participants)."""
+        state = ctx.state
+        now = time.monotonic()
+        if now > deadline:
+            if ctx.node in state.wait_list and now <= deadline + 5:  # torch's rollback period
+                return dyn._Action.REMOVE_FROM_WAIT_LIST
+            return dyn._Action.ERROR_TIMEOUT
+        self._record_wanted = wanted
+        generation = self._store_generation()
+        if self._record_round != state.round or self._record_generation != generation:
+            node = ctx.node
+            record = joins.JoinRecord(
+                state.round, node.addr, node.pid, node.local_id, self._node_name, self._node_index
+            )
+            bucket = joins.bucket_of(record)
+            slot = joins.take_slot(self._store, self._settings.run_id, bucket, record)
+            joins.write_record(self._store, self._settings.run_id, bucket, slot, record)
+            self._record_round, self._record_generation = state.round, generation
+            self._close_try_at = now + random.random() * joins.close_try_period(wanted)
+            return dyn._Action.SYNC
+        if now < self._close_try_at:
+            return dyn._Action.SYNC
+        self._close_try_at = now + joins.close_try_period(wanted)
+        chosen = self._participants_to_close(state, target, wanted)
+        if chosen is None:
+            return dyn._Action.SYNC
+        self._closing = chosen
+        log.info(
+            "rendezvous %s round %d: %d of target %d nodes joined by record (target generation %d); completing",
+            ctx.settings.run_id,
+            state.round,
+            len(chosen),
+            target.nodes,
+            target.generation,
+        )
+        return dyn._Action.MARK_RENDEZVOUS_COMPLETE
+
+    def _store_generation(self) -> int:
+        generation = getattr(self._state_holder, "_generation", None)
+        return int(generation()) if callable(generation) else 0
+
+    def _participants_to_close(self, state: Any, target: control.TargetPlan, wanted: int) -> Optional[list[Any]]:
+        """The participants of the open round if it can close now on ``wanted`` nodes (:func:`joins.choose`)."""
+        records = joins.read_records(self._store, self._settings.run_id, state.round)
+        joined: dict[Any, joins.JoinRecord] = {}
+        for record in records.values():
+            node = dyn._NodeDesc(record.addr, record.pid, record.local_id)
+            joined[node] = record
+            if record.name:
+                self._names[node] = record.name
+            if record.index is not None:
+                self._indices[node] = record.index
+        if len(joined) + len(state.participants) < wanted:
+            return None
+        alive = self._alive([node for node in joined if node not in state.participants])
+        alive.add(self._node)
+        refused = {*target.exclude, *target.lost}
+        return joins.choose(list(state.participants), joined, wanted, refused, alive.__contains__)
+
+    def _alive(self, nodes: list[Any]) -> set[Any]:
+        """The ``nodes`` whose own beat is fresh (within torch's expiry); all of them when beats are not read."""
+        if self.beats is None or not nodes:
+            return set(nodes)
+        expire = datetime.now(timezone.utc) - self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
+        names = {heartbeats.node_name(node): node for node in nodes}
+        ordered = sorted(names)
+        alive = set()
+        try:
+            for first in range(0, len(ordered), joins.READ_CHUNK):
+                last = self.beats(frozenset(ordered[first : first + joins.READ_CHUNK]))
+                alive |= {names[name] for name, at in last.items() if name in names and at >= expire}
+        except Exception as exc:  # noqa: BLE001 - the beats only rule nodes out; without them torch's expiry decides
+            log.debug("rendezvous %s: the nodes' beats could not be read: %s", self._settings.run_id, exc)
+            return set(nodes)
+        return alive
 
     def _drop_lost(self, ctx: dyn._RendezvousContext, target: control.TargetPlan) -> bool:
         """Drop the participants of the finished round that the operator declared lost or excluded, as torch's own
@@ -414,7 +549,18 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
         return {node: self._indices.get(node) for node in nodes}
 
     def _mark_rendezvous_complete(self) -> None:
-        """The stock completion (ranks by node descriptor), then the ranks re-assigned by node index."""
+        """The stock completion (ranks by node descriptor), then the ranks re-assigned by node index. A node closing
+        a round joined by records (:meth:`_join_by_record`) first puts the chosen nodes in, with a heartbeat of now,
+        out of the wait and redundancy lists, as torch's own join would have."""
+        closing, self._closing = self._closing, None
+        if closing is not None:
+            now = datetime.now(timezone.utc)
+            for node in closing:
+                self._state.participants.setdefault(node, 0)
+                self._state.last_heartbeats[node] = now
+                self._state.wait_list.discard(node)
+                self._state.redundancy_list.discard(node)
+            self._closed_round = self._state.round
         super()._mark_rendezvous_complete()
         state = self._state
         indices = self._indices_of(list(state.participants))
@@ -659,6 +805,14 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
         self._store_away = False
         return waiting
 
+    def join_by_records(self, above: int, beats: NodeBeats) -> None:
+        """Rounds of more than ``above`` nodes join by records (:mod:`disttrain.trainer.launch.joins`); ``beats``
+        reads the nodes' beats for the node that closes such a round."""
+        executor = self._op_executor
+        if isinstance(executor, _TargetAwareOpExecutor):
+            executor.per_node_joins_above = above
+            executor.beats = beats
+
     def republish_identity(self) -> None:
         """After the store came back empty: this node's index and pod, which the agent's silence report and the next
         round's ranks read (written once per join otherwise)."""
@@ -704,6 +858,19 @@ def keep_alive_interval(params: RendezvousParameters) -> float:
     if not 0.01 <= seconds <= 3_600:
         raise ValueError(f"rdzv-conf keep_alive_interval is {raw!r}; it must be within [0.01, 3600] seconds")
     return seconds
+
+
+def per_node_joins_above(params: RendezvousParameters) -> int:
+    """rdzv-conf ``per_node_joins_above``: rounds of more nodes join by records (default
+    :data:`joins.PER_NODE_JOINS_ABOVE`; 0: every round with a target)."""
+    raw = params.get("per_node_joins_above", joins.PER_NODE_JOINS_ABOVE)
+    try:
+        above = int(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"rdzv-conf per_node_joins_above is {raw!r}; it must be a whole number of nodes") from None
+    if above < 0:
+        raise ValueError(f"rdzv-conf per_node_joins_above is {raw!r}; it must be 0 or more")
+    return above
 
 
 def beats_reader(store: Store, run_id: str) -> NodeBeats:
@@ -755,6 +922,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     holder = _ReconnectingStateHolder(backend, settings, generation, beats_reader(state_store, params.run_id))
     node = DisttrainRendezvousHandler._node_desc_generator.generate(params.local_addr)
     handler = DisttrainRendezvousHandler(node, settings, backend.name, store, holder)
+    handler.join_by_records(per_node_joins_above(params), beats_reader(state_store, params.run_id))
     if isinstance(raw, ResilientStore):
         raw.on_reconnect.append(handler.republish_identity)
     # The beat has a connection of its own too: ten writes a second stay out of the joins' way.
