@@ -1,0 +1,278 @@
+"""A rank's uploads in a process of their own, so that the training thread never waits for the uploads' GIL.
+
+boto3's multipart transfers, the digests and the read-back are Python threads: in the training process they hold
+its GIL and slow every step, whatever their nice value. Here one child process per :class:`~.uploads.Uploader`
+does the uploads: started from a ``spawn`` context (a fresh interpreter, never a fork of the threaded trainer) on
+the first upload and reused, at nice 19 (the CFS gives it about 1.5 % of a core the training thread wants), dying
+with its parent (``PR_SET_PDEATHSIG`` and the pipe's end). The parent sends one attempt at a time and keeps the
+retry policy, so ``attempts`` and ``last_error`` are the parent's as before; a child that dies fails the attempt in
+flight, which is retried in a new child.
+
+The child builds its store from a :class:`StoreRecipe`: the bucket and the client's settings, never a client or a
+secret. It reads the credentials as :func:`~.objectstore.make_client` does, from the environment it inherits.
+
+Like any ``spawn`` child (a DataLoader's spawn workers, DCP's process-based async save), the child imports the
+training script's main module as ``__mp_main__`` first: the script keeps its top level under
+``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+from disttrain.api.manifest import FileDigest
+from disttrain.trainer.checkpoint.committer import CheckpointPhase, PhaseHook
+from disttrain.trainer.checkpoint.objectstore import Location, ObjectStoreCommitter, TransferOptions, make_client
+
+log = logging.getLogger("disttrain.trainer")
+
+CHILD_NICENESS = 19
+"""The upload process's nice value: where cores are short, training goes first and the upload takes what is left."""
+READY_TIMEOUT_S = 300.0
+"""How long a new upload process may take to start (at nice 19 on busy cores) before it counts as not startable."""
+POLL_S = 0.5
+"""How often the parent, waiting for its child, looks whether the uploader was closed."""
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoreRecipe:
+    """What a process needs to build a rank's upload store itself: picklable, without a client or a secret."""
+
+    location: Location
+    endpoint: Optional[str] = None
+    region: Optional[str] = None
+    addressing_style: str = "auto"
+    timeouts: tuple[float, float] = (60.0, 60.0)
+    """(connect, read) seconds of one request."""
+    transfer: TransferOptions = dataclasses.field(default_factory=TransferOptions)
+    job_uid: str = ""
+    node: str = ""
+    record_rank: Optional[int] = None
+    """Record each upload for the publisher as this rank (:class:`~.tiered.RecordingStore`); None: upload only."""
+
+    def committer(self) -> DescribedCommitter:
+        return DescribedCommitter(self)
+
+
+class DescribedCommitter(ObjectStoreCommitter):
+    """A committer built from a :class:`StoreRecipe`, so that an upload process can build its twin."""
+
+    def __init__(self, recipe: StoreRecipe) -> None:
+        client = make_client(recipe.endpoint, recipe.region, recipe.addressing_style, recipe.timeouts)
+        super().__init__(client, recipe.location, transfer=recipe.transfer, job_uid=recipe.job_uid, node=recipe.node)
+        self.recipe = recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteStore:
+    """How an :class:`~.uploads.Uploader` uploads through a child process: the child's store, and the phase hook
+    the parent runs when the child reaches a phase (the child waits for it, as the hook may kill this process)."""
+
+    recipe: StoreRecipe
+    on_phase: Optional[PhaseHook] = None
+
+
+class RemoteUploadError(Exception):
+    """An attempt that failed in the upload process; ``str()`` is the child's ``Type: message``."""
+
+
+class UploadProcessDied(OSError):
+    """The upload process ended during an attempt (killed, out of memory): the attempt is retried in a new one."""
+
+
+class UploadProcessUnavailable(OSError):
+    """No upload process could be started here: the uploader falls back to a thread of this process."""
+
+
+class Closed(Exception):
+    """The uploader was closed while it waited for its upload process."""
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL when the parent ends (Linux; ``prctl`` acts when the thread that started us ends), and end now if it
+    already did."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            log.warning("upload process: prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def _lower_priority(pid: int = 0) -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, max(CHILD_NICENESS, os.getpriority(os.PRIO_PROCESS, pid)))
+    except OSError as exc:
+        log.debug("upload process keeps its priority: %s", exc)
+
+
+def _build_store(recipe: StoreRecipe, conn: multiprocessing.connection.Connection, phases: bool) -> Any:
+    committer = recipe.committer()
+    if recipe.record_rank is None:
+        return committer
+    from disttrain.trainer.checkpoint.tiered import RecordingStore
+
+    def ask_parent(phase: CheckpointPhase, step: int) -> None:
+        conn.send(("phase", phase.value, step))
+        if conn.recv() != ("go",):
+            raise OSError("the trainer did not let the upload go on")
+
+    return RecordingStore(committer, recipe.record_rank, ask_parent if phases else None)
+
+
+def serve(conn: multiprocessing.connection.Connection, recipe: StoreRecipe, phases: bool, parent_pid: int) -> None:
+    """The upload process: one attempt per message, until the pipe closes or says ``None``."""
+    _die_with_parent(parent_pid)
+    _lower_priority()
+    store = _build_store(recipe, conn, phases)
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        _, local_dir, step, files, round_ = message
+        try:
+            result = store.upload_files(Path(local_dir), step, files, round_)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which retries
+            conn.send(("failed", f"{type(exc).__name__}: {exc}"[:500]))
+        else:
+            conn.send(("done", result))
+
+
+class UploadProcess:
+    """The parent's side of one upload process: started on the first attempt, started again after it died."""
+
+    def __init__(self, remote: RemoteStore, closed: threading.Event) -> None:
+        self.remote = remote
+        self.closed = closed
+        self._context = multiprocessing.get_context("spawn")
+        self._process: Optional[Any] = None
+        self._conn: Optional[multiprocessing.connection.Connection] = None
+        self.pid: Optional[int] = None
+        """The running upload process's pid (None before the first attempt and after one died)."""
+        self.starts = 0
+        self._busy = False
+
+    def attempt(self, local_dir: Path, step: int, files: dict[str, FileDigest], round_: int) -> dict[str, FileDigest]:
+        """One upload in the child; raises :class:`RemoteUploadError`, :class:`UploadProcessDied`,
+        :class:`UploadProcessUnavailable` or :class:`Closed`."""
+        if self._process is None:
+            self._start()
+        assert self._conn is not None
+        self._busy = True
+        try:
+            return self._upload(("upload", str(local_dir), step, files, round_))
+        finally:
+            self._busy = False
+
+    def _upload(self, request: tuple[Any, ...]) -> dict[str, FileDigest]:
+        assert self._conn is not None
+        try:
+            self._conn.send(request)
+        except OSError as exc:
+            raise self._died() from exc
+        while True:
+            kind, *rest = self._receive()
+            if kind == "phase":
+                assert self.remote.on_phase is not None
+                self.remote.on_phase(CheckpointPhase(rest[0]), rest[1])
+                try:
+                    self._conn.send(("go",))
+                except OSError as exc:
+                    raise self._died() from exc
+            elif kind == "failed":
+                raise RemoteUploadError(rest[0])
+            else:
+                result: dict[str, FileDigest] = rest[0]
+                return result
+
+    def _start(self) -> None:
+        parent, child = self._context.Pipe()
+        process = self._context.Process(
+            target=serve,
+            args=(child, self.remote.recipe, self.remote.on_phase is not None, os.getpid()),
+            name="disttrain-upload",
+            daemon=True,
+        )
+        try:
+            process.start()
+        except Exception as exc:  # whatever the platform refuses, the thread takes over
+            parent.close()
+            raise UploadProcessUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            child.close()
+        assert process.pid is not None
+        _lower_priority(process.pid)  # at once: the child lowers itself only once its interpreter is up
+        self._process, self._conn, self.starts = process, parent, self.starts + 1
+        try:
+            _, pid = self._receive(READY_TIMEOUT_S)
+        except UploadProcessDied as exc:
+            if self.starts == 1:
+                raise UploadProcessUnavailable(str(exc)) from exc
+            raise
+        self.pid = pid
+        log.info("checkpoint uploads run in process %d (nice %d)", pid, CHILD_NICENESS)
+
+    def _receive(self, timeout_s: Optional[float] = None) -> Any:
+        """The child's next message; waits while the child lives and the uploader is open."""
+        assert self._process is not None and self._conn is not None
+        waited = 0.0
+        while True:
+            if self.closed.is_set():
+                raise Closed()
+            ready = multiprocessing.connection.wait([self._conn, self._process.sentinel], POLL_S)
+            if self._conn in ready:
+                try:
+                    return self._conn.recv()
+                except (EOFError, OSError) as exc:
+                    raise self._died() from exc
+            if ready:
+                raise self._died()
+            waited += POLL_S
+            if timeout_s is not None and waited >= timeout_s:
+                self.stop()
+                raise UploadProcessUnavailable(f"the upload process did not start within {timeout_s:.0f} s")
+
+    def _died(self) -> UploadProcessDied:
+        pid = self._process.pid if self._process is not None else None
+        return UploadProcessDied(f"the upload process {pid} ended (exit code {self.stop()})")
+
+    def stop(self, timeout_s: float = 5.0) -> Optional[int]:
+        """End the child (asked first when idle, terminated in the middle of an upload, killed if need be) and reap
+        it; returns its exit code."""
+        process, conn = self._process, self._conn
+        self._process = self._conn = None
+        self.pid = None
+        if conn is not None:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+            conn.close()
+        if process is None:
+            return None
+        if process.is_alive() and not self._busy:
+            process.join(timeout_s)
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout_s)
+        if process.is_alive():
+            process.kill()
+        process.join()
+        code: Optional[int] = process.exitcode
+        process.close()
+        return code
