@@ -189,7 +189,11 @@ class UploadProcess:
             kind, *rest = self._receive()
             if kind == "phase":
                 assert self.remote.on_phase is not None
-                self.remote.on_phase(CheckpointPhase(rest[0]), rest[1])
+                try:
+                    self.remote.on_phase(CheckpointPhase(rest[0]), rest[1])
+                except BaseException:
+                    self.stop()  # the child waits for a "go" that never comes: a new one takes the next attempt
+                    raise
                 try:
                     self._conn.send(("go",))
                 except OSError as exc:
