@@ -16,12 +16,14 @@ of ``--repeats``, alternating in this run.
 step_during_upload_vs_idle: the median training step (forward, backward, AdamW on the same model, one torch thread)
 while the trainer's background Uploader sends a committed checkpoint to the bucket through its upload process (as a
 rank's BucketTier does: the bucket described by a StoreRecipe, credentials in the environment), divided by the
-median of as many steps with no upload, run right after it; ``--repeats`` uploads, at most ``--steps-during`` steps
-each (the upload at nice 19 on the training's core may take much longer: the steps after it are not measured).
-The upload process inherits this process's CPUs, so it competes with the training thread for its core.
-step_during_in_process_upload_vs_idle: the same with the uploads in threads of this process (the fallback where no
-upload process can start), alternating with the first in this run. On a machine that also runs the server, the
-server's CPU time is in both.
+median step with that process paused (SIGSTOP) in the middle of the same upload, the two alternating step by step
+(ABBA): the machine's other load weighs on both alike. ``--repeats`` uploads, at most ``--steps-during`` pairs each
+(at nice 19 on the training's core the upload takes much longer; it then finishes untimed). The upload process
+inherits this process's CPUs, so it competes with the training thread for its core.
+step_during_in_process_upload_vs_idle: the median step while the uploads run in threads of this process (the
+fallback where no upload process can start), at most ``--steps-during`` steps, divided by the median of as many
+steps right after the upload; alternating with the first in this run. On a machine that also runs the server, the
+server's CPU time is in both figures.
 resume_bucket_vs_volume: the time to resume a model + AdamW state from the bucket (find the newest trusted
 checkpoint, download it, verify every byte, load it with DCP) divided by loading the same checkpoint from a local
 volume (validate every digest, load).
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -48,6 +51,7 @@ import checkpoint_throughput as bench
 from tests import s3server
 from tests.manifests import bare_manifest
 
+from disttrain.api.manifest import FileDigest
 from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer.checkpoint import commit, storage
 from disttrain.trainer.checkpoint import manager as ckpt_mod
@@ -92,15 +96,49 @@ def step_seconds_with_and_without_upload(
 ) -> tuple[list[float], list[float]]:
     """Step times while ``uploader`` sends ``local``'s checkpoint as step ``step`` (at most ``max_steps``; the upload
     then finishes untimed), and as many right after with nothing uploading."""
-    v = commit.validate(local)
-    assert v.manifest is not None
     model, opt, x = train
-    upload = uploader.submit(step, local, dict(v.manifest.files), 1)
+    upload = uploader.submit(step, local, files_of(local), 1)
     during = []
     while not upload.done.is_set() and len(during) < max_steps:
         during.append(timed_step(model, opt, x))
     assert upload.done.wait(600) and upload.result is not None, upload.last_error
     return during, [timed_step(model, opt, x) for _ in during]
+
+
+def paired_step_seconds(
+    train: tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor],
+    uploader: Uploader,
+    local: Path,
+    step: int,
+    pairs: int,
+) -> tuple[list[float], list[float]]:
+    """Step times while ``uploader``'s upload process sends ``local``'s checkpoint as step ``step``, paired with
+    steps while that process is paused (SIGSTOP: nothing in flight) in the middle of the same upload, in the order
+    ABBA so that a machine whose load drifts weighs on both alike; at most ``pairs`` pairs (the upload then
+    finishes untimed)."""
+    model, opt, x = train
+    assert uploader.process is not None
+    upload = uploader.submit(step, local, files_of(local), 1)
+    while uploader.process.pid is None and not upload.done.is_set():  # the first upload starts the process
+        time.sleep(0.05)
+    pid = uploader.process.pid
+    during: list[float] = []
+    idle: list[float] = []
+    try:
+        while not upload.done.is_set() and len(during) < pairs:
+            for paused in (False, True) if len(during) % 2 == 0 else (True, False):
+                os.kill(pid, signal.SIGSTOP if paused else signal.SIGCONT)
+                (idle if paused else during).append(timed_step(model, opt, x))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert upload.done.wait(600) and upload.result is not None, upload.last_error
+    return during, idle
+
+
+def files_of(local: Path) -> dict[str, FileDigest]:
+    v = commit.validate(local)
+    assert v.manifest is not None
+    return dict(v.manifest.files)
 
 
 def main() -> None:
@@ -110,7 +148,7 @@ def main() -> None:
     parser.add_argument("--part-mb", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--step-batch", type=int, default=64, help="samples of a training step (1024 wide)")
-    parser.add_argument("--steps-during", type=int, default=40, help="steps timed during one upload, at most")
+    parser.add_argument("--steps-during", type=int, default=40, help="steps (pairs) timed during one upload, at most")
     parser.add_argument("--no-pin", action="store_true", help="leave the local gateway on every CPU")
     parser.add_argument("--endpoint", default="")
     parser.add_argument("--access-key", default=s3server.ACCESS_KEY)
@@ -201,9 +239,8 @@ def main() -> None:
         times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in uploaders}
         for r in range(args.repeats):
             for i, (name, uploader) in enumerate(uploaders.items()):
-                during, idle = step_seconds_with_and_without_upload(
-                    (model, opt, x), uploader, local, 2 * r + i + 1, args.steps_during
-                )
+                measure = paired_step_seconds if uploader.process is not None else step_seconds_with_and_without_upload
+                during, idle = measure((model, opt, x), uploader, local, 2 * r + i + 1, args.steps_during)
                 times[name][0].extend(during)
                 times[name][1].extend(idle)
         for uploader in uploaders.values():

@@ -1,7 +1,8 @@
 """A rank's checkpoint uploads in a process of their own (trainer/checkpoint/uploadprocess.py), against a real S3
 server (Ceph RADOS Gateway, tests/s3server.py) and with real processes: the objects arrive from another process at
-nice 19; an upload process killed in the middle of an upload is replaced and the upload completes; the upload
-process ends when the trainer process dies; where no upload process can be started, the uploads run in this one.
+the lowest CPU priority; an upload process killed in the middle of an upload is replaced and the upload completes;
+the upload process ends when the trainer process dies; where no upload process can be started, the uploads run in
+this one.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def test_uploads_run_in_a_low_priority_process_of_their_own_reused_for_every_upl
     child = uploader.process.pid
     assert child != os.getpid() and parent_of(child) == os.getpid()
     assert os.getpriority(os.PRIO_PROCESS, child) == CHILD_NICENESS
+    assert os.sched_getscheduler(child) == os.SCHED_IDLE
     for name, digest in first.result.items():
         head = client.head_object(Bucket=bucket, Key=f"jobs/demo/step-4/r{agreed}/{name}")
         assert head["ContentLength"] == digest.size and head["ETag"].strip('"') == digest.etag

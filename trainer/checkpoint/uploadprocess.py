@@ -3,10 +3,16 @@
 boto3's multipart transfers, the digests and the read-back are Python threads: in the training process they hold
 its GIL and slow every step, whatever their nice value. Here one child process per :class:`~.uploads.Uploader`
 does the uploads: started from a ``spawn`` context (a fresh interpreter, never a fork of the threaded trainer) on
-the first upload and reused, at nice 19 (the CFS gives it about 1.5 % of a core the training thread wants), dying
-with its parent (``PR_SET_PDEATHSIG`` and the pipe's end). The parent sends one attempt at a time and keeps the
-retry policy, so ``attempts`` and ``last_error`` are the parent's as before; a child that dies fails the attempt in
-flight, which is retried in a new child.
+the first upload and reused, at the lowest CPU priority (below), dying with its parent (``PR_SET_PDEATHSIG`` and
+the pipe's end). The parent sends one attempt at a time and keeps the retry policy, so ``attempts`` and
+``last_error`` are the parent's; a child that dies fails the attempt in flight, which is retried in a new child.
+
+Priority: the child runs at nice 19 and, on Linux, in the ``SCHED_IDLE`` class, as do the transfer threads it
+starts. Nice 19 alone is not enough: a nice value weighs per thread (a dozen transfer threads at nice 19 can weigh a
+dozen times one), and a woken nice-19 thread may still preempt the training thread for a slice. A ``SCHED_IDLE``
+thread has the least weight there is and never preempts a normal thread on waking: where cores are short, training
+goes first and the upload takes what is left; idle cores it uses freely. No lock is shared with the trainer, so
+there is no inversion (in the trainer's own process, a thread this low holding the GIL would stall training).
 
 The child builds its store from a :class:`StoreRecipe`: the bucket and the client's settings, never a client or a
 secret. It reads the credentials as :func:`~.objectstore.make_client` does, from the environment it inherits.
@@ -37,9 +43,10 @@ from disttrain.trainer.checkpoint.objectstore import Location, ObjectStoreCommit
 log = logging.getLogger("disttrain.trainer")
 
 CHILD_NICENESS = 19
-"""The upload process's nice value: where cores are short, training goes first and the upload takes what is left."""
+"""The upload process's nice value (where the ``SCHED_IDLE`` class is not to be had)."""
 READY_TIMEOUT_S = 300.0
-"""How long a new upload process may take to start (at nice 19 on busy cores) before it counts as not startable."""
+"""How long a new upload process may take to start (at its priority, on busy cores) before it counts as not
+startable."""
 POLL_S = 0.5
 """How often the parent, waiting for its child, looks whether the uploader was closed."""
 _PR_SET_PDEATHSIG = 1
@@ -111,8 +118,12 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _lower_priority(pid: int = 0) -> None:
+    """Nice :data:`CHILD_NICENESS` and, on Linux, the ``SCHED_IDLE`` class (``pid`` 0: this process); the threads it
+    starts later inherit both. Best effort."""
     try:
         os.setpriority(os.PRIO_PROCESS, pid, max(CHILD_NICENESS, os.getpriority(os.PRIO_PROCESS, pid)))
+        if hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
     except OSError as exc:
         log.debug("upload process keeps its priority: %s", exc)
 
@@ -229,7 +240,7 @@ class UploadProcess:
                 raise UploadProcessUnavailable(str(exc)) from exc
             raise
         self.pid = pid
-        log.info("checkpoint uploads run in process %d (nice %d)", pid, CHILD_NICENESS)
+        log.info("checkpoint uploads run in process %d (nice %d, SCHED_IDLE where Linux has it)", pid, CHILD_NICENESS)
 
     def _receive(self, timeout_s: Optional[float] = None) -> Any:
         """The child's next message; waits while the child lives and the uploader is open."""

@@ -6,9 +6,9 @@ multipart, read back). A store that fails or cannot be reached is retried with e
 doubling up to ``max_s``) until it answers or the uploader is closed: it delays the save's COMPLETE, never the
 caller. Each upload records its attempts and last error, which is what status, metrics and events report.
 
-With a :class:`~.uploadprocess.RemoteStore` (what :class:`~.tiered.BucketTier` passes for a bucket of the spec),
-the transfers run in a process of their own at nice 19 (:mod:`.uploadprocess`): their threads never hold the
-training process's GIL, and the thread here only waits on a pipe. Without one, or where no process can be
+With a :class:`~.uploadprocess.RemoteStore` (what :class:`~.tiered.BucketTier` passes for a bucket of the spec), the
+transfers run in a process of their own at the lowest CPU priority (:mod:`.uploadprocess`): their threads never hold
+the training process's GIL, and the thread here only waits on a pipe. Without one, or where no process can be
 started, the transfers run in this process: the upload thread and the transfer threads it starts (Linux threads
 inherit their creator's priority) run at a lower CPU priority (:data:`UPLOAD_NICENESS`), but share the GIL.
 """
