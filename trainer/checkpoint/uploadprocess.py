@@ -117,12 +117,12 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
-def _lower_priority(pid: int = 0) -> None:
-    """Nice :data:`CHILD_NICENESS` and, on Linux, the ``SCHED_IDLE`` class (``pid`` 0: this process); the threads it
-    starts later inherit both. Best effort."""
+def _lower_priority(pid: int = 0, idle_class: bool = True) -> None:
+    """Nice :data:`CHILD_NICENESS` and, with ``idle_class`` on Linux, the ``SCHED_IDLE`` class (``pid`` 0: this
+    thread); the threads it starts later inherit both. Best effort."""
     try:
         os.setpriority(os.PRIO_PROCESS, pid, max(CHILD_NICENESS, os.getpriority(os.PRIO_PROCESS, pid)))
-        if hasattr(os, "SCHED_IDLE"):
+        if idle_class and hasattr(os, "SCHED_IDLE"):
             os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
     except OSError as exc:
         log.debug("upload process keeps its priority: %s", exc)
@@ -145,8 +145,9 @@ def _build_store(recipe: StoreRecipe, conn: multiprocessing.connection.Connectio
 def serve(conn: multiprocessing.connection.Connection, recipe: StoreRecipe, phases: bool, parent_pid: int) -> None:
     """The upload process: one attempt per message, until the pipe closes or says ``None``."""
     _die_with_parent(parent_pid)
-    _lower_priority()
+    os.setpgrp()  # out of the trainer's process group: a SIGTERM to the group (a drain) is the trainer's to act on
     store = _build_store(recipe, conn, phases)
+    _lower_priority()  # started at nice 19 only: the idle class would stretch the start on busy cores
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -231,7 +232,7 @@ class UploadProcess:
         finally:
             child.close()
         assert process.pid is not None
-        _lower_priority(process.pid)  # at once: the child lowers itself only once its interpreter is up
+        _lower_priority(process.pid, idle_class=False)  # at once: the child enters the idle class once it is up
         self._process, self._conn, self.starts = process, parent, self.starts + 1
         try:
             _, pid = self._receive(READY_TIMEOUT_S)
@@ -267,8 +268,8 @@ class UploadProcess:
         return UploadProcessDied(f"the upload process {pid} ended (exit code {self.stop()})")
 
     def stop(self, timeout_s: float = 5.0) -> Optional[int]:
-        """End the child (asked first when idle, terminated in the middle of an upload, killed if need be) and reap
-        it; returns its exit code."""
+        """End the child (asked first when idle, killed in the middle of an upload or when it does not end) and
+        reap it; returns its exit code."""
         process, conn = self._process, self._conn
         self._process = self._conn = None
         self.pid = None
@@ -281,9 +282,6 @@ class UploadProcess:
         if process is None:
             return None
         if process.is_alive() and not self._busy:
-            process.join(timeout_s)
-        if process.is_alive():
-            process.terminate()
             process.join(timeout_s)
         if process.is_alive():
             process.kill()
