@@ -2,10 +2,12 @@
 
 boto3's multipart transfers, the digests and the read-back are Python threads: in the training process they hold
 its GIL and slow every step, whatever their nice value. Here one child process per :class:`~.uploads.Uploader`
-does the uploads: started from a ``spawn`` context (a fresh interpreter, never a fork of the threaded trainer) on
-the first upload and reused, at the lowest CPU priority (below), dying with its parent (``PR_SET_PDEATHSIG`` and
-the pipe's end). The parent sends one attempt at a time and keeps the retry policy, so ``attempts`` and
-``last_error`` are the parent's; a child that dies fails the attempt in flight, which is retried in a new child.
+does the uploads: a fresh interpreter running this module alone (never a fork of the threaded trainer, and never
+an import of the training script, as a ``multiprocessing`` spawn child would do), started on the first upload and
+reused, in a session of its own (a SIGTERM to the trainer's process group, a drain, is the trainer's to act on), at
+the lowest CPU priority (below), dying with its parent (``PR_SET_PDEATHSIG`` and the pipe's end). The parent
+sends one attempt at a time and keeps the retry policy, so ``attempts`` and ``last_error`` are the parent's; a
+child that dies fails the attempt in flight, which is retried in a new child.
 
 Priority: the child runs at nice 19 and, on Linux, in the ``SCHED_IDLE`` class, as do the transfer threads it
 starts. Nice 19 alone is not enough: a nice value weighs per thread (a dozen transfer threads at nice 19 can weigh a
@@ -17,9 +19,8 @@ there is no inversion (in the trainer's own process, a thread this low holding t
 The child builds its store from a :class:`StoreRecipe`: the bucket and the client's settings, never a client or a
 secret. It reads the credentials as :func:`~.objectstore.make_client` does, from the environment it inherits.
 
-Like any ``spawn`` child (a DataLoader's spawn workers, DCP's process-based async save), the child imports the
-training script's main module as ``__mp_main__`` first: the script keeps its top level under
-``if __name__ == "__main__":``.
+The pipe is a ``multiprocessing`` connection (a socket pair) whose end the child inherits as a file descriptor;
+the recipe is its first message.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -142,10 +144,13 @@ def _build_store(recipe: StoreRecipe, conn: multiprocessing.connection.Connectio
     return RecordingStore(committer, recipe.record_rank, ask_parent if phases else None)
 
 
-def serve(conn: multiprocessing.connection.Connection, recipe: StoreRecipe, phases: bool, parent_pid: int) -> None:
-    """The upload process: one attempt per message, until the pipe closes or says ``None``."""
+def serve(conn: multiprocessing.connection.Connection, parent_pid: int) -> None:
+    """The upload process: the recipe first, then one attempt per message, until the pipe closes or says ``None``."""
     _die_with_parent(parent_pid)
-    os.setpgrp()  # out of the trainer's process group: a SIGTERM to the group (a drain) is the trainer's to act on
+    try:
+        recipe, phases = conn.recv()
+    except (EOFError, OSError):
+        return
     store = _build_store(recipe, conn, phases)
     _lower_priority()  # started at nice 19 only: the idle class would stretch the start on busy cores
     conn.send(("ready", os.getpid()))
@@ -171,8 +176,7 @@ class UploadProcess:
     def __init__(self, remote: RemoteStore, closed: threading.Event) -> None:
         self.remote = remote
         self.closed = closed
-        self._context = multiprocessing.get_context("spawn")
-        self._process: Optional[Any] = None
+        self._process: Optional[subprocess.Popen[bytes]] = None
         self._conn: Optional[multiprocessing.connection.Connection] = None
         self.pid: Optional[int] = None
         """The running upload process's pid (None before the first attempt and after one died)."""
@@ -217,23 +221,24 @@ class UploadProcess:
                 return result
 
     def _start(self) -> None:
-        parent, child = self._context.Pipe()
-        process = self._context.Process(
-            target=serve,
-            args=(child, self.remote.recipe, self.remote.on_phase is not None, os.getpid()),
-            name="disttrain-upload",
-            daemon=True,
-        )
+        parent, child = multiprocessing.Pipe()
+        command = [sys.executable, "-m", __name__, str(child.fileno()), str(os.getpid())]
         try:
-            process.start()
+            process = subprocess.Popen(
+                command, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True
+            )
         except Exception as exc:  # whatever the platform refuses, the thread takes over
             parent.close()
             raise UploadProcessUnavailable(f"{type(exc).__name__}: {exc}") from exc
         finally:
             child.close()
-        assert process.pid is not None
         _lower_priority(process.pid, idle_class=False)  # at once: the child enters the idle class once it is up
         self._process, self._conn, self.starts = process, parent, self.starts + 1
+        try:
+            parent.send((self.remote.recipe, self.remote.on_phase is not None))
+        except Exception as exc:  # a recipe that cannot be sent, or a child already gone
+            self.stop()
+            raise UploadProcessUnavailable(f"{type(exc).__name__}: {exc}") from exc
         try:
             _, pid = self._receive(READY_TIMEOUT_S)
         except UploadProcessDied as exc:
@@ -250,13 +255,12 @@ class UploadProcess:
         while True:
             if self.closed.is_set():
                 raise Closed()
-            ready = multiprocessing.connection.wait([self._conn, self._process.sentinel], POLL_S)
-            if self._conn in ready:
+            if self._conn.poll(POLL_S):  # a dead child's end of the pipe closes: EOF here
                 try:
                     return self._conn.recv()
                 except (EOFError, OSError) as exc:
                     raise self._died() from exc
-            if ready:
+            if self._process.poll() is not None:
                 raise self._died()
             waited += POLL_S
             if timeout_s is not None and waited >= timeout_s:
@@ -281,11 +285,20 @@ class UploadProcess:
             conn.close()
         if process is None:
             return None
-        if process.is_alive() and not self._busy:
-            process.join(timeout_s)
-        if process.is_alive():
+        if process.poll() is None and not self._busy:
+            try:
+                process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        if process.poll() is None:
             process.kill()
-        process.join()
-        code: Optional[int] = process.exitcode
-        process.close()
-        return code
+        return process.wait()
+
+
+def main(argv: list[str]) -> None:
+    """``python -m disttrain.trainer.checkpoint.uploadprocess <pipe fd> <parent pid>``: the upload process."""
+    serve(multiprocessing.connection.Connection(int(argv[0])), int(argv[1]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
