@@ -1,0 +1,304 @@
+"""A rank's uploads in a process of their own, so that the training thread never waits for the uploads' GIL.
+
+boto3's multipart transfers, the digests and the read-back are Python threads: in the training process they hold
+its GIL and slow every step, whatever their nice value. Here one child process per :class:`~.uploads.Uploader`
+does the uploads: a fresh interpreter running this module alone (never a fork of the threaded trainer, and never
+an import of the training script, as a ``multiprocessing`` spawn child would do), started on the first upload and
+reused, in a session of its own (a SIGTERM to the trainer's process group, a drain, is the trainer's to act on), at
+the lowest CPU priority (below), dying with its parent (``PR_SET_PDEATHSIG`` and the pipe's end). The parent
+sends one attempt at a time and keeps the retry policy, so ``attempts`` and ``last_error`` are the parent's; a
+child that dies fails the attempt in flight, which is retried in a new child.
+
+Priority: the child runs at nice 19 and, on Linux, in the ``SCHED_IDLE`` class, as do the transfer threads it
+starts. Nice 19 alone is not enough: a nice value weighs per thread (a dozen transfer threads at nice 19 can weigh a
+dozen times one), and a woken nice-19 thread may still preempt the training thread for a slice. A ``SCHED_IDLE``
+thread has the least weight there is and never preempts a normal thread on waking: where cores are short, training
+goes first and the upload takes what is left; idle cores it uses freely. No lock is shared with the trainer, so
+there is no inversion (in the trainer's own process, a thread this low holding the GIL would stall training).
+
+The child builds its store from a :class:`StoreRecipe`: the bucket and the client's settings, never a client or a
+secret. It reads the credentials as :func:`~.objectstore.make_client` does, from the environment it inherits.
+
+The pipe is a ``multiprocessing`` connection (a socket pair) whose end the child inherits as a file descriptor;
+the recipe is its first message.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+from disttrain.api.manifest import FileDigest
+from disttrain.trainer.checkpoint.committer import CheckpointPhase, PhaseHook
+from disttrain.trainer.checkpoint.objectstore import Location, ObjectStoreCommitter, TransferOptions, make_client
+
+log = logging.getLogger("disttrain.trainer")
+
+CHILD_NICENESS = 19
+"""The upload process's nice value (where the ``SCHED_IDLE`` class is not to be had)."""
+READY_TIMEOUT_S = 300.0
+"""How long a new upload process may take to start (at its priority, on busy cores) before it counts as not
+startable."""
+POLL_S = 0.5
+"""How often the parent, waiting for its child, looks whether the uploader was closed."""
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoreRecipe:
+    """What a process needs to build a rank's upload store itself: picklable, without a client or a secret."""
+
+    location: Location
+    endpoint: Optional[str] = None
+    region: Optional[str] = None
+    addressing_style: str = "auto"
+    timeouts: tuple[float, float] = (60.0, 60.0)
+    """(connect, read) seconds of one request."""
+    transfer: TransferOptions = dataclasses.field(default_factory=TransferOptions)
+    job_uid: str = ""
+    node: str = ""
+    record_rank: Optional[int] = None
+    """Record each upload for the publisher as this rank (:class:`~.tiered.RecordingStore`); None: upload only."""
+
+    def committer(self) -> DescribedCommitter:
+        return DescribedCommitter(self)
+
+
+class DescribedCommitter(ObjectStoreCommitter):
+    """A committer built from a :class:`StoreRecipe`, so that an upload process can build its twin."""
+
+    def __init__(self, recipe: StoreRecipe) -> None:
+        client = make_client(recipe.endpoint, recipe.region, recipe.addressing_style, recipe.timeouts)
+        super().__init__(client, recipe.location, transfer=recipe.transfer, job_uid=recipe.job_uid, node=recipe.node)
+        self.recipe = recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteStore:
+    """How an :class:`~.uploads.Uploader` uploads through a child process: the child's store, and the phase hook
+    the parent runs when the child reaches a phase (the child waits for it, as the hook may kill this process)."""
+
+    recipe: StoreRecipe
+    on_phase: Optional[PhaseHook] = None
+
+
+class RemoteUploadError(Exception):
+    """An attempt that failed in the upload process; ``str()`` is the child's ``Type: message``."""
+
+
+class UploadProcessDied(OSError):
+    """The upload process ended during an attempt (killed, out of memory): the attempt is retried in a new one."""
+
+
+class UploadProcessUnavailable(OSError):
+    """No upload process could be started here: the uploader falls back to a thread of this process."""
+
+
+class Closed(Exception):
+    """The uploader was closed while it waited for its upload process."""
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL when the parent ends (Linux; ``prctl`` acts when the thread that started us ends), and end now if it
+    already did."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            log.warning("upload process: prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def _lower_priority(pid: int = 0, idle_class: bool = True) -> None:
+    """Nice :data:`CHILD_NICENESS` and, with ``idle_class`` on Linux, the ``SCHED_IDLE`` class (``pid`` 0: this
+    thread); the threads it starts later inherit both. Best effort."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, max(CHILD_NICENESS, os.getpriority(os.PRIO_PROCESS, pid)))
+        if idle_class and hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+    except OSError as exc:
+        log.debug("upload process keeps its priority: %s", exc)
+
+
+def _build_store(recipe: StoreRecipe, conn: multiprocessing.connection.Connection, phases: bool) -> Any:
+    committer = recipe.committer()
+    if recipe.record_rank is None:
+        return committer
+    from disttrain.trainer.checkpoint.tiered import RecordingStore
+
+    def ask_parent(phase: CheckpointPhase, step: int) -> None:
+        conn.send(("phase", phase.value, step))
+        if conn.recv() != ("go",):
+            raise OSError("the trainer did not let the upload go on")
+
+    return RecordingStore(committer, recipe.record_rank, ask_parent if phases else None)
+
+
+def serve(conn: multiprocessing.connection.Connection, parent_pid: int) -> None:
+    """The upload process: the recipe first, then one attempt per message, until the pipe closes or says ``None``."""
+    _die_with_parent(parent_pid)
+    try:
+        recipe, phases = conn.recv()
+    except (EOFError, OSError):
+        return
+    store = _build_store(recipe, conn, phases)
+    _lower_priority()  # started at nice 19 only: the idle class would stretch the start on busy cores
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        _, local_dir, step, files, round_ = message
+        try:
+            result = store.upload_files(Path(local_dir), step, files, round_)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which retries
+            conn.send(("failed", f"{type(exc).__name__}: {exc}"[:500]))
+        else:
+            conn.send(("done", result))
+
+
+class UploadProcess:
+    """The parent's side of one upload process: started on the first attempt, started again after it died."""
+
+    def __init__(self, remote: RemoteStore, closed: threading.Event) -> None:
+        self.remote = remote
+        self.closed = closed
+        self._process: Optional[subprocess.Popen[bytes]] = None
+        self._conn: Optional[multiprocessing.connection.Connection] = None
+        self.pid: Optional[int] = None
+        """The running upload process's pid (None before the first attempt and after one died)."""
+        self.starts = 0
+        self._busy = False
+
+    def attempt(self, local_dir: Path, step: int, files: dict[str, FileDigest], round_: int) -> dict[str, FileDigest]:
+        """One upload in the child; raises :class:`RemoteUploadError`, :class:`UploadProcessDied`,
+        :class:`UploadProcessUnavailable` or :class:`Closed`."""
+        if self._process is None:
+            self._start()
+        assert self._conn is not None
+        self._busy = True
+        try:
+            return self._upload(("upload", str(local_dir), step, files, round_))
+        finally:
+            self._busy = False
+
+    def _upload(self, request: tuple[Any, ...]) -> dict[str, FileDigest]:
+        assert self._conn is not None
+        try:
+            self._conn.send(request)
+        except OSError as exc:
+            raise self._died() from exc
+        while True:
+            kind, *rest = self._receive()
+            if kind == "phase":
+                assert self.remote.on_phase is not None
+                try:
+                    self.remote.on_phase(CheckpointPhase(rest[0]), rest[1])
+                except BaseException:
+                    self.stop()  # the child waits for a "go" that never comes: a new one takes the next attempt
+                    raise
+                try:
+                    self._conn.send(("go",))
+                except OSError as exc:
+                    raise self._died() from exc
+            elif kind == "failed":
+                raise RemoteUploadError(rest[0])
+            else:
+                result: dict[str, FileDigest] = rest[0]
+                return result
+
+    def _start(self) -> None:
+        parent, child = multiprocessing.Pipe()
+        command = [sys.executable, "-m", __name__, str(child.fileno()), str(os.getpid())]
+        try:
+            process = subprocess.Popen(
+                command, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        except Exception as exc:  # whatever the platform refuses, the thread takes over
+            parent.close()
+            raise UploadProcessUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            child.close()
+        _lower_priority(process.pid, idle_class=False)  # at once: the child enters the idle class once it is up
+        self._process, self._conn, self.starts = process, parent, self.starts + 1
+        try:
+            parent.send((self.remote.recipe, self.remote.on_phase is not None))
+        except Exception as exc:  # a recipe that cannot be sent, or a child already gone
+            self.stop()
+            raise UploadProcessUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        try:
+            _, pid = self._receive(READY_TIMEOUT_S)
+        except UploadProcessDied as exc:
+            if self.starts == 1:
+                raise UploadProcessUnavailable(str(exc)) from exc
+            raise
+        self.pid = pid
+        log.info("checkpoint uploads run in process %d (nice %d, SCHED_IDLE where Linux has it)", pid, CHILD_NICENESS)
+
+    def _receive(self, timeout_s: Optional[float] = None) -> Any:
+        """The child's next message; waits while the child lives and the uploader is open."""
+        assert self._process is not None and self._conn is not None
+        waited = 0.0
+        while True:
+            if self.closed.is_set():
+                raise Closed()
+            if self._conn.poll(POLL_S):  # a dead child's end of the pipe closes: EOF here
+                try:
+                    return self._conn.recv()
+                except (EOFError, OSError) as exc:
+                    raise self._died() from exc
+            if self._process.poll() is not None:
+                raise self._died()
+            waited += POLL_S
+            if timeout_s is not None and waited >= timeout_s:
+                self.stop()
+                raise UploadProcessUnavailable(f"the upload process did not start within {timeout_s:.0f} s")
+
+    def _died(self) -> UploadProcessDied:
+        pid = self._process.pid if self._process is not None else None
+        return UploadProcessDied(f"the upload process {pid} ended (exit code {self.stop()})")
+
+    def stop(self, timeout_s: float = 5.0) -> Optional[int]:
+        """End the child (asked first when idle, killed in the middle of an upload or when it does not end) and
+        reap it; returns its exit code."""
+        process, conn = self._process, self._conn
+        self._process = self._conn = None
+        self.pid = None
+        if conn is not None:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+            conn.close()
+        if process is None:
+            return None
+        if process.poll() is None and not self._busy:
+            try:
+                process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        if process.poll() is None:
+            process.kill()
+        return process.wait()
+
+
+def main(argv: list[str]) -> None:
+    """``python -m disttrain.trainer.checkpoint.uploadprocess <pipe fd> <parent pid>``: the upload process."""
+    serve(multiprocessing.connection.Connection(int(argv[0])), int(argv[1]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
