@@ -54,6 +54,10 @@ def plan(world_size: int, batch: int) -> dict[str, float | int]:
 class DictStore:
     """The part of a TCPStore the agent uses (``check``, ``get``, ``set``), in memory."""
 
+    verifies_values = True
+    """Only the stand-in trainer writes it, so the agent may read the rendezvous state from it (absent here: no
+    round members and no silent nodes), as it reads it from its signed store in a pod."""
+
     def __init__(self) -> None:
         self._values: dict[str, bytes] = {}
         self._lock = threading.Lock()
@@ -65,6 +69,10 @@ class DictStore:
     def get(self, name: str) -> bytes:
         with self._lock:
             return self._values[name]
+
+    def multi_get(self, names: list[str]) -> list[bytes]:
+        with self._lock:
+            return [self._values[name] for name in names]
 
     def set(self, name: str, value: Union[str, bytes]) -> None:
         with self._lock:

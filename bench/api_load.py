@@ -696,7 +696,7 @@ def main() -> int:
             ("the operator's decision (issuedAt)", probes.decided),
             ("the directive, the job's own watch", probes.seen_own_watch),
             ("the directive, a watch on every job", probes.seen_all_jobs_watch),
-            ("the drain's end (new round, 2 pods)", probes.settled),
+            ("the drain's end (new round, N - 1)", probes.settled),
         ):
             if values:
                 print(f"  {label:36s} {_quantile_columns(values)}   {', '.join(f'{v:.0f}' for v in sorted(values))}")

@@ -113,8 +113,13 @@ SLOW_WRITE_S = 0.1
 """A write slower than this means a loaded API server: the progress interval stretches by ``duration / SLOW_WRITE_S``
 (at the default 60 s: a 0.3 s write -> 180 s); an unloaded one answers a status PATCH in 10-50 ms."""
 MAX_BACKOFF = 6.0
-"""A slow API server stretches the progress interval to at most this many times ``progressIntervalSeconds``
-(6 minutes at the default): how stale step and samples in the job's status may get, at worst, under load."""
+"""A slow API server stretches the progress interval to at most this many times ``progressIntervalSeconds``, and to
+no more than :data:`MAX_STRETCHED_S`: how stale step and samples in the job's status may get, at worst, under load."""
+MAX_STRETCHED_S = 180.0
+"""The longest a slow API server stretches the progress interval to (an interval set longer stays as set): 3 minutes
+at the default 60 s, the 6 intervals of :data:`MAX_BACKOFF` for intervals up to 30 s. Why a bound in seconds: a
+minute's interval already writes as seldom as a 10 s one at its full back-off, and six minutes of a stale status
+after one slow write (an agent started while the API server was busy) is longer than anyone watching will wait."""
 LATENCY_SMOOTHING = 0.5
 """Weight of the newest write's duration in the moving average the back-off follows (a slow write half counts)."""
 MAX_COUNTED_WRITE_S = 1.0
@@ -151,7 +156,8 @@ class ProgressThrottle:
 
     def period(self, interval_s: float) -> float:
         """Seconds between periodic writes before the jitter: the interval, stretched while writes are slow."""
-        return interval_s * min(MAX_BACKOFF, max(1.0, self.write_seconds / SLOW_WRITE_S))
+        stretched = interval_s * min(MAX_BACKOFF, max(1.0, self.write_seconds / SLOW_WRITE_S))
+        return min(stretched, max(interval_s, MAX_STRETCHED_S))
 
     def is_due(self, *, urgent: bool, interval_s: float, now: float) -> bool:
         return urgent or self.last_write is None or now - self.last_write >= self.period(interval_s) * self.stretch

@@ -175,6 +175,17 @@ def test_slow_writes_stretch_the_interval_up_to_the_cap_and_fast_ones_bring_it_b
     assert throttle.period(10) == 10
 
 
+def test_the_stretch_is_bounded_in_seconds_for_long_intervals():
+    """At a minute's interval a slow server stretches it to 3 minutes, not 6; an interval set longer stays."""
+    throttle = reporting.ProgressThrottle(draw=lambda: 0.0)
+    throttle.wrote(0.0, took=30.0)  # a timed-out first write: the full back-off
+    assert throttle.period(10) == 10 * reporting.MAX_BACKOFF
+    assert throttle.period(60) == reporting.MAX_STRETCHED_S
+    assert throttle.period(600) == 600
+    assert not throttle.is_due(urgent=False, interval_s=60, now=reporting.MAX_STRETCHED_S - 0.1)
+    assert throttle.is_due(urgent=False, interval_s=60, now=reporting.MAX_STRETCHED_S)
+
+
 def test_a_fleet_of_agents_lowers_its_write_rate_as_the_server_slows():
     """500 agents against a server whose latency grows with the write rate (one write at a time, 15 ms each, the
     rest queued): with the back-off the fleet settles where the server keeps up instead of queueing for good."""
