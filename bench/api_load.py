@@ -590,7 +590,7 @@ def main() -> int:
                 _request_timeout=TIMEOUT,
             )
         pods = pods_per_job * args.jobs
-        wait_for(lambda: len(fleet.running) >= pods, timeout=120 + args.jobs * 2, what=f"{pods} pods running")
+        wait_for(lambda: len(fleet.running) >= pods, timeout=120 + pods / 2, what=f"{pods} pods running")
         print(f"{pods} pods running after {time.monotonic() - started:.0f} s", flush=True)
 
         shard_options = _jobs.ShardOptions(
