@@ -450,14 +450,15 @@ class GangSpec(ContractModel):
 
 
 class ReportingSpec(ContractModel):
-    progress_interval_seconds: int = Field(10, ge=1, le=3_600)
+    progress_interval_seconds: int = Field(60, ge=1, le=3_600)
     """Seconds between two progress writes of the job agent into the job's status (step, samples, progress time).
     What the operator acts on is written at once: a new rendezvous round, a checkpoint while a drain is in
     flight, a worker failure, the end of training. A routine checkpoint goes out with the next progress write.
     Every step in between is on the workers' /metrics. Bounds the agent's API writes to about 60 / this per
-    minute (Kubernetes only: in local mode the agent writes a local file and relays every report). While the API
-    server answers slowly the agent writes progress less often, up to 6 times this interval (a write that took
-    t > 0.1 seconds stretches it by t / 0.1 s); urgent writes never wait."""
+    minute (Kubernetes only: in local mode the agent writes a local file and relays every report); the default
+    keeps a training job at about one write a minute, so step and lastCheckpoint in the job's status may be that
+    much behind. While the API server answers slowly the agent writes progress less often, up to 6 times this
+    interval (a write that took t > 0.1 seconds stretches it by t / 0.1 s); urgent writes never wait."""
 
 
 AGENT_CPU = "250m"

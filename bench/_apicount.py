@@ -28,11 +28,16 @@ DISTTRAIN_RESOURCES = {
     "serviceaccounts",
     "roles",
     "rolebindings",
+    "secrets",
+    "networkpolicies",
+    "leases",
     "customresourcedefinitions",
     "namespaces",
 }
-"""Everything the operator (kopf included) and the agents call; the API server's own loops (endpoints, leases,
-API services) are left out."""
+"""Everything the operator (kopf included) and the agents call; the API server's own loops (endpoints, API
+services) are left out. Of the Leases only the operator's calls count: the harness renews the nodes' Leases with
+``PATCH``, which is also how a job agent renews its own (``trainer/agent/lease.py``); the benchmark's agents run no
+renewer, so those writes are in no count (one per job and ``--agent-heartbeat-seconds``)."""
 HARNESS_ONLY = {
     ("PATCH", "nodes", ""),
     ("PATCH", "nodes", "status"),
@@ -40,6 +45,7 @@ HARNESS_ONLY = {
     ("PATCH", "pods", "status"),
     ("POST", "pods", "binding"),
     ("PATCH", "disttrainjobs", "scale"),
+    ("PATCH", "leases", ""),
 }
 
 

@@ -15,9 +15,12 @@ probed job's drain in flight for the rest of the run.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
+import math
 import multiprocessing
+import pathlib
 import threading
 import time
 from typing import Any, Optional, Union
@@ -26,16 +29,22 @@ from disttrain.api import control as keys
 from disttrain.api import timestamps
 from disttrain.trainer.agent import service as agent_mod
 
-GLOBAL_BATCH = 24
 MICRO_BATCH = 2
+WRITES_FILE_SECONDS = 2.0
+"""How often each shard process writes its agents' status writes by reason (:meth:`ShardedJobFleet.status_writes`)."""
 
 
-def plan(world_size: int) -> dict[str, float | int]:
-    """The batch plan rank 0 reports: the job's fixed global batch over ``world_size`` one-process nodes."""
-    accum = max(1, GLOBAL_BATCH // (MICRO_BATCH * world_size))
+def global_batch(max_nodes: int) -> int:
+    """A fixed global batch that every world size from 1 to ``max_nodes`` divides (``microBatchSize`` 2)."""
+    return MICRO_BATCH * math.lcm(*range(1, max_nodes + 1))
+
+
+def plan(world_size: int, batch: int) -> dict[str, float | int]:
+    """The batch plan rank 0 reports: the job's fixed global batch ``batch`` over ``world_size`` one-process nodes."""
+    accum = max(1, batch // (MICRO_BATCH * world_size))
     return {
         "worldSize": world_size,
-        "globalBatch": GLOBAL_BATCH,
+        "globalBatch": batch,
         "microBatch": MICRO_BATCH,
         "accumSteps": accum,
         "lrScale": 1.0,
@@ -44,6 +53,10 @@ def plan(world_size: int) -> dict[str, float | int]:
 
 class DictStore:
     """The part of a TCPStore the agent uses (``check``, ``get``, ``set``), in memory."""
+
+    verifies_values = True
+    """Only the stand-in trainer writes it, so the agent may read the rendezvous state from it (absent here: no
+    round members and no silent nodes), as it reads it from its signed store in a pod."""
 
     def __init__(self) -> None:
         self._values: dict[str, bytes] = {}
@@ -57,6 +70,10 @@ class DictStore:
         with self._lock:
             return self._values[name]
 
+    def multi_get(self, names: list[str]) -> list[bytes]:
+        with self._lock:
+            return [self._values[name] for name in names]
+
     def set(self, name: str, value: Union[str, bytes]) -> None:
         with self._lock:
             self._values[name] = value.encode() if isinstance(value, str) else value
@@ -69,6 +86,8 @@ class SimulatedTrainer:
 
     store: DictStore
     world_size: int = 3
+    batch: int = 24
+    """The job's ``globalBatchSize`` (:func:`global_batch`)."""
     step: int = 0
     run_id: str = "bench"
     group: int = 0
@@ -86,9 +105,9 @@ class SimulatedTrainer:
             json.dumps(
                 {
                     "step": self.step,
-                    "samples_consumed": self.step * GLOBAL_BATCH,
+                    "samples_consumed": self.step * self.batch,
                     "world_size": self.world_size,
-                    "plan": plan(self.world_size),
+                    "plan": plan(self.world_size, self.batch),
                     "loss": 1.0,
                     "samples_per_second": 96.0,
                     "restart_count": 0,
@@ -107,10 +126,10 @@ class SimulatedTrainer:
             json.dumps(
                 {
                     "step": self.step,
-                    "samples_consumed": self.step * GLOBAL_BATCH,
-                    "data_cursor": self.step * GLOBAL_BATCH,
+                    "samples_consumed": self.step * self.batch,
+                    "data_cursor": self.step * self.batch,
                     "world_size": self.world_size,
-                    "plan": plan(self.world_size),
+                    "plan": plan(self.world_size, self.batch),
                     "lr_scale": 1.0,
                     "dataset": {"length": 10**9, "seed": 0},
                     "metadata_sha256": "0" * 64,
@@ -146,10 +165,13 @@ class SimulatedTrainer:
 class JobFleet:
     """J agents (threads) and one loop stepping every stand-in trainer whose agent runs."""
 
-    def __init__(self, step_seconds: float, checkpoint_every: int, poll_seconds: float = 0.25) -> None:
+    def __init__(
+        self, step_seconds: float, checkpoint_every: int, poll_seconds: float = 0.25, job_nodes: int = 3
+    ) -> None:
         self.step_seconds = step_seconds
         self.checkpoint_every = checkpoint_every
         self.poll_seconds = poll_seconds
+        self.job_nodes = job_nodes
         self.trainers: list[SimulatedTrainer] = []
         self.agents: list[Any] = []
         self._waiting: list[tuple[Any, SimulatedTrainer]] = []
@@ -161,7 +183,10 @@ class JobFleet:
         agent = agent_mod.Agent(
             agent_mod.KubeJobSource(namespace, name, api_client), store, poll_seconds=self.poll_seconds
         )
-        self._waiting.append((agent, SimulatedTrainer(store, run_id=name)))
+        trainer = SimulatedTrainer(
+            store, world_size=self.job_nodes, batch=global_batch(self.job_nodes + 1), run_id=name
+        )
+        self._waiting.append((agent, trainer))
 
     def start(self, jobs_per_second: float = 25.0) -> None:
         """Start the jobs a few at a time, as pods start in a cluster (500 first writes at once would be refused
@@ -172,6 +197,13 @@ class JobFleet:
             self.agents.append(agent)
             self.trainers.append(trainer)
             time.sleep(1.0 / jobs_per_second)
+
+    def status_writes(self) -> collections.Counter[str]:
+        """The agents' status writes so far, by reason (:attr:`Agent.status_writes`)."""
+        total: collections.Counter[str] = collections.Counter()
+        for agent in list(self.agents):
+            total.update(dict(agent.status_writes))
+        return total
 
     def stop(self) -> None:
         self._stop.set()
@@ -199,24 +231,33 @@ class JobEntry:
     kubeconfig: str
 
 
-def _run_shard(
-    entries: list[JobEntry],
-    step_seconds: float,
-    checkpoint_every: int,
-    poll_seconds: float,
-    jobs_per_second: float,
-    delay: float,
-    stop: Any,
-) -> None:
-    """One process of a :class:`ShardedJobFleet`: a :class:`JobFleet` of ``entries`` until ``stop`` is set."""
+@dataclasses.dataclass(frozen=True)
+class ShardOptions:
+    """How every shard's jobs run, and where a shard reports its agents' writes."""
+
+    step_seconds: float
+    checkpoint_every: int
+    poll_seconds: float
+    job_nodes: int
+    jobs_per_second: float
+    writes_dir: pathlib.Path
+
+
+def _run_shard(entries: list[JobEntry], options: ShardOptions, index: int, delay: float, stop: Any) -> None:
+    """One process of a :class:`ShardedJobFleet`: a :class:`JobFleet` of ``entries`` until ``stop`` is set; every
+    :data:`WRITES_FILE_SECONDS` its agents' status writes by reason go to ``writes_dir/shard-<index>.json``."""
     from kubernetes import config as kube_config
 
-    fleet = JobFleet(step_seconds, checkpoint_every, poll_seconds)
+    fleet = JobFleet(options.step_seconds, options.checkpoint_every, options.poll_seconds, options.job_nodes)
     for entry in entries:
         fleet.add(entry.namespace, entry.name, kube_config.new_client_from_config(config_file=entry.kubeconfig))
     time.sleep(delay)
-    fleet.start(jobs_per_second)
-    stop.wait()
+    threading.Thread(target=fleet.start, args=(options.jobs_per_second,), name="starter", daemon=True).start()
+    path = options.writes_dir / f"shard-{index}.json"
+    while not stop.wait(WRITES_FILE_SECONDS):
+        partial = path.with_suffix(".tmp")
+        partial.write_text(json.dumps(dict(fleet.status_writes())))
+        partial.replace(path)
     fleet.stop()
 
 
@@ -227,9 +268,10 @@ class ShardedJobFleet:
     the API server's watch cache, which waits a while for a slow reader before it drops it, holds back every other
     watcher of the resource (the operator's among them). Agents in pods have no such neighbour."""
 
-    def __init__(self, processes: int, step_seconds: float, checkpoint_every: int, poll_seconds: float = 0.25) -> None:
+    def __init__(self, processes: int, options: ShardOptions) -> None:
         self.processes = processes
-        self.args = (step_seconds, checkpoint_every, poll_seconds)
+        self.options = options
+        options.writes_dir.mkdir(parents=True, exist_ok=True)
         self.entries: list[JobEntry] = []
         self._context = multiprocessing.get_context("spawn")
         self._stop = self._context.Event()
@@ -238,18 +280,27 @@ class ShardedJobFleet:
     def add(self, namespace: str, name: str, kubeconfig: str) -> None:
         self.entries.append(JobEntry(namespace, name, kubeconfig))
 
-    def start(self, jobs_per_second: float = 25.0) -> None:
-        """Start every shard; together they start ``jobs_per_second`` agents a second, interleaved."""
+    def start(self) -> None:
+        """Start every shard; together they start ``options.jobs_per_second`` agents a second, interleaved."""
+        rate = self.options.jobs_per_second
+        shard_options = dataclasses.replace(self.options, jobs_per_second=rate / self.processes)
         for index in range(self.processes):
             entries = self.entries[index :: self.processes]
             shard = self._context.Process(
                 target=_run_shard,
-                args=(entries, *self.args, jobs_per_second / self.processes, index / jobs_per_second, self._stop),
+                args=(entries, shard_options, index, index / rate, self._stop),
                 name=f"agents-{index}",
                 daemon=True,
             )
             shard.start()
             self.shards.append(shard)
+
+    def status_writes(self) -> collections.Counter[str]:
+        """Every agent's status writes so far, by reason, as the shards last reported them."""
+        total: collections.Counter[str] = collections.Counter()
+        for path in self.options.writes_dir.glob("shard-*.json"):
+            total.update(json.loads(path.read_text()))
+        return total
 
     @property
     def pids(self) -> list[int]:

@@ -5,7 +5,8 @@ heartbeats, runs the real operator as a process under the Helm chart's RBAC, app
 pods the harness keeps Running and whose real job agents relay what stand-in trainers write into their stores
 (``bench/_jobs.py`` says why that is faithful), waits until every job is Running, then measures a steady-state
 window: disttrain's requests (operator and agents; ``bench/_apicount.py`` says how the harness's own are told
-apart), the operator's RSS and CPU time. Last, the directive latency: one job at a time is scaled 3 -> 2
+apart), the agents' status writes by the agent's own reason for each, the operator's RSS and CPU time. Last, the
+directive latency: one job at a time is scaled from its N nodes to N - 1
 through its scale subresource while the others train, and the time until the drain directive is in its
 status is taken from a watch on that job (and from one on every job, for comparison with earlier figures), with
 the time to the request's answer and to the operator's decision (its ``issuedAt``) beside it.
@@ -19,6 +20,7 @@ Defaults mirror the issue's measurement: 4 steps/s and a checkpoint every 12 ste
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -27,6 +29,7 @@ import os
 import pathlib
 import ssl
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -51,10 +54,12 @@ from tests.cluster.harness import start_operator  # noqa: E402
 from disttrain.api import constants, timestamps  # noqa: E402
 
 NAMESPACE = "bench"
+AGENT_WRITES = "the agents' status writes"
 TIMEOUT = 30
 
 
-def job_manifest(name: str) -> dict[str, Any]:
+def job_manifest(name: str, nodes: int = 3) -> dict[str, Any]:
+    """A job of ``nodes`` one-process worker nodes (elastic from 1 to one more), scaled down by one when probed."""
     return {
         "apiVersion": constants.API_VERSION,
         "kind": constants.KIND,
@@ -65,8 +70,13 @@ def job_manifest(name: str) -> dict[str, Any]:
                     "containers": [{"name": "trainer", "image": "bench/trainer:1", "command": ["python", "train.py"]}]
                 }
             },
-            "nodes": {"min": 1, "max": 4, "replicas": 3},
-            "training": {"globalBatchSize": 24, "microBatchSize": 2, "lr": {"base": 0.1}, "maxSteps": 10**8},
+            "nodes": {"min": 1, "max": nodes + 1, "replicas": nodes},
+            "training": {
+                "globalBatchSize": _jobs.global_batch(nodes + 1),
+                "microBatchSize": _jobs.MICRO_BATCH,
+                "lr": {"base": 0.1},
+                "maxSteps": 10**8,
+            },
             "checkpoint": {"claimName": "ckpt", "intervalSteps": 12},
             "elastic": {"scaleDebounceSeconds": 0},
         },
@@ -256,13 +266,13 @@ class Probes:
 
 
 def measure_directive_latency(
-    kubeconfig: str, names: list[str], samples: int, timeout: float, settle: bool = True
+    kubeconfig: str, names: list[str], samples: int, timeout: float, settle: bool = True, job_nodes: int = 3
 ) -> Probes:
-    """Scale ``samples`` jobs 3 -> 2, one at a time, and time each: the scale request's answer, the operator's
-    decision (its ``issuedAt`` stamp, same clock), and the directive in the job's status as seen by a watch on
-    that job alone (:class:`JobWatch`) and by one on every job (:class:`DirectiveClock`). Runs in a process of its
-    own (:func:`probe_directive_latency`): in the benchmark's process the J agents' threads would delay the
-    request and the watches (one interpreter, one GIL), which a user's ``kubectl scale`` never shares.
+    """Scale ``samples`` jobs of ``job_nodes`` nodes down by one, one at a time, and time each: the scale request's
+    answer, the operator's decision (its ``issuedAt`` stamp, same clock), and the directive in the job's status as
+    seen by a watch on that job alone (:class:`JobWatch`) and by one on every job (:class:`DirectiveClock`). Runs in
+    a process of its own (:func:`probe_directive_latency`): in the benchmark's process the J agents' threads would
+    delay the request and the watches (one interpreter, one GIL), which a user's ``kubectl scale`` never shares.
 
     ``settle``: the next request waits until the job scaled last has finished its drain (the time to that is taken
     too), so each directive is timed among jobs that train, as the issue asks; without it (the pacing of earlier
@@ -287,7 +297,7 @@ def measure_directive_latency(
                 NAMESPACE,
                 constants.PLURAL,
                 name,
-                {"spec": {"replicas": 2}},
+                {"spec": {"replicas": job_nodes - 1}},
                 _content_type="application/merge-patch+json",
                 _request_timeout=TIMEOUT,
             )
@@ -320,7 +330,7 @@ def measure_directive_latency(
             probes.rows.append((started - began, answered, decided, (seen_own - started) * 1000))
             if settle:
                 try:
-                    probes.settled.append((watch.wait_settled(2) - started) * 1000)
+                    probes.settled.append((watch.wait_settled(job_nodes - 1) - started) * 1000)
                 except TimeoutError as error:
                     print(error, file=sys.stderr)
                     probes.settled.append(timeout * 1000)
@@ -332,12 +342,14 @@ def measure_directive_latency(
 
 
 def probe_directive_latency(
-    plane: ControlPlane, names: list[str], samples: int, timeout: float, settle: bool = True
+    plane: ControlPlane, names: list[str], samples: int, timeout: float, settle: bool = True, job_nodes: int = 3
 ) -> Probes:
     """:func:`measure_directive_latency` in a fresh interpreter."""
     spawn = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as probe:
-        return probe.submit(measure_directive_latency, str(plane.kubeconfig), names, samples, timeout, settle).result()
+        return probe.submit(
+            measure_directive_latency, str(plane.kubeconfig), names, samples, timeout, settle, job_nodes
+        ).result()
 
 
 class ApiserverProfile:
@@ -375,6 +387,59 @@ class ApiserverProfile:
             self.thread.join()
 
 
+class OperatorProfile:
+    """The operator's Python stacks over the next ``seconds``, sampled by ``py-spy record`` (folded stacks, one line
+    per stack with its sample count) into ``folder/operator-<label>.txt``; nothing when ``folder`` is None.
+
+    Why: what the operator spends its CPU on as jobs and pods grow is read off its own stacks, not guessed."""
+
+    def __init__(self, pid: int, folder: Optional[pathlib.Path], label: str, seconds: float) -> None:
+        self.process: Optional[subprocess.Popen[bytes]] = None
+        if folder is None:
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"operator-{label}.txt"
+        command = ["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "50"]
+        command += ["--format", "raw", "--nonblocking", "--output", str(self.path)]
+        try:
+            self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        except OSError as error:
+            print(f"no operator profile: {error}", file=sys.stderr)
+
+    def join(self) -> None:
+        if self.process is None:
+            return
+        _out, err = self.process.communicate()
+        if self.process.returncode == 0:
+            print(f"operator CPU profile: {self.path} (top: {', '.join(top_functions(self.path, 5))})", flush=True)
+        else:
+            print(f"no operator profile: {err.decode(errors='replace')[-300:]}", file=sys.stderr)
+
+
+def top_functions(folded: pathlib.Path, count: int) -> list[str]:
+    """The functions with the most samples on their stacks (inclusive) in a folded-stacks file, with their share."""
+    inclusive: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in folded.read_text().splitlines():
+        stack, _, samples = line.rpartition(" ")
+        if not stack or not samples.isdigit():
+            continue
+        total += int(samples)
+        for frame in set(stack.split(";")):
+            inclusive[frame.split(" (")[0]] += int(samples)
+    return [f"{name} {value / max(total, 1):.0%}" for name, value in inclusive.most_common(count)]
+
+
+def events_by_reason(core: k8s.CoreV1Api, since: float) -> collections.Counter[str]:
+    """Events in the benchmark's namespace last recorded at or after ``since`` (Unix time), by reason."""
+    reasons: collections.Counter[str] = collections.Counter()
+    for event in core.list_namespaced_event(NAMESPACE, _request_timeout=120).items:
+        stamp = event.last_timestamp or event.event_time or event.metadata.creation_timestamp
+        if stamp is not None and stamp.timestamp() >= since:
+            reasons[f"{event.type} {event.reason}"] += 1
+    return reasons
+
+
 class CpuShares:
     """CPU seconds per wall second of the processes that share this machine, over a window."""
 
@@ -407,7 +472,13 @@ def _quantile_columns(values: list[float]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", type=int, default=50)
-    parser.add_argument("--nodes", type=int, default=100)
+    parser.add_argument("--nodes", type=int, default=100, help="Nodes of the cluster (at most 110 pods each)")
+    parser.add_argument(
+        "--job-nodes",
+        type=int,
+        default=3,
+        help="worker nodes (pods) of each job; a job has one agent pod more (2,000 jobs of 10: 20,000 worker pods)",
+    )
     parser.add_argument("--window", type=float, default=60.0, help="seconds of steady state measured")
     parser.add_argument("--warmup", type=float, default=20.0, help="seconds of steady state before the window")
     parser.add_argument("--step-seconds", type=float, default=0.25, help="one training step of every job")
@@ -465,10 +536,19 @@ def main() -> int:
         help="a folder: save the API server's CPU profile (Go pprof, /debug/pprof/profile) over the steady window "
         "and over the directive probes there (read with `go tool pprof -top FILE`)",
     )
+    parser.add_argument(
+        "--operator-profile",
+        type=pathlib.Path,
+        help="a folder: save the operator's Python stacks over the steady window there (py-spy record, folded)",
+    )
     args = parser.parse_args()
-    if args.nodes * 110 < args.jobs * 4:
+    if args.job_nodes < 2:
+        parser.error(f"--job-nodes={args.job_nodes}: at least 2 (each probe scales a job down by one node)")
+    pods_per_job = args.job_nodes + 1
+    if args.nodes * 110 < args.jobs * pods_per_job:
         parser.error(
-            f"--nodes={args.nodes} hold at most {args.nodes * 110} pods; {args.jobs} jobs need {args.jobs * 4}"
+            f"--nodes={args.nodes} hold at most {args.nodes * 110} pods; {args.jobs} jobs of {args.job_nodes} nodes "
+            f"need {args.jobs * pods_per_job} (with their agents)"
         )
 
     if args.control_plane_gogc is not None:
@@ -505,20 +585,23 @@ def main() -> int:
                 constants.VERSION,
                 NAMESPACE,
                 constants.PLURAL,
-                job_manifest(name),
+                job_manifest(name, args.job_nodes),
                 _preload_content=False,
                 _request_timeout=TIMEOUT,
             )
-        wait_for(
-            lambda: len(fleet.running) >= 4 * args.jobs,
-            timeout=120 + args.jobs * 2,
-            what=f"{4 * args.jobs} pods running",
-        )
-        print(f"{4 * args.jobs} pods running after {time.monotonic() - started:.0f} s", flush=True)
+        pods = pods_per_job * args.jobs
+        wait_for(lambda: len(fleet.running) >= pods, timeout=120 + pods / 2, what=f"{pods} pods running")
+        print(f"{pods} pods running after {time.monotonic() - started:.0f} s", flush=True)
 
-        jobs = _jobs.ShardedJobFleet(
-            args.agent_processes, args.step_seconds, args.checkpoint_every, args.agent_poll_seconds
+        shard_options = _jobs.ShardOptions(
+            step_seconds=args.step_seconds,
+            checkpoint_every=args.checkpoint_every,
+            poll_seconds=args.agent_poll_seconds,
+            job_nodes=args.job_nodes,
+            jobs_per_second=25.0,
+            writes_dir=work / "agent-writes",
         )
+        jobs = _jobs.ShardedJobFleet(args.agent_processes, shard_options)
         for name in names:
             jobs.add(NAMESPACE, name, agent_kubeconfig(plane, core, name))
         jobs.start()
@@ -541,10 +624,15 @@ def main() -> int:
             }
         )
         window_profile = ApiserverProfile(plane, args.apiserver_profile, "window", args.window)
+        operator_profile = OperatorProfile(operator.proc.pid, args.operator_profile, "window", args.window)
+        writes_before = jobs.status_writes()
         window_started = time.monotonic()
+        window_started_wall = time.time()
         time.sleep(args.window)
         window_profile.join()
+        operator_profile.join()
         elapsed = time.monotonic() - window_started
+        writes_delta = jobs.status_writes() - writes_before
         metrics_text = plane.request("GET", "/metrics", raw=True).decode()
         counts_after, flows_after = _apicount.read_counts(metrics_text), _apicount.read_flows(metrics_text)
         rss_mb, cpu_after = process_stats(operator.proc.pid)
@@ -558,12 +646,20 @@ def main() -> int:
         for key, value in sorted(delta.items(), key=lambda kv: -kv[1]):
             print(f"  {_apicount.describe(key):40s} {value:8.0f}  ({value / args.jobs / minutes:.2f} per job-minute)")
         print("by caller (the chart's FlowSchemas; a watch counts when it starts):")
+        by_caller: dict[str, float] = {}
         for caller, schema in (
             ("the operator", object_name()),
-            ("the agents' status writes", f"{object_name()}-progress"),
+            (AGENT_WRITES, f"{object_name()}-progress"),
         ):
             value = flows_after.get(schema, 0.0) - flows_before.get(schema, 0.0)
-            print(f"  {caller:40s} {value:8.0f}  ({value / args.jobs / minutes:.2f} per job-minute)")
+            by_caller[caller] = value / args.jobs / minutes
+            print(f"  {caller:40s} {value:8.0f}  ({by_caller[caller]:.2f} per job-minute)")
+        print(f"the agents' status writes by the agent's reason ({_jobs.WRITES_FILE_SECONDS:g} s resolution):")
+        for reason, value in writes_delta.most_common():
+            print(f"  {reason:40s} {value:8.0f}  ({value / args.jobs / minutes:.2f} per job-minute)")
+        print("Events recorded in the window (after the count: this list is not in it), by type and reason:")
+        for reason, value in events_by_reason(core, window_started_wall).most_common():
+            print(f"  {reason:40s} {value:8.0f}")
         phases = {(j.get("status") or {}).get("phase") for j in list_jobs(custom)}
         print(f"job phases at the end of the window: {sorted(str(p) for p in phases)}")
         if fleet.errors:
@@ -575,7 +671,7 @@ def main() -> int:
         probe_profile = ApiserverProfile(plane, args.apiserver_profile, "probes", args.window)
         probe_counts = _apicount.read_counts(metrics_before)
         probes = probe_directive_latency(
-            plane, names, min(args.latency_samples, args.jobs), timeout=60, settle=args.settle
+            plane, names, min(args.latency_samples, args.jobs), timeout=60, settle=args.settle, job_nodes=args.job_nodes
         )
         probe_profile.join()
         metrics_after = plane.request("GET", "/metrics", raw=True).decode()
@@ -600,7 +696,7 @@ def main() -> int:
             ("the operator's decision (issuedAt)", probes.decided),
             ("the directive, the job's own watch", probes.seen_own_watch),
             ("the directive, a watch on every job", probes.seen_all_jobs_watch),
-            ("the drain's end (new round, 2 pods)", probes.settled),
+            ("the drain's end (new round, N - 1)", probes.settled),
         ):
             if values:
                 print(f"  {label:36s} {_quantile_columns(values)}   {', '.join(f'{v:.0f}' for v in sorted(values))}")
@@ -614,8 +710,16 @@ def main() -> int:
 
         print(f"jobs: {args.jobs}")
         print(f"nodes: {args.nodes}")
+        print(f"worker_pods: {args.jobs * args.job_nodes}")
         print(f"window_seconds: {elapsed:.0f}")
-        print(f"requests_per_job_minute: {total / args.jobs / minutes:.1f}")
+        print(f"requests_per_job_minute: {total / args.jobs / minutes:.2f}")
+        print(f"requests_per_job_minute_operator: {by_caller['the operator']:.2f}")
+        print(f"requests_per_job_minute_agent_status_writes: {by_caller[AGENT_WRITES]:.2f}")
+        lease_writes = 60 / constants.AGENT_LEASE_RENEW_SECONDS
+        print(
+            f"agent_lease_renewals_per_job_minute: {lease_writes:.0f} (the chart's agent.heartbeatSeconds "
+            f"{constants.AGENT_LEASE_RENEW_SECONDS:g}; not in the counts: the benchmark's agents renew none)"
+        )
         print(f"operator_rss_mb: {rss_mb:.0f}")
         print(f"operator_cpu_seconds_per_minute: {(cpu_after - cpu_before) / minutes:.2f}")
         print(

@@ -37,7 +37,7 @@ def test_a_job_that_leaves_rendezvous_and_reporting_out_gets_the_specs_defaults(
     assert job.spec.rendezvous == RendezvousSpec()
     assert job.spec.rendezvous.keep_alive_interval_seconds == 1
     assert job.spec.rendezvous.silent_after_seconds == 1.0, "as TorchFT's lighthouse: 1 s"
-    assert job.spec.reporting.progress_interval_seconds == ReportingSpec().progress_interval_seconds == 10
+    assert job.spec.reporting.progress_interval_seconds == ReportingSpec().progress_interval_seconds == 60
     assert (job.run_id, job.metadata.namespace) == ("demo", "default")
 
 

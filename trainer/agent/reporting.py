@@ -100,14 +100,26 @@ def is_training_complete(status: Mapping[str, Any], training: TrainingSpec) -> b
     return training.is_complete(int(status.get("step", 0)), int(status.get("samplesConsumed", 0)))
 
 
+FIRST = "first write"
+"""The reason of an agent's first status write: a started agent reports what its store holds at once."""
+PERIODIC = "periodic"
+"""The reason of a write that waited for the progress interval."""
+UNTHROTTLED = "unthrottled"
+"""The reason of every write to a source that costs no API request (local mode)."""
+
 JITTER = 0.1
 """A periodic write comes 0-10 % later than the interval (and the first one 0-100 % later), never sooner."""
 SLOW_WRITE_S = 0.1
 """A write slower than this means a loaded API server: the progress interval stretches by ``duration / SLOW_WRITE_S``
-(at the default 10 s: a 0.3 s write -> 30 s); an unloaded one answers a status PATCH in 10-50 ms."""
+(at the default 60 s: a 0.3 s write -> 180 s); an unloaded one answers a status PATCH in 10-50 ms."""
 MAX_BACKOFF = 6.0
-"""A slow API server stretches the progress interval to at most this many times ``progressIntervalSeconds``
-(60 s at the default): how stale step and samples in the job's status may get, at worst, under load."""
+"""A slow API server stretches the progress interval to at most this many times ``progressIntervalSeconds``, and to
+no more than :data:`MAX_STRETCHED_S`: how stale step and samples in the job's status may get, at worst, under load."""
+MAX_STRETCHED_S = 180.0
+"""The longest a slow API server stretches the progress interval to (an interval set longer stays as set): 3 minutes
+at the default 60 s, the 6 intervals of :data:`MAX_BACKOFF` for intervals up to 30 s. Why a bound in seconds: a
+minute's interval already writes as seldom as a 10 s one at its full back-off, and six minutes of a stale status
+after one slow write (an agent started while the API server was busy) is longer than anyone watching will wait."""
 LATENCY_SMOOTHING = 0.5
 """Weight of the newest write's duration in the moving average the back-off follows (a slow write half counts)."""
 MAX_COUNTED_WRITE_S = 1.0
@@ -144,10 +156,19 @@ class ProgressThrottle:
 
     def period(self, interval_s: float) -> float:
         """Seconds between periodic writes before the jitter: the interval, stretched while writes are slow."""
-        return interval_s * min(MAX_BACKOFF, max(1.0, self.write_seconds / SLOW_WRITE_S))
+        stretched = interval_s * min(MAX_BACKOFF, max(1.0, self.write_seconds / SLOW_WRITE_S))
+        return min(stretched, max(interval_s, MAX_STRETCHED_S))
 
     def is_due(self, *, urgent: bool, interval_s: float, now: float) -> bool:
         return urgent or self.last_write is None or now - self.last_write >= self.period(interval_s) * self.stretch
+
+    def write_reason(self, *, urgent: Optional[str], interval_s: float, now: float) -> Optional[str]:
+        """Why a write is due now (``urgent``, :data:`FIRST` or :data:`PERIODIC`); None when it is not."""
+        if urgent is not None:
+            return urgent
+        if self.last_write is None:
+            return FIRST
+        return PERIODIC if self.is_due(urgent=False, interval_s=interval_s, now=now) else None
 
     def wrote(self, now: float, took: float = 0.0) -> None:
         """A write finished at ``now`` after ``took`` seconds."""

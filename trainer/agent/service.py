@@ -33,6 +33,7 @@ It never imports kopf or the operator package.
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import datetime
 import json
@@ -316,6 +317,8 @@ class Agent:
         self.clock = clock
         self.stop_event = threading.Event()
         self.throttle = reporting.ProgressThrottle()
+        self.status_writes: collections.Counter[str] = collections.Counter()
+        """Status writes by reason (:meth:`reporting.ProgressThrottle.write_reason`): where a job's API requests go."""
         self._written_signal: Optional[str] = None
         self._written_target: Optional[str] = None
         self._written_reliability: Optional[str] = None
@@ -349,7 +352,9 @@ class Agent:
         if view is None:
             return True
         patch = self._relay(view, status)
-        if patch and self._is_due(view, status, patch):
+        reason = self._write_reason(view, status, patch) if patch else None
+        if reason is not None:
+            self.status_writes[reason] += 1
             started = self.clock()
             try:
                 self.source.patch_status(patch)
@@ -380,16 +385,18 @@ class Agent:
             log.info("the job can be read again; writing status")
         return self._view
 
-    def _is_due(self, job: agentview.AgentJob, status: dict[str, Any], patch: dict[str, Any]) -> bool:
-        """Now, or with a later periodic write (Kubernetes only; see :mod:`disttrain.trainer.agent.reporting`)."""
+    def _write_reason(self, job: agentview.AgentJob, status: dict[str, Any], patch: dict[str, Any]) -> Optional[str]:
+        """Why ``patch`` is written now; None when it waits for a later periodic write (Kubernetes only; see
+        :mod:`disttrain.trainer.agent.reporting`)."""
         if not self.source.rate_limited:
-            return True
+            return reporting.UNTHROTTLED
         urgent = reporting.urgent_reason(patch, status, job.spec.training)
         interval_s = float(job.spec.reporting.progress_interval_seconds)
-        due = self.throttle.is_due(urgent=urgent is not None, interval_s=interval_s, now=self.clock())
-        if due and urgent:
+        now = self.clock()
+        reason = self.throttle.write_reason(urgent=urgent, interval_s=interval_s, now=now)
+        if reason is not None and urgent is not None:
             log.info("writing status at once: %s", urgent)
-        return due
+        return reason
 
     def _write_directive(self, control: dict[str, Any], job_uid: str, run_id: Optional[str] = None) -> None:
         try:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from disttrain.api.spec import TrainingSpec
+from disttrain.api.spec import ReportingSpec, TrainingSpec
 from disttrain.trainer.agent import reporting
 
 TRAINING = TrainingSpec.model_validate(
@@ -100,6 +100,39 @@ def test_throttle_writes_first_then_once_an_interval_and_urgent_at_once():
     assert throttle.is_due(urgent=False, interval_s=10, now=110.0)
 
 
+def test_the_write_reason_names_urgent_first_and_periodic_writes():
+    throttle = reporting.ProgressThrottle(draw=lambda: 0.0)
+    assert throttle.write_reason(urgent=None, interval_s=60, now=100.0) == reporting.FIRST
+    throttle.wrote(100.0)
+    assert throttle.write_reason(urgent=None, interval_s=60, now=159.9) is None
+    assert throttle.write_reason(urgent="worker failure", interval_s=60, now=100.1) == "worker failure"
+    assert throttle.write_reason(urgent=None, interval_s=60, now=160.0) == reporting.PERIODIC
+
+
+def test_a_training_job_at_the_default_interval_costs_its_agent_at_most_one_write_a_minute():
+    """The API budget of a job in steady state (steps every 0.25 s, a routine checkpoint every few seconds, fast
+    writes): one periodic write a minute at most, so that agents and operator stay under two requests a minute."""
+    training = TRAINING.model_copy(update={"max_steps": 10**8})
+    interval_s = ReportingSpec().progress_interval_seconds
+    throttle = reporting.ProgressThrottle(draw=random.Random(5).random)
+    status = dict(RUNNING)
+    reasons: list[str] = []
+    now = 0.0
+    while now < 3600.0:
+        step = int(now * 4)
+        changes = {"step": step, "lastCheckpoint": {"step": step - step % 12}}
+        reason = throttle.write_reason(
+            urgent=reporting.urgent_reason(changes, status, training), interval_s=interval_s, now=now
+        )
+        if reason is not None:
+            throttle.wrote(now, took=0.02)
+            status.update(changes)
+            reasons.append(reason)
+        now = round(now + 0.25, 2)
+    assert reasons[0] == reporting.FIRST and set(reasons[1:]) == {reporting.PERIODIC}
+    assert len(reasons) <= 60, f"{len(reasons)} writes in an hour"
+
+
 def test_agents_started_together_spread_their_writes_over_the_interval_and_never_write_sooner():
     """500 agents started in the same second: their periodic writes must not come in one burst (the operator
     would take it as one queue of reconciles), and none may write more often than the interval."""
@@ -140,6 +173,17 @@ def test_slow_writes_stretch_the_interval_up_to_the_cap_and_fast_ones_bring_it_b
     for now in range(300, 540, 60):  # four fast writes after the outage
         throttle.wrote(float(now), took=0.01)
     assert throttle.period(10) == 10
+
+
+def test_the_stretch_is_bounded_in_seconds_for_long_intervals():
+    """At a minute's interval a slow server stretches it to 3 minutes, not 6; an interval set longer stays."""
+    throttle = reporting.ProgressThrottle(draw=lambda: 0.0)
+    throttle.wrote(0.0, took=30.0)  # a timed-out first write: the full back-off
+    assert throttle.period(10) == 10 * reporting.MAX_BACKOFF
+    assert throttle.period(60) == reporting.MAX_STRETCHED_S
+    assert throttle.period(600) == 600
+    assert not throttle.is_due(urgent=False, interval_s=60, now=reporting.MAX_STRETCHED_S - 0.1)
+    assert throttle.is_due(urgent=False, interval_s=60, now=reporting.MAX_STRETCHED_S)
 
 
 def test_a_fleet_of_agents_lowers_its_write_rate_as_the_server_slows():
