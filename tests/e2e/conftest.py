@@ -95,6 +95,8 @@ def e2e_job(
             },
         )
         .set("spec.restartPolicy", {"backoffSeconds": 0})
+        # On a real API server the tests wait for the relayed step: report it every 10 s, not every minute.
+        .set("spec.reporting", {"progressIntervalSeconds": 10})
     )
 
 
