@@ -176,6 +176,8 @@ class ProcessKubelets(Kubelets):
             workdir=str(Path(__file__).resolve().parents[2]),
             base_env=base_env,
             store_secret=base64.b64decode(secret["data"][storeauth.SECRET_KEY]).decode(),
+            # The pod has an address of its own (POD_IP below): its pulse port is the cluster's.
+            pulse_port=names.agent_pulse_port(job.spec.rendezvous.port),
         )
         is_worker = meta["labels"].get(constants.LABEL_ROLE) == constants.ROLE_WORKER
         readiness_port = free_port() if is_worker else 0
