@@ -22,6 +22,14 @@ if TYPE_CHECKING:
     from disttrain.operator import access, election, leaderlease
 
 
+def agent_heartbeat_seconds(chosen: Optional[float], pulse_s: float) -> float:
+    """The agents' Lease period: the one chosen, else none while they pulse (the pulse finds a lost agent in about a
+    second with no API write, where a Lease renewed every second costs 60 writes per job-minute), else the default."""
+    if chosen is not None:
+        return chosen
+    return 0.0 if pulse_s > 0 else constants.AGENT_LEASE_RENEW_SECONDS
+
+
 def _non_negative_seconds(text: str) -> float:
     """An argparse type: seconds, 0 or more (a clear error otherwise)."""
     try:
@@ -239,7 +247,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
     registry = kopf.get_default_registry()  # carries kopf's own login handlers (in-cluster, kubeconfig)
     agent = pods.AgentSettings(
         image=args.agent_image or None,
-        heartbeat_s=args.agent_heartbeat_seconds,
+        heartbeat_s=agent_heartbeat_seconds(args.agent_heartbeat_seconds, args.agent_pulse_seconds),
         pulse_s=args.agent_pulse_seconds,
         **_pulse_key(args.agent_pulse_key_file),
     )
@@ -359,10 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_operator.add_argument(
         "--agent-heartbeat-seconds",
         type=_non_negative_seconds,
-        default=constants.AGENT_LEASE_RENEW_SECONDS,
+        default=None,
         metavar="SECONDS",
         help="how often every job agent renews its Lease, so that the loss of its node is noticed in three periods "
-        "rather than at NotReady; one small API write per job per period (0: no Lease; default %(default)s)",
+        "rather than at NotReady; one small API write per job per period (0: no Lease; default: none while the "
+        f"agents pulse, else {constants.AGENT_LEASE_RENEW_SECONDS:g})",
     )
     p_operator.add_argument(
         "--agent-pulse-seconds",

@@ -348,3 +348,17 @@ def test_the_operator_pods_admit_only_the_metrics_scraper_and_the_liveness_probe
     ]
     assert liveness == {"ports": [{"protocol": "TCP", "port": 8080}]}
     assert not [o for o in render({"networkPolicy": {"enabled": False}}) if o["kind"] == "NetworkPolicy"]
+
+
+@pytest.mark.parametrize(
+    ("agent_values", "heartbeat_s"),
+    [
+        ({}, 0.0),  # the default: the agents pulse, so no Lease and no API write per second per job
+        ({"pulseSeconds": 0}, 1.0),  # no pulse: the Lease is how a lost agent is found before NotReady
+        ({"heartbeatSeconds": 1}, 1.0),
+        ({"heartbeatSeconds": 0, "pulseSeconds": 0}, 0.0),
+    ],
+)
+def test_the_agents_renew_a_lease_only_without_a_pulse_unless_told(agent_values, heartbeat_s):
+    _, args = _operator_args(render({"agent": agent_values}))
+    assert cli.agent_heartbeat_seconds(args.agent_heartbeat_seconds, args.agent_pulse_seconds) == heartbeat_s
