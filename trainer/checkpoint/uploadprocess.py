@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -130,6 +131,27 @@ def _lower_priority(pid: int = 0, idle_class: bool = True) -> None:
         log.debug("upload process keeps its priority: %s", exc)
 
 
+def _set_class(pid: int, idle: bool) -> bool:
+    """Every thread of process ``pid`` into the ``SCHED_IDLE`` class or back to the normal one, at nice
+    :data:`CHILD_NICENESS` (Linux; a thread started later inherits its creator's). Best effort: False where not."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
+    try:
+        threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return False
+    done = False
+    for tid in threads:
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, tid, max(CHILD_NICENESS, os.getpriority(os.PRIO_PROCESS, tid)))
+            done = True
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return done
+
+
 def _build_store(recipe: StoreRecipe, conn: multiprocessing.connection.Connection, phases: bool) -> Any:
     committer = recipe.committer()
     if recipe.record_rank is None:
@@ -173,9 +195,15 @@ def serve(conn: multiprocessing.connection.Connection, parent_pid: int) -> None:
 class UploadProcess:
     """The parent's side of one upload process: started on the first attempt, started again after it died."""
 
-    def __init__(self, remote: RemoteStore, closed: threading.Event) -> None:
+    def __init__(
+        self, remote: RemoteStore, closed: threading.Event, behind: Callable[[], bool] = lambda: False
+    ) -> None:
         self.remote = remote
         self.closed = closed
+        self.behind = behind
+        """Whether a newer save waits behind the upload in flight: the uploads do not keep up."""
+        self.idle_class = True
+        """Whether the child runs in ``SCHED_IDLE`` (it leaves it while the uploads fall behind)."""
         self._process: Optional[subprocess.Popen[bytes]] = None
         self._conn: Optional[multiprocessing.connection.Connection] = None
         self.pid: Optional[int] = None
@@ -245,7 +273,7 @@ class UploadProcess:
             if self.starts == 1:
                 raise UploadProcessUnavailable(str(exc)) from exc
             raise
-        self.pid = pid
+        self.pid, self.idle_class = pid, True
         log.info("checkpoint uploads run in process %d (nice %d, SCHED_IDLE where Linux has it)", pid, CHILD_NICENESS)
 
     def _receive(self, timeout_s: Optional[float] = None) -> Any:
@@ -255,6 +283,7 @@ class UploadProcess:
         while True:
             if self.closed.is_set():
                 raise Closed()
+            self._follow_backlog()
             if self._conn.poll(POLL_S):  # a dead child's end of the pipe closes: EOF here
                 try:
                     return self._conn.recv()
@@ -266,6 +295,18 @@ class UploadProcess:
             if timeout_s is not None and waited >= timeout_s:
                 self.stop()
                 raise UploadProcessUnavailable(f"the upload process did not start within {timeout_s:.0f} s")
+
+    def _follow_backlog(self) -> None:
+        """Durability before the last percent of step time: while a newer save waits behind the one in flight (the
+        idle class starves uploads on cores that training keeps busy), the child runs in the normal class at nice
+        19, a small but sure share of a core; once the uploads keep up, it is idle again."""
+        if self.pid is None:
+            return
+        idle = not self.behind()
+        if idle != self.idle_class and _set_class(self.pid, idle):
+            self.idle_class = idle
+            if not idle:
+                log.info("checkpoint uploads fall behind: the upload process leaves the idle class until they keep up")
 
     def _died(self) -> UploadProcessDied:
         pid = self._process.pid if self._process is not None else None
