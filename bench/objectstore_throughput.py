@@ -18,7 +18,7 @@ while the trainer's background Uploader sends a committed checkpoint to the buck
 rank's BucketTier does: the bucket described by a StoreRecipe, credentials in the environment), divided by the
 median step with that process paused (SIGSTOP) in the middle of the same upload, the two alternating step by step
 (ABBA): the machine's other load weighs on both alike. ``--repeats`` uploads, at most ``--steps-during`` pairs each
-(at nice 19 on the training's core the upload takes much longer; it then finishes untimed). The upload process
+(at nice 10 on the training's core the upload takes longer; it then finishes untimed). The upload process
 inherits this process's CPUs, so it competes with the training thread for its core.
 step_during_in_process_upload_vs_idle: the median step while the uploads run in threads of this process (the
 fallback where no upload process can start), at most ``--steps-during`` steps, divided by the median of as many

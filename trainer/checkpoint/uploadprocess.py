@@ -9,12 +9,10 @@ the lowest CPU priority (below), dying with its parent (``PR_SET_PDEATHSIG`` and
 sends one attempt at a time and keeps the retry policy, so ``attempts`` and ``last_error`` are the parent's; a
 child that dies fails the attempt in flight, which is retried in a new child.
 
-Priority: the child runs at nice 19 and, on Linux, in the ``SCHED_IDLE`` class, as do the transfer threads it
-starts. Nice 19 alone is not enough: a nice value weighs per thread (a dozen transfer threads at nice 19 can weigh a
-dozen times one), and a woken nice-19 thread may still preempt the training thread for a slice. A ``SCHED_IDLE``
-thread has the least weight there is and never preempts a normal thread on waking: where cores are short, training
-goes first and the upload takes what is left; idle cores it uses freely. No lock is shared with the trainer, so
-there is no inversion (in the trainer's own process, a thread this low holding the GIL would stall training).
+Priority: the child starts at the trainer's priority (its imports) and then runs at nice :data:`CHILD_NICENESS`, as
+do the transfer threads it starts: where cores are short, training goes first and the upload still gets a sure share;
+idle cores it uses freely. No lock is shared with the trainer, so there is no inversion (in the trainer's own
+process, a low-priority thread holding the GIL stalls training).
 
 The child builds its store from a :class:`StoreRecipe`: the bucket and the client's settings, never a client or a
 secret. It reads the credentials as :func:`~.objectstore.make_client` does, from the environment it inherits.
@@ -35,7 +33,6 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -45,8 +42,10 @@ from disttrain.trainer.checkpoint.objectstore import Location, ObjectStoreCommit
 
 log = logging.getLogger("disttrain.trainer")
 
-CHILD_NICENESS = 19
-"""The upload process's nice value (where the ``SCHED_IDLE`` class is not to be had)."""
+CHILD_NICENESS = 10
+"""The upload process's nice value: about a tenth of a core against a training thread at 0 where cores are short.
+Not the ``SCHED_IDLE`` class: it starved uploads on cores that training keeps busy (a short job ended before any
+save was durable in the bucket), and an unprivileged process cannot leave it again."""
 READY_TIMEOUT_S = 300.0
 """How long a new upload process may take to start (at its priority, on busy cores) before it counts as not
 startable."""
@@ -120,36 +119,12 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
-def _lower_priority(pid: int = 0, idle_class: bool = True) -> None:
-    """Nice :data:`CHILD_NICENESS` and, with ``idle_class`` on Linux, the ``SCHED_IDLE`` class (``pid`` 0: this
-    thread); the threads it starts later inherit both. Best effort."""
+def _lower_priority() -> None:
+    """Nice :data:`CHILD_NICENESS` for this thread; the threads it starts later inherit it. Best effort."""
     try:
-        os.setpriority(os.PRIO_PROCESS, pid, max(CHILD_NICENESS, os.getpriority(os.PRIO_PROCESS, pid)))
-        if idle_class and hasattr(os, "SCHED_IDLE"):
-            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, 0, max(CHILD_NICENESS, os.getpriority(os.PRIO_PROCESS, 0)))
     except OSError as exc:
         log.debug("upload process keeps its priority: %s", exc)
-
-
-def _set_class(pid: int, idle: bool) -> bool:
-    """Every thread of process ``pid`` into the ``SCHED_IDLE`` class or back to the normal one, at nice
-    :data:`CHILD_NICENESS` (Linux; a thread started later inherits its creator's). Best effort: False where not."""
-    if not hasattr(os, "SCHED_IDLE"):
-        return False
-    policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
-    try:
-        threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return False
-    done = False
-    for tid in threads:
-        try:
-            os.sched_setscheduler(tid, policy, os.sched_param(0))
-            os.setpriority(os.PRIO_PROCESS, tid, max(CHILD_NICENESS, os.getpriority(os.PRIO_PROCESS, tid)))
-            done = True
-        except OSError:  # a thread that ended meanwhile
-            continue
-    return done
 
 
 def _build_store(recipe: StoreRecipe, conn: multiprocessing.connection.Connection, phases: bool) -> Any:
@@ -174,7 +149,9 @@ def serve(conn: multiprocessing.connection.Connection, parent_pid: int) -> None:
     except (EOFError, OSError):
         return
     store = _build_store(recipe, conn, phases)
-    _lower_priority()  # started at nice 19 only: the idle class would stretch the start on busy cores
+    # Started at the trainer's priority: its imports take half a CPU-second, which at a low priority on cores that
+    # training keeps busy stretched to tens of seconds (every save of a short job went by unuploaded).
+    _lower_priority()
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -195,15 +172,9 @@ def serve(conn: multiprocessing.connection.Connection, parent_pid: int) -> None:
 class UploadProcess:
     """The parent's side of one upload process: started on the first attempt, started again after it died."""
 
-    def __init__(
-        self, remote: RemoteStore, closed: threading.Event, behind: Callable[[], bool] = lambda: False
-    ) -> None:
+    def __init__(self, remote: RemoteStore, closed: threading.Event) -> None:
         self.remote = remote
         self.closed = closed
-        self.behind = behind
-        """Whether a newer save waits behind the upload in flight: the uploads do not keep up."""
-        self.idle_class = True
-        """Whether the child runs in ``SCHED_IDLE`` (it leaves it while the uploads fall behind)."""
         self._process: Optional[subprocess.Popen[bytes]] = None
         self._conn: Optional[multiprocessing.connection.Connection] = None
         self.pid: Optional[int] = None
@@ -260,7 +231,6 @@ class UploadProcess:
             raise UploadProcessUnavailable(f"{type(exc).__name__}: {exc}") from exc
         finally:
             child.close()
-        _lower_priority(process.pid, idle_class=False)  # at once: the child enters the idle class once it is up
         self._process, self._conn, self.starts = process, parent, self.starts + 1
         try:
             parent.send((self.remote.recipe, self.remote.on_phase is not None))
@@ -273,8 +243,8 @@ class UploadProcess:
             if self.starts == 1:
                 raise UploadProcessUnavailable(str(exc)) from exc
             raise
-        self.pid, self.idle_class = pid, True
-        log.info("checkpoint uploads run in process %d (nice %d, SCHED_IDLE where Linux has it)", pid, CHILD_NICENESS)
+        self.pid = pid
+        log.info("checkpoint uploads run in process %d (nice %d)", pid, CHILD_NICENESS)
 
     def _receive(self, timeout_s: Optional[float] = None) -> Any:
         """The child's next message; waits while the child lives and the uploader is open."""
@@ -283,7 +253,6 @@ class UploadProcess:
         while True:
             if self.closed.is_set():
                 raise Closed()
-            self._follow_backlog()
             if self._conn.poll(POLL_S):  # a dead child's end of the pipe closes: EOF here
                 try:
                     return self._conn.recv()
@@ -295,18 +264,6 @@ class UploadProcess:
             if timeout_s is not None and waited >= timeout_s:
                 self.stop()
                 raise UploadProcessUnavailable(f"the upload process did not start within {timeout_s:.0f} s")
-
-    def _follow_backlog(self) -> None:
-        """Durability before the last percent of step time: while a newer save waits behind the one in flight (the
-        idle class starves uploads on cores that training keeps busy), the child runs in the normal class at nice
-        19, a small but sure share of a core; once the uploads keep up, it is idle again."""
-        if self.pid is None:
-            return
-        idle = not self.behind()
-        if idle != self.idle_class and _set_class(self.pid, idle):
-            self.idle_class = idle
-            if not idle:
-                log.info("checkpoint uploads fall behind: the upload process leaves the idle class until they keep up")
 
     def _died(self) -> UploadProcessDied:
         pid = self._process.pid if self._process is not None else None

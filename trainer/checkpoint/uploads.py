@@ -103,9 +103,7 @@ class Uploader:
         self.retry = retry or RetryPolicy()
         self._queue: queue.Queue[Optional[Upload]] = queue.Queue()
         self._stop = threading.Event()
-        self.process: Optional[UploadProcess] = (
-            UploadProcess(remote, self._stop, self._behind) if remote is not None else None
-        )
+        self.process: Optional[UploadProcess] = UploadProcess(remote, self._stop) if remote is not None else None
         """The upload process (None: the uploads run in this process)."""
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
@@ -122,10 +120,6 @@ class Uploader:
                 self._thread.start()
         self._queue.put(upload)
         return upload
-
-    def _behind(self) -> bool:
-        """A newer save waits behind the upload in flight."""
-        return not self._queue.empty()
 
     def pending(self) -> list[Upload]:
         """Submitted and not uploaded yet, oldest first."""
