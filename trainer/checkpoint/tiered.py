@@ -38,8 +38,12 @@ from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer.checkpoint import commit
 from disttrain.trainer.checkpoint.committer import CheckpointPhase, PhaseHook
 from disttrain.trainer.checkpoint.fence import FencedError
-from disttrain.trainer.checkpoint.objectstore import ObjectStoreCommitter, Published, parse_uri
-from disttrain.trainer.checkpoint.uploadprocess import DescribedCommitter, RemoteStore, StoreRecipe
+from disttrain.trainer.checkpoint.objectstore import (
+    ObjectStoreCommitter,
+    Published,
+    make_client,
+    parse_uri,
+)
 from disttrain.trainer.checkpoint.uploads import RetryPolicy, Upload, Uploader, lower_this_threads_priority
 
 log = logging.getLogger("disttrain.trainer")
@@ -56,22 +60,19 @@ MAX_LOCAL_COPIES = 3
 
 def bucket_committer(
     spec: CheckpointSpec, job_uid: str = "", node: str = "", retry: Optional[RetryPolicy] = None
-) -> DescribedCommitter:
+) -> ObjectStoreCommitter:
     """The committer of ``spec.uri`` with the client ``spec.s3`` describes (credentials from the environment) and
-    the request timeouts of ``retry``; an upload process builds its twin from its recipe."""
+    the request timeouts of ``retry``."""
     assert spec.uri is not None
     s3 = spec.s3
     retry = retry or RetryPolicy()
-    recipe = StoreRecipe(
-        location=parse_uri(spec.uri),
-        endpoint=s3.endpoint if s3 else None,
-        region=s3.region if s3 else None,
-        addressing_style=s3.addressing_style.value if s3 else "auto",
-        timeouts=(retry.connect_timeout_s, retry.read_timeout_s),
-        job_uid=job_uid,
-        node=node,
+    client = make_client(
+        s3.endpoint if s3 else None,
+        s3.region if s3 else None,
+        s3.addressing_style.value if s3 else "auto",
+        (retry.connect_timeout_s, retry.read_timeout_s),
     )
-    return recipe.committer()
+    return ObjectStoreCommitter(client, parse_uri(spec.uri), job_uid=job_uid, node=node)
 
 
 def tier_identity(root: Path) -> str:
@@ -259,12 +260,7 @@ class BucketTier:
         self.root = root
         self.rank = rank
         self.options = options
-        remote = (
-            RemoteStore(dataclasses.replace(store.recipe, record_rank=rank), options.on_phase)
-            if isinstance(store, DescribedCommitter)
-            else None
-        )  # the uploads in a process of their own, where the store can be built there
-        self.uploader = Uploader(RecordingStore(store, rank, options.on_phase), options.retry, remote)
+        self.uploader = Uploader(RecordingStore(store, rank, options.on_phase), options.retry)  # type: ignore[arg-type]
         self.publisher: Optional[Publisher] = None
         self.is_leader = False
         self.world_size = 1

@@ -1,16 +1,14 @@
 """Background uploads of a rank's checkpoint files to the bucket, so that training never waits on the network.
 
-Each rank submits the files it wrote for a save (:meth:`Uploader.submit` returns at once); one thread takes the
-saves in order and has each uploaded (:meth:`ObjectStoreCommitter.upload_files`: every file in flight at once,
-multipart, read back). A store that fails or cannot be reached is retried with exponential backoff (``initial_s``
-doubling up to ``max_s``) until it answers or the uploader is closed: it delays the save's COMPLETE, never the
-caller. Each upload records its attempts and last error, which is what status, metrics and events report.
+Each rank submits the files it wrote for a save (:meth:`Uploader.submit` returns at once); one thread uploads
+the saves in order (:meth:`ObjectStoreCommitter.upload_files`: every file in flight at once, multipart, read back).
+A store that fails or cannot be reached is retried with exponential backoff (``initial_s`` doubling up to
+``max_s``) until it answers or the uploader is closed: it delays the save's COMPLETE, never the caller. Each
+upload records its attempts and last error, which is what status, metrics and events report.
 
-With a :class:`~.uploadprocess.RemoteStore` (what :class:`~.tiered.BucketTier` passes for a bucket of the spec), the
-transfers run in a process of their own at the lowest CPU priority (:mod:`.uploadprocess`): their threads never hold
-the training process's GIL, and the thread here only waits on a pipe. Without one, or where no process can be
-started, the transfers run in this process: the upload thread and the transfer threads it starts (Linux threads
-inherit their creator's priority) run at a lower CPU priority (:data:`UPLOAD_NICENESS`), but share the GIL.
+The upload thread runs at a lower CPU priority (:data:`UPLOAD_NICENESS`), and so do the transfer threads it starts
+(Linux threads inherit their creator's): where cores are short, the training loop and its data loader go first and
+the upload takes what is left.
 """
 
 from __future__ import annotations
@@ -22,16 +20,10 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Optional
 
 from disttrain.api.manifest import FileDigest
-from disttrain.trainer.checkpoint.uploadprocess import (
-    Closed,
-    RemoteStore,
-    RemoteUploadError,
-    UploadProcess,
-    UploadProcessUnavailable,
-)
+from disttrain.trainer.checkpoint.objectstore import ObjectStoreCommitter
 
 log = logging.getLogger("disttrain.trainer")
 
@@ -78,33 +70,14 @@ class Upload:
     """Its local copy was removed before it was uploaded (a newer save superseded it): never uploaded."""
 
 
-class FileUploader(Protocol):
-    """What an :class:`Uploader` uploads through: :class:`ObjectStoreCommitter` or :class:`~.tiered.RecordingStore`."""
-
-    def upload_files(
-        self, local_dir: Path, step: int, files: dict[str, FileDigest], round_: int
-    ) -> dict[str, FileDigest]: ...
-
-
-def describe(exc: BaseException) -> str:
-    """``Type: message`` of a failed attempt (the child's own for an attempt that failed in the upload process)."""
-    text = str(exc) if isinstance(exc, RemoteUploadError) else f"{type(exc).__name__}: {exc}"
-    return text[:500]
-
-
 class Uploader:
-    """This rank's upload thread (started on the first submit) and, with ``remote``, its upload process (started on
-    the first upload)."""
+    """This rank's upload thread (started on the first submit)."""
 
-    def __init__(
-        self, store: FileUploader, retry: Optional[RetryPolicy] = None, remote: Optional[RemoteStore] = None
-    ) -> None:
+    def __init__(self, store: ObjectStoreCommitter, retry: Optional[RetryPolicy] = None) -> None:
         self.store = store
         self.retry = retry or RetryPolicy()
         self._queue: queue.Queue[Optional[Upload]] = queue.Queue()
         self._stop = threading.Event()
-        self.process: Optional[UploadProcess] = UploadProcess(remote, self._stop) if remote is not None else None
-        """The upload process (None: the uploads run in this process)."""
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._pending: list[Upload] = []
@@ -127,35 +100,14 @@ class Uploader:
             return [u for u in self._pending if not u.done.is_set()]
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop retrying and end the thread and the upload process; uploads not done stay not done (their local
-        files are kept)."""
+        """Stop retrying and end the thread; uploads not done stay not done (their local files are kept)."""
         self._stop.set()
         self._queue.put(None)
         if self._thread is not None:
             self._thread.join(timeout_s)
-        elif self.process is not None:
-            self.process.stop()
 
     def _run(self) -> None:
         lower_this_threads_priority()
-        try:
-            self._upload_in_order()
-        except Closed:
-            pass
-        finally:
-            if self.process is not None:
-                self.process.stop()  # from this thread: the child's PR_SET_PDEATHSIG follows the thread that started it
-
-    def _attempt(self, upload: Upload) -> dict[str, FileDigest]:
-        if self.process is not None:
-            try:
-                return self.process.attempt(upload.local_dir, upload.step, upload.files, upload.round)
-            except UploadProcessUnavailable as exc:
-                log.warning("checkpoint uploads run in the training process: no upload process here (%s)", exc)
-                self.process = None
-        return self.store.upload_files(upload.local_dir, upload.step, upload.files, upload.round)
-
-    def _upload_in_order(self) -> None:
         while not self._stop.is_set():
             upload = self._queue.get()
             if upload is None:
@@ -170,11 +122,9 @@ class Uploader:
                 upload.attempts += 1
                 started = time.monotonic()
                 try:
-                    upload.result = self._attempt(upload)
-                except Closed:
-                    raise
+                    upload.result = self.store.upload_files(upload.local_dir, upload.step, upload.files, upload.round)
                 except Exception as exc:  # noqa: BLE001 - a store that fails is retried, never raised into training
-                    upload.last_error = describe(exc)
+                    upload.last_error = f"{type(exc).__name__}: {exc}"[:500]
                     log.warning(
                         "upload of checkpoint step-%d failed (attempt %d, retry in %.0f s): %s",
                         upload.step,
