@@ -234,7 +234,8 @@ def test_checkpoint_step_and_age_are_the_status_checkpoint(observed):
         # reads the step gauge just before a status update and the age just after it pairs the step with the next
         # checkpoint's age (two gauges, read one after the other while the runtime updates them).
         later = [committed[s] for s in sorted(committed) if s > step][:1]
-        ages_fit = [abs(age - (at - commit)) < 0.5 for commit in [committed[step], *later]]
+        # Within 1.5 s: the scrape's own latency on 2 loaded cores reached 0.66 s.
+        ages_fit = [abs(age - (at - commit)) < 1.5 for commit in [committed[step], *later]]
         assert any(ages_fit), (at, age, step, at - committed[step])
         checked.add(step)
     assert len(ages) >= 10 and len(checked) >= 3, (len(ages), checked)
