@@ -42,7 +42,7 @@ def test_a_job_killed_mid_run_resumes_from_the_bucket_at_another_world_size(harn
     rc, log = harness.run(4, reference, "ref", ckpt=harness.tmp / "ref-volume")
     assert rc == 0, log[-3000:]
 
-    first = harness.start(4, contract, "first", TOY_STEP_SLEEP="0.5", **bucket_credentials(s3_server))
+    first = harness.start(4, contract, "first", TOY_STEP_SLEEP="1.0", **bucket_credentials(s3_server))
     view = bucket_view(s3_bucket)
     harness.wait_until("a COMPLETE checkpoint of step 4 or later", lambda: newest_step(view) >= 4, 120)
     harness.kill_tree(first.pid)

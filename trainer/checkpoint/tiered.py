@@ -12,7 +12,8 @@ as on a volume), and training goes on. Then, in the background:
 
 So a slow or unreachable bucket delays COMPLETE, never a training step; a save whose uploads never finish is never
 published. Local copies are removed once the bucket holds a newer COMPLETE one, and at most
-:data:`MAX_LOCAL_COPIES` are kept while the bucket is behind (the oldest give way: their uploads are dropped).
+:data:`MAX_LOCAL_COPIES` are kept while the bucket is behind (the oldest give way and their uploads are dropped,
+except a save some rank of the tier is uploading right now: ``<local root>/.upload-in-flight-rank<k>``).
 
 Every node has a local tier of its own (an emptyDir): a tier is the set of ranks that share one directory on one
 host, and its lowest rank (the tier's leader) renames, downloads and deletes there. Resume takes the newest
@@ -38,12 +39,8 @@ from disttrain.api.spec import CheckpointSpec
 from disttrain.trainer.checkpoint import commit
 from disttrain.trainer.checkpoint.committer import CheckpointPhase, PhaseHook
 from disttrain.trainer.checkpoint.fence import FencedError
-from disttrain.trainer.checkpoint.objectstore import (
-    ObjectStoreCommitter,
-    Published,
-    make_client,
-    parse_uri,
-)
+from disttrain.trainer.checkpoint.objectstore import ObjectStoreCommitter, Published, parse_uri
+from disttrain.trainer.checkpoint.uploadprocess import DescribedCommitter, RemoteStore, StoreRecipe
 from disttrain.trainer.checkpoint.uploads import RetryPolicy, Upload, Uploader, lower_this_threads_priority
 
 log = logging.getLogger("disttrain.trainer")
@@ -55,29 +52,45 @@ POLL_MAX_S = 2.0
 FLUSH_POLL_S = 0.5
 """How often a rank other than 0 looks for the newest save's COMPLETE.json while it waits at exit."""
 MAX_LOCAL_COPIES = 3
+IN_FLIGHT_PREFIX = ".upload-in-flight-rank"
+"""A rank's file in the local tier naming the step it is uploading now: retention keeps that step's files."""
 """Local copies a tier keeps at most while the bucket is behind: what an unreachable bucket can pile up."""
 
 
 def bucket_committer(
     spec: CheckpointSpec, job_uid: str = "", node: str = "", retry: Optional[RetryPolicy] = None
-) -> ObjectStoreCommitter:
+) -> DescribedCommitter:
     """The committer of ``spec.uri`` with the client ``spec.s3`` describes (credentials from the environment) and
-    the request timeouts of ``retry``."""
+    the request timeouts of ``retry``; an upload process builds its twin from its recipe."""
     assert spec.uri is not None
     s3 = spec.s3
     retry = retry or RetryPolicy()
-    client = make_client(
-        s3.endpoint if s3 else None,
-        s3.region if s3 else None,
-        s3.addressing_style.value if s3 else "auto",
-        (retry.connect_timeout_s, retry.read_timeout_s),
+    recipe = StoreRecipe(
+        location=parse_uri(spec.uri),
+        endpoint=s3.endpoint if s3 else None,
+        region=s3.region if s3 else None,
+        addressing_style=s3.addressing_style.value if s3 else "auto",
+        timeouts=(retry.connect_timeout_s, retry.read_timeout_s),
+        job_uid=job_uid,
+        node=node,
     )
-    return ObjectStoreCommitter(client, parse_uri(spec.uri), job_uid=job_uid, node=node)
+    return recipe.committer()
 
 
 def tier_identity(root: Path) -> str:
     """What ranks sharing one local tier have in common: the host and the directory."""
     return f"{socket.gethostname()}:{os.path.realpath(root)}"
+
+
+def steps_in_flight(root: Path) -> set[int]:
+    """The steps that ranks of the tier at ``root`` are uploading now."""
+    steps = set()
+    for marker in root.glob(f"{IN_FLIGHT_PREFIX}*"):
+        try:
+            steps.add(int(marker.read_text()))
+        except (OSError, ValueError):
+            continue  # removed meanwhile, or being written
+    return steps
 
 
 def tier_leaders(identities: list[str]) -> dict[str, int]:
@@ -260,7 +273,15 @@ class BucketTier:
         self.root = root
         self.rank = rank
         self.options = options
-        self.uploader = Uploader(RecordingStore(store, rank, options.on_phase), options.retry)  # type: ignore[arg-type]
+        remote = (
+            RemoteStore(dataclasses.replace(store.recipe, record_rank=rank), options.on_phase)
+            if isinstance(store, DescribedCommitter)
+            else None
+        )  # the uploads in a process of their own, where the store can be built there
+        self.uploader = Uploader(
+            RecordingStore(store, rank, options.on_phase), options.retry, remote, root / f"{IN_FLIGHT_PREFIX}{rank}"
+        )
+        self.uploader.start()
         self.publisher: Optional[Publisher] = None
         self.is_leader = False
         self.world_size = 1
@@ -318,18 +339,21 @@ class BucketTier:
 
     def _retain_locally(self, newest: int, local_round: int) -> None:
         """In a thread: delete local copies older than the bucket's newest COMPLETE one, and the oldest beyond
-        :data:`MAX_LOCAL_COPIES` (never the newest); and the temporary directories of failed saves of this group
-        or older ones, chosen now (the next save's is created later)."""
+        :data:`MAX_LOCAL_COPIES` (never ``newest`` or a newer one, never one that a rank of the tier is uploading);
+        and the temporary directories of failed saves of this group or older ones, chosen now (the next save's is
+        created later)."""
         self.join_retention()
         temps = commit.plan_temp_cleanup(self.root, local_round)
 
         def run() -> None:
             commit.delete(self.root, temps)
             published = self._published_step()
+            uploading = steps_in_flight(self.root)
             steps = sorted(s for s, _ in commit.step_dirs(self.root))
-            doomed = [s for s in steps if published is not None and s < published and s != newest]
+            doomed = [s for s in steps if published is not None and s < published and s not in (newest, *uploading)]
             kept = [s for s in steps if s not in doomed]
-            doomed += kept[: max(0, len(kept) - MAX_LOCAL_COPIES)]
+            removable = [s for s in kept if s < newest and s not in uploading]
+            doomed += removable[: max(0, len(kept) - MAX_LOCAL_COPIES)]
             removed = commit.delete(self.root, [commit.step_dir_name(s) for s in sorted(set(doomed))])
             if removed:
                 log.info("local tier: removed %s", ", ".join(removed))
