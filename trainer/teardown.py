@@ -126,7 +126,13 @@ def joined_new_group() -> None:
 
 
 def destroy_groups() -> None:
-    """Destroy every process group of this process and free them now (the caller dropped its own references)."""
+    """Destroy every process group of this process and free them now (the caller dropped its own references).
+
+    The groups' connections are shut down first (:func:`groupsockets.shut_down`; a no-op where the reform directive
+    did it already): a gloo group's destructor waits for its pending work, which on a connection to a peer that left
+    without closing it ends only at the collective timeout, and that destructor runs inside ``gc.collect()`` under
+    the GIL, where no deadline of ours can fire."""
+    groupsockets.shut_down()
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
