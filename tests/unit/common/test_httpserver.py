@@ -42,6 +42,7 @@ def _scrape(port: int, timeout: float = 5.0, encoding: str = "") -> bytes:
 
 
 def _threads() -> int:
+    """The process's OS threads (native ones included, which a Python thread count misses)."""
     return len(os.listdir("/proc/self/task"))
 
 
@@ -62,7 +63,7 @@ def test_idle_clients_cost_no_thread_hold_at_most_the_cap_and_never_keep_a_scrap
         for _ in range(5):
             assert b"bench_things_total 1.0" in _scrape(server.server_port, timeout=2.0)
             assert server.open_connections <= 16
-        assert _threads() == threads, "a thread per connection"
+        assert _threads() <= threads, "a thread per connection"  # (a thread of an earlier test may have ended)
         assert server.evicted >= 300 - 16
     finally:
         for sock in idle:
@@ -109,7 +110,7 @@ def test_clients_that_never_read_their_answer_do_not_hold_the_server(server):
         deaf.append(sock)
     try:
         assert b"bench_things_total 1.0" in _scrape(server.server_port, timeout=2.0)
-        assert _threads() == threads
+        assert _threads() <= threads  # no thread per client (a thread of an earlier test may have ended meanwhile)
         assert server.open_connections <= 16
     finally:
         for sock in deaf:
