@@ -93,8 +93,8 @@ def describe(exc: BaseException) -> str:
 
 
 class Uploader:
-    """This rank's upload thread (started on the first submit) and, with ``remote``, its upload process (started on
-    the first upload)."""
+    """This rank's upload thread and, with ``remote``, its upload process: both started by :meth:`start` (a bucket
+    tier calls it when it is made) or else by the first submit."""
 
     def __init__(
         self,
