@@ -31,14 +31,15 @@ import zlib
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import Any, Optional, TypeVar
 
+from disttrain.trainer.store import batchread
+
 PER_NODE_JOINS_ABOVE = 32
 """Rounds whose target is above this many nodes join by records; smaller ones by torch's compare-and-set."""
 CLOSE_TRIES_PER_S = 5.0
 """How many times a second, summed over a round's waiting nodes, one of them reads the records to close the round."""
 CLOSE_TRY_MIN_S = 0.2
 """The shortest pause between two tries of one node (a small round)."""
-READ_CHUNK = 512
-"""Keys per batched read (the agent's front passes at most 1,024 in one request)."""
+READ_CHUNK = batchread.READ_CHUNK
 BUCKETS = 32
 """Join counters: the nodes of a round take their slots from this many, so one node in as many contends."""
 TAKE_ATTEMPTS = 64
@@ -189,29 +190,16 @@ def write_record(store: Any, run_id: str, bucket: int, slot: int, record: JoinRe
     store.set(slot_key(run_id, bucket, slot), record.to_json())
 
 
-def _read_each(store: Any, keys: list[str]) -> list[Optional[bytes]]:
-    """The values of ``keys``, None for each that is absent or not valid: batched reads of :data:`READ_CHUNK` keys
-    when all of a chunk are there, else key by key (a ``check`` first: ``get`` waits for an absent key)."""
-    values: list[Optional[bytes]] = []
-    for first in range(0, len(keys), READ_CHUNK):
-        chunk = keys[first : first + READ_CHUNK]
-        if store.check(chunk):
-            values.extend(bytes(value) for value in store.multi_get(chunk))
-        else:
-            values.extend(bytes(store.get(key)) if store.check([key]) else None for key in chunk)
-    return values
-
-
 def read_records(store: Any, run_id: str, round_: int) -> dict[str, JoinRecord]:
     """The join records of round ``round_``, by node name (``repr`` of the descriptor)."""
-    counters = _read_each(store, [count_key(run_id, bucket) for bucket in range(BUCKETS)])
+    counters = batchread.read_each(store, [count_key(run_id, bucket) for bucket in range(BUCKETS)])
     keys = [
         slot_key(run_id, bucket, slot)
         for bucket, raw in enumerate(counters)
         for slot in range(1, slots_taken(parse_counter(raw), round_) + 1)
     ]
     found: dict[str, JoinRecord] = {}
-    for value in _read_each(store, keys):
+    for value in batchread.read_each(store, keys):
         record = JoinRecord.from_json(value) if value is not None else None
         if record is not None and record.round == round_:
             found[record.node_name] = record

@@ -24,6 +24,7 @@ from typing import Optional, TypeVar
 from torch.distributed import Store
 
 from disttrain.api import env
+from disttrain.trainer.store import batchread
 
 Node = TypeVar("Node")
 
@@ -45,11 +46,12 @@ def publish_index(store: Store, run_id: str, node: object, index: Optional[int])
 
 
 def read_indices(store: Store, run_id: str, nodes: Collection[Node]) -> dict[Node, Optional[int]]:
-    """Each node's published index, None for a node that published none (``check`` first: ``get`` blocks)."""
+    """Each node's published index, None for a node that published none (batched: :mod:`batchread`)."""
+    ordered = list(nodes)
+    values = batchread.read_each(store, [index_key(run_id, node) for node in ordered])
     found: dict[Node, Optional[int]] = {}
-    for node in nodes:
-        key = index_key(run_id, node)
-        raw = store.get(key).decode() if store.check([key]) else ""
+    for node, value in zip(ordered, values, strict=True):
+        raw = value.decode(errors="replace") if value is not None else ""
         found[node] = int(raw) if raw.isdigit() else None
     return found
 
