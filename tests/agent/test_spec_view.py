@@ -8,6 +8,7 @@ import datetime
 import json
 import logging
 import pickle
+import time
 
 import pytest
 from tests.agent.test_agent import SPEC, progress, rate_limited_agent, write_job
@@ -96,6 +97,12 @@ class SealedStates:
     def get(self, key: str) -> bytes:
         return self.values[key]
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.values[key] for key in keys]
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value.encode()
+
 
 def rendezvous_store(run_id: str, beats: dict[str, float]) -> SealedStates:
     """A completed round whose node ``demo-worker-<i>`` last beat ``beats[...]`` seconds after T0."""
@@ -124,6 +131,26 @@ def test_the_heartbeat_rule_is_the_jobs_rendezvous_spec_with_its_defaults(make_j
     job = agentview.parse_job(make_job().set("metadata.uid", "run-1").set("spec.rendezvous", rendezvous).build())
     watch = heartbeats.HeartbeatWatch(rendezvous_store("run-1", {"demo-worker-0": 3.0, "demo-worker-1": 0.0}))
     assert [entry["node"] for entry in watch.report(job, now=0.0)] == silent
+
+
+@pytest.mark.parametrize("size", [40, 3])
+def test_the_agent_publishes_the_beats_of_a_large_round_in_one_value(make_job, size):
+    job = agentview.parse_job(make_job().set("metadata.uid", "run-1").build())
+    store = rendezvous_store("run-1", {f"demo-worker-{i}": 0.0 for i in range(size)})
+    nodes = [str(dyn._NodeDesc(f"10.0.0.{rank}", 100 + rank, 0)) for rank in range(size)]
+    beat_at = time.time() - 0.5
+    for index, node in enumerate(nodes):  # the first launcher is leaving: its last beat is no sign of life
+        store.values[heartbeats.beat_key("run-1", node)] = heartbeats.encode_beat(beat_at, leaving=index == 0).encode()
+
+    heartbeats.HeartbeatWatch(store).report(job, now=0.0)
+
+    summary = heartbeats.read_beat_summary(store, "run-1")
+    if size <= heartbeats.SUMMARY_ABOVE_NODES:
+        assert summary is None, "a small round's launchers read the beats themselves"
+        return
+    assert summary is not None and abs(summary.time - time.time()) < 5
+    assert set(summary.beats) == set(nodes[1:])
+    assert all(abs(at - beat_at) < 0.01 for at in summary.beats.values())
 
 
 def test_without_a_reporting_interval_the_agent_writes_progress_at_the_specs_default(tmp_path, store_pair):

@@ -21,7 +21,8 @@ descriptors, datetimes and the builtin containers, and builds them as inert stan
 instantiated); anything else is refused. The node's pod comes from :func:`identity_key`, which
 the ``disttrain`` rendezvous handler writes before the node joins a round (:mod:`disttrain.trainer.launch.rendezvous`).
 
-Pure but for :func:`read_state` and :func:`read_identity` (a store); no torch import.
+Pure but for the functions that read a store (:func:`read_state`, :func:`read_beats`, :func:`read_identities`);
+no torch import.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ import datetime
 import io
 import json
 import pickle
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 from disttrain.api import agentview, control
 from disttrain.api.timestamps import format_time
+from disttrain.trainer.store import batchread
 
 STATE_CLASS = ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState")
 NODE_CLASS = ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc")
@@ -178,6 +181,66 @@ def parse_beat(raw: bytes) -> Optional[tuple[float, bool]]:
 def beat_key(run_id: str, node: object) -> str:
     """Store key of a node's liveness beat, which its launcher writes (``disttrain.trainer.launch.beat``)."""
     return f"torch.rendezvous.{run_id}/disttrain.beat/{node}"  # str(_NodeDesc) is its repr
+
+
+SUMMARY_EVERY_S = 0.5
+"""How often the agent publishes its :class:`BeatSummary`."""
+SUMMARY_ABOVE_NODES = 32
+"""The summary is published, and read, for rounds of more nodes than this (smaller ones read the beats)."""
+
+
+def beat_summary_key(run_id: str) -> str:
+    """Store key of the agent's :class:`BeatSummary` of ``run_id``."""
+    return f"torch.rendezvous.{run_id}/disttrain.beats"
+
+
+BEAT_SUMMARY_MAX_BYTES = 1024 * 1024
+"""Largest summary written or parsed (about 30 bytes a node)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BeatSummary:
+    """The last beat of each node the agent judges, as it read them (launchers' last beats left out): one value
+    that a node of a large round reads instead of one beat key per node.
+
+    Why: torch's sanitizer, in every node, spares the nodes whose beat is fresh; read key by key, a reform of N
+    nodes cost N x N signed reads, all at once (128 simulated nodes: seconds per node)."""
+
+    time: float
+    """When the agent read the beats (Unix seconds)."""
+    beats: Mapping[str, float]
+    """Node (its descriptor's name) -> its last beat (Unix seconds)."""
+
+    def encode(self) -> str:
+        ages = {node: round((self.time - at) * 1000) for node, at in self.beats.items()}
+        return json.dumps({"time": self.time, "ages_ms": ages}, separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Optional[BeatSummary]:
+        """The summary, or None for anything that is not one."""
+        if len(raw) > BEAT_SUMMARY_MAX_BYTES:
+            return None
+        try:
+            value = json.loads(raw)
+            at, ages = value["time"], value["ages_ms"]
+        except (ValueError, TypeError, KeyError):
+            return None
+        if type(at) not in (int, float) or not isinstance(ages, dict):
+            return None
+        if not all(isinstance(node, str) and type(age) is int for node, age in ages.items()):
+            return None
+        return cls(float(at), {node: at - age / 1000 for node, age in ages.items()})
+
+
+def write_beat_summary(store: Any, run_id: str, summary: BeatSummary) -> None:
+    encoded = summary.encode()
+    if len(encoded) <= BEAT_SUMMARY_MAX_BYTES:
+        store.set(beat_summary_key(run_id), encoded)
+
+
+def read_beat_summary(store: Any, run_id: str) -> Optional[BeatSummary]:
+    found = batchread.read_each(store, [beat_summary_key(run_id)])[0]
+    return BeatSummary.decode(found) if found is not None else None
 
 
 def identity_key(run_id: str, node: object) -> str:
@@ -406,14 +469,11 @@ def read_beats(store: Any, run_id: str, nodes: frozenset[str]) -> Beats:
     """The last beat of each of ``nodes`` that has one (a signed timestamp; anything else is no beat)."""
     found, leaving = {}, set()
     ordered = sorted(nodes)
-    names = [beat_key(run_id, node) for node in ordered]
-    # Every node beating (the usual case): one check and one multi_get, not two round trips per node.
-    batch = store.multi_get(names) if len(names) > 1 and store.check(names) else None
-    for index, node in enumerate(ordered):
-        key = names[index]
-        raw = batch[index] if batch is not None else (store.get(key) if store.check([key]) else None)
+    # Every node beating (the usual case): one check and one multi_get per chunk, not two round trips per node.
+    values = batchread.read_each(store, [beat_key(run_id, node) for node in ordered])
+    for node, raw in zip(ordered, values, strict=True):
         if raw is not None:
-            parsed = parse_beat(bytes(raw))
+            parsed = parse_beat(raw)
             if parsed is not None:
                 found[node] = datetime.datetime.fromtimestamp(parsed[0], datetime.timezone.utc)
                 if parsed[1]:
@@ -437,11 +497,13 @@ def with_beats(view: RendezvousView, beats: Mapping[str, datetime.datetime]) -> 
     return dataclasses.replace(view, heartbeats=merged)
 
 
-def read_identity(store: Any, run_id: str, node: str) -> Optional[NodeIdentity]:
-    key = identity_key(run_id, node)
-    if not store.check([key]):
-        return None
-    return NodeIdentity.from_json(bytes(store.get(key)))
+def read_identities(store: Any, run_id: str, nodes: Sequence[str]) -> dict[str, Optional[NodeIdentity]]:
+    """Each node's identity, None where it published none (batched: :mod:`disttrain.trainer.store.batchread`)."""
+    values = batchread.read_each(store, [identity_key(run_id, node) for node in nodes])
+    return {
+        node: NodeIdentity.from_json(value) if value is not None else None
+        for node, value in zip(nodes, values, strict=True)
+    }
 
 
 class HeartbeatWatch:
@@ -457,6 +519,7 @@ class HeartbeatWatch:
         self._tracker: Optional[SilenceTracker] = None
         self._settings: Optional[tuple[str, float, int, float]] = None
         self._identities: dict[str, Optional[NodeIdentity]] = {}
+        self._summary_at = float("-inf")
         self.members: Optional[list[str]] = None
         """Pod names of the last completed round seen (``status.roundMembers``); None before one is known."""
         self._round_run_id: Optional[str] = None
@@ -466,6 +529,16 @@ class HeartbeatWatch:
         self.beside_running_group = False
         """The agent started while its job's group was running (its predecessor was lost): the silence rule holds
         its first verdicts (:class:`SilenceTracker`, ``hold_first``)."""
+
+    def _publish_beats(self, run_id: str, beats: Beats) -> None:
+        """The beats just read, as one :class:`BeatSummary` for the launchers of a round of more than
+        :data:`SUMMARY_ABOVE_NODES` nodes, at most every :data:`SUMMARY_EVERY_S`."""
+        now = time.time()
+        if len(beats.times) <= SUMMARY_ABOVE_NODES or now - self._summary_at < SUMMARY_EVERY_S:
+            return
+        self._summary_at = now
+        alive = {node: at.timestamp() for node, at in beats.times.items() if node not in beats.leaving}
+        write_beat_summary(self.store, run_id, BeatSummary(now, alive))
 
     def read_round(self, run_id: str) -> int:
         """:attr:`last_complete_round`, from a fresh read of ``run_id``'s state (a directive is about to go out)."""
@@ -505,13 +578,13 @@ class HeartbeatWatch:
         if view is not None and not view.closed:
             beats = read_beats(self.store, run_id, beating_nodes(view))
             view, leaving = with_beats(view, beats.times), beats.leaving
+            self._publish_beats(run_id, beats)
         evidence = tamper_count(self.store, run_id) + (self.tampering() if self.tampering is not None else 0)
         tampered = self._evidence is not None and evidence != self._evidence
         self._evidence = evidence
         if view is not None:
-            for node in view.participants:
-                if self._identities.get(node) is None:
-                    self._identities[node] = read_identity(self.store, run_id, node)
+            unknown = [node for node in view.participants if self._identities.get(node) is None]
+            self._identities.update(read_identities(self.store, run_id, unknown))
         silent = self._tracker.observe(view, now, tampered, leaving)
         if view is None:
             self.members = None

@@ -38,7 +38,9 @@ under ``TARGET_KEY`` (without one the handler is plain c10d):
   round of 256 simulated nodes never formed. A node that comes after the round closed waits for the next one in
   torch's wait list, as stock.
 * **A node that waits in a join while its own beat runs writes no keep-alive into the state**: the beat keeps it
-  alive for torch's sanitizer and the job agent (:meth:`_TargetAwareOpExecutor._keep_alive_or_sync`).
+  alive for torch's sanitizer and the job agent (:meth:`_TargetAwareOpExecutor._keep_alive_or_sync`). Nor, in a
+  round of more than 32 nodes, does it after the round (:meth:`_TargetAwareOpExecutor._beat_keeps_alive`), and
+  its monitor loop reads the state less often the more nodes it holds (:func:`monitor_read_seconds`).
 * **Waiting nodes do not restart a healthy group** (``num_nodes_waiting`` answers 0). Stock torchrun restarts
   the workers the moment a new node waits, which loses every step since the last checkpoint; here the operator
   re-forms the group with a ``drain`` directive (checkpoint at the step boundary, then exit), so a scale-up
@@ -114,6 +116,21 @@ SYNC_POLL_NODES = 32
 def sync_poll_seconds(nodes: int) -> float:
     """The pause between two reads of the rendezvous state by a node that waits, with ``nodes`` in the state."""
     return min(1.0, SYNC_POLL_S * max(1.0, nodes / SYNC_POLL_NODES))
+
+
+MONITOR_READS_PER_S = 32.0
+"""How many reads of the rendezvous state a second, summed over a large job's nodes, torchrun's monitor loops make
+while the operator steers (see :meth:`DisttrainRendezvousHandler.num_nodes_waiting`)."""
+
+
+def monitor_read_seconds(nodes: int) -> float:
+    """How long a node's monitor loop serves ``num_nodes_waiting`` from the state it read last, with ``nodes`` in
+    it while the operator steers: torch's one second up to :data:`MONITOR_READS_PER_S` nodes, then longer.
+
+    Why: torchrun asks ten times a second and torch re-reads the whole state (a few hundred bytes per node) once a
+    second. At 1,024 nodes that is a quarter of a megabyte, a thousand times a second, through the one agent; the
+    answer is 0 anyway while a target plan is published."""
+    return max(1.0, nodes / MONITOR_READS_PER_S)
 
 
 LOST_WRITE_BACKOFF_S = 0.05
@@ -254,6 +271,9 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
             def state_handler(ctx: dyn._RendezvousContext, deadline: float) -> dyn._Action:
                 return self._exit_with_target(leave, ctx, deadline)
 
+        elif isinstance(state_handler, dyn._RendezvousKeepAliveOp) and self._beat_keeps_alive():
+            return
+
         while True:
             try:
                 if joining:  # before this node can appear among the participants, so whoever completes reads it
@@ -274,6 +294,12 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
         if events_recorded():
             super()._record(message, node_state)
+
+    def _beat_keeps_alive(self) -> bool:
+        """Whether torch's keep-alive timer, after a round, writes nothing: in a round of more than
+        :attr:`per_node_joins_above` nodes while this node's beat runs, which keeps it alive instead. Each keep-alive
+        is a compare-and-set of the whole state: 256 simulated nodes lost 622 of 649, their reads slowed to 0.25 s."""
+        return self.beating() and len(self._state_holder.state.participants) > self.per_node_joins_above
 
     def publish_identity(self) -> None:
         """This node's index (for the ranks) and pod (for the job agent's silence report,
@@ -525,18 +551,22 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
 
     def _lost_participants(self, state: Any, target: control.TargetPlan, me: Any) -> list[Any]:
         """Participants of the finished round whose pod the operator declared lost or excluded (a scale-down victim
-        that died, or was picked as the victim of a scale-down issued with the loss): neither comes back to it."""
-        lost = {*target.lost, *target.exclude}
-        return [node for node in state.participants if node != me and self._name_of(node) in lost]
+        that died, or was picked as the victim of a scale-down issued with the loss): neither comes back to it.
 
-    def _name_of(self, node: Any) -> str:
-        """The pod name a participant published with its identity ("" while unknown; misses are not cached)."""
-        if node not in self._names:
-            identity = heartbeats.read_identity(self._store, self._settings.run_id, str(node))
-            if identity is None:
-                return ""
-            self._names[node] = identity.name
-        return self._names[node]
+        Lost pods count only in the round the loss was declared for (the target's round, or any while it names
+        none): every survivor checks each round it sees complete, and in the round re-formed after a reform that
+        check read every participant's identity, on every node at once (the last seconds of a reform at 128
+        nodes)."""
+        lost = {*target.exclude}
+        if target.round == control.NO_ROUND or target.round == state.round:
+            lost.update(target.lost)  # a loss is declared for its round: a later round was formed without the node
+        if not lost:
+            return []
+        unknown = [node for node in state.participants if node not in self._names]  # read together, not one by one
+        found = heartbeats.read_identities(self._store, self._settings.run_id, [str(node) for node in unknown])
+        known = {node: found[str(node)] for node in unknown}
+        self._names.update({node: identity.name for node, identity in known.items() if identity is not None})
+        return [node for node in state.participants if node != me and self._names.get(node, "") in lost]
 
     def _indices_of(self, nodes: list[Any]) -> dict[Any, Optional[int]]:
         """Each node's published index, read once per node: the completion is retried whenever another node's
@@ -725,6 +755,7 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
         :meth:`shutdown`."""
         self._leave_open = False
         self._store_away = False
+        self._monitor_read_at = float("-inf")
         self._op_executor = _TargetAwareOpExecutor(
             node,
             state_holder,
@@ -790,7 +821,15 @@ class DisttrainRendezvousHandler(dyn.DynamicRendezvousHandler):
 
         Also 0 while the agent's store is away: torchrun's monitor loop asks this ten times a second, and torch
         would end the node on the first failed read; the group trains on without the store and the client
-        reconnects to the agent's replacement (:mod:`disttrain.trainer.store.resilient`)."""
+        reconnects to the agent's replacement (:mod:`disttrain.trainer.store.resilient`).
+
+        While a target plan is known the state is read at most every :func:`monitor_read_seconds` (one second up to
+        32 nodes): the answer is 0 then, and the read only keeps the cached state from growing stale."""
+        if self._newest_target is not None:
+            nodes = len(self._state_holder.state.participants)
+            if time.monotonic() - self._monitor_read_at < monitor_read_seconds(nodes):
+                return 0
+            self._monitor_read_at = time.monotonic()
         try:
             waiting = super().num_nodes_waiting()
             if waiting and self.target() is not None:
@@ -873,12 +912,29 @@ def per_node_joins_above(params: RendezvousParameters) -> int:
     return above
 
 
+SUMMARY_FRESH_S = 2.0
+"""How old the agent's beat summary may be for a node to use it instead of the beats themselves."""
+
+
 def beats_reader(store: Store, run_id: str) -> NodeBeats:
-    """:data:`NodeBeats` over the nodes' beat keys in ``store`` (one batched read for all the nodes asked)."""
+    """:data:`NodeBeats` over the nodes' beat keys in ``store`` (one batched read for all the nodes asked). For more
+    than ``heartbeats.SUMMARY_ABOVE_NODES`` nodes, the agent's ``heartbeats.BeatSummary`` answers for those it
+    holds, when it is fresh (:data:`SUMMARY_FRESH_S`): one value instead of a signed value per node, for every node
+    of a large round at once."""
 
     def read(nodes: frozenset[str]) -> dict[str, datetime]:
-        found = heartbeats.read_beats(store, run_id, nodes)
-        return {node: at for node, at in found.times.items() if node not in found.leaving}
+        found: dict[str, datetime] = {}
+        asked = nodes
+        if len(nodes) > heartbeats.SUMMARY_ABOVE_NODES:
+            summary = heartbeats.read_beat_summary(store, run_id)
+            if summary is not None and abs(time.time() - summary.time) <= SUMMARY_FRESH_S:
+                held = {node: at for node, at in summary.beats.items() if node in nodes}
+                found = {node: datetime.fromtimestamp(at, timezone.utc) for node, at in held.items()}
+                asked = nodes.difference(held)
+        if asked:
+            beats = heartbeats.read_beats(store, run_id, asked)
+            found.update({node: at for node, at in beats.times.items() if node not in beats.leaving})
+        return found
 
     return read
 

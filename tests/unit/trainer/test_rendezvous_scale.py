@@ -1,0 +1,122 @@
+"""What keeps a large round's traffic on the agent's store from growing with the square of its nodes: the agent's
+beat summary read instead of one beat per node, no keep-alive writes of the whole state after a large round while
+the node's own beat runs, a loss checked only in the round it was declared for, and a monitor loop that reads the
+state less often the more nodes it holds. Real stores, torch's own state and operations."""
+
+from __future__ import annotations
+
+import pickle
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
+
+from disttrain.api import control
+from disttrain.common.ports import free_port
+from disttrain.trainer.agent import heartbeats
+from disttrain.trainer.launch import rendezvous
+
+pytestmark = [pytest.mark.unit]
+
+RUN = "scale"
+SETTINGS = dyn.RendezvousSettings(
+    RUN, 1, 2048, dyn.RendezvousTimeout(), keep_alive_interval=timedelta(seconds=1), keep_alive_max_attempt=3
+)
+
+
+@pytest.fixture
+def store() -> TCPStore:
+    return TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def nodes(count: int) -> list[dyn._NodeDesc]:
+    return [dyn._NodeDesc(f"10.0.{i // 250}.{i % 250}", 100 + i, 0) for i in range(count)]
+
+
+def beat(store: TCPStore, node: object, at: float) -> None:
+    store.set(heartbeats.beat_key(RUN, node), heartbeats.encode_beat(at))
+
+
+def test_a_large_round_takes_the_beats_from_the_agents_fresh_summary_and_reads_only_the_others(store) -> None:
+    members = [str(node) for node in nodes(40)]
+    summary_at = time.time() - 0.3
+    held = dict.fromkeys(members[:-1], summary_at - 0.1)
+    heartbeats.write_beat_summary(store, RUN, heartbeats.BeatSummary(time.time(), held))
+    beat(store, members[0], summary_at - 100)  # the node's own key is not read: the summary answers for it
+    beat(store, members[-1], summary_at)  # not in the summary: its own key is read
+
+    found = rendezvous.beats_reader(store, RUN)(frozenset(members))
+
+    assert set(found) == set(members)
+    assert abs(found[members[0]].timestamp() - held[members[0]]) < 0.01
+    assert abs(found[members[-1]].timestamp() - summary_at) < 0.01
+
+
+def test_a_stale_summary_is_not_used(store) -> None:
+    members = [str(node) for node in nodes(40)]
+    old = time.time() - 2 * rendezvous.SUMMARY_FRESH_S - 1
+    heartbeats.write_beat_summary(store, RUN, heartbeats.BeatSummary(old, dict.fromkeys(members, old)))
+    beat(store, members[0], time.time())
+
+    found = rendezvous.beats_reader(store, RUN)(frozenset(members))
+
+    assert set(found) == {members[0]}, "only a beat the node wrote itself; the old summary says nothing"
+
+
+@pytest.mark.parametrize(
+    "raw", [b"", b"[]", b'{"time": 1}', b'{"time": "x", "ages_ms": {}}', b'{"time": 1, "ages_ms": {"a": 0.5}}']
+)
+def test_a_summary_that_is_not_one_is_none(raw: bytes) -> None:
+    assert heartbeats.BeatSummary.decode(raw) is None
+
+
+def finished_round(backend, members: list[dyn._NodeDesc], heartbeat_age_s: float) -> None:
+    state = dyn._RendezvousState()
+    state.round, state.complete = 5, True
+    at = datetime.now(timezone.utc) - timedelta(seconds=heartbeat_age_s)
+    for rank, node in enumerate(members):
+        state.participants[node] = rank
+        state.last_heartbeats[node] = at
+    token = backend.get_state()
+    backend.set_state(pickle.dumps(state), token[1] if token else None)
+
+
+@pytest.mark.parametrize("size, beating, written", [(40, True, False), (40, False, True), (3, True, True)])
+def test_after_a_large_round_a_beating_node_writes_no_keep_alive(store, size, beating, written) -> None:
+    backend = c10d_rendezvous_backend.C10dRendezvousBackend(store, RUN)
+    members = nodes(size)
+    finished_round(backend, members, heartbeat_age_s=1.5)  # a keep-alive is due, none expired yet
+    holder = rendezvous._ReconnectingStateHolder(backend, SETTINGS, generation=lambda: 0)
+    holder.sync()
+    executor = rendezvous._TargetAwareOpExecutor(members[0], holder, SETTINGS, lambda: None, "", store, 0)
+    executor.beating = lambda: beating
+    before = backend.get_state()
+
+    executor.run(dyn._RendezvousKeepAliveOp(), time.monotonic() + 10)
+
+    after = backend.get_state()
+    assert (after != before) == written
+    if written:
+        state = pickle.loads(after[0])
+        assert state.last_heartbeats[members[0]] > datetime.now(timezone.utc) - timedelta(seconds=1)
+
+
+def test_a_loss_is_checked_only_in_the_round_it_was_declared_for() -> None:
+    members = nodes(3)
+    state = dyn._RendezvousState()
+    state.round, state.complete = 4, True
+    for rank, node in enumerate(members):
+        state.participants[node] = rank
+    executor = rendezvous._TargetAwareOpExecutor(members[0], None, SETTINGS, lambda: None, "", None, 0)
+    declared_before = control.TargetPlan(generation=2, nodes=2, lost=["worker-2"], job_uid="uid", round=3)
+
+    # No store: reading the participants' names would raise. The round was formed after the loss was declared.
+    assert executor._lost_participants(state, declared_before, members[0]) == []
+
+
+def test_the_monitor_loop_reads_a_large_rounds_state_less_often() -> None:
+    assert rendezvous.monitor_read_seconds(3) == rendezvous.monitor_read_seconds(32) == 1.0
+    assert rendezvous.monitor_read_seconds(1024) == 1024 / rendezvous.MONITOR_READS_PER_S
