@@ -39,7 +39,6 @@ CLOSE_TRIES_PER_S = 5.0
 """How many times a second, summed over a round's waiting nodes, one of them reads the records to close the round."""
 CLOSE_TRY_MIN_S = 0.2
 """The shortest pause between two tries of one node (a small round)."""
-READ_CHUNK = batchread.READ_CHUNK
 BUCKETS = 32
 """Join counters: the nodes of a round take their slots from this many, so one node in as many contends."""
 TAKE_ATTEMPTS = 64
@@ -133,6 +132,50 @@ def slots_taken(counter: Optional[tuple[int, int]], round_: int) -> int:
     return counter[1]
 
 
+CLOSING_HOLD_S = 5.0
+"""How long one waiting node's claim to close a round holds the others' tries off (:func:`claim_closing`)."""
+
+
+def closing_key(run_id: str) -> str:
+    return f"torch.rendezvous.{run_id}/disttrain.join-closing"
+
+
+def _claim(raw: Optional[bytes]) -> Optional[tuple[int, str, float]]:
+    try:
+        round_, name, at = json.loads(raw) if raw else (None, None, None)
+    except (ValueError, TypeError):
+        return None
+    if type(round_) is not int or not isinstance(name, str) or not isinstance(at, (int, float)):
+        return None
+    return round_, name, float(at)
+
+
+def claim_closing(store: Any, run_id: str, round_: int, node: str, now: Optional[float] = None) -> bool:
+    """Whether ``node`` may try to close ``round_`` now: none other claimed it in the last :data:`CLOSING_HOLD_S`,
+    and this node's claim (a compare-and-set of a few bytes) landed.
+
+    Why: a try reads every record and every beat of the round. With every waiting node trying at its own moment, a
+    try of a 256-node round took seconds on a loaded machine, dozens ran at once, and the one that closed the round
+    (or rank 0, which the others then wait for) waited its turn behind them. A claim whose node died expires."""
+    key = closing_key(run_id)
+    found = batchread.read_each(store, [key])[0]
+    now = time.time() if now is None else now
+    held = _claim(found)
+    if held is not None and held[0] == round_ and held[1] != node and abs(now - held[2]) < CLOSING_HOLD_S:
+        return False
+    desired = json.dumps([round_, node, round(now, 3)])
+    return bytes(store.compare_set(key, b"" if found is None else found, desired)) == desired.encode()
+
+
+def release_closing(store: Any, run_id: str, node: str) -> None:
+    """Give up ``node``'s claim (its try found the round not ready): the next node's try need not wait it out."""
+    key = closing_key(run_id)
+    found = batchread.read_each(store, [key])[0]
+    held = _claim(found)
+    if found is not None and held is not None and held[1] == node:
+        store.compare_set(key, found, "[]")
+
+
 def close_try_period(wanted: int) -> float:
     """The pause between two tries of one waiting node to close a round of ``wanted`` nodes."""
     return max(CLOSE_TRY_MIN_S, wanted / CLOSE_TRIES_PER_S)
@@ -190,9 +233,23 @@ def write_record(store: Any, run_id: str, bucket: int, slot: int, record: JoinRe
     store.set(slot_key(run_id, bucket, slot), record.to_json())
 
 
-def read_records(store: Any, run_id: str, round_: int) -> dict[str, JoinRecord]:
-    """The join records of round ``round_``, by node name (``repr`` of the descriptor)."""
-    counters = batchread.read_each(store, [count_key(run_id, bucket) for bucket in range(BUCKETS)])
+def read_counters(store: Any, run_id: str) -> list[Optional[bytes]]:
+    """The raw values of the :data:`BUCKETS` join counters (None for an absent one)."""
+    return batchread.read_each(store, [count_key(run_id, bucket) for bucket in range(BUCKETS)])
+
+
+def joined_count(counters: Sequence[Optional[bytes]], round_: int) -> int:
+    """How many nodes took a slot in ``round_``, by the ``counters``: a round that cannot close yet is seen without
+    reading a record."""
+    return sum(slots_taken(parse_counter(raw), round_) for raw in counters)
+
+
+def read_records(
+    store: Any, run_id: str, round_: int, counters: Optional[Sequence[Optional[bytes]]] = None
+) -> dict[str, JoinRecord]:
+    """The join records of round ``round_``, by node name (``repr`` of the descriptor); ``counters`` as
+    :func:`read_counters` read them (read here when not given)."""
+    counters = read_counters(store, run_id) if counters is None else counters
     keys = [
         slot_key(run_id, bucket, slot)
         for bucket, raw in enumerate(counters)

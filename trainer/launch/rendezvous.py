@@ -206,6 +206,20 @@ COMPLETION_GRACE_S = 10.0
 (:class:`_ReconnectingStateHolder`)."""
 
 
+def beating_now(beats: Optional[NodeBeats], nodes: list[Any], expiry: timedelta) -> set[Any]:
+    """The ``nodes`` whose own beat is fresh (within torch's ``expiry``); all of them when beats are not read."""
+    if beats is None or not nodes:
+        return set(nodes)
+    expire = datetime.now(timezone.utc) - expiry
+    names = {heartbeats.node_name(node): node for node in nodes}
+    try:
+        last = beats(frozenset(names))  # read in batches (trainer/store/batchread.py)
+    except Exception as exc:  # noqa: BLE001 - the beats only rule nodes out; without them torch's expiry decides
+        log.debug("the nodes' beats could not be read: %s", exc)
+        return set(nodes)
+    return {names[name] for name, at in last.items() if name in names and at >= expire}
+
+
 class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
     """The stock executor, with the join operation wrapped by :meth:`_join_with_target` and ranks assigned by
     node index (:meth:`_mark_rendezvous_complete`)."""
@@ -451,7 +465,22 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
 
     def _participants_to_close(self, state: Any, target: control.TargetPlan, wanted: int) -> Optional[list[Any]]:
         """The participants of the open round if it can close now on ``wanted`` nodes (:func:`joins.choose`)."""
-        records = joins.read_records(self._store, self._settings.run_id, state.round)
+        run_id = self._settings.run_id
+        counters = joins.read_counters(self._store, run_id)
+        if joins.joined_count(counters, state.round) + len(state.participants) < wanted:
+            return None  # too few yet, seen in 32 small values: the records are read once they can close the round
+        if not joins.claim_closing(self._store, run_id, state.round, str(self._node)):
+            return None  # another node is trying
+        chosen = self._choose(state, target, wanted, joins.read_records(self._store, run_id, state.round, counters))
+        if chosen is None:
+            joins.release_closing(self._store, run_id, str(self._node))
+        elif joins.is_closed(self._store, run_id, state.round):
+            return None  # another node closed it while these reads took their time: a write now would only lose
+        return chosen
+
+    def _choose(
+        self, state: Any, target: control.TargetPlan, wanted: int, records: dict[str, joins.JoinRecord]
+    ) -> Optional[list[Any]]:
         joined: dict[Any, joins.JoinRecord] = {}
         for record in records.values():
             node = dyn._NodeDesc(record.addr, record.pid, record.local_id)
@@ -462,27 +491,11 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
                 self._indices[node] = record.index
         if len(joined) + len(state.participants) < wanted:
             return None
-        alive = self._alive([node for node in joined if node not in state.participants])
+        expiry = self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
+        alive = beating_now(self.beats, [node for node in joined if node not in state.participants], expiry)
         alive.add(self._node)
         refused = {*target.exclude, *target.lost}
         return joins.choose(list(state.participants), joined, wanted, refused, alive.__contains__)
-
-    def _alive(self, nodes: list[Any]) -> set[Any]:
-        """The ``nodes`` whose own beat is fresh (within torch's expiry); all of them when beats are not read."""
-        if self.beats is None or not nodes:
-            return set(nodes)
-        expire = datetime.now(timezone.utc) - self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
-        names = {heartbeats.node_name(node): node for node in nodes}
-        ordered = sorted(names)
-        alive = set()
-        try:
-            for first in range(0, len(ordered), joins.READ_CHUNK):
-                last = self.beats(frozenset(ordered[first : first + joins.READ_CHUNK]))
-                alive |= {names[name] for name, at in last.items() if name in names and at >= expire}
-        except Exception as exc:  # noqa: BLE001 - the beats only rule nodes out; without them torch's expiry decides
-            log.debug("rendezvous %s: the nodes' beats could not be read: %s", self._settings.run_id, exc)
-            return set(nodes)
-        return alive
 
     def _drop_lost(self, ctx: dyn._RendezvousContext, target: control.TargetPlan) -> bool:
         """Drop the participants of the finished round that the operator declared lost or excluded, as torch's own
@@ -506,12 +519,9 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
 
     def _keep_alive_or_sync(self, ctx: dyn._RendezvousContext) -> dyn._Action:
         """A keep-alive of a node that waits in a join, written into the shared state only when this node's own beat
-        is not being written. Why: every keep-alive is a compare-and-set of the whole state, which makes the other
-        nodes' pending writes lose; with a round's nodes waiting, one every ``keep_alive_interval`` each, they took
-        most of the writes the store landed (a reform of 128 simulated nodes: about 400 of 540). The beat keeps the
-        node alive instead: torch's sanitizer spares a node whose beat is fresh
-        (:meth:`_ReconnectingStateHolder._alive_by_beat`), and the job agent judges silence by the fresher of the
-        two. After the round, torch's keep-alive timer writes as before."""
+        is not being written: each is a compare-and-set of the whole state, and a reform of 128 simulated nodes
+        spent about 400 of its 540 landed writes on them. torch's sanitizer (:meth:`_ReconnectingStateHolder.
+        _alive_by_beat`) and the job agent count the beat instead (after the round: :meth:`_beat_keeps_alive`)."""
         if not dyn._should_keep_alive(ctx):
             return dyn._Action.SYNC
         return dyn._Action.SYNC if self.beating() else dyn._Action.KEEP_ALIVE

@@ -120,3 +120,25 @@ def test_a_loss_is_checked_only_in_the_round_it_was_declared_for() -> None:
 def test_the_monitor_loop_reads_a_large_rounds_state_less_often() -> None:
     assert rendezvous.monitor_read_seconds(3) == rendezvous.monitor_read_seconds(32) == 1.0
     assert rendezvous.monitor_read_seconds(1024) == 1024 / rendezvous.MONITOR_READS_PER_S
+
+
+def test_one_waiting_node_at_a_time_tries_to_close_a_round(store) -> None:
+    from disttrain.trainer.launch import joins
+
+    now = time.time()
+    assert joins.claim_closing(store, RUN, 7, "node-a", now)
+    assert not joins.claim_closing(store, RUN, 7, "node-b", now + 1), "node-a's try holds the others off"
+    assert joins.claim_closing(store, RUN, 7, "node-a", now + 1), "the holder tries again"
+    assert joins.claim_closing(store, RUN, 8, "node-b", now + 1), "a claim of an earlier round holds nothing"
+    assert joins.claim_closing(store, RUN, 8, "node-a", now + 2 + joins.CLOSING_HOLD_S), "a dead holder's expires"
+
+
+def test_a_claim_given_up_frees_the_round_for_the_next_try(store) -> None:
+    from disttrain.trainer.launch import joins
+
+    now = time.time()
+    assert joins.claim_closing(store, RUN, 3, "node-a", now)
+    joins.release_closing(store, RUN, "node-b")  # not its claim: nothing changes
+    assert not joins.claim_closing(store, RUN, 3, "node-b", now)
+    joins.release_closing(store, RUN, "node-a")
+    assert joins.claim_closing(store, RUN, 3, "node-b", now)
