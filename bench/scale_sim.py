@@ -5,9 +5,13 @@ writes ``agent-status.json``), with its store, its front and its guardian. Each 
 workers: the real ``disttrain`` rendezvous handler (:func:`disttrain.trainer.launch.rendezvous.create_handler`, as
 torchrun builds it, over the relay and the signed store, torch's keep-alives included), its node beat (10 a second),
 and after the rendezvous one :class:`~disttrain.api.control.StepBeacon` per rank and step, written through the
-signed store under ``beacon_key(rank)``. What is simulated: the ranks' beacons of one node go through one
+signed store under ``beacon_key(rank)``, and between steps the handler's ``num_nodes_waiting`` as torchrun's monitor
+loop asks it (every 0.1 s). What is simulated: the ranks' beacons of one node go through one
 connection of that node (a real rank has a connection of its own), no training process runs, and the operator
 is played by this script (it reads ``silentNodes`` and writes the ``reform`` directive with the lost node).
+Each simulated node has an address of its own on the loopback (:func:`node_address`, ``127.0.x.y``), as a real
+node has its pod's IP: it reaches the agent there, through a relay of its own whose connections leave from that
+address, so the front's limits per source address apply to one node, as on a cluster.
 
 Rounds of more than ``--per-node-joins-above`` nodes (the handler's default, 32) are joined by per-node records
 (:mod:`disttrain.trainer.launch.joins`). The nodes run as threads, ``--nodes / --processes`` per process. Printed:
@@ -48,6 +52,8 @@ from disttrain.common.ports import free_port
 SECRET = "scale-sim-bench-" + "5" * 48
 RUN_ID = "scale-sim-uid"
 TICKS = os.sysconf("SC_CLK_TCK")
+MONITOR_INTERVAL_S = 0.1
+"""torchrun's ``--monitor-interval`` default: each node's launcher asks ``num_nodes_waiting`` this often."""
 
 
 def wait_for_port(port: int, timeout_s: float) -> None:
@@ -64,6 +70,24 @@ def wait_for_port(port: int, timeout_s: float) -> None:
 
 def node_name(index: int) -> str:
     return f"sim-worker-{index}"
+
+
+def node_address(index: int) -> str:
+    """The simulated node's own loopback address (Linux routes all of ``127.0.0.0/8`` to the loopback)."""
+    return f"127.0.{1 + index // 250}.{1 + index % 250}"
+
+
+def connect_from_destination() -> None:
+    """Every relay of this process connects to the front from the address it connects to: a node's relay (one per
+    store address, :func:`disttrain.trainer.store.relay.route`) then speaks from the node's own address."""
+    import asyncio
+
+    plain = asyncio.open_connection
+
+    async def from_destination(host: Any = None, port: Any = None, **kwargs: Any) -> Any:
+        return await plain(host, port, local_addr=(host, 0), **kwargs)
+
+    asyncio.open_connection = from_destination  # type: ignore[assignment]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -133,11 +157,11 @@ class SimNode:
         os.environ[env.NODE_INDEX] = str(index)
         params = RendezvousParameters(
             backend="disttrain",
-            endpoint=f"127.0.0.1:{opts['port']}",
+            endpoint=f"{node_address(index)}:{opts['port']}",
             run_id=RUN_ID,
             min_nodes=1,
             max_nodes=opts["nodes"],
-            local_addr="127.0.0.1",
+            local_addr=node_address(index),
             is_host="false",
             keep_alive_interval=opts["keep_alive"],
             keep_alive_max_attempt=3,
@@ -147,7 +171,7 @@ class SimNode:
             per_node_joins_above=opts["joins_above"],
         )
         self.handler = rendezvous.create_handler(params)
-        self.beacons = channel.connect("127.0.0.1", opts["port"], 120.0, SECRET)
+        self.beacons = channel.connect(node_address(index), opts["port"], 120.0, SECRET)
         self.stopped = threading.Event()
         self.rejoin = threading.Event()
         self.rounds = 0
@@ -186,7 +210,15 @@ class SimNode:
                         self.beacons.set(control.beacon_key(rank), beacon.model_dump_json())
                     except Exception:  # noqa: BLE001 - a loaded store: the next step writes again
                         pass
-                self.stopped.wait(max(0.0, step_s - (time.time() - began)))
+                while not self.stopped.is_set() and not self.rejoin.is_set():
+                    left = step_s - (time.time() - began)
+                    if left <= 0:
+                        break
+                    self.stopped.wait(min(MONITOR_INTERVAL_S, left))
+                    try:
+                        self.handler.num_nodes_waiting()  # torchrun's monitor loop asks this every interval
+                    except Exception:  # noqa: BLE001 - torchrun would restart the workers; the step goes on
+                        pass
 
     def stop(self) -> None:
         """The node's machine dies: beats, torch's keep-alives and beacons stop without a word."""
@@ -217,6 +249,9 @@ class StateCounts:
             began = time.monotonic()
             found = set_state(this, state, token)
             lost = found is None or not found[2]
+            logging.getLogger("scale_sim.state").info(
+                "state write of %d bytes %s", len(state), "lost" if lost else "landed"
+            )
             self.add(writes=1, lost=int(lost), write_s=time.monotonic() - began, state_bytes=len(state))
             return found
 
@@ -275,6 +310,7 @@ def sim_process(first: int, count: int, opts: dict[str, Any], events: Any, go: A
             level=logging.INFO,
             format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s",
         )
+    connect_from_destination()
     counts = StateCounts()
     nodes = [SimNode(first + i, opts, events) for i in range(count)]
     events.put(("ready", first, os.getpid()))
@@ -388,7 +424,7 @@ def main() -> None:
     agent_env = dict(os.environ, **{env.STORE_SECRET: SECRET, env.JOB_UID: RUN_ID, env.STORE_FRONT: "1"})
     agent_log = open(state / "agent.log", "w")  # noqa: SIM115 - open for the agent's lifetime
     profile = ["-m", "cProfile", "-o", str(state / "agent.prof")] if args.profile else []
-    where = ["--state-dir", str(state), "--port", str(port), "--host", "127.0.0.1"]
+    where = ["--state-dir", str(state), "--port", str(port), "--host", "0.0.0.0"]  # every node's 127.0.x.y
     agent = subprocess.Popen(
         [sys.executable, *profile, "-m", "disttrain.trainer.agent", *where],
         env=agent_env,
@@ -482,6 +518,9 @@ def main() -> None:
         sizes = {e[4] for e in seen if e[0] == "round" and e[2] == 2}
         print(f"reform_seconds: {reformed - stopped_at:.2f}", flush=True)
         print(f"reform_after_directive_seconds: {reformed - detected:.2f}", flush=True)
+        arrivals = sorted(e[3] - detected for e in seen if e[0] == "round" and e[2] == 2)
+        quartiles = [arrivals[int(q * (len(arrivals) - 1))] for q in (0.0, 0.5, 0.9)]
+        print("reform_after_directive_first_median_p90_seconds: " + " ".join(f"{t:.2f}" for t in quartiles), flush=True)
         print_counts(events, seen, len(sims), 2, first_counts, args.timeout)
         print(f"reformed_world_nodes: {','.join(map(str, sorted(sizes)))}", flush=True)
         print(f"agent_rss_end_mb: {rss_mb(agent.pid):.0f}", flush=True)
