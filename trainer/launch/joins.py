@@ -171,8 +171,7 @@ def release_closing(store: Any, run_id: str, node: str) -> None:
     """Give up ``node``'s claim (its try found the round not ready): the next node's try need not wait it out."""
     key = closing_key(run_id)
     found = batchread.read_each(store, [key])[0]
-    held = _claim(found)
-    if found is not None and held is not None and held[1] == node:
+    if found is not None and (held := _claim(found)) is not None and held[1] == node:
         store.compare_set(key, found, "[]")
 
 

@@ -564,9 +564,8 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
         that died, or was picked as the victim of a scale-down issued with the loss): neither comes back to it.
 
         Lost pods count only in the round the loss was declared for (the target's round, or any while it names
-        none): every survivor checks each round it sees complete, and in the round re-formed after a reform that
-        check read every participant's identity, on every node at once (the last seconds of a reform at 128
-        nodes)."""
+        none): every survivor checks each round it sees complete, and in a later round the check would read every
+        participant's identity, on every node at once."""
         lost = {*target.exclude}
         if target.round == control.NO_ROUND or target.round == state.round:
             lost.update(target.lost)  # a loss is declared for its round: a later round was formed without the node
@@ -574,8 +573,9 @@ class _TargetAwareOpExecutor(dyn._DistributedRendezvousOpExecutor):
             return []
         unknown = [node for node in state.participants if node not in self._names]  # read together, not one by one
         found = heartbeats.read_identities(self._store, self._settings.run_id, [str(node) for node in unknown])
-        known = {node: found[str(node)] for node in unknown}
-        self._names.update({node: identity.name for node, identity in known.items() if identity is not None})
+        for node in unknown:
+            if (identity := found[str(node)]) is not None:
+                self._names[node] = identity.name
         return [node for node in state.participants if node != me and self._names.get(node, "") in lost]
 
     def _indices_of(self, nodes: list[Any]) -> dict[Any, Optional[int]]:
