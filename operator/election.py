@@ -60,6 +60,7 @@ class Elector:
         self._spec: dict[str, Any] = {}
         self._stop = threading.Event()
         self._lost = threading.Lock()
+        self._renewer: Optional[threading.Thread] = None
         if gauge is not None:
             gauge.set(0)
 
@@ -145,7 +146,8 @@ class Elector:
 
     def keep(self) -> None:
         """Start renewing in the background, with a watchdog that stops the process at the renew deadline."""
-        threading.Thread(target=self._renew_loop, name="lease-renew", daemon=True).start()
+        self._renewer = threading.Thread(target=self._renew_loop, name="lease-renew", daemon=True)
+        self._renewer.start()
         threading.Thread(target=self._watchdog, name="lease-watchdog", daemon=True).start()
 
     def _renew(self) -> None:
@@ -197,13 +199,31 @@ class Elector:
         os._exit(EXIT_LOST)
 
     def release(self) -> None:
-        """On a graceful stop (kopf has stopped every handler): leave the Lease to a standby at once."""
+        """On a graceful stop (kopf has stopped every handler): leave the Lease to a standby at once.
+
+        The renewal in flight, if any, finishes first: its write would otherwise move the Lease's version under the
+        release, which the API server then refuses (409). A 409 all the same is looked into: still ours, released at
+        the version read."""
         self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join(timeout=self.options.timing.renew_deadline_s)
         if not self.holds():
             return
+        lease: Optional[dict[str, Any]] = {"metadata": {"resourceVersion": self._version}}
+        spec = self._spec
         try:
-            self._write({"metadata": {"resourceVersion": self._version}}, leaderlease.released(self._spec))
-            log.info("leader: released the Lease %s/%s", self.options.namespace, self.options.name)
+            for _attempt in range(3):
+                try:
+                    self._write(lease, leaderlease.released(spec))
+                    log.info("leader: released the Lease %s/%s", self.options.namespace, self.options.name)
+                    break
+                except k8s.ApiException as error:
+                    if error.status != 409:
+                        raise
+                    lease = self._read()
+                    spec = dict((lease or {}).get("spec") or {})
+                    if lease is None or leaderlease.holder(spec) != self.options.identity:
+                        break  # taken meanwhile: nothing of ours to leave
         except Exception as error:  # noqa: BLE001 (a standby then takes it a lease later)
             log.warning("leader: releasing the Lease failed: %r", error)
         if self.gauge is not None:

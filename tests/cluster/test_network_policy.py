@@ -275,7 +275,11 @@ def test_an_outsider_in_another_namespace_costs_a_training_job_nothing(process_c
     assert sum(attacks.get("errors", {}).values()) > 0, f"the outsider made no attempt:\n{log[-3000:]}"
     assert attacks.get("keys_seen") == [], f"the outsider got past the store front:\n{log[-3000:]}"
     assert not attacks.get("ops", {}).get("connect"), f"a TCPStore client without the secret connected: {attacks}"
-    assert attacks["ops"].get("held") == 1000, f"the raw attack did not hold its connections: {attacks['ops']}"
+    # the attack was really mounted: a rare connect that timed out on a busy machine (the listen backlog full while
+    # the front sheds the flood) is the stranger's loss, not the job's
+    assert attacks["ops"].get("held", 0) >= 990, (
+        f"the raw attack did not hold its connections: {attacks['ops']}, errors {attacks.get('errors')}"
+    )
     assert status_then.get("phase") != "Succeeded", (
         "the job was over before the attacks were: make it train longer",
         status_then.get("step"),

@@ -4,6 +4,7 @@ standby answers the liveness probe until kopf takes its port."""
 from __future__ import annotations
 
 import http.server
+import json
 import socket
 import threading
 import time
@@ -108,3 +109,111 @@ def test_a_standby_answers_the_liveness_probe_and_frees_its_port_for_kopf():
     with socket.socket() as kopf:  # kopf's own liveness server binds the same address next
         kopf.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         kopf.bind(("127.0.0.1", port))
+
+
+class LeaseServer(http.server.ThreadingHTTPServer):
+    """One Lease as the API server keeps it: a replace at a stale ``resourceVersion`` is refused with 409."""
+
+    def __init__(self) -> None:
+        self.lease: dict | None = None
+        self.version = 0
+        self.lock = threading.Lock()
+        store = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _send(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                with store.lock:
+                    lease = store.lease
+                self._send(200, lease) if lease else self._send(404, {"kind": "Status", "code": 404})
+
+            def _write(self) -> None:
+                creating = self.command == "POST"
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                with store.lock:
+                    current = store.lease
+                    stale = (
+                        (current is not None)
+                        if creating
+                        else (
+                            current is None
+                            or body["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]
+                        )
+                    )
+                    if stale:
+                        return self._send(409, {"kind": "Status", "code": 409, "reason": "Conflict"})
+                    store.lease = store.stamped(body)
+                    self._send(201 if creating else 200, store.lease)
+
+            do_POST = do_PUT = _write
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+    def stamped(self, body: dict) -> dict:
+        self.version += 1
+        return {**body, "metadata": {**body["metadata"], "resourceVersion": str(self.version)}}
+
+    def holder(self) -> str:
+        with self.lock:
+            return str(((self.lease or {}).get("spec") or {}).get("holderIdentity") or "")
+
+    def rewrite(self, **spec: object) -> None:
+        """Another client's write: a new version, the spec changed as given."""
+        with self.lock:
+            assert self.lease is not None
+            self.lease = self.stamped({**self.lease, "spec": {**self.lease["spec"], **spec}})
+
+
+@pytest.fixture
+def leases() -> Iterator[LeaseServer]:
+    server = LeaseServer()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def _elector(leases: LeaseServer, identity: str = "op-a", retry_s: float = 0.5) -> election.Elector:
+    configuration = k8s.Configuration()
+    configuration.host = f"http://127.0.0.1:{leases.server_address[1]}"
+    timing = ElectionTiming(lease_s=90.0, renew_deadline_s=60.0, retry_s=retry_s)
+    options = ElectionOptions(namespace="ops", name="leader", identity=identity, timing=timing)
+    return election.Elector(k8s.ApiClient(configuration), options, on_lost=lambda: None)
+
+
+def test_a_graceful_stop_frees_the_lease_even_while_renewals_run(leases):
+    """The renewal in flight when the stop comes must not turn the release into a refused write."""
+    for _ in range(5):
+        elector = _elector(leases, retry_s=0.01)  # renewals back to back: one is in flight at the release
+        elector.acquire()
+        assert leases.holder() == "op-a"
+        elector.keep()
+        time.sleep(0.05)
+        elector.release()
+        assert leases.holder() == "", "a stopped leader left the Lease held"
+
+
+def test_a_release_after_someone_else_wrote_the_lease_still_frees_it_when_ours(leases):
+    elector = _elector(leases)
+    elector.acquire()
+    leases.rewrite(renewTime="2026-01-01T00:00:00.000000Z")  # the version moved under us; still our Lease
+    elector.release()
+    assert leases.holder() == ""
+
+
+def test_a_release_never_frees_a_lease_another_replica_took(leases):
+    elector = _elector(leases)
+    elector.acquire()
+    leases.rewrite(holderIdentity="op-b")
+    elector.release()
+    assert leases.holder() == "op-b"
