@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from disttrain.api import constants, crd, pulse, validation
 from disttrain.common import httpserver
@@ -262,19 +263,22 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
     if args.metrics_port:
         httpserver.serve_metrics(args.metrics_port, args.metrics_address)  # bounded: connections and timeouts
-    if elector is None:
-        leader.set(1)
-    else:  # a standby: nothing of kopf runs until this process holds the Lease
-        standby = election.StandbyHealth(args.liveness) if args.liveness else None
-        # The kubernetes client imports its API classes at first use, seconds on a busy node: import the adapter's
-        # now (a throwaway Kube, no thread started), not after the takeover.
-        handlers.Kube(client.ApiClient(kube_configuration()))
-        elector.acquire()
-        if standby is not None:
-            standby.close()
-        elector.keep()
-    gcpolicy.start()
     try:
+        if elector is None:
+            leader.set(1)
+        else:  # a standby: nothing of kopf runs until this process holds the Lease
+            # Until kopf's own handlers replace it, a SIGTERM (a rolling update) ends the process through the
+            # release below, not by the default action that would leave a Lease just taken held for a whole lease.
+            signal.signal(signal.SIGTERM, _stop_before_kopf)
+            standby = election.StandbyHealth(args.liveness) if args.liveness else None
+            # The kubernetes client imports its API classes at first use, seconds on a busy node: import the
+            # adapter's now (a throwaway Kube, no thread started), not after the takeover.
+            handlers.Kube(client.ApiClient(kube_configuration()))
+            elector.acquire()
+            if standby is not None:
+                standby.close()
+            elector.keep()
+        gcpolicy.start()
         kopf.run(
             registry=registry,
             clusterwide=args.all_namespaces,
@@ -286,6 +290,10 @@ def cmd_operator(args: argparse.Namespace) -> int:
         if elector is not None:
             elector.release()
     return 0
+
+
+def _stop_before_kopf(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -109,6 +109,14 @@ def test_a_paused_leader_stops_acting_once_its_lease_was_taken(cluster, replicas
     eventually(lambda: cluster.phase("fp", "Running"), what="the job still served")
     assert sorted(cluster.live_workers()) == ["fp-worker-0"] and len(cluster.pods("agent")) == 1
 
+    # A standby stopped (SIGTERM) exits cleanly and leaves the leader's Lease alone.
+    standby = replicas.start(leader_name)
+    assert standby.proc is not None
+    standby.proc.terminate()
+    assert standby.proc.wait(timeout=30) == 0
+    standby.proc = None
+    assert replicas.holder() == standby_name
+
     # A graceful stop (SIGTERM: a rolling update) leaves the Lease free, for a standby's next look.
     new_leader = replicas.by_name[standby_name]
     assert new_leader.proc is not None
