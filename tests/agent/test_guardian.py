@@ -299,3 +299,67 @@ def test_a_real_rendezvous_under_the_guardian_loses_nothing_and_survives_a_delet
         assert set(g.counts()) == {("rendezvous", "deleted")}
     finally:
         g.stop()
+
+
+class CountingClient:
+    """The agent's own client to the real server, counting the requests the guardian sends through it."""
+
+    def __init__(self, client: TCPStore) -> None:
+        self.client = client
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str):
+        method = getattr(self.client, name)
+
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return method(*args, **kwargs)
+
+        return call
+
+
+def test_a_large_store_is_swept_in_few_round_trips_and_a_garbled_value_is_still_restored(stores):
+    """A 1,024-node job holds ten thousand keys: read one by one every sweep, they were the agent's largest cost."""
+    server, outsider = stores
+    names = [f"{NS}disttrain/beacon/{rank}" for rank in range(1000)]
+    server.multi_set(names, [sealed(name, b"step 7", 7) for name in names])
+    counting = CountingClient(server)
+    g = guardian.Guardian(counting, SECRET, UID)
+    g.sweep()  # first sight: every key read alone, then remembered
+    outsider.set(names[500], b"garbled")
+    settle(outsider)
+    counting.calls.clear()
+    result = g.sweep()
+    assert result.restored == 1 and g.counts() == {("control", "unsigned"): 1}
+    assert storeauth.unseal(SECRET, UID, names[500], server.get(names[500])) == storeauth.Sealed(b"step 7", 7)
+    assert len(counting.calls) <= 3 * (1000 // guardian.BATCH_KEYS + 1) + 2, counting.calls[:20]
+
+
+def test_a_key_deleted_after_the_listing_is_read_alone_and_restored_next(stores):
+    """Deleted between the sweep's listing and its batched read: the batch's ``check`` fails, so its keys are read
+    one by one (a ``multi_get`` would wait for the missing key), and the next sweep puts the key back."""
+    server, outsider = stores
+    names = [f"{NS}disttrain/beacon/{rank}" for rank in range(10)]
+    server.multi_set(names, [sealed(name, b"step 7", 7) for name in names])
+    g = guardian.Guardian(server, SECRET, UID)
+    g.sweep()
+
+    class DeletingAfterListing(CountingClient):
+        def list_keys(self):
+            listed = self.client.list_keys()
+            outsider.delete_key(names[3])
+            settle(outsider)
+            return listed
+
+    counting = DeletingAfterListing(server)
+    g.server = counting
+    first = g.sweep()
+    assert counting.calls.count("compare_set") == 10 and first.restored == 0
+    g.server = server
+    assert g.sweep().restored == 1
+    assert sorted(server.list_keys()) == sorted(names)
+
+
+def test_a_slow_sweep_pauses_longer():
+    assert guardian.sweep_pause(0.01) == guardian.SWEEP_INTERVAL_S
+    assert guardian.sweep_pause(0.3) == pytest.approx(0.9)  # sweeping takes a quarter of the sweeper's time
