@@ -85,7 +85,21 @@ class NodesSpec(ContractModel):
 DEFAULT_SILENCE_S = 1.0
 """TorchFT's lighthouse declares a replica dead after 1 s without its 100 ms heartbeats; the agent does the same."""
 BEAT_INTERVAL_S = 0.1
-"""Period of each node's liveness beat to the job agent (`spec.rendezvous.silentAfterSeconds`)."""
+"""Period of each node's liveness beat to the job agent (`spec.rendezvous.silentAfterSeconds`), up to
+:data:`AGENT_BEATS_PER_S` nodes."""
+AGENT_BEATS_PER_S = 4096.0
+"""Beats a second that one job's nodes send its agent together at most, as long as the silence allows: each is a
+signed write through the agent's front, which passes every request in Python."""
+BEATS_PER_SILENCE = 4
+"""Beats a node sends within ``silentAfterSeconds`` at least: one late beat never makes a live node silent."""
+
+
+def beat_interval_seconds(max_nodes: int, silence_s: float = DEFAULT_SILENCE_S) -> float:
+    """The period of each node's beat in a job of up to ``max_nodes`` nodes: :data:`BEAT_INTERVAL_S`, or longer in
+    a job so large that its beats would pass :data:`AGENT_BEATS_PER_S`, but never longer than the silence allows
+    (1,024 nodes with the default silence of 1 s: every 0.25 s)."""
+    spread = max_nodes / AGENT_BEATS_PER_S
+    return max(BEAT_INTERVAL_S, min(spread, silence_s / BEATS_PER_SILENCE))
 
 
 class RendezvousSpec(ContractModel):
@@ -114,9 +128,10 @@ class RendezvousSpec(ContractModel):
     silent_after_seconds: float = Field(DEFAULT_SILENCE_S, ge=0.5, le=3_600)
     """Silence after which the job agent reports a node lost (`status.silentNodes`; the operator fences its pod and
     re-forms the group). Every node's launcher beats 10 times a second into the agent's store besides torch's
-    heartbeats; a node whose beats are this far behind the newest beat of any node (compared with each other, never
-    with a clock) in a round that has run unchanged for torch's expiry is silent; otherwise, at torch's expiry.
-    At most keepAliveIntervalSeconds x keepAliveMaxAttempts."""
+    heartbeats (in a job of more than 409 nodes less often, down to 4 beats per silence); a node whose beats are
+    this far behind the newest beat of any node (compared with each other, never with a clock) in a round that
+    has run unchanged for torch's expiry is silent; otherwise, at torch's expiry. At most keepAliveIntervalSeconds
+    x keepAliveMaxAttempts."""
 
 
 class LRSpec(ContractModel):

@@ -47,6 +47,7 @@ from typing import Any
 import _localbench  # noqa: F401 - puts the repository on sys.path
 
 from disttrain.api import control, env
+from disttrain.api.spec import beat_interval_seconds
 from disttrain.common.ports import free_port
 
 SECRET = "scale-sim-bench-" + "5" * 48
@@ -169,8 +170,11 @@ class SimNode:
             last_call_timeout=30,
             read_timeout=120,
             per_node_joins_above=opts["joins_above"],
+            silent_after=opts["silent_after"],
         )
         self.handler = rendezvous.create_handler(params)
+        if opts["beat_interval"] and self.handler.beat is not None:
+            self.handler.beat.interval_s = opts["beat_interval"]
         self.beacons = channel.connect(node_address(index), opts["port"], 120.0, SECRET)
         self.stopped = threading.Event()
         self.rejoin = threading.Event()
@@ -399,6 +403,12 @@ def main() -> None:
     parser.add_argument("--step-seconds", type=float, default=1.0)
     parser.add_argument("--keep-alive", type=int, default=1, help="spec.rendezvous.keepAliveIntervalSeconds")
     parser.add_argument("--silent-after", type=float, default=1.0, help="spec.rendezvous.silentAfterSeconds")
+    parser.add_argument(
+        "--beat-interval",
+        type=float,
+        default=0.0,
+        help="each node's beat period (default: the launcher's, for --nodes and --silent-after)",
+    )
     parser.add_argument("--settle", type=float, default=5.0, help="seconds between the rendezvous and the window")
     parser.add_argument("--window", type=float, default=20.0, help="seconds of the steady window")
     parser.add_argument("--log", action="store_true", help="the nodes' logs into the state directory")
@@ -439,6 +449,8 @@ def main() -> None:
         "nproc": args.nproc,
         "step_seconds": args.step_seconds,
         "keep_alive": args.keep_alive,
+        "silent_after": args.silent_after,
+        "beat_interval": args.beat_interval,
         "log_dir": str(state) if args.log else "",
         "stock": args.stock,
         "joins_above": 1 << 30 if args.stock else args.per_node_joins_above,
@@ -457,6 +469,8 @@ def main() -> None:
         wait_events(events, "ready", len(sims), args.timeout, seen)
         sim_pids = [e[2] for e in seen if e[0] == "ready"]
         print(f"nodes: {args.nodes}, ranks: {args.nodes * args.nproc}, processes: {len(sims)}", flush=True)
+        beat_s = args.beat_interval or beat_interval_seconds(args.nodes, args.silent_after)
+        print(f"beat_interval_seconds: {beat_s:g}", flush=True)
         cpu_before = cpu_seconds(agent.pid), sum(cpu_seconds(p) for p in sim_pids)
         began = time.time()
         go.set()

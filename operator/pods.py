@@ -76,6 +76,7 @@ def torchrun_args(job: DistTrainJob, endpoint: str) -> list[str]:
             f"close_timeout={rdzv.close_timeout_seconds}",
             f"keep_alive_interval={rdzv.keep_alive_interval_seconds}",
             f"keep_alive_max_attempt={rdzv.keep_alive_max_attempts}",
+            f"silent_after={rdzv.silent_after_seconds:g}",  # the launcher's beat period follows it in a large job
         ]
     )
     return [

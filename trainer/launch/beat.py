@@ -1,4 +1,5 @@
-"""Each node's liveness beat to the job agent: a signed timestamp under its own key, ten times a second.
+"""Each node's liveness beat to the job agent: a signed timestamp under its own key, ten times a second (less often
+in a job of more than 409 nodes: :func:`disttrain.api.spec.beat_interval_seconds`).
 
 Why not torch's heartbeats alone: torch writes a node's heartbeat into the shared rendezvous state by
 compare-and-set of the whole state. At four a second from every node the writes contended: on a loaded 2-core
@@ -36,7 +37,8 @@ class NodeBeat:
     def __init__(self, store: Any, key: str, interval_s: float = BEAT_INTERVAL_S) -> None:
         self._store = store
         self._key = key
-        self._interval_s = interval_s
+        self.interval_s = interval_s
+        """The period; a simulation may change it while the beat runs."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="disttrain-node-beat", daemon=True)
         self._failing = False
@@ -65,7 +67,7 @@ class NodeBeat:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._write(leaving=False)
-            self._stop.wait(self._interval_s)
+            self._stop.wait(self.interval_s)
         if self._leaving:  # set before the stop: seen here whenever leave() ended the loop
             self._write(leaving=True)
 

@@ -95,6 +95,7 @@ from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from disttrain.api import constants, control, env, storeauth
+from disttrain.api.spec import DEFAULT_SILENCE_S, beat_interval_seconds
 from disttrain.trainer.agent import heartbeats
 from disttrain.trainer.launch import joins, rank_order
 from disttrain.trainer.launch.beat import NodeBeat
@@ -909,6 +910,19 @@ def keep_alive_interval(params: RendezvousParameters) -> float:
     return seconds
 
 
+def beat_interval(params: RendezvousParameters) -> float:
+    """The node beat's period (:func:`disttrain.api.spec.beat_interval_seconds`) for the job's largest size and
+    rdzv-conf ``silent_after`` (``spec.rendezvous.silentAfterSeconds``; default 1 s)."""
+    raw = params.get("silent_after", DEFAULT_SILENCE_S)
+    try:
+        silence = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"rdzv-conf silent_after is {raw!r}; it must be a number of seconds") from None
+    if not 0 < silence <= 3600:
+        raise ValueError(f"rdzv-conf silent_after is {raw!r}; it must be within (0, 3600] seconds")
+    return beat_interval_seconds(params.max_nodes, silence)
+
+
 def per_node_joins_above(params: RendezvousParameters) -> int:
     """rdzv-conf ``per_node_joins_above``: rounds of more nodes join by records (default
     :data:`joins.PER_NODE_JOINS_ABOVE`; 0: every round with a target)."""
@@ -991,9 +1005,9 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     handler.join_by_records(per_node_joins_above(params), beats_reader(state_store, params.run_id))
     if isinstance(raw, ResilientStore):
         raw.on_reconnect.append(handler.republish_identity)
-    # The beat has a connection of its own too: ten writes a second stay out of the joins' way.
+    # The beat has a connection of its own too: its writes, ten a second, stay out of the joins' way.
     beat_store = channel.scoped(another_connection())
-    handler.beat = NodeBeat(beat_store, heartbeats.beat_key(params.run_id, node))
+    handler.beat = NodeBeat(beat_store, heartbeats.beat_key(params.run_id, node), beat_interval(params))
     handler.beat.start()
     return handler
 

@@ -68,7 +68,7 @@ def test_worker_pod_runs_the_training_command_under_torchrun():
     conf = next(a for a in argv if a.startswith("--rdzv-conf="))
     assert conf == (
         "--rdzv-conf=is_host=false,join_timeout=600,last_call_timeout=30,close_timeout=10,"
-        "keep_alive_interval=1,keep_alive_max_attempt=3"
+        "keep_alive_interval=1,keep_alive_max_attempt=3,silent_after=1"
     )
     assert f"--max-restarts={pods.TORCHRUN_MAX_RESTARTS}" in argv
     no_python = argv.index("--no-python")

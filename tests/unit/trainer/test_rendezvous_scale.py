@@ -11,11 +11,10 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 from torch.distributed import TCPStore
-from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+from torch.distributed.elastic.rendezvous import RendezvousParameters, c10d_rendezvous_backend
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
 from disttrain.api import control
-from disttrain.common.ports import free_port
 from disttrain.trainer.agent import heartbeats
 from disttrain.trainer.launch import rendezvous
 
@@ -29,7 +28,8 @@ SETTINGS = dyn.RendezvousSettings(
 
 @pytest.fixture
 def store() -> TCPStore:
-    return TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    # port 0: the kernel's, no race with another process for a port found free
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
 
 
 def nodes(count: int) -> list[dyn._NodeDesc]:
@@ -142,3 +142,33 @@ def test_a_claim_given_up_frees_the_round_for_the_next_try(store) -> None:
     assert not joins.claim_closing(store, RUN, 3, "node-b", now)
     joins.release_closing(store, RUN, "node-a")
     assert joins.claim_closing(store, RUN, 3, "node-b", now)
+
+
+@pytest.mark.parametrize(
+    ("max_nodes", "silence", "period"),
+    [
+        (3, 1.0, 0.1),  # small jobs beat ten times a second
+        (256, 1.0, 0.1),
+        (1024, 1.0, 0.25),  # 4,096 beats a second at the agent
+        (2048, 1.0, 0.25),  # the silence caps it: 4 beats within it
+        (2048, 5.0, 0.5),
+        (1024, 0.5, 0.125),
+    ],
+)
+def test_a_large_job_beats_less_often_but_four_times_within_its_silence(max_nodes, silence, period) -> None:
+    params = RendezvousParameters("disttrain", "127.0.0.1:1", "run", 1, max_nodes, silent_after=str(silence))
+    assert rendezvous.beat_interval(params) == pytest.approx(period)
+
+
+@pytest.mark.parametrize("raw", ["soon", "0", "-1"])
+def test_a_bad_silence_in_the_rdzv_conf_is_named(raw) -> None:
+    params = RendezvousParameters("disttrain", "127.0.0.1:1", "run", 1, 8, silent_after=raw)
+    with pytest.raises(ValueError, match=f"rdzv-conf silent_after is '{raw}'"):
+        rendezvous.beat_interval(params)
+
+
+def test_the_agent_reads_the_beats_once_per_beat_period() -> None:
+    """Every agent round (0.1 s) for a job that beats ten times a second; every other round at 1,024 nodes."""
+    assert heartbeats.read_due(10.0, 10.1, 256, 1.0)
+    assert not heartbeats.read_due(10.0, 10.1, 1024, 1.0)
+    assert heartbeats.read_due(10.0, 10.21, 1024, 1.0)
