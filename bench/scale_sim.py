@@ -21,7 +21,10 @@ Rounds of more than ``--per-node-joins-above`` nodes (the handler's default, 32)
   every rank writing its beacon each ``--step-seconds`` (``/proc/<pid>/stat`` utime + stime);
 * ``clients_cpu_cores``: the simulated nodes' processes over the same window (they share the machine);
 * ``detect_seconds`` (the stop of one node to its name in ``silentNodes``) and ``reform_seconds`` (the stop to the
-  last survivor's next round complete, through the operator's ``reform`` directive as the agent relays it).
+  last survivor's next round complete, through the operator's ``reform`` directive as the agent relays it);
+* where the reform's time went: each survivor's phases (the directive to its ``next_rendezvous``, torch's exit and
+  join operations, the rest), when the join records were written and how long a counter's slot took, and the
+  tries to close the round.
 
     python bench/scale_sim.py --nodes 64 --processes 2
     python bench/scale_sim.py --nodes 1024 --processes 8 --keep-alive 5
@@ -181,16 +184,33 @@ class SimNode:
         self.rounds = 0
         self.joined = False
         self.thread = threading.Thread(target=self.run, name=f"sim-node-{index}", daemon=True)
+        self.op_ends: dict[str, float] = {}
+        self._time_ops()
+
+    def _time_ops(self) -> None:
+        """Note when each of torch's operations (exit, join) of ``next_rendezvous`` ends: where a reform's time goes."""
+        executor = self.handler._op_executor
+        run = executor.run
+
+        def timed(state_handler: Any, deadline: float, update_deadline: Any = None) -> None:
+            run(state_handler, deadline, update_deadline)
+            self.op_ends[type(state_handler).__name__] = time.time()
+
+        executor.run = timed
 
     def run(self) -> None:
         nproc, step_s = self.opts["nproc"], self.opts["step_seconds"]
         round_no = 0
         while not self.stopped.is_set():
             self.joined = False
+            called = time.time()
             info = self.handler.next_rendezvous()
             self.joined = True
             round_no += 1
             self.rounds = round_no
+            ends = self.op_ends
+            exit_at, join_at = ends.get("_RendezvousExitOp", called), ends.get("_RendezvousJoinOp", called)
+            self.events.put(("phases", self.index, round_no, called, exit_at, join_at, time.time()))
             world = info.world_size * nproc
             group = f"round-{round_no}"
             self.events.put(("round", self.index, round_no, time.time(), info.world_size))
@@ -275,6 +295,32 @@ class StateCounts:
             return dict(self.counts)
 
 
+def time_joins(events: Any) -> None:
+    """Events for the steps of a join by record (:mod:`disttrain.trainer.launch.joins`, wrapped, behaviour unchanged):
+    ``slot`` (the time a node took to win a counter's slot), ``record`` (when its record was written) and ``claim``
+    (a try to close the round: when, and whether the claim landed)."""
+    from disttrain.trainer.launch import joins
+
+    take_slot, write_record, claim_closing = joins.take_slot, joins.write_record, joins.claim_closing
+
+    def timed_take_slot(*args: Any, **kwargs: Any) -> Any:
+        began = time.time()
+        slot = take_slot(*args, **kwargs)
+        events.put(("slot", time.time() - began))
+        return slot
+
+    def timed_write_record(*args: Any, **kwargs: Any) -> None:
+        write_record(*args, **kwargs)
+        events.put(("record", time.time()))
+
+    def timed_claim_closing(*args: Any, **kwargs: Any) -> bool:
+        claimed = bool(claim_closing(*args, **kwargs))
+        events.put(("claim", time.time(), claimed))
+        return claimed
+
+    joins.take_slot, joins.write_record, joins.claim_closing = timed_take_slot, timed_write_record, timed_claim_closing
+
+
 def sim_process(first: int, count: int, opts: dict[str, Any], events: Any, go: Any, kill: Any, end: Any) -> None:
     """``count`` simulated nodes from index ``first``; a watcher re-joins them on a new directive, as workers that
     exit on ``reform`` make their launchers do."""
@@ -291,6 +337,7 @@ def sim_process(first: int, count: int, opts: dict[str, Any], events: Any, go: A
     from disttrain.trainer.launch import rendezvous
     from disttrain.trainer.store import channel
 
+    time_joins(events)
     if opts["stock"]:  # the handler with torch's writes of the state: side by side with the handler's own
         rendezvous.LOST_WRITE_BACKOFF_S = 0.0  # a lost write decides and writes again at once
 
@@ -347,6 +394,46 @@ def sim_process(first: int, count: int, opts: dict[str, Any], events: Any, go: A
             seen_generation = signal.generation
         end.wait(0.1)
     os._exit(0)  # the nodes' threads block in store calls; the machine is done with them
+
+
+def print_phases(events: Any, sink: list[tuple[Any, ...]], directive_at: float) -> None:
+    """The survivors' reform by phase, median and 90th percentile: from the directive to ``next_rendezvous``, torch's
+    exit operation, its join operation (the round complete), and the rest (rank assignment, the round's store)."""
+    while True:
+        try:
+            sink.append(events.get_nowait())
+        except queue.Empty:
+            break
+    rows = [e for e in sink if e[0] == "phases" and e[2] == 2]
+    if not rows:
+        return
+    phases = {
+        "to_call": [e[3] - directive_at for e in rows],
+        "exit": [e[4] - e[3] for e in rows],
+        "join": [e[5] - e[4] for e in rows],
+        "after_join": [e[6] - e[5] for e in rows],
+    }
+    shown = []
+    for name, values in phases.items():
+        ordered = sorted(values)
+        shown.append(f"{name} {ordered[len(ordered) // 2]:.2f} {ordered[int(0.9 * (len(ordered) - 1))]:.2f}")
+    print("reform_phases_median_p90_seconds: " + "; ".join(shown), flush=True)
+    called = min(e[3] for e in rows)
+    records = sorted(e[1] - directive_at for e in sink if e[0] == "record" and e[1] >= called)
+    slots = sorted(e[1] for e in sink if e[0] == "slot")[-len(rows) :]
+    claims = [(e[1] - directive_at, e[2]) for e in sink if e[0] == "claim" and e[1] >= called]
+    if records and slots:
+        print(
+            f"reform_join_records_written_median_last_seconds: {records[len(records) // 2]:.2f} {records[-1]:.2f};"
+            f" slot_taking_median_max_seconds: {slots[len(slots) // 2]:.2f} {slots[-1]:.2f}",
+            flush=True,
+        )
+    if claims:
+        landed = [at for at, won in claims if won]
+        first_won = f"{min(landed):.2f}" if landed else "none"
+        print(
+            f"reform_close_claims: {len(claims)} tried, {len(landed)} landed, first landed at {first_won}", flush=True
+        )
 
 
 def first_key(found: dict[Any, Any]) -> Any:
@@ -535,6 +622,7 @@ def main() -> None:
         arrivals = sorted(e[3] - detected for e in seen if e[0] == "round" and e[2] == 2)
         quartiles = [arrivals[int(q * (len(arrivals) - 1))] for q in (0.0, 0.5, 0.9)]
         print("reform_after_directive_first_median_p90_seconds: " + " ".join(f"{t:.2f}" for t in quartiles), flush=True)
+        print_phases(events, seen, detected)
         print_counts(events, seen, len(sims), 2, first_counts, args.timeout)
         print(f"reformed_world_nodes: {','.join(map(str, sorted(sizes)))}", flush=True)
         print(f"agent_rss_end_mb: {rss_mb(agent.pid):.0f}", flush=True)
