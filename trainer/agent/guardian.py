@@ -71,7 +71,7 @@ MAX_REMEMBERED_VALUE: Final = 1 << 20
 MMAP_THRESHOLD_BYTES: Final = 1 << 20
 BATCH_KEYS: Final = 256
 """Keys read in one ``check`` and one ``multi_get``: a sweep of a large job's store costs a few round trips, not one
-per key (10,000 round trips every :data:`SWEEP_INTERVAL_S` were the agent's largest cost at 1,024 nodes)."""
+per key (one round trip per key would be 10,000 per sweep at 1,024 nodes, the agent's largest cost)."""
 BATCH_VALUE_MAX: Final = 64 << 10
 """Only keys whose last valid value was at most this large are read in a batch (a batch holds at most 16 MiB of
 them); any other key, and every key not yet seen valid, is read alone within the sweep's byte budget."""

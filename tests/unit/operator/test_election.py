@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import TypeVar
 
 import pytest
 from kubernetes import client as k8s
@@ -19,6 +20,7 @@ from disttrain.operator import election
 from disttrain.operator.leaderlease import ElectionOptions, ElectionTiming
 
 pytestmark = pytest.mark.timeout(30)
+ServerT = TypeVar("ServerT", bound=http.server.ThreadingHTTPServer)
 TIMING = ElectionTiming(lease_s=90.0, renew_deadline_s=60.0, retry_s=0.5)
 """Long: the kubernetes client's first calls import its classes, seconds on a busy machine."""
 
@@ -49,13 +51,17 @@ class Recorder(http.server.ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), Handler)
 
 
+def serving(server: ServerT) -> Iterator[ServerT]:
+    """``server`` answering on a thread of its own until the test ends."""
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
 @pytest.fixture
 def server() -> Iterator[Recorder]:
-    recorder = Recorder()
-    threading.Thread(target=recorder.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    yield recorder
-    recorder.shutdown()
-    recorder.server_close()
+    yield from serving(Recorder())
 
 
 def _fenced(server: Recorder, lost: list[str]) -> tuple[k8s.CoreV1Api, election.Elector]:
@@ -176,11 +182,7 @@ class LeaseServer(http.server.ThreadingHTTPServer):
 
 @pytest.fixture
 def leases() -> Iterator[LeaseServer]:
-    server = LeaseServer()
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    yield from serving(LeaseServer())
 
 
 def _elector(leases: LeaseServer, identity: str = "op-a", retry_s: float = 0.5) -> election.Elector:
