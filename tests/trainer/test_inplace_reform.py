@@ -83,7 +83,7 @@ def test_survivors_keep_their_processes_and_continue_from_memory_not_from_the_ch
     by_step: dict[int, int] = {}
     for record in after:
         by_step[record["step"]] = by_step.get(record["step"], 0) + 1
-    assert sorted(by_step) == list(range(from_memory + 1, steps + 1)), sorted(by_step)
+    assert sorted(by_step) == list(range(from_memory + 1, steps + 1)), f"{sorted(by_step)}\n{logs[-6000:]}"
     assert set(by_step.values()) == {ranks}
     # Nothing replayed or skipped: each step's samples, over all its ranks, are exactly the global sampler's.
     final: dict[int, list[int]] = {}
