@@ -348,6 +348,14 @@ class ResilientStore(Store):
     def check(self, keys: list[str]) -> bool:
         return bool(self._call("check", keys))
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """One round trip for all of ``keys`` (torch's base class would make one ``get`` each)."""
+        return [bytes(value) for value in self._call("multi_get", keys)]
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        """One round trip for all of ``keys`` (torch's base class would make one ``set`` each)."""
+        self._call("multi_set", keys, values)
+
     def wait(self, keys: list[str], timeout: Optional[timedelta] = None) -> None:
         if timeout is None:
             self._call("wait", keys)

@@ -410,8 +410,14 @@ class SignedStore(Store):
         with _call():
             if len(keys) != len(values):
                 raise ValueError(f"SignedStore.multi_set: {len(keys)} keys but {len(values)} values; they must pair up")
+            sealed = []
             for key, value in zip(keys, values, strict=True):
-                self.set(key, value)
+                data = _as_bytes(value)
+                seq = self._next_seq(key, None)
+                sealed.append((key, seq, data, self._seal(key, data, seq)))
+            self.raw.multi_set(keys, [envelope for *_, envelope in sealed])  # one round trip, as many blind writes
+            for key, seq, data, _ in sealed:
+                self._wrote(key, seq, data)
 
     def delete_key(self, key: str) -> bool:
         with _call():

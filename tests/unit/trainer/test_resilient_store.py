@@ -225,3 +225,37 @@ def test_a_caller_that_waited_for_a_connection_another_dropped_fails_at_once(ser
     call("training", lambda: raw.set("progress", b"x"))  # ...while this write waits for the connection
     first.join(10)
     assert failures["training"] < 1.0, failures  # not the operation's 4 s on a connection nobody serves
+
+
+class Counted:
+    """The raw client, counting the requests the resilient store makes on it (one TCP request each)."""
+
+    def __init__(self, raw: TCPStore) -> None:
+        self.raw = raw
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str):
+        op = getattr(self.raw, name)
+
+        def counted(*args):
+            self.calls.append(name)
+            return op(*args)
+
+        return counted
+
+
+@pytest.mark.timeout(60)
+def test_batched_reads_and_writes_are_one_round_trip_through_the_signed_store(server):
+    links: list[Counted] = []
+
+    def connect(timeout: timedelta) -> Counted:
+        links.append(
+            Counted(TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout, wait_for_workers=False))
+        )
+        return links[-1]
+
+    store = channel.scoped(resilient.ResilientStore(connect, timedelta(seconds=30), op_timeout_s=4.0), SECRET, "uid")
+    keys = [f"k{i}" for i in range(64)]
+    store.multi_set(keys, [f"v{i}".encode() for i in range(64)])
+    assert store.multi_get(keys) == [f"v{i}".encode() for i in range(64)]
+    assert links[-1].calls == ["multi_set", "check", "multi_get"], "not a request per key (torch's base class)"
