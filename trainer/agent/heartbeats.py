@@ -317,6 +317,9 @@ class SilenceTracker:
         self._calm_key: Optional[tuple[int, bool, frozenset[str]]] = None
         self._calm_since = 0.0
         self._reported: set[str] = set()
+        self._calm_before_verdict: Optional[tuple[float, tuple[int, bool, frozenset[str]]]] = None
+        """The calm (its start, the round as it was) that new verdicts ended, until they are all withdrawn (each
+        named node beat again, the round unchanged, no directive): then the round is as calm as it was."""
         self._directive_round: Optional[int] = None
         """The round a directive (drain, reform) was published in, until a later complete round is seen: nodes leave
         that round at their own pace (a drained node exits without leaving it; survivors stop torch's timer to
@@ -342,6 +345,7 @@ class SilenceTracker:
     def directive_published(self) -> None:
         """A drain or reform directive went to the nodes: the current round is judged at torch's expiry from now on."""
         self._directive_round = self._round
+        self._calm_before_verdict = None
 
     def trusted(self, now: float) -> bool:
         """Whether heartbeats may be judged at ``now``: no tampering seen within :attr:`hold_s`."""
@@ -388,6 +392,7 @@ class SilenceTracker:
         calm_key = (view.round, view.complete, view.participants)
         if self._calm_key is None or calm_key[:2] != self._calm_key[:2] or view.participants - self._calm_key[2]:
             self._calm_since = now  # a new round, its completion or a node joining; one leaving changes no one's pace
+            self._calm_before_verdict = None
         self._calm_key = calm_key
         self._round = view.round
         if self._directive_round is not None and view.complete and view.round > self._directive_round:
@@ -399,10 +404,23 @@ class SilenceTracker:
                 fast = node in self._reported or (calm and node not in leaving)
                 if newest - beat >= (self.expiry if fast else max(self.expiry, self.torch_expiry)):
                     found[node] = beat
-        if set(found) - self._reported:
-            self._calm_since = now  # a verdict starts a reform: the other nodes are about to leave the round
+        self._calm_after_verdicts(set(found), calm_key, now)
         self._reported = set(found)
         return found
+
+    def _calm_after_verdicts(self, found: set[str], calm_key: tuple[int, bool, frozenset[str]], now: float) -> None:
+        """A new verdict starts a reform (the other nodes are about to leave the round): the calm ends. When every
+        node named beat again before any directive and no node left, no reform started: a real loss now is judged
+        as in the calm round it is, not at torch's expiry."""
+        if found - self._reported:
+            if self._calm_before_verdict is None:
+                self._calm_before_verdict = (self._calm_since, calm_key)
+            self._calm_since = now
+        elif not found and self._calm_before_verdict is not None:
+            since, key = self._calm_before_verdict
+            self._calm_before_verdict = None
+            if key == calm_key and self._directive_round is None:
+                self._calm_since = since
 
 
 def silent_report(

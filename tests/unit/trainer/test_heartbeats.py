@@ -310,3 +310,24 @@ def test_a_last_beat_is_a_beat_that_says_so_and_nothing_else_does() -> None:
     for raw in (b'{"leaving": true}', b'{"at": -1, "leaving": true}', b"garbage"):
         assert hb.parse_beat(raw) is None, raw
     assert hb.parse_beat(b'{"at": 5, "leaving": 1}') == (5.0, False)
+
+
+def test_a_verdict_withdrawn_before_any_directive_leaves_the_round_as_calm_as_it_was() -> None:
+    """A live node's beats late by over a second (a loaded machine) name it; it beats again and no reform starts.
+    A node lost right after is then judged after one second, not at torch's expiry."""
+    tracker = quarter_second_tracker()
+    tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0)
+    tracker.observe(view(1, {A: 13, B: 13, C: 13}), now=3)
+    assert set(tracker.observe(view(1, {A: 14.1, B: 13, C: 14.1}), now=4.1)) == {repr(B)}  # late, not lost
+    assert tracker.observe(view(1, {A: 14.2, B: 14.2, C: 14.2}), now=4.2) == {}  # B beats again: withdrawn
+    assert set(tracker.observe(view(1, {A: 15.3, B: 15.3, C: 14.2}), now=5.3)) == {repr(C)}  # lost: after 1.1 s
+
+
+def test_a_verdict_withdrawn_after_the_round_changed_does_not_bring_the_old_calm_back() -> None:
+    tracker = quarter_second_tracker()
+    tracker.observe(view(1, {A: 10, B: 10, C: 10}), now=0)
+    tracker.observe(view(1, {A: 13, B: 13, C: 13}), now=3)
+    assert set(tracker.observe(view(1, {A: 14.1, B: 14.1, C: 13}), now=4.1)) == {repr(C)}
+    tracker.directive_published()  # the operator acted on it: the survivors leave for the reform
+    assert tracker.observe(view(1, {A: 14.2, B: 14.2, C: 14.2}), now=4.2) == {}
+    assert tracker.observe(view(1, {A: 15.5, B: 14.2, C: 15.5}), now=5.5) == {}, "the directive's round: torch's expiry"
