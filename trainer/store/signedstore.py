@@ -171,6 +171,9 @@ class SignedStore(Store):
         self._high: dict[str, int] = {}  # key -> highest seq seen valid
         self._last: dict[str, tuple[int, bytes]] = {}  # key -> (seq, plain value) of the newest valid value seen
         self._rejected: dict[str, bytes] = {}  # key -> digest of the last invalid raw value reported
+        self._checked = threading.local()
+        """Per thread: the keys of the last ``check`` that found all valid, and their values, for the ``multi_get``
+        of the same keys that follows (:meth:`check`)."""
         with _ALIVE_LOCK:
             _ALIVE.append(self)
         raw_timeout = getattr(raw, "timeout", None)
@@ -289,6 +292,7 @@ class SignedStore(Store):
         """A blind write, as TCPStore's (sent without waiting for an answer: rank 0 publishes progress every step),
         sealed with ``seq = max(time_ns, own high-water mark + 1)``."""
         with _call():
+            self._take_checked()
             data = _as_bytes(value)
             seq = self._next_seq(key, None)
             self.raw.set(key, self._seal(key, data, seq))
@@ -296,6 +300,7 @@ class SignedStore(Store):
 
     def get(self, key: str) -> bytes:
         with _call():
+            self._take_checked()
             return self._wait_for(key, self._timeout_s())
 
     def _wait_for(self, key: str, timeout_s: float) -> bytes:
@@ -323,6 +328,7 @@ class SignedStore(Store):
 
     def add(self, key: str, value: int) -> int:
         with _call():
+            self._take_checked()
             for _ in range(MAX_WRITE_ATTEMPTS * 4):
                 found, current = self._current(key)
                 base = 0
@@ -342,6 +348,7 @@ class SignedStore(Store):
 
     def compare_set(self, key: str, expected_value: Value, desired_value: Value) -> bytes:
         with _call():
+            self._take_checked()
             expected, desired = _as_bytes(expected_value), _as_bytes(desired_value)
             for _ in range(MAX_WRITE_ATTEMPTS):
                 found, current = self._current(key)  # restores the rendezvous state first where it was lost
@@ -382,14 +389,27 @@ class SignedStore(Store):
         return [self._verify(key, bytes(raw)) for key, raw in zip(keys, self.raw.multi_get(keys), strict=True)]
 
     def check(self, keys: list[str]) -> bool:
+        """Whether every one of ``keys`` holds a valid value. When all do, their values are kept for this thread's
+        next call if it is the ``multi_get`` of the same keys (``if check(keys): multi_get(keys)``, as the agent
+        reads beats and beacons): it answers with them, as read at the check, instead of reading and verifying
+        every value a second time. Any other call of the thread drops them (a write is then read back)."""
         with _call():
+            self._checked.keys = None
             batch = self._batched(keys)
             if batch is not None and all(sealed is not None for sealed in batch):
+                self._checked.keys, self._checked.values = list(keys), [sealed.value for sealed in batch if sealed]
                 return True
             return all(self._current(key)[1] is not None for key in keys)  # what is missing or invalid, key by key
 
+    def _take_checked(self, keys: Optional[list[str]] = None) -> Optional[list[bytes]]:
+        """The values the last ``check`` of this thread kept, if it was of ``keys``; drops them either way."""
+        checked, values = getattr(self._checked, "keys", None), getattr(self._checked, "values", None)
+        self._checked.keys = self._checked.values = None
+        return values if checked is not None and checked == keys else None
+
     def wait(self, keys: list[str], timeout: Optional[timedelta] = None) -> None:
         with _call():
+            self._take_checked()
             timeout_s = self._timeout_s() if timeout is None else timeout.total_seconds()
             deadline = time.monotonic() + timeout_s
             for key in keys:
@@ -399,6 +419,9 @@ class SignedStore(Store):
         """Valid values of ``keys``, waiting for each as :meth:`get`; when all are there and valid, in two round
         trips (:meth:`_batched`)."""
         with _call():
+            checked = self._take_checked(keys)
+            if checked is not None:
+                return checked
             deadline = time.monotonic() + self._timeout_s()
             batch = self._batched(keys) or [None] * len(keys)
             return [
@@ -408,6 +431,7 @@ class SignedStore(Store):
 
     def multi_set(self, keys: list[str], values: Sequence[Value]) -> None:
         with _call():
+            self._take_checked()
             if len(keys) != len(values):
                 raise ValueError(f"SignedStore.multi_set: {len(keys)} keys but {len(values)} values; they must pair up")
             sealed = []
@@ -421,6 +445,7 @@ class SignedStore(Store):
 
     def delete_key(self, key: str) -> bool:
         with _call():
+            self._take_checked()
             with self.lock:
                 self._high.pop(key, None)
                 self._last.pop(key, None)
@@ -433,6 +458,7 @@ class SignedStore(Store):
     def num_keys(self) -> int:
         """Keys on the server, valid or not (torch uses it only as a count)."""
         with _call():
+            self._take_checked()
             return int(self.raw.num_keys())
 
     def getNumKeys(self) -> int:  # the name pybind's trampoline calls (torch 2.13)
@@ -441,6 +467,7 @@ class SignedStore(Store):
     def list_keys(self) -> list[str]:
         """Every key on the server (names are public; only values are authenticated)."""
         with _call():
+            self._take_checked()
             return list(self.raw.list_keys())
 
 
