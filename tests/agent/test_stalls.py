@@ -98,6 +98,14 @@ def test_beacons_of_an_older_group_are_not_compared_with_the_current_one():
     assert [lag.rank for lag in stall.laggards] == [0, 1], "rank 1 has no beacon of this group: it lags too"
 
 
+def test_beacons_of_many_ranks_are_read_less_often_but_within_a_tenth_of_the_shortest_stall():
+    assert stalls.read_interval_s(16, min_seconds=60) == 1.0
+    assert stalls.read_interval_s(2048, min_seconds=60) == 1.0
+    assert stalls.read_interval_s(8192, min_seconds=60) == 4.0
+    assert stalls.read_interval_s(8192, min_seconds=20) == 2.0
+    assert stalls.read_interval_s(8192, min_seconds=3) == 1.0
+
+
 def test_the_report_puts_a_nodes_ranks_together_and_says_where_the_dumps_are():
     stall = stalls.Stall(
         group=GROUP,
