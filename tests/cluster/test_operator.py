@@ -133,6 +133,32 @@ def _gone(plane: ControlPlane, path: str) -> bool:
     return False
 
 
+def story(cluster, job: str) -> str:
+    """What the pods, nodes, Events and status say, for a failure that happened once in CI and not since."""
+    pods = [
+        (n, p["spec"].get("nodeName"), p["status"].get("phase"), p["metadata"].get("deletionTimestamp"))
+        for n, p in sorted(cluster.pods().items())
+    ]
+    nodes = {
+        n["metadata"]["name"]: [
+            (c["type"], c["status"]) for c in n["status"].get("conditions", []) if c["type"] == "Ready"
+        ]
+        for n in cluster.plane.request("GET", "/api/v1/nodes")["items"]
+    }
+    events = [
+        (e.get("lastTimestamp") or e.get("eventTime"), e["reason"], e["involvedObject"]["name"], e.get("message", ""))
+        for e in cluster.plane.request("GET", f"/api/v1/namespaces/{cluster.ns}/events")["items"]
+        if not e["reason"].startswith("FailedToUpdateEndpoint")  # pod IPs on the loopback: noise here
+    ]
+    lines = [
+        f"pods: {pods}",
+        f"nodes: {nodes}",
+        *(f"event: {e}" for e in sorted(events, key=str)),
+        f"status: {cluster.status(job)}",
+    ]
+    return "\n".join(lines)
+
+
 def test_a_node_lost_to_the_node_lifecycle_controller_is_replaced(cluster, tmp_path):
     agent = cluster.running("lost", JobBuilder("lost"), tmp_path, replicas=2)
     # Power off a node that does not host the agent pod: this test is about a worker's node alone (the agent's
@@ -162,7 +188,7 @@ def test_a_node_lost_to_the_node_lifecycle_controller_is_replaced(cluster, tmp_p
 
     replacement = eventually(replaced, timeout=30, what="a replacement scheduled on another node")
     # It takes the lost pod's node index, and with it the lost node's ranks, under a name of its own.
-    assert replacement["metadata"]["name"] == f"{victim_name}-1"
+    assert replacement["metadata"]["name"] == f"{victim_name}-1", story(cluster, "lost")
     index = victim["metadata"]["labels"]["disttrain.dev/node-index"]
     assert replacement["metadata"]["labels"]["disttrain.dev/node-index"] == index
     lost = cluster.pods()[victim_name]  # no kubelet confirms its deletion: Terminating, as in a real cluster
