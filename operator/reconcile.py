@@ -589,7 +589,9 @@ def _size(d: Draft) -> None:
         else:
             taken = {p.name for p in d.seen.workers}
             leaving = {p.name for p, _ in d.departing}
-            avoid = nodes_to_avoid(d.seen.workers, silent=d.silent | d.stalled, lost=st.control.lost)
+            avoid = nodes_to_avoid(
+                d.seen.workers, silent=d.silent | d.stalled, lost=st.control.lost, nodes=d.seen.nodes
+            )
             avoid = tuple(sorted({*avoid, *(p.node_name for p, _ in d.departing if p.node_name)}))
             for index in free_indices(d.seen.workers, missing, d.seen.nodes, lost=d.silent | d.stalled | leaving):
                 name = names.unused_worker_name(d.job.metadata.name, index, taken)

@@ -10,9 +10,10 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Optional, TypedDict
 
 from disttrain.api import timestamps
+from disttrain.api.conditions import Reason
 from disttrain.api.plan import valid_node_counts
 from disttrain.api.spec import DistTrainJobSpec
-from disttrain.operator.losses import loss_reason
+from disttrain.operator.losses import loss_reason, node_loss_reason
 from disttrain.operator.observed import NodeView, PodView
 
 
@@ -102,18 +103,31 @@ def free_indices(
     return found
 
 
-def nodes_to_avoid(workers: Sequence[PodView], *, silent: Collection[str], lost: Collection[str]) -> tuple[str, ...]:
-    """Nodes a new worker must not land on: where a pod went silent in the rendezvous heartbeats, or where a pod
-    declared lost lingers Terminating (no kubelet confirms its deletion). Kubernetes may still read such a node
-    Ready for its whole grace period, and the scheduler would place the replacement there, to be lost again (seen
-    on the real control plane: the replacement of a HeartbeatLost pod went to the dead node, and its NodeUnreachable
-    loss 20 s later cost a second restart)."""
+def nodes_to_avoid(
+    workers: Sequence[PodView],
+    *,
+    silent: Collection[str],
+    lost: Collection[str],
+    nodes: Optional[Mapping[str, NodeView]] = None,
+) -> tuple[str, ...]:
+    """Nodes a new worker must not land on: where a pod went silent in the rendezvous heartbeats, where a pod
+    declared lost lingers Terminating (no kubelet confirms its deletion), or where a worker's node is NotReady or
+    unreachable. Kubernetes may still read a silent node Ready for its whole grace period, and it taints an
+    unreachable one NoSchedule only some moments after its Ready turned Unknown; meanwhile the scheduler would place
+    the replacement there, to be lost again (seen on the real control plane: the replacement of a HeartbeatLost pod
+    went to the dead node, and its NodeUnreachable loss 20 s later cost a second restart)."""
+    unready = (Reason.NODE_NOT_READY, Reason.NODE_UNREACHABLE)
     return tuple(
         sorted(
             {
                 p.node_name
                 for p in workers
-                if p.node_name and (p.name in silent or (p.is_terminating and p.name in lost))
+                if p.node_name
+                and (
+                    p.name in silent
+                    or (p.is_terminating and p.name in lost)
+                    or node_loss_reason(p.node_name, nodes) in unready
+                )
             }
         )
     )

@@ -95,3 +95,16 @@ def test_a_malformed_report_is_dropped_whole_and_named(value):
     clean, problems = agentfields.sanitize({"silentNodes": value, "step": 3})
     assert "silentNodes" not in clean and clean["step"] == 3
     assert problems and "status.silentNodes" in problems[0]
+
+
+def test_a_replacement_avoids_a_node_whose_ready_turned_unknown_before_it_is_tainted():
+    """The scheduler filters nodes by taints, and Kubernetes taints an unreachable node NoSchedule some moments after
+    its Ready turned Unknown: a replacement created meanwhile must not go there (once seen on a loaded CI machine:
+    the replacement landed on the dead node and was replaced again)."""
+    world = silent_world()
+    world.nodes["node-1"] = NodeView("node-1", ready=None)
+    world.step(1)  # the loss: a reform without it; the lost pod is deleted, its deletion not seen yet
+    world.set_worker(1, deleting_since=None)
+    actions = world.step(5)
+    assert [w.node_index for w in actions.create_workers] == [1]
+    assert actions.create_workers[0].avoid_nodes == ("node-1",)
