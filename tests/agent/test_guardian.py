@@ -12,6 +12,7 @@ import time
 
 import pytest
 from tests.agent.test_agent import SPEC
+from tests.storecalls import CountingClient
 from torch.distributed import TCPStore
 
 from disttrain.api import control as keys
@@ -299,23 +300,6 @@ def test_a_real_rendezvous_under_the_guardian_loses_nothing_and_survives_a_delet
         assert set(g.counts()) == {("rendezvous", "deleted")}
     finally:
         g.stop()
-
-
-class CountingClient:
-    """The agent's own client to the real server, counting the requests the guardian sends through it."""
-
-    def __init__(self, client: TCPStore) -> None:
-        self.client = client
-        self.calls: list[str] = []
-
-    def __getattr__(self, name: str):
-        method = getattr(self.client, name)
-
-        def call(*args, **kwargs):
-            self.calls.append(name)
-            return method(*args, **kwargs)
-
-        return call
 
 
 def test_a_large_store_is_swept_in_few_round_trips_and_a_garbled_value_is_still_restored(stores):

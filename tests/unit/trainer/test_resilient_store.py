@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import pytest
 from tests.conftest import REPO_ROOT
+from tests.storecalls import CountingClient
 from torch.distributed import DistStoreError, TCPStore
 
 from disttrain.common.ports import free_port
@@ -227,30 +228,13 @@ def test_a_caller_that_waited_for_a_connection_another_dropped_fails_at_once(ser
     assert failures["training"] < 1.0, failures  # not the operation's 4 s on a connection nobody serves
 
 
-class Counted:
-    """The raw client, counting the requests the resilient store makes on it (one TCP request each)."""
-
-    def __init__(self, raw: TCPStore) -> None:
-        self.raw = raw
-        self.calls: list[str] = []
-
-    def __getattr__(self, name: str):
-        op = getattr(self.raw, name)
-
-        def counted(*args):
-            self.calls.append(name)
-            return op(*args)
-
-        return counted
-
-
 @pytest.mark.timeout(60)
 def test_batched_reads_and_writes_are_one_round_trip_through_the_signed_store(server):
-    links: list[Counted] = []
+    links: list[CountingClient] = []
 
-    def connect(timeout: timedelta) -> Counted:
+    def connect(timeout: timedelta) -> CountingClient:
         links.append(
-            Counted(TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout, wait_for_workers=False))
+            CountingClient(TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout, wait_for_workers=False))
         )
         return links[-1]
 
