@@ -134,7 +134,7 @@ def _gone(plane: ControlPlane, path: str) -> bool:
 
 
 def story(cluster, job: str) -> str:
-    """What the pods, nodes, Events and status say, for a failure that happened once in CI and not since."""
+    """What the pods, nodes, Events and status say: which path made a replacement take another name."""
     pods = [
         (n, p["spec"].get("nodeName"), p["status"].get("phase"), p["metadata"].get("deletionTimestamp"))
         for n, p in sorted(cluster.pods().items())

@@ -99,8 +99,7 @@ def test_a_malformed_report_is_dropped_whole_and_named(value):
 
 def test_a_replacement_avoids_a_node_whose_ready_turned_unknown_before_it_is_tainted():
     """The scheduler filters nodes by taints, and Kubernetes taints an unreachable node NoSchedule some moments after
-    its Ready turned Unknown: a replacement created meanwhile must not go there (once seen on a loaded CI machine:
-    the replacement landed on the dead node and was replaced again)."""
+    its Ready turned Unknown: a replacement created meanwhile must not go there, to be lost and replaced again."""
     world = silent_world()
     world.nodes["node-1"] = NodeView("node-1", ready=None)
     world.step(1)  # the loss: a reform without it; the lost pod is deleted, its deletion not seen yet
