@@ -3,8 +3,8 @@
 A libuv TCPStore server (the agent's store), one signed beacon per rank written through the signed store, and the
 agent's stall watch (:class:`disttrain.trainer.agent.stalls.StallWatch`) reading them all as its loop does: one
 ``check`` and one ``multi_get`` through a signed client, every value verified. Beside it, in the same run, the same
-read with the values the check verified dropped before the ``multi_get`` (each value read and verified twice, as
-before the signed store kept them). Printed per rank count: the read's milliseconds both ways, their ratio, and how
+read with the values the check verified dropped before the ``multi_get`` (each value read and verified twice: what
+keeping them saves). Printed per rank count: the read's milliseconds both ways, their ratio, and how
 often the agent reads at that size (:func:`disttrain.trainer.agent.stalls.read_interval_s`, ``stallMinSeconds``
 60), hence the share of a core it spends on beacons.
 
