@@ -199,9 +199,9 @@ class Harness:
             time.sleep(0.05)
         raise AssertionError(f"{run} never reached step {step}:\n{self.log(run)[-3000:]}")
 
-    def start_store(self) -> int:
-        """A TCPStore server in its own process (the job agent's role); returns its port."""
-        port = free_port()
+    def start_store(self, port: Optional[int] = None) -> int:
+        """A TCPStore server in its own process (the job agent's role), on ``port`` or a free one; returns its port."""
+        port = port or free_port()
         log = self.tmp / f"store-{port}.log"
         p = self.popen([sys.executable, str(STORE_SERVER), str(port)], dict(os.environ), log)
         self.wait_until(f"the store server on port {port}", lambda: "ready" in log.read_text() or p.poll() is not None)

@@ -4,12 +4,9 @@ and the trainer's control channel on a store hosted by a separate process, which
 started again empty seconds later: the group trains on, loses no step and re-forms nothing."""
 
 import collections
-import subprocess
-import sys
 import time
 
 import pytest
-from tests.trainer.conftest import STORE_SERVER
 
 from disttrain.trainer.agent import heartbeats
 
@@ -60,10 +57,7 @@ def test_the_group_trains_through_the_loss_of_the_agents_store_and_uses_its_repl
     killed_at_step = max(r["step"] for r in steps())
     time.sleep(OUTAGE_S)
     during = max(r["step"] for r in steps())
-    replacement = subprocess.Popen([sys.executable, str(STORE_SERVER), str(port)], stdout=subprocess.PIPE, text=True)
-    harness.procs.append(replacement)
-    assert replacement.stdout is not None and replacement.stdout.readline().strip() == "ready"
-    replacement.stdout.close()
+    harness.start_store(port)
 
     # The survivors put the rendezvous state back into the empty store: the same round, both nodes, and both
     # heartbeating into it again (their keep-alives go on), so a new agent reports nobody silent.
