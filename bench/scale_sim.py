@@ -396,6 +396,19 @@ def sim_process(first: int, count: int, opts: dict[str, Any], events: Any, go: A
     os._exit(0)  # the nodes' threads block in store calls; the machine is done with them
 
 
+def stop(agent: subprocess.Popen, procs: list[Any]) -> None:
+    """The load's processes (told to end), then the agent."""
+    for proc in procs:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    agent.terminate()
+    try:
+        agent.wait(10)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+
+
 def print_phases(events: Any, sink: list[tuple[Any, ...]], directive_at: float) -> None:
     """The survivors' reform by phase, median and 90th percentile: from the directive to ``next_rendezvous``, torch's
     exit operation, its join operation (the round complete), and the rest (rank assignment, the round's store)."""
@@ -629,15 +642,7 @@ def main() -> None:
         print(f"agent_rss_hwm_mb: {rss_mb(agent.pid, 'VmHWM'):.0f}", flush=True)
     finally:
         end.set()
-        for proc in sims:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-        agent.terminate()
-        try:
-            agent.wait(10)
-        except subprocess.TimeoutExpired:
-            agent.kill()
+        stop(agent, sims)
         agent_log.close()
         print(f"state: {state}", flush=True)
 
