@@ -176,6 +176,18 @@ class DirectiveClock:
             except Exception:  # noqa: BLE001 (a broken watch: start another)
                 time.sleep(0.5)
 
+    def wait_listed(self, names: list[str], timeout: float) -> None:
+        """Until the watch has delivered every one of ``names``: at 500 jobs its first list takes the API server
+        seconds, which must not fall on the first scale requests."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while not all(name in self.generation for name in names):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sum(name not in self.generation for name in names)
+                    raise TimeoutError(f"the watch on every job delivered {len(names) - missing} of {len(names)}")
+                self.changed.wait(left)
+
     def wait_past(self, name: str, generation: int, timeout: float) -> tuple[float, Optional[str]]:
         """Monotonic time at which the watch showed a generation above ``generation``, and its issuedAt."""
         deadline = time.monotonic() + timeout
@@ -280,7 +292,8 @@ def measure_directive_latency(
     admin = kube_config.new_client_from_config(config_file=kubeconfig)
     custom = k8s.CustomObjectsApi(admin)
     clock = DirectiveClock(admin)
-    time.sleep(2.0)  # the clock's watch has delivered every job's current generation
+    clock.wait_listed(names, timeout)
+    time.sleep(2.0)  # the API server is done with the watch's first list (every job, each a few KiB) before a request
     chosen = names[:: max(1, len(names) // samples)][:samples]
     probes = Probes()
     began = time.monotonic()
