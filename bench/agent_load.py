@@ -380,10 +380,7 @@ def main() -> None:
         measure_window(agent.pid, pids, sent, state, args.window)
         measure_detection(victim, args.nodes - 1, state, args.timeout)
     finally:
-        end.set()
-        stop(agent, procs)
-        agent_log.close()
-        print(f"state: {state}", flush=True)
+        stop(end, agent, procs, agent_log, state)
 
 
 if __name__ == "__main__":

@@ -396,8 +396,9 @@ def sim_process(first: int, count: int, opts: dict[str, Any], events: Any, go: A
     os._exit(0)  # the nodes' threads block in store calls; the machine is done with them
 
 
-def stop(agent: subprocess.Popen, procs: list[Any]) -> None:
-    """The load's processes (told to end), then the agent."""
+def stop(end: Any, agent: subprocess.Popen, procs: list[Any], agent_log: Any, state: pathlib.Path) -> None:
+    """Ends the load's processes (through ``end``), then the agent; says where its state directory is."""
+    end.set()
     for proc in procs:
         proc.join(10)
         if proc.is_alive():
@@ -407,6 +408,8 @@ def stop(agent: subprocess.Popen, procs: list[Any]) -> None:
         agent.wait(10)
     except subprocess.TimeoutExpired:
         agent.kill()
+    agent_log.close()
+    print(f"state: {state}", flush=True)
 
 
 def print_phases(events: Any, sink: list[tuple[Any, ...]], directive_at: float) -> None:
@@ -641,10 +644,7 @@ def main() -> None:
         print(f"agent_rss_end_mb: {rss_mb(agent.pid):.0f}", flush=True)
         print(f"agent_rss_hwm_mb: {rss_mb(agent.pid, 'VmHWM'):.0f}", flush=True)
     finally:
-        end.set()
-        stop(agent, sims)
-        agent_log.close()
-        print(f"state: {state}", flush=True)
+        stop(end, agent, sims, agent_log, state)
 
 
 if __name__ == "__main__":
